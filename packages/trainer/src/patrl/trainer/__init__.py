@@ -1,0 +1,3 @@
+"""patrl.trainer: skeleton; its contract is in DESIGN.md and its issue."""
+
+__all__: list[str] = []
