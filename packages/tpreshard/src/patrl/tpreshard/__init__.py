@@ -1,3 +1,24 @@
-"""patrl.tpreshard: skeleton; its contract is in DESIGN.md and its issue."""
+"""patrl.tpreshard: parallel layouts as data, and how parameters are cut across TP ranks."""
 
-__all__: list[str] = []
+from patrl.tpreshard.layout import ParallelLayout, single_process_layout
+from patrl.tpreshard.shard import (
+    ShardKind,
+    ShardPart,
+    ShardSpec,
+    load_full,
+    shard_part,
+    shard_tensor,
+    vocab_range,
+)
+
+__all__ = [
+    "ParallelLayout",
+    "ShardKind",
+    "ShardPart",
+    "ShardSpec",
+    "load_full",
+    "shard_part",
+    "shard_tensor",
+    "single_process_layout",
+    "vocab_range",
+]
