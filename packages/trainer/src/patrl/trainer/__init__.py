@@ -1,3 +1,35 @@
-"""patrl.trainer: skeleton; its contract is in DESIGN.md and its issue."""
+"""patrl.trainer: FSDP2 policy trainer, RL losses, logprobs, weight export, checkpoints."""
 
-__all__: list[str] = []
+from patrl.trainer.batch import PolicyBatch
+from patrl.trainer.batching import (
+    bin_by_token_budget,
+    padded_fraction,
+    plan_micro_batches,
+    split_across_ranks,
+)
+from patrl.trainer.config import OptimConfig, TrainerConfig
+from patrl.trainer.logprobs import effective_temperature, logprobs_and_entropy, token_logprobs
+from patrl.trainer.losses import PolicyLossStats, aggregate, kl_penalty, masked_mean, policy_loss
+from patrl.trainer.trainer import NonFiniteError, Trainer
+from patrl.trainer.weights import iter_full_weights
+
+__all__ = [
+    "NonFiniteError",
+    "OptimConfig",
+    "PolicyBatch",
+    "PolicyLossStats",
+    "Trainer",
+    "TrainerConfig",
+    "aggregate",
+    "bin_by_token_budget",
+    "effective_temperature",
+    "iter_full_weights",
+    "kl_penalty",
+    "logprobs_and_entropy",
+    "masked_mean",
+    "padded_fraction",
+    "plan_micro_batches",
+    "policy_loss",
+    "split_across_ranks",
+    "token_logprobs",
+]

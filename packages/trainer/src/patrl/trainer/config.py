@@ -1,0 +1,66 @@
+"""User-facing trainer configuration. Key names follow verl's `actor_rollout_ref.actor.*`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"]
+
+
+class OptimConfig(BaseModel):
+    """AdamW plus linear warmup into a constant or cosine schedule (verl `actor.optim`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    # Cosine decays to lr * min_lr_ratio at total_training_steps.
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    total_training_steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _cosine_needs_horizon(self) -> OptimConfig:
+        if self.lr_scheduler_type == "cosine" and self.total_training_steps is None:
+            raise ValueError("lr_scheduler_type='cosine' needs total_training_steps")
+        return self
+
+
+class TrainerConfig(BaseModel):
+    """Everything the policy trainer needs besides the model and the device mesh."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    grad_clip: float = Field(default=1.0, gt=0)
+    # Micro-batches: padded tokens per micro-batch on one rank, and optionally a sample cap.
+    ppo_max_token_len_per_gpu: int = Field(default=16384, ge=2)
+    ppo_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
+    # PPO / GRPO surrogate.
+    clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
+    clip_ratio_high: float = Field(default=0.2, ge=0)
+    clip_ratio_c: float | None = Field(default=3.0, gt=1)
+    loss_agg_mode: AggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    # KL to a frozen reference policy as a loss term (builds the reference when true).
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(default=0.001, ge=0)
+    kl_loss_type: KLType = "low_var_kl"
+    # Decoupled PPO: tokens whose behaviour importance weight exceeds this are masked out.
+    behav_imp_weight_cap: float | None = Field(default=None, gt=0)
+    # Logprob convention shared with the rollout engine (see logprobs.py).
+    temperature: float = Field(default=1.0, ge=0)
+    logprob_chunk_tokens: int = Field(default=1024, ge=1)
+    # Model build.
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    enable_gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    seed: int = 0
+    # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
+    max_nonfinite_steps: int = Field(default=3, ge=1)

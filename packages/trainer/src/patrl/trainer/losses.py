@@ -1,0 +1,165 @@
+"""RL losses as pure functions of per-token tensors: PPO/GRPO surrogate, KL, aggregation.
+
+Every function takes `[batch, tokens]` tensors plus a boolean `mask` of the tokens that count,
+and follows verl's definitions (`verl/trainer/ppo/core_algos.py`) so that configurations and
+metrics carry over. Aggregation can be told the *global* number of tokens / sequences of the
+whole optimizer step: then the loss of a micro-batch is its exact share of the full-batch loss,
+and summing micro-batch gradients (and averaging them over data-parallel ranks after scaling)
+reproduces the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3.
+KL_TYPES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+# exp() of a log-ratio beyond this is inf in fp32 long before it is meaningful.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def check_agg_mode(mode: str) -> None:
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; accepted: {', '.join(AGG_MODES)}")
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token `values` to a scalar over the `mask`ed tokens.
+
+    token-mean:           sum of all masked values / number of masked tokens
+    seq-mean-token-mean:  mean over sequences of (each sequence's masked mean)
+    seq-mean-token-sum:   mean over sequences of (each sequence's masked sum)
+
+    `num_tokens` / `num_seqs` replace the local counts by the global ones of the optimizer
+    step; sequences without a masked token never count as a sequence.
+    """
+    check_agg_mode(mode)
+    mask_f = mask.to(values.dtype)
+    # where(), not a product: a NaN in a padded position must not leak into the sum.
+    masked = torch.where(mask, values, torch.zeros_like(values))
+    if mode == "token-mean":
+        if num_tokens is not None:
+            return masked.sum() / max(num_tokens, 1.0)
+        return masked.sum() / mask_f.sum().clamp(min=1.0)
+    seq_tokens = mask_f.sum(dim=-1)
+    seq_sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        seq_sums = seq_sums / seq_tokens.clamp(min=1.0)
+    if num_seqs is not None:
+        return seq_sums.sum() / max(num_seqs, 1.0)
+    return seq_sums.sum() / (seq_tokens > 0).sum().clamp(min=1).to(values.dtype)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Plain mean over masked tokens (the metric form; 0 when nothing is masked in)."""
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / mask.sum().clamp(min=1).to(values.dtype)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs (Schulman's k1/k2/k3).
+
+    k1 = log pi - log pi_ref;  k2 = (log pi - log pi_ref)^2 / 2;
+    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1, clamped to [-10, 10] as verl does.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_loss_type {kl_type!r}; accepted: {', '.join(KL_TYPES)}")
+    kind = KL_TYPES[kl_type]
+    diff = logprobs - ref_logprobs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+@dataclass(slots=True)
+class PolicyLossStats:
+    """Masked means over the loss tokens of one call (detached), for metrics."""
+
+    clipfrac: torch.Tensor  # tokens where the trust-region clip was the active branch
+    clipfrac_low: torch.Tensor  # ... at 1 - clip_ratio_low (negative advantage)
+    clipfrac_high: torch.Tensor  # ... at 1 + clip_ratio_high (positive advantage)
+    clipfrac_lower: torch.Tensor  # verl's name: the dual-clip bound -A * clip_ratio_c was active
+    ppo_kl: torch.Tensor  # mean of (old - new) logprob: k1 estimate of KL(old || new)
+    behav_capped: torch.Tensor  # tokens dropped by the behaviour-weight cap (decoupled PPO)
+    behav_weight: torch.Tensor  # mean behaviour importance weight over the kept tokens
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+    agg_mode: str,
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """PPO/GRPO clipped surrogate, with dual clip and decoupled (off-policy) PPO.
+
+    ratio = exp(logprobs - old_logprobs); per token
+        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    and, for A < 0 and `clip_ratio_c` set (dual clip), loss = min(loss, -A * clip_ratio_c).
+
+    Decoupled PPO (AReaL): `old_logprobs` are then the *proximal* policy's logprobs and
+    `behaviour_logprobs` those the sample was generated with; each token's loss is weighted by
+    w = exp(old - behaviour). Tokens with w > `behaviour_weight_cap` are masked out of the loss
+    (they still count in the denominator, so dropping a token never re-weights the others) and
+    their fraction is reported as `behav_capped`.
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 (or None to disable), got {clip_ratio_c}")
+    if behaviour_weight_cap is not None and behaviour_logprobs is None:
+        raise ValueError("behaviour_weight_cap needs behaviour_logprobs (decoupled PPO)")
+    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    dual = torch.zeros_like(clipped)
+    if clip_ratio_c is not None:
+        loss_dual = -advantages * clip_ratio_c
+        dual = (loss_ppo > loss_dual) & (advantages < 0)
+        loss_ppo = torch.where(dual, loss_dual, loss_ppo)
+
+    keep = mask
+    capped = torch.zeros_like(mask)
+    weight = torch.ones_like(loss_ppo)
+    if behaviour_logprobs is not None:
+        behav_log_w = (old_logprobs - behaviour_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        weight = behav_log_w.exp()
+        if behaviour_weight_cap is not None:
+            capped = mask & (weight > behaviour_weight_cap)
+            keep = mask & ~capped
+        loss_ppo = loss_ppo * weight.detach()
+    loss_ppo = torch.where(keep, loss_ppo, torch.zeros_like(loss_ppo))
+    loss = aggregate(loss_ppo, mask, agg_mode, num_tokens, num_seqs)
+
+    with torch.no_grad():
+        stats = PolicyLossStats(
+            clipfrac=masked_mean(clipped.float(), mask),
+            clipfrac_low=masked_mean((clipped & (advantages < 0)).float(), mask),
+            clipfrac_high=masked_mean((clipped & (advantages > 0)).float(), mask),
+            clipfrac_lower=masked_mean(dual.float(), mask),
+            ppo_kl=masked_mean(-log_ratio, mask),
+            behav_capped=masked_mean(capped.float(), mask),
+            behav_weight=masked_mean(weight, keep),
+        )
+    return loss, stats

@@ -1,0 +1,394 @@
+"""The policy trainer: PPO/GRPO steps on an FSDP2-sharded Hugging Face causal LM.
+
+SPMD contract: every rank of the trainer's mesh calls the same methods in the same order with
+the same *global* `PolicyBatch`; each rank takes its own token-balanced share (batching.py).
+Losses are normalised by the global token / sequence counts of the whole step, and each rank's
+loss is scaled by the data-parallel size to undo FSDP's gradient averaging, so the update
+equals the one a single process would make on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from patrl.trainer.batch import PolicyBatch, pad_field
+from patrl.trainer.batching import padded_fraction, plan_micro_batches
+from patrl.trainer.checkpoint import Group, export_hf, load_checkpoint, save_checkpoint
+from patrl.trainer.config import TrainerConfig
+from patrl.trainer.logprobs import token_logprobs
+from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
+from patrl.trainer.model import ModelSource, build_model, freeze, parallelize
+from patrl.trainer.schedule import build_scheduler
+from patrl.trainer.weights import Bucket, iter_full_weights
+
+# Order of the per-step sums that are all-reduced once per step (see _metrics).
+_SUMS = (
+    "pg_loss",
+    "kl_loss",
+    "entropy",
+    "clipfrac",
+    "clipfrac_low",
+    "clipfrac_high",
+    "clipfrac_lower",
+    "ppo_kl",
+    "behav_capped",
+    "behav_weight",
+    "loss",
+)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class Trainer:
+    """Owns the policy (and optional frozen reference), its optimizer, schedule and step."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: ModelSource,
+        mesh: DeviceMesh | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.group = Group(mesh.get_group() if mesh is not None else None)
+        self.device = self._resolve_device(mesh, device)
+        self.param_dtype = self._resolve_dtype(config.param_dtype, self.device)
+        self.source_dir = None if _is_config(model) else Path(str(model))
+        self.model = self._build(model, trainable=True)
+        self.reference = self._build(model, trainable=False) if config.use_kl_loss else None
+        opt = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
+        self.scheduler = build_scheduler(self.optimizer, opt)
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+
+    # ---- building -------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_device(mesh: DeviceMesh | None, device: str | torch.device | None) -> torch.device:
+        if mesh is not None:
+            if device is not None and torch.device(device).type != mesh.device_type:
+                raise ValueError(f"device {device!r} disagrees with the mesh's {mesh.device_type}")
+            if mesh.device_type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(mesh.device_type)
+        return torch.device(device if device is not None else "cpu")
+
+    @staticmethod
+    def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+        if name == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+    def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
+        cfg = self.config
+        model = build_model(source, cfg.attn_implementation, cfg.seed)
+        model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
+        checkpointing = trainable and cfg.enable_gradient_checkpointing
+        model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
+        if trainable:
+            model.train()
+        else:
+            freeze(model)
+        return model
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        # With FSDP, MixedPrecisionPolicy casts; a lone model casts by autocast instead.
+        if self.mesh is None and self.param_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.param_dtype)
+        return contextlib.nullcontext()
+
+    def _forward(
+        self, model: PreTrainedModel, ids: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob and entropy `[batch, longest]` of each token of right-padded `ids`."""
+        longest = max(int(t.numel()) for t in ids)
+        input_ids = pad_field(ids, longest).to(self.device)
+        attention = pad_field([torch.ones_like(t) for t in ids], longest).to(self.device)
+        with self._autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+        cfg = self.config
+        return token_logprobs(logits, input_ids, cfg.temperature, cfg.logprob_chunk_tokens)
+
+    def _plan(self, batch: PolicyBatch) -> list[list[int]]:
+        plans = plan_micro_batches(
+            batch.lengths,
+            self.config.ppo_max_token_len_per_gpu,
+            self.group.size,
+            self.config.ppo_micro_batch_size_per_gpu,
+        )
+        return plans[self.group.rank]
+
+    @torch.no_grad()
+    def _score(
+        self, model: PreTrainedModel, batch: PolicyBatch, micro_batches: list[list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Logprobs of this rank's samples, keyed by sample index (unpadded, on CPU)."""
+        out: dict[int, torch.Tensor] = {}
+        for mb in micro_batches:
+            # An empty micro-batch still runs a forward: FSDP's all-gathers need every rank.
+            ids = [batch.input_ids[i] for i in mb] or [_DUMMY_IDS]
+            logp, _ = self._forward(model, ids)
+            for row, i in enumerate(mb):
+                out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu()
+        return out
+
+    def compute_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
+        """Per-sample logprobs (fp32, CPU) aligned to `input_ids`, position 0 being 0.
+
+        Every rank scores its share; the full list is returned on every rank.
+        """
+        local = self._score(self.model, batch, self._plan(batch))
+        if self.group.pg is not None:
+            shares: list[dict[int, torch.Tensor] | None] = [None] * self.group.size
+            dist.all_gather_object(shares, local, group=self.group.pg)
+            local = {i: t for share in shares if share for i, t in share.items()}
+        return [local[i] for i in range(len(batch))]
+
+    # ---- training -------------------------------------------------------------------------
+
+    def train_step(self, batch: PolicyBatch) -> dict[str, float]:
+        """One optimizer step over `batch` (gradient accumulation over its micro-batches)."""
+        cfg = self.config
+        start = time.perf_counter()
+        micro_batches = self._plan(batch)
+        old = self._given(batch.old_logprobs) or self._score(self.model, batch, micro_batches)
+        ref = None
+        if cfg.use_kl_loss:
+            assert self.reference is not None
+            ref = self._given(batch.ref_logprobs) or self._score(
+                self.reference, batch, micro_batches
+            )
+        num_tokens = float(sum(int(m.sum()) for m in batch.loss_mask))
+        num_seqs = float(sum(bool(m.any()) for m in batch.loss_mask))
+        if num_tokens == 0:
+            raise ValueError("PolicyBatch has no loss tokens: every loss_mask is all False")
+
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        for mb in micro_batches:
+            loss, mb_sums = self._micro_step(batch, mb, old, ref, num_tokens, num_seqs)
+            # FSDP averages gradients over ranks; the loss is already a share of the global one.
+            (loss * self.group.size).backward()
+            sums += mb_sums
+        grad_norm = self._clip_grad_norm()
+        if self.group.pg is not None:
+            dist.all_reduce(sums, group=self.group.pg)
+        finite = math.isfinite(grad_norm) and math.isfinite(float(sums[_SUMS.index("loss")]))
+        lr = float(self.scheduler.get_last_lr()[0])
+        self._apply_or_skip(finite)
+        elapsed = time.perf_counter() - start
+        real = sum(batch.lengths)
+        metrics = self._metrics(sums, num_tokens, grad_norm, lr)
+        metrics.update(
+            {
+                "actor/nonfinite_skipped": float(not finite),
+                "actor/nonfinite_total": float(self.nonfinite_total),
+                "perf/total_num_tokens": float(real),
+                "perf/time_per_step": elapsed,
+                "perf/tokens_per_s": real / elapsed,
+                "perf/throughput": real / elapsed / self.group.size,  # verl: per GPU
+                "perf/padded_fraction": self._padded_fraction(batch),
+                **_memory_metrics(self.device),
+            }
+        )
+        return metrics
+
+    def _given(self, values: list[torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
+        return None if values is None else dict(enumerate(values))
+
+    def _micro_step(
+        self,
+        batch: PolicyBatch,
+        mb: list[int],
+        old: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor] | None,
+        num_tokens: float,
+        num_seqs: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward one micro-batch; return its share of the step loss and its metric sums."""
+        cfg = self.config
+        if mb:
+            ids = [batch.input_ids[i] for i in mb]
+            mask_list = [batch.loss_mask[i] for i in mb]
+            adv_list = [batch.advantages[i] for i in mb]
+            old_list = [old[i] for i in mb]
+        else:  # keeps this rank in step with FSDP's collectives; contributes exactly zero
+            ids, mask_list = [_DUMMY_IDS], [torch.zeros(2, dtype=torch.bool)]
+            adv_list = old_list = [torch.zeros(2)]
+        longest = max(int(t.numel()) for t in ids)
+
+        def pad(values: list[torch.Tensor]) -> torch.Tensor:
+            return pad_field([v.float() for v in values], longest).to(self.device)
+
+        logp, entropy = self._forward(self.model, ids)
+        mask = pad_field(mask_list, longest, False).to(self.device)
+        behaviour = None
+        if batch.behaviour_logprobs is not None:
+            behaviour = pad([batch.behaviour_logprobs[i] for i in mb] or [torch.zeros(2)])
+        agg = dict(mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        pg_loss, stats = policy_loss(
+            logp,
+            pad(old_list),
+            pad(adv_list),
+            mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            agg_mode=cfg.loss_agg_mode,
+            behaviour_logprobs=behaviour,
+            behaviour_weight_cap=cfg.behav_imp_weight_cap,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        loss = pg_loss
+        entropy_term = aggregate(entropy, mask, **agg)  # type: ignore[arg-type]
+        if cfg.entropy_coeff != 0:
+            loss = loss - cfg.entropy_coeff * entropy_term
+        kl_loss = torch.zeros(())
+        if ref is not None:
+            ref_t = pad([ref[i] for i in mb] or [torch.zeros(2)])
+            kl_loss = aggregate(kl_penalty(logp, ref_t, cfg.kl_loss_type), mask, **agg)  # type: ignore[arg-type]
+            loss = loss + cfg.kl_loss_coef * kl_loss
+
+        n = float(mask.sum())
+        token_sum = torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
+        values = {
+            "pg_loss": float(pg_loss.detach()),
+            "kl_loss": float(kl_loss.detach()),
+            "entropy": float(token_sum.detach()),
+            "loss": float(loss.detach()),
+            **{k: float(getattr(stats, k)) * n for k in _SUMS if hasattr(stats, k)},
+        }
+        return loss, torch.tensor([values[k] for k in _SUMS], dtype=torch.float64)
+
+    def _clip_grad_norm(self) -> float:
+        """Global grad norm (over all ranks' shards), gradients clipped to `grad_clip`."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+        return float(norm)
+
+    def _apply_or_skip(self, finite: bool) -> None:
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        limit = self.config.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"(max_nonfinite_steps={limit}); last good step {self.step}. Lower optim.lr, "
+                "check advantages/logprobs for inf/NaN, or resume from a checkpoint"
+            )
+
+    def _metrics(
+        self, sums: torch.Tensor, num_tokens: float, grad_norm: float, lr: float
+    ) -> dict[str, float]:
+        s = dict(zip(_SUMS, sums.tolist(), strict=True))
+        per_token = {k: s[k] / num_tokens for k in _SUMS if k not in ("pg_loss", "kl_loss", "loss")}
+        return {
+            "actor/pg_loss": s["pg_loss"],
+            "actor/kl_loss": s["kl_loss"],
+            "actor/entropy": per_token["entropy"],
+            "actor/pg_clipfrac": per_token["clipfrac"],
+            "actor/pg_clipfrac_low": per_token["clipfrac_low"],
+            "actor/pg_clipfrac_high": per_token["clipfrac_high"],
+            "actor/pg_clipfrac_lower": per_token["clipfrac_lower"],
+            "actor/ppo_kl": per_token["ppo_kl"],
+            "actor/behav_capped_frac": per_token["behav_capped"],
+            "actor/behav_imp_weight": per_token["behav_weight"],
+            "actor/loss": s["loss"],
+            "actor/grad_norm": grad_norm,
+            "actor/lr": lr,
+        }
+
+    def _padded_fraction(self, batch: PolicyBatch) -> float:
+        plans = plan_micro_batches(
+            batch.lengths,
+            self.config.ppo_max_token_len_per_gpu,
+            self.group.size,
+            self.config.ppo_micro_batch_size_per_gpu,
+        )
+        return padded_fraction(batch.lengths, [mb for plan in plans for mb in plan])
+
+    # ---- weights and checkpoints ----------------------------------------------------------
+
+    def iter_full_weights(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[Bucket]:
+        """Buckets of `(hf_name, full_tensor)`, on every rank of the trainer (see weights.py)."""
+        return iter_full_weights(self.model, bucket_bytes, dtype)
+
+    def save(self, path: str | Path) -> Path:
+        extra = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_total": self.nonfinite_total,
+        }
+        return save_checkpoint(path, self.model, self.optimizer, extra, self.group)
+
+    def load(self, path: str | Path) -> None:
+        extra = load_checkpoint(path, self.model, self.optimizer, self.group)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = extra["step"]
+        self.nonfinite_in_a_row = extra["nonfinite_in_a_row"]
+        self.nonfinite_total = extra["nonfinite_total"]
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """A `from_pretrained`-loadable directory: safetensors, config, tokenizer if known."""
+        return export_hf(
+            path,
+            self.model,
+            self.model.config.save_pretrained,
+            self.source_dir,
+            self.group,
+            dtype,
+        )
+
+
+# Two tokens: the least a causal-LM forward needs to produce one prediction.
+_DUMMY_IDS = torch.zeros(2, dtype=torch.long)
+
+
+def _is_config(source: ModelSource) -> bool:
+    return not isinstance(source, (str, Path)) and hasattr(source, "to_dict")
+
+
+def _memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    # ru_maxrss is in KiB on Linux: the peak resident set of this process.
+    return {"perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

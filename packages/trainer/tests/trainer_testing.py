@@ -1,0 +1,65 @@
+"""Shared helpers for the trainer tests: a tiny model config and deterministic batches."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+
+from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+
+VOCAB = 128
+
+
+def tiny_llama() -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen2_tied() -> PretrainedConfig:
+    return Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+
+
+def make_batch(
+    seed: int,
+    response_lengths: list[int],
+    prompt_len: int = 4,
+    with_old: bool = False,
+) -> PolicyBatch:
+    """Random prompts/responses with +-1 group-normalised-looking advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(0, VOCAB, (prompt_len,), generator=g).tolist() for _ in response_lengths
+    ]
+    responses = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in response_lengths]
+    adv = (torch.randn(len(response_lengths), generator=g)).tolist()
+    old = None
+    if with_old:
+        old = [(-5.0 + 0.3 * torch.randn(n, generator=g)).tolist() for n in response_lengths]
+    return PolicyBatch.from_responses(prompts, responses, adv, old_logprobs=old)
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in trainer.iter_full_weights(1 << 30) for n, t in b}
+
+
+def config(**overrides: object) -> TrainerConfig:
+    base: dict[str, object] = {"optim": {"lr": 1e-3, "weight_decay": 0.01}, "grad_clip": 1.0}
+    base.update(overrides)
+    return TrainerConfig.model_validate(base)
