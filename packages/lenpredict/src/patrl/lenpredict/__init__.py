@@ -1,3 +1,82 @@
-"""patrl.lenpredict: skeleton; its contract is in DESIGN.md and its issue."""
+"""patrl.lenpredict: response-length and step-latency models, the reconfiguration planner and
+the rollout simulator. Pure numpy + pydantic (no torch)."""
 
-__all__: list[str] = []
+from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
+from patrl.lenpredict.latency_model import LatencyModel, held_out_error
+from patrl.lenpredict.layout import Layout, layouts_for
+from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
+from patrl.lenpredict.length_trace import (
+    LengthRecord,
+    LongTailSpec,
+    PromptGroup,
+    group_by_step,
+    long_tail_trace,
+    read_lengths,
+    write_lengths,
+)
+from patrl.lenpredict.planner import Decision, PlannerConfig, ReconfigPlanner, RunningSet
+from patrl.lenpredict.profile import (
+    CollectiveRow,
+    DecodeRow,
+    HardwareInfo,
+    ModelInfo,
+    PrefillRow,
+    Profile,
+    ProfileMismatchError,
+)
+from patrl.lenpredict.roofline import (
+    H100_SXM_NODE,
+    LLAMA31_8B,
+    QWEN3_14B,
+    NodeSpec,
+    roofline_profile,
+)
+from patrl.lenpredict.simulator import (
+    AdaptivePolicy,
+    RolloutSimulator,
+    SimConfig,
+    SimResult,
+    StaticPolicy,
+    oracle_remaining,
+)
+
+__all__ = [
+    "H100_SXM_NODE",
+    "LLAMA31_8B",
+    "QWEN3_14B",
+    "AdaptivePolicy",
+    "CollectiveRow",
+    "Decision",
+    "DecodeRow",
+    "HardwareInfo",
+    "LatencyModel",
+    "Layout",
+    "LengthPredictor",
+    "LengthRecord",
+    "LongTailSpec",
+    "ModelInfo",
+    "NodeSpec",
+    "PlannerConfig",
+    "PredictorConfig",
+    "PrefillRow",
+    "Profile",
+    "ProfileMismatchError",
+    "PromptGroup",
+    "ReconfigPlanner",
+    "RolloutSimulator",
+    "RunningSet",
+    "SimConfig",
+    "SimResult",
+    "StaticPolicy",
+    "assign_prompts",
+    "group_by_step",
+    "held_out_error",
+    "layouts_for",
+    "long_tail_trace",
+    "longest_processing_time",
+    "oracle_remaining",
+    "read_lengths",
+    "roofline_profile",
+    "round_robin",
+    "write_lengths",
+]

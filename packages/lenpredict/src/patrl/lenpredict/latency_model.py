@@ -1,0 +1,273 @@
+"""Step, prefill, collective and reconfiguration costs, fitted from a `Profile`.
+
+Decode step time, per TP size, is fitted as
+
+    t(B, C) = a + b·B + c·C + d·max(0, B − knee)
+
+with B the batch (running sequences) and C the total context tokens. Why this form: a decode
+step reads every weight once (a, independent of B), computes per sequence (b), reads the KV
+cache of every context token (c), and turns compute-bound past a batch size (the roofline
+knee, d). Whether the knee helps is decided per TP by cross-validated error: the hinge form is
+kept only when it predicts held-out rows better than the plain linear one. All coefficients
+are non-negative (a step never gets cheaper with more work) and fitted on *relative* error,
+because the planner compares ratios of times that span three orders of magnitude.
+
+Prefill of a sequence of T tokens: a + b·T + c·T² (attention is quadratic); a batch of
+sequences pays `a` once. Collectives: α + bytes/β per (op, group size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from patrl.lenpredict.profile import CollectiveRow, DecodeRow, ModelInfo, Profile
+
+
+def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min Σ((x·c − y)/y)² subject to c ≥ 0, by dropping the most negative coefficient and
+    refitting (an active set that is exact for the few features used here)."""
+    w = x / y[:, None]
+    target = np.ones(len(y))
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while active.any():
+        sol, *_ = np.linalg.lstsq(w[:, active], target, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        idx = np.flatnonzero(active)[np.argmin(sol)]
+        active[idx] = False
+    return coef
+
+
+def _mape(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.median(np.abs(pred - y) / y))
+
+
+def _decode_features(batch: np.ndarray, context: np.ndarray, knee: float) -> np.ndarray:
+    hinge = np.maximum(0.0, batch - knee) if np.isfinite(knee) else np.zeros_like(batch)
+    return np.stack([np.ones_like(batch), batch, context, hinge], axis=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    coef: np.ndarray
+    knee: float  # inf: the linear form was better
+    cv_mape: float  # median absolute percentage error on held-out folds; nan when too few rows
+
+    def predict(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        a, b, c, d = self.coef.tolist()
+        t = a + b * batch + c * context
+        if d and np.isfinite(self.knee):
+            t = t + d * np.maximum(0.0, batch - self.knee)
+        return np.asarray(t)
+
+
+def _folds(n: int, k: int) -> list[np.ndarray]:
+    order = np.random.default_rng(0).permutation(n)
+    return [order[i::k] for i in range(k)]
+
+
+def _cv_error(batch: np.ndarray, context: np.ndarray, y: np.ndarray, knee: float) -> float:
+    n = len(y)
+    if n < 6:
+        return float("nan")
+    errors = []
+    for test in _folds(n, min(5, n)):
+        train = np.setdiff1d(np.arange(n), test)
+        coef = _nonneg_relative_lstsq(
+            _decode_features(batch[train], context[train], knee), y[train]
+        )
+        pred = _decode_features(batch[test], context[test], knee) @ coef
+        errors.append(np.abs(pred - y[test]) / y[test])
+    return float(np.median(np.concatenate(errors)))
+
+
+def fit_step(rows: Sequence[DecodeRow]) -> StepFit:
+    """Fit one TP size's decode rows, choosing linear or hinge by cross-validated error."""
+    batch = np.array([r.batch for r in rows], dtype=float)
+    context = np.array([r.context_tokens for r in rows], dtype=float)
+    y = np.array([r.seconds for r in rows])
+    knees = [float("inf"), *np.unique(batch)[1:-1].tolist()]
+    scored = [(_cv_error(batch, context, y, k), k) for k in knees]
+    finite = [(err, k) for err, k in scored if np.isfinite(err)]
+    # ties go to the simpler (linear) form, which comes first
+    err, knee = min(finite, key=lambda s: s[0]) if finite else (float("nan"), float("inf"))
+    coef = _nonneg_relative_lstsq(_decode_features(batch, context, knee), y)
+    return StepFit(coef=coef, knee=knee, cv_mape=err)
+
+
+def _fit_prefill(tokens: np.ndarray, y: np.ndarray) -> np.ndarray:
+    x = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=-1)
+    return _nonneg_relative_lstsq(x, y)
+
+
+def _fit_collective(rows: Sequence[CollectiveRow]) -> np.ndarray:
+    nbytes = np.array([r.nbytes for r in rows], dtype=float)
+    y = np.array([r.seconds for r in rows])
+    return _nonneg_relative_lstsq(np.stack([np.ones_like(nbytes), nbytes], axis=-1), y)
+
+
+@dataclass(slots=True)
+class LatencyModel:
+    model: ModelInfo
+    dtype: str
+    num_devices: int
+    memory_bytes_per_device: int
+    step_fits: dict[int, StepFit]
+    prefill_coef: dict[int, np.ndarray]
+    collective_coef: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, profile: Profile) -> LatencyModel:
+        step_fits = {
+            tp: fit_step([r for r in profile.decode if r.tp == tp]) for tp in profile.tp_sizes
+        }
+        prefill_coef = {}
+        for tp in sorted({r.tp for r in profile.prefill}):
+            rows = [r for r in profile.prefill if r.tp == tp]
+            tokens = np.array([r.tokens for r in rows], dtype=float)
+            prefill_coef[tp] = _fit_prefill(tokens, np.array([r.seconds for r in rows]))
+        collective_coef: dict[tuple[str, int], np.ndarray] = {}
+        for op, group in sorted({(r.op, r.group_size) for r in profile.collectives}):
+            same = [r for r in profile.collectives if (r.op, r.group_size) == (op, group)]
+            collective_coef[(op, group)] = _fit_collective(same)
+        return cls(
+            model=profile.model,
+            dtype=profile.dtype,
+            num_devices=profile.hardware.num_devices,
+            memory_bytes_per_device=profile.hardware.memory_bytes_per_device,
+            step_fits=step_fits,
+            prefill_coef=prefill_coef,
+            collective_coef=collective_coef,
+        )
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return sorted(self.step_fits)
+
+    def _step_fit(self, tp: int) -> StepFit:
+        if tp not in self.step_fits:
+            raise KeyError(f"no decode rows for tp={tp}; the profile has tp in {self.tp_sizes}")
+        return self.step_fits[tp]
+
+    def step_time(
+        self, tp: int, batch: np.ndarray | float, context_tokens: np.ndarray | float
+    ) -> np.ndarray:
+        """Seconds of one decode step; vectorised over arrays of (batch, context) pairs."""
+        b = np.asarray(batch, dtype=float)
+        c = np.asarray(context_tokens, dtype=float)
+        return self._step_fit(tp).predict(b, c)
+
+    def _prefill(self, tp: int) -> np.ndarray:
+        if tp not in self.prefill_coef:
+            raise KeyError(
+                f"no prefill rows for tp={tp}; the profile has {sorted(self.prefill_coef)}"
+            )
+        return self.prefill_coef[tp]
+
+    def prefill_fixed(self, tp: int) -> float:
+        """Seconds a prefill batch costs however few tokens it holds."""
+        return float(self._prefill(tp)[0])
+
+    def prefill_marginal(self, tp: int, tokens: np.ndarray) -> np.ndarray:
+        """Seconds one more sequence of `tokens` adds to a prefill batch."""
+        _, b, c = self._prefill(tp)
+        t = np.asarray(tokens, dtype=float)
+        return np.asarray(b * t + c * t * t)
+
+    def prefill_time(self, tp: int, lengths: Sequence[int] | np.ndarray) -> float:
+        """Seconds to prefill a batch of sequences of these lengths (0 for an empty batch)."""
+        lengths = np.asarray(lengths, dtype=float)
+        if lengths.size == 0:
+            return 0.0
+        return self.prefill_fixed(tp) + float(self.prefill_marginal(tp, lengths).sum())
+
+    def _collective(self, op: str, group_size: int) -> np.ndarray:
+        key = (op, group_size)
+        if key not in self.collective_coef:
+            raise KeyError(
+                f"no collective rows for op={op!r} group_size={group_size}; "
+                f"the profile has {sorted(self.collective_coef)}"
+            )
+        return self.collective_coef[key]
+
+    def collective_time(self, op: str, nbytes: float, group_size: int) -> float:
+        if group_size == 1 or nbytes <= 0:
+            return 0.0
+        alpha, inv_bw = self._collective(op, group_size)
+        return float(alpha + inv_bw * nbytes)
+
+    def send_marginal(self, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds each extra byte of a point-to-point transfer costs (bandwidth term only)."""
+        return np.asarray(self._collective("send", 2)[1] * np.asarray(nbytes, dtype=float))
+
+    def send_fixed(self) -> float:
+        return float(self._collective("send", 2)[0])
+
+    def send_time(self, nbytes: float) -> float:
+        return self.collective_time("send", nbytes, 2)
+
+    def kv_bytes(self, tokens: np.ndarray) -> np.ndarray:
+        """KV bytes of sequences holding `tokens` tokens, all heads."""
+        return np.asarray(tokens, dtype=float) * self.model.kv_bytes_per_token(self.dtype)
+
+    def weight_reshard_time(self, src_tp: int, dst_tp: int) -> float:
+        """Growing TP narrows what each rank already holds, in place: no traffic. Shrinking
+        gathers the missing parts from the src_tp/dst_tp peers that held them."""
+        if dst_tp >= src_tp:
+            return 0.0
+        per_rank = self.model.weight_bytes(self.dtype) / dst_tp
+        return self.collective_time("all_gather", per_rank, src_tp // dst_tp)
+
+    def switch_fixed_time(self, world_size: int) -> float:
+        """Every switch is collective: at least one barrier across the world."""
+        if ("all_reduce", world_size) not in self.collective_coef:
+            return 0.0
+        return self.collective_time("all_reduce", 4, world_size)
+
+    def kv_capacity_tokens(self, tp: int, memory_utilization: float) -> int:
+        """Tokens of KV one replica of `tp` ranks can hold after its weight shards."""
+        budget = self.memory_bytes_per_device * memory_utilization
+        free = budget - self.model.weight_bytes(self.dtype) / tp
+        per_token = (
+            self.model.kv_bytes_per_token(self.dtype)
+            * self.model.kv_heads_per_rank(tp)
+            / self.model.num_kv_heads
+        )
+        return max(0, int(free // per_token))
+
+    def describe(self) -> dict[int, dict[str, float]]:
+        """Chosen form and cross-validated error per TP size, for reports."""
+        return {
+            tp: {
+                "knee": fit.knee,
+                "cv_mape": fit.cv_mape,
+                **dict(zip("abcd", fit.coef.tolist(), strict=True)),
+            }
+            for tp, fit in self.step_fits.items()
+        }
+
+
+def held_out_error(profile: Profile, fraction: float = 0.25, seed: int = 0) -> dict[int, float]:
+    """Median absolute percentage error of decode-step predictions on rows held out of the fit
+    (form selection included), per TP size."""
+    rng = np.random.default_rng(seed)
+    result = {}
+    for tp in profile.tp_sizes:
+        rows = [r for r in profile.decode if r.tp == tp]
+        test_mask = rng.random(len(rows)) < fraction
+        train = [r for r, t in zip(rows, test_mask, strict=True) if not t]
+        test = [r for r, t in zip(rows, test_mask, strict=True) if t]
+        if len(train) < 3 or not test:
+            raise ValueError(f"tp={tp} has {len(rows)} decode rows; too few to hold {fraction} out")
+        fit = fit_step(train)
+        pred = fit.predict(
+            np.array([r.batch for r in test], dtype=float),
+            np.array([r.context_tokens for r in test], dtype=float),
+        )
+        result[tp] = _mape(pred, np.array([r.seconds for r in test]))
+    return result

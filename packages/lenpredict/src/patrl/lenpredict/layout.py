@@ -1,0 +1,48 @@
+"""A rollout layout: `dp` data-parallel replicas, each a tensor-parallel group of `tp` ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Layout:
+    dp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"Layout needs dp >= 1 and tp >= 1, got dp={self.dp} tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}xtp{self.tp}"
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Inverse of `str(layout)`: 'dp4xtp2'."""
+        try:
+            dp_part, tp_part = text.split("x")
+            return cls(dp=int(dp_part.removeprefix("dp")), tp=int(tp_part.removeprefix("tp")))
+        except ValueError as err:
+            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp4xtp2'") from err
+
+
+def layouts_for(world_size: int, tp_sizes: list[int]) -> list[Layout]:
+    """Every layout of `world_size` ranks with a TP size from `tp_sizes`, smallest TP first."""
+    bad = [tp for tp in tp_sizes if tp < 1 or world_size % tp]
+    if bad:
+        raise ValueError(f"tp sizes {bad} do not divide world_size={world_size}")
+    return [Layout(dp=world_size // tp, tp=tp) for tp in sorted(set(tp_sizes))]
+
+
+def nested(a: Layout, b: Layout) -> bool:
+    """True when one layout's TP groups are unions of the other's (contiguous ranks).
+
+    Only then can a switch keep every sequence inside its family of ranks, which is what the
+    in-place weight narrowing and the KV head redistribution assume."""
+    lo, hi = sorted((a.tp, b.tp))
+    return a.world_size == b.world_size and hi % lo == 0

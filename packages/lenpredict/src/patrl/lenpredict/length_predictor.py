@@ -1,0 +1,228 @@
+"""Online response-length prediction for GRPO rollouts.
+
+Model: a sample of prompt p has length L = μ_p · R, where R is a prompt-independent *shape*
+(lengths divided by their group's mean, learned from every completed group) and μ_p is the
+prompt's scale. μ_p is estimated from
+
+- the prompt's history: an EWMA of its past group means (prompts recur across epochs);
+- the finished siblings in the current group: the first k of n samples to finish are the k
+  shortest, so each is compared with the expected order statistic of the shape, not its mean
+  (comparing with the mean would predict every group far too short);
+
+shrunk towards the global mean with fixed pseudo-counts. A running sequence at length l then
+has remaining-length quantiles from the survival model P(μ_p·R > l + k | μ_p·R > l), read off
+the sorted shape samples. Every prediction made for a sequence is scored when it finishes, so
+the predictor reports its own MAE and quantile coverage online.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PredictorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)
+    ewma_alpha: float = Field(default=0.5, gt=0, le=1)
+    # pseudo-counts, in units of one finished sibling: how much the prompt's history and the
+    # global mean weigh against the siblings seen in this group
+    history_weight: float = Field(default=4.0, ge=0)
+    prior_weight: float = Field(default=1.0, gt=0)
+    window: int = Field(default=8192, gt=0)  # finished lengths / shape ratios kept
+    max_length: int | None = Field(default=None, gt=0)  # max_response_length, caps every prediction
+    default_length: float = Field(default=1024.0, gt=0)  # before anything has finished
+
+
+@dataclass(slots=True)
+class _Group:
+    prompt_id: str
+    size: int
+    finished: list[int] = field(default_factory=list)
+
+
+def _blom(i: np.ndarray, n: int) -> np.ndarray:
+    """Plotting positions of the i-th (1-based) smallest of n: expected order statistics."""
+    return (i - 0.375) / (n + 0.25)
+
+
+class LengthPredictor:
+    def __init__(self, config: PredictorConfig | None = None) -> None:
+        self.config = config or PredictorConfig()
+        self._lengths: deque[int] = deque(maxlen=self.config.window)
+        self._ratios: deque[float] = deque(maxlen=self.config.window)
+        self._prompts: dict[str, tuple[float, int]] = {}  # prompt -> (ewma of group means, groups)
+        self._groups: dict[str, _Group] = {}
+        self._pending: dict[str, list[tuple[int, list[float]]]] = {}
+        self._abs_err = 0.0
+        self._hits = np.zeros(len(self.config.quantiles))
+        self._scored = 0
+        self._shape_cache: np.ndarray | None = None
+
+    # --- learning -----------------------------------------------------------------------
+
+    def start_group(self, group_id: str, prompt_id: str, size: int) -> None:
+        """Declare a GRPO group of `size` samples of `prompt_id` that is about to be generated."""
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id!r} already started")
+        self._groups[group_id] = _Group(prompt_id=prompt_id, size=size)
+
+    def observe_finished(self, seq_id: str, group_id: str, length: int) -> None:
+        """A sample finished with `length` response tokens; the group closes at its last one."""
+        group = self._group(group_id)
+        group.finished.append(length)
+        self._lengths.append(length)
+        self._score(seq_id, length)
+        if len(group.finished) == group.size:
+            self.end_group(group_id)
+
+    def end_group(self, group_id: str) -> None:
+        """Fold a group into the prompt history and the shape (also for aborted groups)."""
+        group = self._groups.pop(group_id)
+        if not group.finished:
+            return
+        mean = float(np.mean(group.finished))
+        old = self._prompts.get(group.prompt_id)
+        alpha = self.config.ewma_alpha
+        ewma = mean if old is None else alpha * mean + (1 - alpha) * old[0]
+        self._prompts[group.prompt_id] = (ewma, 1 if old is None else old[1] + 1)
+        # a group of one, or one cut short, says nothing about the spread inside a prompt
+        if group.size > 1 and len(group.finished) == group.size:
+            self._ratios.extend(length / mean for length in group.finished)
+            self._shape_cache = None
+
+    def _group(self, group_id: str) -> _Group:
+        if group_id not in self._groups:
+            raise KeyError(f"unknown group {group_id!r}; call start_group first")
+        return self._groups[group_id]
+
+    # --- prediction ---------------------------------------------------------------------
+
+    def global_mean(self) -> float:
+        return float(np.mean(self._lengths)) if self._lengths else self.config.default_length
+
+    def survival(self, length: int, k: int) -> float:
+        """Global P(L > length + k | L > length) over the finished lengths seen."""
+        lengths = np.asarray(self._lengths)
+        alive = (lengths > length).sum()
+        return float((lengths > length + k).sum() / alive) if alive else 0.0
+
+    def expected_length(self, prompt_id: str) -> float:
+        """Expected response length of a new sample of `prompt_id`."""
+        prior = self.global_mean()
+        if prompt_id not in self._prompts:
+            return prior
+        w_h, w_0 = self.config.history_weight, self.config.prior_weight
+        return (w_h * self._prompts[prompt_id][0] + w_0 * prior) / (w_h + w_0)
+
+    def _shape(self) -> np.ndarray:
+        """Sorted shape samples (length / group mean); the global spread until groups close."""
+        if self._shape_cache is None:
+            if self._ratios:
+                self._shape_cache = np.sort(np.asarray(self._ratios))
+            elif self._lengths:
+                lengths = np.asarray(self._lengths, dtype=float)
+                self._shape_cache = np.sort(lengths / lengths.mean())
+            else:
+                self._shape_cache = np.empty(0)
+        return self._shape_cache
+
+    def group_scale(self, group_id: str) -> float:
+        """Estimated mean length μ of the group's samples."""
+        group = self._group(group_id)
+        has_history = group.prompt_id in self._prompts
+        w0 = self.config.history_weight if has_history else self.config.prior_weight
+        mu0 = self.expected_length(group.prompt_id)
+        shape = self._shape()
+        k = len(group.finished)
+        if k == 0 or shape.size == 0:
+            return mu0
+        ranks = np.arange(1, k + 1)
+        expected_ratio = np.quantile(shape, _blom(ranks, max(group.size, k))).sum()
+        mu_sib = sum(sorted(group.finished)) / max(expected_ratio, 1e-9)
+        return (w0 * mu0 + k * mu_sib) / (w0 + k)
+
+    def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
+        """Quantiles (at `config.quantiles`) of the remaining tokens of a running sample."""
+        quantiles = self._remaining(self.group_scale(group_id), current_length)
+        self._pending.setdefault(seq_id, []).append((current_length, quantiles.tolist()))
+        return quantiles
+
+    def _remaining(self, mu: float, current: int) -> np.ndarray:
+        levels = np.asarray(self.config.quantiles)
+        remaining = self._conditional_quantiles(mu, current, levels)
+        if self.config.max_length is not None:
+            remaining = np.minimum(remaining, self.config.max_length - current)
+        return np.maximum(remaining, 1.0)
+
+    def _conditional_quantiles(self, mu: float, current: int, levels: np.ndarray) -> np.ndarray:
+        shape = self._shape()
+        if shape.size == 0:
+            return -mu * np.log1p(-levels)  # nothing finished yet: memoryless, mean μ
+        start = int(np.searchsorted(shape, current / mu, side="right"))
+        if start < shape.size:
+            return np.asarray(np.quantile(shape[start:] * mu, levels) - current)
+        if self.config.max_length is not None:
+            # longer than anything seen at this scale: only the cap bounds it
+            return levels * (self.config.max_length - current)
+        return 2 * levels * current  # Lindy: the median remaining equals the age
+
+    # --- self-assessment ----------------------------------------------------------------
+
+    def _score(self, seq_id: str, length: int) -> None:
+        median_at = int(np.argmin(np.abs(np.asarray(self.config.quantiles) - 0.5)))
+        for current, quantiles in self._pending.pop(seq_id, []):
+            actual = length - current
+            self._abs_err += abs(actual - quantiles[median_at])
+            self._hits += actual <= np.asarray(quantiles)
+            self._scored += 1
+
+    def error_report(self) -> dict[str, Any]:
+        """Online error of every scored prediction: MAE of the median, and the fraction of
+        outcomes at or below each predicted quantile (a calibrated q-quantile covers q)."""
+        n = max(self._scored, 1)
+        return {
+            "scored": self._scored,
+            "mae": self._abs_err / n,
+            "coverage": {
+                str(q): float(hit / n)
+                for q, hit in zip(self.config.quantiles, self._hits, strict=True)
+            },
+        }
+
+    # --- checkpointing ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.model_dump(),
+            "lengths": list(self._lengths),
+            "ratios": list(self._ratios),
+            "prompts": {p: list(v) for p, v in self._prompts.items()},
+            "groups": {
+                g: {"prompt_id": s.prompt_id, "size": s.size, "finished": list(s.finished)}
+                for g, s in self._groups.items()
+            },
+            "pending": {s: [[c, list(q)] for c, q in v] for s, v in self._pending.items()},
+            "abs_err": self._abs_err,
+            "hits": self._hits.tolist(),
+            "scored": self._scored,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        config = PredictorConfig.model_validate(state["config"])
+        if config != self.config:
+            raise ValueError(f"state has config {config} but this predictor has {self.config}")
+        self._lengths = deque(state["lengths"], maxlen=config.window)
+        self._ratios = deque(state["ratios"], maxlen=config.window)
+        self._prompts = {p: (float(v[0]), int(v[1])) for p, v in state["prompts"].items()}
+        self._groups = {g: _Group(**s) for g, s in state["groups"].items()}
+        self._pending = {s: [(int(c), list(q)) for c, q in v] for s, v in state["pending"].items()}
+        self._abs_err = float(state["abs_err"])
+        self._hits = np.asarray(state["hits"], dtype=float)
+        self._scored = int(state["scored"])
+        self._shape_cache = None

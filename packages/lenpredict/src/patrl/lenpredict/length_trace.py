@@ -1,0 +1,137 @@
+"""Length traces: the response lengths of a run, on disk as JSONL, and synthetic ones.
+
+Format (one JSON object per line, one line per sample):
+
+    {"step": 0, "prompt_id": "p17", "sample": 3, "prompt_tokens": 212, "response_tokens": 1834}
+
+- `step`: the training step (rollout batch) the sample belongs to; each step is simulated as
+  one rollout. Optional, default 0.
+- `prompt_id`: identifies the prompt; the samples of a prompt in one step form its GRPO group.
+- `sample`: index of the sample within its group (0..n-1).
+- `prompt_tokens`, `response_tokens`: lengths in tokens (response >= 1).
+Unknown keys are rejected, so a typo does not silently change what is simulated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LengthRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int = Field(default=0, ge=0)
+    prompt_id: str
+    sample: int = Field(ge=0)
+    prompt_tokens: int = Field(gt=0)
+    response_tokens: int = Field(gt=0)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptGroup:
+    """The n samples of one prompt in one rollout: what the simulator schedules."""
+
+    prompt_id: str
+    prompt_tokens: int
+    response_tokens: tuple[int, ...]
+
+
+def read_lengths(path: str | Path) -> list[LengthRecord]:
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(LengthRecord.model_validate_json(line))
+        except ValueError as err:
+            raise ValueError(f"{path}:{number}: not a length record: {err}") from err
+    if not records:
+        raise ValueError(f"{path} holds no length records")
+    return records
+
+
+def write_lengths(path: str | Path, records: list[LengthRecord]) -> None:
+    Path(path).write_text("".join(r.model_dump_json() + "\n" for r in records))
+
+
+def group_by_step(records: list[LengthRecord]) -> dict[int, list[PromptGroup]]:
+    """Rollouts by step, each a list of prompt groups in order of first appearance."""
+    buckets: dict[int, dict[str, list[LengthRecord]]] = defaultdict(dict)
+    for r in records:
+        buckets[r.step].setdefault(r.prompt_id, []).append(r)
+    result = {}
+    for step, prompts in sorted(buckets.items()):
+        groups = []
+        for prompt_id, samples in prompts.items():
+            prompt_lengths = {s.prompt_tokens for s in samples}
+            if len(prompt_lengths) != 1:
+                raise ValueError(
+                    f"step {step} prompt {prompt_id!r} has prompt_tokens {sorted(prompt_lengths)}; "
+                    "the samples of one prompt must share its length"
+                )
+            samples = sorted(samples, key=lambda s: s.sample)
+            groups.append(
+                PromptGroup(
+                    prompt_id, samples[0].prompt_tokens, tuple(s.response_tokens for s in samples)
+                )
+            )
+        result[step] = groups
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class LongTailSpec:
+    """A DeepScaleR-like response-length law, stated exactly (the distribution PAT's setting
+    needs and nobody published; see benchmarks/simulate_cluster.py for why these numbers).
+
+    Per prompt p: prompt_tokens ~ U{64..512}; scale m_p = exp(N(ln median, prompt_sigma²));
+    failure rate f_p ~ U(0, max_failure_rate). Per sample: with probability f_p it is a failed
+    (wrong) answer, failure_factor times longer (DeepScaleR's authors report wrong answers about
+    3× longer than right ones); length = m_p · factor · exp(N(0, sample_sigma²)), rounded,
+    clipped to [16, max_length] (the cap is max_response_length: truncation).
+    """
+
+    median: float = 2000.0
+    prompt_sigma: float = 0.5
+    sample_sigma: float = 0.4
+    max_failure_rate: float = 0.6
+    failure_factor: float = 3.0
+    max_length: int = 16384
+
+
+def long_tail_trace(
+    spec: LongTailSpec,
+    num_prompts: int,
+    samples_per_prompt: int,
+    steps: int = 1,
+    seed: int = 0,
+) -> list[LengthRecord]:
+    """`steps` rollouts over the same `num_prompts` prompts (an epoch per step), so prompts
+    recur the way they do across epochs of GRPO training."""
+    rng = np.random.default_rng(seed)
+    prompt_tokens = rng.integers(64, 513, num_prompts)
+    scale = np.exp(rng.normal(np.log(spec.median), spec.prompt_sigma, num_prompts))
+    fail_rate = rng.uniform(0, spec.max_failure_rate, num_prompts)
+    records = []
+    for step in range(steps):
+        for p in range(num_prompts):
+            failed = rng.random(samples_per_prompt) < fail_rate[p]
+            noise = np.exp(rng.normal(0, spec.sample_sigma, samples_per_prompt))
+            lengths = scale[p] * np.where(failed, spec.failure_factor, 1.0) * noise
+            lengths = np.clip(np.rint(lengths), 16, spec.max_length).astype(int)
+            records += [
+                LengthRecord(
+                    step=step,
+                    prompt_id=f"p{p}",
+                    sample=i,
+                    prompt_tokens=int(prompt_tokens[p]),
+                    response_tokens=int(n),
+                )
+                for i, n in enumerate(lengths)
+            ]
+    return records
