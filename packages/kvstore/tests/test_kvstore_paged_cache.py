@@ -1,0 +1,118 @@
+"""PagedKVCache: writes land where gathers read, and export/import is bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patrl.kvstore import KVCacheSpec, PagedKVCache, SequenceKV
+
+
+def make_cache(
+    block_size: int = 4, heads: int = 4, num_blocks: int = 32, **kw: object
+) -> PagedKVCache:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=8, block_size=block_size)
+    return PagedKVCache(spec, num_blocks, **kw)  # type: ignore[arg-type]
+
+
+def fill(cache: PagedKVCache, seq: int, tokens: list[int], computed: int | None = None) -> None:
+    """Allocate and write random KV for the first `computed` tokens (all by default)."""
+    start = cache.blocks.allocate(seq, tokens)
+    end = len(tokens) if computed is None else computed
+    slots = torch.tensor(cache.blocks.slot_mapping(seq, start, end), dtype=torch.long)
+    g = torch.Generator().manual_seed(seq)
+    for layer in range(cache.spec.num_layers):
+        shape = (end - start, cache.spec.num_kv_heads, cache.spec.head_dim)
+        cache.write(layer, slots, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    cache.blocks.mark_computed(seq, end - start)
+
+
+def test_write_then_gather_and_padded_gather_agree() -> None:
+    cache = make_cache()
+    fill(cache, 0, list(range(10)))
+    fill(cache, 1, list(range(100, 103)))
+    tables = [cache.blocks.block_table(0), cache.blocks.block_table(1)]
+    ks, vs = cache.gather(1, tables, [10, 3])
+    padded = torch.tensor([tables[0], tables[1] + [0] * (len(tables[0]) - len(tables[1]))])
+    kp, vp = cache.gather_padded(1, padded)
+    assert torch.equal(kp[0, :10], ks[0]) and torch.equal(kp[1, :3], ks[1])
+    assert torch.equal(vp[0, :10], vs[0]) and torch.equal(vp[1, :3], vs[1])
+
+
+def test_slot_minus_one_is_skipped_and_past_capacity_is_an_error() -> None:
+    cache = make_cache(num_blocks=2)
+    k = torch.ones(2, 4, 8)
+    cache.write(0, torch.tensor([-1, 3]), k, k)
+    assert cache.k[0].view(-1, 4, 8)[3].eq(1).all() and cache.k[0].abs().sum() == 32
+    with pytest.raises(IndexError, match="slot 8 is past the cache's 8 slots"):
+        cache.write(0, torch.tensor([8]), k[:1], k[:1])
+
+
+def test_copy_on_write_moves_kv_with_the_block() -> None:
+    cache = make_cache()
+    fill(cache, 0, list(range(6)))
+    cache.blocks.fork(0, [1])
+    cache.copy_blocks(cache.blocks.append(1, [42]))
+    k0, _ = cache.gather(2, [cache.blocks.block_table(0)], [6])
+    k1, _ = cache.gather(2, [cache.blocks.block_table(1)], [6])
+    assert cache.blocks.block_table(0)[-1] != cache.blocks.block_table(1)[-1]
+    assert torch.equal(k0[0], k1[0])
+
+
+@pytest.mark.parametrize("dst_block_size", [4, 1, 3, 16])
+def test_export_import_round_trip_is_bit_identical(dst_block_size: int) -> None:
+    src = make_cache(block_size=4)
+    tokens = list(range(23))
+    fill(src, 0, tokens, computed=21)  # two tokens have slots but no KV yet
+    exported = src.export(0)
+    assert exported.num_computed == 21 and exported.token_ids == tuple(tokens)
+    dst = make_cache(block_size=dst_block_size, num_blocks=64)
+    fill(dst, 7, [5, 5, 5, 5, 5])  # the destination is not empty
+    dst.import_(0, exported)
+    assert dst.blocks.num_uncomputed(0) == 2
+    again = dst.export(0)
+    assert torch.equal(again.k, exported.k) and torch.equal(again.v, exported.v)
+    assert again.token_ids == exported.token_ids
+    dst.blocks.check_integrity()
+
+
+def test_import_of_a_head_slice() -> None:
+    src = make_cache(heads=4)
+    fill(src, 0, list(range(9)))
+    full = src.export(0)
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=2)
+    dst = PagedKVCache(spec, 16, head_start=2, num_total_kv_heads=4)
+    dst.import_(0, full.heads(2, 4))
+    got = dst.export(0)
+    assert (got.head_start, got.num_heads) == (2, 2)
+    assert torch.equal(got.k, full.k[:, :, 2:4]) and torch.equal(got.v, full.v[:, :, 2:4])
+    assert torch.equal(SequenceKV.concat_heads([full.heads(0, 2), got]).k, full.k)
+    with pytest.raises(ValueError, match=r"cannot import KV heads \[0, 4\).*holds heads \[2, 4\)"):
+        dst.import_(1, full)
+
+
+@pytest.mark.parametrize(
+    ("field", "spec_kwargs"),
+    [
+        ("num_layers", {"num_layers": 2}),
+        ("head_dim", {"head_dim": 16}),
+        ("dtype", {"dtype": torch.bfloat16}),
+    ],
+)
+def test_import_refuses_a_mismatched_spec(field: str, spec_kwargs: dict[str, object]) -> None:
+    src = make_cache()
+    fill(src, 0, list(range(5)))
+    base: dict[str, object] = {"num_layers": 3, "num_kv_heads": 4, "head_dim": 8, "block_size": 4}
+    dst = PagedKVCache(KVCacheSpec(**{**base, **spec_kwargs}), 16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"cannot import KV with {field}="):
+        dst.import_(0, src.export(0))
+
+
+def test_import_without_room_is_refused_before_touching_anything() -> None:
+    src = make_cache()
+    fill(src, 0, list(range(20)))
+    dst = make_cache(num_blocks=3)
+    assert not dst.can_import(src.export(0))
+    with pytest.raises(RuntimeError, match="check can_import first"):
+        dst.import_(0, src.export(0))
+    assert dst.blocks.num_free_blocks == 3 and not dst.blocks.has(0)
