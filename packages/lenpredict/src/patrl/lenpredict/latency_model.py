@@ -162,6 +162,23 @@ class LatencyModel:
         c = np.asarray(context_tokens, dtype=float)
         return self._step_fit(tp).predict(b, c)
 
+    def step_coefficients(self, tp: int) -> tuple[float, float, float, float, float]:
+        """(a, b, c, d, knee) of t = a + b·B + c·C + d·max(0, B − knee), for batched callers
+        that evaluate several TP sizes in one array expression."""
+        fit = self._step_fit(tp)
+        a, b, c, d = fit.coef.tolist()
+        return a, b, c, d, fit.knee if np.isfinite(fit.knee) else 1e300
+
+    def prefill_coefficients(self, tp: int) -> tuple[float, float, float]:
+        """(a, b, c) of a + Σ (b·T + c·T²) over a batch of sequences of T tokens."""
+        a, b, c = self._prefill(tp).tolist()
+        return a, b, c
+
+    def send_coefficients(self) -> tuple[float, float]:
+        """(α, seconds per byte) of a point-to-point transfer."""
+        alpha, per_byte = self._collective("send", 2).tolist()
+        return alpha, per_byte
+
     def _prefill(self, tp: int) -> np.ndarray:
         if tp not in self.prefill_coef:
             raise KeyError(

@@ -1,22 +1,31 @@
 """The reconfiguration planner: stay, or switch the rollout to another (dp, tp) layout now?
 
-For each option the planner predicts the time to finish every unfinished sequence. A replica's
-time is a sum over the segments between consecutive predicted finishes: while `alive`
-sequences remain, each step costs `step_time(tp, alive, context)`, and the context grows by
-one token per alive sequence per step (the model is linear in context, so the segment's mean
-context gives its exact sum). The layout's time is its slowest replica; each remaining-length
-quantile is one scenario and the scenarios are averaged.
+Time model. A replica's time to finish its sequences is a sum over the segments between
+consecutive predicted finishes: while `alive` sequences remain, each step costs
+`step_time(tp, alive, context)`, and the context grows by one token per alive sequence per
+step (the latency model is linear in context, so a segment's mean context gives its exact
+sum). A layout's time is that of its slowest replica. Each remaining-length quantile is one
+scenario; scenarios are averaged.
 
-A switch costs a barrier, the weight reshard, and per sequence either migrating its KV heads
-or recomputing its KV by prefill, whichever the latency model says is cheaper. The planner
-switches only when the predicted gain exceeds that overhead by a margin, waits `cooldown_calls`
-after a switch, and within one rollout moves TP in one direction only, so it cannot oscillate.
-Every decision is kept as a record with its predictions, for the log and for audit.
+Plans. Besides staying and switching now, the planner prices "stay s more steps, then switch
+to the same target" for a few s (when a quarter, half, ... of the sequences are predicted
+done), because PAT picks the reconfiguration *point* as well as the target: a switch that
+pays off now may pay off more later, once more sequences have finished. Only the same target
+is compared, since switching now does not rule out a further switch later. It switches when
+the predicted gain of switching now over staying exceeds the overhead by the margin, no
+delayed switch to that target is predicted better, the cooldown has passed, and the target
+continues the rollout's direction (TP only grows or only shrinks within one rollout), so it
+cannot oscillate.
+
+Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
+must move or recomputing its KV by prefill, whichever the latency model prices lower.
+
+Every decision is kept as a record with the predictions it was made from, for audit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -34,9 +43,11 @@ class PlannerConfig(BaseModel):
     margin: float = Field(default=0.2, ge=0)
     min_gain_s: float = Field(default=0.0, ge=0)
     cooldown_calls: int = Field(default=1, ge=0)
+    # fractions of the predicted remaining work after which a delayed switch is priced
+    delay_levels: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    # the engine's per-replica cap: a layout whose replicas would hold more sequences than this
-    # cannot run them all at once, so the finish-time model above would flatter it
+    # the engine's per-replica cap: a layout whose replicas would hold more sequences cannot
+    # run them all at once, so the time model would flatter it
     max_num_seqs: int = Field(default=256, gt=0)
 
 
@@ -65,10 +76,16 @@ class RunningSet:
 @dataclass(slots=True)
 class Option:
     layout: Layout
-    run_s: float  # predicted time to finish in this layout, after the switch
-    overhead_s: float  # predicted cost of switching to it (0 for the current layout)
+    run_s: float  # predicted time to finish in this layout after switching now
+    overhead_s: float  # predicted cost of switching to it now (0 for the current layout)
+    later_s: float  # best predicted total when switching to it after some steps (inf: none)
+    later_steps: int  # after how many steps that best delayed switch happens
     assignment: np.ndarray  # replica of each sequence in this layout
     migrate: np.ndarray  # bool per sequence: migrate its KV (True) or recompute it (False)
+
+    @property
+    def now_s(self) -> float:
+        return self.run_s + self.overhead_s
 
 
 @dataclass(slots=True)
@@ -76,7 +93,7 @@ class Decision:
     action: Literal["stay", "switch"]
     current: Layout
     target: Layout
-    gain_s: float  # predicted time saved by the best switch, before its overhead
+    gain_s: float  # predicted time saved by the best switch now, before its overhead
     overhead_s: float
     reason: str
     options: list[Option]
@@ -88,7 +105,7 @@ class Decision:
 
     def record(self) -> dict[str, Any]:
         """JSON-serialisable summary for the metrics log."""
-        chosen = self.chosen
+        switching = self.action == "switch"
         return {
             "action": self.action,
             "current": str(self.current),
@@ -98,11 +115,40 @@ class Decision:
             "reason": self.reason,
             "num_seqs": len(self.seq_ids),
             "predicted": {
-                str(o.layout): {"run_s": o.run_s, "overhead_s": o.overhead_s} for o in self.options
+                str(o.layout): {
+                    "run_s": o.run_s,
+                    "overhead_s": o.overhead_s,
+                    "later_s": o.later_s,
+                    "later_steps": o.later_steps,
+                }
+                for o in self.options
             },
-            "migrate": int(chosen.migrate.sum()),
-            "recompute": int((~chosen.migrate).sum()) if self.action == "switch" else 0,
+            "migrate": int(self.chosen.migrate.sum()) if switching else 0,
+            "recompute": int((~self.chosen.migrate).sum()) if switching else 0,
         }
+
+
+@dataclass(slots=True)
+class _Rows:
+    """A batch of finish-time questions, one per row, answered by one vectorised pass: under
+    assignment `assign` (an index), quantile column `column`, remaining lengths clipped at
+    `delay` (how long the first `delay` steps take) or shifted by it (how long the rest takes
+    after `delay` steps), in a layout of `tp` and `dp`."""
+
+    assign: list[int] = field(default_factory=list)
+    column: list[int] = field(default_factory=list)
+    shift: list[bool] = field(default_factory=list)
+    delay: list[float] = field(default_factory=list)
+    tp: list[int] = field(default_factory=list)
+    dp: list[int] = field(default_factory=list)
+
+    def add(self, assign: int, column: int, shift: bool, delay: float, layout: Layout) -> None:
+        self.assign.append(assign)
+        self.column.append(column)
+        self.shift.append(shift)
+        self.delay.append(delay)
+        self.tp.append(layout.tp)
+        self.dp.append(layout.dp)
 
 
 class ReconfigPlanner:
@@ -117,6 +163,19 @@ class ReconfigPlanner:
             )
         self.candidates = layouts_for(world_size, list(self.config.candidate_tp))
         self.decisions: list[Decision] = []
+        # per-TP constants, looked up once: decide() is on the engine's hot path
+        tps = sorted(set(self.config.candidate_tp))
+        self._step_coef = {tp: latency.step_coefficients(tp) for tp in tps}
+        self._prefill_coef = {tp: latency.prefill_coefficients(tp) for tp in tps}
+        self._send_coef = latency.send_coefficients()
+        self._capacity = {
+            tp: latency.kv_capacity_tokens(tp, self.config.memory_utilization) for tp in tps
+        }
+        self._fixed = {
+            (a, b): latency.switch_fixed_time(world_size) + latency.weight_reshard_time(a, b)
+            for a in tps
+            for b in tps
+        }
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
 
@@ -125,48 +184,68 @@ class ReconfigPlanner:
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
 
-    # --- prediction ---------------------------------------------------------------------
+    # --- time model ---------------------------------------------------------------------
 
-    def finish_time(
-        self,
-        tp: int,
-        num_replicas: int,
-        replica: np.ndarray,
-        context: np.ndarray,
-        remaining: np.ndarray,
-    ) -> float:
-        """Predicted seconds until every sequence has finished, averaged over the quantile
-        scenarios (see the module docstring)."""
-        n, q = remaining.shape
-        if n == 0:
-            return 0.0
-        key = (np.arange(q)[:, None] * num_replicas + replica[None, :]).ravel()
-        rem = remaining.T.ravel()
-        # one sort by (scenario, replica, remaining): the key dominates, rem breaks ties
-        order = np.argsort(key * (rem.max() + 1.0) + rem)
-        key, rem = key[order], rem[order]
-        prefix = np.zeros(key.size + 1)
-        np.cumsum(context[order % n], out=prefix[1:])
-        counts = np.bincount(key, minlength=q * num_replicas)
+    def _row_times(self, rows: _Rows, assignments: np.ndarray, running: RunningSet) -> np.ndarray:
+        """Seconds of each row's slowest replica (see `_Rows`), shape (rows,)."""
+        n, q = running.remaining.shape
+        columns = running.remaining.T  # (Q, n)
+        # one order per (assignment, column): by replica, then remaining; clipping or shifting
+        # the remaining lengths keeps it
+        keys = assignments[:, None, :] * (columns.max() + 1.0) + columns[None, :, :]
+        orders = np.argsort(keys.reshape(-1, n), axis=1)
+        assign, column = np.asarray(rows.assign), np.asarray(rows.column)
+        order = orders[assign * q + column]  # (R, n)
+        original = columns[column[:, None], order]
+        delay = np.asarray(rows.delay)
+        shift = np.asarray(rows.shift)
+        skip = np.where(shift, delay, 0.0)[:, None]  # steps already done, when shifting
+        stop = np.where(shift, np.inf, delay)[:, None]  # steps to time, when clipping
+        rem = np.minimum(np.maximum(original - skip, 0.0), stop)
+        ctx = running.context[order] + np.minimum(original, skip)
+        dp = np.asarray(rows.dp)
+        offset = np.r_[0, np.cumsum(dp)[:-1]]
+        key = (offset[:, None] + assignments[assign[:, None], order]).ravel()
+        groups = int(dp.sum())
+        counts = np.bincount(key, minlength=groups)
         ends = np.cumsum(counts)
         end = ends[key]
         here = np.arange(key.size)
-        alive = end - here
-        prev = np.empty(key.size)
-        prev[0] = 0.0
-        prev[1:] = rem[:-1]
-        prev[(ends - counts)[counts > 0]] = 0.0  # each group starts from now
-        context_mid = prefix[end] - prefix[here] + alive * (prev + rem - 1) / 2
-        seconds = (rem - prev) * self.latency.step_time(tp, alive, np.maximum(context_mid, 0))
-        per_replica = np.bincount(key, weights=seconds, minlength=q * num_replicas)
-        return float(per_replica.reshape(q, num_replicas).max(axis=1).mean())
+        alive = (end - here).reshape(rem.shape)
+        prev = np.empty(rem.shape)
+        prev[:, 0] = 0.0
+        prev[:, 1:] = rem[:, :-1]
+        prev.ravel()[(ends - counts)[counts > 0]] = 0.0  # each replica starts from now
+        prefix = np.zeros(key.size + 1)
+        np.cumsum(ctx, out=prefix[1:])
+        ahead = (prefix[end] - prefix[here]).reshape(rem.shape)  # context of the alive ones
+        context_mid = np.maximum(ahead + alive * (prev + rem - 1) / 2, 0.0)
+        a, b, c, d, knee = np.array([self._step_coef[tp] for tp in rows.tp]).T[:, :, None]
+        step = a + b * alive + c * context_mid + d * np.maximum(0.0, alive - knee)
+        step = (step * (rem - prev)).ravel()
+        per_replica = np.bincount(key, weights=step, minlength=groups)
+        return np.maximum.reduceat(per_replica, offset)
+
+    def finish_time(
+        self, tp: int, num_replicas: int, replica: np.ndarray, running: RunningSet
+    ) -> float:
+        """Predicted seconds until every sequence has finished in this layout, from now."""
+        if len(running) == 0:
+            return 0.0
+        rows = _Rows()
+        layout = Layout(dp=num_replicas, tp=tp)
+        for q in range(running.remaining.shape[1]):
+            rows.add(0, q, False, np.inf, layout)
+        return float(self._row_times(rows, replica[None, :], running).mean())
+
+    # --- switching ----------------------------------------------------------------------
 
     def _assign(self, running: RunningSet, src: Layout, dst: Layout) -> np.ndarray:
         """Growing TP merges whole replicas (sequences stay on the ranks that hold them);
-        shrinking splits each replica's sequences over its children, longest first."""
+        shrinking splits each replica's sequences over its children, longest first in snake
+        order (0, 1, .., s-1, s-1, .., 0): a vectorised near-LPT split."""
         if dst.tp >= src.tp:
             return running.replica // (dst.tp // src.tp)
-        # longest first in snake order (0,1,..,s-1,s-1,..,0): a vectorised near-LPT split
         split = src.tp // dst.tp
         work = running.remaining.mean(axis=1)
         order = np.argsort(running.replica * (work.max() + 1.0) - work)
@@ -178,62 +257,142 @@ class ReconfigPlanner:
         child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
         return running.replica * split + child
 
+    def _overheads(
+        self,
+        src: Layout,
+        targets: list[Layout],
+        assignments: list[np.ndarray],
+        context: np.ndarray,
+        alive: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Switch overheads (targets, rows) for rows of (rows, n) contexts counting the alive
+        sequences only, inf where a replica would exceed max_num_seqs or its KV memory; and
+        whether each sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
+        lat, cfg = self.latency, self.config
+        m, (rows, n) = len(targets), context.shape
+        tp = np.array([t.tp for t in targets], dtype=float)[:, None, None]
+        lo, hi = np.minimum(tp, src.tp), np.maximum(tp, src.tp)
+        send_alpha, per_byte = self._send_coef
+        prefill = np.array([self._prefill_coef[t.tp] for t in targets])[:, :, None, None]
+        kv = lat.kv_bytes(context)[None] * (1 - lo / hi)
+        # the moved heads land on `hi` ranks at once, each over its own link
+        migrate_cost = kv * per_byte / hi
+        recompute_cost = prefill[:, 1] * context + prefill[:, 2] * context * context
+        migrate = migrate_cost <= recompute_cost
+        cost = np.where(migrate, migrate_cost, recompute_cost) * alive
+        dp = np.repeat([t.dp for t in targets], rows)
+        offset = np.r_[0, np.cumsum(dp)[:-1]]
+        key = (offset.reshape(m, rows, 1) + np.stack(assignments)[:, None, :]).ravel()
+        size = int(dp.sum())
+
+        def per_replica(weights: np.ndarray) -> np.ndarray:
+            return np.bincount(
+                key, weights=np.broadcast_to(weights, (m, rows, n)).ravel(), minlength=size
+            )
+
+        alive_m = np.broadcast_to(alive, (m, rows, n))
+        total = per_replica(cost)
+        total += (per_replica(alive_m & migrate) > 0) * send_alpha
+
+        def spread(per_target: np.ndarray) -> np.ndarray:
+            return np.repeat(np.repeat(per_target, rows), dp)
+
+        total += (per_replica(alive_m & ~migrate) > 0) * spread(prefill[:, 0, 0, 0])
+        capacity = spread(np.array([self._capacity[t.tp] for t in targets], dtype=float))
+        seqs_ok = per_replica(alive_m) <= cfg.max_num_seqs
+        fits = seqs_ok & (per_replica(alive * context) <= capacity)
+        fixed = np.array([self._fixed[(src.tp, t.tp)] for t in targets])[:, None]
+        worst = np.maximum.reduceat(total, offset).reshape(m, rows) + fixed
+        ok = np.minimum.reduceat(fits.astype(int), offset).reshape(m, rows) > 0
+        return np.where(ok, worst, np.inf), migrate
+
     def switch_overhead(
         self, running: RunningSet, src: Layout, dst: Layout, assignment: np.ndarray
     ) -> tuple[float, np.ndarray]:
-        """Predicted seconds of a switch and, per sequence, whether its KV is migrated."""
-        lat = self.latency
-        lo, hi = sorted((src.tp, dst.tp))
-        moved = lat.kv_bytes(running.context) * (1 - lo / hi)
-        # the moved heads land on `hi` ranks at once, each over its own link
-        migrate_cost = lat.send_marginal(moved) / hi
-        recompute_cost = lat.prefill_marginal(dst.tp, running.context)
-        migrate = migrate_cost <= recompute_cost
-        per_seq = np.where(migrate, migrate_cost, recompute_cost)
-        kv: np.ndarray = np.bincount(assignment, weights=per_seq, minlength=dst.dp)
-        migrates = np.bincount(assignment, weights=migrate, minlength=dst.dp) > 0
-        recomputes = np.bincount(assignment, weights=~migrate, minlength=dst.dp) > 0
-        kv = kv + migrates * lat.send_fixed() + recomputes * lat.prefill_fixed(dst.tp)
-        fixed = lat.switch_fixed_time(self.world_size) + lat.weight_reshard_time(src.tp, dst.tp)
-        return fixed + float(kv.max(initial=0.0)), migrate
-
-    def _fits(self, running: RunningSet, layout: Layout, assignment: np.ndarray) -> bool:
-        """Every replica can hold its sequences: count within max_num_seqs, KV within memory."""
-        if np.bincount(assignment, minlength=layout.dp).max() > self.config.max_num_seqs:
-            return False
-        capacity = self.latency.kv_capacity_tokens(layout.tp, self.config.memory_utilization)
-        used = np.bincount(assignment, weights=running.context, minlength=layout.dp)
-        return bool((used <= capacity).all())
+        """Predicted seconds of switching now, and per sequence whether its KV is migrated."""
+        alive = np.ones((1, len(running)), dtype=bool)
+        overhead, migrate = self._overheads(
+            src, [dst], [assignment], running.context[None, :], alive
+        )
+        return float(overhead[0, 0]), migrate[0, 0]
 
     # --- decision -----------------------------------------------------------------------
 
-    def decide(self, running: RunningSet, current: Layout) -> Decision:
-        """Stay or switch, with the predicted time of every option considered."""
-        n = len(running)
-        stay = Option(
-            layout=current,
-            run_s=self.finish_time(
-                current.tp, current.dp, running.replica, running.context, running.remaining
-            ),
-            overhead_s=0.0,
-            assignment=running.replica,
-            migrate=np.zeros(n, dtype=bool),
-        )
-        options = [stay]
+    def _delays(self, median: np.ndarray) -> np.ndarray:
+        """Steps after which a delayed switch is priced: when the given fractions of the
+        sequences are predicted finished (median scenario)."""
+        ordered = np.sort(median)
+        at = (np.asarray(self.config.delay_levels) * (len(ordered) - 1)).astype(int)
+        delays = np.unique(np.floor(ordered[at]))
+        return delays[delays > 0]
+
+    def _admissible(self, current: Layout) -> list[Layout]:
+        result = []
         for layout in self.candidates:
             if layout == current or not nested(layout, current):
                 continue
-            direction = int(np.sign(layout.tp - current.tp))
-            if self._direction and direction != self._direction:
+            if self._direction and np.sign(layout.tp - current.tp) != self._direction:
                 continue
-            assignment = self._assign(running, current, layout)
-            if not self._fits(running, layout, assignment):
-                continue
-            overhead, migrate = self.switch_overhead(running, current, layout, assignment)
-            run = self.finish_time(
-                layout.tp, layout.dp, assignment, running.context, running.remaining
-            )
-            options.append(Option(layout, run, overhead, assignment, migrate))
+            result.append(layout)
+        return result
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        """Stay or switch, with the predicted time of every option considered.
+
+        Staying and switching now are priced in every quantile scenario; switching after a
+        delay in the median scenario, and a delayed total is the switch-now total shifted by
+        what delaying changes in that scenario. All of it is one vectorised pass."""
+        n, q = running.remaining.shape
+        if n == 0:
+            raise ValueError("decide() needs at least one unfinished sequence")
+        med = q // 2
+        delays = self._delays(running.remaining[:, med])
+        s = len(delays)
+        targets = self._admissible(current)
+        assignments = [self._assign(running, current, t) for t in targets]
+        rows = _Rows()
+        for col in range(q):
+            rows.add(0, col, False, np.inf, current)  # stay to the end
+        for delay in delays:
+            rows.add(0, med, False, delay, current)  # the steps before a delayed switch
+        for j, target in enumerate(targets, start=1):
+            for col in range(q):
+                rows.add(j, col, True, 0.0, target)  # switch now
+            for delay in delays:
+                rows.add(j, med, True, delay, target)  # the steps after a delayed switch
+        times = self._row_times(rows, np.stack([running.replica, *assignments]), running)
+        stay = Option(
+            current, float(times[:q].mean()), 0.0, np.inf, 0, running.replica, np.zeros(n, bool)
+        )
+        options = [stay]
+        if targets:
+            at = np.r_[0.0, delays]
+            median = running.remaining[:, med]
+            alive = median[None, :] > at[:, None]
+            alive[0] = True
+            context = running.context[None, :] + np.minimum(median[None, :], at[:, None])
+            overheads, migrate = self._overheads(current, targets, assignments, context, alive)
+            before = times[q : q + s]
+            per_target = times[q + s :].reshape(len(targets), q + s)
+            for j, target in enumerate(targets):
+                now, after = per_target[j, :q], per_target[j, q:]
+                run, overhead = float(now.mean()), float(overheads[j, 0])
+                later = before + overheads[j, 1:] + after  # median scenario
+                best = int(np.argmin(later)) if s else -1
+                later_s = float(later[best]) if s else np.inf
+                if np.isfinite(overhead):  # carry the all-scenario view of switching now over
+                    later_s += run + overhead - (now[med] + overhead)
+                options.append(
+                    Option(
+                        layout=target,
+                        run_s=run,
+                        overhead_s=overhead,
+                        later_s=later_s,
+                        later_steps=int(delays[best]) if s else 0,
+                        assignment=assignments[j],
+                        migrate=migrate[j, 0],
+                    )
+                )
         decision = self._choose(options, current, running.seq_ids)
         self.decisions.append(decision)
         return decision
@@ -241,22 +400,32 @@ class ReconfigPlanner:
     def _choose(self, options: list[Option], current: Layout, seq_ids: np.ndarray) -> Decision:
         stay, switches = options[0], options[1:]
         self._since_switch += 1
-        if not switches:
+        feasible = [o for o in switches if np.isfinite(o.now_s)]
+        if not feasible:
             return Decision(
                 "stay", current, current, 0.0, 0.0, "no admissible layout", options, seq_ids
             )
-        best = min(switches, key=lambda o: o.run_s + o.overhead_s)
+        best = min(feasible, key=lambda o: o.now_s)
         gain = stay.run_s - best.run_s
         need = best.overhead_s * (1 + self.config.margin) + self.config.min_gain_s
-        if self._since_switch <= self.config.cooldown_calls:
-            reason = f"cooldown: {self._since_switch} of {self.config.cooldown_calls} calls since the last switch"
+
+        def stay_because(reason: str) -> Decision:
             return Decision(
                 "stay", current, current, gain, best.overhead_s, reason, options, seq_ids
             )
+
+        if self._since_switch <= self.config.cooldown_calls:
+            return stay_because(
+                f"cooldown: {self._since_switch} of {self.config.cooldown_calls} calls"
+            )
         if gain <= need:
-            reason = f"best {best.layout}: gain {gain:.4g}s <= needed {need:.4g}s"
-            return Decision(
-                "stay", current, current, gain, best.overhead_s, reason, options, seq_ids
+            return stay_because(f"best {best.layout}: gain {gain:.4g}s <= needed {need:.4g}s")
+        if best.later_s < best.now_s:
+            # only the same target is compared: switching now does not rule out a further
+            # switch later, which a one-switch plan to another target cannot see
+            return stay_because(
+                f"switching to {best.layout} after {best.later_steps} steps "
+                f"({best.later_s:.4g}s) beats switching now ({best.now_s:.4g}s)"
             )
         self._direction = int(np.sign(best.layout.tp - current.tp))
         self._since_switch = 0

@@ -1,0 +1,90 @@
+"""Profiles with known shapes for lenpredict's tests (synthetic: nothing here is measured)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from patrl.lenpredict import (
+    CollectiveRow,
+    DecodeRow,
+    HardwareInfo,
+    ModelInfo,
+    PrefillRow,
+    Profile,
+)
+
+TINY = ModelInfo(
+    name="tiny-llama",
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    num_params=120_000,
+)
+
+StepFn = Callable[[int, int, int], float]
+
+
+def profile_from(
+    step: StepFn,
+    *,
+    tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
+    prefill_per_token_s: float = 1e-4,
+    send_per_byte_s: float = 1e-9,
+    alpha_s: float = 1e-4,
+    num_devices: int = 8,
+    memory_bytes: int = 10**12,
+    dtype: str = "float32",
+) -> Profile:
+    """A profile whose decode rows follow `step(tp, batch, context)` exactly."""
+    decode = [
+        DecodeRow(tp=tp, batch=b, context_tokens=b * c, seconds=step(tp, b, b * c))
+        for tp in tp_sizes
+        for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        for c in (64, 512, 2048, 8192)
+    ]
+    prefill = [
+        PrefillRow(tp=tp, tokens=t, seconds=alpha_s + prefill_per_token_s * t / tp)
+        for tp in tp_sizes
+        for t in (16, 128, 1024, 8192)
+    ]
+    collectives = [
+        CollectiveRow(op=op, nbytes=n, group_size=g, seconds=alpha_s + send_per_byte_s * n)
+        for op in ("all_reduce", "all_gather", "broadcast", "send")
+        for g in (2, 4, 8)
+        for n in (4096, 1 << 20, 1 << 26)
+    ]
+    return Profile(
+        source="measured",
+        hardware=HardwareInfo(
+            name="synthetic",
+            device="synthetic",
+            num_devices=num_devices,
+            memory_bytes_per_device=memory_bytes,
+            interconnect="synthetic",
+        ),
+        model=TINY,
+        dtype=dtype,  # type: ignore[arg-type]
+        decode=decode,
+        prefill=prefill,
+        collectives=collectives,
+    )
+
+
+def flat(tp: int, batch: int, context: int) -> float:
+    """Every step costs the same, whatever the layout: TP can never help."""
+    return 0.01
+
+
+def tp_speeds_up(tp: int, batch: int, context: int) -> float:
+    """Memory-bound GPU-like: weights split over TP ranks, a small per-step collective cost."""
+    return 0.008 / tp + 0.0002 * (tp > 1) + 2e-5 * batch / tp + 1e-8 * context / tp
+
+
+def gloo_like(tp: int, batch: int, context: int) -> float:
+    """Shaped like this CPU box (research/feasibility.md §4, bf16): TP=2 over gloo costs more
+    per step than TP=1 at every batch size (B=1: ~29 ms vs ~60 ms; B=32: ~88 ms vs ~100 ms)."""
+    return 0.029 + 0.0019 * batch + 1e-7 * context + (0.031 if tp > 1 else 0.0) * tp / 2

@@ -1,0 +1,131 @@
+import json
+
+import numpy as np
+import pytest
+
+from patrl.lenpredict import (
+    LengthPredictor,
+    LongTailSpec,
+    PredictorConfig,
+    group_by_step,
+    long_tail_trace,
+)
+
+CHECKPOINTS = (0, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def replay(predictor: LengthPredictor, steps: int = 4, seed: int = 1) -> dict[str, float]:
+    """Replay a long-tail trace the way a rollout reveals it: all samples start together; at each
+    checkpoint length l the samples shorter than l have finished (and are learned from), and
+    every running sample's remaining length is predicted. Epoch 0 only trains. Returns the
+    remaining-length MAE of the predictor's median and of the two baselines."""
+    trace = group_by_step(long_tail_trace(LongTailSpec(), 64, 8, steps=steps, seed=seed))
+    errors: dict[str, list[float]] = {"predictor": [], "global_mean": [], "prompt_last": []}
+    past: list[int] = []
+    last: dict[str, int] = {}
+    for step, groups in trace.items():
+        samples = []
+        for g in groups:
+            group_id = f"{step}/{g.prompt_id}"
+            predictor.start_group(group_id, g.prompt_id, len(g.response_tokens))
+            samples += [(group_id, g.prompt_id, i, n) for i, n in enumerate(g.response_tokens)]
+        samples.sort(key=lambda s: s[3])
+        finished = 0
+        mean = float(np.mean(past)) if past else 1024.0
+        for level in CHECKPOINTS:
+            while finished < len(samples) and samples[finished][3] <= level:
+                group_id, _, i, n = samples[finished]
+                predictor.observe_finished(f"{group_id}/{i}", group_id, n)
+                finished += 1
+            for group_id, prompt_id, i, n in samples[finished:]:
+                median = predictor.predict_remaining(f"{group_id}/{i}", group_id, level)[1]
+                if step == 0:
+                    continue
+                truth = n - level
+                errors["predictor"].append(abs(truth - median))
+                errors["global_mean"].append(abs(truth - max(mean - level, 1.0)))
+                errors["prompt_last"].append(
+                    abs(truth - max(last.get(prompt_id, mean) - level, 1.0))
+                )
+        for group_id, _, i, n in samples[finished:]:
+            predictor.observe_finished(f"{group_id}/{i}", group_id, n)
+        for _, prompt_id, _, n in samples:
+            last[prompt_id] = n
+        past += [s[3] for s in samples]
+    return {name: float(np.mean(e)) for name, e in errors.items()}
+
+
+def test_predictor_beats_global_mean_and_prompt_last_length():
+    mae = replay(LengthPredictor(PredictorConfig(max_length=16384)))
+    assert mae["predictor"] < 0.9 * mae["global_mean"], mae
+    assert mae["predictor"] < 0.9 * mae["prompt_last"], mae
+
+
+def test_online_error_report_matches_a_recount():
+    predictor = LengthPredictor()
+    predictor.start_group("g", "p", 3)
+    made = {}
+    for seq, current in (("a", 0), ("b", 0), ("c", 0), ("c", 50)):
+        made.setdefault(seq, []).append((current, predictor.predict_remaining(seq, "g", current)))
+    lengths = {"a": 40, "b": 90, "c": 200}
+    for seq, n in lengths.items():
+        predictor.observe_finished(seq, "g", n)
+    outcomes = [(lengths[s] - cur, q) for s, preds in made.items() for cur, q in preds]
+    report = predictor.error_report()
+    assert report["scored"] == 4
+    assert report["mae"] == pytest.approx(np.mean([abs(t - q[1]) for t, q in outcomes]))
+    assert report["coverage"]["0.9"] == pytest.approx(np.mean([t <= q[2] for t, q in outcomes]))
+
+
+def test_cold_start_and_quantiles_are_ordered_and_capped():
+    predictor = LengthPredictor(PredictorConfig(max_length=1000, default_length=300))
+    predictor.start_group("g", "p", 4)
+    cold = predictor.predict_remaining("s", "g", 0)
+    assert np.all(np.diff(cold) > 0)
+    assert cold[1] == pytest.approx(300 * np.log(2))  # median of an exponential of mean 300
+    assert predictor.predict_remaining("s", "g", 990).max() <= 10
+
+
+def test_siblings_and_history_move_the_prediction():
+    predictor = LengthPredictor()
+    for epoch in range(3):  # prompt "long" is always ~10x prompt "short"
+        for prompt, scale in (("short", 100), ("long", 1000)):
+            gid = f"{epoch}/{prompt}"
+            predictor.start_group(gid, prompt, 4)
+            for i, f in enumerate((0.8, 0.9, 1.1, 1.2)):
+                predictor.observe_finished(f"{gid}/{i}", gid, int(scale * f))
+    assert predictor.expected_length("long") > 4 * predictor.expected_length("short")
+    assert predictor.expected_length("unseen") == pytest.approx(predictor.global_mean())
+    predictor.start_group("new", "unseen", 4)
+    before = predictor.group_scale("new")
+    predictor.observe_finished("new/0", "new", 3000)  # its shortest sibling is already long
+    assert predictor.group_scale("new") > 2 * before
+
+
+def test_survival_is_the_empirical_conditional():
+    predictor = LengthPredictor()
+    predictor.start_group("g", "p", 5)
+    for i, n in enumerate((10, 20, 30, 40, 50)):
+        predictor.observe_finished(str(i), "g", n)
+    assert predictor.survival(25, 10) == pytest.approx(2 / 3)  # of {30,40,50}, 40 and 50 pass 35
+    assert predictor.survival(60, 1) == 0.0
+
+
+def test_state_dict_round_trip():
+    predictor = LengthPredictor(PredictorConfig(max_length=16384))
+    replay(predictor, steps=2)
+    predictor.start_group("open", "p3", 8)
+    predictor.observe_finished("open/0", "open", 777)
+    predictor.predict_remaining("open/1", "open", 100)
+    state = json.loads(json.dumps(predictor.state_dict()))  # survives a JSON checkpoint
+    restored = LengthPredictor(PredictorConfig(max_length=16384))
+    restored.load_state_dict(state)
+    assert restored.error_report() == predictor.error_report()
+    for current in (0, 500, 5000):
+        np.testing.assert_array_equal(
+            restored.predict_remaining("x", "open", current),
+            predictor.predict_remaining("x", "open", current),
+        )
+    assert restored.expected_length("p3") == predictor.expected_length("p3")
+    with pytest.raises(ValueError, match="config"):
+        LengthPredictor(PredictorConfig(max_length=8)).load_state_dict(state)

@@ -1,0 +1,110 @@
+import json
+
+import numpy as np
+import pytest
+from lenpredict_cases import TINY, flat, gloo_like, profile_from, tp_speeds_up
+from pydantic import ValidationError
+
+from patrl.lenpredict import (
+    LLAMA31_8B,
+    QWEN3_14B,
+    LatencyModel,
+    Profile,
+    ProfileMismatchError,
+    held_out_error,
+    roofline_profile,
+)
+from patrl.lenpredict.latency_model import fit_step
+from patrl.lenpredict.profile import DecodeRow
+
+
+def test_profile_json_round_trip(tmp_path):
+    profile = profile_from(tp_speeds_up)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert json.loads(path.read_text())["model"]["num_layers"] == TINY.num_layers
+
+
+def test_profile_refuses_other_model_naming_the_field():
+    profile = profile_from(flat)
+    profile.check_matches(TINY.model_copy(update={"name": "fine-tuned"}), "float32")
+    with pytest.raises(ProfileMismatchError, match=r"model\.num_kv_heads=2.*num_kv_heads=8"):
+        profile.check_matches(TINY.model_copy(update={"num_kv_heads": 8}), "float32")
+    with pytest.raises(ProfileMismatchError, match=r"dtype=.float32.*dtype=.bfloat16."):
+        profile.check_matches(TINY, "bfloat16")
+
+
+def test_profile_rejects_unknown_keys_and_impossible_tp(tmp_path):
+    data = json.loads(profile_from(flat).model_dump_json())
+    data["decode"][0]["batch_size"] = 3
+    with pytest.raises(ValidationError, match="batch_size"):
+        Profile.model_validate(data)
+    data = json.loads(profile_from(flat).model_dump_json())
+    data["decode"][0]["tp"] = 3
+    with pytest.raises(ValidationError, match="tp=3"):
+        Profile.model_validate(data)
+
+
+def test_step_fit_recovers_linear_coefficients():
+    fit = fit_step(
+        [
+            DecodeRow(tp=1, batch=b, context_tokens=c, seconds=0.004 + 3e-5 * b + 2e-8 * c)
+            for b in (1, 4, 16, 64, 256)
+            for c in (100, 10_000, 1_000_000)
+        ]
+    )
+    assert fit.knee == float("inf")  # no knee in the data: the simpler form wins
+    np.testing.assert_allclose(fit.coef[:3], [0.004, 3e-5, 2e-8], rtol=1e-6)
+
+
+def test_step_fit_finds_the_roofline_knee():
+    def step(b: int, c: int) -> float:
+        return max(0.006, 4e-5 * b) + 1e-8 * c
+
+    rows = [
+        DecodeRow(tp=1, batch=b, context_tokens=b * c, seconds=step(b, b * c))
+        for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+        for c in (256, 2048)
+    ]
+    fit = fit_step(rows)
+    assert fit.knee in (128.0, 256.0)
+    assert fit.cv_mape < 0.05
+
+
+def test_latency_model_prefill_collectives_and_reshard():
+    model = LatencyModel.fit(profile_from(tp_speeds_up, prefill_per_token_s=1e-4, alpha_s=1e-3))
+    assert model.prefill_time(2, [1000]) == pytest.approx(1e-3 + 1e-4 * 1000 / 2, rel=1e-6)
+    # one batch pays the fixed cost once
+    assert model.prefill_time(2, [500, 500]) == pytest.approx(1e-3 + 1e-4 * 1000 / 2, rel=1e-6)
+    assert model.prefill_time(2, []) == 0.0
+    assert model.collective_time("send", 1 << 20, 2) == pytest.approx(1e-3 + 1e-9 * (1 << 20))
+    assert model.collective_time("all_reduce", 10, 1) == 0.0
+    assert model.weight_reshard_time(2, 8) == 0.0  # narrowing in place moves nothing
+    assert model.weight_reshard_time(8, 2) > 0.0
+    with pytest.raises(KeyError, match="tp=3"):
+        model.step_time(3, 1, 1)
+
+
+def test_noisy_profile_held_out_error_within_target():
+    rng = np.random.default_rng(0)
+
+    def noisy(tp: int, b: int, c: int) -> float:
+        return gloo_like(tp, b, c) * float(np.exp(rng.normal(0, 0.05)))
+
+    errors = held_out_error(profile_from(noisy, tp_sizes=(1, 2)))
+    assert all(err < 0.10 for err in errors.values()), errors
+
+
+@pytest.mark.parametrize("model", [LLAMA31_8B, QWEN3_14B])
+def test_roofline_profile_fits_and_behaves_like_a_gpu(model):
+    profile = roofline_profile(model)
+    assert profile.source == "roofline" and "SIMULATED" in profile.notes["label"]
+    latency = LatencyModel.fit(profile)
+    assert max(held_out_error(profile).values()) < 0.02
+    # memory-bound at batch 1: more TP ranks read a smaller weight shard each
+    single = [float(latency.step_time(tp, 1, 1000)) for tp in (1, 2, 4, 8)]
+    assert single == sorted(single, reverse=True)
+    # and a replica holds more KV the more ranks it spans
+    capacity = [latency.kv_capacity_tokens(tp, 0.9) for tp in (1, 2, 4, 8)]
+    assert capacity == sorted(capacity) and capacity[0] > 0
