@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks of the rollout models; each parameter loads itself."""

@@ -1,0 +1,59 @@
+"""flash-attn varlen attention over the paged KV cache (CUDA only).
+
+Imported only when the `flash` backend is selected, so CPU machines never touch flash_attn.
+flash-attn's causal mask is aligned to the lower right (since 2.1), which is what prefix hits,
+chunked prefill and decode need. Its paged path requires block_size % 256 == 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from patrl.rollout.layers.attention.backend import AttentionBackend
+from patrl.rollout.layers.attention.context import AttentionContext
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the flash attention backend needs CUDA; use 'sdpa' on CPU")
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError as e:
+            raise RuntimeError(
+                "the flash attention backend needs flash-attn "
+                "(pip install 'patrl-rollout[cuda]'); use 'sdpa' without it"
+            ) from e
+        self.varlen: Any = flash_attn_varlen_func
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        if ctx.kv_cache is None:
+            return self.varlen(
+                q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q,
+                ctx.max_query_len, ctx.max_query_len, causal=True,
+            )  # fmt: skip
+        assert ctx.slot_mapping is not None
+        ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
+        layer_tensors = getattr(ctx.kv_cache, "layer_tensors", None)
+        if layer_tensors is None:
+            raise TypeError(
+                f"{type(ctx.kv_cache).__name__} has no layer_tensors(layer); the flash backend "
+                "reads the paged blocks directly (see PagedKVTensors)"
+            )
+        k_cache, v_cache = layer_tensors(layer_idx)
+        return self.varlen(
+            q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+            ctx.max_query_len, ctx.max_context_len, causal=True,
+            block_table=ctx.block_table_tensor(),
+        )  # fmt: skip

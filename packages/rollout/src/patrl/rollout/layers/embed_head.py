@@ -1,0 +1,55 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Each rank holds `ceil(vocab / tp)` rows (tpreshard's vocab spec). The embedding looks up only
+the ids it owns and all-reduces; the head computes its logit columns and all-gathers them, so
+every TP rank holds the full logits and samples identically.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from patrl.rollout.layers.sharded import ShardedModule
+from patrl.tpreshard import ParallelLayout, ShardSpec, vocab_range
+
+
+class VocabParallelEmbedding(ShardedModule):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        layout: ParallelLayout,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(layout)
+        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, layout.tp_rank, layout.tp_size)
+        self.weight = self.add_param(
+            "weight", (vocab_size, hidden_size), ShardSpec.vocab(), dtype, device
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        owned = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(owned, ids - self.vocab_start, 0)
+        y = F.embedding(local, self.weight).masked_fill_(~owned.unsqueeze(-1), 0)
+        dist.all_reduce(y, group=self.layout.tp_group)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> full-vocabulary logits on every TP rank (weight may be tied to the embedding)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.layout.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.layout.tp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=self.layout.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        # Drop the padding rows of the last rank's vocabulary block.
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,138 @@
+"""Read a Hugging Face model directory and load full tensors into a TP-sharded model.
+
+`load_weights(model, named_tensors)` is the only weight path: checkpoint loading feeds it the
+directory's safetensors, and weight sync feeds it the trainer's full tensors under their HF
+names. Each parameter's `weight_loader` cuts the tensor for this rank's layout.
+Nothing here touches the network: directories are read with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
+
+from patrl.rollout.layers.attention.backend import AttentionBackend
+from patrl.rollout.models import build_model
+from patrl.rollout.models.causal_lm import CausalLM
+from patrl.tpreshard import ParallelLayout
+
+# Checkpoint entries that are derived, not learned (old Llama checkpoints carry these).
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(model_dir: str | Path) -> Any:
+    """The directory's transformers config (config.json)."""
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def read_tokenizer(model_dir: str | Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def read_eos_token_ids(model_dir: str | Path) -> list[int]:
+    """Stop ids: generation_config.json's eos_token_id if present, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a directory, through the shard index when there is one."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {root}")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor in the directory, one at a time."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load full tensors under their HF names; return the keys loaded (see `weight_keys`)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for hf_name, full in named_tensors:
+        if hf_name.endswith(_DERIVED_SUFFIXES):
+            continue
+        name, part = _map_name(hf_name, model)
+        param = params.get(name)
+        if param is None:
+            raise KeyError(
+                f"checkpoint tensor {hf_name!r} matches no parameter of this "
+                f"{model.config.model_type} model (looked for {name!r}); parameters are named "
+                "like 'model.layers.0.self_attn.q_proj.weight', 'model.norm.weight', "
+                "'lm_head.weight'"
+            )
+        param.weight_loader(param, full, part)  # type: ignore[attr-defined]
+        loaded.add(name if part is None else f"{name}:{part}")
+    return loaded
+
+
+def weight_keys(model: CausalLM) -> set[str]:
+    """Every key `load_weights` must see for a complete load (fused parts counted separately)."""
+    keys: set[str] = set()
+    for name, param in model.named_parameters():
+        spec = param.shard_spec  # type: ignore[attr-defined]
+        if spec.parts:
+            keys.update(f"{name}:{p.name}" for p in spec.parts)
+        else:
+            keys.add(name)
+    return keys
+
+
+def load_model(
+    model_dir: str | Path,
+    layout: ParallelLayout | None = None,
+    *,
+    attention: str | AttentionBackend = "auto",
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
+    """Build the model for `model_dir`'s config and load its safetensors, cut for `layout`."""
+    config = read_config(model_dir)
+    model = build_model(
+        config, layout, attention=attention, dtype=dtype or _config_dtype(config), device=device
+    )
+    missing = weight_keys(model) - load_weights(model, iter_checkpoint(model_dir))
+    if missing:
+        raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+    return model
+
+
+def _map_name(hf_name: str, model: CausalLM) -> tuple[str, str | None]:
+    for hf_module, (fused, part) in model.packed_modules_mapping.items():
+        if f".{hf_module}." in hf_name:
+            return hf_name.replace(f".{hf_module}.", f".{fused}."), part
+    return hf_name, None
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"config dtype {dtype!r} is not supported; supported: {list(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,248 @@
+"""Test helpers for patrl.rollout: tiny HF configs, two slow KV caches, a step driver.
+
+The caches implement the KVCache interface the attention backends use (the one
+patrl.kvstore.PagedKVCache provides), written for obviousness, not speed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.loader import load_model
+from patrl.rollout.models.causal_lm import CausalLM
+from patrl.tpreshard import ParallelLayout
+
+# transformers' model classes are imported inside the functions that need them: spawned ranks
+# import this module and should not pay seconds for modelling code they never run.
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    attn_implementation="eager",
+)
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """Llama: GQA + llama3 rope scaling; Qwen2: qkv bias + tied embeddings; Qwen3: q/k norm."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return LlamaConfig(**{**_TINY, "vocab_size": 250, "rope_scaling": rope, **overrides})
+    if family == "qwen2":
+        return Qwen2Config(**{**_TINY, "vocab_size": 256, "tie_word_embeddings": True, **overrides})
+    if family == "qwen3":
+        # head_dim 32 != hidden / heads, and biases everywhere (o_proj's exercises the row bias).
+        return Qwen3Config(
+            **{**_TINY, "vocab_size": 200, "head_dim": 32, "attention_bias": True, **overrides}
+        )
+    raise ValueError(family)
+
+
+def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    model = cls[family](tiny_config(family, **overrides)).eval()
+    # HF zero-initialises biases and sets norms to one; randomise them so they are tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf_model(model: Any, path: Path, **kwargs: Any) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+class DenseKVCache:
+    """One contiguous [max_len] KV buffer per sequence: block table [[i]], slot = i*max_len + pos."""
+
+    def __init__(
+        self, layers: int, seqs: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        self.block_size = max_len
+        self.k = torch.zeros(layers, seqs, max_len, kv_heads, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        for row, slot in enumerate(slot_mapping.tolist()):
+            if slot >= 0:
+                seq, pos = divmod(slot, self.block_size)
+                self.k[layer, seq, pos] = k[row]
+                self.v[layer, seq, pos] = v[row]
+
+    def gather(
+        self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ks = [self.k[layer, t[0], :n] for t, n in zip(block_tables, context_lens, strict=True)]
+        vs = [self.v[layer, t[0], :n] for t, n in zip(block_tables, context_lens, strict=True)]
+        return ks, vs
+
+
+class PagedKVCache:
+    """Small blocks handed out in shuffled order, so block tables are never contiguous."""
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.block_size = block_size
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        # NaN in unwritten slots: reading one would poison the logits, not pass silently.
+        self.k = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(layers)]
+        self.v = [torch.full_like(x, float("nan")) for x in self.k]
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        for row, slot in enumerate(slot_mapping.tolist()):
+            if slot >= 0:
+                block, offset = divmod(slot, self.block_size)
+                self.k[layer][block, offset] = k[row]
+                self.v[layer][block, offset] = v[row]
+
+    def gather(
+        self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ks, vs = [], []
+        for table, n in zip(block_tables, context_lens, strict=True):
+            rows = [divmod(pos, self.block_size) for pos in range(n)]
+            ks.append(torch.stack([self.k[layer][table[b], o] for b, o in rows]))
+            vs.append(torch.stack([self.v[layer][table[b], o] for b, o in rows]))
+        return ks, vs
+
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+
+class Driver:
+    """Feeds chunks of tokens to a model sequence by sequence, keeping the cache bookkeeping."""
+
+    def __init__(self, model: CausalLM, num_seqs: int, cache: str, max_len: int = 64) -> None:
+        c = model.config
+        kv_heads = max(1, c.num_kv_heads // model.layout.tp_size)
+        dtype = model.lm_head.weight.dtype
+        self.model = model
+        self.lens = [0] * num_seqs
+        if cache == "dense":
+            self.cache: DenseKVCache | PagedKVCache = DenseKVCache(
+                c.num_layers, num_seqs, max_len, kv_heads, c.head_dim, dtype
+            )
+            self.tables = [[i] for i in range(num_seqs)]
+        else:
+            block = 4
+            blocks = num_seqs * -(-max_len // block)
+            self.cache = PagedKVCache(c.num_layers, blocks, block, kv_heads, c.head_dim, dtype)
+            self.free = list(range(blocks))
+            random.Random(0).shuffle(self.free)
+            self.tables = [[] for _ in range(num_seqs)]
+
+    def step(self, chunks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Append chunks[i] (may be empty: sequence i sits out) -> logits per new token, per seq."""
+        active = [i for i, c in enumerate(chunks) if c]
+        slots: list[int] = []
+        for i in active:
+            for pos in range(self.lens[i], self.lens[i] + len(chunks[i])):
+                block, offset = divmod(pos, self.cache.block_size)
+                while len(self.tables[i]) <= block:
+                    self.tables[i].append(self.free.pop())
+                slots.append(self.tables[i][block] * self.cache.block_size + offset)
+            self.lens[i] += len(chunks[i])
+        ctx = AttentionContext.build(
+            [len(chunks[i]) for i in active],
+            [self.lens[i] for i in active],
+            slot_mapping=slots,
+            block_tables=[self.tables[i] for i in active],
+            kv_cache=self.cache,
+        )
+        ids = torch.tensor([t for i in active for t in chunks[i]])
+        logits = self.model.compute_logits(self.model(ids, ctx))
+        out = [torch.empty(0)] * len(chunks)
+        for i, part in zip(active, logits.split(ctx.query_lens), strict=True):
+            out[i] = part
+        return out
+
+
+def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts of different lengths and 10 continuation tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 13, 3)]
+    conts = [torch.randint(0, vocab, (10,), generator=g).tolist() for _ in prompts]
+    return prompts, conts
+
+
+@torch.no_grad()
+def hf_reference(hf: Any, prompts: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
+    """HF logits of every position of prompt + continuation, one sequence at a time."""
+    return [hf(torch.tensor([p + c])).logits[0] for p, c in zip(prompts, conts, strict=True)]
+
+
+def max_diff_prefill_and_decode(
+    model: CausalLM,
+    refs: list[torch.Tensor],
+    prompts: list[list[int]],
+    conts: list[list[int]],
+    cache: str,
+) -> float:
+    """Prefill (in two chunks with the paged cache), then 10 decode steps; worst |logit diff|."""
+    driver = Driver(model, len(prompts), cache)
+    worst = 0.0
+    if cache == "paged":
+        # Chunked prefill: the second chunk attends to a cached first chunk (lower-right mask).
+        # The third sequence prefills whole in the second step, beside the others' chunks.
+        cut = [len(p) // 2 if len(p) > 4 else 0 for p in prompts]
+        first = driver.step([p[:c] for p, c in zip(prompts, cut, strict=True)])
+        second = driver.step([p[c:] for p, c in zip(prompts, cut, strict=True)])
+        for i, c in enumerate(cut):
+            got = torch.cat([first[i], second[i]]) if c else second[i]
+            worst = max(worst, (got - refs[i][: len(prompts[i])]).abs().max().item())
+    else:
+        out = driver.step(prompts)
+        for i, p in enumerate(prompts):
+            worst = max(worst, (out[i] - refs[i][: len(p)]).abs().max().item())
+    for j in range(10):
+        out = driver.step([[c[j]] for c in conts])
+        for i, p in enumerate(prompts):
+            worst = max(worst, (out[i][0] - refs[i][len(p) + j]).abs().max().item())
+    return worst
+
+
+def tp_parity_body(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[float]:
+    """Rank body: load each (path, prompts, conts, refs, cache) case at TP=world_size."""
+    tp_group = dist.new_group(list(range(world_size)))
+    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=tp_group)
+    diffs = []
+    for path, prompts, conts, refs, cache in cases:
+        model = load_model(path, layout, attention="sdpa", dtype=torch.float32)
+        diffs.append(max_diff_prefill_and_decode(model, refs, prompts, conts, cache))
+    return diffs
