@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import patrl.kvstore as kvstore
+from patrl.kvstore import KVCacheSpec
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import load_model
 from patrl.rollout.models.causal_lm import CausalLM
@@ -141,9 +143,6 @@ class PagedKVCache:
             vs.append(torch.stack([self.v[layer][table[b], o] for b, o in rows]))
         return ks, vs
 
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
-
 
 class Driver:
     """Feeds chunks of tokens to a model sequence by sequence, keeping the cache bookkeeping."""
@@ -154,10 +153,17 @@ class Driver:
         dtype = model.lm_head.weight.dtype
         self.model = model
         self.lens = [0] * num_seqs
-        if cache == "dense":
-            self.cache: DenseKVCache | PagedKVCache = DenseKVCache(
-                c.num_layers, num_seqs, max_len, kv_heads, c.head_dim, dtype
-            )
+        self.cache: DenseKVCache | PagedKVCache | kvstore.PagedKVCache
+        if cache == "kvstore":
+            # The real store's tensors, driven by this test's own block allocation.
+            spec = KVCacheSpec(c.num_layers, kv_heads, c.head_dim, block_size=4, dtype=dtype)
+            blocks = num_seqs * -(-max_len // 4)
+            self.cache = kvstore.PagedKVCache(spec, blocks, enable_prefix_caching=False)
+            self.free = list(range(blocks))
+            random.Random(1).shuffle(self.free)
+            self.tables = [[] for _ in range(num_seqs)]
+        elif cache == "dense":
+            self.cache = DenseKVCache(c.num_layers, num_seqs, max_len, kv_heads, c.head_dim, dtype)
             self.tables = [[i] for i in range(num_seqs)]
         else:
             block = 4
@@ -167,16 +173,23 @@ class Driver:
             random.Random(0).shuffle(self.free)
             self.tables = [[] for _ in range(num_seqs)]
 
+    @property
+    def block_size(self) -> int:
+        cache = self.cache
+        return (
+            cache.spec.block_size if isinstance(cache, kvstore.PagedKVCache) else cache.block_size
+        )
+
     def step(self, chunks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Append chunks[i] (may be empty: sequence i sits out) -> logits per new token, per seq."""
         active = [i for i, c in enumerate(chunks) if c]
         slots: list[int] = []
         for i in active:
             for pos in range(self.lens[i], self.lens[i] + len(chunks[i])):
-                block, offset = divmod(pos, self.cache.block_size)
+                block, offset = divmod(pos, self.block_size)
                 while len(self.tables[i]) <= block:
                     self.tables[i].append(self.free.pop())
-                slots.append(self.tables[i][block] * self.cache.block_size + offset)
+                slots.append(self.tables[i][block] * self.block_size + offset)
             self.lens[i] += len(chunks[i])
         ctx = AttentionContext.build(
             [len(chunks[i]) for i in active],
@@ -217,7 +230,7 @@ def max_diff_prefill_and_decode(
     """Prefill (in two chunks with the paged cache), then 10 decode steps; worst |logit diff|."""
     driver = Driver(model, len(prompts), cache)
     worst = 0.0
-    if cache == "paged":
+    if cache != "dense":
         # Chunked prefill: the second chunk attends to a cached first chunk (lower-right mask).
         # The third sequence prefills whole in the second step, beside the others' chunks.
         cut = [len(p) // 2 if len(p) > 4 else 0 for p in prompts]

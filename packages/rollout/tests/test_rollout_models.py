@@ -40,7 +40,7 @@ def _case(family: str, tmp: Path, **save_kwargs: object) -> tuple[Path, list, li
     return path, prompts, conts, hf_reference(hf, prompts, conts)
 
 
-@pytest.mark.parametrize("cache", ["dense", "paged"])
+@pytest.mark.parametrize("cache", ["dense", "paged", "kvstore"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers_at_tp1(family: str, cache: str, tmp_path: Path) -> None:
     path, prompts, conts, refs = _case(family, tmp_path)

@@ -37,12 +37,14 @@ class KVCache(Protocol):
         ...
 
 
-class PagedKVTensors(Protocol):
-    """What a fused paged kernel (flash) needs on top of `KVCache`: the raw block tensors."""
+class PagedKVTensors(KVCache, Protocol):
+    """What a fused paged kernel (flash) reads on top of `KVCache`: the raw block tensors.
 
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of layer `layer`, each [num_blocks, block_size, kv_heads, head_dim]."""
-        ...
+    `k[layer]` and `v[layer]` are [num_blocks, block_size, kv_heads, head_dim].
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 @dataclass(slots=True)

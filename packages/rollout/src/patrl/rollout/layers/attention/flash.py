@@ -45,13 +45,12 @@ class FlashBackend(AttentionBackend):
             )  # fmt: skip
         assert ctx.slot_mapping is not None
         ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
-        layer_tensors = getattr(ctx.kv_cache, "layer_tensors", None)
-        if layer_tensors is None:
+        if not (hasattr(ctx.kv_cache, "k") and hasattr(ctx.kv_cache, "v")):
             raise TypeError(
-                f"{type(ctx.kv_cache).__name__} has no layer_tensors(layer); the flash backend "
-                "reads the paged blocks directly (see PagedKVTensors)"
+                f"{type(ctx.kv_cache).__name__} has no per-layer block tensors k and v; the "
+                "flash backend reads the paged blocks directly (see PagedKVTensors)"
             )
-        k_cache, v_cache = layer_tensors(layer_idx)
+        k_cache, v_cache = ctx.kv_cache.k[layer_idx], ctx.kv_cache.v[layer_idx]
         return self.varlen(
             q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
             ctx.max_query_len, ctx.max_context_len, causal=True,

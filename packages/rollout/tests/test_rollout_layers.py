@@ -1,0 +1,195 @@
+"""Attention backends, their context, rotary embeddings: each against a slow twin or HF."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from rollout_testkit import PagedKVCache
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.registry import (
+    attention_backend_names,
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from patrl.rollout.layers.attention.sdpa import SdpaBackend
+from patrl.rollout.layers.rotary import RotaryEmbedding
+from patrl.rollout.model_config import ModelConfig
+
+HQ, HK, D = 4, 2, 8
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Slow twin, from the definition: query j of Q new tokens sees keys 0 .. L - Q + j."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    out = torch.empty_like(q)
+    for j in range(n_q):
+        last = n_k - n_q + j
+        for h in range(HQ):
+            kv = h // (HQ // HK)
+            scores = (k[: last + 1, kv] @ q[j, h]) / D**0.5
+            out[j, h] = scores.softmax(0) @ v[: last + 1, kv]
+    return out
+
+
+def _paged_batch(
+    query_lens: list[int], context_lens: list[int], seed: int = 0
+) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A cache holding each sequence's cached prefix; q/k/v of the new tokens; full K/V."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, 64, 4, HK, D, torch.float32)
+    free = torch.randperm(64, generator=g).tolist()
+    tables, new_slots, full_k, full_v = [], [], [], []
+    for q_len, ctx_len in zip(query_lens, context_lens, strict=True):
+        table = [free.pop() for _ in range(-(-ctx_len // 4))]
+        slots = [table[p // 4] * 4 + p % 4 for p in range(ctx_len)]
+        k, v = torch.randn(ctx_len, HK, D, generator=g), torch.randn(ctx_len, HK, D, generator=g)
+        cached = ctx_len - q_len
+        cache.write(0, torch.tensor(slots[:cached], dtype=torch.long), k[:cached], v[:cached])
+        tables.append(table)
+        new_slots += slots[cached:]
+        full_k.append(k)
+        full_v.append(v)
+    ctx = AttentionContext.build(
+        query_lens, context_lens, slot_mapping=new_slots, block_tables=tables, kv_cache=cache
+    )
+    q = torch.randn(sum(query_lens), HQ, D, generator=g)
+    k_new = torch.cat(
+        [k[c - n :] for k, n, c in zip(full_k, query_lens, context_lens, strict=True)]
+    )
+    v_new = torch.cat(
+        [v[c - n :] for v, n, c in zip(full_v, query_lens, context_lens, strict=True)]
+    )
+    twin = [
+        naive_attention(qi, k, v)
+        for qi, k, v in zip(q.split(query_lens), full_k, full_v, strict=True)
+    ]
+    return ctx, q, k_new, v_new, twin
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([5, 3, 1, 1, 1], [5, 8, 4, 7, 1]),  # prefill, chunk after a cached prefix, decodes
+        ([1, 1, 1], [9, 2, 13]),  # decode only (the batched path)
+        ([1], [6]),  # one decode (the per-sequence path)
+        ([6, 2], [6, 10]),
+    ],
+)
+def test_sdpa_over_a_paged_cache_matches_the_naive_twin(
+    query_lens: list[int], context_lens: list[int]
+) -> None:
+    ctx, q, k, v, twin = _paged_batch(query_lens, context_lens)
+    out = SdpaBackend().forward(q, k, v, 0, ctx)
+    torch.testing.assert_close(out, torch.cat(twin), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_writes_the_new_tokens_into_the_cache() -> None:
+    ctx, q, k, v, _ = _paged_batch([2, 1], [5, 3])
+    SdpaBackend().forward(q, k, v, 0, ctx)
+    assert ctx.kv_cache is not None and ctx.block_tables is not None
+    ks, vs = ctx.kv_cache.gather(0, ctx.block_tables, ctx.context_lens)
+    assert torch.equal(torch.cat([ks[0][3:], ks[1][2:]]), k)
+    assert torch.equal(torch.cat([vs[0][3:], vs[1][2:]]), v)
+
+
+def test_sdpa_without_a_cache_is_causal_within_each_sequence() -> None:
+    g = torch.Generator().manual_seed(1)
+    lens = [4, 1, 6]
+    q = torch.randn(11, HQ, D, generator=g)
+    k, v = torch.randn(11, HK, D, generator=g), torch.randn(11, HK, D, generator=g)
+    out = SdpaBackend().forward(q, k, v, 0, AttentionContext.build(lens))
+    twin = [
+        naive_attention(*xs) for xs in zip(q.split(lens), k.split(lens), v.split(lens), strict=True)
+    ]
+    torch.testing.assert_close(out, torch.cat(twin), rtol=1e-5, atol=1e-5)
+
+
+def test_context_derives_positions_and_offsets() -> None:
+    ctx = AttentionContext.build(
+        [3, 1, 2], [3, 7, 5], slot_mapping=list(range(6)), block_tables=[[0], [1, 2], [3, 4]],
+        kv_cache=PagedKVCache(1, 8, 4, HK, D, torch.float32),
+    )  # fmt: skip
+    assert ctx.positions.tolist() == [0, 1, 2, 6, 3, 4]
+    assert ctx.cu_seqlens_q.tolist() == [0, 3, 4, 6]
+    assert ctx.cu_seqlens_k.tolist() == [0, 3, 10, 15]
+    assert ctx.last_token_indices().tolist() == [2, 3, 5]
+    assert (ctx.max_query_len, ctx.max_context_len, ctx.num_seqs) == (3, 7, 3)
+    assert ctx.block_table_tensor().tolist() == [[0, 0], [1, 2], [3, 4]]
+
+
+def test_context_rejects_inconsistent_metadata() -> None:
+    cache = PagedKVCache(1, 8, 4, HK, D, torch.float32)
+    with pytest.raises(
+        ValueError, match=r"sequence 1: need 1 <= query_len <= context_len, got query_len=0"
+    ):
+        AttentionContext.build(
+            [2, 0], [2, 4], slot_mapping=[0, 1], block_tables=[[0], [1]], kv_cache=cache
+        )
+    with pytest.raises(ValueError, match=r"query_len=5, context_len=3"):
+        AttentionContext.build([5], [3], slot_mapping=[0] * 5, block_tables=[[0]], kv_cache=cache)
+    with pytest.raises(ValueError, match=r"without a kv_cache every token must be new"):
+        AttentionContext.build([1], [4])
+    with pytest.raises(ValueError, match=r"slot_mapping has shape \(2,\), expected \(3,\)"):
+        AttentionContext.build([3], [3], slot_mapping=[0, 1], block_tables=[[0]], kv_cache=cache)
+    with pytest.raises(ValueError, match=r"needs both slot_mapping and block_tables"):
+        AttentionContext.build([3], [3], kv_cache=cache)
+    with pytest.raises(ValueError, match=r"2 block tables for 1 sequences"):
+        AttentionContext.build([1], [1], slot_mapping=[0], block_tables=[[0], [1]], kv_cache=cache)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_transformers(rope: dict | None, dtype: torch.dtype) -> None:
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=500000.0, rope_scaling=rope,
+    )  # fmt: skip
+    positions = torch.tensor([0, 1, 2, 31, 32, 100, 255])
+    q = torch.randn(len(positions), 4, 16).to(dtype)
+    k = torch.randn(len(positions), 2, 16).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    ours = RotaryEmbedding(16, ModelConfig.from_hf(config).rope, 256)
+    q_out, k_out = ours(positions, q, k)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1))
+    assert torch.equal(k_out, k_ref[0].transpose(0, 1))
+
+
+def test_auto_picks_sdpa_on_cpu_without_importing_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "patrl.rollout.layers.attention.flash", raising=False)
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert resolve_attention_backend("auto") == "sdpa"
+    assert isinstance(create_attention_backend("auto"), SdpaBackend)
+    assert "patrl.rollout.layers.attention.flash" not in sys.modules
+    assert "flash_attn" not in sys.modules
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    assert attention_backend_names() == ["sdpa", "flash", "auto"]
+    with pytest.raises(
+        ValueError,
+        match=r"unknown attention backend 'xformers'; choose one of \['sdpa', 'flash', 'auto'\]",
+    ):
+        create_attention_backend("xformers")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_flash_refuses_clearly_without_cuda() -> None:
+    with pytest.raises(RuntimeError, match=r"the flash attention backend needs CUDA; use 'sdpa'"):
+        create_attention_backend("flash")
