@@ -33,6 +33,7 @@ def profile_from(
     *,
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     prefill_per_token_s: float = 1e-4,
+    prefill_quadratic_s: float = 0.0,
     send_per_byte_s: float = 1e-9,
     alpha_s: float = 1e-4,
     num_devices: int = 8,
@@ -47,7 +48,11 @@ def profile_from(
         for c in (64, 512, 2048, 8192)
     ]
     prefill = [
-        PrefillRow(tp=tp, tokens=t, seconds=alpha_s + prefill_per_token_s * t / tp)
+        PrefillRow(
+            tp=tp,
+            tokens=t,
+            seconds=alpha_s + (prefill_per_token_s * t + prefill_quadratic_s * t * t) / tp,
+        )
         for tp in tp_sizes
         for t in (16, 128, 1024, 8192)
     ]
@@ -88,3 +93,8 @@ def gloo_like(tp: int, batch: int, context: int) -> float:
     """Shaped like this CPU box (research/feasibility.md §4, bf16): TP=2 over gloo costs more
     per step than TP=1 at every batch size (B=1: ~29 ms vs ~60 ms; B=32: ~88 ms vs ~100 ms)."""
     return 0.029 + 0.0019 * batch + 1e-7 * context + (0.031 if tp > 1 else 0.0) * tp / 2
+
+
+def compute_bound(tp: int, batch: int, context: int) -> float:
+    """Compute-bound with a per-token collective: at large batches DP beats TP."""
+    return 0.001 / tp + 0.002 * batch / tp + (0.0003 + 1e-4 * batch) * (tp > 1)

@@ -98,6 +98,9 @@ class Decision:
     reason: str
     options: list[Option]
     seq_ids: np.ndarray
+    # ask again after this many decode steps, when a delayed switch is the plan (None: the
+    # caller's usual interval)
+    recheck_steps: int | None = None
 
     @property
     def chosen(self) -> Option:
@@ -125,6 +128,7 @@ class Decision:
             },
             "migrate": int(self.chosen.migrate.sum()) if switching else 0,
             "recompute": int((~self.chosen.migrate).sum()) if switching else 0,
+            "recheck_steps": self.recheck_steps,
         }
 
 
@@ -423,10 +427,12 @@ class ReconfigPlanner:
         if best.later_s < best.now_s:
             # only the same target is compared: switching now does not rule out a further
             # switch later, which a one-switch plan to another target cannot see
-            return stay_because(
+            decision = stay_because(
                 f"switching to {best.layout} after {best.later_steps} steps "
                 f"({best.later_s:.4g}s) beats switching now ({best.now_s:.4g}s)"
             )
+            decision.recheck_steps = best.later_steps
+            return decision
         self._direction = int(np.sign(best.layout.tp - current.tp))
         self._since_switch = 0
         reason = f"gain {gain:.4g}s > needed {need:.4g}s"

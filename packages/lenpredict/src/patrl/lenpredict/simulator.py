@@ -163,13 +163,17 @@ class RolloutSimulator:
         if isinstance(policy, AdaptivePolicy):
             self._check_planner(policy.planner)
             policy.planner.new_rollout()
+        steps = 1  # the planner first looks right after the first prefill
         while any(r.has_work() for r in replicas):
             for replica in replicas:
-                self._advance(replica, layout, self.config.plan_interval_steps)
+                self._advance(replica, layout, steps)
+            steps = self.config.plan_interval_steps
             if not isinstance(policy, AdaptivePolicy) or not any(r.has_work() for r in replicas):
                 continue
             decision = self._plan(policy, replicas, layout)
             decisions.append(decision.record())
+            if decision.recheck_steps:
+                steps = min(steps, decision.recheck_steps)
             if decision.action == "switch":
                 replicas = self._switch(replicas, layout, decision)
                 switches.append((replicas[0].clock, str(layout), str(decision.target)))

@@ -1,0 +1,216 @@
+import json
+
+import numpy as np
+import pytest
+from lenpredict_cases import compute_bound, flat, gloo_like, profile_from, tp_speeds_up
+
+from patrl.lenpredict import (
+    AdaptivePolicy,
+    LatencyModel,
+    Layout,
+    PlannerConfig,
+    PromptGroup,
+    ReconfigPlanner,
+    RolloutSimulator,
+    RunningSet,
+    SimConfig,
+    StaticPolicy,
+)
+
+LAYOUTS = [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
+
+
+def latency(step, **kwargs) -> LatencyModel:
+    return LatencyModel.fit(profile_from(step, **kwargs))
+
+
+def running_set(rng, n: int, dp: int, q: int = 3, max_remaining: int = 3000) -> RunningSet:
+    return RunningSet(
+        seq_ids=np.arange(n),
+        replica=rng.integers(0, dp, n),
+        context=rng.integers(50, 4000, n),
+        remaining=np.sort(rng.integers(1, max_remaining, (n, q)), axis=1).astype(float),
+    )
+
+
+def naive_finish(model: LatencyModel, layout: Layout, replica, context, remaining) -> float:
+    """Slow twin of ReconfigPlanner.finish_time: one step at a time, every replica."""
+    per_scenario = []
+    for column in remaining.T:
+        worst = 0.0
+        for r in range(layout.dp):
+            mine = replica == r
+            rem, ctx = column[mine].astype(int), context[mine].astype(float)
+            t, step = 0.0, 0
+            while (alive := rem > step).any():
+                t += float(model.step_time(layout.tp, alive.sum(), (ctx[alive] + step).sum()))
+                step += 1
+            worst = max(worst, t)
+        per_scenario.append(worst)
+    return float(np.mean(per_scenario))
+
+
+def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, assignment, context):
+    """Slow twin of ReconfigPlanner.switch_overhead: a loop over sequences."""
+    lo, hi = sorted((src.tp, dst.tp))
+    per_replica = [0.0] * dst.dp
+    kinds: list[set[str]] = [set() for _ in range(dst.dp)]
+    migrate = []
+    for r, c in zip(assignment, context, strict=True):
+        move = float(model.send_marginal(model.kv_bytes(c) * (1 - lo / hi))) / hi
+        redo = float(model.prefill_marginal(dst.tp, c))
+        migrate.append(move <= redo)
+        per_replica[r] += min(move, redo)
+        kinds[r].add("send" if move <= redo else "prefill")
+    for r in range(dst.dp):
+        per_replica[r] += model.send_fixed() * ("send" in kinds[r])
+        per_replica[r] += model.prefill_fixed(dst.tp) * ("prefill" in kinds[r])
+    fixed = model.switch_fixed_time(world) + model.weight_reshard_time(src.tp, dst.tp)
+    return fixed + max(per_replica), np.array(migrate)
+
+
+@pytest.mark.parametrize("step", [tp_speeds_up, gloo_like, compute_bound])
+def test_finish_time_matches_step_by_step_twin(step):
+    model = latency(step)
+    planner = ReconfigPlanner(model, 8)
+    rng = np.random.default_rng(0)
+    for layout in LAYOUTS:
+        rs = running_set(rng, 12, layout.dp, max_remaining=60)
+        fast = planner.finish_time(layout.tp, layout.dp, rs.replica, rs)
+        slow = naive_finish(model, layout, rs.replica, rs.context, rs.remaining)
+        assert fast == pytest.approx(slow, rel=1e-9)
+
+
+def test_switch_overhead_matches_per_sequence_twin():
+    # quadratic prefill: recompute is cheaper for short contexts, migration for long ones
+    model = latency(
+        tp_speeds_up, prefill_per_token_s=1e-7, prefill_quadratic_s=1e-9, send_per_byte_s=1e-8
+    )
+    planner = ReconfigPlanner(model, 8)
+    rng = np.random.default_rng(1)
+    for src, dst in [
+        (Layout(8, 1), Layout(2, 4)),
+        (Layout(2, 4), Layout(8, 1)),
+        (Layout(4, 2), Layout(1, 8)),
+    ]:
+        rs = running_set(rng, 40, src.dp)
+        rs.context[:20] = rng.integers(8000, 20000, 20)
+        assignment = planner._assign(rs, src, dst)
+        fast, fast_migrate = planner.switch_overhead(rs, src, dst, assignment)
+        slow, slow_migrate = naive_overhead(model, 8, src, dst, assignment, rs.context)
+        assert fast == pytest.approx(slow, rel=1e-9)
+        np.testing.assert_array_equal(fast_migrate, slow_migrate)
+        assert 0 < slow_migrate.sum() < len(slow_migrate)
+
+
+def test_flat_latency_model_never_switches():
+    planner = ReconfigPlanner(latency(flat), 8)
+    rng = np.random.default_rng(2)
+    for layout in LAYOUTS:
+        for n in (1, 5, 200):
+            planner.new_rollout()
+            assert planner.decide(running_set(rng, n, layout.dp), layout).action == "stay"
+
+
+def test_tail_of_one_sequence_with_cheap_reconfig_switches_to_largest_tp():
+    planner = ReconfigPlanner(latency(tp_speeds_up), 8)
+    tail = RunningSet(
+        np.array([7]), np.array([3]), np.array([2000]), np.array([[3000.0, 4000, 6000]])
+    )
+    decision = planner.decide(tail, Layout(8, 1))
+    assert decision.action == "switch" and decision.target == Layout(1, 8)
+    assert decision.gain_s > decision.overhead_s
+
+
+def test_never_switches_when_overhead_exceeds_gain():
+    # both ways of moving KV cost far more than the tail could save
+    model = latency(tp_speeds_up, prefill_per_token_s=10.0, send_per_byte_s=1e-3)
+    planner = ReconfigPlanner(model, 8)
+    tail = RunningSet(
+        np.array([0]), np.array([0]), np.array([4000]), np.array([[3000.0, 4000, 6000]])
+    )
+    decision = planner.decide(tail, Layout(8, 1))
+    assert decision.action == "stay"
+    assert 0 < decision.gain_s <= decision.overhead_s
+    # and whenever it does switch, the gain cleared the margin over the overhead
+    planner = ReconfigPlanner(latency(tp_speeds_up), 8, PlannerConfig(margin=0.5, min_gain_s=0.01))
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        planner.new_rollout()
+        decision = planner.decide(running_set(rng, int(rng.integers(1, 60)), 8), Layout(8, 1))
+        if decision.action == "switch":
+            assert decision.gain_s > 1.5 * decision.overhead_s + 0.01
+
+
+def test_no_oscillation_and_cooldown():
+    model = latency(compute_bound)  # a lone tail wants TP 8, a crowd wants TP 1
+    tail = RunningSet(
+        np.array([0]), np.array([0]), np.array([100]), np.array([[5000.0, 5000, 5000]])
+    )
+    crowd = running_set(np.random.default_rng(4), 200, 2, q=1)
+    down = ReconfigPlanner(model, 8).decide(crowd, Layout(2, 4))
+    assert down.action == "switch" and down.target.tp < 4  # what the crowd alone would do
+
+    planner = ReconfigPlanner(model, 8, PlannerConfig(cooldown_calls=2))
+    assert planner.decide(tail, Layout(4, 2)).target.tp > 2
+    # going back down is refused: first by the cooldown, then by the rollout's direction
+    decisions = [planner.decide(crowd, Layout(2, 4)) for _ in range(4)]
+    assert all(d.action == "stay" for d in decisions)
+    assert [d.reason.startswith("cooldown") for d in decisions] == [True, True, False, False]
+    assert all(o.layout.tp >= 4 for d in decisions for o in d.options)
+    planner.new_rollout()  # a new batch may start anywhere
+    assert planner.decide(crowd, Layout(2, 4)).action == "switch"
+
+
+def test_decisions_are_auditable_records():
+    planner = ReconfigPlanner(latency(tp_speeds_up), 8)
+    rs = running_set(np.random.default_rng(5), 30, 8)
+    planner.decide(rs, Layout(8, 1))
+    record = json.loads(json.dumps(planner.decisions[-1].record()))
+    assert set(record["predicted"]) == {str(layout) for layout in LAYOUTS}
+    assert record["action"] in ("stay", "switch") and record["reason"]
+
+
+GROUPS_TAIL = [PromptGroup("p0", 32, (4000, 40, 40, 40, 40, 40, 40, 40))] + [
+    PromptGroup(f"p{i}", 32, (30,) * 8) for i in range(1, 8)
+]
+GROUPS_CROWD = [PromptGroup(f"p{i}", 32, (600,) * 8) for i in range(16)]
+
+
+@pytest.mark.parametrize(
+    ("step", "groups"),
+    [
+        (tp_speeds_up, GROUPS_TAIL),
+        (flat, GROUPS_CROWD),
+        (gloo_like, GROUPS_CROWD),
+        (compute_bound, GROUPS_CROWD),
+        (compute_bound, GROUPS_TAIL),
+    ],
+)
+def test_planner_picks_what_the_oracle_simulator_says_is_fastest(step, groups):
+    """At the start of a rollout, switching costs almost nothing, so the planner's best option
+    must be the static layout the simulator (oracle lengths) finishes first; where every layout
+    ties (the flat model) it must stay."""
+    model = latency(step, prefill_per_token_s=1e-7)
+    simulator = RolloutSimulator(model, 8, SimConfig())
+    simulated = {layout: simulator.run(groups, StaticPolicy(layout)).total_s for layout in LAYOUTS}
+    ranked = sorted(simulated, key=simulated.__getitem__)
+    tie = simulated[ranked[-1]] < 1.001 * simulated[ranked[0]]
+    assert tie or simulated[ranked[1]] > 1.03 * simulated[ranked[0]], simulated  # clear answers
+
+    # the running set right after every prompt's prefill in dp8xtp1
+    sizes = [len(g.response_tokens) for g in groups]
+    replica = np.repeat(np.arange(len(groups)) % 8, sizes)
+    context = np.repeat([g.prompt_tokens + 1 for g in groups], sizes)
+    remaining = np.concatenate([np.array(g.response_tokens) - 1 for g in groups]).astype(float)
+    rs = RunningSet(np.arange(len(context)), replica, context, remaining[:, None])
+    # which layout now (delayed switches are the next test's business)
+    config = PlannerConfig(margin=0.0, delay_levels=())
+    decision = ReconfigPlanner(model, 8, config).decide(rs, Layout(8, 1))
+    expected = Layout(8, 1) if tie else ranked[0]
+    assert decision.target == expected, (decision.record(), simulated)
+
+    # and run adaptively from the same start, it is never slower than the best static layout
+    policy = AdaptivePolicy(ReconfigPlanner(model, 8), Layout(8, 1))
+    adaptive = simulator.run(groups, policy)
+    assert adaptive.total_s <= 1.001 * simulated[ranked[0]], (adaptive.summary(), simulated)
