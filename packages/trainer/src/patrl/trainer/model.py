@@ -67,7 +67,7 @@ def parallelize(
 ) -> PreTrainedModel:
     """Activation checkpointing, then FSDP2 per decoder layer and on the root (if a mesh)."""
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if mesh is None:
         return model
     if mesh.ndim != 1:

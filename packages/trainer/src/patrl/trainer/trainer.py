@@ -283,6 +283,8 @@ class Trainer:
             "loss": float(loss.detach()),
             **{k: float(getattr(stats, k)) * n for k in _SUMS if hasattr(stats, k)},
         }
+        # The behaviour weight is a mean over the tokens the cap kept, not over all of them.
+        values["behav_weight"] = float(stats.behav_weight) * (n - values["behav_capped"])
         return loss, torch.tensor([values[k] for k in _SUMS], dtype=torch.float64)
 
     def _clip_grad_norm(self) -> float:
@@ -328,7 +330,7 @@ class Trainer:
             "actor/pg_clipfrac_lower": per_token["clipfrac_lower"],
             "actor/ppo_kl": per_token["ppo_kl"],
             "actor/behav_capped_frac": per_token["behav_capped"],
-            "actor/behav_imp_weight": per_token["behav_weight"],
+            "actor/behav_imp_weight": s["behav_weight"] / max(num_tokens - s["behav_capped"], 1.0),
             "actor/loss": s["loss"],
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
