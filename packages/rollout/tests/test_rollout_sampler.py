@@ -1,0 +1,179 @@
+"""Sampler: greedy, seeded per-request streams, truncation sets and the logprob convention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patrl.rollout.sampler import (
+    SamplingParams,
+    export_generator,
+    import_generator,
+    make_generator,
+    sample,
+)
+
+V = 50
+
+
+def _logits(b: int, seed: int = 0, v: int = V) -> torch.Tensor:
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def allowed_set(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Slow twin of top-k then top-p, written from the definition with Python sorting."""
+    probs = torch.softmax(logits.double() / p.effective_temperature, -1).tolist()
+    ranked = sorted(range(len(probs)), key=lambda t: -probs[t])
+    if 0 < p.top_k < len(probs):
+        ranked = ranked[: p.top_k]
+    total = sum(probs[t] for t in ranked)
+    kept, mass = [], 0.0
+    for t in ranked:
+        if mass >= p.top_p - 1e-9:
+            break
+        kept.append(t)
+        mass += probs[t] / total
+    return set(kept)
+
+
+def test_greedy_is_argmax_and_scores_with_temperature_one() -> None:
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0, top_k=3, top_p=0.5)] * 6
+    out = sample(logits, params, [make_generator(i) for i in range(6)])
+    assert torch.equal(out.tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits, -1).gather(1, out.tokens[:, None])[:, 0]
+    assert torch.equal(out.logprobs, expected)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.3, top_k=5, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=3),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.6, seed=3),
+    ],
+)
+def test_logprob_is_full_vocab_tempered_log_softmax(params: SamplingParams) -> None:
+    logits = _logits(8).to(torch.bfloat16)
+    out = sample(logits, [params] * 8, [make_generator(i) for i in range(8)])
+    direct = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    assert torch.equal(out.logprobs, direct[torch.arange(8), out.tokens])
+
+
+def _run_alone_and_in_batch(target: SamplingParams, steps: int) -> tuple[list, list]:
+    alone_gen, batch_gen = make_generator(target.seed), make_generator(target.seed)
+    others = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=s)
+        for s, (t, k, p) in enumerate(
+            [(0, 0, 1.0), (1.0, 3, 1.0), (0.5, 0, 0.9), (2.0, 7, 0.5)] * 4
+        )
+    ][:15]
+    other_gens = [make_generator(1000 + i) for i in range(15)]
+    alone, batched = [], []
+    for step in range(steps):
+        row = _logits(1, seed=step)
+        a = sample(row, [target], [alone_gen])
+        batch = torch.cat([_logits(7, seed=100 + step), row, _logits(8, seed=200 + step)])
+        params = [*others[:7], target, *others[7:]]
+        b = sample(batch, params, [*other_gens[:7], batch_gen, *other_gens[7:]])
+        alone.append((a.tokens[0].item(), a.logprobs[0].item()))
+        batched.append((b.tokens[7].item(), b.logprobs[7].item()))
+    return alone, batched
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12),
+    ],
+)
+def test_seeded_tokens_do_not_depend_on_batch_composition(target: SamplingParams) -> None:
+    alone, batched = _run_alone_and_in_batch(target, steps=30)
+    assert alone == batched
+    assert len({t for t, _ in alone}) > 3  # it really sampled, not a constant
+
+
+def test_same_seed_same_stream_different_seed_different_stream() -> None:
+    logits = _logits(1).expand(40, V)
+    p = SamplingParams(temperature=1.0)
+    a = [sample(logits[:1], [p], [g]).tokens.item() for g in [make_generator(5)] for _ in range(40)]
+    g5, g6 = make_generator(5), make_generator(6)
+    b = [sample(logits[:1], [p], [g5]).tokens.item() for _ in range(40)]
+    c = [sample(logits[:1], [p], [g6]).tokens.item() for _ in range(40)]
+    assert a == b
+    assert b != c
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.5, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.3),
+        SamplingParams(temperature=2.0, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=6, top_p=0.7),
+    ],
+)
+def test_truncation_never_samples_outside_the_allowed_set(params: SamplingParams) -> None:
+    n = 400
+    logits = _logits(8, seed=7).repeat(n // 8, 1)
+    out = sample(logits, [params] * n, [make_generator(i) for i in range(n)])
+    allowed = [allowed_set(logits[i], params) for i in range(8)]
+    for i, t in enumerate(out.tokens.tolist()):
+        assert t in allowed[i % 8], (i, t, allowed[i % 8])
+    # and it does use more than one of the allowed tokens where more than one is allowed
+    for r in range(8):
+        seen = set(out.tokens[r::8].tolist())
+        assert len(seen) > 1 or len(allowed[r]) == 1
+
+
+def test_sampled_frequencies_follow_the_tempered_distribution() -> None:
+    n, v, temperature = 6000, 6, 0.8
+    row = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
+    out = sample(
+        row.expand(n, v), [SamplingParams(temperature)] * n, [make_generator(i) for i in range(n)]
+    )
+    freq = torch.bincount(out.tokens, minlength=v).double() / n
+    target = torch.softmax(row[0].double() / temperature, -1)
+    # 5 standard errors of a binomial proportion: fails only if the sampler is biased.
+    se = (target * (1 - target) / n).sqrt()
+    assert ((freq - target).abs() <= 5 * se).all(), (freq, target)
+
+
+def test_top_logprobs_are_the_largest_of_the_same_distribution() -> None:
+    logits = _logits(4)
+    params = [SamplingParams(temperature=0.5, logprobs=3), SamplingParams(logprobs=5)] * 2
+    out = sample(logits, params, [make_generator(i) for i in range(4)])
+    assert out.top_ids is not None and out.top_logprobs is not None
+    assert out.top_ids.shape == (4, 5)
+    for i, p in enumerate(params):
+        direct = torch.log_softmax(logits[i] / p.effective_temperature, -1)
+        values, ids = direct.topk(5)
+        assert torch.equal(out.top_ids[i], ids)
+        assert torch.equal(out.top_logprobs[i], values)
+    assert sample(logits, [SamplingParams()] * 4, [make_generator(0)] * 4).top_ids is None
+
+
+def test_exported_generator_continues_the_same_stream() -> None:
+    logits, p = _logits(1), SamplingParams(temperature=1.0)
+    g = make_generator(42)
+    _ = [sample(logits, [p], [g]) for _ in range(5)]
+    moved = import_generator(export_generator(g))
+    here = [sample(logits, [p], [g]).tokens.item() for _ in range(20)]
+    there = [sample(logits, [p], [moved]).tokens.item() for _ in range(20)]
+    assert here == there
+
+
+def test_bad_sampling_params_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -0.5"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0 = off\), got -1"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match=r"logprobs must be >= 0, got -2"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match=r"2 logit rows, 1 sampling params, 2 generators"):
+        sample(_logits(2), [SamplingParams()], [make_generator(0), make_generator(1)])
