@@ -59,6 +59,8 @@ class RunningSet:
     replica: np.ndarray  # int, replica of the current layout holding the sequence
     context: np.ndarray  # int, prompt + generated tokens
     remaining: np.ndarray  # float (n, Q), predicted remaining-length quantiles
+    # False for sequences still queued (no KV yet): a switch moves nothing of theirs
+    has_kv: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.seq_ids)
@@ -71,6 +73,10 @@ class RunningSet:
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def holds_kv(self) -> np.ndarray:
+        return np.ones(len(self), dtype=bool) if self.has_kv is None else self.has_kv
 
 
 @dataclass(slots=True)
@@ -314,7 +320,7 @@ class ReconfigPlanner:
         self, running: RunningSet, src: Layout, dst: Layout, assignment: np.ndarray
     ) -> tuple[float, np.ndarray]:
         """Predicted seconds of switching now, and per sequence whether its KV is migrated."""
-        alive = np.ones((1, len(running)), dtype=bool)
+        alive = running.holds_kv[None, :].copy()
         overhead, migrate = self._overheads(
             src, [dst], [assignment], running.context[None, :], alive
         )
@@ -374,6 +380,7 @@ class ReconfigPlanner:
             median = running.remaining[:, med]
             alive = median[None, :] > at[:, None]
             alive[0] = True
+            alive &= running.holds_kv[None, :]
             context = running.context[None, :] + np.minimum(median[None, :], at[:, None])
             overheads, migrate = self._overheads(current, targets, assignments, context, alive)
             before = times[q : q + s]

@@ -163,21 +163,20 @@ class RolloutSimulator:
         if isinstance(policy, AdaptivePolicy):
             self._check_planner(policy.planner)
             policy.planner.new_rollout()
-        steps = 1  # the planner first looks right after the first prefill
+        steps = self.config.plan_interval_steps
         while any(r.has_work() for r in replicas):
+            # the planner looks first before the prefill: the starting layout is its choice too
+            if isinstance(policy, AdaptivePolicy):
+                decision = self._plan(policy, replicas, layout)
+                decisions.append(decision.record())
+                steps = min(self.config.plan_interval_steps, decision.recheck_steps or steps)
+                if decision.action == "switch":
+                    replicas = self._switch(replicas, layout, decision)
+                    switches.append((replicas[0].clock, str(layout), str(decision.target)))
+                    layout = decision.target
             for replica in replicas:
                 self._advance(replica, layout, steps)
             steps = self.config.plan_interval_steps
-            if not isinstance(policy, AdaptivePolicy) or not any(r.has_work() for r in replicas):
-                continue
-            decision = self._plan(policy, replicas, layout)
-            decisions.append(decision.record())
-            if decision.recheck_steps:
-                steps = min(steps, decision.recheck_steps)
-            if decision.action == "switch":
-                replicas = self._switch(replicas, layout, decision)
-                switches.append((replicas[0].clock, str(layout), str(decision.target)))
-                layout = decision.target
         total = max((s.finished_at for s in seqs), default=0.0)
         return SimResult(total, self._segments, decisions, switches, self._preemptions)
 
@@ -363,25 +362,30 @@ class RolloutSimulator:
     # --- reconfiguration ------------------------------------------------------------------
 
     @staticmethod
-    def _unfinished(replicas: list[_Replica]) -> tuple[list[SimSeq], np.ndarray]:
+    def _unfinished(replicas: list[_Replica]) -> tuple[list[SimSeq], np.ndarray, np.ndarray]:
+        """Every unfinished sequence, its replica, and whether it holds KV (is running)."""
         seqs: list[SimSeq] = []
         where: list[int] = []
+        has_kv: list[bool] = []
         for r in replicas:
             for s in r.running:
                 seqs.append(s)
                 where.append(r.index)
+                has_kv.append(True)
             for unit in r.waiting:
                 seqs.extend(unit)
                 where.extend([r.index] * len(unit))
-        return seqs, np.array(where, dtype=int)
+                has_kv.extend([False] * len(unit))
+        return seqs, np.array(where, dtype=int), np.array(has_kv, dtype=bool)
 
     def _plan(self, policy: AdaptivePolicy, replicas: list[_Replica], layout: Layout) -> Decision:
-        seqs, where = self._unfinished(replicas)
+        seqs, where, has_kv = self._unfinished(replicas)
         running = RunningSet(
             seq_ids=np.array([s.seq_id for s in seqs]),
             replica=where,
             context=np.array([s.tokens for s in seqs]),
             remaining=policy.remaining(seqs),
+            has_kv=has_kv,
         )
         return policy.planner.decide(running, layout)
 
@@ -389,7 +393,7 @@ class RolloutSimulator:
         self, replicas: list[_Replica], layout: Layout, decision: Decision
     ) -> list[_Replica]:
         """All replicas wait for the slowest, pay the overhead, and regroup."""
-        seqs, _ = self._unfinished(replicas)
+        seqs, _, _ = self._unfinished(replicas)
         target = decision.target
         start = max(r.clock for r in replicas)
         end = start + decision.overhead_s
