@@ -62,9 +62,7 @@ def naive_static(latency, groups, layout, config, replica_of) -> float:
                 running += [[prompt, 0, t] for t in targets]
             if admitted:
                 clock += latency.prefill_time(layout.tp, admitted)
-                for s in running[len(running) - sum(1 for _ in running) :]:
-                    pass
-                for s in running:
+                for s in running:  # the prefill samples each admitted sequence's first token
                     if s[1] == 0:
                         s[1] = 1
             else:
