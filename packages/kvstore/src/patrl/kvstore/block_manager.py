@@ -173,8 +173,8 @@ class BlockManager:
         for _ in range(self._blocks_for(len(token_ids)) - len(hits)):
             table.append(self._take_fresh())
         num_cached = len(hits) * self.block_size
-        hashes = [self._blocks[b].hash for b in hits]
-        self._seqs[seq_id] = _SeqBlocks(table, list(token_ids), num_cached, hashes)  # type: ignore[arg-type]
+        hashes = [h for b in hits if (h := self._blocks[b].hash) is not None]
+        self._seqs[seq_id] = _SeqBlocks(table, list(token_ids), num_cached, hashes)
         self.prefix_queries_tokens += len(token_ids)
         self.prefix_hit_tokens += num_cached
         return num_cached
