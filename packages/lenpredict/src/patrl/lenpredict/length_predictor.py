@@ -44,6 +44,7 @@ class _Group:
     prompt_id: str
     size: int
     finished: list[int] = field(default_factory=list)
+    scale: tuple[int, float] | None = None  # (predictor version it was computed at, μ)
 
 
 def _blom(i: np.ndarray, n: int) -> np.ndarray:
@@ -63,6 +64,7 @@ class LengthPredictor:
         self._hits = np.zeros(len(self.config.quantiles))
         self._scored = 0
         self._shape_cache: np.ndarray | None = None
+        self._version = 0  # bumped by every observation: invalidates cached group scales
 
     # --- learning -----------------------------------------------------------------------
 
@@ -77,6 +79,7 @@ class LengthPredictor:
         group = self._group(group_id)
         group.finished.append(length)
         self._lengths.append(length)
+        self._version += 1
         self._score(seq_id, length)
         if len(group.finished) == group.size:
             self.end_group(group_id)
@@ -135,6 +138,11 @@ class LengthPredictor:
     def group_scale(self, group_id: str) -> float:
         """Estimated mean length μ of the group's samples."""
         group = self._group(group_id)
+        if group.scale is None or group.scale[0] != self._version:
+            group.scale = (self._version, self._estimate_scale(group))
+        return group.scale[1]
+
+    def _estimate_scale(self, group: _Group) -> float:
         has_history = group.prompt_id in self._prompts
         w0 = self.config.history_weight if has_history else self.config.prior_weight
         mu0 = self.expected_length(group.prompt_id)
@@ -221,6 +229,7 @@ class LengthPredictor:
         self._ratios = deque(state["ratios"], maxlen=config.window)
         self._prompts = {p: (float(v[0]), int(v[1])) for p, v in state["prompts"].items()}
         self._groups = {g: _Group(**s) for g, s in state["groups"].items()}
+        self._version += 1
         self._pending = {s: [(int(c), list(q)) for c, q in v] for s, v in state["pending"].items()}
         self._abs_err = float(state["abs_err"])
         self._hits = np.asarray(state["hits"], dtype=float)

@@ -274,10 +274,12 @@ class ReconfigPlanner:
         assignments: list[np.ndarray],
         context: np.ndarray,
         alive: np.ndarray,
+        holds_kv: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Switch overheads (targets, rows) for rows of (rows, n) contexts counting the alive
-        sequences only, inf where a replica would exceed max_num_seqs or its KV memory; and
-        whether each sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
+        """Switch overheads (targets, rows) for rows of (rows, n) contexts, moving the KV of the
+        alive sequences that hold some; inf where a replica would exceed max_num_seqs or its
+        KV memory with all its alive sequences, queued ones included. Also whether each
+        sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
         lat, cfg = self.latency, self.config
         m, (rows, n) = len(targets), context.shape
         tp = np.array([t.tp for t in targets], dtype=float)[:, None, None]
@@ -289,7 +291,8 @@ class ReconfigPlanner:
         migrate_cost = kv * per_byte / hi
         recompute_cost = prefill[:, 1] * context + prefill[:, 2] * context * context
         migrate = migrate_cost <= recompute_cost
-        cost = np.where(migrate, migrate_cost, recompute_cost) * alive
+        moves = alive & holds_kv[None, :]
+        cost = np.where(migrate, migrate_cost, recompute_cost) * moves
         dp = np.repeat([t.dp for t in targets], rows)
         offset = np.r_[0, np.cumsum(dp)[:-1]]
         key = (offset.reshape(m, rows, 1) + np.stack(assignments)[:, None, :]).ravel()
@@ -301,13 +304,14 @@ class ReconfigPlanner:
             )
 
         alive_m = np.broadcast_to(alive, (m, rows, n))
+        moves_m = np.broadcast_to(moves, (m, rows, n))
         total = per_replica(cost)
-        total += (per_replica(alive_m & migrate) > 0) * send_alpha
+        total += (per_replica(moves_m & migrate) > 0) * send_alpha
 
         def spread(per_target: np.ndarray) -> np.ndarray:
             return np.repeat(np.repeat(per_target, rows), dp)
 
-        total += (per_replica(alive_m & ~migrate) > 0) * spread(prefill[:, 0, 0, 0])
+        total += (per_replica(moves_m & ~migrate) > 0) * spread(prefill[:, 0, 0, 0])
         capacity = spread(np.array([self._capacity[t.tp] for t in targets], dtype=float))
         seqs_ok = per_replica(alive_m) <= cfg.max_num_seqs
         fits = seqs_ok & (per_replica(alive * context) <= capacity)
@@ -320,9 +324,10 @@ class ReconfigPlanner:
         self, running: RunningSet, src: Layout, dst: Layout, assignment: np.ndarray
     ) -> tuple[float, np.ndarray]:
         """Predicted seconds of switching now, and per sequence whether its KV is migrated."""
-        alive = running.holds_kv[None, :].copy()
+        alive = np.ones((1, len(running)), dtype=bool)
+        context = running.context[None, :]
         overhead, migrate = self._overheads(
-            src, [dst], [assignment], running.context[None, :], alive
+            src, [dst], [assignment], context, alive, running.holds_kv
         )
         return float(overhead[0, 0]), migrate[0, 0]
 
@@ -380,9 +385,10 @@ class ReconfigPlanner:
             median = running.remaining[:, med]
             alive = median[None, :] > at[:, None]
             alive[0] = True
-            alive &= running.holds_kv[None, :]
             context = running.context[None, :] + np.minimum(median[None, :], at[:, None])
-            overheads, migrate = self._overheads(current, targets, assignments, context, alive)
+            overheads, migrate = self._overheads(
+                current, targets, assignments, context, alive, running.holds_kv
+            )
             before = times[q : q + s]
             per_target = times[q + s :].reshape(len(targets), q + s)
             for j, target in enumerate(targets):
