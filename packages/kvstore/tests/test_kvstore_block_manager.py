@@ -161,3 +161,19 @@ def test_bad_calls_name_the_sequence() -> None:
     bm.free("a")
     with pytest.raises(KeyError, match="freed twice"):
         bm.free("a")
+
+
+def test_reset_prefix_cache_forgets_stale_kv_and_stops_registering_old_sequences() -> None:
+    bm = BlockManager(num_blocks=16, block_size=2)
+    computed(bm, 0, [1, 2, 3, 4, 5])
+    computed(bm, 1, [7, 7, 7])
+    bm.free(1)
+    bm.reset_prefix_cache()  # new weights
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 16 - 3
+    bm.append(0, [6, 8])
+    bm.mark_computed(0, 2)  # seq 0's KV now mixes weights: it must not be registered
+    assert bm.allocate(2, [1, 2, 3, 4, 5, 6, 8, 9]) == 0
+    assert bm.allocate(3, [7, 7, 7]) == 0
+    bm.mark_computed(3, 3)
+    assert bm.allocate(4, [7, 7, 7]) == 2  # KV computed after the reset is shared again
+    bm.check_integrity()

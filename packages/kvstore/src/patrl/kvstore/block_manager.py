@@ -58,6 +58,8 @@ class _SeqBlocks:
     num_computed: int
     # Chained content hash of each leading full block whose KV is computed.
     block_hashes: list[int] = field(default_factory=list)
+    # Prefix-cache generation the sequence's KV belongs to (see `reset_prefix_cache`).
+    generation: int = 0
 
 
 class BlockManager:
@@ -86,6 +88,7 @@ class BlockManager:
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
+        self._generation = 0
 
     # ----------------------------------------------------------------- queries
 
@@ -174,7 +177,9 @@ class BlockManager:
             table.append(self._take_fresh())
         num_cached = len(hits) * self.block_size
         hashes = [h for b in hits if (h := self._blocks[b].hash) is not None]
-        self._seqs[seq_id] = _SeqBlocks(table, list(token_ids), num_cached, hashes)
+        self._seqs[seq_id] = _SeqBlocks(
+            table, list(token_ids), num_cached, hashes, self._generation
+        )
         self.prefix_queries_tokens += len(token_ids)
         self.prefix_hit_tokens += num_cached
         return num_cached
@@ -249,6 +254,7 @@ class BlockManager:
                 list(parent.token_ids),
                 parent.num_computed,
                 list(parent.block_hashes),
+                parent.generation,
             )
 
     def free(self, seq_id: Hashable) -> None:
@@ -267,6 +273,19 @@ class BlockManager:
                     self._cached_free[b] = None
                 else:
                     self._free.append(b)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, e.g. after new weights made the stored KV stale.
+
+        Running sequences keep their blocks, but nothing they computed before or compute
+        after this call is registered again: their KV mixes the old weights in.
+        """
+        self._generation += 1
+        for b in list(self._index.values()):
+            self._unregister(b)
+        while self._cached_free:
+            b, _ = self._cached_free.popitem(last=False)
+            self._free.append(b)
 
     def evict(self, num_blocks: int) -> int:
         """Drop up to `num_blocks` cached-free blocks from the prefix cache (LRU first)."""
@@ -400,7 +419,7 @@ class BlockManager:
             prev = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
             h = self._hash(prev, tokens)
             seq.block_hashes.append(h)
-            if not self.enable_prefix_caching:
+            if not self.enable_prefix_caching or seq.generation != self._generation:
                 continue
             b = seq.block_table[i]
             block = self._blocks[b]
