@@ -64,6 +64,11 @@ def test_too_long_sample_is_a_clear_error() -> None:
         bin_by_token_budget([100, 300, 20], 256)
 
 
+def test_too_long_sample_is_named_by_its_global_index_on_several_ranks() -> None:
+    with pytest.raises(ValueError, match=r"sample 3 has 99 tokens"):
+        plan_micro_batches([5, 6, 7, 99, 8], 50, dp_size=2)
+
+
 def test_split_across_ranks_balances_tokens() -> None:
     lengths = _long_tail(64, 3)
     shares = split_across_ranks(lengths, 2)

@@ -52,7 +52,9 @@ def _mesh(world_size: int) -> Any:
 
 
 def _fsdp_three_steps(rank: int, world_size: int) -> dict[str, Any]:
-    trainer = Trainer(config(**CFG), tiny_llama(), mesh=_mesh(world_size))
+    # Activation checkpointing on this side only: FSDP2 + AC must not change the update.
+    cfg = config(**CFG, enable_gradient_checkpointing=True)
+    trainer = Trainer(cfg, tiny_llama(), mesh=_mesh(world_size))
     metrics = [trainer.train_step(b) for b in _batches()]
     buckets = [[(n, t.clone()) for n, t in b] for b in trainer.iter_full_weights(BUCKET)]
     return _portable(

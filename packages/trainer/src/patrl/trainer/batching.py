@@ -19,17 +19,9 @@ def bin_by_token_budget(
     lengths: Sequence[int], max_tokens: int, max_samples: int | None = None
 ) -> list[list[int]]:
     """Indices of `lengths` grouped so that `len(bin) * max(bin lengths) <= max_tokens`."""
-    if max_tokens < 1:
-        raise ValueError(f"ppo_max_token_len_per_gpu must be >= 1, got {max_tokens}")
+    check_fits(lengths, max_tokens)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"ppo_micro_batch_size_per_gpu must be >= 1, got {max_samples}")
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
-    if too_long:
-        i, n = too_long[0]
-        raise ValueError(
-            f"sample {i} has {n} tokens, more than ppo_max_token_len_per_gpu={max_tokens} "
-            f"({len(too_long)} sample(s) too long); raise the budget or drop/truncate them"
-        )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     for i in order:
@@ -41,6 +33,19 @@ def bin_by_token_budget(
         else:
             bins.append([i])
     return bins
+
+
+def check_fits(lengths: Sequence[int], max_tokens: int) -> None:
+    """Every sample must fit a micro-batch on its own; name the first that does not."""
+    if max_tokens < 1:
+        raise ValueError(f"ppo_max_token_len_per_gpu must be >= 1, got {max_tokens}")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(
+            f"sample {i} has {n} tokens, more than ppo_max_token_len_per_gpu={max_tokens} "
+            f"({len(too_long)} sample(s) too long); raise the budget or drop/truncate them"
+        )
 
 
 def split_across_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -60,6 +65,7 @@ def plan_micro_batches(
     lengths: Sequence[int], max_tokens: int, dp_size: int = 1, max_samples: int | None = None
 ) -> list[list[list[int]]]:
     """Per rank, its micro-batches (global sample indices); every rank gets the same count."""
+    check_fits(lengths, max_tokens)  # here, so that errors name the global sample index
     plans = []
     for share in split_across_ranks(lengths, dp_size):
         bins = bin_by_token_budget([lengths[i] for i in share], max_tokens, max_samples)

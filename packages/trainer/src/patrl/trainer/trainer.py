@@ -162,6 +162,7 @@ class Trainer:
 
         Every rank scores its share; the full list is returned on every rank.
         """
+        batch.validate()
         local = self._score(self.model, batch, self._plan(batch))
         if self.group.pg is not None:
             shares: list[dict[int, torch.Tensor] | None] = [None] * self.group.size
@@ -175,6 +176,7 @@ class Trainer:
         """One optimizer step over `batch` (gradient accumulation over its micro-batches)."""
         cfg = self.config
         start = time.perf_counter()
+        batch.validate()  # fields may have been reassigned since construction
         micro_batches = self._plan(batch)
         old = self._given(batch.old_logprobs) or self._score(self.model, batch, micro_batches)
         ref = None
@@ -354,6 +356,8 @@ class Trainer:
         return iter_full_weights(self.model, bucket_bytes, dtype)
 
     def save(self, path: str | Path) -> Path:
+        """Checkpoint policy, optimizer, schedule, step and RNG (checkpoint.py). The frozen
+        reference is not saved: it is rebuilt from the model source on construction."""
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
