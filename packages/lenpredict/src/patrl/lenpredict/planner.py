@@ -178,6 +178,7 @@ class ReconfigPlanner:
         self._step_coef = {tp: latency.step_coefficients(tp) for tp in tps}
         self._prefill_coef = {tp: latency.prefill_coefficients(tp) for tp in tps}
         self._send_coef = latency.send_coefficients()
+        self._kv_bytes_per_token = float(latency.kv_bytes(np.ones(1))[0])
         self._capacity = {
             tp: latency.kv_capacity_tokens(tp, self.config.memory_utilization) for tp in tps
         }
@@ -280,44 +281,52 @@ class ReconfigPlanner:
         alive sequences that hold some; inf where a replica would exceed max_num_seqs or its
         KV memory with all its alive sequences, queued ones included. Also whether each
         sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
-        lat, cfg = self.latency, self.config
-        m, (rows, n) = len(targets), context.shape
-        tp = np.array([t.tp for t in targets], dtype=float)[:, None, None]
+        m, rows = len(targets), context.shape[0]
+        per_target = np.array(
+            [
+                (
+                    t.tp,
+                    t.dp,
+                    *self._prefill_coef[t.tp],
+                    self._capacity[t.tp],
+                    self._fixed[(src.tp, t.tp)],
+                )
+                for t in targets
+            ]
+        )
+        tp, _, prefill_a, prefill_b, prefill_c, capacity, fixed = per_target.T[:, :, None, None]
+        dp = per_target[:, 1].astype(int)
         lo, hi = np.minimum(tp, src.tp), np.maximum(tp, src.tp)
         send_alpha, per_byte = self._send_coef
-        prefill = np.array([self._prefill_coef[t.tp] for t in targets])[:, :, None, None]
-        kv = lat.kv_bytes(context)[None] * (1 - lo / hi)
         # the moved heads land on `hi` ranks at once, each over its own link
-        migrate_cost = kv * per_byte / hi
-        recompute_cost = prefill[:, 1] * context + prefill[:, 2] * context * context
+        migrate_cost = context * (self._kv_bytes_per_token * per_byte) * (1 - lo / hi) / hi
+        recompute_cost = (prefill_b + prefill_c * context) * context
         migrate = migrate_cost <= recompute_cost
-        moves = alive & holds_kv[None, :]
-        cost = np.where(migrate, migrate_cost, recompute_cost) * moves
-        dp = np.repeat([t.dp for t in targets], rows)
-        offset = np.r_[0, np.cumsum(dp)[:-1]]
-        key = (offset.reshape(m, rows, 1) + np.stack(assignments)[:, None, :]).ravel()
-        size = int(dp.sum())
-
-        def per_replica(weights: np.ndarray) -> np.ndarray:
-            return np.bincount(
-                key, weights=np.broadcast_to(weights, (m, rows, n)).ravel(), minlength=size
+        moves = alive & holds_kv
+        # five per-replica sums in one bincount: weights stacked, keys offset by `size` each
+        weights = np.stack(
+            np.broadcast_arrays(
+                np.where(migrate, migrate_cost, recompute_cost) * moves,
+                moves & migrate,
+                moves & ~migrate,
+                alive,
+                alive * context,
             )
-
-        alive_m = np.broadcast_to(alive, (m, rows, n))
-        moves_m = np.broadcast_to(moves, (m, rows, n))
-        total = per_replica(cost)
-        total += (per_replica(moves_m & migrate) > 0) * send_alpha
-
-        def spread(per_target: np.ndarray) -> np.ndarray:
-            return np.repeat(np.repeat(per_target, rows), dp)
-
-        total += (per_replica(moves_m & ~migrate) > 0) * spread(prefill[:, 0, 0, 0])
-        capacity = spread(np.array([self._capacity[t.tp] for t in targets], dtype=float))
-        seqs_ok = per_replica(alive_m) <= cfg.max_num_seqs
-        fits = seqs_ok & (per_replica(alive * context) <= capacity)
-        fixed = np.array([self._fixed[(src.tp, t.tp)] for t in targets])[:, None]
-        worst = np.maximum.reduceat(total, offset).reshape(m, rows) + fixed
-        ok = np.minimum.reduceat(fits.astype(int), offset).reshape(m, rows) > 0
+        )
+        replicas = np.repeat(dp, rows)
+        offset = np.zeros(m * rows, dtype=int)
+        np.cumsum(replicas[:-1], out=offset[1:])
+        size = int(replicas.sum())
+        key = offset.reshape(m, rows, 1) + np.stack(assignments)[:, None, :]
+        keys = (key[None] + size * np.arange(5)[:, None, None, None]).ravel()
+        cost, migrating, recomputing, count, tokens = np.bincount(
+            keys, weights=weights.ravel(), minlength=5 * size
+        ).reshape(5, size)
+        spread = np.repeat(np.arange(m), rows * dp)  # replica -> its target
+        total = cost + (migrating > 0) * send_alpha + (recomputing > 0) * prefill_a.ravel()[spread]
+        fits = (count <= self.config.max_num_seqs) & (tokens <= capacity.ravel()[spread])
+        worst = np.maximum.reduceat(total, offset).reshape(m, rows) + fixed.reshape(m, 1)
+        ok = np.minimum.reduceat(fits, offset).reshape(m, rows)
         return np.where(ok, worst, np.inf), migrate
 
     def switch_overhead(
@@ -354,65 +363,92 @@ class ReconfigPlanner:
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         """Stay or switch, with the predicted time of every option considered.
 
-        Staying and switching now are priced in every quantile scenario; switching after a
-        delay in the median scenario, and a delayed total is the switch-now total shifted by
-        what delaying changes in that scenario. All of it is one vectorised pass."""
+        Staying and switching now are priced in every quantile scenario, in one vectorised
+        pass. Only when the best switch clears the margin is delaying it priced, in the median
+        scenario: a delayed total is the switch-now total shifted by what delaying changes in
+        that scenario."""
         n, q = running.remaining.shape
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
-        med = q // 2
-        delays = self._delays(running.remaining[:, med])
-        s = len(delays)
         targets = self._admissible(current)
         assignments = [self._assign(running, current, t) for t in targets]
         rows = _Rows()
         for col in range(q):
             rows.add(0, col, False, np.inf, current)  # stay to the end
-        for delay in delays:
-            rows.add(0, med, False, delay, current)  # the steps before a delayed switch
         for j, target in enumerate(targets, start=1):
             for col in range(q):
                 rows.add(j, col, True, 0.0, target)  # switch now
-            for delay in delays:
-                rows.add(j, med, True, delay, target)  # the steps after a delayed switch
-        times = self._row_times(rows, np.stack([running.replica, *assignments]), running)
-        stay = Option(
-            current, float(times[:q].mean()), 0.0, np.inf, 0, running.replica, np.zeros(n, bool)
-        )
-        options = [stay]
+        all_assignments = np.stack([running.replica, *assignments])
+        times = self._row_times(rows, all_assignments, running).reshape(-1, q)
+        never = np.zeros(n, dtype=bool)
+        options = [Option(current, float(times[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
-            at = np.r_[0.0, delays]
-            median = running.remaining[:, med]
-            alive = median[None, :] > at[:, None]
-            alive[0] = True
-            context = running.context[None, :] + np.minimum(median[None, :], at[:, None])
+            now = np.ones((1, n), dtype=bool)
             overheads, migrate = self._overheads(
-                current, targets, assignments, context, alive, running.holds_kv
+                current, targets, assignments, running.context[None, :], now, running.holds_kv
             )
-            before = times[q : q + s]
-            per_target = times[q + s :].reshape(len(targets), q + s)
             for j, target in enumerate(targets):
-                now, after = per_target[j, :q], per_target[j, q:]
-                run, overhead = float(now.mean()), float(overheads[j, 0])
-                later = before + overheads[j, 1:] + after  # median scenario
-                best = int(np.argmin(later)) if s else -1
-                later_s = float(later[best]) if s else np.inf
-                if np.isfinite(overhead):  # carry the all-scenario view of switching now over
-                    later_s += run + overhead - (now[med] + overhead)
                 options.append(
                     Option(
                         layout=target,
-                        run_s=run,
-                        overhead_s=overhead,
-                        later_s=later_s,
-                        later_steps=int(delays[best]) if s else 0,
+                        run_s=float(times[j + 1].mean()),
+                        overhead_s=float(overheads[j, 0]),
+                        later_s=np.inf,
+                        later_steps=0,
                         assignment=assignments[j],
                         migrate=migrate[j, 0],
                     )
                 )
+            best = self._contender(options)
+            if best is not None:
+                j = options.index(best)
+                self._price_delay(running, current, best, all_assignments, j, times[j])
         decision = self._choose(options, current, running.seq_ids)
         self.decisions.append(decision)
         return decision
+
+    def _contender(self, options: list[Option]) -> Option | None:
+        """The switch that would be made now, were delaying it not better."""
+        if self._since_switch + 1 <= self.config.cooldown_calls:
+            return None
+        feasible = [o for o in options[1:] if np.isfinite(o.now_s)]
+        if not feasible:
+            return None
+        best = min(feasible, key=lambda o: o.now_s)
+        need = best.overhead_s * (1 + self.config.margin) + self.config.min_gain_s
+        return best if options[0].run_s - best.run_s > need else None
+
+    def _price_delay(
+        self,
+        running: RunningSet,
+        current: Layout,
+        option: Option,
+        assignments: np.ndarray,
+        index: int,
+        now_times: np.ndarray,
+    ) -> None:
+        """Fill in `option.later_s`: staying `delay` steps, then switching to its layout."""
+        med = running.remaining.shape[1] // 2
+        median = running.remaining[:, med]
+        delays = self._delays(median)
+        if not len(delays):
+            return
+        rows = _Rows()
+        for delay in delays:
+            rows.add(0, med, False, delay, current)  # the steps before the switch
+        for delay in delays:
+            rows.add(index, med, True, delay, option.layout)  # the steps after it
+        before, after = self._row_times(rows, assignments, running).reshape(2, -1)
+        alive = median[None, :] > delays[:, None]
+        context = running.context[None, :] + np.minimum(median[None, :], delays[:, None])
+        overheads, _ = self._overheads(
+            current, [option.layout], [option.assignment], context, alive, running.holds_kv
+        )
+        later = before + overheads[0] + after  # median scenario
+        best = int(np.argmin(later))
+        # carry the all-scenario view of switching now over to the delayed plan
+        option.later_s = float(later[best]) + option.run_s - float(now_times[med])
+        option.later_steps = int(delays[best])
 
     def _choose(self, options: list[Option], current: Layout, seq_ids: np.ndarray) -> Decision:
         stay, switches = options[0], options[1:]
