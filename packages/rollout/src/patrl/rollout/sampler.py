@@ -37,15 +37,29 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request samples. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+    """How one request samples. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off.
+
+    `n` samples of a request share its prompt's prefill; sample i draws from its own generator
+    seeded with `seed + i` (a random seed when `seed` is None). A sample stops at `max_tokens`,
+    at any of `stop_token_ids`, or at one of the model's EOS ids unless `ignore_eos`.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int = 0  # how many top logprobs to return with each token (0 = none)
+    n: int = 1
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

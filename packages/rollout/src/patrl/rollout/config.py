@@ -1,0 +1,56 @@
+"""Engine configuration: validated when it is built, errors name the key and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from patrl.rollout.layers.attention.registry import attention_backend_names
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """One rollout replica (a TP group) and its budgets."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Hugging Face model directory (config.json + *.safetensors)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda'")
+    attention_backend: str = "auto"
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(None, gt=0, description="KV blocks; None = from memory")
+    kv_cache_memory_bytes: int = Field(
+        1 << 30, gt=0, description="KV budget when num_kv_blocks is None"
+    )
+    max_num_seqs: int = Field(256, gt=0, description="sequences decoded together at most")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="tokens per forward at most")
+    max_model_len: int | None = Field(None, gt=0, description="prompt + response; None = model's")
+    enable_prefix_caching: bool = True
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in attention_backend_names():
+            raise ValueError(
+                f"unknown attention backend {value!r}; choose one of {attention_backend_names()}"
+            )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in ("auto", "cpu") and not value.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {value!r}")
+        return value
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]

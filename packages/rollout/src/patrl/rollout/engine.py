@@ -1,0 +1,481 @@
+"""The generation engine of one rollout replica: requests in, completions with logprobs out.
+
+One `Engine` runs on one TP group. Every rank of the group holds the same scheduler state and
+makes the same scheduling decisions (the scheduler is deterministic). Every rank has the full
+logits and the same generator states, so every rank samples the same tokens; the group's first
+rank's tokens are broadcast anyway and compared, so a divergence fails loudly instead of
+silently desynchronising the ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patrl.kvstore import KVCacheSpec, PagedKVCache
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.loader import load_model, load_weights, read_eos_token_ids, read_tokenizer
+from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
+from patrl.rollout.sampler import (
+    SampleOutput,
+    SamplingParams,
+    export_generator,
+    import_generator,
+    make_generator,
+    sample,
+)
+from patrl.rollout.scheduler import ScheduledBatch, Scheduler
+from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.sequence import SequenceStatus
+from patrl.tpreshard import ParallelLayout, single_process_layout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: dict[int, Seq] = field(default_factory=dict)  # by sample index
+    error: str | None = None
+
+    def done(self) -> bool:
+        return all(s.is_finished for s in self.seqs.values())
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0  # tokens run through the model in prefill steps
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None) -> None:
+        self.config = config
+        self.layout = layout or single_process_layout()
+        self.device = config.torch_device()
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model = load_model(
+            config.model,
+            self.layout,
+            attention=config.attention_backend,
+            dtype=dtype,
+            device=self.device,
+        )
+        mc = self.model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.tokenizer = _maybe_tokenizer(config.model)
+        self.eos_token_ids = frozenset(read_eos_token_ids(config.model))
+        self.cache = self._build_cache()
+        self.scheduler = Scheduler(
+            self.cache.blocks, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.weight_version = 0
+        self.counters = EngineCounters()
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    def _build_cache(self) -> PagedKVCache:
+        mc, tp, config = self.model.config, self.layout.tp_size, self.config
+        if mc.num_kv_heads >= tp:
+            local_heads = mc.num_kv_heads // tp
+            head_start = self.layout.tp_rank * local_heads
+        else:  # fewer KV heads than ranks: each head is replicated on tp / kv ranks
+            local_heads = 1
+            head_start = self.layout.tp_rank // (tp // mc.num_kv_heads)
+        dtype = next(self.model.parameters()).dtype
+        spec = KVCacheSpec(
+            mc.num_layers, local_heads, mc.head_dim, config.block_size, dtype, self.device
+        )
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks x block_size={config.block_size} = "
+                f"{num_blocks * config.block_size} tokens) cannot hold one max_model_len="
+                f"{self.max_model_len} sequence: raise num_kv_blocks or kv_cache_memory_bytes, "
+                "or lower max_model_len"
+            )
+        return PagedKVCache(
+            spec, num_blocks, config.enable_prefix_caching, head_start, mc.num_kv_heads
+        )
+
+    # ------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request of `params.n` samples; returns its id.
+
+        A request that cannot run (empty, too long for max_model_len, token ids outside the
+        vocabulary) is not an exception: it finishes at the next `step` with finish_reason
+        "rejected" and the reason in `RequestOutput.error`, and the batch goes on.
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self._encode(prompt)
+        request = _Request(request_id, token_ids)
+        self._requests[request_id] = request
+        seqs = [self._new_seq(request_id, i, token_ids, params) for i in range(params.n)]
+        request.seqs = {s.sample_index: s for s in seqs}
+        request.error = self._reject_reason(token_ids)
+        if request.error is not None:
+            for s in seqs:
+                s.finish("rejected")
+            return request_id
+        leader = seqs[0]
+        leader.fork_children = seqs[1:]  # prefilled once, forked when the prefill is done
+        self.scheduler.add(leader)
+        return request_id
+
+    def _new_seq(
+        self, request_id: str, index: int, tokens: list[int], params: SamplingParams
+    ) -> Seq:
+        seed = None if params.seed is None else params.seed + index
+        return Seq(
+            next(self._seq_ids), request_id, index, list(tokens), params, make_generator(seed)
+        )
+
+    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer: pass token ids, not text")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def _reject_reason(self, token_ids: list[int]) -> str | None:
+        if not token_ids:
+            return "empty prompt"
+        if len(token_ids) >= self.max_model_len:
+            return (
+                f"prompt of {len(token_ids)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+        return None
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it is returned by the next `step` with finish_reason "abort"."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id!r} in this engine")
+        for seq in request.seqs.values():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the requests that finished."""
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            start = time.perf_counter()
+            self._run(batch)
+            self.counters.busy_s += time.perf_counter() - start
+        return self._collect_finished()
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        blocks = self.cache.blocks
+        self.cache.copy_blocks(batch.block_copies)
+        input_ids: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = blocks.num_computed(seq.seq_id)
+            input_ids += blocks.token_ids(seq.seq_id)[start : start + n]
+            slots += blocks.slot_mapping(seq.seq_id, start, start + n)
+            context_lens.append(start + n)
+        ctx = AttentionContext.build(
+            batch.num_new_tokens,
+            context_lens,
+            slot_mapping=slots,
+            block_tables=[blocks.block_table(s.seq_id) for s in batch.seqs],
+            kv_cache=self.cache,
+            device=self.device,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=self.device), ctx)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            blocks.mark_computed(seq.seq_id, n)
+        self._count(batch)
+
+        ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]
+        if not ready:
+            return  # a prefill chunk that did not reach the end of its sequence
+        last = ctx.last_token_indices()[ready]
+        logits = self.model.compute_logits(hidden[last])
+        rows: list[int] = []
+        samplers: list[Seq] = []
+        for row, i in enumerate(ready):
+            for seq in (batch.seqs[i], *batch.seqs[i].fork_children):
+                rows.append(row)
+                samplers.append(seq)
+        out = sample(logits[rows], [s.params for s in samplers], [s.generator for s in samplers])
+        out = self._agree_across_tp(out)
+
+        if batch.is_prefill:
+            for i in ready:
+                leader = batch.seqs[i]
+                if leader.fork_children:
+                    blocks.fork(leader.seq_id, [c.seq_id for c in leader.fork_children])
+                self.scheduler.finish_prefill(leader)
+        self._postprocess(samplers, out)
+
+    def _postprocess(self, seqs: list[Seq], out: SampleOutput) -> None:
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist()
+        for row, seq in enumerate(seqs):
+            top = None
+            if seq.params.logprobs and out.top_ids is not None and out.top_logprobs is not None:
+                k = seq.params.logprobs
+                top = dict(
+                    zip(
+                        out.top_ids[row, :k].tolist(),
+                        out.top_logprobs[row, :k].tolist(),
+                        strict=True,
+                    )
+                )
+            seq.append_token(tokens[row], logprobs[row], top)
+            seq.weight_version = self.weight_version
+            self.counters.generated_tokens += 1
+            reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+
+    def _count(self, batch: ScheduledBatch) -> None:
+        c = self.counters
+        c.steps += 1
+        if batch.is_prefill:
+            c.prefill_steps += 1
+            c.prefill_tokens += batch.num_tokens
+        else:
+            c.decode_steps += 1
+            c.decode_tokens += batch.num_tokens
+
+    def _agree_across_tp(self, out: SampleOutput) -> SampleOutput:
+        layout = self.layout
+        if layout.tp_size == 1:
+            return out
+        mine = torch.stack([out.tokens.double(), out.logprobs.double()]).cpu()
+        first = mine.clone()
+        dist.broadcast(first, group=layout.tp_group, group_src=0)
+        if not torch.equal(first, mine):
+            raise RuntimeError(
+                f"TP rank {layout.tp_rank} sampled differently from its group's first rank: "
+                "the ranks' logits or generator states diverged"
+            )
+        return out
+
+    def _collect_finished(self) -> list[RequestOutput]:
+        done = [r for r in self._requests.values() if r.done()]
+        for r in done:
+            del self._requests[r.request_id]
+        return [self._output(r) for r in done]
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for index in sorted(request.seqs):
+            s = request.seqs[index]
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    token_ids=list(s.output_token_ids),
+                    logprobs=list(s.output_logprobs),
+                    finish_reason=s.finish_reason or "abort",
+                    text=self._decode(s.output_token_ids),
+                    top_logprobs=list(s.output_top_logprobs) if s.params.logprobs else None,
+                    num_preemptions=s.num_preemptions,
+                    time_to_first_token_s=None
+                    if s.first_token_time is None
+                    else s.first_token_time - s.arrival_time,
+                    latency_s=None if s.finish_time is None else s.finish_time - s.arrival_time,
+                )
+            )
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, completions, request.error
+        )
+
+    def _decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    # -------------------------------------------------------------- generate
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of `prompts`."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if progress and self.layout.is_tp_first else None
+        while len(results) < len(ids):
+            for out in self.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None:
+                bar.set_postfix(
+                    running=self.scheduler.num_running_samples(), tok_s=f"{self.tokens_per_s():.0f}"
+                )
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    # -------------------------------------------------------- move requests
+
+    def export_requests(
+        self, request_ids: Iterable[str], with_kv: bool = True
+    ) -> list[SequenceState]:
+        """Take unfinished requests out of this engine, to continue elsewhere."""
+        states: list[SequenceState] = []
+        for request_id in request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                raise KeyError(f"no request {request_id!r} in this engine")
+            for index in sorted(request.seqs):
+                seq = request.seqs[index]
+                if seq.is_finished:
+                    continue
+                kv = None
+                if with_kv and seq.status is SequenceStatus.RUNNING and not seq.fork_children:
+                    kv = self.cache.export(seq.seq_id)
+                pending_children = seq.fork_children
+                seq.fork_children = []
+                self.scheduler.remove(seq)
+                for s in (seq, *pending_children):
+                    states.append(self._state(s, kv if s is seq else None))
+        return states
+
+    def _state(self, seq: Seq, kv: Any) -> SequenceState:
+        return SequenceState(
+            request_id=seq.request_id,
+            sample_index=seq.sample_index,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=list(seq.output_token_ids),
+            output_logprobs=list(seq.output_logprobs),
+            params=seq.params,
+            generator_state=export_generator(seq.generator),
+            output_top_logprobs=list(seq.output_top_logprobs),
+            kv=kv,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def import_requests(self, states: Iterable[SequenceState]) -> None:
+        """Continue exported samples here: with their KV when it fits, else by recompute."""
+        for st in states:
+            request = self._requests.get(st.request_id)
+            if request is None:
+                request = self._requests[st.request_id] = _Request(
+                    st.request_id, list(st.prompt_token_ids)
+                )
+            if st.sample_index in request.seqs:
+                raise ValueError(
+                    f"sample {st.sample_index} of request {st.request_id!r} is already here"
+                )
+            seq = Seq(
+                next(self._seq_ids),
+                st.request_id,
+                st.sample_index,
+                list(st.prompt_token_ids),
+                st.params,
+                import_generator(st.generator_state),
+                output_token_ids=list(st.output_token_ids),
+                output_logprobs=list(st.output_logprobs),
+                output_top_logprobs=list(st.output_top_logprobs),
+                num_preemptions=st.num_preemptions,
+            )
+            request.seqs[st.sample_index] = seq
+            if st.kv is not None and self._kv_matches(seq, st) and self.cache.can_import(st.kv):
+                self.cache.import_(seq.seq_id, st.kv)
+                if self.cache.blocks.num_uncomputed(seq.seq_id) == 0:
+                    seq.status = SequenceStatus.RUNNING
+                    self.scheduler.running.append(seq)
+                    continue
+                self.scheduler.remove(seq)  # KV short of the last token: recompute instead
+            self.scheduler.add(seq)
+
+    @staticmethod
+    def _kv_matches(seq: Seq, st: SequenceState) -> bool:
+        assert st.kv is not None
+        return list(st.kv.token_ids) == seq.token_ids[:-1] and seq.output_token_ids != []
+
+    # --------------------------------------------------------------- weights
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full tensors under their HF names (cut for this layout); cached prefixes are
+        dropped because their KV came from the old weights."""
+        load_weights(self.model, named_tensors)
+        self.weight_version = version
+        self.cache.blocks.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- stats
+
+    def tokens_per_s(self) -> float:
+        c = self.counters
+        return c.generated_tokens / c.busy_s if c.busy_s else 0.0
+
+    def stats(self) -> dict[str, float | int]:
+        blocks, c = self.cache.blocks, self.counters
+        return {
+            "running": self.scheduler.num_running_samples(),
+            "waiting": sum(s.group_size for s in self.scheduler.waiting)
+            + (self.scheduler.prefilling.group_size if self.scheduler.prefilling else 0),
+            "kv_blocks_used": blocks.num_used_blocks,
+            "kv_blocks_free": blocks.num_free_blocks,
+            "prefix_hit_rate": blocks.prefix_hit_rate(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "steps": c.steps,
+            "prefill_tokens": c.prefill_tokens,
+            "decode_tokens": c.decode_tokens,
+            "generated_tokens": c.generated_tokens,
+            "tokens_per_s": self.tokens_per_s(),
+            "weight_version": self.weight_version,
+        }
+
+
+def _maybe_tokenizer(model_dir: str) -> Any:
+    try:
+        return read_tokenizer(model_dir)
+    except (OSError, ValueError, TypeError):
+        return None  # a weights-only directory (tests, exported checkpoints): ids in, ids out
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,89 @@
+"""One sample being generated: its tokens, logprobs, generator and lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from patrl.rollout.sampler import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # needs (re)prefill: new, preempted, or imported without KV
+    RUNNING = "running"  # KV of all but its last sampled token is in the cache
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request has `n` sequences; each samples with its own generator.
+
+    `fork_children` holds the other samples of a fresh request while this one (the leader)
+    prefills the shared prompt: when the prefill ends, all of them sample their first token
+    from the same logits and the children take over the leader's blocks by `fork`.
+    """
+
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    fork_children: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    weight_version: int = 0  # policy version of the weights that sampled the latest token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def group_size(self) -> int:
+        """How many samples this sequence stands for in the batch (itself + fork children)."""
+        return 1 + len(self.fork_children)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_token_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+
+    def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+        """Why this sequence must stop after its newest token, or None."""
+        token = self.output_token_ids[-1]
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+            return "stop"
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
