@@ -30,6 +30,7 @@ benchmarks/results/simulate_cluster_timeline.png.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -117,10 +118,11 @@ def simulate_model(model: ModelInfo) -> tuple[list[dict[str, Any]], dict[str, Si
 
 
 def planner_latency_us(model: ModelInfo, repeats: int = 5, calls: int = 200) -> dict[str, Any]:
-    """Measured: wall time of ReconfigPlanner.decide for 256 running sequences, 3 quantiles,
-    from the first layout (dp8xtp1: three candidate targets, the most work)."""
+    """Measured: ReconfigPlanner.decide for 256 running sequences x 3 quantiles from dp8xtp1
+    (three candidate targets, the most work), wall and process-CPU time. Two cases: a call
+    that stays (the common one) and one whose best switch clears the margin, which also prices
+    delaying it. Medians of `calls` calls, `repeats` times."""
     latency = LatencyModel.fit(roofline_profile(model))
-    planner = ReconfigPlanner(latency, WORLD)
     rng = np.random.default_rng(0)
     n = 256
     running = RunningSet(
@@ -129,28 +131,40 @@ def planner_latency_us(model: ModelInfo, repeats: int = 5, calls: int = 200) -> 
         context=rng.integers(200, 8000, n),
         remaining=np.sort(rng.lognormal(7, 1, (n, 3)), axis=1),
     )
-    medians = []
-    for _ in range(repeats):
-        times = []
-        for _ in range(calls):
-            planner.new_rollout()
-            start = time.perf_counter()
-            planner.decide(running, Layout(8, 1))
-            times.append(time.perf_counter() - start)
-        planner.decisions.clear()
-        medians.append(statistics.median(times) * 1e6)
-    return {
-        "median_us_per_repeat": medians,
-        "median_us": statistics.median(medians),
-        "sequences": n,
-    }
+    result: dict[str, Any] = {"sequences": n, "loadavg_before": os.getloadavg()}
+    for case, margin in (("stay", 1e9), ("switch", 0.2)):
+        planner = ReconfigPlanner(latency, WORLD, PlannerConfig(margin=margin))
+        wall, cpu = [], []
+        for _ in range(repeats):
+            w, c = [], []
+            for _ in range(calls):
+                planner.new_rollout()
+                w0, c0 = time.perf_counter(), time.process_time()
+                planner.decide(running, Layout(8, 1))
+                c.append(time.process_time() - c0)
+                w.append(time.perf_counter() - w0)
+            planner.decisions.clear()
+            wall.append(statistics.median(w) * 1e6)
+            cpu.append(statistics.median(c) * 1e6)
+        planner.new_rollout()
+        assert planner.decide(running, Layout(8, 1)).action == case
+        result[case] = {
+            "wall_us_per_repeat": wall,
+            "cpu_us_per_repeat": cpu,
+            "wall_us": statistics.median(wall),
+            "cpu_us": statistics.median(cpu),
+        }
+    result["loadavg_after"] = os.getloadavg()
+    return result
 
 
 def predictor_error() -> dict[str, Any]:
-    """Online remaining-length error of the LengthPredictor on the benchmark's trace, replayed
-    with predictions at fixed lengths as samples progress (every scored prediction)."""
+    """Remaining-length error of the LengthPredictor on the benchmark's trace, replayed with
+    predictions at fixed lengths as samples progress: its own online report (every prediction,
+    the cold first epoch included) and, from the second epoch on, MAE and quantile coverage."""
     predictor = LengthPredictor(PredictorConfig(max_length=SPEC.max_length))
     steps = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0))
+    later: list[tuple[float, bool, bool, bool]] = []
     for step, groups in steps.items():
         samples = []
         for g in groups:
@@ -164,11 +178,24 @@ def predictor_error() -> dict[str, Any]:
                 n, gid, i = samples[done]
                 predictor.observe_finished(f"{gid}/{i}", gid, n)
                 done += 1
-            for _, gid, i in samples[done:]:
-                predictor.predict_remaining(f"{gid}/{i}", gid, level)
+            for n, gid, i in samples[done:]:
+                q = predictor.predict_remaining(f"{gid}/{i}", gid, level)
+                if step > 0:
+                    truth = n - level
+                    later.append((abs(truth - q[1]), truth <= q[0], truth <= q[1], truth <= q[2]))
         for n, gid, i in samples[done:]:
             predictor.observe_finished(f"{gid}/{i}", gid, n)
-    return predictor.error_report()
+    scored = np.array(later, dtype=float)
+    return {
+        "online_report_all_epochs": predictor.error_report(),
+        "from_second_epoch": {
+            "predictions": len(later),
+            "mae": float(scored[:, 0].mean()),
+            "coverage": dict(
+                zip(("0.1", "0.5", "0.9"), scored[:, 1:].mean(axis=0).tolist(), strict=True)
+            ),
+        },
+    }
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -251,11 +278,15 @@ def main() -> None:
     print_table(rows)
     timing = planner_latency_us(LLAMA31_8B)
     print(
-        f"\nMEASURED on this machine ({platform.processor() or platform.machine()}): "
-        f"ReconfigPlanner.decide, 256 seqs x 3 quantiles, 3 targets: median {timing['median_us']:.0f} us "
-        f"(medians of {len(timing['median_us_per_repeat'])} repeats: "
-        f"{', '.join(f'{m:.0f}' for m in timing['median_us_per_repeat'])})"
+        f"\nMEASURED on this machine ({platform.machine()}, load average {timing['loadavg_before']}):"
     )
+    for case in ("stay", "switch"):
+        t = timing[case]
+        print(
+            f"  ReconfigPlanner.decide, 256 seqs x 3 quantiles, {case} call: median wall "
+            f"{t['wall_us']:.0f} us, cpu {t['cpu_us']:.0f} us (per-repeat wall medians: "
+            f"{', '.join(f'{m:.0f}' for m in t['wall_us_per_repeat'])})"
+        )
     error = predictor_error()
     print(f"LengthPredictor online remaining-length error on this trace: {error}")
     print(f"roofline latency-model held-out MAPE per tp: {fits}")
