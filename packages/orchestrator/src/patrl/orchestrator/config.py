@@ -1,0 +1,241 @@
+"""The job's configuration: pydantic models, a YAML file, and dotted command-line overrides.
+
+Key names follow verl where the concept exists (`data.train_batch_size`, `rollout.n`,
+`actor.ppo_mini_batch_size`, `trainer.save_freq`, ...), so a verl user's overrides carry over.
+Every problem is reported before any rank starts work, naming the dotted key, the bad value and
+what is accepted:
+
+    cfg = load_config("examples/configs/demo.yaml", ["rollout.n=8", "data.train_batch_size=16"])
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from patrl.trainer import TrainerConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    train_files: list[str] | str | None = Field(
+        None, description="jsonl/parquet files; None = the demo task"
+    )
+    val_files: list[str] | str | None = Field(
+        None, description="validation files; None = demo task's, or none"
+    )
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    train_batch_size: int = Field(
+        8, gt=0, description="prompts per step (each sampled rollout.n times)"
+    )
+    val_batch_size: int | None = Field(
+        None, gt=0, description="validation prompts per pass; None = all"
+    )
+    max_prompt_length: int = Field(256, gt=0)
+    max_response_length: int = Field(256, gt=0)
+    filter_overlong_prompts: bool = Field(
+        True, description="drop (and count) longer prompts; false = error"
+    )
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    shuffle: bool = True
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="Hugging Face model directory; None = the demo model"
+    )
+
+
+class RolloutConfig(_Section):
+    n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    tensor_model_parallel_size: int = Field(1, gt=0, description="static rollout TP size")
+    prompt_assignment: Literal["round_robin", "length_aware"] = "round_robin"
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(None, gt=0)
+    kv_cache_memory_bytes: int = Field(1 << 29, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    val_temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
+    update_weights_bucket_megabytes: int = Field(256, gt=0)
+
+
+class ActorConfig(TrainerConfig):
+    """The policy trainer (patrl.trainer.TrainerConfig) plus the PPO loop's sizes."""
+
+    ppo_mini_batch_size: int = Field(
+        8, gt=0, description="prompts per optimizer step (times rollout.n samples)"
+    )
+    ppo_epochs: int = Field(1, gt=0)
+
+
+class FilterGroupsConfig(_Section):
+    enable: bool = False
+    max_num_gen_batches: int = Field(4, gt=0, description="generation rounds per step at most")
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+
+
+class RewardFunctionConfig(_Section):
+    name: str = Field(description="'math_verify', 'format', or 'module:function'")
+    weight: float = 1.0
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=lambda: [RewardFunctionConfig(name="math_verify")]
+    )
+    num_workers: int = Field(2, ge=0, description="reward processes; 0 = in process")
+    timeout_s: float = Field(10.0, gt=0, description="per-sample timeout of a reward call")
+
+
+class RunConfig(_Section):
+    """verl's `trainer.*`: the run's length, logging and checkpoints."""
+
+    total_training_steps: int = Field(20, gt=0)
+    save_freq: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    test_freq: int = Field(5, ge=0, description="steps between validations; 0 = never")
+    val_before_train: bool = True
+    logger: list[Literal["console", "jsonl", "tensorboard"]] = Field(
+        default_factory=lambda: ["console", "jsonl", "tensorboard"]
+    )
+    project_name: str = "patrl"
+    experiment_name: str = "grpo"
+    default_local_dir: str = Field("runs", description="runs go to <dir>/<project>/<experiment>")
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None
+    max_checkpoints_to_keep: int = Field(2, gt=0)
+    seed: int = 0
+    plots: bool = True
+
+
+class JobConfig(_Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} must divide "
+                f"data.train_batch_size={self.data.train_batch_size}"
+            )
+        if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        # The trainer's logprobs must use the temperature the rollout sampled with.
+        if (
+            "temperature" in self.actor.model_fields_set
+            and self.actor.temperature != self.rollout.temperature
+        ):
+            raise ValueError(
+                f"actor.temperature={self.actor.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: logprobs must use the sampling temperature "
+                "(leave actor.temperature unset)"
+            )
+        self.actor.temperature = self.rollout.temperature
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        t = self.trainer
+        return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the user."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML file (optional), apply `key.sub=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
+        raw = loaded
+    for item in overrides or []:
+        _apply_override(raw, item)
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def dump_config(config: JobConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    parts = key.strip().split(".")
+    _check_path(parts)
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def _check_path(parts: list[str]) -> None:
+    """Unknown keys fail here with suggestions, before pydantic's generic message."""
+    model: type[BaseModel] | None = JobConfig
+    for depth, part in enumerate(parts):
+        if model is None:
+            return
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:depth]) or "the top level"
+            close = difflib.get_close_matches(part, list(fields), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(
+                f"unknown key {'.'.join(parts[: depth + 1])!r}: {where} accepts {sorted(fields)}{hint}"
+            )
+        annotation = fields[part].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r}")
+            continue
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{key}: {e['msg']}{shown}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

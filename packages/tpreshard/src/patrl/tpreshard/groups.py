@@ -1,0 +1,90 @@
+"""Every process group a run may use, created once, up front, in the same order on every rank.
+
+A rank that skips a `new_group` call makes a *later* group creation hang forever (the group
+names come from a per-process counter; research/feasibility.md §2). So groups are never made
+lazily: `GroupCache` builds the TP and DP groups of every candidate layout at start-up, and
+`layout(tp)` afterwards only looks them up.
+
+TP groups are consecutive ranks (`[0..tp)`, `[tp..2tp)`, ...), which keeps a TP group inside a
+node whenever `tp` divides the node's size (`LOCAL_WORLD_SIZE`); DP groups join the ranks with
+the same TP rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from patrl.tpreshard.layout import ParallelLayout
+
+__all__ = ["GroupCache"]
+
+
+class GroupCache:
+    def __init__(
+        self,
+        candidate_tp_sizes: Iterable[int],
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        local_world_size: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self.world_size = world_size if world_size is not None else dist.get_world_size()
+        self.rank = rank if rank is not None else dist.get_rank()
+        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.candidates = sorted(set(candidate_tp_sizes))
+        for tp in self.candidates:
+            if tp < 1 or self.world_size % tp:
+                raise ValueError(
+                    f"candidate TP size {tp} must divide the world size {self.world_size}; "
+                    f"divisors: {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
+                )
+            if tp > local and tp % local:
+                raise ValueError(
+                    f"candidate TP size {tp} spans a partial node (LOCAL_WORLD_SIZE={local})"
+                )
+        self.num_created = 0
+        self._backend = backend
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for tp in self.candidates:
+            for ranks in self._tp_ranks(tp) + self._dp_ranks(tp):
+                self._create(ranks)
+
+    def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:
+        return [tuple(range(s, s + tp)) for s in range(0, self.world_size, tp)]
+
+    def _dp_ranks(self, tp: int) -> list[tuple[int, ...]]:
+        return [tuple(range(r, self.world_size, tp)) for r in range(tp)]
+
+    def _create(self, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == 1 or ranks in self._groups:
+            return  # a group of one needs no communicator; a repeated one is shared
+        # Every rank calls new_group for every group, members or not (see the module docstring).
+        group = dist.new_group(list(ranks), backend=self._backend)
+        self.num_created += 1
+        self._groups[ranks] = group
+
+    def layout(self, tp: int) -> ParallelLayout:
+        """This rank's layout with TP size `tp`; creates nothing."""
+        if tp not in self.candidates:
+            raise ValueError(
+                f"TP size {tp} is not a candidate of this GroupCache: {self.candidates}"
+            )
+        tp_ranks = self._tp_ranks(tp)[self.rank // tp]
+        dp_ranks = self._dp_ranks(tp)[self.rank % tp]
+        return ParallelLayout(
+            tp_size=tp,
+            tp_rank=self.rank % tp,
+            tp_group=self._groups.get(tp_ranks),
+            dp_size=self.world_size // tp,
+            dp_rank=self.rank // tp,
+            dp_group=self._groups.get(dp_ranks),
+        )
+
+    def tp_group_ranks(self, tp: int) -> list[tuple[int, ...]]:
+        """The global ranks of every TP group at size `tp`, by DP rank."""
+        return self._tp_ranks(tp)
