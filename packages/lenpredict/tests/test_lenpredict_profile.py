@@ -81,7 +81,11 @@ def test_latency_model_prefill_collectives_and_reshard():
     assert model.collective_time("send", 1 << 20, 2) == pytest.approx(1e-3 + 1e-9 * (1 << 20))
     assert model.collective_time("all_reduce", 10, 1) == 0.0
     assert model.weight_reshard_time(2, 8) == 0.0  # narrowing in place moves nothing
-    assert model.weight_reshard_time(8, 2) > 0.0
+    per_rank = TINY.weight_bytes("float32") / 2
+    assert model.weight_reshard_time(8, 2) == pytest.approx(model.reshard_time(per_rank, 4))
+    assert model.reshard_time(per_rank, 4) == pytest.approx(1e-3 + 1e-9 * per_rank)
+    assert model.kv_migrate_time(4096) == pytest.approx(1e-3 + 1e-9 * 4096)
+    assert model.kv_recompute_time(2, [300, 700]) == model.prefill_time(2, [300, 700])
     with pytest.raises(KeyError, match="tp=3"):
         model.step_time(3, 1, 1)
 

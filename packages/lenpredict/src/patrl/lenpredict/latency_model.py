@@ -238,7 +238,20 @@ class LatencyModel:
         if dst_tp >= src_tp:
             return 0.0
         per_rank = self.model.weight_bytes(self.dtype) / dst_tp
-        return self.collective_time("all_gather", per_rank, src_tp // dst_tp)
+        return self.reshard_time(per_rank, src_tp // dst_tp)
+
+    def reshard_time(self, nbytes_per_rank: float, group_size: int) -> float:
+        """Seconds to gather `nbytes_per_rank` of weights on every rank of a group (the byte
+        counts come from tpreshard's move plans)."""
+        return self.collective_time("all_gather", nbytes_per_rank, group_size)
+
+    def kv_migrate_time(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` of KV over one link."""
+        return self.send_time(nbytes)
+
+    def kv_recompute_time(self, tp: int, tokens: Sequence[int] | np.ndarray) -> float:
+        """Seconds to rebuild the KV of sequences of these lengths by one prefill."""
+        return self.prefill_time(tp, tokens)
 
     def switch_fixed_time(self, world_size: int) -> float:
         """Every switch is collective: at least one barrier across the world."""
