@@ -1,0 +1,179 @@
+"""Group-relative advantages (GRPO, Dr.GRPO, RLOO) and DAPO dynamic sampling.
+
+Pure numpy. Samples are flat, in any order; `group_ids[i]` names the prompt that sample i was
+drawn for (verl's `index`), so groups may have different sizes (a partial rollout can hand back
+an incomplete group). A group of one sample has nothing to be relative to: its advantage is 0
+under every estimator here. (verl instead uses mean 0 and std 1 there, which makes the raw
+reward the advantage; a lone sample then pushes the policy with an unbaselined signal.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo"]
+ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+
+FloatArray = npt.NDArray[np.float64]
+G = TypeVar("G")
+
+
+def grpo_advantages(
+    rewards: npt.ArrayLike,
+    group_ids: npt.ArrayLike,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> FloatArray:
+    """GRPO: (r - group mean) / (group std + eps), the std unbiased (ddof=1) as verl's
+    `torch.std`; `norm_by_std=False` is verl's `norm_adv_by_std_in_grpo=False`."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    centred = r - _group_sums(r, inverse, counts.size)[inverse] / counts[inverse]
+    if norm_by_std:
+        sq = _group_sums(centred**2, inverse, counts.size)
+        std = np.sqrt(sq / np.maximum(counts - 1, 1))
+        centred = centred / (std[inverse] + eps)
+    return np.where(counts[inverse] > 1, centred, 0.0)
+
+
+def dr_grpo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike) -> FloatArray:
+    """Dr.GRPO: r - group mean. Dividing by the std up-weights groups that are nearly solved or
+    nearly failed (a difficulty bias), so Dr.GRPO leaves it out."""
+    return grpo_advantages(rewards, group_ids, norm_by_std=False)
+
+
+def rloo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike) -> FloatArray:
+    """RLOO: r_i - mean of the other samples of its group = n/(n-1) * (r_i - group mean)."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    n = counts[inverse]
+    others = (_group_sums(r, inverse, counts.size)[inverse] - r) / np.maximum(n - 1, 1)
+    return np.where(n > 1, r - others, 0.0)
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: npt.ArrayLike,
+    group_ids: npt.ArrayLike,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> FloatArray:
+    """One advantage per sample by name (verl's `algorithm.adv_estimator`)."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_ids, norm_by_std=norm_adv_by_std_in_grpo)
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(rewards, group_ids)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_ids)
+    raise ValueError(f"unknown adv_estimator {estimator!r}; accepted: {', '.join(ADV_ESTIMATORS)}")
+
+
+def per_token(advantages: npt.ArrayLike, response_lengths: Sequence[int]) -> list[FloatArray]:
+    """Broadcast each sequence's scalar advantage over its response tokens."""
+    adv = np.asarray(advantages, dtype=np.float64)
+    if adv.ndim != 1 or adv.size != len(response_lengths):
+        raise ValueError(
+            f"advantages of shape {adv.shape} for {len(response_lengths)} responses: "
+            "need one scalar per response"
+        )
+    for i, length in enumerate(response_lengths):
+        if length < 0:
+            raise ValueError(f"response_lengths[{i}] = {length}; lengths must be >= 0")
+    return [
+        np.full(int(length), a) for a, length in zip(adv.tolist(), response_lengths, strict=True)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFilter:
+    """Which groups carry a learning signal. `keep[i]` is per sample; the group lists are in
+    order of first appearance."""
+
+    keep: npt.NDArray[np.bool_]
+    kept_groups: list[object]
+    dropped_groups: list[object]
+
+    @property
+    def num_kept(self) -> int:
+        return len(self.kept_groups)
+
+    @property
+    def num_dropped(self) -> int:
+        return len(self.dropped_groups)
+
+
+def filter_zero_variance_groups(rewards: npt.ArrayLike, group_ids: npt.ArrayLike) -> GroupFilter:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (all solved or all
+    failed): every advantage there is 0, so they only dilute the batch. Equality is exact.
+    Groups of one sample are dropped too (their advantage is 0 as well; verl keeps them)."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    lo = np.full(counts.size, np.inf)
+    hi = np.full(counts.size, -np.inf)
+    np.minimum.at(lo, inverse, r)
+    np.maximum.at(hi, inverse, r)
+    signal = hi > lo
+    order = _first_appearance(inverse, counts.size)
+    ids = np.asarray(group_ids).tolist()
+    first = _first_index(inverse, counts.size)
+    return GroupFilter(
+        keep=signal[inverse],
+        kept_groups=[ids[first[g]] for g in order if signal[g]],
+        dropped_groups=[ids[first[g]] for g in order if not signal[g]],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Refill(Generic[G]):
+    """What to train on after a round of dynamic sampling: `groups` (at most the target) and
+    whether the batch is still short so the caller should generate another round."""
+
+    groups: list[G]
+    draw_more: bool
+    num_surplus: int
+
+
+def refill(kept: Sequence[G], target: int) -> Refill[G]:
+    """Given every kept group accumulated so far (oldest first), say whether to draw more and
+    trim to `target` groups (the newest surplus groups are the ones cut)."""
+    if target < 1:
+        raise ValueError(f"target must be >= 1 group, got {target}")
+    return Refill(
+        groups=list(kept[:target]),
+        draw_more=len(kept) < target,
+        num_surplus=max(len(kept) - target, 0),
+    )
+
+
+def _grouped(
+    rewards: npt.ArrayLike, group_ids: npt.ArrayLike
+) -> tuple[FloatArray, npt.NDArray[np.intp], FloatArray]:
+    r = np.asarray(rewards, dtype=np.float64)
+    ids = np.asarray(group_ids)
+    if r.ndim != 1 or ids.shape != r.shape:
+        raise ValueError(
+            f"rewards of shape {r.shape} and group_ids of shape {ids.shape}: need two 1-D "
+            "arrays of the same length, one entry per sample"
+        )
+    if not np.all(np.isfinite(r)):
+        bad = int(np.flatnonzero(~np.isfinite(r))[0])
+        raise ValueError(f"rewards[{bad}] = {r[bad]}; rewards must be finite")
+    _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+    return r, inverse.reshape(-1), counts.astype(np.float64)
+
+
+def _group_sums(values: FloatArray, inverse: npt.NDArray[np.intp], num_groups: int) -> FloatArray:
+    return np.bincount(inverse, weights=values, minlength=num_groups).astype(np.float64)
+
+
+def _first_index(inverse: npt.NDArray[np.intp], num_groups: int) -> npt.NDArray[np.intp]:
+    first = np.full(num_groups, inverse.size, dtype=np.intp)
+    np.minimum.at(first, inverse, np.arange(inverse.size))
+    return first
+
+
+def _first_appearance(inverse: npt.NDArray[np.intp], num_groups: int) -> list[int]:
+    return np.argsort(_first_index(inverse, num_groups), kind="stable").tolist()
