@@ -105,6 +105,23 @@ class DenseKVCache:
         vs = [self.v[layer, t[0], :n] for t, n in zip(block_tables, context_lens, strict=True)]
         return ks, vs
 
+    def gather_padded(
+        self, layer: int, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_padded(self, layer, block_tables)
+
+
+def _gather_padded(
+    cache: Any, layer: int, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow twin of a padded gather: whole blocks of every table, through `gather`."""
+    width = block_tables.shape[1] * cache.block_size
+    tables = block_tables.tolist()
+    ks, vs = cache.gather(layer, tables, [min(width, len(t) * cache.block_size) for t in tables])
+    # Unwritten slots read as zeros, like patrl.kvstore's zero-initialised blocks: the caller
+    # masks them, and a masked NaN would still poison the output (0 * NaN).
+    return torch.stack(ks).nan_to_num(0.0), torch.stack(vs).nan_to_num(0.0)
+
 
 class PagedKVCache:
     """Small blocks handed out in shuffled order, so block tables are never contiguous."""
@@ -142,6 +159,11 @@ class PagedKVCache:
             ks.append(torch.stack([self.k[layer][table[b], o] for b, o in rows]))
             vs.append(torch.stack([self.v[layer][table[b], o] for b, o in rows]))
         return ks, vs
+
+    def gather_padded(
+        self, layer: int, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_padded(self, layer, block_tables)
 
 
 class Driver:

@@ -36,6 +36,16 @@ class KVCache(Protocol):
         """Per sequence, its first context_len K and V rows: lists of [ctx_len, kv_heads, D]."""
         ...
 
+    def gather_padded(
+        self, layer: int, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [B, max_blocks * block_size, kv_heads, D], one index op.
+
+        `block_tables` is [B, max_blocks] padded with a valid block id; the caller masks every
+        position past a sequence's context length.
+        """
+        ...
+
 
 class PagedKVTensors(KVCache, Protocol):
     """What a fused paged kernel (flash) reads on top of `KVCache`: the raw block tensors.

@@ -26,32 +26,39 @@ class SdpaBackend(AttentionBackend):
         layer_idx: int,
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        keys, values = self.context_kv(k, v, layer_idx, ctx)
-        queries = q.split(ctx.query_lens)
+        cache = ctx.kv_cache
+        if cache is not None:
+            assert ctx.slot_mapping is not None  # build() checks
+            cache.write(layer_idx, ctx.slot_mapping, k, v)
+        if cache is not None and ctx.max_query_len == 1:
+            return self.decode(q, layer_idx, ctx, None)  # a pure decode step, the common case
         out = torch.empty_like(q)
-        decode = [i for i, n in enumerate(ctx.query_lens) if n == 1]
+        starts = ctx.cu_seqlens_q.tolist()
+        # Decodes (one new token, context in the cache) go together: one padded gather, one call.
+        decode = [i for i, n in enumerate(ctx.query_lens) if n == 1] if cache is not None else []
         if len(decode) > 1:
-            rows = ctx.cu_seqlens_q[:-1].long()[decode]
-            out[rows] = self.decode(q[rows], [keys[i] for i in decode], [values[i] for i in decode])
-            done = set(decode)
+            rows = torch.tensor([starts[i] for i in decode], device=q.device)
+            out[rows] = self.decode(q[rows], layer_idx, ctx, decode)
         else:
-            done = set()
-        offset = 0
-        for i, n in enumerate(ctx.query_lens):
-            if i not in done:
-                out[offset : offset + n] = self.attend(queries[i], keys[i], values[i])
-            offset += n
+            decode = []
+        rest = [i for i in range(ctx.num_seqs) if i not in set(decode)]
+        keys, values = self.context_kv(k, v, layer_idx, ctx, rest)
+        for i, ki, vi in zip(rest, keys, values, strict=True):
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = self.attend(q[s:e], ki, vi)
         return out
 
+    @staticmethod
     def context_kv(
-        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, ctx: AttentionContext
+        k: torch.Tensor, v: torch.Tensor, layer_idx: int, ctx: AttentionContext, seqs: list[int]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every sequence's whole context K and V, [ctx_len, kv_heads, D] each."""
+        """The whole context K and V of sequences `seqs`, [ctx_len, kv_heads, D] each."""
         if ctx.kv_cache is None:
-            return list(k.split(ctx.query_lens)), list(v.split(ctx.query_lens))
-        assert ctx.slot_mapping is not None and ctx.block_tables is not None  # build() checks
-        ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
-        return ctx.kv_cache.gather(layer_idx, ctx.block_tables, ctx.context_lens)
+            ks, vs = k.split(ctx.query_lens), v.split(ctx.query_lens)
+            return [ks[i] for i in seqs], [vs[i] for i in seqs]
+        assert ctx.block_tables is not None  # build() checks
+        tables = [ctx.block_tables[i] for i in seqs]
+        return ctx.kv_cache.gather(layer_idx, tables, [ctx.context_lens[i] for i in seqs])
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -67,14 +74,22 @@ class SdpaBackend(AttentionBackend):
 
     @staticmethod
     def decode(
-        q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+        q: torch.Tensor, layer_idx: int, ctx: AttentionContext, seqs: list[int] | None
     ) -> torch.Tensor:
-        """Many one-token queries at once: q [B, Hq, D], contexts padded to the longest."""
-        lens = torch.tensor([x.shape[0] for x in keys], device=q.device)
-        k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).transpose(1, 2)
-        v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True).transpose(1, 2)
-        valid = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True
+        """One query per sequence (`seqs`, None = all), q [B, Hq, D], against whole blocks
+        masked to each context."""
+        assert ctx.kv_cache is not None
+        tables = ctx.block_table_tensor()
+        lens = ctx.context_lens
+        if seqs is not None:
+            tables, lens = tables[seqs], [lens[i] for i in seqs]
+        k, v = ctx.kv_cache.gather_padded(layer_idx, tables)
+        valid = (
+            torch.arange(k.shape[1], device=q.device)[None, :]
+            < torch.tensor(lens, device=q.device)[:, None]
         )
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :], enable_gqa=True,
+        )  # fmt: skip
         return out[:, :, 0, :]
