@@ -207,6 +207,11 @@ class RolloutSimulator:
                     f"planner {name}={getattr(theirs, name)} but the simulator's is "
                     f"{getattr(ours, name)}; set both from the engine's value"
                 )
+        if ours.kv_capacity_tokens is not None:
+            raise ValueError(
+                f"kv_capacity_tokens={ours.kv_capacity_tokens} overrides the KV budget the "
+                "planner reads from the latency model; leave it None for adaptive runs"
+            )
         if planner.world_size != self.world_size:
             raise ValueError(
                 f"planner world_size={planner.world_size}, simulator {self.world_size}"
