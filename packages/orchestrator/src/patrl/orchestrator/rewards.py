@@ -1,0 +1,514 @@
+"""Reward functions and the manager that runs them without letting one take the run down.
+
+Every reward function has one signature, `fn(response: str, answer: str, **meta) -> float | dict`
+(a dict carries the score under "score"; its other numeric entries are reported as extras).
+`meta` is the prompt's extra metadata; a function that does not take `**kwargs` is passed only
+the meta keys it names. A spec is a built-in name (`math_verify`, `format`) or `module:function`.
+
+`RewardManager` scores a batch in spawned worker processes, one call (one function on one
+sample) at a time per worker, each under a deadline. A call that raises, outlives the deadline,
+returns something that is not a finite number, or kills its worker is recorded per sample as an
+error of kind exception / timeout / invalid / crash: the sample's reward is 0.0, the rest of the
+batch is scored normally, and a timed-out or dead worker is replaced. `num_workers=0` runs calls
+in this process: errors are contained the same way, but the timeout is best effort (SIGALRM,
+only on the main thread, only between Python bytecodes; a call stuck in C code is not cut).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+import multiprocessing as mp
+import numbers
+import signal
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Literal
+
+from math_verify import parse, verify
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Any]
+ErrorKind = Literal["exception", "timeout", "invalid", "crash"]
+ERROR_KINDS: tuple[ErrorKind, ...] = ("exception", "timeout", "invalid", "crash")
+
+
+def math_verify_reward(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response's final answer equals the gold answer, else 0.0 (math-verify:
+    \\boxed{}, "the answer is ...", fractions, LaTeX and plain numbers; numeric and symbolic
+    equality). The gold may be bare ("42", "\\frac{1}{2}") or LaTeX in $...$."""
+    # math-verify's own timeouts use SIGALRM, which fails off the main thread and would cancel
+    # the in-process alarm of RewardManager; the manager's deadline covers slow parses instead.
+    gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
+    if not gold:
+        return 0.0
+    prediction = parse(response, parsing_timeout=None)
+    return 1.0 if verify(gold, prediction, timeout_seconds=None) else 0.0
+
+
+def format_reward(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response puts a non-empty final answer in \\boxed{...}, else 0.0."""
+    return 1.0 if boxed_content(response) else 0.0
+
+
+def boxed_content(text: str) -> str | None:
+    """The content of the last \\boxed{...} (braces balanced), or None if there is none."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 1, start + len("\\boxed{")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j].strip() or None
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": format_reward}
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """A built-in name or `module:function` -> the callable."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"reward function {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "nor of the form 'module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: {e!r}") from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+@dataclass(frozen=True, slots=True)
+class RewardError:
+    """One failed call: which sample, which function, what kind of failure, and why."""
+
+    sample: int
+    function: str
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(slots=True)
+class RewardResult:
+    """A scored batch. `rewards[i]` is sample i's weighted total (0.0 if any of its calls
+    failed); `components[name][i]` is function `name`'s score (0.0 where it failed);
+    `extras["name/key"][i]` holds numeric dict entries (NaN where absent)."""
+
+    rewards: list[float]
+    components: dict[str, list[float]]
+    extras: dict[str, list[float]] = field(default_factory=dict)
+    errors: list[RewardError] = field(default_factory=list)
+    workers_restarted: int = 0
+    seconds: float = 0.0
+
+    def error_counts(self) -> dict[ErrorKind, int]:
+        counts = Counter(e.kind for e in self.errors)
+        return {kind: counts[kind] for kind in ERROR_KINDS}
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and means for the step's metrics line."""
+        out: dict[str, float] = {
+            f"reward/errors/{k}": float(n) for k, n in self.error_counts().items()
+        }
+        out["reward/errors/samples"] = float(len({e.sample for e in self.errors}))
+        out["reward/workers_restarted"] = float(self.workers_restarted)
+        for name, values in self.components.items():
+            out[f"reward/{name}/mean"] = sum(values) / len(values) if values else 0.0
+        out["timing_s/reward"] = self.seconds
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    kind: Literal["ok", "exception", "invalid"]
+    score: float = 0.0
+    extras: Mapping[str, float] = field(default_factory=dict)
+    message: str = ""
+
+
+class _CallTimeout(BaseException):
+    """Raised by the in-process alarm. A BaseException so that a reward function's own
+    `except Exception` cannot swallow it."""
+
+
+class _Callable:
+    """A resolved spec, called with only the meta keys it accepts."""
+
+    def __init__(self, spec: str) -> None:
+        self.fn = resolve_reward_fn(spec)
+        params = inspect.signature(self.fn).parameters.values()
+        self.takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        self.names = {p.name for p in params}
+
+    def __call__(self, response: str, answer: str, meta: Mapping[str, Any]) -> _Outcome:
+        kwargs = meta if self.takes_all else {k: v for k, v in meta.items() if k in self.names}
+        try:
+            value = self.fn(response, answer, **kwargs)
+        except Exception as e:
+            return _Outcome("exception", message=_describe(e))
+        return _validate(value)
+
+
+def _validate(value: Any) -> _Outcome:
+    extras: dict[str, float] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            return _Outcome(
+                "invalid", message=f"returned a dict without 'score': keys {list(value)}"
+            )
+        extras = {
+            str(k): float(v)
+            for k, v in value.items()
+            if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))
+        }
+        value = value["score"]
+    if not isinstance(value, numbers.Real):
+        return _Outcome(
+            "invalid", message=f"returned {type(value).__name__} {value!r:.80}, not a number"
+        )
+    if not math.isfinite(float(value)):
+        return _Outcome("invalid", message=f"returned {float(value)}, not a finite number")
+    return _Outcome("ok", float(value), extras)
+
+
+def _describe(e: BaseException) -> str:
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _worker_main(conn: Connection, specs: list[str]) -> None:
+    """A reward process: resolve the specs, say ready, then answer calls until told to stop."""
+    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fns = [_Callable(spec) for spec in specs]
+    except BaseException as e:
+        conn.send(("boot_error", _describe(e)))
+        return
+    conn.send(("ready", None))
+    while (task := conn.recv()) is not None:
+        fn_index, response, answer, meta = task
+        out = fns[fn_index](response, answer, meta)
+        conn.send(("done", (out.kind, out.score, dict(out.extras), out.message)))
+
+
+@dataclass(slots=True)
+class _Worker:
+    process: Any  # multiprocessing.context.SpawnProcess
+    conn: Connection
+    started: float
+    ready: bool = False
+    task: tuple[int, int] | None = None  # (sample, function index) in flight
+    deadline: float = math.inf
+
+
+class RewardManager:
+    """Scores batches with weighted reward functions; see the module docstring for the
+    containment rules. Use as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        specs: Sequence[tuple[str, float]],
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if not specs:
+            raise ValueError("RewardManager needs at least one (spec, weight) pair")
+        names = [spec for spec, _ in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward functions listed twice: {names}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 = in process), got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.names = names
+        self.weights = [float(w) for _, w in specs]
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        # Resolved here too, so that a bad spec fails at construction with its own message.
+        self.fns = [_Callable(spec) for spec in names]
+        self.totals: Counter[str] = Counter()
+        self._restarts = 0
+        self._ctx = mp.get_context("spawn")
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._closed = False
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        metas: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """Score sample i = (responses[i], answers[i], metas[i]) with every function."""
+        if self._closed:
+            raise RuntimeError("RewardManager is closed")
+        metas = metas if metas is not None else [{}] * len(responses)
+        if not len(responses) == len(answers) == len(metas):
+            raise ValueError(
+                f"{len(responses)} responses, {len(answers)} answers, {len(metas)} metas: "
+                "need one of each per sample"
+            )
+        for i, meta in enumerate(metas):
+            clash = {"response", "answer"} & set(meta)
+            if clash:
+                raise ValueError(f"metas[{i}] has reserved key(s) {sorted(clash)}")
+        started = time.perf_counter()
+        self._restarts = 0
+        outcomes: dict[tuple[int, int], _Outcome | RewardError] = {}
+        tasks = [(s, f) for s in range(len(responses)) for f in range(len(self.fns))]
+        samples = (responses, answers, metas)
+        if self._workers:
+            self._run_in_pool(tasks, samples, outcomes)
+        else:
+            self._run_in_process(tasks, samples, outcomes)
+        result = self._assemble(len(responses), outcomes)
+        result.workers_restarted = self._restarts
+        result.seconds = time.perf_counter() - started
+        self._record(result)
+        return result
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force); idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for w in self._workers:
+            with suppress(OSError):  # already dead: killed below either way
+                w.conn.send(None)
+        for w in self._workers:
+            w.process.join(timeout=2.0)
+            self._kill(w)
+        self._workers = []
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    # -- in process ---------------------------------------------------------------------------
+
+    def _run_in_process(
+        self,
+        tasks: list[tuple[int, int]],
+        samples: tuple[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
+    ) -> None:
+        responses, answers, metas = samples
+        for s, f in tasks:
+            try:
+                with _alarm(self.timeout_s):
+                    outcomes[s, f] = self.fns[f](responses[s], answers[s], metas[s])
+            except _CallTimeout:
+                outcomes[s, f] = self._error(s, f, "timeout", f"took longer than {self.timeout_s}s")
+
+    # -- process pool -------------------------------------------------------------------------
+
+    def _run_in_pool(
+        self,
+        tasks: list[tuple[int, int]],
+        samples: tuple[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
+    ) -> None:
+        pending = deque(tasks)
+        while pending or any(w.task for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.task is None and pending:
+                    self._dispatch(w, pending, samples, outcomes)
+            self._wait_and_collect(outcomes)
+            self._enforce_deadlines(outcomes)
+
+    def _dispatch(
+        self,
+        w: _Worker,
+        pending: deque[tuple[int, int]],
+        samples: tuple[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
+    ) -> None:
+        s, f = pending.popleft()
+        responses, answers, metas = samples
+        try:
+            w.conn.send((f, responses[s], answers[s], dict(metas[s])))
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            # The worker died while idle: not this sample's fault, so it goes back in line.
+            pending.appendleft((s, f))
+            self._replace(w)
+            return
+        except Exception as e:  # the sample's meta could not be pickled
+            outcomes[s, f] = self._error(
+                s, f, "exception", f"cannot send to worker: {_describe(e)}"
+            )
+            return
+        w.task, w.deadline = (s, f), time.monotonic() + self.timeout_s
+
+    def _wait_and_collect(self, outcomes: dict[tuple[int, int], _Outcome | RewardError]) -> None:
+        now = time.monotonic()
+        busy = [w for w in self._workers if w.task is not None]
+        booting = [w for w in self._workers if not w.ready]
+        deadlines = [w.deadline for w in busy] + [w.started + self.start_timeout_s for w in booting]
+        timeout = max(0.0, min(deadlines, default=now) - now)
+        by_conn = {id(w.conn): w for w in busy + booting}
+        for conn in wait([w.conn for w in busy + booting], timeout=timeout):
+            w = by_conn[id(conn)]
+            try:
+                tag, payload = w.conn.recv()
+            except (EOFError, OSError):
+                self._on_crash(w, outcomes)
+                continue
+            if tag == "ready":
+                w.ready = True
+            elif tag == "boot_error":
+                raise RuntimeError(f"reward worker failed to start: {payload}")
+            elif w.task is not None:
+                outcomes[w.task] = _Outcome(*payload)
+                w.task, w.deadline = None, math.inf
+
+    def _enforce_deadlines(self, outcomes: dict[tuple[int, int], _Outcome | RewardError]) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            if w.task is not None and now >= w.deadline:
+                s, f = w.task
+                outcomes[s, f] = self._error(s, f, "timeout", f"took longer than {self.timeout_s}s")
+                self._replace(w)
+            elif not w.ready and now >= w.started + self.start_timeout_s:
+                raise RuntimeError(
+                    f"reward worker pid {w.process.pid} did not start within "
+                    f"{self.start_timeout_s}s (start_timeout_s)"
+                )
+
+    def _on_crash(
+        self, w: _Worker, outcomes: dict[tuple[int, int], _Outcome | RewardError]
+    ) -> None:
+        w.process.join(timeout=1.0)
+        code = w.process.exitcode
+        if w.task is None and not w.ready:
+            raise RuntimeError(
+                f"reward worker pid {w.process.pid} exited with {code} while starting"
+            )
+        if w.task is not None:
+            s, f = w.task
+            outcomes[s, f] = self._error(s, f, "crash", f"worker process exited with code {code}")
+        self._replace(w)
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=_worker_main, args=(child, self.names), daemon=True, name="patrl-reward"
+        )
+        process.start()
+        child.close()
+        return _Worker(process, parent, time.monotonic())
+
+    def _replace(self, w: _Worker) -> None:
+        self._kill(w)
+        fresh = self._start_worker()
+        w.process, w.conn, w.started = fresh.process, fresh.conn, fresh.started
+        w.ready, w.task, w.deadline = False, None, math.inf
+        self._restarts += 1
+
+    @staticmethod
+    def _kill(w: _Worker) -> None:
+        if w.process.is_alive():
+            w.process.kill()
+        w.process.join(timeout=5.0)
+        w.conn.close()
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _error(self, sample: int, fn_index: int, kind: ErrorKind, message: str) -> RewardError:
+        return RewardError(sample, self.names[fn_index], kind, message)
+
+    def _assemble(
+        self, num_samples: int, outcomes: dict[tuple[int, int], _Outcome | RewardError]
+    ) -> RewardResult:
+        result = RewardResult(rewards=[0.0] * num_samples, components={})
+        failed: set[int] = set()
+        for f, name in enumerate(self.names):
+            scores = []
+            for s in range(num_samples):
+                out = outcomes[s, f]
+                if isinstance(out, _Outcome) and out.kind != "ok":
+                    out = self._error(s, f, out.kind, out.message)
+                if isinstance(out, RewardError):
+                    result.errors.append(out)
+                    failed.add(s)
+                    scores.append(0.0)
+                    continue
+                scores.append(out.score)
+                for key, value in out.extras.items():
+                    column = result.extras.setdefault(f"{name}/{key}", [math.nan] * num_samples)
+                    column[s] = value
+            result.components[name] = scores
+        for s in range(num_samples):
+            if s not in failed:
+                result.rewards[s] = sum(
+                    w * result.components[n][s]
+                    for n, w in zip(self.names, self.weights, strict=True)
+                )
+        return result
+
+    def _record(self, result: RewardResult) -> None:
+        self.totals["samples"] += len(result.rewards)
+        self.totals["workers_restarted"] += result.workers_restarted
+        for kind, n in result.error_counts().items():
+            self.totals[f"errors/{kind}"] += n
+        for kind in ERROR_KINDS:
+            first = next((e for e in result.errors if e.kind == kind), None)
+            if first is not None:
+                logger.warning(
+                    "reward %s: %d call(s) this batch; first: sample %d, %s: %s",
+                    kind,
+                    result.error_counts()[kind],
+                    first.sample,
+                    first.function,
+                    first.message,
+                )
+
+
+@contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """Raise _CallTimeout in this thread after `seconds`, where SIGALRM can (main thread)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "setitimer"
+    ):
+        yield
+        return
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _CallTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
