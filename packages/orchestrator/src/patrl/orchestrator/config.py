@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from patrl.trainer import TrainerConfig
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard"]
+_ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -92,7 +96,7 @@ class FilterGroupsConfig(_Section):
 class AlgorithmConfig(_Section):
     adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
-    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=lambda: FilterGroupsConfig())
 
 
 class RewardFunctionConfig(_Section):
@@ -115,9 +119,7 @@ class RunConfig(_Section):
     save_freq: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     test_freq: int = Field(5, ge=0, description="steps between validations; 0 = never")
     val_before_train: bool = True
-    logger: list[Literal["console", "jsonl", "tensorboard"]] = Field(
-        default_factory=lambda: ["console", "jsonl", "tensorboard"]
-    )
+    logger: list[LoggerName] = Field(default_factory=lambda: list(_ALL_LOGGERS))
     project_name: str = "patrl"
     experiment_name: str = "grpo"
     default_local_dir: str = Field("runs", description="runs go to <dir>/<project>/<experiment>")
@@ -129,13 +131,13 @@ class RunConfig(_Section):
 
 
 class JobConfig(_Section):
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    trainer: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
+    actor: ActorConfig = Field(default_factory=lambda: ActorConfig())
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
+    reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
+    trainer: RunConfig = Field(default_factory=lambda: RunConfig())
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
