@@ -1,5 +1,6 @@
 """patrl.tpreshard: parallel layouts as data, and how parameters are cut across TP ranks."""
 
+from patrl.tpreshard.groups import GroupCache
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.shard import (
     ShardKind,
@@ -12,6 +13,7 @@ from patrl.tpreshard.shard import (
 )
 
 __all__ = [
+    "GroupCache",
     "ParallelLayout",
     "ShardKind",
     "ShardPart",
