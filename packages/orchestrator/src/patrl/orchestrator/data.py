@@ -1,0 +1,258 @@
+"""Prompt datasets: files -> tokenized prompts with answers, and a resumable batch loader.
+
+Rows come from local .jsonl / .json / .parquet files (read with `datasets`), or from a hub
+dataset id when the name is not a local path. A prompt is a string or a chat message list
+([{"role": ..., "content": ...}]). With `apply_chat_template` and a tokenizer that has a chat
+template, the prompt (a string becomes one user message) is rendered with
+`add_generation_prompt=True` and tokenized without adding special tokens again (the template
+already holds them); otherwise the string itself is tokenized with the tokenizer's special
+tokens. Prompts longer than `max_prompt_length` tokens are dropped and counted, or rejected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True, slots=True)
+class PromptItem:
+    """One prompt. `index` is its row in the files as read (before filtering), stable across
+    runs, so per-prompt history (response lengths, rewards) can be keyed by it."""
+
+    index: int
+    prompt_token_ids: list[int]
+    prompt: str
+    answer: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PromptDataset:
+    """The prompts that passed the length filter, and how many did not."""
+
+    items: list[PromptItem]
+    num_rows: int
+    num_filtered_overlong: int
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def load_prompt_dataset(
+    files: list[str] | str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    tokenizer: Any,
+    max_prompt_length: int,
+    filter_overlong_prompts: bool = True,
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    split: str = "train",
+    cache_dir: str | None = None,
+) -> PromptDataset:
+    """Read, render and tokenize every row. `answer_key` may be dotted to reach into a struct
+    column (verl's parquet files keep the answer in `reward_model.ground_truth`)."""
+    rows = read_rows(files, split=split, cache_dir=cache_dir)
+    columns = list(rows[0]) if rows else []
+    for role, key in (("prompt", prompt_key), ("answer", answer_key)):
+        if rows and key.split(".")[0] not in rows[0]:
+            raise KeyError(
+                f"{role} column {key!r} not found in {files!r}; available columns: {columns}"
+            )
+    use_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    texts = [
+        render_prompt(row[prompt_key], i, tokenizer, use_template, system_prompt)
+        for i, row in enumerate(rows)
+    ]
+    token_ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"] if texts else []
+    items, num_overlong = [], 0
+    for i, (row, text, ids) in enumerate(zip(rows, texts, token_ids, strict=True)):
+        if len(ids) > max_prompt_length:
+            if not filter_overlong_prompts:
+                raise ValueError(
+                    f"row {i}: prompt has {len(ids)} tokens > max_prompt_length="
+                    f"{max_prompt_length} (set filter_overlong_prompts to drop such rows)"
+                )
+            num_overlong += 1
+            continue
+        extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        items.append(PromptItem(i, list(ids), text, _answer(row, answer_key, i), extra))
+    return PromptDataset(items, num_rows=len(rows), num_filtered_overlong=num_overlong)
+
+
+def read_rows(
+    files: list[str] | str, *, split: str = "train", cache_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """All rows of the files, in order, as plain dicts."""
+    # Imported here: it takes seconds, and processes that import this package without reading
+    # data (reward workers) should not pay for it.
+    import datasets
+
+    paths = [files] if isinstance(files, str) else list(files)
+    if not paths:
+        raise ValueError("no data files given")
+    if len(paths) == 1 and _is_hub_id(paths[0]):
+        return datasets.load_dataset(paths[0], split=split, cache_dir=cache_dir).to_list()
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        builder = _local_format(path)
+        table = datasets.load_dataset(
+            builder, data_files=[path], split="train", cache_dir=cache_dir
+        )
+        rows.extend(table.to_list())
+    return rows
+
+
+def render_prompt(
+    prompt: Any,
+    row: int,
+    tokenizer: Any,
+    use_template: bool,
+    system_prompt: str | None,
+) -> str:
+    """The text the model sees for one prompt."""
+    if isinstance(prompt, str):
+        if not use_template:
+            return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+        prompt = [{"role": "user", "content": prompt}]
+    messages = _messages(prompt, row)
+    if not use_template:
+        raise ValueError(
+            f"row {row}: the prompt is a chat message list, but "
+            + (
+                "apply_chat_template is off"
+                if getattr(tokenizer, "chat_template", None)
+                else "the tokenizer has no chat template"
+            )
+            + "; give plain-string prompts or a tokenizer with a chat_template"
+        )
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(text)
+
+
+def _messages(prompt: Any, row: int) -> list[dict[str, str]]:
+    ok = isinstance(prompt, list) and bool(prompt)
+    ok = ok and all(isinstance(m, Mapping) and {"role", "content"} <= set(m) for m in prompt)
+    if not ok:
+        raise ValueError(
+            f"row {row}: prompt must be a string or a non-empty list of "
+            f"{{'role': ..., 'content': ...}} messages, got {prompt!r:.120}"
+        )
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+
+
+def _answer(row: Mapping[str, Any], key: str, index: int) -> str:
+    value: Any = row
+    for part in [key] if key in row else key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise KeyError(f"row {index}: answer key {key!r} not found (missing {part!r})")
+        value = value[part]
+    if value is None or isinstance(value, (list, dict)):
+        raise ValueError(f"row {index}: answer {key!r} is {value!r}; need a string or number")
+    return str(value)
+
+
+def _local_format(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in LOCAL_FORMATS:
+        raise ValueError(
+            f"data file {path!r} has extension {ext!r}; accepted: {', '.join(LOCAL_FORMATS)}"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    return LOCAL_FORMATS[ext]
+
+
+def _is_hub_id(name: str) -> bool:
+    """A name that is neither an existing path nor a file name with a data extension."""
+    ext = os.path.splitext(name)[1].lower()
+    return not os.path.exists(name) and ext not in LOCAL_FORMATS
+
+
+class PromptLoader:
+    """Batches of prompts, epoch after epoch. Epoch e's order is a permutation drawn from
+    (seed, e), so the position (epoch, items consumed) is the whole state: a loader restored
+    from `state_dict()` draws exactly the batches the uninterrupted one would have."""
+
+    def __init__(
+        self,
+        dataset: Sequence[PromptItem],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty (were all prompts filtered as overlong?)")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} > {len(dataset)} prompts with drop_last: no batch "
+                "could ever be drawn; lower the batch size or set drop_last=False"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order = np.arange(0)
+
+    def next_batch(self) -> list[PromptItem]:
+        n = len(self.dataset)
+        if self.position >= n or (self.drop_last and self.position + self.batch_size > n):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self.order(self.epoch)
+        picked = order[self.position : self.position + self.batch_size]
+        self.position += len(picked)
+        return [self.dataset[i] for i in picked.tolist()]
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The dataset positions of epoch `epoch`, in the order they are drawn."""
+        if epoch != self._order_epoch:
+            n = len(self.dataset)
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = rng.permutation(n) if self.shuffle else np.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_items": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume; the seed, shuffle flag and dataset size must match, or the saved position
+        would point into a different order."""
+        for key, mine in (
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("num_items", len(self.dataset)),
+        ):
+            if state[key] != mine:
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has {mine!r}: "
+                    "the saved position belongs to a different order"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
