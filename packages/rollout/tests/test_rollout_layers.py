@@ -193,3 +193,58 @@ def test_unknown_backend_lists_the_known_ones() -> None:
 def test_flash_refuses_clearly_without_cuda() -> None:
     with pytest.raises(RuntimeError, match=r"the flash attention backend needs CUDA; use 'sdpa'"):
         create_attention_backend("flash")
+
+
+def _fake_flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flash_attn_varlen_func's documented semantics, naively: varlen K/V or paged K/V
+    ([num_blocks, block_size, H, D] read through block_table), causal aligned lower-right."""
+    assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    out = torch.empty_like(q)
+    for i in range(len(cu_seqlens_q) - 1):
+        qs, qe = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
+        n_k = (cu_seqlens_k[i + 1] - cu_seqlens_k[i]).item()
+        if block_table is None:
+            ks, vs = (
+                k[cu_seqlens_k[i] : cu_seqlens_k[i + 1]],
+                v[cu_seqlens_k[i] : cu_seqlens_k[i + 1]],
+            )
+        else:
+            assert block_table.dtype == torch.int32
+            ks = k[block_table[i].long()].flatten(0, 1)[:n_k]
+            vs = v[block_table[i].long()].flatten(0, 1)[:n_k]
+        assert qe - qs <= max_seqlen_q and n_k <= max_seqlen_k
+        out[qs:qe] = naive_attention(q[qs:qe], ks, vs)
+    return out
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_flash_backend_passes_flash_the_right_metadata(
+    paged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No GPU here: flash_attn is replaced by its semantics; the backend must equal sdpa."""
+    fake = type(sys)("flash_attn")
+    fake.flash_attn_varlen_func = _fake_flash_varlen  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    flash = create_attention_backend("flash")
+    assert flash.name == "flash"
+    if paged:
+        ctx, q, k, v, twin = _paged_batch([5, 3, 1, 1], [5, 8, 4, 7], seed=3)
+        expected = torch.cat(twin)
+    else:
+        g = torch.Generator().manual_seed(2)
+        ctx = AttentionContext.build([4, 1, 6])
+        q = torch.randn(11, HQ, D, generator=g)
+        k, v = torch.randn(11, HK, D, generator=g), torch.randn(11, HK, D, generator=g)
+        expected = SdpaBackend().forward(q, k, v, 0, ctx)
+    torch.testing.assert_close(flash.forward(q, k, v, 0, ctx), expected, rtol=1e-5, atol=1e-5)
