@@ -7,7 +7,9 @@ imported by name in its workers and misbehaves on command, chosen by the respons
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +24,7 @@ from patrl.orchestrator.rewards import (
 )
 
 CHAOS = "test_orchestrator_rewards:chaos_reward"
-TIMEOUT_S = 2.0
+TIMEOUT_S = 4.0  # generous: a cold first math-verify call on a busy 2-core box
 NOT_CALLABLE = 42
 
 
@@ -205,7 +207,9 @@ def test_pool_passes_only_named_meta_to_strict_functions() -> None:
 
 
 def test_in_process_contains_the_same_misbehaviour() -> None:
-    manager = RewardManager([("math_verify", 1.0), (CHAOS, 0.5)], num_workers=0, timeout_s=0.5)
+    manager = RewardManager(
+        [("math_verify", 1.0), (CHAOS, 0.5)], num_workers=0, timeout_s=TIMEOUT_S
+    )
     _check_misbehaviour_contained(manager)
     started = time.monotonic()
     result = manager.score(["hang 42", "\\boxed{42}"], ["42", "42"])
@@ -221,3 +225,15 @@ def test_score_rejects_misaligned_inputs(pool: RewardManager) -> None:
     with pytest.raises(ValueError, match=r"metas\[0\] has reserved key\(s\) \['answer'\]"):
         pool.score(["a"], ["a"], [{"answer": "b"}])
     assert pool.score([], []).rewards == []
+
+
+def test_worker_that_cannot_start_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # importable here (registered in sys.modules) but not in a freshly spawned worker
+    module = types.ModuleType("patrl_reward_only_in_parent")
+    module.score = lambda response, answer, **meta: 1.0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with RewardManager([(f"{module.__name__}:score", 1.0)], num_workers=1) as manager:
+        with pytest.raises(RuntimeError, match=r"failed to start.*cannot import"):
+            manager.score(["a"], ["a"])
+        pids = manager.worker_pids()
+    assert not any(_alive(pid) for pid in pids)

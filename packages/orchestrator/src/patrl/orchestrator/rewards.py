@@ -11,7 +11,8 @@ returns something that is not a finite number, or kills its worker is recorded p
 error of kind exception / timeout / invalid / crash: the sample's reward is 0.0, the rest of the
 batch is scored normally, and a timed-out or dead worker is replaced. `num_workers=0` runs calls
 in this process: errors are contained the same way, but the timeout is best effort (SIGALRM,
-only on the main thread, only between Python bytecodes; a call stuck in C code is not cut).
+only on the main thread, only between Python bytecodes; a call stuck in C code is not cut) and a
+function that kills its process takes the run with it.
 """
 
 from __future__ import annotations
@@ -411,7 +412,9 @@ class RewardManager:
         code = w.process.exitcode
         if w.task is None and not w.ready:
             raise RuntimeError(
-                f"reward worker pid {w.process.pid} exited with {code} while starting"
+                f"reward worker pid {w.process.pid} exited with {code} while starting (its error "
+                "is on stderr; under spawn, a script that makes a RewardManager needs the "
+                "`if __name__ == '__main__':` guard)"
             )
         if w.task is not None:
             s, f = w.task
