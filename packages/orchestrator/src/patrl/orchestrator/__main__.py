@@ -1,0 +1,5 @@
+import sys
+
+from patrl.orchestrator.main import main
+
+sys.exit(main())

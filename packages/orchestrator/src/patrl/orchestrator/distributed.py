@@ -1,0 +1,74 @@
+"""Process-group set-up for the job: torchrun's environment, or a single plain process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def init_world(timeout_s: float = 600.0) -> World:
+    """Join torchrun's group (gloo on CPU, nccl on CUDA) or run as one process.
+
+    Every collective is bounded by `timeout_s`, so a rank that died makes the others fail
+    with a timeout instead of hanging.
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return World(rank, size, local_rank, device)
+
+
+def close_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_gather_objects(world: World, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a list of one without a process group)."""
+    if not world.distributed:
+        return [value]
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def broadcast_object(world: World, value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()

@@ -1,0 +1,506 @@
+"""The synchronous, colocated GRPO loop: every rank generates, then every rank trains.
+
+One step:
+ 1. draw `data.train_batch_size` prompts (every rank draws the same ones) and hand each DP
+    rollout replica its share, the `rollout.n` samples of a prompt kept together;
+ 2. generate: each replica's engine runs its prompts (one prefill per prompt, n forks);
+ 3. score: each replica's first rank runs the reward functions on its samples;
+ 4. gather every replica's samples on every rank; group-relative advantages;
+ 5. recompute the logprobs with the trainer (the PPO "old" policy) and log how far they are
+    from the engine's (`training/rollout_probs_diff_*`);
+ 6. `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts;
+ 7. stream the new weights, bucket by bucket, into the engine (a new weight version);
+ 8. log metrics; validate every `trainer.test_freq` steps; checkpoint every `trainer.save_freq`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from patrl.orchestrator import checkpointing
+from patrl.orchestrator.advantages import compute_advantages, filter_zero_variance_groups, refill
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptItem, PromptLoader, load_prompt_dataset
+from patrl.orchestrator.distributed import World, all_gather_objects, barrier, broadcast_object
+from patrl.orchestrator.metrics import MetricsLogger, plot_run
+from patrl.orchestrator.rewards import RewardManager
+from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl.tpreshard.groups import GroupCache
+from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+
+
+@dataclass(slots=True)
+class Sample:
+    """One scored response, as gathered on every rank."""
+
+    prompt_index: int  # PromptItem.index: the group id
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    reward: float
+
+
+@dataclass(slots=True)
+class RunResult:
+    steps: int
+    history: list[dict[str, float]]
+    run_dir: Path
+
+
+class SyncGRPO:
+    def __init__(
+        self, config: JobConfig, world: World, model_dir: str, train_files: Any, val_files: Any
+    ) -> None:
+        self.config = config
+        self.world = world
+        self.run_dir = config.run_dir
+        self.model_dir = model_dir
+        self._seed_everything(config.trainer.seed)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.train_set = self._dataset(train_files)
+        self.val_set = self._dataset(val_files) if val_files else None
+        self.loader = PromptLoader(
+            self.train_set.items,
+            config.data.train_batch_size,
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
+        )
+        self.groups = (
+            GroupCache(
+                [config.rollout.tensor_model_parallel_size], world_size=world.size, rank=world.rank
+            )
+            if world.distributed
+            else None
+        )
+        self.layout = (
+            self.groups.layout(config.rollout.tensor_model_parallel_size) if self.groups else None
+        )
+        self.engine = Engine(self._engine_config(), self.layout)
+        self.trainer = Trainer(
+            self._trainer_config(), model_dir, mesh=self._mesh(), device=world.device
+        )
+        self.rewards = (
+            RewardManager(
+                [(f.name, f.weight) for f in config.reward.functions],
+                num_workers=config.reward.num_workers,
+                timeout_s=config.reward.timeout_s,
+            )
+            if self._scores
+            else None
+        )
+        self.step = 0
+        self.all_lengths: list[int] = []
+
+    # ---------------------------------------------------------------- set-up
+
+    @property
+    def _scores(self) -> bool:
+        """The first rank of each TP group scores its replica's samples."""
+        return self.layout is None or self.layout.tp_rank == 0
+
+    @property
+    def _dp(self) -> tuple[int, int]:
+        return (0, 1) if self.layout is None else (self.layout.dp_rank, self.layout.dp_size)
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _dataset(self, files: Any) -> Any:
+        d = self.config.data
+        return load_prompt_dataset(
+            files,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            tokenizer=self.tokenizer,
+            max_prompt_length=d.max_prompt_length,
+            filter_overlong_prompts=d.filter_overlong_prompts,
+            apply_chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+        )
+
+    def _engine_config(self) -> EngineConfig:
+        r, d = self.config.rollout, self.config.data
+        return EngineConfig(
+            model=self.model_dir,
+            dtype=r.dtype,
+            device=str(self.world.device),
+            attention_backend=r.attention_backend,
+            block_size=r.block_size,
+            num_kv_blocks=r.num_kv_blocks,
+            kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            max_model_len=d.max_prompt_length + d.max_response_length,
+            enable_prefix_caching=r.enable_prefix_caching,
+        )
+
+    def _trainer_config(self) -> TrainerConfig:
+        fields = TrainerConfig.model_fields
+        values = {k: v for k, v in self.config.actor.model_dump().items() if k in fields}
+        values["seed"] = self.config.trainer.seed
+        return TrainerConfig(**values)
+
+    def _mesh(self) -> Any:
+        if not self.world.distributed:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.world.device.type, (self.world.size,))
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> RunResult:
+        cfg = self.config.trainer
+        self._maybe_resume()
+        logger = (
+            MetricsLogger(self.run_dir, cfg.logger, cfg.total_training_steps, self.step)
+            if self.world.is_first
+            else None
+        )
+        try:
+            if (
+                cfg.val_before_train
+                and self.step == 0
+                and self.val_set is not None
+                and cfg.test_freq
+            ):
+                self._log(logger, 0, self.validate())
+            while self.step < cfg.total_training_steps:
+                self.step += 1
+                metrics = self.train_one_step()
+                if cfg.test_freq and self.val_set is not None and self.step % cfg.test_freq == 0:
+                    metrics.update(self.validate())
+                self._log(logger, self.step, metrics)
+                last = self.step == cfg.total_training_steps
+                if (cfg.save_freq and self.step % cfg.save_freq == 0) or last:
+                    self.save()
+        finally:
+            if logger is not None:
+                logger.close()
+            if self.rewards is not None:
+                self.rewards.close()
+        history = logger.history if logger is not None else []
+        if logger is not None:
+            print("\n" + logger.summary())
+            if cfg.plots:
+                written = plot_run(history, self.all_lengths, [self._timeline()], self.run_dir)
+                print("plots: " + ", ".join(str(p) for p in written))
+        return RunResult(self.step, history, self.run_dir)
+
+    def _log(self, logger: MetricsLogger | None, step: int, metrics: dict[str, float]) -> None:
+        if logger is not None:
+            logger.log(step, metrics)
+
+    # ----------------------------------------------------------------- step
+
+    def train_one_step(self) -> dict[str, float]:
+        cfg = self.config
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        samples, gen_metrics = self._collect_samples(timings)
+        groups = np.array([s.prompt_index for s in samples])
+        rewards = np.array([s.reward for s in samples], dtype=np.float64)
+        advantages = compute_advantages(
+            cfg.algorithm.adv_estimator,
+            rewards,
+            groups,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        )
+        batch = PolicyBatch.from_responses(
+            [s.prompt_token_ids for s in samples],
+            [s.token_ids for s in samples],
+            [float(a) for a in advantages],
+        )
+        with _timed(timings, "old_log_prob"):
+            old = self.trainer.compute_logprobs(batch)
+        batch.old_logprobs = old
+        with _timed(timings, "update_actor"):
+            actor_metrics = self._update(batch, samples)
+        with _timed(timings, "update_weights"):
+            self.sync_weights()
+        timings["step"] = time.perf_counter() - start
+        metrics = {f"timing_s/{k}": v for k, v in timings.items()}
+        metrics.update(gen_metrics)
+        metrics.update(actor_metrics)
+        metrics.update(
+            _batch_metrics(samples, rewards, advantages, self.config.data.max_response_length)
+        )
+        metrics.update(_probs_diff(samples, old))
+        tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
+        metrics["perf/total_num_tokens"] = float(tokens)
+        metrics["perf/throughput"] = tokens / timings["step"] / self.world.size
+        self.all_lengths += [len(s.token_ids) for s in samples]
+        return metrics
+
+    def _collect_samples(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Generate and score until the batch is full (DAPO filtering may need several rounds)."""
+        filt = self.config.algorithm.filter_groups
+        kept: list[list[Sample]] = []  # DAPO: groups with a learning signal, oldest first
+        metrics: dict[str, float] = {}
+        rounds = 0
+        while True:
+            rounds += 1
+            items = self.loader.next_batch()
+            with _timed(timings, "gen"):
+                local = self._generate(
+                    items, self.config.rollout.temperature, self._sampling_seed_base(rounds)
+                )
+            with _timed(timings, "reward"):
+                scored, reward_metrics = self._score(local)
+            samples = [s for share in all_gather_objects(self.world, scored) for s in share]
+            for share in all_gather_objects(self.world, reward_metrics):
+                for k, v in share.items():
+                    metrics[k] = metrics.get(k, 0.0) + v
+            if not filt.enable:
+                return samples, metrics
+            by_group: dict[int, list[Sample]] = {}
+            for s in samples:
+                by_group.setdefault(s.prompt_index, []).append(s)
+            f = filter_zero_variance_groups(
+                [s.reward for s in samples], [s.prompt_index for s in samples]
+            )
+            kept += [by_group[int(g)] for g in f.kept_groups]  # type: ignore[call-overload]
+            metrics["dapo/kept_groups"] = metrics.get("dapo/kept_groups", 0.0) + f.num_kept
+            metrics["dapo/dropped_groups"] = metrics.get("dapo/dropped_groups", 0.0) + f.num_dropped
+            plan = refill(kept, self.config.data.train_batch_size)
+            if not plan.draw_more or rounds >= filt.max_num_gen_batches:
+                metrics["dapo/gen_rounds"] = float(rounds)
+                if not plan.groups:
+                    return samples, metrics  # every group was uniform: train on the last round
+                return [s for group in plan.groups for s in group], metrics
+
+    def _sampling_seed_base(self, round_: int = 1) -> tuple[int, ...]:
+        """Seeds depend on (run seed, step, round, prompt) only: a resumed run samples the same."""
+        return (self.config.trainer.seed, self.step, round_)
+
+    def _generate(
+        self,
+        items: Sequence[PromptItem],
+        temperature: float,
+        seed_key: tuple[int, ...],
+        n: int | None = None,
+    ) -> list[tuple[PromptItem, Any]]:
+        """This replica's share of `items` (prompt-level round robin), generated."""
+        dp_rank, dp_size = self._dp
+        mine = list(items)[dp_rank::dp_size]
+        if not mine:
+            return []
+        r = self.config.rollout
+        params = [
+            SamplingParams(
+                n=n or r.n,
+                temperature=temperature,
+                top_p=r.top_p if temperature > 0 else 1.0,
+                top_k=r.top_k if temperature > 0 else 0,
+                max_tokens=self.config.data.max_response_length,
+                # Python's hash of a tuple of ints is the same in every process and run.
+                seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
+            )
+            for item in mine
+        ]
+        outputs = self.engine.generate([item.prompt_token_ids for item in mine], params)
+        return list(zip(mine, outputs, strict=True))
+
+    def _score(self, local: list[tuple[PromptItem, Any]]) -> tuple[list[Sample], dict[str, float]]:
+        if not self._scores or not local:
+            return [], {}
+        assert self.rewards is not None
+        flat = [(item, c) for item, out in local for c in out.outputs]
+        result = self.rewards.score(
+            [c.text if c.text is not None else "" for _, c in flat],
+            [item.answer for item, _ in flat],
+            [dict(item.extra) for item, _ in flat],
+        )
+        samples = [
+            Sample(
+                item.index, item.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason, reward
+            )
+            for (item, c), reward in zip(flat, result.rewards, strict=True)
+        ]
+        return samples, result.metrics()
+
+    def _update(self, batch: PolicyBatch, samples: list[Sample]) -> dict[str, float]:
+        """`ppo_epochs` passes over mini-batches of whole prompt groups."""
+        actor = self.config.actor
+        prompts = sorted({s.prompt_index for s in samples})
+        per_mini = max(
+            1, len(prompts) * actor.ppo_mini_batch_size // max(1, self.config.data.train_batch_size)
+        )
+        rng = np.random.default_rng(self.config.trainer.seed * 7919 + self.step)
+        sums: dict[str, list[float]] = {}
+        for _ in range(actor.ppo_epochs):
+            order = (
+                rng.permutation(len(prompts)) if actor.ppo_epochs > 1 else np.arange(len(prompts))
+            )
+            for start in range(0, len(prompts), per_mini):
+                chosen = {prompts[i] for i in order[start : start + per_mini]}
+                rows = [i for i, s in enumerate(samples) if s.prompt_index in chosen]
+                metrics = self.trainer.train_step(_subset(batch, rows))
+                for k, v in metrics.items():
+                    sums.setdefault(k, []).append(v)
+        return {k: float(np.mean(v)) for k, v in sums.items()}
+
+    def sync_weights(self) -> None:
+        """Stream the trainer's full weights into the engine, one bucket at a time."""
+        bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
+        self.engine.load_weights(
+            _flatten(self.trainer.iter_full_weights(bucket_bytes)), version=self.step
+        )
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self) -> dict[str, float]:
+        """pass@1 on the validation set at rollout.val_temperature (greedy by default)."""
+        assert self.val_set is not None
+        start = time.perf_counter()
+        items = self.val_set.items
+        if self.config.data.val_batch_size:
+            items = items[: self.config.data.val_batch_size]
+        local = self._generate(items, self.config.rollout.val_temperature, (-1,), n=1)
+        scored, _ = self._score(local)
+        samples = [s for share in all_gather_objects(self.world, scored) for s in share]
+        scores = [s.reward for s in samples]
+        return {
+            "val-core/acc/mean@1": float(np.mean(scores)) if scores else 0.0,
+            "val/response_length/mean": float(np.mean([len(s.token_ids) for s in samples]))
+            if samples
+            else 0.0,
+            "timing_s/testing": time.perf_counter() - start,
+        }
+
+    # ----------------------------------------------------------- checkpoints
+
+    def save(self) -> Path:
+        staging = checkpointing.staging_dir(self.run_dir, self.step)
+        if self.world.is_first:
+            checkpointing.prepare_staging(self.run_dir, self.step)
+        barrier(self.world)
+        self.trainer.save(staging / "trainer")
+        barrier(self.world)
+        final = checkpointing.step_dir(self.run_dir, self.step)
+        if self.world.is_first:
+            state = {
+                "step": self.step,
+                "loader": self.loader.state_dict(),
+                "python_random": random.getstate()[1][:5],
+            }
+            checkpointing.commit(
+                self.run_dir, self.step, state, self.config.trainer.max_checkpoints_to_keep
+            )
+        barrier(self.world)
+        return final
+
+    def _maybe_resume(self) -> None:
+        t = self.config.trainer
+        if t.resume_mode == "disable":
+            return
+        found = (
+            Path(t.resume_from_path)
+            if t.resume_mode == "resume_path" and t.resume_from_path
+            else None
+        )
+        if found is None:
+            found = checkpointing.latest_checkpoint(self.run_dir) if self.world.is_first else None
+            found = broadcast_object(self.world, found)
+        if found is None:
+            return
+        if not (found / checkpointing.STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{found} is not a complete patrl checkpoint (no {checkpointing.STATE_FILE})"
+            )
+        state = checkpointing.read_state(found)
+        self.trainer.load(found / "trainer")
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        self.sync_weights()
+        if self.world.is_first:
+            print(f"resumed from {found} at step {self.step}")
+
+    def _timeline(self) -> dict[str, Any]:
+        timeline = getattr(self.engine, "timeline", [])
+        return {"t": [e[0] for e in timeline], "running": [e[1] for e in timeline]}
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _flatten(buckets: Iterator[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in buckets:
+        yield from bucket
+
+
+def _subset(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
+    def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        return None if values is None else [values[i] for i in rows]
+
+    return PolicyBatch(
+        input_ids=[batch.input_ids[i] for i in rows],
+        loss_mask=[batch.loss_mask[i] for i in rows],
+        advantages=[batch.advantages[i] for i in rows],
+        old_logprobs=pick(batch.old_logprobs),
+        ref_logprobs=pick(batch.ref_logprobs),
+        behaviour_logprobs=pick(batch.behaviour_logprobs),
+    )
+
+
+def _batch_metrics(
+    samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray, max_len: int
+) -> dict[str, float]:
+    lengths = np.array([len(s.token_ids) for s in samples], dtype=np.float64)
+    prompts = np.array([len(s.prompt_token_ids) for s in samples], dtype=np.float64)
+    return {
+        "critic/score/mean": float(rewards.mean()),
+        "critic/score/max": float(rewards.max()),
+        "critic/score/min": float(rewards.min()),
+        "critic/advantages/mean": float(advantages.mean()),
+        "critic/advantages/max": float(advantages.max()),
+        "critic/advantages/min": float(advantages.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/p90": float(np.percentile(lengths, 90)),
+        "response_length/clip_ratio": float(
+            np.mean([s.finish_reason == "length" for s in samples])
+        ),
+        "prompt_length/mean": float(prompts.mean()),
+    }
+
+
+def _probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """How far the engine's token probabilities are from the trainer's (verl's names)."""
+    diffs = []
+    for s, lp in zip(samples, trainer_logprobs, strict=True):
+        n = len(s.token_ids)
+        trainer = lp[-n:].double().exp()
+        engine = torch.tensor(s.logprobs, dtype=torch.float64).exp()
+        diffs.append((trainer - engine).abs())
+    d = torch.cat(diffs)
+    return {
+        "training/rollout_probs_diff_mean": float(d.mean()),
+        "training/rollout_probs_diff_max": float(d.max()),
+        "training/rollout_probs_diff_std": float(d.std()) if d.numel() > 1 else 0.0,
+    }
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
