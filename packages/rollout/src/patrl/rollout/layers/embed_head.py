@@ -27,10 +27,17 @@ class VocabParallelEmbedding(ShardedModule):
     ) -> None:
         super().__init__(layout)
         self.vocab_size = vocab_size
-        self.vocab_start, self.vocab_end = vocab_range(vocab_size, layout.tp_rank, layout.tp_size)
         self.weight = self.add_param(
             "weight", (vocab_size, hidden_size), ShardSpec.vocab(), dtype, device
         )
+
+    @property
+    def vocab_start(self) -> int:
+        return vocab_range(self.vocab_size, self.layout.tp_rank, self.layout.tp_size)[0]
+
+    @property
+    def vocab_end(self) -> int:
+        return vocab_range(self.vocab_size, self.layout.tp_rank, self.layout.tp_size)[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.layout.tp_size == 1:

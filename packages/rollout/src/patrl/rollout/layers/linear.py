@@ -80,10 +80,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         spec = ShardSpec.qkv(num_heads, num_kv_heads, head_dim)
         out = (num_heads + 2 * num_kv_heads) * head_dim
         super().__init__(hidden_size, out, layout, bias=bias, spec=spec, dtype=dtype, device=device)
-        tp = layout.tp_size
         self.head_dim = head_dim
-        self.num_local_heads = num_heads // tp
-        self.num_local_kv_heads = max(1, num_kv_heads // tp)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+
+    # Derived from the layout, so that a reshard only swaps the layout and the parameters.
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_heads // self.layout.tp_size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.layout.tp_size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, local qkv] -> q [T, heads, D], k and v [T, kv_heads, D] (local heads)."""
