@@ -232,8 +232,10 @@ def test_worker_that_cannot_start_fails_loudly(monkeypatch: pytest.MonkeyPatch) 
     module = types.ModuleType("patrl_reward_only_in_parent")
     module.score = lambda response, answer, **meta: 1.0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    with RewardManager([(f"{module.__name__}:score", 1.0)], num_workers=1) as manager:
-        with pytest.raises(RuntimeError, match=r"failed to start.*cannot import"):
-            manager.score(["a"], ["a"])
-        pids = manager.worker_pids()
-    assert not any(_alive(pid) for pid in pids)
+    manager = RewardManager([(f"{module.__name__}:score", 1.0)], num_workers=1)
+    pids = manager.worker_pids()
+    with pytest.raises(RuntimeError, match=r"failed to start.*cannot import"):
+        manager.score(["a"], ["a"])
+    assert not any(_alive(pid) for pid in pids), "the failed pool was not shut down"
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.score(["a"], ["a"])

@@ -290,7 +290,13 @@ class RewardManager:
         tasks = [(s, f) for s in range(len(responses)) for f in range(len(self.fns))]
         samples = (responses, answers, metas)
         if self._workers:
-            self._run_in_pool(tasks, samples, outcomes)
+            try:
+                self._run_in_pool(tasks, samples, outcomes)
+            except BaseException:
+                # A pool that failed to start, or a Ctrl-C, leaves calls in flight: stop the
+                # workers now instead of leaving a half-used pool behind.
+                self.close()
+                raise
         else:
             self._run_in_process(tasks, samples, outcomes)
         result = self._assemble(len(responses), outcomes)
