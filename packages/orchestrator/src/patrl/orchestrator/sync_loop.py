@@ -260,9 +260,7 @@ class SyncGRPO:
             with _timed(timings, "reward"):
                 scored, reward_metrics = self._score(local)
             samples = [s for share in all_gather_objects(self.world, scored) for s in share]
-            for share in all_gather_objects(self.world, reward_metrics):
-                for k, v in share.items():
-                    metrics[k] = metrics.get(k, 0.0) + v
+            _merge_reward_metrics(metrics, [m for m in all_gather_objects(self.world, reward_metrics) if m])
             if not filt.enable:
                 return samples, metrics
             by_group: dict[int, list[Sample]] = {}
@@ -456,6 +454,18 @@ def _subset(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
         ref_logprobs=pick(batch.ref_logprobs),
         behaviour_logprobs=pick(batch.behaviour_logprobs),
     )
+
+
+def _merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
+    """Add up counters across replicas (and rounds); average means; the slowest replica's time."""
+    for key in {k for share in shares for k in share}:
+        values = [share[key] for share in shares if key in share]
+        if key.endswith("/mean"):
+            into[key] = float(np.mean(values))
+        elif key.startswith("timing_s/"):
+            into[key] = into.get(key, 0.0) + max(values)
+        else:
+            into[key] = into.get(key, 0.0) + sum(values)
 
 
 def _batch_metrics(
