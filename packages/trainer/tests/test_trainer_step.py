@@ -58,8 +58,10 @@ def _train(budget: int, batch: PolicyBatch, steps: int = 1, **overrides: object)
 def test_grad_accumulation_one_micro_batch_of_8_equals_8_of_1(mode: str) -> None:
     batch = make_batch(3, [6, 2, 9, 4, 4, 7, 1, 5], with_old=True)
     kw = {"loss_agg_mode": mode, "use_kl_loss": True, "entropy_coeff": 0.01}
-    one = _train(8 * max(batch.lengths), batch, **kw)
-    eight = _train(8 * max(batch.lengths), batch, ppo_micro_batch_size_per_gpu=1, **kw)
+    # A budget so large that one more micro-batch always costs more than any padding.
+    budget = 100 * 8 * max(batch.lengths)
+    one = _train(budget, batch, **kw)
+    eight = _train(budget, batch, ppo_micro_batch_size_per_gpu=1, **kw)
     assert len(one._plan(batch)) == 1 and len(eight._plan(batch)) == 8
     w1, w8 = full_weights(one), full_weights(eight)
     for name in w1:

@@ -2,8 +2,9 @@
 
 A micro-batch is right-padded to its longest sample, so what it costs in memory is
 `samples * longest` padded tokens; that product is what `max_tokens`
-(`ppo_max_token_len_per_gpu`) bounds. Samples are sorted longest first and binned greedily,
-so each bin holds samples of similar length and padding stays small even on a long-tail batch.
+(`ppo_max_token_len_per_gpu`) bounds. Samples are sorted longest first and cut into bins of
+neighbours, at the cut points that minimise padding plus a per-micro-batch overhead, so each
+bin holds samples of similar length and padding stays small even on a long-tail batch.
 
 Data-parallel ranks run FSDP collectives in every forward and backward, so every rank must run
 the same number of micro-batches: ranks with fewer bins split their fullest ones, and a rank
@@ -16,22 +17,43 @@ from collections.abc import Sequence
 
 
 def bin_by_token_budget(
-    lengths: Sequence[int], max_tokens: int, max_samples: int | None = None
+    lengths: Sequence[int],
+    max_tokens: int,
+    max_samples: int | None = None,
+    overhead_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Indices of `lengths` grouped so that `len(bin) * max(bin lengths) <= max_tokens`."""
+    """Indices of `lengths` grouped so that `len(bin) * max(bin lengths) <= max_tokens`.
+
+    Among the ways to cut the longest-first order into such bins, returns the one that
+    minimises `padded tokens + overhead_tokens * bins` (dynamic programming over cut points).
+    `overhead_tokens` prices the fixed cost of one more micro-batch (re-reading the weights,
+    FSDP's per-layer all-gathers and reduce-scatters, launch and Python time) in tokens of
+    padding; it defaults to `max_tokens // 8`. At 0 every sample would get its own bin; very
+    large, it packs as few bins as possible.
+    """
     check_fits(lengths, max_tokens)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"ppo_micro_batch_size_per_gpu must be >= 1, got {max_samples}")
+    overhead = max_tokens // 8 if overhead_tokens is None else overhead_tokens
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    for i in order:
-        current = bins[-1] if bins else None
-        # Longest first: the bin's first sample fixes its padded length.
-        fits = current is not None and (len(current) + 1) * lengths[current[0]] <= max_tokens
-        if fits and current is not None and (max_samples is None or len(current) < max_samples):
-            current.append(i)
-        else:
-            bins.append([i])
+    n = len(order)
+    # cost[i]: cheapest packing of order[i:]; a bin order[i:j] costs (j - i) * its first length.
+    cost = [0] * (n + 1)
+    cut = [n] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        longest = lengths[order[i]]
+        most = max_tokens // longest
+        if max_samples is not None:
+            most = min(most, max_samples)
+        cost[i] = -1
+        for j in range(i + 1, min(n, i + most) + 1):
+            c = (j - i) * longest + overhead + cost[j]
+            if cost[i] < 0 or c < cost[i]:
+                cost[i], cut[i] = c, j
+    bins, i = [], 0
+    while i < n:
+        bins.append(order[i : cut[i]])
+        i = cut[i]
     return bins
 
 
