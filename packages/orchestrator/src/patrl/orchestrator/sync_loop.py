@@ -260,7 +260,9 @@ class SyncGRPO:
             with _timed(timings, "reward"):
                 scored, reward_metrics = self._score(local)
             samples = [s for share in all_gather_objects(self.world, scored) for s in share]
-            _merge_reward_metrics(metrics, [m for m in all_gather_objects(self.world, reward_metrics) if m])
+            _merge_reward_metrics(
+                metrics, [m for m in all_gather_objects(self.world, reward_metrics) if m]
+            )
             if not filt.enable:
                 return samples, metrics
             by_group: dict[int, list[Sample]] = {}
@@ -427,8 +429,8 @@ class SyncGRPO:
             print(f"resumed from {found} at step {self.step}")
 
     def _timeline(self) -> dict[str, Any]:
-        timeline = getattr(self.engine, "timeline", [])
-        return {"t": [e[0] for e in timeline], "running": [e[1] for e in timeline]}
+        timeline = self.engine.timeline
+        return {"t": [e.t for e in timeline], "running": [e.running for e in timeline]}
 
 
 def _load_tokenizer(model_dir: str) -> Any:

@@ -50,6 +50,18 @@ class _Request:
         return all(s.is_finished for s in self.seqs.values())
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, for the generation timeline."""
+
+    t: float  # seconds since the timeline started
+    duration_s: float
+    running: int  # samples running after the step
+    num_tokens: int  # tokens run through the model
+    is_prefill: bool
+    tp_size: int
+
+
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
@@ -90,6 +102,9 @@ class Engine:
         self.weight_version = 0
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
+        # Per-step records of the latest `generate` call (or since `reset_timeline`).
+        self.timeline: list[StepRecord] = []
+        self._timeline_start = time.perf_counter()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -199,8 +214,23 @@ class Engine:
         if batch is not None:
             start = time.perf_counter()
             self._run(batch)
-            self.counters.busy_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.counters.busy_s += end - start
+            self.timeline.append(
+                StepRecord(
+                    start - self._timeline_start,
+                    end - start,
+                    self.scheduler.num_running_samples(),
+                    batch.num_tokens,
+                    batch.is_prefill,
+                    self.layout.tp_size,
+                )
+            )
         return self._collect_finished()
+
+    def reset_timeline(self) -> None:
+        self.timeline = []
+        self._timeline_start = time.perf_counter()
 
     def _run(self, batch: ScheduledBatch) -> None:
         blocks = self.cache.blocks
@@ -340,6 +370,7 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        self.reset_timeline()
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         results: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids)) if progress and self.layout.is_tp_first else None
