@@ -19,6 +19,8 @@ Setting
   tail of a few samples near the cap is the regime PAT targets.
 - verl default: actor_rollout_ref.rollout.tensor_model_parallel_size=2 (verl's
   ppo_trainer.yaml), prompts split evenly across replicas (round-robin here).
+- Concurrency: max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact); a second table
+  uses verl's own rollout default, max_num_seqs=1024.
 - Policies: static TP with round-robin assignment (what verl does), static TP with the
   length-aware LPT assignment, adaptive (LPT + the ReconfigPlanner, starting from TP 1) with
   oracle lengths and with the online LengthPredictor (trained only on earlier steps).
@@ -67,28 +69,28 @@ VERL_DEFAULT_TP = 2
 SPEC = LongTailSpec()
 
 
-def sim_config(assignment: str) -> SimConfig:
+def sim_config(assignment: str, max_num_seqs: int = 256) -> SimConfig:
     return SimConfig(
-        max_num_seqs=256,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=SPEC.max_length + 1024,
         memory_utilization=0.9,
         plan_interval_steps=64,
-        assignment=assignment,  # type: ignore[arg-type]
+        assignment=assignment,
     )
 
 
-def simulate_model(model: ModelInfo) -> tuple[list[dict[str, Any]], dict[str, SimResult]]:
+def simulate_model(
+    model: ModelInfo, max_num_seqs: int = 256
+) -> tuple[list[dict[str, Any]], dict[str, SimResult]]:
     profile = roofline_profile(model)
     latency = LatencyModel.fit(profile)
     steps = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0))
-    planner_config = PlannerConfig()
+    planner_config = PlannerConfig(max_num_seqs=max_num_seqs)
     runs = [(f"static:{tp}", "round_robin", "oracle") for tp in (1, 2, 4, 8)]
-    runs += [(f"static:{tp}", "lpt", "oracle") for tp in (1, 2, 4, 8)]
-    runs += [
-        ("adaptive", "lpt", "oracle"),
-        ("adaptive", "lpt", "predicted"),
-        ("adaptive", "round_robin", "oracle"),
-    ]
+    if max_num_seqs == 256:
+        runs += [(f"static:{tp}", "lpt", "oracle") for tp in (1, 2, 4, 8)]
+        runs += [("adaptive", "lpt", "oracle"), ("adaptive", "lpt", "predicted")]
+    runs += [("adaptive", "round_robin", "oracle")]
     rows, first_step = [], {}
     for name, assignment, knowledge in runs:
         results = run_policy(
@@ -96,7 +98,7 @@ def simulate_model(model: ModelInfo) -> tuple[list[dict[str, Any]], dict[str, Si
             steps,
             latency,
             WORLD,
-            sim_config(assignment),
+            sim_config(assignment, max_num_seqs),
             planner_config,
             knowledge,  # type: ignore[arg-type]
         )
@@ -105,6 +107,7 @@ def simulate_model(model: ModelInfo) -> tuple[list[dict[str, Any]], dict[str, Si
         rows.append(
             {
                 "model": model.name,
+                "max_num_seqs": max_num_seqs,
                 "policy": name,
                 "assignment": assignment,
                 "lengths": knowledge,
@@ -212,12 +215,22 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in mine:
             r["vs_best_static"] = r["total_s"] / best_static - 1
             r["vs_verl_default"] = r["total_s"] / verl - 1
-        out.append({"model": model, "best_static_s": best_static, "verl_default_s": verl})
+        out.append(
+            {
+                "model": model,
+                "max_num_seqs": mine[0]["max_num_seqs"],
+                "best_static_s": best_static,
+                "verl_default_s": verl,
+            }
+        )
     return out
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print("SIMULATED generation latency, 3 GRPO steps of 128x8 on 8xH100 (roofline), sum of steps")
+def print_table(rows: list[dict[str, Any]], setting: str) -> None:
+    print(
+        "\nSIMULATED generation latency, 3 GRPO steps of 128x8 on 8xH100 (roofline), sum of "
+        f"steps; {setting}"
+    )
     header = f"{'model':<14} {'policy':<10} {'assign':<12} {'lengths':<10} {'time_s':>8} {'vs_verl_tp2':>12} {'vs_best_static':>15}"
     print(header)
     for r in rows:
@@ -274,8 +287,12 @@ def main() -> None:
         model_rows, first_steps[model.name] = simulate_model(model)
         rows += model_rows
         fits[model.name] = held_out_error(roofline_profile(model))
-    summary = summarise(rows)
-    print_table(rows)
+    # sensitivity: verl's own rollout default admits 1024 sequences per engine
+    wide = [r for m in (LLAMA31_8B, QWEN3_14B) for r in simulate_model(m, max_num_seqs=1024)[0]]
+    summary = summarise(rows) + summarise(wide)
+    print_table(rows, "max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact)")
+    print_table(wide, "max_num_seqs=1024 per replica (verl ppo_trainer.yaml rollout default)")
+    rows += wide
     timing = planner_latency_us(LLAMA31_8B)
     print(
         f"\nMEASURED on this machine ({platform.machine()}, load average {timing['loadavg_before']}):"
