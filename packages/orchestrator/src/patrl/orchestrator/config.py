@@ -11,6 +11,7 @@ what is accepted:
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +19,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from patrl.trainer import TrainerConfig
-
 
 LoggerName = Literal["console", "jsonl", "tensorboard"]
 _ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -241,3 +241,28 @@ def _describe(err: ValidationError) -> str:
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         lines.append(f"{key}: {e['msg']}{shown}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def config_reference() -> str:
+    """The config reference as a Markdown table per section (the README embeds this)."""
+    out = []
+    for section, field in JobConfig.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        out.append(f"**`{section}`**\n\n| key | default | meaning |\n|---|---|---|")
+        out += _reference_rows(section, model)
+        out.append("")
+    return "\n".join(out)
+
+
+def _reference_rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    rows = []
+    defaults = model().model_dump(mode="json")
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _reference_rows(f"{prefix}.{name}", annotation)
+            continue
+        default = json.dumps(defaults.get(name))
+        rows.append(f"| `{prefix}.{name}` | `{default}` | {field.description or ''} |")
+    return rows
