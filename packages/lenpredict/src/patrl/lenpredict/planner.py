@@ -8,7 +8,7 @@ sum). A layout's time is that of its slowest replica. Each remaining-length quan
 scenario; scenarios are averaged.
 
 Plans. Besides staying and switching now, the planner prices "stay s more steps, then switch
-to the same target" for a few s (when a quarter, half, ... of the sequences are predicted
+to the same target" for a few s (by default when half and when 90% of the sequences are predicted
 done), because PAT picks the reconfiguration *point* as well as the target: a switch that
 pays off now may pay off more later, once more sequences have finished. Only the same target
 is compared, since switching now does not rule out a further switch later. It switches when
@@ -44,7 +44,7 @@ class PlannerConfig(BaseModel):
     min_gain_s: float = Field(default=0.0, ge=0)
     cooldown_calls: int = Field(default=1, ge=0)
     # fractions of the predicted remaining work after which a delayed switch is priced
-    delay_levels: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
+    delay_levels: tuple[float, ...] = (0.5, 0.9)
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # the engine's per-replica cap: a layout whose replicas would hold more sequences cannot
     # run them all at once, so the time model would flatter it
