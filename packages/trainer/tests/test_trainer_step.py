@@ -189,6 +189,16 @@ def test_mismatched_lengths_are_rejected() -> None:
         PolicyBatch.from_responses([[1], [2]], [[3]], [1.0, 2.0])
 
 
+def test_batch_without_loss_tokens_or_behaviour_logprobs_is_rejected() -> None:
+    trainer = Trainer(config(behav_imp_weight_cap=2.0), tiny_llama())
+    batch = make_batch(0, [3, 4])
+    with pytest.raises(ValueError, match="no behaviour_logprobs"):
+        trainer.train_step(batch)
+    batch.loss_mask = [torch.zeros_like(m) for m in batch.loss_mask]
+    with pytest.raises(ValueError, match="no loss tokens"):
+        trainer.train_step(batch)
+
+
 def test_unknown_modes_and_keys_are_rejected_by_config() -> None:
     with pytest.raises(ValidationError, match="loss_agg_mode"):
         TrainerConfig(loss_agg_mode="seq-mean")  # type: ignore[arg-type]

@@ -176,8 +176,11 @@ class Trainer:
         """One optimizer step over `batch` (gradient accumulation over its micro-batches)."""
         cfg = self.config
         start = time.perf_counter()
-        batch.validate()  # fields may have been reassigned since construction
+        self._check_step_input(batch)
+        num_tokens = float(sum(int(m.sum()) for m in batch.loss_mask))
+        num_seqs = float(sum(bool(m.any()) for m in batch.loss_mask))
         micro_batches = self._plan(batch)
+        # On-policy (no old logprobs given): score with the weights before this update.
         old = self._given(batch.old_logprobs) or self._score(self.model, batch, micro_batches)
         ref = None
         if cfg.use_kl_loss:
@@ -185,10 +188,6 @@ class Trainer:
             ref = self._given(batch.ref_logprobs) or self._score(
                 self.reference, batch, micro_batches
             )
-        num_tokens = float(sum(int(m.sum()) for m in batch.loss_mask))
-        num_seqs = float(sum(bool(m.any()) for m in batch.loss_mask))
-        if num_tokens == 0:
-            raise ValueError("PolicyBatch has no loss tokens: every loss_mask is all False")
 
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         for mb in micro_batches:
@@ -218,6 +217,16 @@ class Trainer:
             }
         )
         return metrics
+
+    def _check_step_input(self, batch: PolicyBatch) -> None:
+        batch.validate()  # fields may have been reassigned since construction
+        if not any(bool(m.any()) for m in batch.loss_mask):
+            raise ValueError("PolicyBatch has no loss tokens: every loss_mask is all False")
+        if self.config.behav_imp_weight_cap is not None and batch.behaviour_logprobs is None:
+            raise ValueError(
+                "behav_imp_weight_cap is set (decoupled PPO) but the batch has no "
+                "behaviour_logprobs; pass the rollout's logprobs or unset the cap"
+            )
 
     def _given(self, values: list[torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
         return None if values is None else dict(enumerate(values))
