@@ -89,6 +89,12 @@ def test_static_simulation_matches_step_by_step_twin(layout, max_num_seqs):
         naive_static(latency, groups, layout, config, replica_of), rel=1e-9
     )
     assert max(s.batch for s in result.segments) <= max_num_seqs
+    timeline = result.step_timeline()
+    for r in range(layout.dp):  # every replica's steps tile its busy time
+        mine = timeline["replica"] == r
+        ends = timeline["start_s"][mine] + timeline["seconds"][mine]
+        assert ends.max() <= result.total_s * (1 + 1e-12)
+        np.testing.assert_allclose(timeline["start_s"][mine][1:], ends[:-1], rtol=1e-9, atol=1e-12)
 
 
 def test_kv_budget_is_respected_by_preempting():

@@ -83,6 +83,24 @@ class SimResult:
     switches: list[tuple[float, str, str]]
     preemptions: int
 
+    def step_timeline(self) -> dict[str, np.ndarray]:
+        """One entry per engine step of every replica: replica, kind, start, seconds, batch.
+        A segment's steps share its time evenly (each decode step really grows with context;
+        the segment's total is exact)."""
+        steps = [max(seg.steps, 1) for seg in self.segments]
+        per_step = [
+            (seg.end_s - seg.start_s) / n for seg, n in zip(self.segments, steps, strict=True)
+        ]
+        offsets = np.concatenate([np.arange(n) for n in steps]) if steps else np.zeros(0)
+        return {
+            "replica": np.repeat([seg.replica for seg in self.segments], steps),
+            "kind": np.repeat([seg.kind for seg in self.segments], steps),
+            "start_s": np.repeat([seg.start_s for seg in self.segments], steps)
+            + offsets * np.repeat(per_step, steps),
+            "seconds": np.repeat(per_step, steps),
+            "batch": np.repeat([seg.batch for seg in self.segments], steps),
+        }
+
     def summary(self) -> dict[str, Any]:
         return {
             "total_s": self.total_s,
