@@ -1,4 +1,5 @@
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ from lenpredict_cases import TINY, flat, gloo_like, profile_from, tp_speeds_up
 from pydantic import ValidationError
 
 from patrl.lenpredict import (
+    H100_SXM_NODE,
     LLAMA31_8B,
     QWEN3_14B,
     LatencyModel,
@@ -104,6 +106,8 @@ def test_noisy_profile_held_out_error_within_target():
 def test_roofline_profile_fits_and_behaves_like_a_gpu(model):
     profile = roofline_profile(model)
     assert profile.source == "roofline" and "SIMULATED" in profile.notes["label"]
+    numeric = [k for k, v in asdict(H100_SXM_NODE).items() if not isinstance(v, str)]
+    assert all(f"source.{k}" in profile.notes for k in numeric if k != "num_devices")
     latency = LatencyModel.fit(profile)
     assert max(held_out_error(profile).values()) < 0.02
     # memory-bound at batch 1: more TP ranks read a smaller weight shard each

@@ -53,6 +53,20 @@ class NodeSpec:
     step_overhead_s: float
 
 
+# Where each constant of H100_SXM_NODE comes from; copied into the profile's notes.
+H100_SOURCES = {
+    "memory_bytes": "80 GB HBM3: NVIDIA H100 SXM5 datasheet (glennklockwood.com/garden/processors/h100)",
+    "peak_flops": "989.4 TFLOP/s dense BF16 tensor: same sources",
+    "hbm_bytes_per_s": "3.35 TB/s HBM3: same sources",
+    "hbm_efficiency": "ASSUMPTION: 80% of HBM bandwidth reached by decode kernels",
+    "decode_mfu": "ASSUMPTION: 50% of peak for small-M decode GEMMs",
+    "prefill_mfu": "ASSUMPTION: 60% of peak for prefill GEMMs",
+    "allreduce_bus_bytes_per_s": "~480 GB/s NVLS all-reduce busBw on 8 H100: NVIDIA/nccl-tests#212",
+    "p2p_bytes_per_s": "~370 GB/s effective NVLink4 per direction: NVIDIA/nccl-tests#212",
+    "collective_latency_s": "~6 us at 2 GPUs (NVLS, CUDA graphs): NVIDIA/nccl#1259; ASSUMPTION 8/10 us at 4/8",
+    "step_overhead_s": "ASSUMPTION: 0.5 ms scheduler + sampling + launch per decode step",
+}
+
 H100_SXM_NODE = NodeSpec(
     name="8xH100-SXM5-80GB NVLink4 (roofline)",
     device="H100-SXM5-80GB",
@@ -236,6 +250,8 @@ def roofline_profile(
                     CollectiveRow(op=op, nbytes=nbytes, group_size=group, seconds=seconds)
                 )
     notes = {key: str(value) for key, value in asdict(node).items()}
+    if node == H100_SXM_NODE:
+        notes.update({f"source.{key}": text for key, text in H100_SOURCES.items()})
     notes["label"] = "SIMULATED: roofline model, not a measurement"
     return Profile(
         source="roofline",
