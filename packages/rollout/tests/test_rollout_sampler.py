@@ -11,6 +11,7 @@ from patrl.rollout.sampler import (
     import_generator,
     make_generator,
     sample,
+    truncated_candidates,
 )
 
 V = 50
@@ -177,3 +178,43 @@ def test_bad_sampling_params_name_the_value() -> None:
         SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match=r"2 logit rows, 1 sampling params, 2 generators"):
         sample(_logits(2), [SamplingParams()], [make_generator(0), make_generator(1)])
+
+
+def slow_truncated(probs: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow twin: sort the WHOLE vocabulary, keep the top-k, then top-p of their mass."""
+    v = probs.shape[0]
+    k = p.top_k if 0 < p.top_k < v else v
+    sorted_probs, order = probs.sort(descending=True, stable=True)
+    sorted_probs, order = sorted_probs[:k], order[:k]
+    # The same arithmetic as the fast path, so only the choice of candidates is compared.
+    total = sorted_probs.sum() if k < v else probs.sum()
+    n = int(((sorted_probs.cumsum(0) - sorted_probs) / total < p.top_p).sum())
+    return order[:n], sorted_probs[:n]
+
+
+def slow_truncated_token(probs: torch.Tensor, p: SamplingParams, draw: float) -> int:
+    ids, kept = slow_truncated(probs, p)
+    cdf = kept.cumsum(0)
+    pos = int(torch.searchsorted(cdf, torch.tensor([draw]) * cdf[-1], right=True)[0])
+    return int(ids[min(pos, len(ids) - 1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: many exact ties
+def test_truncated_fast_path_equals_the_full_sort_twin(dtype: torch.dtype) -> None:
+    v, n = 3000, 64
+    g = torch.Generator().manual_seed(9)
+    # Peaked rows (like a trained LM) and flat rows (like a random one).
+    logits = torch.randn(n, v, generator=g) * torch.linspace(0.5, 8.0, n)[:, None]
+    logits = logits.to(dtype)
+    grid = [(1.0, 20, 1.0), (0.7, 0, 0.9), (1.3, 200, 0.5), (1.0, 0, 0.999), (0.5, 1, 1.0)]
+    params = [SamplingParams(t, k, p) for t, k, p in grid] * (n // len(grid) + 1)
+    params = params[:n]
+    out = sample(logits, params, [make_generator(100 + i) for i in range(n)])
+    for i, p in enumerate(params):
+        draw = torch.rand((), generator=make_generator(100 + i)).item()
+        probs = torch.softmax(logits[i].float() / p.temperature, -1)
+        ids, kept = truncated_candidates(probs, p)
+        slow_ids, slow_kept = slow_truncated(probs, p)
+        assert torch.equal(ids, slow_ids), (i, p, len(ids), len(slow_ids))
+        torch.testing.assert_close(kept, slow_kept, rtol=0, atol=0)
+        assert out.tokens[i].item() == slow_truncated_token(probs, p, draw), (i, p)
