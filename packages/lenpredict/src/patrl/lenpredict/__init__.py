@@ -2,6 +2,7 @@
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
 from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
+from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
 from patrl.lenpredict.layout import Layout, layouts_for
 from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
@@ -14,7 +15,7 @@ from patrl.lenpredict.length_trace import (
     read_lengths,
     write_lengths,
 )
-from patrl.lenpredict.planner import Decision, PlannerConfig, ReconfigPlanner, RunningSet
+from patrl.lenpredict.planner import Decision, PlannerConfig, ReconfigPlanner
 from patrl.lenpredict.profile import (
     CollectiveRow,
     DecodeRow,

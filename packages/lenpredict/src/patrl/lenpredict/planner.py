@@ -1,15 +1,11 @@
 """The reconfiguration planner: stay, or switch the rollout to another (dp, tp) layout now?
 
-Time model. A replica's time to finish its sequences is a sum over the segments between
-consecutive predicted finishes: while `alive` sequences remain, each step costs
-`step_time(tp, alive, context)`, and the context grows by one token per alive sequence per
-step (the latency model is linear in context, so a segment's mean context gives its exact
-sum). A layout's time is that of its slowest replica. Each remaining-length quantile is one
-scenario; scenarios are averaged.
+Time model (finish_time.py): per layout, the time until the slowest replica has finished its
+sequences; each remaining-length quantile is one scenario and scenarios are averaged.
 
 Plans. Besides staying and switching now, the planner prices "stay s more steps, then switch
-to the same target" for a few s (by default when half and when 90% of the sequences are predicted
-done), because PAT picks the reconfiguration *point* as well as the target: a switch that
+to the same target" for a few s (by default when half and when 90% of the sequences are
+predicted done), because PAT picks the reconfiguration *point* as well as the target: a switch that
 pays off now may pay off more later, once more sequences have finished. Only the same target
 is compared, since switching now does not rule out a further switch later. It switches when
 the predicted gain of switching now over staying exceeds the overhead by the margin, no
@@ -25,12 +21,13 @@ Every decision is kept as a record with the predictions it was made from, for au
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from patrl.lenpredict.finish_time import Questions, RunningSet, slowest_replica_times
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
 
@@ -49,34 +46,6 @@ class PlannerConfig(BaseModel):
     # the engine's per-replica cap: a layout whose replicas would hold more sequences cannot
     # run them all at once, so the time model would flatter it
     max_num_seqs: int = Field(default=256, gt=0)
-
-
-@dataclass(slots=True)
-class RunningSet:
-    """The unfinished sequences, as parallel arrays (one row per sequence)."""
-
-    seq_ids: np.ndarray  # int
-    replica: np.ndarray  # int, replica of the current layout holding the sequence
-    context: np.ndarray  # int, prompt + generated tokens
-    remaining: np.ndarray  # float (n, Q), predicted remaining-length quantiles
-    # False for sequences still queued (no KV yet): a switch moves nothing of theirs
-    has_kv: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.seq_ids)
-        if self.remaining.ndim != 2 or self.remaining.shape[0] != n:
-            raise ValueError(f"remaining must have shape ({n}, Q), got {self.remaining.shape}")
-        if len(self.replica) != n or len(self.context) != n:
-            raise ValueError(
-                f"seq_ids/replica/context lengths differ: {n}/{len(self.replica)}/{len(self.context)}"
-            )
-
-    def __len__(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def holds_kv(self) -> np.ndarray:
-        return np.ones(len(self), dtype=bool) if self.has_kv is None else self.has_kv
 
 
 @dataclass(slots=True)
@@ -138,29 +107,6 @@ class Decision:
         }
 
 
-@dataclass(slots=True)
-class _Rows:
-    """A batch of finish-time questions, one per row, answered by one vectorised pass: under
-    assignment `assign` (an index), quantile column `column`, remaining lengths clipped at
-    `delay` (how long the first `delay` steps take) or shifted by it (how long the rest takes
-    after `delay` steps), in a layout of `tp` and `dp`."""
-
-    assign: list[int] = field(default_factory=list)
-    column: list[int] = field(default_factory=list)
-    shift: list[bool] = field(default_factory=list)
-    delay: list[float] = field(default_factory=list)
-    tp: list[int] = field(default_factory=list)
-    dp: list[int] = field(default_factory=list)
-
-    def add(self, assign: int, column: int, shift: bool, delay: float, layout: Layout) -> None:
-        self.assign.append(assign)
-        self.column.append(column)
-        self.shift.append(shift)
-        self.delay.append(delay)
-        self.tp.append(layout.tp)
-        self.dp.append(layout.dp)
-
-
 class ReconfigPlanner:
     def __init__(self, latency: LatencyModel, world_size: int, config: PlannerConfig | None = None):
         self.latency = latency
@@ -197,45 +143,8 @@ class ReconfigPlanner:
 
     # --- time model ---------------------------------------------------------------------
 
-    def _row_times(self, rows: _Rows, assignments: np.ndarray, running: RunningSet) -> np.ndarray:
-        """Seconds of each row's slowest replica (see `_Rows`), shape (rows,)."""
-        n, q = running.remaining.shape
-        columns = running.remaining.T  # (Q, n)
-        # one order per (assignment, column): by replica, then remaining; clipping or shifting
-        # the remaining lengths keeps it
-        keys = assignments[:, None, :] * (columns.max() + 1.0) + columns[None, :, :]
-        orders = np.argsort(keys.reshape(-1, n), axis=1)
-        assign, column = np.asarray(rows.assign), np.asarray(rows.column)
-        order = orders[assign * q + column]  # (R, n)
-        original = columns[column[:, None], order]
-        delay = np.asarray(rows.delay)
-        shift = np.asarray(rows.shift)
-        skip = np.where(shift, delay, 0.0)[:, None]  # steps already done, when shifting
-        stop = np.where(shift, np.inf, delay)[:, None]  # steps to time, when clipping
-        rem = np.minimum(np.maximum(original - skip, 0.0), stop)
-        ctx = running.context[order] + np.minimum(original, skip)
-        dp = np.asarray(rows.dp)
-        offset = np.r_[0, np.cumsum(dp)[:-1]]
-        key = (offset[:, None] + assignments[assign[:, None], order]).ravel()
-        groups = int(dp.sum())
-        counts = np.bincount(key, minlength=groups)
-        ends = np.cumsum(counts)
-        end = ends[key]
-        here = np.arange(key.size)
-        alive = (end - here).reshape(rem.shape)
-        prev = np.empty(rem.shape)
-        prev[:, 0] = 0.0
-        prev[:, 1:] = rem[:, :-1]
-        prev.ravel()[(ends - counts)[counts > 0]] = 0.0  # each replica starts from now
-        prefix = np.zeros(key.size + 1)
-        np.cumsum(ctx, out=prefix[1:])
-        ahead = (prefix[end] - prefix[here]).reshape(rem.shape)  # context of the alive ones
-        context_mid = np.maximum(ahead + alive * (prev + rem - 1) / 2, 0.0)
-        a, b, c, d, knee = np.array([self._step_coef[tp] for tp in rows.tp]).T[:, :, None]
-        step = a + b * alive + c * context_mid + d * np.maximum(0.0, alive - knee)
-        step = (step * (rem - prev)).ravel()
-        per_replica = np.bincount(key, weights=step, minlength=groups)
-        return np.maximum.reduceat(per_replica, offset)
+    def _times(self, rows: Questions, assignments: np.ndarray, running: RunningSet) -> np.ndarray:
+        return slowest_replica_times(rows, assignments, running, self._step_coef)
 
     def finish_time(
         self, tp: int, num_replicas: int, replica: np.ndarray, running: RunningSet
@@ -243,11 +152,11 @@ class ReconfigPlanner:
         """Predicted seconds until every sequence has finished in this layout, from now."""
         if len(running) == 0:
             return 0.0
-        rows = _Rows()
+        rows = Questions()
         layout = Layout(dp=num_replicas, tp=tp)
         for q in range(running.remaining.shape[1]):
             rows.add(0, q, False, np.inf, layout)
-        return float(self._row_times(rows, replica[None, :], running).mean())
+        return float(self._times(rows, replica[None, :], running).mean())
 
     # --- switching ----------------------------------------------------------------------
 
@@ -372,14 +281,14 @@ class ReconfigPlanner:
             raise ValueError("decide() needs at least one unfinished sequence")
         targets = self._admissible(current)
         assignments = [self._assign(running, current, t) for t in targets]
-        rows = _Rows()
+        rows = Questions()
         for col in range(q):
             rows.add(0, col, False, np.inf, current)  # stay to the end
         for j, target in enumerate(targets, start=1):
             for col in range(q):
                 rows.add(j, col, True, 0.0, target)  # switch now
         all_assignments = np.stack([running.replica, *assignments])
-        times = self._row_times(rows, all_assignments, running).reshape(-1, q)
+        times = self._times(rows, all_assignments, running).reshape(-1, q)
         never = np.zeros(n, dtype=bool)
         options = [Option(current, float(times[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
@@ -433,12 +342,12 @@ class ReconfigPlanner:
         delays = self._delays(median)
         if not len(delays):
             return
-        rows = _Rows()
+        rows = Questions()
         for delay in delays:
             rows.add(0, med, False, delay, current)  # the steps before the switch
         for delay in delays:
             rows.add(index, med, True, delay, option.layout)  # the steps after it
-        before, after = self._row_times(rows, assignments, running).reshape(2, -1)
+        before, after = self._times(rows, assignments, running).reshape(2, -1)
         alive = median[None, :] > delays[:, None]
         context = running.context[None, :] + np.minimum(median[None, :], delays[:, None])
         overheads, _ = self._overheads(

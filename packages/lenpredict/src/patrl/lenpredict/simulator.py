@@ -31,10 +31,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from patrl.lenpredict.assignment import AssignmentPolicy, assign_prompts
+from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout
 from patrl.lenpredict.length_trace import PromptGroup
-from patrl.lenpredict.planner import Decision, ReconfigPlanner, RunningSet
+from patrl.lenpredict.planner import Decision, ReconfigPlanner
 
 
 class SimConfig(BaseModel):
