@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,7 @@ def test_export_hf_from_config_has_no_tokenizer(tmp_path: Path) -> None:
     names = sorted(p.name for p in out.iterdir())
     assert "model.safetensors" in names and "config.json" in names
     assert not any(n.startswith("tokenizer") for n in names)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, full_weights(trainer)[name].to(torch.bfloat16))

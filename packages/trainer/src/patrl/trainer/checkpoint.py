@@ -10,11 +10,12 @@ per rank, so a checkpoint is resumed on the same number of trainer ranks it was 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
+from transformers import PretrainedConfig
 
 from patrl.trainer.weights import iter_full_weights
 
@@ -126,7 +128,7 @@ def load_checkpoint(
 def export_hf(
     path: str | Path,
     model: nn.Module,
-    config_save: Callable[[Path], None],
+    config: PretrainedConfig,
     tokenizer_dir: Path | None,
     group: Group,
     dtype: torch.dtype | None = None,
@@ -146,7 +148,9 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config_save(tmp)
+        saved_config = copy.deepcopy(config)
+        saved_config.dtype = dtype or next(iter(tensors.values())).dtype
+        saved_config.save_pretrained(tmp)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (tokenizer_dir / name).is_file():

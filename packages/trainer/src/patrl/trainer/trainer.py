@@ -387,7 +387,7 @@ class Trainer:
         return export_hf(
             path,
             self.model,
-            self.model.config.save_pretrained,
+            self.model.config,
             self.source_dir,
             self.group,
             dtype,
