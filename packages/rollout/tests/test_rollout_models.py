@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,11 @@ def test_bf16_logits_stay_close_to_transformers_bf16(family: str) -> None:
     prompts, conts = workload(hf.config.vocab_size)
     refs = hf_reference(hf, prompts, conts)
     diff = max_diff_prefill_and_decode(model, refs, prompts, conts, "paged")
-    # Same math in bf16 but not the same kernels: a few bf16 ulps of logits of size ~1.
+    # Same math in bf16, not the same kernels: allow 4 bf16 ulps (8-bit significand) of the
+    # largest logit. Measured: about one ulp for every family.
     scale = max(r.abs().max().item() for r in refs)
-    assert diff <= 0.05 * scale, (diff, scale)
+    ulp = 2.0 ** (math.floor(math.log2(scale)) - 7)
+    assert diff <= 4 * ulp, (diff, ulp)
 
 
 def test_sharded_checkpoint_with_index_loads(tmp_path: Path) -> None:
