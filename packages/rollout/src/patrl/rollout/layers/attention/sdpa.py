@@ -26,27 +26,32 @@ class SdpaBackend(AttentionBackend):
         layer_idx: int,
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        cache = ctx.kv_cache
-        if cache is not None:
+        if ctx.kv_cache is not None:
             assert ctx.slot_mapping is not None  # build() checks
-            cache.write(layer_idx, ctx.slot_mapping, k, v)
-        if cache is not None and ctx.max_query_len == 1:
-            return self.decode(q, layer_idx, ctx, None)  # a pure decode step, the common case
+            ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
+            if ctx.max_query_len == 1:  # a pure decode step, the common case
+                return self.decode(q, layer_idx, ctx, None)
         out = torch.empty_like(q)
         starts = ctx.cu_seqlens_q.tolist()
-        # Decodes (one new token, context in the cache) go together: one padded gather, one call.
-        decode = [i for i, n in enumerate(ctx.query_lens) if n == 1] if cache is not None else []
-        if len(decode) > 1:
-            rows = torch.tensor([starts[i] for i in decode], device=q.device)
-            out[rows] = self.decode(q[rows], layer_idx, ctx, decode)
-        else:
-            decode = []
-        rest = [i for i in range(ctx.num_seqs) if i not in set(decode)]
+        decodes = self.batched_decodes(ctx)
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+            out[rows] = self.decode(q[rows], layer_idx, ctx, decodes)
+        skip = set(decodes)
+        rest = [i for i in range(ctx.num_seqs) if i not in skip]
         keys, values = self.context_kv(k, v, layer_idx, ctx, rest)
         for i, ki, vi in zip(rest, keys, values, strict=True):
             s, e = starts[i], starts[i + 1]
             out[s:e] = self.attend(q[s:e], ki, vi)
         return out
+
+    @staticmethod
+    def batched_decodes(ctx: AttentionContext) -> list[int]:
+        """Decodes beside prefills, attended together (one padded gather) when two or more."""
+        if ctx.kv_cache is None:
+            return []
+        decodes = [i for i, n in enumerate(ctx.query_lens) if n == 1]
+        return decodes if len(decodes) > 1 else []
 
     @staticmethod
     def context_kv(
