@@ -213,3 +213,16 @@ def test_unknown_modes_and_keys_are_rejected_by_config() -> None:
 def test_missing_model_directory_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         Trainer(config(), str(tmp_path))
+
+
+def test_bf16_compute_tracks_fp32_and_keeps_fp32_master_weights() -> None:
+    batch = make_batch(11, [6, 9])
+    fp32 = Trainer(config(), tiny_llama())
+    bf16 = Trainer(config(param_dtype="bfloat16"), tiny_llama())
+    for a, b in zip(fp32.compute_logprobs(batch), bf16.compute_logprobs(batch), strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, atol=0.1, rtol=0.05)
+        assert not torch.equal(a, b)  # bf16 really ran
+    metrics = bf16.train_step(batch)
+    assert math.isfinite(metrics["actor/pg_loss"]) and bf16.step == 1
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
