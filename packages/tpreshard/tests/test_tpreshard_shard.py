@@ -11,6 +11,7 @@ from patrl.tpreshard import (
     ParallelLayout,
     ShardPart,
     ShardSpec,
+    head_range,
     load_full,
     shard_part,
     shard_tensor,
@@ -205,3 +206,14 @@ def test_parallel_layout_checks_its_coordinates() -> None:
         ParallelLayout(tp_size=2, tp_rank=2, tp_group=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dp_size must be >= 1, got 0"):
         ParallelLayout(tp_size=1, tp_rank=0, tp_group=None, dp_size=0)
+
+
+@pytest.mark.parametrize(("heads", "tp"), [(8, 1), (8, 2), (8, 4), (8, 8), (2, 4), (1, 4), (4, 8)])
+def test_head_range_is_the_twin_rule(heads: int, tp: int) -> None:
+    # Fewer heads than ranks: the twin asks which kv head the rank's q heads (8 per kv head) use.
+    for r in range(tp):
+        start, count = head_range(heads, r, tp)
+        if heads >= tp:
+            assert list(range(start, start + count)) == _heads_of_rank(heads, r, tp)
+        else:
+            assert [start] == _kv_heads_of_rank(8 * heads, heads, r, tp) and count == 1

@@ -30,6 +30,7 @@ __all__ = [
     "ShardKind",
     "ShardPart",
     "ShardSpec",
+    "head_range",
     "load_full",
     "shard_part",
     "shard_tensor",
@@ -85,10 +86,11 @@ class ShardPart:
                 f"part {self.name!r}: expected size {self.size} along dim {dim}, "
                 f"got tensor of shape {tuple(full.shape)}"
             )
+        if self.num_heads > 0:
+            start, count = head_range(self.num_heads, tp_rank, tp_size)
+            head_size = self.size // self.num_heads
+            return full.narrow(dim, start * head_size, count * head_size)
         local = self.local_size(tp_size)
-        if 0 < self.num_heads < tp_size:
-            head = tp_rank * self.num_heads // tp_size
-            return full.narrow(dim, head * local, local)
         return full.narrow(dim, tp_rank * local, local)
 
 
@@ -181,6 +183,18 @@ class ShardSpec:
                 f"parts {[(p.name, p.size) for p in self.parts]} sum to {total}, "
                 f"but the full tensor has {size} along dim {self.dim}"
             )
+
+
+def head_range(num_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first head, head count) rank `tp_rank` holds of `num_heads` heads.
+
+    With fewer heads than ranks every rank holds one head, replicated: the kv head its q heads
+    attend with, `tp_rank * num_heads // tp_size`. The KV cache of a rank holds the same heads.
+    """
+    _check_rank(tp_rank, tp_size)
+    if num_heads < tp_size:
+        return tp_rank * num_heads // tp_size, 1
+    return tp_rank * (num_heads // tp_size), num_heads // tp_size
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
