@@ -26,6 +26,7 @@ from patrl.rollout.loader import (
     load_model,
     load_weights,
     read_eos_token_ids,
+    read_tokenizer,
     weight_keys,
 )
 from patrl.rollout.model_config import ModelConfig
@@ -130,6 +131,19 @@ def test_eos_ids_come_from_generation_config(tmp_path: Path) -> None:
     path, *_ = _case("llama", tmp_path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
     assert read_eos_token_ids(path) == [3, 7]
+
+
+def test_tokenizer_is_read_from_the_directory(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(tmp_path)
+    loaded = read_tokenizer(tmp_path)
+    assert loaded.encode("hello world") == [2, 3]
+    assert loaded.eos_token_id == 1
 
 
 def test_unsupported_model_type_lists_the_supported_ones() -> None:
