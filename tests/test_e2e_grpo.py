@@ -90,7 +90,8 @@ def make_loop(assets: Path, run_dir: Path, world: World, **extra: Any) -> SyncGR
 
 def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
     world = World(rank, world_size, rank, torch.device("cpu"))
-    loop = make_loop(assets, run_dir, world)
+    # Length-aware assignment: both ranks must derive the same split from their predictors.
+    loop = make_loop(assets, run_dir, world, **{"rollout.prompt_assignment": "length_aware"})
     before = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
     result = loop.run()
     after = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
@@ -128,6 +129,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert all(r["gap"] < 1e-4 for r in results)  # and the engine got them
     assert steps[1]["training/rollout_probs_diff_max"] < 1e-4
     assert checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo") is not None
+    assert "lenpredict/prompt_mean_abs_error" in steps[1]
 
 
 KEYS = (

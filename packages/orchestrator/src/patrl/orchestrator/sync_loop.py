@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.advantages import compute_advantages, filter_zero_variance_groups, refill
 from patrl.orchestrator.config import JobConfig
@@ -98,6 +99,9 @@ class SyncGRPO:
             if self._scores
             else None
         )
+        # Learns every prompt's response length from every step; all ranks see the same samples,
+        # so all ranks hold the same predictor and derive the same prompt assignment.
+        self.predictor = LengthPredictor()
         self.step = 0
         self.all_lengths: list[int] = []
 
@@ -260,6 +264,7 @@ class SyncGRPO:
             with _timed(timings, "reward"):
                 scored, reward_metrics = self._score(local)
             samples = [s for share in all_gather_objects(self.world, scored) for s in share]
+            metrics.update(self._learn_lengths(samples, rounds))
             _merge_reward_metrics(
                 metrics, [m for m in all_gather_objects(self.world, reward_metrics) if m]
             )
@@ -293,8 +298,7 @@ class SyncGRPO:
         n: int | None = None,
     ) -> list[tuple[PromptItem, Any]]:
         """This replica's share of `items` (prompt-level round robin), generated."""
-        dp_rank, dp_size = self._dp
-        mine = list(items)[dp_rank::dp_size]
+        mine = self._my_share(items, n or self.config.rollout.n)
         if not mine:
             return []
         r = self.config.rollout
@@ -312,6 +316,38 @@ class SyncGRPO:
         ]
         outputs = self.engine.generate([item.prompt_token_ids for item in mine], params)
         return list(zip(mine, outputs, strict=True))
+
+    def _my_share(self, items: Sequence[PromptItem], n: int) -> list[PromptItem]:
+        """This replica's prompts: round robin, or longest predicted work first onto the least
+        loaded replica. A prompt's n samples stay together (their prefill is shared)."""
+        dp_rank, dp_size = self._dp
+        if dp_size == 1:
+            return list(items)
+        predicted = [self.predictor.expected_length(str(item.index)) for item in items]
+        lpt = self.config.rollout.prompt_assignment == "length_aware"
+        replica = assign_prompts(
+            predicted, [n] * len(items), dp_size, "lpt" if lpt else "round_robin"
+        )
+        return [item for item, r in zip(items, replica, strict=True) if r == dp_rank]
+
+    def _learn_lengths(self, samples: list[Sample], round_: int) -> dict[str, float]:
+        """Feed finished lengths to the predictor; report how well it predicted this batch."""
+        groups: dict[int, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.prompt_index, []).append(s)
+        errors = []
+        for pidx, group in groups.items():
+            errors.append(
+                abs(
+                    self.predictor.expected_length(str(pidx))
+                    - np.mean([len(s.token_ids) for s in group])
+                )
+            )
+            gid = f"{self.step}:{round_}:{pidx}"
+            self.predictor.start_group(gid, str(pidx), len(group))
+            for i, s in enumerate(group):
+                self.predictor.observe_finished(f"{gid}:{i}", gid, len(s.token_ids))
+        return {"lenpredict/prompt_mean_abs_error": float(np.mean(errors)) if errors else 0.0}
 
     def _score(self, local: list[tuple[PromptItem, Any]]) -> tuple[list[Sample], dict[str, float]]:
         if not self._scores or not local:
@@ -394,7 +430,7 @@ class SyncGRPO:
             state = {
                 "step": self.step,
                 "loader": self.loader.state_dict(),
-                "python_random": random.getstate()[1][:5],
+                "length_predictor": self.predictor.state_dict(),
             }
             checkpointing.commit(
                 self.run_dir, self.step, state, self.config.trainer.max_checkpoints_to_keep
@@ -423,6 +459,7 @@ class SyncGRPO:
         state = checkpointing.read_state(found)
         self.trainer.load(found / "trainer")
         self.loader.load_state_dict(state["loader"])
+        self.predictor.load_state_dict(state["length_predictor"])
         self.step = int(state["step"])
         self.sync_weights()
         if self.world.is_first:
