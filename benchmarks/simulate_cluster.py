@@ -44,6 +44,8 @@ import numpy as np
 from patrl.lenpredict import (
     LLAMA31_8B,
     QWEN3_14B,
+    DecodeRow,
+    HardwareInfo,
     LatencyModel,
     Layout,
     LengthPredictor,
@@ -51,6 +53,8 @@ from patrl.lenpredict import (
     ModelInfo,
     PlannerConfig,
     PredictorConfig,
+    PrefillRow,
+    Profile,
     ReconfigPlanner,
     RunningSet,
     SimConfig,
@@ -201,6 +205,92 @@ def predictor_error() -> dict[str, Any]:
     }
 
 
+def measured_cpu_fit(seeds: int = 5) -> dict[str, Any] | None:
+    """MEASURED on this machine: decode-step rows of a tiny random Llama (torch, one process,
+    1 thread, TP 1, HF KV cache; per row the median over 3 passes of the median of 7 steps),
+    then the LatencyModel's held-out
+    error on them. The engine's profiler (patrl.rollout.profile) does not exist yet; this only
+    checks that the fitted form holds on real, noisy CPU timings."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+    )
+    model = LlamaForCausalLM(config).eval()
+    grid = [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (32, 128, 256, 512, 1024)]
+    samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in grid}
+    prefill_samples: dict[int, list[float]] = {c: [] for _, c in grid}
+    with torch.no_grad():
+        # three passes over the grid, so a burst of load from other processes hits one sample
+        # of a row rather than all of them; each sample is the median of 7 steps
+        for _ in range(3):
+            for batch, context in grid:
+                ids = torch.randint(0, 1000, (batch, context))
+                start = time.perf_counter()
+                out = model(ids, use_cache=True)
+                if batch == 1:
+                    prefill_samples[context].append(time.perf_counter() - start)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                steps = []
+                for _ in range(7):
+                    start = time.perf_counter()
+                    out = model(token, past_key_values=cache, use_cache=True)
+                    steps.append(time.perf_counter() - start)
+                    token = out.logits[:, -1:].argmax(-1)
+                samples[(batch, context)].append(statistics.median(steps))
+    decode = [
+        DecodeRow(tp=1, batch=b, context_tokens=b * c, seconds=statistics.median(samples[(b, c)]))
+        for b, c in grid
+    ]
+    prefill = [
+        PrefillRow(tp=1, tokens=c, seconds=statistics.median(t)) for c, t in prefill_samples.items()
+    ]
+    info = ModelInfo(
+        name="tiny-llama (random)",
+        num_layers=4,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+    profile = Profile(
+        source="measured",
+        hardware=HardwareInfo(
+            name=platform.node() or "this machine",
+            device=platform.processor() or platform.machine(),
+            num_devices=1,
+            memory_bytes_per_device=2**34,
+            interconnect="none",
+        ),
+        model=info,
+        dtype="float32",
+        decode=decode,
+        prefill=prefill,
+    )
+    held_out = [held_out_error(profile, fraction=0.25, seed=seed)[1] for seed in range(seeds)]
+    return {
+        "rows": len(decode),
+        "held_out_mape_per_seed": held_out,
+        "held_out_mape_median": statistics.median(held_out),
+        "fit": {str(k): v for k, v in LatencyModel.fit(profile).describe().items()},
+        "loadavg": os.getloadavg(),
+    }
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -304,6 +394,13 @@ def main() -> None:
             f"{t['wall_us']:.0f} us, cpu {t['cpu_us']:.0f} us (per-repeat wall medians: "
             f"{', '.join(f'{m:.0f}' for m in t['wall_us_per_repeat'])})"
         )
+    cpu_fit = measured_cpu_fit()
+    if cpu_fit is not None:
+        print(
+            f"LatencyModel held-out MAPE on {cpu_fit['rows']} decode rows MEASURED here (tiny Llama, "
+            f"torch, TP 1, load average {cpu_fit['loadavg']}): median {cpu_fit['held_out_mape_median']:.3f} "
+            f"over 5 random 25% hold-outs {[round(x, 3) for x in cpu_fit['held_out_mape_per_seed']]}"
+        )
     error = predictor_error()
     print(f"LengthPredictor online remaining-length error on this trace: {error}")
     print(f"roofline latency-model held-out MAPE per tp: {fits}")
@@ -324,6 +421,7 @@ def main() -> None:
         "summary": summary,
         "planner_decide_us": timing,
         "predictor_error": error,
+        "latency_model_measured_cpu": cpu_fit,
         "latency_model_held_out_mape": {
             m: {str(k): v for k, v in f.items()} for m, f in fits.items()
         },
