@@ -166,7 +166,7 @@ def test_decisions_are_auditable_records():
     planner = ReconfigPlanner(latency(tp_speeds_up), 8)
     rs = running_set(np.random.default_rng(5), 30, 8)
     planner.decide(rs, Layout(8, 1))
-    record = json.loads(json.dumps(planner.decisions[-1].record()))
+    record = json.loads(json.dumps(planner.decisions[-1].record(), allow_nan=False))
     assert set(record["predicted"]) == {str(layout) for layout in LAYOUTS}
     assert record["action"] in ("stay", "switch") and record["reason"]
 

@@ -21,6 +21,7 @@ Every decision is kept as a record with the predictions it was made from, for au
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,12 +41,13 @@ class PlannerConfig(BaseModel):
     margin: float = Field(default=0.2, ge=0)
     min_gain_s: float = Field(default=0.0, ge=0)
     cooldown_calls: int = Field(default=1, ge=0)
-    # fractions of the predicted remaining work after which a delayed switch is priced
+    # fractions of the running sequences predicted finished at which a delayed switch is priced
     delay_levels: tuple[float, ...] = (0.5, 0.9)
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # the engine's per-replica cap: a layout whose replicas would hold more sequences cannot
     # run them all at once, so the time model would flatter it
     max_num_seqs: int = Field(default=256, gt=0)
+    history: int = Field(default=1024, gt=0)  # decisions kept for audit
 
 
 @dataclass(slots=True)
@@ -82,7 +84,7 @@ class Decision:
         return next(o for o in self.options if o.layout == self.target)
 
     def record(self) -> dict[str, Any]:
-        """JSON-serialisable summary for the metrics log."""
+        """JSON-serialisable summary for the metrics log (no inf: None where nothing applies)."""
         switching = self.action == "switch"
         return {
             "action": self.action,
@@ -95,8 +97,8 @@ class Decision:
             "predicted": {
                 str(o.layout): {
                     "run_s": o.run_s,
-                    "overhead_s": o.overhead_s,
-                    "later_s": o.later_s,
+                    "overhead_s": o.overhead_s if np.isfinite(o.overhead_s) else None,
+                    "later_s": o.later_s if np.isfinite(o.later_s) else None,
                     "later_steps": o.later_steps,
                 }
                 for o in self.options
@@ -118,7 +120,7 @@ class ReconfigPlanner:
                 f"candidate tp {missing} not in the latency model's {latency.tp_sizes}"
             )
         self.candidates = layouts_for(world_size, list(self.config.candidate_tp))
-        self.decisions: list[Decision] = []
+        self.decisions: deque[Decision] = deque(maxlen=self.config.history)
         # per-TP constants, looked up once: decide() is on the engine's hot path
         tps = sorted(set(self.config.candidate_tp))
         self._step_coef = {tp: latency.step_coefficients(tp) for tp in tps}
