@@ -15,9 +15,11 @@ replica has the same batch, so they are advanced together; the step time is line
 so k steps cost k · step_time(mean context) exactly. The timeline keeps one segment per such
 run of identical steps.
 
-Replicas advance independently; every `plan_interval_steps` steps of each, the planner sees all
-unfinished sequences. A switch is collective: every replica waits for the slowest, pays the
-predicted overhead, and the sequences move to the replicas the planner assigned.
+Replicas advance independently; the planner sees all unfinished sequences before the first
+prefill (the starting layout is its choice too) and then every `plan_interval_steps` steps of
+each replica, or sooner when it asked to be asked again. A switch is collective: every replica
+waits for the slowest, pays the predicted overhead, and the sequences move to the replicas the
+planner assigned.
 """
 
 from __future__ import annotations
