@@ -1,0 +1,33 @@
+"""The embedded default of the main job: a tiny Llama with its own tokenizer, warm-started by
+SFT on a synthetic long-tailed addition task, with train/validation JSONL, built on first use
+and cached."""
+
+from patrl.orchestrator.demo.assets import (
+    DemoAssets,
+    DemoRecipe,
+    default_cache_root,
+    ensure_demo_assets,
+    ensure_demo_at,
+)
+from patrl.orchestrator.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
+from patrl.orchestrator.demo.model import ModelConfig
+from patrl.orchestrator.demo.sft import SFTConfig
+from patrl.orchestrator.demo.task import Problem, TaskConfig, generate_problems
+from patrl.orchestrator.demo.tokenizer import build_tokenizer
+
+__all__ = [
+    "DemoAssets",
+    "DemoRecipe",
+    "ModelConfig",
+    "PassAtOne",
+    "Problem",
+    "SFTConfig",
+    "TaskConfig",
+    "boxed_answer",
+    "build_tokenizer",
+    "default_cache_root",
+    "ensure_demo_assets",
+    "ensure_demo_at",
+    "generate_problems",
+    "pass_at_one",
+]
