@@ -2,8 +2,10 @@
 
     python benchmarks/trainer_bench.py [--samples 48] [--steps 3] [--threads 2]
 
-Each configuration runs in fresh processes (so peak RSS is its own), does one warm-up step and
-`--steps` timed steps, and reports the median step time. All three do the same work per step:
+Each configuration lives in its own processes (so peak RSS is its own) and does one warm-up
+step; then `--steps` rounds each time one step of every configuration in turn (interleaved, so
+that load from other processes on a shared machine falls on all alike), and the median step
+time of each is reported. All three do the same work per step:
 a no-grad scoring pass for the old logprobs, then forward + backward of the GRPO clipped
 surrogate (token-mean) over the whole batch, then one AdamW step.
 
@@ -73,39 +75,36 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_patrl(rank: int, world: int, port: int, args: Any, out: Any) -> None:
+def serve(step: Any, rank: int, commands: Any, out: Any, extra: dict[str, Any]) -> None:
+    """Run `step()` once per "go" from the driver; report its time; stop on "stop"."""
+    out.put(("ready", rank))
+    while commands.get() == "go":
+        start = time.perf_counter()
+        step()
+        out.put(("done", rank, time.perf_counter() - start, {**extra, "rss": _peak_rss_gb()}))
+
+
+def run_patrl(rank: int, world: int, port: int, args: Any, commands: Any, out: Any) -> None:
     torch.set_num_threads(max(1, args.threads // world))
     mesh = None
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800)
+        )
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
     batch = long_tail_batch(args.samples)
     trainer = Trainer(trainer_config(args.budget), model_config(), mesh=mesh)
-    times = []
-    for i in range(args.steps + 1):
-        if mesh is not None:
-            dist.barrier(group=mesh.get_group())
-        start = time.perf_counter()
-        metrics = trainer.train_step(batch)
-        if i > 0:  # the first step is warm-up
-            times.append(time.perf_counter() - start)
-    out.put(
-        {
-            "rank": rank,
-            "times": times,
-            "padded_fraction": metrics["perf/padded_fraction"],
-            "peak_rss_gb": _peak_rss_gb(),
-        }
-    )
+    padded = trainer._padded_fraction(batch)
+    serve(lambda: trainer.train_step(batch), rank, commands, out, {"padded_fraction": padded})
     if mesh is not None:
         dist.barrier(group=mesh.get_group())
         dist.destroy_process_group()
 
 
-def run_hf_loop(rank: int, world: int, port: int, args: Any, out: Any) -> None:
+def run_hf_loop(rank: int, world: int, port: int, args: Any, commands: Any, out: Any) -> None:
     """The baseline: fixed-size micro-batches in arrival order, full log_softmax."""
     torch.set_num_threads(args.threads)
     batch = long_tail_batch(args.samples)
@@ -135,9 +134,7 @@ def run_hf_loop(rank: int, world: int, port: int, args: Any, out: Any) -> None:
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(logp, (1, 0))
 
-    times = []
-    for i in range(args.steps + 1):
-        start = time.perf_counter()
+    def step() -> None:
         with torch.no_grad():
             old = [logprobs(*padded(mb)[:2]) for mb in mbs]
         for mb, old_lp in zip(mbs, old, strict=True):
@@ -149,40 +146,50 @@ def run_hf_loop(rank: int, world: int, port: int, args: Any, out: Any) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if i > 0:
-            times.append(time.perf_counter() - start)
-    out.put(
-        {
-            "rank": 0,
-            "times": times,
-            "padded_fraction": padded_fraction(batch.lengths, mbs),
-            "peak_rss_gb": _peak_rss_gb(),
-        }
-    )
+
+    serve(step, rank, commands, out, {"padded_fraction": padded_fraction(batch.lengths, mbs)})
 
 
-def launch(fn: Any, world: int, args: Any) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=fn, args=(r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"{fn.__name__} rank exited with {p.exitcode}")
-    # A step is as slow as its slowest rank.
-    step_times = [max(r["times"][i] for r in results) for i in range(args.steps)]
-    return {
-        "step_times_s": step_times,
-        "median_step_s": statistics.median(step_times),
-        "padded_fraction": results[0]["padded_fraction"],
-        "peak_rss_gb_per_rank": max(r["peak_rss_gb"] for r in results),
-    }
+class Config:
+    """One configuration's live processes, driven one step at a time."""
+
+    def __init__(self, fn: Any, world: int, args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(world)]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.procs = [
+            ctx.Process(target=fn, args=(r, world, port, args, self.commands[r], self.out))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.times: list[float] = []
+        self.last: dict[str, Any] = {}
+        self.rss = 0.0
+
+    def wait_ready(self) -> None:
+        for _ in self.procs:
+            assert self.out.get(timeout=1800)[0] == "ready"
+
+    def step(self) -> float:
+        """One step on every rank; a step is as slow as its slowest rank."""
+        for q in self.commands:
+            q.put("go")
+        reports = [self.out.get(timeout=3600) for _ in self.procs]
+        self.last = reports[0][3]
+        self.rss = max(self.rss, *(r[3]["rss"] for r in reports))
+        return max(r[2] for r in reports)
+
+    def stop(self) -> None:
+        for q in self.commands:
+            q.put("stop")
+        for p in self.procs:
+            p.join(timeout=120)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a benchmark process exited with {p.exitcode}")
 
 
 def main() -> None:
@@ -196,15 +203,33 @@ def main() -> None:
 
     batch = long_tail_batch(args.samples)
     real_tokens = sum(batch.lengths)
-    runs = {
-        "hf-loop": launch(run_hf_loop, 1, args),
-        "patrl-1rank": launch(run_patrl, 1, args),
-        "patrl-2rank": launch(run_patrl, 2, args),
+    configs = {
+        "hf-loop": Config(run_hf_loop, 1, args),
+        "patrl-1rank": Config(run_patrl, 1, args),
+        "patrl-2rank": Config(run_patrl, 2, args),
     }
-    base = runs["hf-loop"]["median_step_s"]
-    for r in runs.values():
-        r["tokens_per_s"] = real_tokens / r["median_step_s"]
-        r["speedup_vs_hf_loop"] = base / r["median_step_s"]
+    for c in configs.values():
+        c.wait_ready()
+        c.step()  # warm-up, untimed
+    # Rounds interleave the configurations, so that load from other processes on a shared
+    # machine falls on all of them alike; only one configuration runs at a time.
+    for _ in range(args.steps):
+        for c in configs.values():
+            c.times.append(c.step())
+    for c in configs.values():
+        c.stop()
+    base = statistics.median(configs["hf-loop"].times)
+    runs: dict[str, dict[str, Any]] = {}
+    for name, c in configs.items():
+        median = statistics.median(c.times)
+        runs[name] = {
+            "step_times_s": c.times,
+            "median_step_s": median,
+            "tokens_per_s": real_tokens / median,
+            "speedup_vs_hf_loop": base / median,
+            "padded_fraction": c.last["padded_fraction"],
+            "peak_rss_gb_per_rank": c.rss,
+        }
     plan = plan_micro_batches(batch.lengths, args.budget, 1)
     result = {
         "machine": f"{os.cpu_count()} cpus, torch {torch.__version__}",
