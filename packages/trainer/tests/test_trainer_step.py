@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -93,14 +94,16 @@ def test_tied_embeddings_model_trains_and_exports_names_once() -> None:
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
 
 
-def test_nonfinite_step_is_skipped_then_stops_the_run() -> None:
+def test_nonfinite_step_is_skipped_then_stops_the_run(caplog: pytest.LogCaptureFixture) -> None:
     trainer = Trainer(config(max_nonfinite_steps=2), tiny_llama())
     good = make_batch(7, [4, 4])
     bad = make_batch(7, [4, 4])
     bad.advantages[0][-1] = float("nan")
     trainer.train_step(good)
     before = full_weights(trainer)
-    metrics = trainer.train_step(bad)
+    with caplog.at_level(logging.WARNING, logger="patrl.trainer.trainer"):
+        metrics = trainer.train_step(bad)
+    assert "skipped a step with a non-finite loss" in caplog.text
     assert metrics["actor/nonfinite_skipped"] == 1.0 and trainer.step == 1
     after = full_weights(trainer)
     assert all(torch.equal(before[n], after[n]) for n in before)

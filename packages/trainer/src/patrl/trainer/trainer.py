@@ -10,6 +10,7 @@ equals the one a single process would make on the whole batch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import resource
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from patrl.trainer.batch import PolicyBatch, pad_field
 from patrl.trainer.batching import padded_fraction, plan_micro_batches
@@ -32,6 +33,8 @@ from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
 from patrl.trainer.model import ModelSource, build_model, freeze, parallelize
 from patrl.trainer.schedule import build_scheduler
 from patrl.trainer.weights import Bucket, iter_full_weights
+
+log = logging.getLogger(__name__)
 
 # Order of the per-step sums that are all-reduced once per step (see _metrics).
 _SUMS = (
@@ -260,7 +263,10 @@ class Trainer:
         behaviour = None
         if batch.behaviour_logprobs is not None:
             behaviour = pad([batch.behaviour_logprobs[i] for i in mb] or [torch.zeros(2)])
-        agg = dict(mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+
+        def agg(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(values, mask, cfg.loss_agg_mode, num_tokens, num_seqs)
+
         pg_loss, stats = policy_loss(
             logp,
             pad(old_list),
@@ -276,13 +282,12 @@ class Trainer:
             num_seqs=num_seqs,
         )
         loss = pg_loss
-        entropy_term = aggregate(entropy, mask, **agg)  # type: ignore[arg-type]
         if cfg.entropy_coeff != 0:
-            loss = loss - cfg.entropy_coeff * entropy_term
+            loss = loss - cfg.entropy_coeff * agg(entropy)
         kl_loss = torch.zeros(())
         if ref is not None:
             ref_t = pad([ref[i] for i in mb] or [torch.zeros(2)])
-            kl_loss = aggregate(kl_penalty(logp, ref_t, cfg.kl_loss_type), mask, **agg)  # type: ignore[arg-type]
+            kl_loss = agg(kl_penalty(logp, ref_t, cfg.kl_loss_type))
             loss = loss + cfg.kl_loss_coef * kl_loss
 
         n = float(mask.sum())
@@ -317,6 +322,13 @@ class Trainer:
         else:
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
+            log.warning(
+                "skipped a step with a non-finite loss or gradient (%d in a row, %d in all); "
+                "weights unchanged at step %d",
+                self.nonfinite_in_a_row,
+                self.nonfinite_total,
+                self.step,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         limit = self.config.max_nonfinite_steps
         if self.nonfinite_in_a_row >= limit:
@@ -399,7 +411,7 @@ _DUMMY_IDS = torch.zeros(2, dtype=torch.long)
 
 
 def _is_config(source: ModelSource) -> bool:
-    return not isinstance(source, (str, Path)) and hasattr(source, "to_dict")
+    return isinstance(source, PretrainedConfig)
 
 
 def _memory_metrics(device: torch.device) -> dict[str, float]:
