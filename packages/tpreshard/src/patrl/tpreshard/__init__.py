@@ -2,6 +2,7 @@
 
 from patrl.tpreshard.groups import GroupCache
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
+from patrl.tpreshard.reshard import ReshardStats, index_map, reshard_
 from patrl.tpreshard.shard import (
     ShardKind,
     ShardPart,
@@ -16,11 +17,14 @@ from patrl.tpreshard.shard import (
 __all__ = [
     "GroupCache",
     "ParallelLayout",
+    "ReshardStats",
     "ShardKind",
     "ShardPart",
     "ShardSpec",
     "head_range",
+    "index_map",
     "load_full",
+    "reshard_",
     "shard_part",
     "shard_tensor",
     "single_process_layout",

@@ -1,0 +1,159 @@
+"""In-place weight resharding of a module between two TP layouts.
+
+Every parameter with a `shard_spec` is re-cut for the destination layout, and every module's
+`layout` attribute is swapped, so layers that derive their head counts and vocabulary range from
+`self.layout` run at the new layout straight away.
+
+One rule serves every spec (replicated, column, row, vocab, fused parts, replicated KV heads):
+an *index map* says which rows (along the split dimension) of the full tensor a rank holds, by
+cutting `arange(full)` with the spec itself. Then
+- from TP 1 a rank holds every row, so the new shard is an `index_select` of the old one: no
+  communication;
+- from TP > 1 the old shards are all-gathered inside the *source* TP group (which holds every row)
+  and the new shard is picked from the gathered pieces. With consecutive-rank TP groups the
+  source group of a shrink is the larger one, and in a grow from tp > 1 a rank's new rows can sit
+  on another rank of its old group (tp 2 -> 4: rank 1 needs rows that rank 0 holds), so the
+  gather runs in the old group in both cases.
+Copies only, so the result equals a fresh load bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from patrl.tpreshard.layout import ParallelLayout
+from patrl.tpreshard.shard import ShardSpec, shard_tensor
+
+__all__ = ["ReshardStats", "index_map", "reshard_"]
+
+
+@dataclass(slots=True)
+class ReshardStats:
+    """What one `reshard_` did on this rank."""
+
+    num_params: int = 0
+    num_gathered: int = 0  # parameters that needed an all-gather
+    bytes_received: int = 0  # bytes this rank received in all-gathers
+    bytes_before: int = 0  # parameter bytes at the source layout
+    bytes_after: int = 0  # parameter bytes at the destination layout
+    peak_bytes: int = 0  # max over the move of live parameter bytes + temporaries, accounted
+
+
+def index_map(spec: ShardSpec, full_rows: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The full-tensor row (along the split dimension) of each local row; -1 for padding."""
+    assert spec.dim is not None
+    ids = torch.arange(1, full_rows + 1)
+    shaped = ids.view(-1, 1) if spec.dim == 0 else ids.view(1, -1)
+    return shard_tensor(shaped, spec, tp_rank, tp_size).reshape(-1) - 1
+
+
+@torch.no_grad()
+def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> ReshardStats:
+    """Re-cut every sharded parameter of `module` from `src` to `dst`, in place.
+
+    Every rank of the source TP group must call this (it may all-gather there). A destination
+    TP size that a spec cannot split raises before anything changes.
+    """
+    params = _sharded_params(module)
+    plans = [(p, owner, _full_rows(p, owner, src.tp_size)) for p, owner in params]
+    for p, _, rows in plans:  # validate every cut first: a failure leaves the module untouched
+        spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
+        if spec.dim is not None:
+            index_map(spec, rows, dst.tp_rank, dst.tp_size)
+    stats = ReshardStats(num_params=len(plans))
+    live = stats.bytes_before = sum(p.nbytes for p, _, _ in plans)
+    stats.peak_bytes = live
+    for p, _, rows in plans:
+        spec = p.shard_spec  # type: ignore[attr-defined]
+        if spec.dim is None:
+            continue
+        old = p.data
+        new, temp_bytes, received = _recut(old, spec, rows, src, dst)
+        stats.peak_bytes = max(stats.peak_bytes, live + temp_bytes + new.nbytes)
+        stats.bytes_received += received
+        stats.num_gathered += received > 0 or temp_bytes > 0
+        p.data = new
+        live += new.nbytes - old.nbytes
+    stats.bytes_after = live
+    for m in module.modules():
+        if isinstance(getattr(m, "layout", None), ParallelLayout):
+            m.layout = dst
+    return stats
+
+
+def _recut(
+    old: torch.Tensor, spec: ShardSpec, rows: int, src: ParallelLayout, dst: ParallelLayout
+) -> tuple[torch.Tensor, int, int]:
+    """(new local tensor, bytes of temporaries, bytes received)."""
+    dim = spec.dim
+    assert dim is not None
+    src_map = index_map(spec, rows, src.tp_rank, src.tp_size)
+    dst_map = index_map(spec, rows, dst.tp_rank, dst.tp_size)
+    if src.tp_size == 1:  # this rank holds every row: narrow, no communication
+        where = _positions(src_map, rows)[dst_map.clamp(min=0)]
+        where[dst_map < 0] = -1
+        return _pick(old, dim, where), 0, 0
+    # Every rank of the source group must take the same branch (the gather is collective), and
+    # from tp > 1 some rank of the group always misses rows, so all of them gather.
+    buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
+    dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
+    new_shape = list(old.shape)
+    new_shape[dim] = dst_map.numel()
+    new = torch.zeros(new_shape, dtype=old.dtype, device=old.device)
+    for r in range(src.tp_size):
+        where = _positions(index_map(spec, rows, r, src.tp_size), rows)[dst_map.clamp(min=0)]
+        take = (dst_map >= 0) & (where >= 0)
+        if bool(take.any()):
+            dst_pos = take.nonzero().flatten().to(old.device)
+            new.index_copy_(dim, dst_pos, buf[r].index_select(dim, where[take].to(old.device)))
+    return new, buf.nbytes, buf.nbytes - old.nbytes
+
+
+def _positions(local_map: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each full row, its position in the local tensor described by `local_map`, or -1."""
+    inverse = torch.full((rows,), -1, dtype=torch.long)
+    valid = local_map >= 0
+    inverse[local_map[valid]] = valid.nonzero().flatten()
+    return inverse
+
+
+def _pick(old: torch.Tensor, dim: int, where: torch.Tensor) -> torch.Tensor:
+    new = old.index_select(dim, where.clamp(min=0).to(old.device))
+    if bool((where < 0).any()):  # vocabulary padding rows are zeros, as in a fresh load
+        new.index_fill_(dim, (where < 0).nonzero().flatten().to(old.device), 0)
+    return new
+
+
+def _sharded_params(module: nn.Module) -> list[tuple[nn.Parameter, nn.Module]]:
+    """Each sharded parameter once (tied weights are one parameter), with its owning module."""
+    seen: set[int] = set()
+    out: list[tuple[nn.Parameter, nn.Module]] = []
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in seen or not hasattr(p, "shard_spec"):
+                continue
+            seen.add(id(p))
+            out.append((p, m))
+    return out
+
+
+def _full_rows(p: torch.Tensor, owner: nn.Module, tp_size: int) -> int:
+    """The full tensor's size along the split dimension."""
+    spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
+    if spec.dim is None:
+        return 0
+    if spec.kind == "vocab":
+        vocab = getattr(owner, "vocab_size", None)
+        if not isinstance(vocab, int):
+            raise ValueError(
+                f"a vocab-sharded parameter of {type(owner).__name__} needs its module's "
+                "vocab_size (the padding of the last rank hides the true size)"
+            )
+        return vocab
+    if spec.parts:
+        return sum(part.size for part in spec.parts)
+    return int(p.shape[spec.dim]) * tp_size

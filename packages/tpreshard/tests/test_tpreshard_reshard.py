@@ -1,0 +1,101 @@
+"""reshard_: in-place re-cutting between layouts equals a fresh cut of the full tensor, bit for bit."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+from torch import nn
+
+from patrl.tpreshard import GroupCache, ParallelLayout, ShardSpec, reshard_, shard_tensor
+from patrl.tpreshard.shard import ShardPart
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 7, 8, 4, 2, 2
+
+
+def _specs() -> dict[str, tuple[ShardSpec, tuple[int, ...]]]:
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return {
+        "qkv": (ShardSpec.qkv(HEADS, KV_HEADS, HEAD_DIM), (qkv_rows, HIDDEN)),
+        "gate_up": (ShardSpec.column(ShardPart("gate", 8), ShardPart("up", 8)), (16, HIDDEN)),
+        "row": (ShardSpec.row(), (HIDDEN, 8)),
+        "embed": (ShardSpec.vocab(), (VOCAB, HIDDEN)),  # 7 rows: the last rank is padded
+        "norm": (ShardSpec.replicated(), (HIDDEN,)),
+    }
+
+
+def _full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+class _Toy(nn.Module):
+    """Parameters cut like the engine's layers, with a `layout` and `vocab_size` like them."""
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        super().__init__()
+        self.layout = layout
+        self.vocab_size = VOCAB
+        for name, (spec, shape) in _specs().items():
+            local = shard_tensor(_full(name, shape), spec, layout.tp_rank, layout.tp_size)
+            p = nn.Parameter(local.clone(), requires_grad=False)
+            p.shard_spec = spec  # type: ignore[attr-defined]
+            self.register_parameter(name, p)
+
+
+def _expected(layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    return {
+        n: shard_tensor(_full(n, shape), spec, layout.tp_rank, layout.tp_size)
+        for n, (spec, shape) in _specs().items()
+    }
+
+
+def _walk(rank: int, world_size: int, path: list[int]) -> list[bool]:
+    groups = GroupCache([1, 2, 4], world_size=world_size, rank=rank)
+    created = groups.num_created
+    toy = _Toy(groups.layout(path[0]))
+    norm_ptr = toy.norm.data_ptr()
+    results = []
+    for src_tp, dst_tp in itertools.pairwise(path):
+        src, dst = groups.layout(src_tp), groups.layout(dst_tp)
+        reshard_(toy, src, dst)
+        want = _expected(dst)
+        results.append(all(torch.equal(p.data, want[n]) for n, p in toy.named_parameters()))
+        assert toy.layout is dst
+    assert groups.num_created == created
+    assert toy.norm.data_ptr() == norm_ptr  # replicated parameters are not copied
+    dist.barrier()
+    return results
+
+
+@pytest.mark.multirank
+def test_reshard_walks_1_2_4_2_1_bit_exact_on_four_ranks() -> None:
+    per_rank = run_ranks(_walk, world_size=4, args=([1, 2, 4, 2, 1],), timeout_s=120)
+    assert per_rank == [[True] * 4] * 4
+
+
+def test_a_tp_that_does_not_divide_the_heads_fails_and_changes_nothing() -> None:
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    toy = _Toy(src)
+    before = {n: p.data.clone() for n, p in toy.named_parameters()}
+    bad = ParallelLayout(tp_size=3, tp_rank=0, tp_group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tp_size=3"):
+        reshard_(toy, src, bad)
+    assert toy.layout is src
+    assert all(torch.equal(p.data, before[n]) for n, p in toy.named_parameters())
+
+
+def test_growing_from_tp1_narrows_without_communication() -> None:
+    # tp_group is never touched on a narrowing move: a group that would fail on use proves it.
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    toy = _Toy(src)
+    for rank in (0, 1):
+        toy = _Toy(src)
+        dst = ParallelLayout(tp_size=2, tp_rank=rank, tp_group=object())  # type: ignore[arg-type]
+        stats = reshard_(toy, src, dst)
+        want = _expected(dst)
+        assert all(torch.equal(p.data, want[n]) for n, p in toy.named_parameters())
+        assert stats.bytes_received == 0 and stats.bytes_after < stats.bytes_before
