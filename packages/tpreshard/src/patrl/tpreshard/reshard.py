@@ -81,7 +81,7 @@ def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> Res
     stats.bytes_after = live
     for m in module.modules():
         if isinstance(getattr(m, "layout", None), ParallelLayout):
-            m.layout = dst
+            setattr(m, "layout", dst)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
     return stats
 
 
