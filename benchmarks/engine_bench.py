@@ -362,6 +362,11 @@ def prefill_section(model_dir: Path, repeats: int) -> dict[str, Any]:
     }
 
 
+def log(threads: int, what: str) -> None:
+    load = os.getloadavg()[0]
+    print(f"[{time.strftime('%H:%M:%S')} threads={threads} load={load:.1f}] {what}", flush=True)
+
+
 def bench_threads(threads: int, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(threads)
     result: dict[str, Any] = {"threads": threads, "loadavg_start": os.getloadavg()}
@@ -371,12 +376,18 @@ def bench_threads(threads: int, args: argparse.Namespace, model_dir: Path) -> di
     warm = Workload("warm-up", random_prompts(2, 12345, hf.config.vocab_size, (8, 8)), [4, 4])
     run_engine(engine, warm, 0)
     run_hf(hf, warm, 2, 0)
+    log(threads, "batch-1 decode vs floor")
     result["decode_b1"] = decode_section(engine, hf, args.repeats)
-    result["throughput"] = {
-        name: throughput_section(engine, hf, name, args) for name in ("long_tail", "uniform")
+    result["throughput"] = {}
+    for name in ("long_tail", "uniform"):
+        log(threads, f"engine vs HF generate, {name}")
+        result["throughput"][name] = throughput_section(engine, hf, name, args)
+    log(threads, "profile")
+    result["profile_decode"] = {
+        str(b): profile_decode(engine, b) for b in sorted({1, args.hf_batch})
     }
-    result["profile_decode"] = profile_decode(engine, args.hf_batch)
     del engine, hf  # before the prefill engine loads its own copy of the weights
+    log(threads, "prefill, shared vs separate")
     result["prefill"] = prefill_section(model_dir, args.repeats)
     result["loadavg_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - start
@@ -427,12 +438,11 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{p['ratio']:6.2f}x {'>=' + str(TARGETS['prefill_min']) + 'x':>8s}  "
             f"{'yes' if p['ratio'] >= TARGETS['prefill_min'] else 'NO'}"
         )
-        prof = res["profile_decode"]
-        rows.append(
-            f"   cProfile, engine decode step at batch {res['batch']}: {prof[0]['step_s'] * 1e3:.0f} ms/step"
-        )
-        for r in prof[1:7]:
-            rows.append(f"     {r['share'] * 100:5.1f}%  {r['function']}")
+        for batch, prof in res["profile_decode"].items():
+            step_ms = prof[0]["step_s"] * 1e3
+            rows.append(f"   cProfile, engine decode step at batch {batch}: {step_ms:.0f} ms/step")
+            for r in prof[1:7]:
+                rows.append(f"     {r['share'] * 100:5.1f}%  {r['function']}")
     return "\n".join(rows)
 
 
@@ -455,12 +465,22 @@ def main() -> None:
     start = time.perf_counter()
     load_start = os.getloadavg()
     model_dir = ensure_model(Path(args.model_dir))
-    results = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
     for threads in (int(t) for t in args.threads.split(",")):
-        res = bench_threads(threads, args, model_dir)
-        res["batch"] = args.hf_batch
-        results.append(res)
-    summary = {
+        results.append(bench_threads(threads, args, model_dir))
+        # Written after every configuration: a slow second one must not lose the first.
+        summary = summarise(args, results, load_start, time.perf_counter() - start)
+        out.write_text(json.dumps(summary, indent=2))
+        print(table(results[-1:]), flush=True)
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+
+
+def summarise(
+    args: argparse.Namespace, results: list[dict[str, Any]], load_start: Any, wall_s: float
+) -> dict[str, Any]:
+    return {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
@@ -484,14 +504,9 @@ def main() -> None:
         "targets": TARGETS,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall_s,
         "configs": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
-    print(table(results))
-    print(f"wrote {out} ({summary['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":
