@@ -1,0 +1,568 @@
+"""The engine profiler: measure this machine's step, prefill and collective times into a
+lenpredict `Profile` (JSON) that the latency model is fitted from.
+
+    python -m patrl.rollout.profile --model DIR --out profile.json [--quick]
+    torchrun --nproc-per-node 2 -m patrl.rollout.profile --model DIR --out p.json --tp-sizes 1 2
+
+A decode row is the median time of `engine.step()` calls (scheduling and sampling included:
+that is what a rollout pays per step) of a batch of B sequences holding C tokens in total,
+forced with `ignore_eos` and `max_tokens`. A prefill row is one `step()` that prefills one
+sequence of T tokens. Every cell is measured once per pass and the passes are interleaved, so a
+burst of load from another process on a shared machine hits one sample of a row, not all of
+them; a row is the median over passes.
+
+Under torchrun every rank builds the groups of every candidate TP size up front
+(`tpreshard.GroupCache`); rows of TP size tp are measured by the first TP group of that size
+(ranks 0..tp-1) while the other ranks wait, so a measurement never shares cores with another
+engine of the profiler. Collective rows come from the same first groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from patrl.lenpredict import (
+    CollectiveRow,
+    DecodeRow,
+    HardwareInfo,
+    ModelInfo,
+    PrefillRow,
+    Profile,
+)
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.engine import Engine
+from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "broadcast", "send")
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileGrid:
+    """What to measure. `contexts` are tokens per sequence (the prompt length of a decode
+    cell); a decode row's context is the batch's total."""
+
+    tp_sizes: tuple[int, ...] = (1,)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    contexts: tuple[int, ...] = (16, 64, 128, 256, 512)
+    prefill_tokens: tuple[int, ...] = (8, 32, 64, 128, 256, 512)
+    collective_bytes: tuple[int, ...] = (4, 4096, 65536, 1 << 20, 4 << 20)
+    decode_steps: int = 8  # timed decode steps per cell and pass
+    passes: int = 3
+    warmup_steps: int = 8
+    # "wall": seconds a rollout waits (what a profile is for). "cpu": this thread's CPU seconds,
+    # which other processes' load barely moves, for comparisons that must hold on a shared,
+    # oversubscribed machine (single-threaded torch on CPU only: nothing else is counted).
+    clock: str = "wall"
+
+    def __post_init__(self) -> None:
+        for name in ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "collective_bytes"):
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"{name} must be non-empty positive integers, got {values}")
+        for name in ("decode_steps", "passes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
+
+    @property
+    def max_model_len(self) -> int:
+        return max(max(self.contexts) + self.decode_steps + 1, max(self.prefill_tokens) + 1)
+
+    def decode_cells(self) -> list[tuple[int, int]]:
+        return [(b, c) for b in self.batch_sizes for c in self.contexts]
+
+
+def quick_grid(tp_sizes: Sequence[int] = (1,)) -> ProfileGrid:
+    """A small grid for tests and a first look: seconds on a tiny model."""
+    return ProfileGrid(
+        tp_sizes=tuple(tp_sizes),
+        batch_sizes=(1, 2, 4, 8),
+        contexts=(16, 48, 96),
+        prefill_tokens=(8, 32, 64, 128),
+        collective_bytes=(4, 16384, 262144),
+        decode_steps=6,
+        passes=3,
+        warmup_steps=4,
+    )
+
+
+# --------------------------------------------------------------------- identity
+
+
+def model_info(model_dir: str | Path, engine: Engine) -> ModelInfo:
+    """The architecture facts of the engine's model; the parameter count is read from the
+    checkpoint (so it is the same at every TP size, whatever each rank holds)."""
+    mc = engine.model.config
+    return ModelInfo(
+        name=Path(model_dir).name,
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_attention_heads=mc.num_heads,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        vocab_size=mc.vocab_size,
+        num_params=checkpoint_num_params(model_dir),
+    )
+
+
+def checkpoint_num_params(model_dir: str | Path) -> int:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += _numel(f.get_slice(name).get_shape())
+    return total
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def engine_dtype(engine: Engine) -> str:
+    return str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+
+
+def hardware_info(device: torch.device, num_devices: int, backend: str) -> HardwareInfo:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, memory = props.name, props.total_memory
+    else:
+        name = _cpu_name()
+        # one machine's memory shared by every rank
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_devices
+    return HardwareInfo(
+        name=platform.node() or "unknown host",
+        device=f"{device.type}: {name}, {torch.get_num_threads()} thread(s) per rank",
+        num_devices=num_devices,
+        memory_bytes_per_device=memory,
+        interconnect=backend if num_devices > 1 else "none",
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------- engine rows
+
+
+def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig:
+    """The engine as the user runs it (model, dtype, device, attention backend, block size,
+    prefix caching all change step times), with budgets that admit every grid cell in one
+    prefill and never preempt."""
+    longest = max(grid.contexts) + grid.decode_steps + 1
+    batch = max(grid.batch_sizes)
+    block = base.block_size
+    blocks = batch * -(-longest // block) + -(-grid.max_model_len // block) + 1
+    return base.model_copy(
+        update={
+            "num_kv_blocks": blocks,
+            "max_num_seqs": batch,
+            "max_num_batched_tokens": max(batch * max(grid.contexts), max(grid.prefill_tokens)),
+            "max_model_len": grid.max_model_len,
+        }
+    )
+
+
+@dataclass(slots=True)
+class _Samples:
+    decode: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    prefill: dict[int, list[float]] = field(default_factory=dict)
+
+
+def _prompts(engine: Engine, count: int, tokens: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    return [torch.randint(0, vocab, (tokens,), generator=g).tolist() for _ in range(count)]
+
+
+def timed_steps(
+    engine: Engine, clock: Callable[[], float] = time.perf_counter
+) -> list[tuple[float, bool, int]]:
+    """Run the engine dry; (seconds of each step() call, was it a prefill, tokens run)."""
+    out = []
+    while engine.has_unfinished():
+        before = len(engine.timeline)
+        start = clock()
+        engine.step()
+        seconds = clock() - start
+        if len(engine.timeline) > before:
+            rec = engine.timeline[-1]
+            out.append((seconds, rec.is_prefill, rec.num_tokens))
+    return out
+
+
+def measure_decode(
+    engine: Engine,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds of a decode step of `batch` sequences of `context` prompt tokens."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 1)
+    for prompt in _prompts(engine, batch, context, seed):
+        engine.add_request(prompt, params)
+    decode = [s for s, is_prefill, n in timed_steps(engine, clock) if not is_prefill and n == batch]
+    if len(decode) != steps:
+        raise RuntimeError(
+            f"expected {steps} decode steps of batch {batch}, got {len(decode)}: the profiling "
+            "engine's budgets did not admit the cell in one prefill"
+        )
+    return statistics.median(decode)
+
+
+def measure_prefill(
+    engine: Engine, tokens: int, seed: int, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    engine.add_request(_prompts(engine, 1, tokens, seed)[0], params)
+    prefill = [s for s, is_prefill, _ in timed_steps(engine, clock) if is_prefill]
+    if len(prefill) != 1:
+        raise RuntimeError(f"a {tokens}-token prompt took {len(prefill)} prefill steps, not 1")
+    return prefill[0]
+
+
+def decode_context_tokens(batch: int, context: int, steps: int) -> int:
+    """Total context of the middle timed step: after the prefill each sequence holds its
+    prompt and first token, and grows by one per step (the simulator's accounting)."""
+    return round(batch * (context + 1 + (steps - 1) / 2))
+
+
+def measure_engine(
+    engine: Engine, grid: ProfileGrid, tick: Callable[[], None] = lambda: None
+) -> tuple[list[DecodeRow], list[PrefillRow]]:
+    """Decode and prefill rows of one engine (every rank of its TP group calls this)."""
+    tp, clock = engine.layout.tp_size, CLOCKS[grid.clock]
+    measure_decode(engine, max(grid.batch_sizes), max(grid.contexts), grid.warmup_steps, 1 << 30)
+    samples = _Samples()
+    seed = 0
+    for _ in range(grid.passes):
+        for batch, context in grid.decode_cells():
+            seconds = measure_decode(engine, batch, context, grid.decode_steps, seed, clock)
+            samples.decode.setdefault((batch, context), []).append(seconds)
+            seed += 1
+            tick()
+        for tokens in grid.prefill_tokens:
+            samples.prefill.setdefault(tokens, []).append(
+                measure_prefill(engine, tokens, seed, clock)
+            )
+            seed += 1
+            tick()
+    decode = [
+        DecodeRow(
+            tp=tp,
+            batch=b,
+            context_tokens=decode_context_tokens(b, c, grid.decode_steps),
+            seconds=statistics.median(t),
+        )
+        for (b, c), t in samples.decode.items()
+    ]
+    prefill = [
+        PrefillRow(tp=tp, tokens=n, seconds=statistics.median(t))
+        for n, t in samples.prefill.items()
+    ]
+    return decode, prefill
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def measure_collective(
+    op: str, nbytes: int, layout: ParallelLayout, repeats: int, iters: int = 5
+) -> tuple[float, int]:
+    """Median seconds of one `op` whose result is about `nbytes` per rank, on the layout's TP
+    group, and the exact bytes of that result (every rank of the group calls this; rank 0's
+    clock is the one reported)."""
+    group, size, rank = layout.tp_group, layout.tp_size, layout.tp_rank
+    if op not in COLLECTIVE_OPS:
+        raise ValueError(f"unknown collective op {op!r}; choose one of {COLLECTIVE_OPS}")
+    if op == "send" and size != 2:
+        raise ValueError(f"send is measured between the 2 ranks of a TP group, not {size}")
+    numel = max(1, nbytes // 4)
+    result = torch.zeros(numel)
+    shard = torch.zeros(max(1, numel // size))
+    gathered = torch.zeros(shard.numel() * size)
+
+    def once() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(result, group=group)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(gathered, shard, group=group)
+        elif op == "broadcast":
+            dist.broadcast(result, group=group, group_src=0)
+        elif rank == 0:
+            dist.send(result, group=group, group_dst=1)
+        else:
+            dist.recv(result, group=group, group_src=0)
+
+    once()  # warm-up: first use of a size allocates buffers
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            once()
+        if op == "send":  # a send returns when the data left; time until it arrived
+            dist.barrier(group=group)
+        samples.append((time.perf_counter() - start) / iters)
+    held = gathered if op == "all_gather" else result
+    return statistics.median(samples), held.numel() * held.element_size()
+
+
+def measure_collectives(
+    layout: ParallelLayout, grid: ProfileGrid, tick: Callable[[], None] = lambda: None
+) -> list[CollectiveRow]:
+    rows = []
+    for op in COLLECTIVE_OPS:
+        if op == "send" and layout.tp_size != 2:
+            continue  # point-to-point is priced per link: one pair is enough
+        for nbytes in grid.collective_bytes:
+            seconds, held = measure_collective(op, nbytes, layout, grid.passes)
+            rows.append(
+                CollectiveRow(
+                    op=op,
+                    nbytes=held,
+                    group_size=layout.tp_size,
+                    seconds=seconds,
+                )
+            )
+            tick()
+    return rows
+
+
+# --------------------------------------------------------------------- whole profiles
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="profile", unit="cell")
+
+
+def _num_ticks(grid: ProfileGrid, tp_sizes: Sequence[int]) -> int:
+    per_tp = grid.passes * (len(grid.decode_cells()) + len(grid.prefill_tokens))
+    ops = [len(COLLECTIVE_OPS) - (tp != 2) for tp in tp_sizes if tp > 1]
+    return per_tp * len(tp_sizes) + sum(ops) * len(grid.collective_bytes)
+
+
+def profile_single(base: EngineConfig, grid: ProfileGrid, progress: bool = False) -> Profile:
+    """Profile the engine configured by `base` at TP=1 in this process (no process group)."""
+    if grid.tp_sizes != (1,):
+        raise ValueError(
+            f"tp_sizes={grid.tp_sizes} need one process per rank: run under torchrun "
+            "(profile_distributed); a single process profiles tp_sizes=(1,)"
+        )
+    engine = Engine(profile_engine_config(base, grid), single_process_layout())
+    bar = _progress(_num_ticks(grid, (1,)), progress)
+    decode, prefill = measure_engine(engine, grid, _ticker(bar))
+    if bar is not None:
+        bar.close()
+    return _profile(base.model, engine, 1, "none", decode, prefill, [], grid)
+
+
+def profile_distributed(
+    base: EngineConfig,
+    grid: ProfileGrid,
+    world: Any,
+    progress: bool = False,
+    wait_timeout_s: float = 3600.0,
+) -> Profile | None:
+    """Profile the engine configured by `base` at every TP size of the grid on the ranks of
+    the process group `world`; returns the profile on rank 0 of `world`, None elsewhere.
+    Every rank of `world` must call this."""
+    world_size, rank = dist.get_world_size(world), dist.get_rank(world)
+    if dist.get_world_size() != world_size:
+        raise ValueError("profile_distributed needs `world` to span the whole job")
+    cache = GroupCache(grid.tp_sizes, world_size=world_size, rank=rank)
+    # waiting ranks sit in a barrier while another group measures: give it a long timeout
+    wait = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=wait_timeout_s))
+    bar = _progress(_num_ticks(grid, grid.tp_sizes), progress and rank == 0)
+    tick = _ticker(bar)
+    decode: list[DecodeRow] = []
+    prefill: list[PrefillRow] = []
+    collectives: list[CollectiveRow] = []
+    identity: Engine | None = None
+    for tp in grid.tp_sizes:
+        if rank < tp:  # the first TP group of this size measures
+            layout = cache.layout(tp)
+            engine = Engine(profile_engine_config(base, grid), layout)
+            rows = measure_engine(engine, grid, tick)
+            decode += rows[0]
+            prefill += rows[1]
+            if tp > 1:
+                collectives += measure_collectives(layout, grid, tick)
+            identity = identity or engine
+        dist.barrier(group=wait)
+    if bar is not None:
+        bar.close()
+    if rank != 0:
+        return None
+    assert identity is not None  # rank 0 is in every first group
+    backend = str(dist.get_backend(world))
+    return _profile(base.model, identity, world_size, backend, decode, prefill, collectives, grid)
+
+
+def _ticker(bar: Any) -> Callable[[], None]:
+    return (lambda: bar.update(1)) if bar is not None else (lambda: None)
+
+
+def _profile(
+    model_dir: str,
+    engine: Engine,
+    num_devices: int,
+    backend: str,
+    decode: list[DecodeRow],
+    prefill: list[PrefillRow],
+    collectives: list[CollectiveRow],
+    grid: ProfileGrid,
+) -> Profile:
+    return Profile(
+        source="measured",
+        hardware=hardware_info(engine.device, num_devices, backend),
+        model=model_info(model_dir, engine),
+        dtype=engine_dtype(engine),
+        decode=decode,
+        prefill=prefill,
+        collectives=collectives,
+        notes={
+            "profiler": "patrl.rollout.profile",
+            "grid": repr(grid),
+            "decode_seconds": "median engine.step() call (schedule + forward + sample) "
+            "over the timed steps of a cell, then median over passes",
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        },
+    )
+
+
+def write_atomic(profile: Profile, path: str | Path) -> None:
+    """Write next to the target, then rename: a reader never sees half a profile."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(profile.model_dump_json(indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m patrl.rollout.profile",
+        description="Measure the engine's step / prefill / collective times into a "
+        "lenpredict Profile JSON. Run under torchrun for TP sizes > 1.",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--out", required=True, help="profile JSON to write (atomically)")
+    p.add_argument("--tp-sizes", type=int, nargs="+", help="default: 1 and the world size")
+    p.add_argument("--batch-sizes", type=int, nargs="+")
+    p.add_argument("--context", type=int, nargs="+", help="tokens per sequence of decode cells")
+    p.add_argument("--prefill-tokens", type=int, nargs="+")
+    p.add_argument("--passes", type=int, help="interleaved passes over the grid (medians)")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds on a tiny model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="profile an engine that runs without it"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="see ProfileGrid")
+    return p.parse_args(argv)
+
+
+def grid_from_args(args: argparse.Namespace, world_size: int) -> ProfileGrid:
+    tp_sizes = tuple(args.tp_sizes or sorted({1, world_size}))
+    base = quick_grid(tp_sizes) if args.quick else ProfileGrid(tp_sizes=tp_sizes)
+    overrides: dict[str, Any] = {
+        "batch_sizes": args.batch_sizes,
+        "contexts": args.context,
+        "prefill_tokens": args.prefill_tokens,
+        "passes": args.passes,
+        "clock": args.clock,
+    }
+    kept = {k: v for k, v in overrides.items() if v is not None}
+    kept = {k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()}
+    fields = {name: getattr(base, name) for name in ProfileGrid.__dataclass_fields__}
+    return ProfileGrid(**{**fields, **kept})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)  # ranks share the machine's cores
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    start = time.perf_counter()
+    base = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    if distributed:
+        device = base.torch_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        try:
+            grid = grid_from_args(args, dist.get_world_size())
+            world = dist.group.WORLD
+            profile = profile_distributed(base, grid, world, progress=True)
+        finally:
+            dist.destroy_process_group()
+    else:
+        grid = grid_from_args(args, 1)
+        profile = profile_single(base, grid, progress=True)
+    if profile is None:
+        return
+    write_atomic(profile, args.out)
+    print(
+        f"wrote {args.out}: {len(profile.decode)} decode, {len(profile.prefill)} prefill, "
+        f"{len(profile.collectives)} collective rows in {time.perf_counter() - start:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

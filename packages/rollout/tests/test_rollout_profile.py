@@ -1,0 +1,154 @@
+"""The engine profiler: its quick grid at TP=1 in process and at TP 1+2 on two gloo ranks
+writes a lenpredict Profile that validates, fits, and is refused for another model or dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+
+from patrl.lenpredict import LatencyModel, Profile, ProfileMismatchError
+from patrl.rollout import Engine, EngineConfig
+from patrl.rollout.profile import (
+    COLLECTIVE_OPS,
+    ProfileGrid,
+    decode_context_tokens,
+    engine_dtype,
+    main,
+    model_info,
+    profile_distributed,
+    quick_grid,
+)
+
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _save_llama(path: Path, layers: int) -> int:
+    """A tiny random Llama at `path`; returns its parameter count as HF counts it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **_TINY))
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("profile")
+    return {
+        "tiny": root / "tiny",
+        "tiny_params": _save_llama(root / "tiny", layers=2),
+        "other": root / "other",
+        "other_params": _save_llama(root / "other", layers=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def tp1_profile_path(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "sub" / "profile.json"
+    main(["--model", str(models["tiny"]), "--out", str(out), "--quick", "--dtype", "float32"])
+    return out
+
+
+def _expected_decode_cells(grid: ProfileGrid, tp: int) -> set[tuple[int, int, int]]:
+    return {(tp, b, decode_context_tokens(b, c, grid.decode_steps)) for b, c in grid.decode_cells()}
+
+
+def _check_fits(profile: Profile) -> LatencyModel:
+    latency = LatencyModel.fit(profile)
+    for tp in profile.tp_sizes:
+        assert float(latency.step_time(tp, 4, 200)) > 0
+        assert latency.prefill_time(tp, [64]) > 0
+    return latency
+
+
+def test_quick_profile_tp1_cli_writes_a_profile_that_fits(
+    models: dict[str, Any], tp1_profile_path: Path
+) -> None:
+    out = tp1_profile_path
+    assert [p.name for p in out.parent.iterdir()] == ["profile.json"]  # no temporary left
+    profile = Profile.model_validate_json(out.read_text())  # the schema, strictly
+
+    grid = quick_grid()
+    assert profile.source == "measured" and profile.dtype == "float32"
+    assert profile.hardware.num_devices == 1
+    cells = {(r.tp, r.batch, r.context_tokens) for r in profile.decode}
+    assert cells == _expected_decode_cells(grid, 1)
+    assert len(profile.decode) == len(cells)
+    assert sorted(r.tokens for r in profile.prefill) == sorted(grid.prefill_tokens)
+    assert profile.collectives == []  # one process: no group to time
+    assert all(r.seconds > 0 for r in [*profile.decode, *profile.prefill])
+    # the identity comes from the checkpoint; the parameter count is HF's own count
+    assert profile.model.num_layers == 2 and profile.model.num_kv_heads == 2
+    assert profile.model.head_dim == 16 and profile.model.vocab_size == 256
+    assert profile.model.num_params == models["tiny_params"]
+    _check_fits(profile)
+
+
+def test_profile_of_another_model_or_dtype_is_refused(
+    models: dict[str, Any], tp1_profile_path: Path
+) -> None:
+    profile = Profile.load(tp1_profile_path)
+
+    same = Engine(EngineConfig(model=str(models["tiny"]), dtype="float32", device="cpu"))
+    profile.check_matches(model_info(models["tiny"], same), engine_dtype(same))
+
+    other = Engine(EngineConfig(model=str(models["other"]), dtype="float32", device="cpu"))
+    other_info = model_info(models["other"], other)
+    assert other_info.num_params == models["other_params"]
+    with pytest.raises(ProfileMismatchError, match=r"num_layers=2 but .* num_layers=3"):
+        profile.check_matches(other_info, engine_dtype(other))
+
+    bf16 = Engine(EngineConfig(model=str(models["tiny"]), dtype="bfloat16", device="cpu"))
+    with pytest.raises(ProfileMismatchError, match=r"dtype='float32' but .* dtype='bfloat16'"):
+        profile.check_matches(model_info(models["tiny"], bf16), engine_dtype(bf16))
+
+
+def test_grid_errors_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"batch_sizes .* got \(0, 2\)"):
+        ProfileGrid(batch_sizes=(0, 2))
+    with pytest.raises(ValueError, match=r"clock must be one of .* got 'gpu'"):
+        ProfileGrid(clock="gpu")
+
+
+def _profile_body(rank: int, world_size: int, model: str) -> str | None:
+    base = EngineConfig(model=model, dtype="float32", device="cpu")
+    grid = quick_grid((1, world_size))
+    profile = profile_distributed(base, grid, dist.group.WORLD, wait_timeout_s=120)
+    return None if profile is None else profile.model_dump_json()
+
+
+@pytest.mark.multirank
+def test_quick_profile_tp1_and_tp2_on_two_ranks(models: dict[str, Any]) -> None:
+    results = run_ranks(_profile_body, world_size=2, args=(str(models["tiny"]),), timeout_s=240)
+    assert results[1] is None  # rank 0 speaks for the job
+    profile = Profile.model_validate_json(results[0])
+
+    grid = quick_grid((1, 2))
+    assert profile.hardware.num_devices == 2 and profile.hardware.interconnect == "gloo"
+    assert profile.tp_sizes == [1, 2]
+    cells = {(r.tp, r.batch, r.context_tokens) for r in profile.decode}
+    assert cells == _expected_decode_cells(grid, 1) | _expected_decode_cells(grid, 2)
+    assert sorted((r.tp, r.tokens) for r in profile.prefill) == sorted(
+        (tp, n) for tp in (1, 2) for n in grid.prefill_tokens
+    )
+    ops = {(r.op, r.group_size) for r in profile.collectives}
+    assert ops == {(op, 2) for op in COLLECTIVE_OPS}
+    gathered = sorted(r.nbytes for r in profile.collectives if r.op == "all_gather")
+    assert gathered == sorted(max(8, n) for n in grid.collective_bytes)  # 2 ranks x >= 1 float
+    latency = _check_fits(profile)
+    for op in COLLECTIVE_OPS:
+        assert latency.collective_time(op, 1 << 16, 2) > 0
+    assert profile.model.num_params == models["tiny_params"]
