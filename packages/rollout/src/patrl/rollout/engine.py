@@ -23,6 +23,7 @@ from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import load_model, load_weights, read_eos_token_ids, read_tokenizer
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
+from patrl.rollout.reconfigure import KVPolicy, ReconfigReport, check_target, reconfigure
 from patrl.rollout.sampler import (
     SampleOutput,
     SamplingParams,
@@ -34,7 +35,7 @@ from patrl.rollout.sampler import (
 from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
-from patrl.tpreshard import ParallelLayout, single_process_layout
+from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,9 +75,17 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        layout: ParallelLayout | None = None,
+        groups: GroupCache | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout or single_process_layout()
+        # Every group a later `reconfigure(tp)` may use, made at start-up (see GroupCache).
+        self.groups = groups
+        self.reconfiguring = False
         self.device = config.torch_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = load_model(
@@ -464,6 +473,60 @@ class Engine:
     def _kv_matches(seq: Seq, st: SequenceState) -> bool:
         assert st.kv is not None
         return list(st.kv.token_ids) == seq.token_ids[:-1] and seq.output_token_ids != []
+
+    # ----------------------------------------------------------- reconfigure
+
+    def reconfigure(
+        self, target: int | ParallelLayout, kv_policy: KVPolicy = "migrate"
+    ) -> ReconfigReport:
+        """Move to another TP layout mid-generation; every rank of the world calls it at once.
+
+        `target` is a TP size looked up in the engine's GroupCache, or a layout from it.
+        Unfinished samples keep their tokens, logprobs and generator states; their KV is
+        migrated or recomputed as `kv_policy` says (see patrl.rollout.reconfigure). Bad targets
+        raise before anything changes.
+        """
+        dst = self._target_layout(target)
+        check_target(self, dst)
+        self.reconfiguring = True
+        try:
+            return reconfigure(self, dst, kv_policy)
+        finally:
+            self.reconfiguring = False
+
+    def _target_layout(self, target: int | ParallelLayout) -> ParallelLayout:
+        if isinstance(target, ParallelLayout):
+            if self.groups is not None and target != self.groups.layout(target.tp_size):
+                raise ValueError(
+                    f"layout with tp_size={target.tp_size} is not this engine's GroupCache "
+                    "layout: pass a TP size or groups.layout(tp)"
+                )
+            return target
+        if self.groups is None:
+            raise ValueError(
+                f"reconfigure({target}) needs the engine's GroupCache: Engine(..., groups=...)"
+            )
+        return self.groups.layout(target)
+
+    def request_ids(self) -> list[str]:
+        """Unfinished requests, in arrival order."""
+        return [r for r, req in self._requests.items() if not req.done()]
+
+    def next_seq_id(self) -> int:
+        n = next(self._seq_ids)
+        self._seq_ids = itertools.count(n)
+        return n
+
+    def rebuild(self, layout: ParallelLayout, next_seq_id: int) -> None:
+        """An empty KV cache and scheduler for `layout` (the weights are already re-cut)."""
+        self.layout = layout
+        preemptions = self.scheduler.num_preemptions
+        self.cache = self._build_cache()
+        self.scheduler = Scheduler(
+            self.cache.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.scheduler.num_preemptions = preemptions
+        self._seq_ids = itertools.count(next_seq_id)
 
     # --------------------------------------------------------------- weights
 

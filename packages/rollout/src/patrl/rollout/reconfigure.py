@@ -1,0 +1,307 @@
+"""Live TP reconfiguration of running engines: (dp, tp) -> (dp', tp') in the middle of generation.
+
+All the movement happens inside the *exchange group*: the TP group of the larger of the two
+layouts. TP groups are consecutive ranks, so it holds every old replica that merges into a new
+one (growing TP) or every new replica that an old one splits into (shrinking). Position `i` in
+it is old TP rank `i % src_tp` of old replica `i // src_tp`, and new TP rank `i % dst_tp` of new
+replica `i // dst_tp`.
+
+The steps, on every rank of the world at once:
+1. the engine's unfinished samples are exported (tokens, logprobs, generator state, local KV);
+   the old replicas' first ranks all-gather the states (without KV) in the exchange group, so
+   every rank derives the same plan;
+2. weights are re-cut in place (`patrl.tpreshard.reshard_`), the KV cache and scheduler are
+   rebuilt for the new layout;
+3. per sample, the policy picks *migrate* (KV heads sent to the ranks that will own them, paired
+   send/recv in bounded chunks) or *recompute* (KV dropped, prompt + generated tokens prefilled
+   again at the new layout);
+4. the samples are imported, merged in a fixed order (old replica, then export order), or split
+   between new replicas by whole requests, most remaining tokens first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+
+from patrl.kvstore import SequenceKV
+from patrl.rollout.outputs import SequenceState
+from patrl.tpreshard import ParallelLayout, ReshardStats, head_range, reshard_
+
+if TYPE_CHECKING:
+    from patrl.rollout.engine import Engine
+
+KVChoice = Literal["migrate", "recompute"]
+_CHUNK_BYTES = 4 << 20  # bound on one KV message, so no transfer needs a second whole copy
+
+
+@dataclass(frozen=True, slots=True)
+class KVCost:
+    """What each choice would cost for one unfinished sample, for the planner to price."""
+
+    request_id: str
+    sample_index: int
+    migrate_bytes: int  # KV bytes that would cross ranks (all layers, K and V)
+    recompute_tokens: int  # tokens a recompute would prefill
+
+
+KVPolicy = KVChoice | Callable[[KVCost], KVChoice]
+
+
+@dataclass(slots=True)
+class ReconfigReport:
+    src_tp: int
+    dst_tp: int
+    weights_s: float = 0.0
+    kv_s: float = 0.0
+    groups_s: float = 0.0  # layout look-up and state exchange between the old first ranks
+    total_s: float = 0.0
+    weight_bytes_received: int = 0
+    weight_peak_bytes: int = 0  # accounted peak of parameter bytes + temporaries on this rank
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    num_migrated: int = 0
+    num_recomputed: int = 0
+    tokens_recomputed: int = 0
+    costs: list[KVCost] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """Heads [lo, hi) of sample `key`'s KV go from exchange position `src` to `dst`."""
+
+    key: tuple[str, int]
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+def check_target(engine: Engine, dst: ParallelLayout) -> None:
+    """Raise, before anything changes, unless `engine` can move to `dst`."""
+    src = engine.layout
+    if engine.reconfiguring:
+        raise RuntimeError("a reconfigure is already in progress on this engine")
+    if dst.tp_size == src.tp_size:
+        raise ValueError(f"the engine is already at tp_size={dst.tp_size}")
+    engine.model.config.check_tp(dst.tp_size)
+    big, small = (dst, src) if dst.tp_size > src.tp_size else (src, dst)
+    if big.tp_size % small.tp_size:
+        raise ValueError(
+            f"tp_size {small.tp_size} does not divide {big.tp_size}: replicas can only merge "
+            "into, or split out of, one TP group"
+        )
+    if big.tp_group is None:
+        raise ValueError(f"target layout tp_size={dst.tp_size} has no TP group")
+
+
+def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> ReconfigReport:
+    src = engine.layout
+    t0 = time.perf_counter()
+    report = ReconfigReport(src.tp_size, dst.tp_size)
+    big = dst if dst.tp_size > src.tp_size else src
+    group = big.tp_group
+    assert group is not None  # check_target
+    size = dist.get_world_size(group)
+    me = big.tp_rank
+
+    # 1. everything unfinished leaves the engine; the old first ranks share the states.
+    ids = list(engine.request_ids())
+    gathered_ids: list[list[str]] = [[] for _ in range(size)]
+    dist.all_gather_object(gathered_ids, ids if src.tp_rank == 0 else [], group=group)
+    _check_unique(gathered_ids)
+    local = engine.export_requests(ids, with_kv=True)
+    mine = {(s.request_id, s.sample_index): s.kv for s in local if s.kv is not None}
+    meta = [(dataclasses.replace(s, kv=None), _kv_len(s)) for s in local]
+    offer = (meta if src.tp_rank == 0 else [], engine.next_seq_id())
+    gathered: list[tuple[list[tuple[SequenceState, int]], int]] = [([], 0) for _ in range(size)]
+    dist.all_gather_object(gathered, offer, group=group)
+    old = [gathered[j * src.tp_size][0] for j in range(size // src.tp_size)]
+    t1 = time.perf_counter()
+    report.groups_s = t1 - t0
+
+    # 2. weights, then a fresh cache and scheduler at the new layout.
+    stats: ReshardStats = reshard_(engine.model, src, dst)
+    engine.rebuild(dst, next_seq_id=max(n for _, n in gathered))
+    t2 = time.perf_counter()
+    report.weights_s = t2 - t1
+    report.weight_bytes_received = stats.bytes_received
+    report.weight_peak_bytes = stats.peak_bytes
+    report.weight_bytes_before, report.weight_bytes_after = stats.bytes_before, stats.bytes_after
+
+    # 3. plan (identically on every rank), then move KV heads.
+    assign = _assign(old, size // dst.tp_size)
+    config = engine.model.config
+    per_token = 2 * config.num_layers * config.head_dim * engine.cache.spec.dtype.itemsize
+    moves: list[_Move] = []
+    keep: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # migrated: (computed, ids)
+    for j_old, states in enumerate(old):
+        for st, n in states:
+            key = (st.request_id, st.sample_index)
+            tokens = len(st.prompt_token_ids) + len(st.output_token_ids)
+            plan = _plan(key, j_old, assign[key], src.tp_size, dst.tp_size, config.num_kv_heads)
+            crossing = sum(m.hi - m.lo for m in plan if m.src != m.dst)
+            cost = KVCost(key[0], key[1], crossing * n * per_token, tokens)
+            report.costs.append(cost)
+            choice = kv_policy(cost) if callable(kv_policy) else kv_policy
+            if choice not in ("migrate", "recompute"):
+                raise ValueError(f"kv_policy returned {choice!r}; expected migrate or recompute")
+            if n > 0 and choice == "migrate":
+                moves += plan
+                keep[key] = (n, tuple(st.prompt_token_ids + st.output_token_ids[:-1]))
+                report.num_migrated += 1
+            else:
+                report.num_recomputed += 1
+                report.tokens_recomputed += tokens
+    received = _exchange(moves, mine, keep, group, me, engine, report)
+    report.kv_s = time.perf_counter() - t2
+
+    # 4. this rank's new replica takes its samples, in plan order.
+    my_replica = me // dst.tp_size
+    start, count = head_range(config.num_kv_heads, dst.tp_rank, dst.tp_size)
+    incoming: list[SequenceState] = []
+    for states in old:
+        for st, _ in states:
+            key = (st.request_id, st.sample_index)
+            if assign[key] != my_replica:
+                continue
+            kv = None
+            if key in keep:
+                parts = received[key]
+                kv = SequenceKV.concat_heads(parts) if len(parts) > 1 else parts[0]
+                assert (kv.head_start, kv.num_heads) == (start, count)
+            incoming.append(dataclasses.replace(st, kv=kv))
+    engine.import_requests(incoming)
+    report.total_s = time.perf_counter() - t0
+    return report
+
+
+def _kv_len(st: SequenceState) -> int:
+    return 0 if st.kv is None else st.kv.num_computed
+
+
+def _check_unique(gathered: list[list[str]]) -> None:
+    seen: set[str] = set()
+    for ids in gathered:
+        clash = seen.intersection(ids)
+        if clash:
+            raise ValueError(
+                f"request ids {sorted(clash)[:5]} are in use on two replicas that would merge; "
+                "give requests world-unique ids (add_request(request_id=...))"
+            )
+        seen.update(ids)
+
+
+def _assign(old: list[list[tuple[SequenceState, int]]], num_new: int) -> dict[tuple[str, int], int]:
+    """New replica (within the exchange group) of every sample: whole requests, balanced."""
+    if num_new == 1:
+        return {(st.request_id, st.sample_index): 0 for states in old for st, _ in states}
+    requests: dict[str, list[SequenceState]] = {}
+    for states in old:
+        for st, _ in states:
+            requests.setdefault(st.request_id, []).append(st)
+
+    def remaining(sts: list[SequenceState]) -> int:
+        return sum(s.params.max_tokens - len(s.output_token_ids) for s in sts)
+
+    load = [0] * num_new
+    out: dict[tuple[str, int], int] = {}
+    order = sorted(requests, key=lambda r: -remaining(requests[r]))  # stable: ties keep order
+    for rid in order:
+        target = min(range(num_new), key=lambda j: (load[j], j))
+        load[target] += remaining(requests[rid])
+        for st in requests[rid]:
+            out[(rid, st.sample_index)] = target
+    return out
+
+
+def _plan(
+    key: tuple[str, int], j_old: int, j_new: int, src_tp: int, dst_tp: int, num_kv: int
+) -> list[_Move]:
+    """Which exchange position sends which KV heads to each rank of the new replica."""
+    old_ranks = [j_old * src_tp + t for t in range(src_tp)]
+    moves: list[_Move] = []
+    for t in range(dst_tp):
+        dst = j_new * dst_tp + t
+        lo, n = head_range(num_kv, t, dst_tp)
+        for h in range(lo, lo + n):
+            src = _holder(h, dst, old_ranks, src_tp, num_kv)
+            last = moves[-1] if moves else None
+            if last is not None and (last.src, last.dst, last.hi) == (src, dst, h):
+                moves[-1] = dataclasses.replace(last, hi=h + 1)
+            else:
+                moves.append(_Move(key, src, dst, h, h + 1))
+    return moves
+
+
+def _holder(head: int, dst: int, old_ranks: list[int], src_tp: int, num_kv: int) -> int:
+    """The old rank that sends `head`: the receiver itself when it already holds it."""
+
+    def holds(pos: int) -> bool:
+        lo, n = head_range(num_kv, pos % src_tp, src_tp)
+        return lo <= head < lo + n
+
+    if dst in old_ranks and holds(dst):
+        return dst
+    return next(p for p in old_ranks if holds(p))
+
+
+def _exchange(
+    moves: list[_Move],
+    mine: dict[tuple[str, int], SequenceKV],
+    keep: dict[tuple[str, int], tuple[int, tuple[int, ...]]],
+    group: dist.ProcessGroup,
+    me: int,
+    engine: Engine,
+    report: ReconfigReport,
+) -> dict[tuple[str, int], list[SequenceKV]]:
+    """Run the moves: local slices stay, the rest go by paired isend/irecv in bounded chunks.
+
+    A message is `[tokens, 2 (k|v), layers, heads, head_dim]`, so a chunk of tokens is a
+    contiguous view and the receiver needs no second copy.
+    """
+    spec = engine.cache.spec
+    total = engine.model.config.num_kv_heads
+    received: dict[tuple[str, int], list[SequenceKV]] = {}
+    works = []
+    pending: list[tuple[tuple[str, int], int, torch.Tensor]] = []
+    for index, m in enumerate(moves):
+        if me not in (m.src, m.dst):
+            continue
+        if m.src == m.dst:
+            kv = mine[m.key]
+            received.setdefault(m.key, []).append(kv.heads(m.lo, m.hi))
+            continue
+        n = keep[m.key][0]
+        if m.src == me:
+            kv = mine[m.key]
+            part = kv.heads(m.lo, m.hi)
+            buf = torch.stack([part.k, part.v]).permute(2, 0, 1, 3, 4).contiguous()
+            report.kv_bytes_sent += buf.nbytes
+        else:
+            shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
+            buf = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+            report.kv_bytes_received += buf.nbytes
+            pending.append((m.key, m.lo, buf))
+        step = max(1, _CHUNK_BYTES // max(1, buf[:1].nbytes))
+        for c, s in enumerate(range(0, n, step)):
+            tag = (index << 16) | c  # unique per message of a pair; both sides derive it
+            if m.src == me:
+                works.append(dist.isend(buf[s : s + step], group=group, group_dst=m.dst, tag=tag))
+            else:
+                works.append(dist.irecv(buf[s : s + step], group=group, group_src=m.src, tag=tag))
+    for w in works:
+        if w is not None:
+            w.wait()
+    for key, lo, buf in pending:
+        k, v = buf.permute(1, 2, 0, 3, 4).unbind(0)  # -> [layers, tokens, heads, head_dim] each
+        received.setdefault(key, []).append(SequenceKV(keep[key][1], k, v, lo, total))
+    return received

@@ -1,0 +1,157 @@
+"""Live reconfiguration: a run that changes (dp, tp) mid-generation gives the tokens of a run
+that never did; migrated KV equals a fresh prefill's; re-cut weights equal a fresh load's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+from rollout_testkit import save_hf_model, tiny_hf_model
+
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.engine import Engine
+from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import GroupCache
+
+pytestmark = pytest.mark.multirank
+
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(tiny_hf_model("llama"), tmp_path_factory.mktemp("llama_reconfig"))
+
+
+def _config(model_dir: str) -> EngineConfig:
+    return EngineConfig(model=model_dir, block_size=4, num_kv_blocks=96, max_model_len=96)
+
+
+def _workload(dp_rank: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Per replica: two greedy requests and one sampled request of two samples."""
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    out = []
+    for i, (n, params) in enumerate(((5, GREEDY), (11, SAMPLED), (8, GREEDY))):
+        out.append((f"d{dp_rank}-{i}", torch.randint(0, 250, (n,), generator=g).tolist(), params))
+    return out
+
+
+def _add(engine: Engine) -> None:
+    for rid, prompt, params in _workload(engine.layout.dp_rank):
+        engine.add_request(prompt, params, request_id=rid)
+
+
+def _drain(engine: Engine, done: dict[str, Any], steps: int | None = None) -> None:
+    n = 0
+    while engine.has_unfinished() and (steps is None or n < steps):
+        for out in engine.step():
+            done[out.request_id] = [c.token_ids for c in out.outputs]
+        n += 1
+
+
+def _everyone(done: dict[str, Any]) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, done)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _fresh_prefill_diff(engine: Engine, model_dir: str) -> tuple[float, bool]:
+    """Max |KV diff| of the engine's running samples vs a fresh engine's prefill of the same
+    tokens at the same layout, and whether the engine's weights equal that fresh load's."""
+    fresh = Engine(_config(model_dir), engine.layout)
+    same_weights = all(
+        torch.equal(a, b)
+        for a, b in zip(engine.model.parameters(), fresh.model.parameters(), strict=True)
+    )
+    running = list(engine.scheduler.running)
+    fresh.import_requests([engine._state(s, None) for s in running])
+    fresh.step()  # one prefill of every imported sample
+    worst = 0.0
+    by_key = {(s.request_id, s.sample_index): s for s in fresh.scheduler.running}
+    for seq in running:
+        mine = engine.cache.export(seq.seq_id)
+        twin = fresh.cache.export(by_key[(seq.request_id, seq.sample_index)].seq_id)
+        n = mine.num_computed
+        assert n > 0 and twin.head_start == mine.head_start
+        worst = max(worst, (mine.k - twin.k[:, :n]).abs().max().item())
+        worst = max(worst, (mine.v - twin.v[:, :n]).abs().max().item())
+    return worst, same_weights
+
+
+def _live(
+    rank: int, world_size: int, model_dir: str, path: list[int], policy: str, at_step: int
+) -> dict[str, Any]:
+    groups = GroupCache(path, world_size=world_size, rank=rank)
+    created = groups.num_created
+    new_group = dist.new_group
+
+    def no_new_groups(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a process group was created after start-up")
+
+    engine = Engine(_config(model_dir), groups.layout(path[0]), groups)
+    dist.new_group = no_new_groups  # type: ignore[assignment]
+    try:
+        reference: dict[str, Any] = {}
+        _add(engine)
+        _drain(engine, reference)
+        live: dict[str, Any] = {}
+        _add(engine)
+        checks = []
+        reports = []
+        for tp in path[1:]:
+            _drain(engine, live, steps=at_step)
+            reports.append(engine.reconfigure(tp, policy))
+            assert engine.layout.tp_size == tp
+            if policy == "migrate" and engine.scheduler.running:
+                checks.append(_fresh_prefill_diff(engine, model_dir))
+        _drain(engine, live)
+    finally:
+        dist.new_group = new_group  # type: ignore[assignment]
+    assert groups.num_created == created
+    return {
+        "reference": _everyone(reference),
+        "live": _everyone(live),
+        "checks": checks,
+        "migrated": [r.num_migrated for r in reports],
+        "recomputed": [r.tokens_recomputed for r in reports],
+    }
+
+
+def _assert_same_tokens(results: list[dict[str, Any]]) -> None:
+    ref = results[0]["reference"]
+    assert ref
+    for r in results:
+        assert r["reference"] == ref
+        assert r["live"] == ref
+
+
+def test_merge_dp2_tp1_to_tp2_with_migrate(llama_dir: Path) -> None:
+    results = run_ranks(_live, 2, args=(str(llama_dir), [1, 2], "migrate", 4), timeout_s=300)
+    _assert_same_tokens(results)
+    assert len(results[0]["reference"]) == 6  # 3 requests on each of the 2 replicas
+    for r in results:
+        assert r["migrated"][0] > 0
+        for diff, same_weights in r["checks"]:
+            assert diff <= 1e-5
+            assert same_weights
+
+
+def test_merge_dp2_tp1_to_tp2_with_recompute(llama_dir: Path) -> None:
+    results = run_ranks(_live, 2, args=(str(llama_dir), [1, 2], "recompute", 4), timeout_s=300)
+    _assert_same_tokens(results)
+    assert all(r["migrated"] == [0] and r["recomputed"][0] > 0 for r in results)
+
+
+def test_split_dp1_tp2_to_dp2_tp1_with_migrate(llama_dir: Path) -> None:
+    results = run_ranks(_live, 2, args=(str(llama_dir), [2, 1], "migrate", 4), timeout_s=300)
+    _assert_same_tokens(results)
+    for r in results:
+        assert r["checks"], "no sample was running at the reconfiguration"
+        for diff, same_weights in r["checks"]:
+            assert diff <= 1e-5
+            assert same_weights
