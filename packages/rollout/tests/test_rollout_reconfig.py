@@ -155,3 +155,15 @@ def test_split_dp1_tp2_to_dp2_tp1_with_migrate(llama_dir: Path) -> None:
         for diff, same_weights in r["checks"]:
             assert diff <= 1e-5
             assert same_weights
+
+
+def test_dp4_tp1_to_dp2_tp2_to_dp1_tp4_with_migrate(llama_dir: Path) -> None:
+    # At tp 4 the model's 2 KV heads are replicated: each head goes to two ranks.
+    results = run_ranks(_live, 4, args=(str(llama_dir), [1, 2, 4], "migrate", 3), timeout_s=500)
+    _assert_same_tokens(results)
+    assert len(results[0]["reference"]) == 12
+    for r in results:
+        assert len(r["checks"]) == 2
+        for diff, same_weights in r["checks"]:
+            assert diff <= 1e-5
+            assert same_weights

@@ -22,6 +22,7 @@ from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import load_model, load_weights, read_eos_token_ids, read_tokenizer
+from patrl.rollout.migrate import cut_and_migrate
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
 from patrl.rollout.reconfigure import KVPolicy, ReconfigReport, check_target, reconfigure
 from patrl.rollout.sampler import (
@@ -494,7 +495,14 @@ class Engine:
         finally:
             self.reconfiguring = False
 
+    def migrate_requests(
+        self, request_ids: Sequence[str], src_dp: int, dst_dp: int, with_kv: bool = True
+    ) -> int:
+        """Cut-and-migrate requests between replicas at this layout (patrl.rollout.migrate)."""
+        return cut_and_migrate(self, request_ids, src_dp, dst_dp, with_kv)
+
     def _target_layout(self, target: int | ParallelLayout) -> ParallelLayout:
+        self.model.config.check_tp(target.tp_size if isinstance(target, ParallelLayout) else target)
         if isinstance(target, ParallelLayout):
             if self.groups is not None and target != self.groups.layout(target.tp_size):
                 raise ValueError(

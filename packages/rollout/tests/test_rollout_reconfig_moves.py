@@ -1,0 +1,109 @@
+"""Cut-and-migrate between replicas, and reconfigure's refusals that leave the engine as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from multirank import run_ranks
+from rollout_testkit import save_hf_model, tiny_hf_model
+from test_rollout_reconfig import _add, _config, _drain, _everyone, _workload
+
+from patrl.rollout.engine import Engine
+from patrl.tpreshard import GroupCache, ParallelLayout
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(tiny_hf_model("llama"), tmp_path_factory.mktemp("llama_moves"))
+
+
+def _cut(rank: int, world_size: int, model_dir: str, with_kv: bool) -> dict[str, Any]:
+    groups = GroupCache([1], world_size=world_size, rank=rank)
+    engine = Engine(_config(model_dir), groups.layout(1), groups)
+    reference: dict[str, Any] = {}
+    _add(engine)
+    _drain(engine, reference)
+    live: dict[str, Any] = {}
+    _add(engine)
+    _drain(engine, live, steps=5)
+    ids = [rid for rid, _, _ in _workload(0)]
+    moved = engine.migrate_requests(ids, src_dp=0, dst_dp=1, with_kv=with_kv)
+    left = engine.request_ids()
+    _drain(engine, live)
+    return {
+        "reference": _everyone(reference),
+        "live": _everyone(live),
+        "moved": moved,
+        "left": left,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("with_kv", [True, False])
+def test_cut_and_migrate_three_requests_finishes_them_with_the_same_tokens(
+    llama_dir: Path, with_kv: bool
+) -> None:
+    results = run_ranks(_cut, 2, args=(str(llama_dir), with_kv), timeout_s=300)
+    ref = results[0]["reference"]
+    assert len(ref) == 6
+    assert results[0]["live"] == results[1]["live"] == ref
+    assert results[0]["left"] == []  # replica A gave all three away
+    assert sorted(results[1]["left"]) == sorted(
+        [r for r, _, _ in _workload(0)] + [r for r, _, _ in _workload(1)]
+    )
+    assert (results[0]["moved"] > 0) == with_kv
+
+
+def _snapshot(engine: Engine) -> tuple[Any, ...]:
+    return (
+        engine.layout,
+        engine.request_ids(),
+        [p.data.clone() for p in engine.model.parameters()],
+        engine.cache,
+    )
+
+
+def _unchanged(engine: Engine, before: tuple[Any, ...]) -> bool:
+    layout, ids, params, cache = before
+    return (
+        engine.layout is layout
+        and engine.request_ids() == ids
+        and engine.cache is cache
+        and all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), params, strict=True))
+    )
+
+
+def test_bad_reconfigure_targets_fail_clearly_and_change_nothing(llama_dir: Path) -> None:
+    groups = GroupCache([1], world_size=1, rank=0)  # a world of one: no process groups
+    engine = Engine(_config(str(llama_dir)), groups.layout(1), groups)
+    reference: dict[str, Any] = {}
+    _add(engine)
+    _drain(engine, reference)
+    live: dict[str, Any] = {}
+    _add(engine)
+    _drain(engine, live, steps=4)
+    before = _snapshot(engine)
+    with pytest.raises(ValueError, match=r"TP size 2 is not a candidate of this GroupCache: \[1\]"):
+        engine.reconfigure(2)
+    three = ParallelLayout(tp_size=3, tp_rank=0, tp_group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tp_size=3 must divide num_attention_heads=4"):
+        engine.reconfigure(three)
+    engine.reconfiguring = True  # as if another reconfigure were running
+    with pytest.raises(RuntimeError, match="already in progress"):
+        engine.reconfigure(groups.layout(1))
+    engine.reconfiguring = False
+    with pytest.raises(ValueError, match="already at tp_size=1"):
+        engine.reconfigure(1)
+    assert _unchanged(engine, before)
+    _drain(engine, live)
+    assert live == reference
+
+
+def test_a_weight_of_the_wrong_shape_names_both_shapes(llama_dir: Path) -> None:
+    engine = Engine(_config(str(llama_dir)))
+    with pytest.raises(ValueError, match=r"shape \(64,\).*\(65,\)"):
+        engine.load_weights([("model.norm.weight", torch.zeros(65))], version=1)
+    assert engine.weight_version == 0
