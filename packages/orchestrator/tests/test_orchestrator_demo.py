@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from math_verify import parse, verify
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from patrl.orchestrator.demo import (
     DemoRecipe,
@@ -21,7 +23,9 @@ from patrl.orchestrator.demo import (
     ensure_demo_at,
     generate_problems,
 )
+from patrl.orchestrator.demo.__main__ import main
 from patrl.orchestrator.demo.assets import MANIFEST
+from patrl.orchestrator.demo.sft import IGNORE, SFTConfig, iter_batches
 from patrl.orchestrator.demo.task import Problem, read_jsonl
 from patrl.orchestrator.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
 from patrl.rollout import Engine, EngineConfig, SamplingParams
@@ -200,3 +204,85 @@ def test_cache_root_comes_from_the_environment(tmp_path: Path, monkeypatch) -> N
     assert assets.root.parent == tmp_path
     assert assets.root.name == f"demo-{DemoRecipe.default(seed=3, quick=True).key()}"
     assert os.path.isdir(assets.model_dir)
+
+
+def test_concurrent_callers_build_once(tmp_path: Path) -> None:
+    # flock excludes separate open()s even within one process, so threads stand in for ranks.
+    recipe = DemoRecipe.default(seed=4, quick=True)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(
+            pool.map(lambda _: ensure_demo_at(tmp_path / "demo", recipe, progress=False), range(2))
+        )
+    assert results[0].manifest["build_id"] == results[1].manifest["build_id"]
+
+
+def test_cli_builds_and_describes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--out", str(tmp_path / "demo"), "--quick", "--seed", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert str(tmp_path / "demo") in printed and "parameters" in printed
+    assert (tmp_path / "demo" / MANIFEST).is_file()
+
+
+# ---------------------------------------------------------------- the SFT
+
+
+def test_sft_batches_cover_each_example_once_within_the_budget() -> None:
+    tokenizer = build_tokenizer()
+    config = SFTConfig(tokens_per_batch=256, pool_size=40)
+    problems = generate_problems(40, seed=9)
+    batches = iter_batches(iter(problems), tokenizer, config, random.Random(0))
+    seen = []
+    for _ in range(40):
+        input_ids, labels = next(batches)
+        assert input_ids.numel() <= config.tokens_per_batch or input_ids.shape[0] == 1
+        for row_ids, row_labels in zip(input_ids.tolist(), labels.tolist(), strict=True):
+            seen.append(_slow_decode_example(tokenizer, row_ids, row_labels))
+        if len(seen) == len(problems):
+            break
+    want = sorted(
+        (prompt_text(tokenizer, p.prompt), p.solution() + tokenizer.eos_token) for p in problems
+    )
+    assert sorted(seen) == want
+
+
+def _slow_decode_example(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int]
+) -> tuple[str, str]:
+    """(prompt, trained-on response) of one padded row, decoded token by token."""
+    prompt, response = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label == IGNORE:
+            if token != tokenizer.pad_token_id:
+                assert not response, "a prompt token after the response"
+                prompt.append(tokenizer.convert_ids_to_tokens(token))
+        else:
+            assert label == token
+            response.append(tokenizer.convert_ids_to_tokens(token))
+    return "".join(prompt), "".join(response)
+
+
+def test_a_directory_the_demo_did_not_write_is_never_deleted(tmp_path: Path) -> None:
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"notes\.txt"):
+        ensure_demo_at(target, DemoRecipe.default(seed=1, quick=True), progress=False)
+    assert (target / "notes.txt").read_text() == "keep me"
+
+
+def test_boxed_exact_match_is_never_looser_than_math_verify() -> None:
+    # The build's pass@1 uses the exact boxed integer; a pass there must be a math-verify pass.
+    problem = Problem((4, 9, 8))
+    gold = str(problem.answer)
+    responses = [
+        problem.solution(),
+        problem.solution().replace("\\boxed{21}", "\\boxed{12}"),
+        problem.solution().replace("\\boxed{21}", "21"),
+        "a4: 4\nb9: 4+9=13\n\\boxed{13}\n\\boxed{21}",
+        "\\boxed{",
+        "",
+    ]
+    verdicts = [(boxed_answer(r) == gold, verify(parse(gold), parse(r))) for r in responses]
+    assert verdicts[0] == (True, True) and verdicts[1] == (False, False)
+    for exact, lenient in verdicts:
+        assert lenient or not exact

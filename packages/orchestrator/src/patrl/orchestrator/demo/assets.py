@@ -50,6 +50,7 @@ from patrl.orchestrator.demo.tokenizer import build_tokenizer, prompt_text
 # Bump when the build code changes what it produces in a way the recipe does not capture.
 BUILD_VERSION = 1
 MANIFEST = "demo.json"
+_OUR_ENTRIES = frozenset({"model", "data", MANIFEST})
 # Train, validation and SFT problems come from disjoint streams of the one seed.
 _TRAIN_STREAM, _VAL_STREAM, _SFT_STREAM = 1, 2, 3
 
@@ -65,6 +66,7 @@ class DemoRecipe(BaseModel):
     sft: SFTConfig = SFTConfig()
     num_train: int = Field(4096, gt=0)
     num_val: int = Field(256, gt=0)
+    eval_prompts: int = Field(128, gt=0, description="validation prompts the build evaluates")
     eval_samples: int = Field(4, ge=0, description="temperature-1 samples per prompt; 0 = skip")
 
     @classmethod
@@ -167,10 +169,12 @@ def build_demo(
     The caller holds the lock; `ensure_demo_at` is the safe entry point.
     """
     log = log or (lambda _: None)
+    if target.exists():
+        _check_replaceable(target)  # before, not after, minutes of building
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build_into(tmp, recipe, log)
-        if target.exists():  # an incomplete or foreign build: never used, so replace it
+        if target.exists():  # an incomplete build or another recipe's: replace it
             shutil.rmtree(target)
         os.rename(tmp, target)
     finally:
@@ -209,8 +213,8 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
     evaluation = None
     if recipe.eval_samples > 0:
         t = time.perf_counter()
-        log(f"measuring pass@1 on {recipe.num_val} validation prompts")
-        rows = read_jsonl(data / "val.jsonl")
+        rows = read_jsonl(data / "val.jsonl")[: recipe.eval_prompts]
+        log(f"measuring pass@1 on {len(rows)} validation prompts")
         result = pass_at_one(
             model_dir,
             [str(r["prompt"]) for r in rows],
@@ -230,6 +234,7 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
 
     manifest = {
         "key": recipe.key(),
+        "build_id": uuid.uuid4().hex,  # tells two builds of one recipe apart
         "build_version": BUILD_VERSION,
         "recipe": recipe.model_dump(),
         "num_parameters": _num_params(model),
@@ -273,6 +278,16 @@ def _prompt_tokens(problem: Problem, tokenizer: PreTrainedTokenizerBase) -> int:
 
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def _check_replaceable(target: Path) -> None:
+    # Never delete a directory the demo did not write (a mistyped --out, say).
+    foreign = sorted(p.name for p in target.iterdir() if p.name not in _OUR_ENTRIES)
+    if foreign:
+        raise FileExistsError(
+            f"{target} exists and holds {foreign[:5]}, which a demo build did not write: "
+            "point the demo at a new or empty directory, or at an earlier demo build"
+        )
 
 
 def _remove_stale_temporaries(target: Path) -> None:

@@ -12,8 +12,8 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     hidden_size: int = Field(128, gt=0)
-    intermediate_size: int = Field(512, gt=0)
-    num_hidden_layers: int = Field(4, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    num_hidden_layers: int = Field(3, gt=0)
     num_attention_heads: int = Field(4, gt=0)
     num_key_value_heads: int = Field(2, gt=0)
     max_position_embeddings: int = Field(512, gt=0)

@@ -29,7 +29,7 @@ class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: int = Field(600, gt=0)
-    tokens_per_batch: int = Field(4096, gt=0, description="padded tokens per optimizer step")
+    tokens_per_batch: int = Field(2048, gt=0, description="padded tokens per optimizer step")
     pool_size: int = Field(512, gt=0, description="problems sorted together by length")
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(30, ge=0)
