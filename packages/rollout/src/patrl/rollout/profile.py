@@ -69,6 +69,8 @@ class ProfileGrid:
     # which other processes' load barely moves, for comparisons that must hold on a shared,
     # oversubscribed machine (single-threaded torch on CPU only: nothing else is counted).
     clock: str = "wall"
+    # RL rollouts sample; greedy rows skip the per-row draw and would price steps too low
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "collective_bytes"):
@@ -229,9 +231,12 @@ def measure_decode(
     steps: int,
     seed: int,
     clock: Callable[[], float] = time.perf_counter,
+    temperature: float = 1.0,
 ) -> float:
     """Median seconds of a decode step of `batch` sequences of `context` prompt tokens."""
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 1)
+    params = SamplingParams(
+        temperature=temperature, seed=seed, ignore_eos=True, max_tokens=steps + 1
+    )
     for prompt in _prompts(engine, batch, context, seed):
         engine.add_request(prompt, params)
     decode = [s for s, is_prefill, n in timed_steps(engine, clock) if not is_prefill and n == batch]
@@ -244,9 +249,13 @@ def measure_decode(
 
 
 def measure_prefill(
-    engine: Engine, tokens: int, seed: int, clock: Callable[[], float] = time.perf_counter
+    engine: Engine,
+    tokens: int,
+    seed: int,
+    clock: Callable[[], float] = time.perf_counter,
+    temperature: float = 1.0,
 ) -> float:
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    params = SamplingParams(temperature=temperature, seed=seed, ignore_eos=True, max_tokens=1)
     engine.add_request(_prompts(engine, 1, tokens, seed)[0], params)
     prefill = [s for s, is_prefill, _ in timed_steps(engine, clock) if is_prefill]
     if len(prefill) != 1:
@@ -270,13 +279,15 @@ def measure_engine(
     seed = 0
     for _ in range(grid.passes):
         for batch, context in grid.decode_cells():
-            seconds = measure_decode(engine, batch, context, grid.decode_steps, seed, clock)
+            seconds = measure_decode(
+                engine, batch, context, grid.decode_steps, seed, clock, grid.temperature
+            )
             samples.decode.setdefault((batch, context), []).append(seconds)
             seed += 1
             tick()
         for tokens in grid.prefill_tokens:
             samples.prefill.setdefault(tokens, []).append(
-                measure_prefill(engine, tokens, seed, clock)
+                measure_prefill(engine, tokens, seed, clock, grid.temperature)
             )
             seed += 1
             tick()
