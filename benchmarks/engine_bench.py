@@ -477,12 +477,21 @@ def main() -> None:
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
 
 
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def summarise(
     args: argparse.Namespace, results: list[dict[str, Any]], load_start: Any, wall_s: float
 ) -> dict[str, Any]:
     return {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
