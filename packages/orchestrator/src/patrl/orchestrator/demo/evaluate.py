@@ -28,9 +28,12 @@ class PassAtOne:
 
 
 def boxed_answer(text: str) -> str | None:
-    """The last `\\boxed{N}` integer in a response, or None."""
+    """The integer of a response's one `\\boxed{N}`; None when there is none or several
+    (math-verify reads several as a set, which equals no single gold number)."""
+    if text.count("\\boxed") != 1:
+        return None
     found = _BOXED.findall(text)
-    return found[-1] if found else None
+    return found[0] if found else None
 
 
 def read_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
