@@ -230,7 +230,7 @@ def main() -> None:
             "padded_fraction": c.last["padded_fraction"],
             "peak_rss_gb_per_rank": c.rss,
         }
-    plan = plan_micro_batches(batch.lengths, args.budget, 1)
+    (plan,) = plan_micro_batches(batch.lengths, args.budget, 1)
     result = {
         "machine": f"{os.cpu_count()} cpus, torch {torch.__version__}",
         "args": vars(args),
