@@ -14,6 +14,7 @@ from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
+from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.sampler import SamplingParams
 from patrl.tpreshard import GroupCache
 
@@ -83,8 +84,26 @@ def _fresh_prefill_diff(engine: Engine, model_dir: str) -> tuple[float, bool]:
     return worst, same_weights
 
 
+def _sync_probe(engine: Engine, model_dir: str) -> bool:
+    """After a weight sync at the engine's current layout, are its logprobs on a probe batch
+    those of an engine freshly loaded at that layout and synced the same way?"""
+    sync = [(name, t * 0.5) for name, t in iter_checkpoint(model_dir)]
+    fresh = Engine(_config(model_dir), engine.layout)
+    engine.load_weights(sync, version=2)
+    fresh.load_weights(sync, version=2)
+    probe = [[5, 6, 7, 8], [9, 10]]
+    a, b = engine.generate(probe, GREEDY), fresh.generate(probe, GREEDY)
+    return [c.logprobs for o in a for c in o.outputs] == [c.logprobs for o in b for c in o.outputs]
+
+
 def _live(
-    rank: int, world_size: int, model_dir: str, path: list[int], policy: str, at_step: int
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    path: list[int],
+    policy: str,
+    at_step: int,
+    sync_check: bool = False,
 ) -> dict[str, Any]:
     groups = GroupCache(path, world_size=world_size, rank=rank)
     created = groups.num_created
@@ -110,6 +129,7 @@ def _live(
             if policy == "migrate" and engine.scheduler.running:
                 checks.append(_fresh_prefill_diff(engine, model_dir))
         _drain(engine, live)
+        synced = _sync_probe(engine, model_dir) if sync_check else None
     finally:
         dist.new_group = new_group  # type: ignore[assignment]
     assert groups.num_created == created
@@ -117,6 +137,7 @@ def _live(
         "reference": _everyone(reference),
         "live": _everyone(live),
         "checks": checks,
+        "synced": synced,
         "migrated": [r.num_migrated for r in reports],
         "recomputed": [r.tokens_recomputed for r in reports],
     }
@@ -131,8 +152,9 @@ def _assert_same_tokens(results: list[dict[str, Any]]) -> None:
 
 
 def test_merge_dp2_tp1_to_tp2_with_migrate(llama_dir: Path) -> None:
-    results = run_ranks(_live, 2, args=(str(llama_dir), [1, 2], "migrate", 4), timeout_s=300)
+    results = run_ranks(_live, 2, args=(str(llama_dir), [1, 2], "migrate", 4, True), timeout_s=300)
     _assert_same_tokens(results)
+    assert all(r["synced"] is True for r in results)
     assert len(results[0]["reference"]) == 6  # 3 requests on each of the 2 replicas
     for r in results:
         assert r["migrated"][0] > 0
@@ -148,9 +170,10 @@ def test_merge_dp2_tp1_to_tp2_with_recompute(llama_dir: Path) -> None:
 
 
 def test_split_dp1_tp2_to_dp2_tp1_with_migrate(llama_dir: Path) -> None:
-    results = run_ranks(_live, 2, args=(str(llama_dir), [2, 1], "migrate", 4), timeout_s=300)
+    results = run_ranks(_live, 2, args=(str(llama_dir), [2, 1], "migrate", 4, True), timeout_s=300)
     _assert_same_tokens(results)
     for r in results:
+        assert r["synced"] is True
         assert r["checks"], "no sample was running at the reconfiguration"
         for diff, same_weights in r["checks"]:
             assert diff <= 1e-5
