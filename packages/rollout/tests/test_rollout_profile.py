@@ -121,6 +121,12 @@ def test_grid_errors_name_the_value() -> None:
         ProfileGrid(batch_sizes=(0, 2))
     with pytest.raises(ValueError, match=r"clock must be one of .* got 'gpu'"):
         ProfileGrid(clock="gpu")
+    grid = ProfileGrid(contexts=(16, 100, 120), prefill_tokens=(64, 128), decode_steps=8)
+    fitted = grid.fit_to(128)  # a context needs room for its decode steps
+    assert fitted.contexts == (16, 100) and fitted.prefill_tokens == (64,)
+    assert max(fitted.contexts) + fitted.decode_steps + 1 <= 128 and fitted.max_model_len <= 128
+    with pytest.raises(ValueError, match="no grid cell fits max_position_embeddings=16"):
+        grid.fit_to(16)
 
 
 def _profile_body(rank: int, world_size: int, model: str) -> str | None:

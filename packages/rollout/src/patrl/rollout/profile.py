@@ -20,6 +20,8 @@ engine of the profiler. Collective rows come from the same first groups.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -68,6 +70,7 @@ class ProfileGrid:
     # "wall": seconds a rollout waits (what a profile is for). "cpu": this thread's CPU seconds,
     # which other processes' load barely moves, for comparisons that must hold on a shared,
     # oversubscribed machine (single-threaded torch on CPU only: nothing else is counted).
+    # Collectives are always timed on the wall clock: their waiting is not this thread's CPU.
     clock: str = "wall"
     # RL rollouts sample; greedy rows skip the per-row draw and would price steps too low
     temperature: float = 1.0
@@ -86,6 +89,17 @@ class ProfileGrid:
     @property
     def max_model_len(self) -> int:
         return max(max(self.contexts) + self.decode_steps + 1, max(self.prefill_tokens) + 1)
+
+    def fit_to(self, max_len: int) -> ProfileGrid:
+        """The grid without the cells a model of `max_len` positions cannot run."""
+        contexts = tuple(c for c in self.contexts if c + self.decode_steps + 1 <= max_len)
+        prefill = tuple(t for t in self.prefill_tokens if t + 1 <= max_len)
+        if not contexts or not prefill:
+            raise ValueError(
+                f"no grid cell fits max_position_embeddings={max_len}: contexts={self.contexts} "
+                f"(+{self.decode_steps + 1} decode tokens), prefill_tokens={self.prefill_tokens}"
+            )
+        return dataclasses.replace(self, contexts=contexts, prefill_tokens=prefill)
 
     def decode_cells(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.batch_sizes for c in self.contexts]
@@ -535,8 +549,12 @@ def grid_from_args(args: argparse.Namespace, world_size: int) -> ProfileGrid:
     }
     kept = {k: v for k, v in overrides.items() if v is not None}
     kept = {k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()}
-    fields = {name: getattr(base, name) for name in ProfileGrid.__dataclass_fields__}
-    return ProfileGrid(**{**fields, **kept})
+    return dataclasses.replace(base, **kept)
+
+
+def max_positions(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config["max_position_embeddings"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -558,13 +576,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         try:
-            grid = grid_from_args(args, dist.get_world_size())
+            grid = grid_from_args(args, dist.get_world_size()).fit_to(max_positions(args.model))
             world = dist.group.WORLD
             profile = profile_distributed(base, grid, world, progress=True)
         finally:
             dist.destroy_process_group()
     else:
-        grid = grid_from_args(args, 1)
+        grid = grid_from_args(args, 1).fit_to(max_positions(args.model))
         profile = profile_single(base, grid, progress=True)
     if profile is None:
         return
