@@ -27,7 +27,9 @@ repo so that the spawned process can import the test module by name.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -38,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 __all__ = ["RankFailed", "free_port", "run_ranks"]
 
@@ -85,7 +86,9 @@ def _worker(
         )
         value = fn(rank, world_size, *args)
         dist.barrier()
-        results.put((rank, True, value))
+        # Plain pickle, by value: through the queue torch would share a tensor by a file
+        # descriptor that dies with this process before the test reads it.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -155,7 +158,7 @@ def run_ranks(
                         first_failure_at = time.monotonic()
                 continue
             if ok:
-                values[rank] = payload
+                values[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 if first_failure_at is None:
@@ -195,4 +198,7 @@ def _drain(results: Any, values: dict[int, Any], failures: dict[int, str]) -> No
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
             return
-        (values if ok else failures)[rank] = payload
+        if ok:
+            values[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload

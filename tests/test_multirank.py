@@ -37,8 +37,15 @@ def _die_on_rank_1(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _tensor_of_rank(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
 def test_results_come_back_by_rank() -> None:
     assert run_ranks(_sum_ranks, world_size=2, args=(2.0,)) == [2.0, 2.0]
+    # Tensors outlive the rank that made them.
+    tensors = run_ranks(_tensor_of_rank, world_size=2)
+    assert [t.tolist() for t in tensors] == [[0.0] * 3, [1.0] * 3]
 
 
 def test_exception_carries_failing_rank_traceback() -> None:
