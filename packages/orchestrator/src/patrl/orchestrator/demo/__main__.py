@@ -28,13 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a seconds-long build, for tests")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads while building (default 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     args = parser.parse_args(argv)
     recipe = DemoRecipe.default(args.seed, args.quick)
     if args.out is not None:
-        assets = ensure_demo_at(args.out, recipe)
+        assets = ensure_demo_at(args.out, recipe, threads=args.threads)
     else:
-        assets = ensure_demo_assets(recipe=recipe)
+        assets = ensure_demo_assets(recipe=recipe, threads=args.threads)
     print(json.dumps(assets.manifest, indent=2) if args.json else describe(assets))
     return 0
 

@@ -127,18 +127,24 @@ def ensure_demo_assets(
     quick: bool = False,
     progress: bool = True,
     recipe: DemoRecipe | None = None,
+    threads: int = 1,
 ) -> DemoAssets:
     """The demo under `cache_dir/demo-<recipe hash>`, built on the first call.
 
     `cache_dir` defaults to $PATRL_CACHE_DIR, else ~/.cache/patrl. `recipe` overrides
-    `seed`/`quick` with a fully custom recipe.
+    `seed`/`quick` with a fully custom recipe. `threads`: torch threads while building; one
+    by default because the model is too small for intra-op threads to pay much, and on a
+    busy machine they spin against each other (measured: 2 threads ran an SFT step ~7x
+    slower than 1 while other jobs shared the 2 cores).
     """
     recipe = recipe or DemoRecipe.default(seed, quick)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    return ensure_demo_at(root / f"demo-{recipe.key()}", recipe, progress=progress)
+    return ensure_demo_at(root / f"demo-{recipe.key()}", recipe, progress=progress, threads=threads)
 
 
-def ensure_demo_at(target: Path, recipe: DemoRecipe, *, progress: bool = True) -> DemoAssets:
+def ensure_demo_at(
+    target: Path, recipe: DemoRecipe, *, progress: bool = True, threads: int = 1
+) -> DemoAssets:
     """The demo built by `recipe` in exactly `target`: reused when complete, else (re)built."""
     target = Path(target).absolute()
     if is_complete(target, recipe):
@@ -148,7 +154,8 @@ def ensure_demo_at(target: Path, recipe: DemoRecipe, *, progress: bool = True) -
         if is_complete(target, recipe):  # another process built it while we waited
             return DemoAssets.load(target)
         _remove_stale_temporaries(target)
-        return build_demo(target, recipe, log=_logger(progress))
+        with _torch_threads(threads):
+            return build_demo(target, recipe, log=_logger(progress))
 
 
 def is_complete(target: Path, recipe: DemoRecipe) -> bool:
@@ -294,6 +301,18 @@ def _remove_stale_temporaries(target: Path) -> None:
     # Only called under the lock, so no live build of this target owns one of these.
     for tmp in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager
