@@ -29,16 +29,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = rope_frequencies(head_dim, rope, max_position_embeddings)
         # A plain attribute, not a buffer: module.to(bf16) must never round the frequencies.
         self.inv_freq = inv_freq.to(device)
+        # Every layer of one forward passes the same positions tensor: compute cos/sin once.
+        self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by the angles of `positions` [T]."""
+        cos, sin = self._cos_sin(positions, q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self._cached
+        if c is not None and c[0] is positions and c[1] == dtype:
+            return c[2], c[3]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None, :]
+        self._cached = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
