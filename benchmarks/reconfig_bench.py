@@ -13,7 +13,8 @@ replicas (one rank each) are given N sequences in total, imported with C tokens 
   N * C <= --max-recompute-tokens (a 32 x 1024 prefill takes minutes on this box), else null;
 - the reverse, (dp1, tp2) -> (dp2, tp1) with migrate, which gathers weights and KV heads;
 - restart: building a fresh Engine at tp 2 from the checkpoint (the teardown-and-reload
-  alternative), which does not even include re-prefilling the sequences: a lower bound.
+  alternative; the checkpoint is in the page cache, so this is a lower bound on a real restart)
+  plus, where measured, the re-prefill of every sequence (a restart loses the KV).
 The crossover is the context length per sequence at which a measured recompute stops being
 cheaper than a measured migrate, interpolated linearly in C from the measured cells.
 Results: benchmarks/results/reconfig_bench.json; a table is printed.
@@ -142,6 +143,7 @@ def _body(rank: int, world_size: int, model_dir: str, repeats: int, max_rc: int)
                     key = policy
                     runs.setdefault(f"{key}_total_s", []).append(report.total_s + prefill)
                     runs.setdefault(f"{key}_weights_s", []).append(report.weights_s)
+                    runs.setdefault(f"{key}_cache_s", []).append(report.cache_s)
                     runs.setdefault(f"{key}_kv_s", []).append(report.kv_s + prefill)
                     if back is not None:
                         runs.setdefault("reverse_total_s", []).append(back.total_s)
@@ -179,6 +181,10 @@ def _body(rank: int, world_size: int, model_dir: str, repeats: int, max_rc: int)
         "restart_s": statistics.median(restarts),
         "cells": cells,
     }
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def crossover(cells: list[dict[str, Any]], seqs: int) -> float | None:
@@ -228,16 +234,26 @@ def main() -> None:
         f"model: {r0['params'] / 1e6:.0f}M params fp32; restart (fresh load at tp2): "
         f"{r0['restart_s']:.2f}s (rank 0, median of {args.repeats})"
     )
-    head = "seqs ctx | migrate s (w / kv) | recompute s | reverse s (w / kv) | KV MB | x restart"
+    head = (
+        "seqs ctx | migrate s (weights / cache / kv) | recompute s | reverse s (w / kv) | KV MB"
+        " | restart s (load + re-prefill) | restart / migrate"
+    )
     print(head)
     for c in cells:
         rc = c.get("recompute_total_s")
+        prefill = None if rc is None else c["recompute_kv_s"]
+        c["restart_s"] = None if prefill is None else r0["restart_s"] + prefill
+        c["restart_over_migrate"] = (
+            None if c["restart_s"] is None else c["restart_s"] / c["migrate_total_s"]
+        )
         print(
             f"{c['seqs']:4d} {c['context']:4d} | {c['migrate_total_s']:.3f} "
-            f"({c['migrate_weights_s']:.3f} / {c['migrate_kv_s']:.3f}) | "
-            f"{'-' if rc is None else f'{rc:.3f}'} | {c['reverse_total_s']:.3f} "
+            f"({c['migrate_weights_s']:.3f} / {c['migrate_cache_s']:.3f} / "
+            f"{c['migrate_kv_s']:.3f}) | "
+            f"{_fmt(rc, 3)} | {c['reverse_total_s']:.3f} "
             f"({c['reverse_weights_s']:.3f} / {c['reverse_kv_s']:.3f}) | "
-            f"{c['kv_bytes_moved'] / 1e6:.1f} | {r0['restart_s'] / c['migrate_total_s']:.1f}"
+            f"{c['kv_bytes_moved'] / 1e6:.1f} | "
+            f"{_fmt(c['restart_s'], 3)} | {_fmt(c['restart_over_migrate'], 1)}"
         )
     print("crossover context (recompute stops being cheaper):", result["crossover_context"])
     print(f"written to {out}")

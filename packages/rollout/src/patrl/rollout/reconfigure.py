@@ -61,6 +61,7 @@ class ReconfigReport:
     weights_s: float = 0.0
     kv_s: float = 0.0
     groups_s: float = 0.0  # layout look-up and state exchange between the old first ranks
+    cache_s: float = 0.0  # freeing the old KV cache and allocating the new layout's
     total_s: float = 0.0
     weight_bytes_received: int = 0
     weight_peak_bytes: int = 0  # accounted peak of parameter bytes + temporaries on this rank
@@ -130,9 +131,11 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
 
     # 2. weights, then a fresh cache and scheduler at the new layout.
     stats: ReshardStats = reshard_(engine.model, src, dst)
+    t_weights = time.perf_counter()
     engine.rebuild(dst, next_seq_id=max(n for _, n in gathered))
     t2 = time.perf_counter()
-    report.weights_s = t2 - t1
+    report.weights_s = t_weights - t1
+    report.cache_s = t2 - t_weights
     report.weight_bytes_received = stats.bytes_received
     report.weight_peak_bytes = stats.peak_bytes
     report.weight_bytes_before, report.weight_bytes_after = stats.bytes_before, stats.bytes_after

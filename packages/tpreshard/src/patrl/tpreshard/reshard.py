@@ -91,26 +91,54 @@ def _recut(
     """(new local tensor, bytes of temporaries, bytes received)."""
     dim = spec.dim
     assert dim is not None
-    src_map = index_map(spec, rows, src.tp_rank, src.tp_size)
     dst_map = index_map(spec, rows, dst.tp_rank, dst.tp_size)
+    new_shape = list(old.shape)
+    new_shape[dim] = dst_map.numel()
+    # Padding rows (vocabulary past its end) are zeros, as in a fresh load.
+    make = torch.zeros if bool((dst_map < 0).any()) else torch.empty
+    new = make(new_shape, dtype=old.dtype, device=old.device)
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
-        where = _positions(src_map, rows)[dst_map.clamp(min=0)]
-        where[dst_map < 0] = -1
-        return _pick(old, dim, where), 0, 0
+        where = _positions(index_map(spec, rows, 0, 1), rows)[dst_map.clamp(min=0)]
+        _copy_runs(
+            new,
+            old,
+            dim,
+            [
+                (-1 if d < 0 else 0, w)
+                for d, w in zip(dst_map.tolist(), where.tolist(), strict=True)
+            ],
+        )
+        return new, 0, 0
     # Every rank of the source group must take the same branch (the gather is collective), and
     # from tp > 1 some rank of the group always misses rows, so all of them gather.
     buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
     dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
-    new_shape = list(old.shape)
-    new_shape[dim] = dst_map.numel()
-    new = torch.zeros(new_shape, dtype=old.dtype, device=old.device)
-    for r in range(src.tp_size):
+    owner: list[tuple[int, int]] = [(-1, -1)] * dst_map.numel()
+    for r in reversed(range(src.tp_size)):  # the lowest rank holding a row sends it
         where = _positions(index_map(spec, rows, r, src.tp_size), rows)[dst_map.clamp(min=0)]
-        take = (dst_map >= 0) & (where >= 0)
-        if bool(take.any()):
-            dst_pos = take.nonzero().flatten().to(old.device)
-            new.index_copy_(dim, dst_pos, buf[r].index_select(dim, where[take].to(old.device)))
+        for i, (d, w) in enumerate(zip(dst_map.tolist(), where.tolist(), strict=True)):
+            if d >= 0 and w >= 0:
+                owner[i] = (r, w)
+    _copy_runs(new, buf, dim, owner)
     return new, buf.nbytes, buf.nbytes - old.nbytes
+
+
+def _copy_runs(
+    new: torch.Tensor, source: torch.Tensor, dim: int, owner: list[tuple[int, int]]
+) -> None:
+    """new[i] = source[r][w] (or source[w] for a single tensor) for owner[i] = (r, w), copied
+    in maximal runs of consecutive rows: a handful of memcpy-like copies per parameter."""
+    single = source.dim() == new.dim()
+    i = 0
+    while i < len(owner):
+        r, w = owner[i]
+        n = 1
+        while i + n < len(owner) and r >= 0 and owner[i + n] == (r, w + n):
+            n += 1
+        if r >= 0:
+            piece = source if single else source[r]
+            new.narrow(dim, i, n).copy_(piece.narrow(dim, w, n))
+        i += n
 
 
 def _positions(local_map: torch.Tensor, rows: int) -> torch.Tensor:
@@ -119,13 +147,6 @@ def _positions(local_map: torch.Tensor, rows: int) -> torch.Tensor:
     valid = local_map >= 0
     inverse[local_map[valid]] = valid.nonzero().flatten()
     return inverse
-
-
-def _pick(old: torch.Tensor, dim: int, where: torch.Tensor) -> torch.Tensor:
-    new = old.index_select(dim, where.clamp(min=0).to(old.device))
-    if bool((where < 0).any()):  # vocabulary padding rows are zeros, as in a fresh load
-        new.index_fill_(dim, (where < 0).nonzero().flatten().to(old.device), 0)
-    return new
 
 
 def _sharded_params(module: nn.Module) -> list[tuple[nn.Parameter, nn.Module]]:
