@@ -107,3 +107,40 @@ def test_a_weight_of_the_wrong_shape_names_both_shapes(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"shape \(64,\).*\(65,\)"):
         engine.load_weights([("model.norm.weight", torch.zeros(65))], version=1)
     assert engine.weight_version == 0
+
+
+def _moves(j_old: int, j_new: int, src_tp: int, dst_tp: int, kv: int) -> list[tuple[int, ...]]:
+    from patrl.rollout.reconfigure import _plan
+
+    return [(m.src, m.dst, m.lo, m.hi) for m in _plan(("r", 0), j_old, j_new, src_tp, dst_tp, kv)]
+
+
+def test_kv_plans_keep_what_a_rank_holds_and_send_the_rest() -> None:
+    # Merge tp1 -> tp2 (2 KV heads): the old replica at position 1 keeps head 1, sends head 0.
+    assert _moves(1, 0, 1, 2, 2) == [(1, 0, 0, 1), (1, 1, 1, 2)]
+    # Split tp2 -> tp1: the new replica at position 1 gathers head 0 from position 0.
+    assert _moves(0, 1, 2, 1, 2) == [(0, 1, 0, 1), (1, 1, 1, 2)]
+    # Grow tp2 -> tp4 with 2 KV heads: each head is replicated onto two ranks.
+    assert _moves(0, 0, 2, 4, 2) == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 2, 1, 2), (1, 3, 1, 2)]
+    # Grow tp1 -> tp4 with 8 heads, old replica at position 2: two heads each, all from 2.
+    assert _moves(2, 0, 1, 4, 8) == [(2, t, 2 * t, 2 * t + 2) for t in range(4)]
+
+
+def test_a_split_keeps_samples_of_a_request_together_and_balances_remaining_tokens() -> None:
+    from patrl.rollout.outputs import SequenceState
+    from patrl.rollout.reconfigure import _assign
+    from patrl.rollout.sampler import SamplingParams
+
+    def state(rid: str, index: int, left: int) -> tuple[SequenceState, int]:
+        params = SamplingParams(max_tokens=20)
+        out = [1] * (20 - left)
+        return SequenceState(rid, index, [1], out, [0.0] * len(out), params, torch.zeros(1)), 0
+
+    old = [[state("a", 0, 10), state("b", 0, 4), state("b", 1, 4), state("c", 0, 3)]]
+    old[0].append(state("d", 0, 3))
+    got = _assign(old, 2)
+    assert got[("b", 0)] == got[("b", 1)]
+    load = [0, 0]
+    for (rid, _), j in got.items():
+        load[j] += {"a": 10, "b": 4, "c": 3, "d": 3}[rid]
+    assert sorted(load) == [11, 13]  # a (10) + d (3) vs b (4 + 4) + c (3): the best split
