@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,3 +40,24 @@ def test_group_cache_on_four_ranks() -> None:
 def test_candidates_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match="candidate TP size 3 must divide the world size 4"):
         GroupCache([3], world_size=4, rank=0)
+
+
+def _stranded(rank: int, world_size: int) -> str:
+    from datetime import timedelta
+
+    cache = GroupCache([2], world_size=world_size, rank=rank, timeout=timedelta(seconds=2))
+    if rank == 1:
+        return "skipped"  # never joins the all-reduce below
+    start = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1), group=cache.layout(2).tp_group)
+    except RuntimeError:
+        return f"failed after {time.perf_counter() - start:.0f}s"
+    return "returned"
+
+
+@pytest.mark.multirank
+def test_a_collective_on_a_cached_group_times_out_instead_of_hanging() -> None:
+    results = run_ranks(_stranded, world_size=2, timeout_s=120)
+    assert results[1] == "skipped"
+    assert results[0].startswith("failed after") and float(results[0].split()[-1][:-1]) < 30

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -32,6 +33,7 @@ class GroupCache:
         rank: int | None = None,
         local_world_size: int | None = None,
         backend: str | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.world_size = world_size if world_size is not None else dist.get_world_size()
         self.rank = rank if rank is not None else dist.get_rank()
@@ -49,6 +51,9 @@ class GroupCache:
                 )
         self.num_created = 0
         self._backend = backend
+        # Every collective on these groups (reshards, KV moves) fails after `timeout` instead of
+        # hanging on a dead peer; None keeps torch's default for new groups.
+        self._timeout = timeout
         self._groups: dict[tuple[int, ...], Any] = {}
         for tp in self.candidates:
             for ranks in self._tp_ranks(tp) + self._dp_ranks(tp):
@@ -64,7 +69,7 @@ class GroupCache:
         if len(ranks) == 1 or ranks in self._groups:
             return  # a group of one needs no communicator; a repeated one is shared
         # Every rank calls new_group for every group, members or not (see the module docstring).
-        group = dist.new_group(list(ranks), backend=self._backend)
+        group = dist.new_group(list(ranks), backend=self._backend, timeout=self._timeout)
         self.num_created += 1
         self._groups[ranks] = group
 
