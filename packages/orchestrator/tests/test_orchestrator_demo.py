@@ -286,3 +286,17 @@ def test_boxed_exact_match_is_never_looser_than_math_verify() -> None:
     assert verdicts[0] == (True, True) and verdicts[1] == (False, False)
     for exact, lenient in verdicts:
         assert lenient or not exact
+
+
+def test_builds_are_reproducible_from_the_seed(tmp_path: Path) -> None:
+    recipe = DemoRecipe.default(seed=6, quick=True)
+    first = ensure_demo_at(tmp_path / "one", recipe, progress=False)
+    second = ensure_demo_at(tmp_path / "two", recipe, progress=False)
+    for relative in ("model/model.safetensors", "data/train.jsonl", "data/val.jsonl"):
+        assert (first.root / relative).read_bytes() == (second.root / relative).read_bytes()
+    other = ensure_demo_at(
+        tmp_path / "three", DemoRecipe.default(seed=7, quick=True), progress=False
+    )
+    assert (other.model_dir / "model.safetensors").read_bytes() != (
+        first.model_dir / "model.safetensors"
+    ).read_bytes()
