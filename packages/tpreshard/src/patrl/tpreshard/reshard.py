@@ -71,13 +71,13 @@ def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> Res
         spec = p.shard_spec  # type: ignore[attr-defined]
         if spec.dim is None:
             continue
-        old = p.data
-        new, temp_bytes, received = _recut(old, spec, rows, src, dst)
-        stats.peak_bytes = max(stats.peak_bytes, live + temp_bytes + new.nbytes)
+        old_bytes = p.nbytes
+        new, extra, received = _recut(p, spec, rows, src, dst)
+        stats.peak_bytes = max(stats.peak_bytes, live + extra)
         stats.bytes_received += received
-        stats.num_gathered += received > 0 or temp_bytes > 0
+        stats.num_gathered += received > 0
         p.data = new
-        live += new.nbytes - old.nbytes
+        live += new.nbytes - old_bytes
     stats.bytes_after = live
     for m in module.modules():
         if isinstance(getattr(m, "layout", None), ParallelLayout):
@@ -86,9 +86,12 @@ def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> Res
 
 
 def _recut(
-    old: torch.Tensor, spec: ShardSpec, rows: int, src: ParallelLayout, dst: ParallelLayout
+    p: torch.Tensor, spec: ShardSpec, rows: int, src: ParallelLayout, dst: ParallelLayout
 ) -> tuple[torch.Tensor, int, int]:
-    """(new local tensor, bytes of temporaries, bytes received)."""
+    """(new local tensor, most bytes held at once beyond the other parameters' minus the old
+    shard, bytes received). A gathered old shard is released before the new one is made, so
+    a shrink peaks at the new layout's weights + one full parameter."""
+    old = p.data
     dim = spec.dim
     assert dim is not None
     dst_map = index_map(spec, rows, dst.tp_rank, dst.tp_size)
@@ -96,8 +99,8 @@ def _recut(
     new_shape[dim] = dst_map.numel()
     # Padding rows (vocabulary past its end) are zeros, as in a fresh load.
     make = torch.zeros if bool((dst_map < 0).any()) else torch.empty
-    new = make(new_shape, dtype=old.dtype, device=old.device)
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
+        new = make(new_shape, dtype=old.dtype, device=old.device)
         where = _positions(index_map(spec, rows, 0, 1), rows)[dst_map.clamp(min=0)]
         _copy_runs(
             new,
@@ -108,19 +111,23 @@ def _recut(
                 for d, w in zip(dst_map.tolist(), where.tolist(), strict=True)
             ],
         )
-        return new, 0, 0
+        return new, new.nbytes, 0
     # Every rank of the source group must take the same branch (the gather is collective), and
     # from tp > 1 some rank of the group always misses rows, so all of them gather.
     buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
     dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
+    old_bytes = old.nbytes
+    p.data = old = old.new_empty(0)  # buf holds this shard now: free the old storage
     owner: list[tuple[int, int]] = [(-1, -1)] * dst_map.numel()
     for r in reversed(range(src.tp_size)):  # the lowest rank holding a row sends it
         where = _positions(index_map(spec, rows, r, src.tp_size), rows)[dst_map.clamp(min=0)]
         for i, (d, w) in enumerate(zip(dst_map.tolist(), where.tolist(), strict=True)):
             if d >= 0 and w >= 0:
                 owner[i] = (r, w)
+    new = make(new_shape, dtype=old.dtype, device=old.device)
     _copy_runs(new, buf, dim, owner)
-    return new, buf.nbytes, buf.nbytes - old.nbytes
+    extra = max(old_bytes + buf.nbytes, buf.nbytes + new.nbytes) - old_bytes
+    return new, extra, buf.nbytes - old_bytes
 
 
 def _copy_runs(
