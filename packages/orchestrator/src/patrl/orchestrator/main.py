@@ -74,12 +74,10 @@ def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
         return model, train, val
     from patrl.orchestrator.demo import ensure_demo_assets
 
-    # Rank 0 builds (or finds) the cached assets; the others wait, then find them.
-    if world.is_first:
-        assets = ensure_demo_assets()
+    # Every rank asks; a file lock lets one build while the others wait on the lock (not on a
+    # collective, whose timeout a slow first build on a busy machine could exceed).
+    assets = ensure_demo_assets(progress=world.is_first)
     barrier(world)
-    if not world.is_first:
-        assets = ensure_demo_assets(progress=False)
     return (
         model or str(assets.model_dir),
         train if train is not None else str(assets.train_file),
