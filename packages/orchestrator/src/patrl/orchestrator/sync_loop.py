@@ -102,6 +102,7 @@ class SyncGRPO:
         # Learns every prompt's response length from every step; all ranks see the same samples,
         # so all ranks hold the same predictor and derive the same prompt assignment.
         self.predictor = LengthPredictor()
+        self.rollout_timeline: list[Any] = []
         self.step = 0
         self.all_lengths: list[int] = []
 
@@ -261,6 +262,7 @@ class SyncGRPO:
                 local = self._generate(
                     items, self.config.rollout.temperature, self._sampling_seed_base(rounds)
                 )
+            self.rollout_timeline = list(self.engine.timeline)  # the plots show a training rollout
             with _timed(timings, "reward"):
                 scored, reward_metrics = self._score(local)
             samples = [s for share in all_gather_objects(self.world, scored) for s in share]
@@ -466,7 +468,7 @@ class SyncGRPO:
             print(f"resumed from {found} at step {self.step}")
 
     def _timeline(self) -> dict[str, Any]:
-        timeline = self.engine.timeline
+        timeline = self.rollout_timeline
         return {"t": [e.t for e in timeline], "running": [e.running for e in timeline]}
 
 
