@@ -48,7 +48,10 @@ def math_verify_reward(response: str, answer: str, **meta: Any) -> float:
     \\boxed{}, "the answer is ...", fractions, LaTeX and plain numbers; numeric and symbolic
     equality). The gold may be bare ("42", "\\frac{1}{2}") or LaTeX in $...$."""
     # math-verify's own timeouts use SIGALRM, which fails off the main thread and would cancel
-    # the in-process alarm of RewardManager; the manager's deadline covers slow parses instead.
+    # the in-process alarm of RewardManager; the manager's deadline covers slow parses instead
+    # (so math-verify's "timeout is disabled" warning is noise for us).
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
     if not gold:
         return 0.0
