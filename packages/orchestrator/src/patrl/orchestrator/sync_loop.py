@@ -70,6 +70,13 @@ class SyncGRPO:
         self.tokenizer = _load_tokenizer(model_dir)
         self.train_set = self._dataset(train_files)
         self.val_set = self._dataset(val_files) if val_files else None
+        if world.is_first:
+            for name, ds in (("train", self.train_set), ("validation", self.val_set)):
+                if ds is not None:
+                    print(
+                        f"{name}: {len(ds)} prompts, {ds.num_filtered_overlong} of {ds.num_rows} "
+                        f"filtered as longer than data.max_prompt_length={config.data.max_prompt_length}"
+                    )
         self.loader = PromptLoader(
             self.train_set.items,
             config.data.train_batch_size,
