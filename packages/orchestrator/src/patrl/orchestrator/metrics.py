@@ -66,14 +66,17 @@ class MetricsLogger:
         rows = [h for h in self.history if "critic/score/mean" in h]
         if not rows:
             return "no training steps logged"
-        k = max(1, min(5, len(rows) // 2))
-        lines = [f"{'metric':28s} {'first ' + str(k):>10s} {'last ' + str(k):>10s} {'change':>10s}"]
+        lines = [
+            f"{'metric':28s} {'first':>10s} {'last':>10s} {'change':>10s}   (means of k logged values)"
+        ]
         for key, _ in HEADLINE:
             values = [h[key] for h in self.history if key in h]
             if not values:
                 continue
+            # Each metric's own k: validation is logged far less often than training.
+            k = max(1, min(5, len(values) // 2))
             first, last = float(np.mean(values[:k])), float(np.mean(values[-k:]))
-            lines.append(f"{key:28s} {first:10.4g} {last:10.4g} {last - first:+10.4g}")
+            lines.append(f"{key:28s} {first:10.4g} {last:10.4g} {last - first:+10.4g}   k={k}")
         return "\n".join(lines)
 
 
