@@ -104,9 +104,18 @@ def count_params(
     return num_layers * (attn + mlp + norms) + embed + hidden_size
 
 
+def decoder_info(name: str, *, tied_embeddings: bool, qk_norm: bool, **shape: int) -> ModelInfo:
+    """A ModelInfo whose parameter count is derived from the same shape it records."""
+    return ModelInfo(
+        name=name,
+        num_params=count_params(tied_embeddings=tied_embeddings, qk_norm=qk_norm, **shape),
+        **shape,
+    )
+
+
 # config.json of meta-llama/Llama-3.1-8B
-LLAMA31_8B = ModelInfo(
-    name="Llama-3.1-8B",
+LLAMA31_8B = decoder_info(
+    "Llama-3.1-8B",
     num_layers=32,
     hidden_size=4096,
     intermediate_size=14336,
@@ -114,22 +123,13 @@ LLAMA31_8B = ModelInfo(
     num_kv_heads=8,
     head_dim=128,
     vocab_size=128256,
-    num_params=count_params(
-        num_layers=32,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        tied_embeddings=False,
-        qk_norm=False,
-    ),
+    tied_embeddings=False,
+    qk_norm=False,
 )
 
 # config.json of Qwen/Qwen3-14B (untied embeddings, q/k RMSNorm)
-QWEN3_14B = ModelInfo(
-    name="Qwen3-14B",
+QWEN3_14B = decoder_info(
+    "Qwen3-14B",
     num_layers=40,
     hidden_size=5120,
     intermediate_size=17408,
@@ -137,17 +137,8 @@ QWEN3_14B = ModelInfo(
     num_kv_heads=8,
     head_dim=128,
     vocab_size=151936,
-    num_params=count_params(
-        num_layers=40,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_attention_heads=40,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tied_embeddings=False,
-        qk_norm=True,
-    ),
+    tied_embeddings=False,
+    qk_norm=True,
 )
 
 
