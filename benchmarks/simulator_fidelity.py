@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 # the test module holds the experiment; this reruns it with timing
 from test_simulator_fidelity import (
     TOLERANCE,
+    build_model,
     fidelity_grid,
     long_tail_groups,
     measure,
@@ -45,24 +46,6 @@ from test_simulator_fidelity import (
 from patrl.lenpredict import held_out_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def build_model(root: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    path = root / "model"
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def one_setting(model: Path, dp: int, clock: str, repeats: int, requests: int) -> dict[str, Any]:

@@ -47,8 +47,8 @@ BUDGET = 512  # max_num_batched_tokens: >= max prompt + max response (the simula
 TOLERANCE = 0.15  # the issue's bound on simulated vs measured total time (the benchmark)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def build_model(root: Path) -> Path:
+    """The tiny random Llama both this test and benchmarks/simulator_fidelity.py run."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -61,9 +61,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    path = tmp_path_factory.mktemp("fidelity") / "model"
+    path = root / "model"
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("fidelity"))
 
 
 def long_tail_groups(count: int, seed: int = 0) -> list[PromptGroup]:
