@@ -4,6 +4,10 @@ Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, state.json}`. A checkp
 in `global_step_<N>.tmp/` and renamed when complete, so `latest_checkpoint` (what
 `trainer.resume_mode=auto` uses) never sees a half-written one: a crash leaves only a `.tmp`
 directory, which is ignored and cleared on the next save.
+
+Before a run resumes, `check_resumable` compares a checkpoint with the model and world at hand
+from metadata alone (DCP's `.metadata` and the trainer's marker), so a checkpoint of another
+model or another world size is rejected before anything is built.
 """
 
 from __future__ import annotations
@@ -14,8 +18,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from patrl.trainer.checkpoint import MARKER
+
 STATE_FILE = "state.json"
+TRAINER_DIR = "trainer"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Architecture facts readable from tensor shapes: (what, tensor, dim).
+_SHAPE_FACTS = (
+    ("vocab_size", "model.embed_tokens.weight", 0),
+    ("hidden_size", "model.embed_tokens.weight", 1),
+    ("intermediate_size", "model.layers.0.mlp.gate_proj.weight", 0),
+    ("num_attention_heads*head_dim", "model.layers.0.self_attn.q_proj.weight", 0),
+    ("num_key_value_heads*head_dim", "model.layers.0.self_attn.k_proj.weight", 0),
+)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -64,6 +80,97 @@ def commit(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     staging.rename(final)
     _prune(run_dir, keep)
     return final
+
+
+def resume_target(run_dir: Path, resume_mode: str, resume_from_path: str | None) -> Path | None:
+    """The checkpoint a run with these `trainer.resume_*` settings resumes from, or None."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "resume_path" and resume_from_path:
+        return Path(resume_from_path)
+    return latest_checkpoint(run_dir)
+
+
+def check_resumable(
+    checkpoint: Path,
+    shapes: dict[str, tuple[int, ...]],
+    optional: set[str],
+    world_size: int,
+) -> None:
+    """Raise ValueError unless `checkpoint` is complete, was saved by `world_size` trainer ranks
+    and holds a policy with exactly these tensor `shapes` (HF names; `optional` may be absent)."""
+    trainer = checkpoint / TRAINER_DIR
+    if not (checkpoint / STATE_FILE).is_file() or not (trainer / MARKER).is_file():
+        raise ValueError(
+            f"{str(checkpoint)!r} is not a complete patrl checkpoint (it needs {STATE_FILE} and "
+            f"{TRAINER_DIR}/{MARKER}); complete ones are the global_step_<N> directories "
+            "under <run dir>/checkpoints"
+        )
+    saved_world = json.loads((trainer / MARKER).read_text())["world_size"]
+    if saved_world != world_size:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} was saved by {saved_world} trainer rank(s) and "
+            f"resumes on {saved_world} only; this run has {world_size} (run it on {saved_world}, "
+            "or start afresh with trainer.resume_mode=disable)"
+        )
+    differences = compare_shapes(saved_shapes(checkpoint), shapes, optional)
+    if differences:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds a different model than model.path: "
+            + "; ".join(differences)
+        )
+
+
+def saved_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every policy tensor in a checkpoint, from DCP's metadata alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(checkpoint / TRAINER_DIR)).read_metadata()
+    return {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def compare_shapes(
+    saved: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]], optional: set[str]
+) -> list[str]:
+    """What differs between a checkpoint's tensors and a model's, architecture facts first,
+    then the first tensor of each kind of mismatch; empty when they agree."""
+    facts = [
+        f"{what} is {a} in the checkpoint, {b} in the model"
+        for what, a, b in zip(
+            ("num_hidden_layers", *(f[0] for f in _SHAPE_FACTS)),
+            _facts(saved),
+            _facts(model),
+            strict=True,
+        )
+        if a is not None and b is not None and a != b
+    ]
+    shaped = [n for n in sorted(saved.keys() & model.keys()) if saved[n] != model[n]]
+    only_saved = sorted(saved.keys() - model.keys() - optional)
+    only_model = sorted(model.keys() - saved.keys() - optional)
+    if shaped:
+        facts.append(
+            f"tensor {shaped[0]!r} is {list(saved[shaped[0]])} in the checkpoint, "
+            f"{list(model[shaped[0]])} in the model ({len(shaped)} tensors differ in shape)"
+        )
+    if only_saved:
+        facts.append(f"{len(only_saved)} tensors only in the checkpoint, e.g. {only_saved[:3]}")
+    if only_model:
+        facts.append(f"{len(only_model)} tensors only in the model, e.g. {only_model[:3]}")
+    return facts
+
+
+def _facts(shapes: dict[str, tuple[int, ...]]) -> list[int | None]:
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    sized = [
+        shapes[name][dim] if name in shapes and len(shapes[name]) > dim else None
+        for _, name, dim in _SHAPE_FACTS
+    ]
+    return [len(layers), *sized]
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:

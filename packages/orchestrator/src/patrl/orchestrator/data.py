@@ -63,13 +63,14 @@ def load_prompt_dataset(
 ) -> PromptDataset:
     """Read, render and tokenize every row. `answer_key` may be dotted to reach into a struct
     column (verl's parquet files keep the answer in `reward_model.ground_truth`)."""
-    rows = read_rows(files, split=split, cache_dir=cache_dir)
-    columns = list(rows[0]) if rows else []
-    for role, key in (("prompt", prompt_key), ("answer", answer_key)):
-        if rows and key.split(".")[0] not in rows[0]:
-            raise KeyError(
-                f"{role} column {key!r} not found in {files!r}; available columns: {columns}"
-            )
+    paths = [files] if isinstance(files, str) else list(files)
+    if not paths:
+        raise ValueError("no data files given")
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        part = read_rows(path, split=split, cache_dir=cache_dir)
+        check_columns(path, part, {"prompt": prompt_key, "answer": answer_key})
+        rows += part
     use_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     texts = [
         render_prompt(row[prompt_key], i, tokenizer, use_template, system_prompt)
@@ -88,7 +89,28 @@ def load_prompt_dataset(
             continue
         extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         items.append(PromptItem(i, list(ids), text, _answer(row, answer_key, i), extra))
+    if not items:
+        shortest = min(len(ids) for ids in token_ids)
+        raise ValueError(
+            f"no prompts left in {files!r}: all {len(rows)} rows were filtered as overlong, "
+            f"their prompts have {shortest} tokens or more > data.max_prompt_length="
+            f"{max_prompt_length}; raise data.max_prompt_length to at least {shortest}"
+        )
     return PromptDataset(items, num_rows=len(rows), num_filtered_overlong=num_overlong)
+
+
+def check_columns(path: str, rows: list[dict[str, Any]], keys: Mapping[str, str]) -> None:
+    """Raise unless the file has rows and each `role -> column` in `keys` (dotted: its first
+    part) is a column of them."""
+    if not rows:
+        raise ValueError(f"data file {path!r} has no rows")
+    columns = list(rows[0])
+    for role, key in keys.items():
+        if key.split(".")[0] not in columns:
+            raise KeyError(
+                f"{role} column {key!r} not found in {path!r} (set data.{role}_key to one "
+                f"of its columns: {columns})"
+            )
 
 
 def read_rows(

@@ -1,7 +1,9 @@
 """`python -m patrl.orchestrator [--config FILE] [--dry-run] [key=value ...]`, also under torchrun.
 
-Configuration errors are reported on every rank before any process group is joined, so a typo
-fails in a second with the key named, not after minutes of start-up.
+Bad input (configuration, model directory, data, layout, resume checkpoint; see preflight.py)
+is found on every rank before any process group is joined or anything is written, so a typo
+fails in seconds with the culprit named, not after minutes of start-up. `--dry-run` runs the
+same checks, then prints the resolved config.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from patrl.orchestrator.config import ConfigError, JobConfig, dump_config, load_config
+from patrl.orchestrator import preflight
+from patrl.orchestrator.config import ConfigError, JobConfig, dump_config
 from patrl.orchestrator.distributed import World, barrier, close_world, init_world
 
 
@@ -26,7 +29,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--config", help="YAML file with the job's sections (data, rollout, actor, ...)"
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config, model, data, layout and resume checkpoint; print the config",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     return parser.parse_args(argv)
 
@@ -35,8 +42,9 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        config = load_config(args.config or default_config, args.overrides)
-    except (ConfigError, OSError) as err:
+        config = preflight.load(args.config or default_config, args.overrides)
+        preflight.check(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:
         if rank == 0:
             print(f"patrl: {err}", file=sys.stderr)
         return 2
@@ -69,17 +77,14 @@ def run(config: JobConfig, world: World) -> Any:
 
 def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
     """The model and data to use; the embedded demo task fills in whatever is not given."""
-    model, train, val = config.model.path, config.data.train_files, config.data.val_files
-    if model is not None and train is not None:
-        return model, train, val
-    from patrl.orchestrator.demo import ensure_demo_assets
+    demo = None
+    if config.model.path is None or config.data.train_files is None:
+        from patrl.orchestrator.demo import ensure_demo_assets
 
-    # Every rank asks; a file lock lets one build while the others wait on the lock (not on a
-    # collective, whose timeout a slow first build on a busy machine could exceed).
-    assets = ensure_demo_assets(progress=world.is_first)
-    barrier(world)
-    return (
-        model or str(assets.model_dir),
-        train if train is not None else str(assets.train_file),
-        val if val is not None or train is not None else str(assets.val_file),
-    )
+        # Every rank asks; a file lock lets one build while the others wait on the lock (not on
+        # a collective, whose timeout a slow first build on a busy machine could exceed).
+        demo = ensure_demo_assets(progress=world.is_first)
+        barrier(world)
+    model, train, val = preflight.choose_assets(config, demo)
+    assert model is not None  # given, or the demo's
+    return model, train, val

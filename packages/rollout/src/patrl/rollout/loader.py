@@ -3,6 +3,8 @@
 `load_weights(model, named_tensors)` is the only weight path: checkpoint loading feeds it the
 directory's safetensors, and weight sync feeds it the trainer's full tensors under their HF
 names. Each parameter's `weight_loader` cuts the tensor for this rank's layout.
+`check_model_dir` validates a directory from its headers alone (no tensor is read), so a job
+can reject a wrong one before it starts any work.
 Nothing here touches the network: directories are read with `local_files_only=True`.
 """
 
@@ -18,6 +20,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
+from patrl.rollout.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from patrl.rollout.models import build_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.tpreshard import ParallelLayout
@@ -25,6 +28,8 @@ from patrl.tpreshard import ParallelLayout
 # Checkpoint entries that are derived, not learned (old Llama checkpoints carry these).
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How many names to show when a directory has many missing / unexpected / mis-shaped tensors.
+_SHOWN = 3
 
 
 def read_config(model_dir: str | Path) -> Any:
@@ -118,6 +123,111 @@ def load_model(
     if missing:
         raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
     return model
+
+
+def check_model_dir(model_dir: str | Path) -> ModelConfig:
+    """The architecture of `model_dir`, after checking from file headers alone that it exists,
+    holds a config.json of a supported family, and that its safetensors hold exactly the tensors
+    that config implies, each of the shape it implies. Raises FileNotFoundError or ValueError
+    naming the directory, the file, the tensor and both shapes."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(root)!r} does not exist; give a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer files, as save_pretrained writes them)"
+        )
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{str(root)!r} has no config.json, so it is not a Hugging Face model directory; "
+            f"it holds {sorted(p.name for p in root.iterdir())}"
+        )
+    model_type = _read_model_type(config_file)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} is not supported; supported: "
+            f"{list(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        config = ModelConfig.from_hf(read_config(root))
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from None
+    _check_tensors(root, config)
+    return config
+
+
+def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(HF name -> full shape of every tensor a checkpoint of `config` must hold, names it may
+    also hold). Derived from the rollout model itself, built on the meta device at TP 1, so it
+    is by construction the set `load_weights` needs."""
+    model = build_model(config, None, device="meta")
+    hf_module = {fused_part: hf for hf, fused_part in model.packed_modules_mapping.items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters():
+        spec = param.shard_spec  # type: ignore[attr-defined]
+        if not spec.parts:
+            shapes[name] = tuple(param.shape)
+            continue
+        fused = name.split(".")[-2]
+        for p in spec.parts:
+            hf_name = name.replace(f".{fused}.", f".{hf_module[fused, p.name]}.")
+            shapes[hf_name] = (p.size, *param.shape[1:])
+    # A tied LM head is the embedding: save_pretrained omits it, other writers keep a copy.
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return shapes, optional
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """HF name -> (shape, file) of every tensor in the directory's safetensors, from headers."""
+    found: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for path in checkpoint_files(model_dir):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path.parent / 'model.safetensors.index.json'} names {path.name}, "
+                "which does not exist"
+            )
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                found[name] = (tuple(f.get_slice(name).get_shape()), path)
+    return found
+
+
+def _read_model_type(config_file: Path) -> Any:
+    try:
+        return json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{config_file} is not a JSON object: {err}") from None
+
+
+def _check_tensors(root: Path, config: ModelConfig) -> None:
+    expected, optional = expected_shapes(config)
+    found = checkpoint_shapes(root)
+    shaped = [n for n, (shape, _) in found.items() if n in expected and shape != expected[n]]
+    problems = [
+        f"tensor {name!r} has shape {list(found[name][0])} in {found[name][1].name}, but "
+        f"config.json implies {list(expected[name])}"
+        for name in shaped[:_SHOWN]
+    ]
+    if len(shaped) > _SHOWN:
+        problems.append(f"{len(shaped)} tensors differ in shape in all")
+    missing = sorted(expected.keys() - found.keys())
+    if missing:
+        problems.append(f"{len(missing)} tensors missing, e.g. {missing[:_SHOWN]}")
+    unexpected = sorted(
+        n for n in found.keys() - expected.keys() - optional if not n.endswith(_DERIVED_SUFFIXES)
+    )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} tensors that a {config.model_type} model of this config.json "
+            f"does not have, e.g. {unexpected[:_SHOWN]}"
+        )
+    if problems:
+        raise ValueError(
+            f"{str(root)!r}: the safetensors do not match config.json "
+            f"(model_type={config.model_type}, hidden_size={config.hidden_size}, "
+            f"num_hidden_layers={config.num_layers}, vocab_size={config.vocab_size}): "
+            + "; ".join(problems)
+        )
 
 
 def _map_name(hf_name: str, model: CausalLM) -> tuple[str, str | None]:

@@ -1,0 +1,292 @@
+"""Everything about a job's inputs that can be checked before any work starts.
+
+`load` reads the configuration: malformed YAML is reported with its file and line, unknown keys
+with their line and the close matches, wrong types with the dotted key, the value and the type
+expected. `check` validates what the configuration points at against the world it will run in:
+the model directory, the data files, the tensor-parallel layout and the checkpoint a run would
+resume from. Both run on every rank before a process group is joined; they build no engine or
+trainer, write nothing, and report every problem they find at once:
+
+    config = preflight.load("job.yaml", ["rollout.n=8"])
+    preflight.check(config, world_size=2)
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel
+from safetensors import SafetensorError
+
+from patrl.orchestrator import checkpointing
+from patrl.orchestrator.config import ConfigError, JobConfig, load_config
+from patrl.orchestrator.data import PromptDataset, load_prompt_dataset
+from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
+from patrl.rollout.model_config import ModelConfig
+
+T = TypeVar("T")
+# What reading a user's files raises when the files are wrong (not when our code is).
+_INPUT_ERRORS = (ValueError, OSError, KeyError, SafetensorError)
+
+
+class PreflightError(ConfigError):
+    """One or more problems with a job's inputs, each phrased for the user (`problems`)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        if len(problems) == 1:
+            super().__init__(problems[0])
+        else:
+            super().__init__(f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """`load_config`, with the YAML's syntax and keys checked first so that errors carry lines."""
+    if path is None:
+        return load_config(None, overrides)
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r}: {err.strerror}") from None
+    lines = key_lines(str(path), text)
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        overridden = {item.partition("=")[0].strip() for item in overrides or []}
+        where = {k: n for k, n in lines.items() if k not in overridden}
+        raise ConfigError(str(err) + _locations(str(err), str(path), where)) from None
+
+
+def key_lines(path: str, text: str) -> dict[str, int]:
+    """Dotted key -> line, for every known key the YAML sets; raises PreflightError for a
+    syntax error or for unknown or repeated keys (all of them, each with its line)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({err.context})" if err.context else ""
+        raise PreflightError([f"{path}{at}: malformed YAML: {err.problem}{context}"]) from None
+    except yaml.YAMLError as err:
+        raise PreflightError([f"{path}: malformed YAML: {err}"]) from None
+    lines: dict[str, int] = {}
+    problems: list[str] = []
+    _walk(root, JobConfig, [], path, lines, problems)
+    if problems:
+        raise PreflightError(problems)
+    return lines
+
+
+def _walk(
+    node: Any,
+    model: type[BaseModel] | None,
+    prefix: list[str],
+    path: str,
+    lines: dict[str, int],
+    problems: list[str],
+) -> None:
+    if model is None or not isinstance(node, yaml.MappingNode):
+        return  # not a section: pydantic reports a wrong type with the dotted key
+    fields = model.model_fields
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        dotted = ".".join([*prefix, key])
+        line = key_node.start_mark.line + 1
+        if key not in fields:
+            where = ".".join(prefix) or "the top level"
+            close = difflib.get_close_matches(key, list(fields), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(
+                f"{path} line {line}: unknown key {dotted!r}: {where} accepts "
+                f"{sorted(fields)}{hint}"
+            )
+        elif dotted in lines:
+            problems.append(
+                f"{path} line {line}: key {dotted!r} is set twice (first on line "
+                f"{lines[dotted]}); keep one"
+            )
+        else:
+            lines[dotted] = line
+            _walk(
+                value_node, _section(fields[key].annotation), [*prefix, key], path, lines, problems
+            )
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _locations(message: str, path: str, lines: dict[str, int]) -> str:
+    """Where in the file each key the message names was set (the most specific key only)."""
+    named = [k for k in lines if re.search(rf"(?<![\w.]){re.escape(k)}(?=[:.'])", message)]
+    named = [k for k in named if not any(o.startswith(k + ".") for o in named)]
+    return "".join(f"\n  ({k} is set in {path} line {lines[k]})" for k in sorted(named))
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def check(config: JobConfig, world_size: int) -> None:
+    """Raise PreflightError listing every problem of the model, data, layout and checkpoint.
+
+    What comes from the embedded demo is checked when the demo is already built, and left to
+    its build (which makes known-good assets) when not."""
+    problems: list[str] = []
+    model_dir, train_files, val_files = choose_assets(config, _built_demo(config))
+    model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
+    if tokenizer is not None:
+        problems += _data_problems(config, tokenizer, train_files, val_files)
+    problems += layout_problems(config.rollout.tensor_model_parallel_size, world_size, model)
+    if model is not None:
+        problems += _resume_problems(config, model, world_size)
+    if problems:
+        raise PreflightError(problems)
+
+
+def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
+    """(model dir, train files, val files): the configured ones, the demo's for what is not
+    configured (None where that is needed and `demo` is None)."""
+    model, train, val = config.model.path, config.data.train_files, config.data.val_files
+    if model is None and demo is not None:
+        model = str(demo.model_dir)
+    if val is None and train is None and demo is not None:
+        val = str(demo.val_file)
+    if train is None and demo is not None:
+        train = str(demo.train_file)
+    return model, train, val
+
+
+def layout_problems(tp: int, world_size: int, model: ModelConfig | None) -> list[str]:
+    """Why `tp` fits no layout of `world_size` ranks for `model`, and the sizes that would."""
+    fits = [t for t in range(1, world_size + 1) if world_size % t == 0 and _splits(model, t)]
+    if tp in fits:
+        return []
+    why = [f"it does not divide the world size {world_size}"] if world_size % tp else []
+    if model is not None and not _splits(model, tp):
+        why.append(f"the model cannot be split {tp} ways ({_split_error(model, tp)})")
+    return [
+        f"rollout.tensor_model_parallel_size={tp} fits no layout of {world_size} ranks: "
+        f"{' and '.join(why)}; with {world_size} ranks"
+        f"{' and this model' if model is not None else ''} it can be one of {fits}"
+    ]
+
+
+def _splits(model: ModelConfig | None, tp: int) -> bool:
+    return model is None or _split_error(model, tp) is None
+
+
+def _split_error(model: ModelConfig, tp: int) -> str | None:
+    try:
+        model.check_tp(tp)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any]:
+    model = _attempt(problems, "model.path", lambda: check_model_dir(model_dir))
+    if model is None:
+        return None, None
+    return model, _attempt(problems, "model.path", lambda: _tokenizer(model_dir))
+
+
+def _data_problems(
+    config: JobConfig, tokenizer: Any, train_files: Any, val_files: Any
+) -> list[str]:
+    problems: list[str] = []
+    if train_files is not None:
+        train = _attempt(
+            problems, "data.train_files", lambda: _dataset(config, train_files, tokenizer)
+        )
+        if train is not None:
+            problems += _batch_problems(config, train)
+    if val_files:
+        _attempt(problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer))
+    return problems
+
+
+def _resume_problems(config: JobConfig, model: ModelConfig, world_size: int) -> list[str]:
+    t = config.trainer
+    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    if target is None:
+        return []
+    shapes, optional = expected_shapes(model)
+    key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
+    problems: list[str] = []
+    _attempt(
+        problems, key, lambda: checkpointing.check_resumable(target, shapes, optional, world_size)
+    )
+    return problems
+
+
+def _batch_problems(config: JobConfig, train: PromptDataset) -> list[str]:
+    d = config.data
+    if len(train) >= d.train_batch_size:
+        return []
+    return [
+        f"data.train_batch_size={d.train_batch_size} but data.train_files leaves "
+        f"{len(train)} prompts ({train.num_filtered_overlong} of {train.num_rows} rows "
+        f"filtered as longer than data.max_prompt_length={d.max_prompt_length}): no batch "
+        f"can be drawn; lower data.train_batch_size to at most {len(train)}"
+    ]
+
+
+def _dataset(config: JobConfig, files: Any, tokenizer: Any) -> PromptDataset:
+    d = config.data
+    return load_prompt_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+    )
+
+
+def _tokenizer(model_dir: str) -> Any:
+    try:
+        return read_tokenizer(model_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{model_dir!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json, "
+            f"as save_pretrained writes them): {err}"
+        ) from None
+
+
+def _built_demo(config: JobConfig) -> Any:
+    """The demo's assets if the run would use them and they are built; else None."""
+    if config.model.path is not None and config.data.train_files is not None:
+        return None
+    from patrl.orchestrator.demo.assets import (
+        DemoAssets,
+        DemoRecipe,
+        default_cache_root,
+        is_complete,
+    )
+
+    recipe = DemoRecipe.default()
+    root = default_cache_root() / f"demo-{recipe.key()}"
+    return DemoAssets.load(root) if is_complete(root, recipe) else None
+
+
+def _attempt(problems: list[str], key: str, fn: Callable[[], T]) -> T | None:
+    """fn(), or None with its error, under `key`, added to `problems`."""
+    try:
+        return fn()
+    except _INPUT_ERRORS as err:
+        # KeyError's str() is the repr of its message; the message is what the user needs.
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        problems.append(f"{key}: {text}")
+        return None

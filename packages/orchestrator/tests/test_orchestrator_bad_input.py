@@ -1,0 +1,411 @@
+"""Bad input on every path fails before any work, naming the culprit, and writes nothing.
+
+One table: each case builds one bad thing next to a good tiny Llama and its data, runs the
+entry point the CLI runs (`preflight.load` then `preflight.check`), and checks the message for
+the facts a user needs; every case also checks that no file appeared or changed anywhere under
+the test's directories (so no run dir, checkpoint or metrics file). One case goes through the
+CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from patrl.orchestrator import preflight
+from patrl.orchestrator.config import ConfigError
+from patrl.rollout.loader import expected_shapes
+from patrl.rollout.model_config import ModelConfig
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+NUM_TRAIN = 16
+
+
+@dataclass(frozen=True)
+class Assets:
+    root: Path
+    model: Path  # a good tiny Llama with the demo's tokenizer
+    other_model: Path  # same family, intermediate_size 96
+    checkpoint: Path  # a run checkpoint of `model`, saved by one rank
+    other_checkpoint: Path  # a run checkpoint of `other_model`, saved by one rank
+
+
+def _save_llama(path: Path, **changes: Any) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), **{**TINY, **changes})
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def _save_run_checkpoint(model_dir: Path, checkpoint: Path) -> None:
+    from patrl.orchestrator import checkpointing
+    from patrl.trainer import Trainer, TrainerConfig
+
+    Trainer(TrainerConfig(), str(model_dir)).save(checkpoint / checkpointing.TRAINER_DIR)
+    (checkpoint / checkpointing.STATE_FILE).write_text(json.dumps({"step": 1}))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
+    root = tmp_path_factory.mktemp("bad_input")
+    out = Assets(
+        root,
+        root / "model",
+        root / "other_model",
+        root / "ckpt" / "global_step_1",
+        root / "other_ckpt" / "global_step_1",
+    )
+    _save_llama(out.model)
+    _save_llama(out.other_model, intermediate_size=96)
+    _save_run_checkpoint(out.model, out.checkpoint)
+    _save_run_checkpoint(out.other_model, out.other_checkpoint)
+    rng = random.Random(0)
+    for split, count in (("train", NUM_TRAIN), ("val", 4)):
+        with (root / f"{split}.jsonl").open("w") as f:
+            for _ in range(count):
+                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
+    return out
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a case hands the entry point."""
+
+    overrides: dict[str, Any]
+    config_text: str | None = None  # the YAML file's text, when the case uses one
+    world_size: int = 1
+
+
+def _good(assets: Assets, run_root: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "model.path": assets.model,
+        "data.train_files": assets.root / "train.jsonl",
+        "data.val_files": assets.root / "val.jsonl",
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 32,
+        "actor.ppo_mini_batch_size": 2,
+        "trainer.default_local_dir": run_root,
+        **extra,
+    }
+
+
+def _model_copy(assets: Assets, tmp: Path) -> Path:
+    return Path(shutil.copytree(assets.model, tmp / "model"))
+
+
+def _edit_config(model_dir: Path, **changes: Any) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_tensors(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# Each builder: (assets, a scratch dir for the bad thing, the run root) -> Setup.
+Builder = Callable[[Assets, Path, Path], Setup]
+
+
+def malformed_yaml(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run), "data:\n  train_batch_size: 4\n\tmax_prompt_length: 32\n")
+
+
+def unknown_yaml_key(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run), "rollout:\n  n: 4\n  temprature: 0.5\n")
+
+
+def unknown_override_key(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.tempreature": 0.5}))
+
+
+def wrong_type(a: Assets, tmp: Path, run: Path) -> Setup:
+    overrides = _good(a, run)
+    del overrides["data.train_batch_size"]
+    return Setup(overrides, "data:\n  shuffle: true\n  train_batch_size: many\n")
+
+
+def missing_model_dir(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"model.path": tmp / "no_such_model"}))
+
+
+def no_config_json(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    (model / "config.json").unlink()
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def unsupported_family(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    _edit_config(model, model_type="gpt2")
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def tensor_shape_mismatch(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    _edit_config(model, intermediate_size=96)
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def missing_tensor(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    _edit_tensors(model, lambda t: t.pop("model.norm.weight"))
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def unexpected_tensor(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    _edit_tensors(model, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def missing_column(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"data.prompt_key": "question"}))
+
+
+def all_prompts_overlong(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"data.max_prompt_length": 3}))
+
+
+def batch_larger_than_data(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"data.train_batch_size": 32, "actor.ppo_mini_batch_size": 32}))
+
+
+def checkpoint_of_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": a.other_checkpoint}
+    return Setup(_good(a, run, **extra))
+
+
+def auto_resume_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
+    # The run dir already holds a checkpoint (of another model) that auto-resume would pick.
+    shutil.copytree(a.other_checkpoint, run / "patrl" / "grpo" / "checkpoints" / "global_step_1")
+    return Setup(_good(a, run))
+
+
+def checkpoint_of_other_world(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": a.checkpoint}
+    return Setup(_good(a, run, **extra), world_size=2)
+
+
+def not_a_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": tmp}
+    return Setup(_good(a, run, **extra))
+
+
+def tp_not_dividing_world(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.tensor_model_parallel_size": 3}), world_size=2)
+
+
+def tp_beyond_heads(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.tensor_model_parallel_size": 8}), world_size=8)
+
+
+def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
+    return Setup(_good(a, run, **extra), world_size=3)
+
+
+CASES: list[tuple[Builder, list[str]]] = [
+    (malformed_yaml, ["job.yaml line 3, column 1", "malformed YAML", "'\\t'"]),
+    (
+        unknown_yaml_key,
+        ["job.yaml line 3", "unknown key 'rollout.temprature'", "did you mean temperature"],
+    ),
+    (unknown_override_key, ["unknown key 'rollout.tempreature'", "did you mean temperature"]),
+    (
+        wrong_type,
+        ["data.train_batch_size", "valid integer", "'many'", "set in {yaml} line 3"],
+    ),
+    (missing_model_dir, ["model.path", "no_such_model", "does not exist"]),
+    (no_config_json, ["model.path", "has no config.json", "model.safetensors"]),
+    (unsupported_family, ["model_type 'gpt2' is not supported", "['llama', 'qwen2', 'qwen3']"]),
+    (
+        tensor_shape_mismatch,
+        [
+            "'model.layers.0.mlp.gate_proj.weight' has shape [128, 64] in model.safetensors",
+            "config.json implies [96, 64]",
+        ],
+    ),
+    (missing_tensor, ["1 tensors missing", "model.norm.weight"]),
+    (unexpected_tensor, ["does not have", "model.layers.0.mlp.extra.weight"]),
+    (
+        missing_column,
+        [
+            "data.train_files",
+            "prompt column 'question' not found",
+            "train.jsonl",
+            "['prompt', 'answer']",
+        ],
+    ),
+    (
+        all_prompts_overlong,
+        [f"all {NUM_TRAIN} rows were filtered as overlong", "data.max_prompt_length=3"],
+    ),
+    (batch_larger_than_data, ["data.train_batch_size=32", f"leaves {NUM_TRAIN} prompts"]),
+    (
+        checkpoint_of_other_model,
+        [
+            "trainer.resume_from_path",
+            "holds a different model than model.path",
+            "intermediate_size is 96 in the checkpoint, 128 in the model",
+            "'model.layers.0.mlp.down_proj.weight' is [64, 96] in the checkpoint",
+        ],
+    ),
+    (
+        auto_resume_other_model,
+        ["trainer.resume_mode", "global_step_1", "intermediate_size is 96 in the checkpoint"],
+    ),
+    (checkpoint_of_other_world, ["saved by 1 trainer rank", "this run has 2"]),
+    (not_a_checkpoint, ["trainer.resume_from_path", "not a complete patrl checkpoint"]),
+    (
+        tp_not_dividing_world,
+        [
+            "rollout.tensor_model_parallel_size=3 fits no layout of 2 ranks",
+            "does not divide the world size 2",
+            "one of [1, 2]",
+        ],
+    ),
+    (
+        tp_beyond_heads,
+        [
+            "rollout.tensor_model_parallel_size=8 fits no layout of 8 ranks",
+            "num_attention_heads=4",
+            "one of [1, 2, 4]",
+        ],
+    ),
+    (
+        several_at_once,
+        [
+            "3 problems",
+            "data.train_files: answer column 'solution' not found",
+            "data.val_files: answer column 'solution' not found",
+            "does not divide the world size 3",
+        ],
+    ),
+]
+
+
+def _snapshot(*roots: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under `roots`, with size and modification time."""
+    out = {}
+    for root in roots:
+        for path in [root, *root.rglob("*")]:
+            stat = path.stat()
+            out[str(path)] = (stat.st_size if path.is_file() else -1, stat.st_mtime_ns)
+    return out
+
+
+def _setup(build: Builder, assets: Assets, tmp_path: Path) -> tuple[Setup, Path | None, Path]:
+    run_root = tmp_path / "runs"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    setup = build(assets, scratch, run_root)
+    yaml_path = None
+    if setup.config_text is not None:
+        yaml_path = tmp_path / "job.yaml"
+        yaml_path.write_text(setup.config_text)
+    return setup, yaml_path, run_root
+
+
+def _overrides(setup: Setup) -> list[str]:
+    return [f"{k}={v}" for k, v in setup.overrides.items()]
+
+
+@pytest.mark.parametrize(("build", "facts"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_bad_input_fails_before_work_naming_the_culprit(
+    build: Builder, facts: list[str], assets: Assets, tmp_path: Path
+) -> None:
+    setup, yaml_path, run_root = _setup(build, assets, tmp_path)
+    before = _snapshot(tmp_path, assets.root)
+    with pytest.raises(ConfigError) as info:
+        config = preflight.load(yaml_path, _overrides(setup))
+        preflight.check(config, setup.world_size)
+    message = str(info.value)
+    for fact in facts:
+        assert fact.format(yaml=yaml_path) in message, f"{fact!r} not in:\n{message}"
+    assert _snapshot(tmp_path, assets.root) == before, "preflight wrote or changed a file"
+    assert not (run_root / "patrl" / "grpo" / "metrics.jsonl").exists()
+
+
+def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:
+    """The table's control: the same setup without the bad thing passes, resuming a checkpoint
+    of the same model included, and creates no run dir."""
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": assets.checkpoint}
+    overrides = _good(assets, tmp_path / "runs", **extra)
+    preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 1)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (2, 2), (4, 2), (4, 4), (6, 2)])
+def test_layouts_that_fit_pass(assets: Assets, tmp_path: Path, world_size: int, tp: int) -> None:
+    """4 heads, 2 kv heads: every TP size dividing both the world and the heads is accepted."""
+    overrides = _good(assets, tmp_path / "runs", **{"rollout.tensor_model_parallel_size": tp})
+    preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), world_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_expected_shapes_match_transformers(family: str) -> None:
+    """The slow twin of `expected_shapes`: the state dict of the transformers model itself."""
+    import transformers
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=96, tie_word_embeddings=family == "qwen3", **TINY
+    )
+    with torch.device("meta"):
+        hf = getattr(transformers, f"{name}ForCausalLM")(config)
+    reference = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    shapes, optional = expected_shapes(ModelConfig.from_hf(config))
+    assert optional == ({"lm_head.weight"} if family == "qwen3" else set())
+    assert shapes == {k: v for k, v in reference.items() if k not in optional}
+
+
+def test_cli_reports_bad_input_without_a_traceback(assets: Assets, tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("model:\n  path: " + str(tmp_path / "no_such_model") + "\n")
+    overrides = _good(assets, tmp_path / "runs")
+    del overrides["model.path"]
+    before = _snapshot(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "patrl.orchestrator", "--config", str(config), "--dry-run"]
+        + [f"{k}={v}" for k, v in overrides.items()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""  # the config is not printed when it is bad
+    assert "patrl: model.path:" in done.stderr and "no_such_model" in done.stderr
+    assert "does not exist" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert _snapshot(tmp_path) == before
