@@ -26,11 +26,14 @@ TINY = ModelInfo(
 )
 
 StepFn = Callable[[int, int, int], float]
+# (tp, batch, total context, longest context) -> seconds
+PaddedStepFn = Callable[[int, int, int, int], float]
 
 
 def profile_from(
     step: StepFn,
     *,
+    padded: PaddedStepFn | None = None,
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     prefill_per_token_s: float = 1e-4,
     prefill_quadratic_s: float = 0.0,
@@ -40,13 +43,28 @@ def profile_from(
     memory_bytes: int = 10**12,
     dtype: str = "float32",
 ) -> Profile:
-    """A profile whose decode rows follow `step(tp, batch, context)` exactly."""
-    decode = [
-        DecodeRow(tp=tp, batch=b, context_tokens=b * c, seconds=step(tp, b, b * c))
+    """A profile whose decode rows follow `step(tp, batch, context)` exactly; with `padded`,
+    rows of equal lengths and skewed rows (one sequence 8x the others) follow
+    `padded(tp, batch, context, longest)` instead."""
+    cells = [
+        (tp, b, c)
         for tp in tp_sizes
         for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)
         for c in (64, 512, 2048, 8192)
     ]
+    if padded is None:
+        decode = [
+            DecodeRow(tp=tp, batch=b, context_tokens=b * c, seconds=step(tp, b, b * c))
+            for tp, b, c in cells
+        ]
+    else:
+        decode = [
+            DecodeRow(
+                tp=tp, batch=b, context_tokens=total, max_context=m, seconds=padded(tp, b, total, m)
+            )
+            for tp, b, c in cells
+            for total, m in {(b * c, c), ((b - 1) * c + 8 * c, 8 * c)}
+        ]
     prefill = [
         PrefillRow(
             tp=tp,
@@ -98,3 +116,14 @@ def gloo_like(tp: int, batch: int, context: int) -> float:
 def compute_bound(tp: int, batch: int, context: int) -> float:
     """Compute-bound with a per-token collective: at large batches DP beats TP."""
     return 0.001 / tp + 0.002 * batch / tp + (0.0003 + 1e-4 * batch) * (tp > 1)
+
+
+def sdpa_like(tp: int, batch: int, context: int, longest: int) -> float:
+    """A padded attention backend (this machine's sdpa): every sequence reads the longest
+    one's blocks; a compute knee at 32 sequences. `tp_speeds_up` otherwise."""
+    return tp_speeds_up(tp, batch, 0) + 4e-8 * batch * longest / tp + 1e-4 * max(0, batch - 32) / tp
+
+
+def ragged_like(tp: int, batch: int, context: int, longest: int) -> float:
+    """A ragged attention backend (flash): only the total context costs."""
+    return tp_speeds_up(tp, batch, 0) + 4e-8 * context / tp

@@ -2,7 +2,15 @@ import json
 
 import numpy as np
 import pytest
-from lenpredict_cases import compute_bound, flat, gloo_like, profile_from, tp_speeds_up
+from lenpredict_cases import (
+    compute_bound,
+    flat,
+    gloo_like,
+    profile_from,
+    ragged_like,
+    sdpa_like,
+    tp_speeds_up,
+)
 
 from patrl.lenpredict import (
     AdaptivePolicy,
@@ -43,7 +51,8 @@ def naive_finish(model: LatencyModel, layout: Layout, replica, context, remainin
             rem, ctx = column[mine].astype(int), context[mine].astype(float)
             t, step = 0.0, 0
             while (alive := rem > step).any():
-                t += float(model.step_time(layout.tp, alive.sum(), (ctx[alive] + step).sum()))
+                now = ctx[alive] + step
+                t += float(model.step_time(layout.tp, alive.sum(), now.sum(), now.max()))
                 step += 1
             worst = max(worst, t)
         per_scenario.append(worst)
@@ -69,16 +78,52 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
     return fixed + max(per_replica), np.array(migrate)
 
 
-@pytest.mark.parametrize("step", [tp_speeds_up, gloo_like, compute_bound])
-def test_finish_time_matches_step_by_step_twin(step):
-    model = latency(step)
+@pytest.mark.parametrize(
+    ("step", "padded"),
+    [
+        (tp_speeds_up, None),
+        (gloo_like, None),
+        (compute_bound, None),
+        (tp_speeds_up, sdpa_like),  # padded context and a knee at 32 sequences
+        (tp_speeds_up, ragged_like),
+    ],
+)
+def test_finish_time_matches_step_by_step_twin(step, padded):
+    model = latency(step, padded=padded)
     planner = ReconfigPlanner(model, 8)
     rng = np.random.default_rng(0)
     for layout in LAYOUTS:
-        rs = running_set(rng, 12, layout.dp, max_remaining=60)
-        fast = planner.finish_time(layout.tp, layout.dp, rs.replica, rs)
-        slow = naive_finish(model, layout, rs.replica, rs.context, rs.remaining)
-        assert fast == pytest.approx(slow, rel=1e-9)
+        for n in (12, 90):  # 90 puts more than the knee on a replica of dp <= 2
+            rs = running_set(rng, n, layout.dp, max_remaining=60)
+            rs.remaining[:3] = 0.0  # finished in some scenarios: ties and empty segments
+            fast = planner.finish_time(layout.tp, layout.dp, rs.replica, rs)
+            slow = naive_finish(model, layout, rs.replica, rs.context, rs.remaining)
+            assert fast == pytest.approx(slow, rel=1e-9)
+
+
+def test_padded_attention_prices_a_long_sequence_beside_short_ones():
+    """One long sequence among short ones: a padded backend pays batch x longest per step, so
+    the same tokens take longer than with a ragged one, and the twin agrees."""
+    padded, ragged = (
+        latency(tp_speeds_up, padded=sdpa_like),
+        latency(tp_speeds_up, padded=ragged_like),
+    )
+    assert {fit.form for fit in padded.step_fits.values()} == {"padded"}
+    assert {fit.form for fit in ragged.step_fits.values()} == {"total"}
+    context = np.array([8000] + [100] * 15)
+    rs = RunningSet(np.arange(16), np.zeros(16, dtype=int), context, np.full((16, 1), 200.0))
+    times = {}
+    for name, model in (("padded", padded), ("ragged", ragged)):
+        fast = ReconfigPlanner(model, 8).finish_time(1, 8, rs.replica, rs)
+        assert fast == pytest.approx(
+            naive_finish(model, Layout(8, 1), rs.replica, rs.context, rs.remaining), rel=1e-9
+        )
+        times[name] = fast
+    step = tp_speeds_up(1, 16, 0)
+    assert times["padded"] == pytest.approx(200 * (step + 4e-8 * 16 * (8000 + 99.5)), rel=1e-6)
+    assert times["ragged"] == pytest.approx(
+        200 * (step + 4e-8 * (context.sum() + 16 * 99.5)), rel=1e-6
+    )
 
 
 def test_switch_overhead_matches_per_sequence_twin():

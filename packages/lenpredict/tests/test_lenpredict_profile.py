@@ -3,7 +3,15 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-from lenpredict_cases import TINY, flat, gloo_like, profile_from, tp_speeds_up
+from lenpredict_cases import (
+    TINY,
+    flat,
+    gloo_like,
+    profile_from,
+    ragged_like,
+    sdpa_like,
+    tp_speeds_up,
+)
 from pydantic import ValidationError
 
 from patrl.lenpredict import (
@@ -116,3 +124,53 @@ def test_roofline_profile_fits_and_behaves_like_a_gpu(model):
     # and a replica holds more KV the more ranks it spans
     capacity = [latency.kv_capacity_tokens(tp, 0.9) for tp in (1, 2, 4, 8)]
     assert capacity == sorted(capacity) and capacity[0] > 0
+
+
+def test_decode_row_refuses_an_impossible_longest_context():
+    DecodeRow(tp=1, batch=4, context_tokens=400, max_context=100, seconds=1.0)
+    DecodeRow(tp=1, batch=4, context_tokens=400, max_context=397, seconds=1.0)
+    with pytest.raises(ValidationError, match=r"max_context=99 impossible for 4 sequences"):
+        DecodeRow(tp=1, batch=4, context_tokens=400, max_context=99, seconds=1.0)
+    with pytest.raises(ValidationError, match=r"max_context=401"):
+        DecodeRow(tp=1, batch=4, context_tokens=400, max_context=401, seconds=1.0)
+
+
+@pytest.mark.parametrize(("backend", "wrong"), [(sdpa_like, "total"), (ragged_like, "padded")])
+def test_skewed_rows_tell_a_padded_backend_from_a_ragged_one(backend, wrong):
+    """Equal-length rows cannot separate total from padded context (B·M = C); skewed rows can,
+    and the form that predicts held-out rows better is kept."""
+    rng = np.random.default_rng(0)
+
+    def noisy(tp: int, b: int, c: int, m: int) -> float:
+        return backend(tp, b, c, m) * float(np.exp(rng.normal(0, 0.03)))
+
+    profile = profile_from(tp_speeds_up, padded=noisy)
+    model = LatencyModel.fit(profile)
+    assert wrong not in {fit.form for fit in model.step_fits.values()}
+    assert max(held_out_error(profile).values()) < 0.10
+    # a skewed step: one 8000-token sequence beside 31 of 100
+    truth = backend(1, 32, 8000 + 31 * 100, 8000)
+    assert float(model.step_time(1, 32, 8000 + 31 * 100, 8000)) == pytest.approx(truth, rel=0.1)
+    uniform = profile.model_copy(
+        update={
+            "decode": [r for r in profile.decode if r.max_context * r.batch == r.context_tokens]
+        }
+    )
+    assert {fit.form for fit in LatencyModel.fit(uniform).step_fits.values()} == {"total"}
+
+
+def test_a_fit_from_equal_lengths_misprices_skewed_sdpa_steps():
+    """Why the padded term exists: fitted on equal-length rows only, a padded backend's
+    one-long-many-short step is predicted far too cheap."""
+    profile = profile_from(tp_speeds_up, padded=sdpa_like)
+    uniform = profile.model_copy(
+        update={
+            "decode": [r for r in profile.decode if r.max_context * r.batch == r.context_tokens]
+        }
+    )
+    blind = LatencyModel.fit(uniform)
+    truth = sdpa_like(1, 32, 8000 + 31 * 100, 8000)
+    assert float(blind.step_time(1, 32, 8000 + 31 * 100, 8000)) < 0.5 * truth
+    assert float(LatencyModel.fit(profile).step_time(1, 32, 8000 + 31 * 100, 8000)) == (
+        pytest.approx(truth, rel=1e-6)
+    )

@@ -1,9 +1,17 @@
 """Time to finish: how long the running sequences take to complete in a layout.
 
-A replica's time is a sum over the segments between consecutive predicted finishes: while
-`alive` sequences remain, each step costs `step_time(tp, alive, context)`, and the context
-grows by one token per alive sequence per step. The latency model is linear in context, so a
-segment's mean context gives its exact sum. A layout's time is that of its slowest replica.
+A replica's time is the sum of its decode steps until its last sequence finishes, each step
+priced by the latency model, `a + b·B + c·C + e·B·M + d·max(0, B − knee)` with B the alive
+sequences, C their total context and M the longest one (see latency_model.py). A layout's time
+is that of its slowest replica.
+
+Why it needs no step loop: a sequence with r steps left is alive for exactly r steps, and its
+context grows by one per step, so the terms linear in B and C are sums over sequences:
+Σ_steps a = a·max r, Σ_steps B = Σ r, Σ_steps C = Σ r·(context + (r − 1)/2). Only the knee
+and padded-context terms depend on *which* sequences are alive together; they are summed over
+the segments between consecutive finishes, in each replica's order of remaining length, and
+only when the latency model has them (a GPU profile with flash attention has no padded term,
+and its knee lies past max_num_seqs).
 
 Many such questions (layouts, quantile scenarios, delays) are answered in one vectorised pass,
 because the planner asks them on the engine's hot path.
@@ -15,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from patrl.lenpredict.latency_model import StepCoefficients
 from patrl.lenpredict.layout import Layout
 
 
@@ -73,45 +82,70 @@ def slowest_replica_times(
     rows: Questions,
     assignments: np.ndarray,
     running: RunningSet,
-    step_coefficients: dict[int, tuple[float, float, float, float, float]],
+    step_coefficients: dict[int, StepCoefficients],
 ) -> np.ndarray:
     """Seconds of each row's slowest replica (see `Questions`), shape (rows,). `assignments`
     holds one replica-per-sequence array per assignment index; `step_coefficients` maps a TP
     size to `LatencyModel.step_coefficients`."""
-    n, q = running.remaining.shape
-    columns = running.remaining.T  # (Q, n)
-    # one order per (assignment, column): by replica, then remaining; clipping or shifting
-    # the remaining lengths keeps it
-    keys = assignments[:, None, :] * (columns.max() + 1.0) + columns[None, :, :]
-    orders = np.argsort(keys.reshape(-1, n), axis=1)
     assign, column = np.asarray(rows.assign), np.asarray(rows.column)
-    order = orders[assign * q + column]  # (R, n)
-    original = columns[column[:, None], order]
-    delay = np.asarray(rows.delay)
-    shift = np.asarray(rows.shift)
+    delay, shift = np.asarray(rows.delay, dtype=float), np.asarray(rows.shift)
+    original = running.remaining.T[column]  # (R, n)
     skip = np.where(shift, delay, 0.0)[:, None]  # steps already done, when shifting
     stop = np.where(shift, np.inf, delay)[:, None]  # steps to time, when clipping
     rem = np.minimum(np.maximum(original - skip, 0.0), stop)
-    ctx = running.context[order] + np.minimum(original, skip)
+    ctx = running.context + np.minimum(original, skip)
     dp = np.asarray(rows.dp)
-    offset = np.r_[0, np.cumsum(dp)[:-1]]
-    key = (offset[:, None] + assignments[assign[:, None], order]).ravel()
-    groups = int(dp.sum())
-    counts = np.bincount(key, minlength=groups)
-    ends = np.cumsum(counts)
-    end = ends[key]
-    here = np.arange(key.size)
-    alive = (end - here).reshape(rem.shape)
-    prev = np.empty(rem.shape)
-    prev[:, 0] = 0.0
-    prev[:, 1:] = rem[:, :-1]
-    prev.ravel()[(ends - counts)[counts > 0]] = 0.0  # each replica starts from now
-    prefix = np.zeros(key.size + 1)
-    np.cumsum(ctx, out=prefix[1:])
-    ahead = (prefix[end] - prefix[here]).reshape(rem.shape)  # context of the alive ones
-    context_mid = np.maximum(ahead + alive * (prev + rem - 1) / 2, 0.0)
-    a, b, c, d, knee = np.array([step_coefficients[tp] for tp in rows.tp]).T[:, :, None]
-    step = a + b * alive + c * context_mid + d * np.maximum(0.0, alive - knee)
-    step = (step * (rem - prev)).ravel()
-    per_replica = np.bincount(key, weights=step, minlength=groups)
+    offset = np.cumsum(dp) - dp
+    groups = int(offset[-1] + dp[-1])
+    key = (offset[:, None] + assignments[assign]).ravel()
+    # per replica: the steps of each sequence, and its context summed over them
+    weights = np.concatenate([rem.ravel(), (rem * (ctx + (rem - 1) / 2)).ravel()])
+    sums = np.bincount(np.concatenate([key, key + groups]), weights, minlength=2 * groups)
+    longest = np.zeros(groups)
+    np.maximum.at(longest, key, rem.ravel())
+    a, b, c, d, knee, e = np.array([step_coefficients[tp] for tp in rows.tp]).repeat(dp, axis=0).T
+    per_replica = a * longest + b * sums[:groups] + c * sums[groups:]
+    # the knee matters only where a replica runs more sequences than it at once
+    crowded = (d > 0).any() and np.bincount(key, minlength=groups).max() > knee.min()
+    if crowded or (e > 0).any():
+        past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
+        per_replica += d * past_knee + e * padded
     return np.maximum.reduceat(per_replica, offset)
+
+
+def _ordered_terms(
+    rows: Questions,
+    running: RunningSet,
+    rem: np.ndarray,
+    ctx: np.ndarray,
+    key: np.ndarray,
+    knee: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per replica (as `key` numbers them): Σ_steps max(0, B − knee) and Σ_steps B·M.
+
+    In a replica's order of remaining length, longest first (r_1 >= r_2 >= ..), exactly k
+    sequences are alive for the r_k − r_{k+1} steps after the (k+1)-th finishes, and the
+    longest context among them at the start is P_k, the running maximum of the contexts. By
+    summation by parts Σ_k (r_k − r_{k+1})·f(k) = Σ_k r_k·(f(k) − f(k−1)), so each sequence's
+    share needs only its rank k in its replica and P_k, P_{k−1}. The order: one sort of each
+    quantile column (clipping or shifting keeps it), then a stable radix sort by replica."""
+    count, n = rem.shape
+    order = np.argsort(-running.remaining, axis=0).T[np.asarray(rows.column)]  # (R, n)
+    flat = (np.arange(count)[:, None] * n + order).ravel()
+    idx = flat[np.argsort(key[flat].astype(np.int32), kind="stable")]
+    key, rem, ctx = key[idx], rem.ravel()[idx], ctx.ravel()[idx]
+    groups = len(knee)
+    sizes = np.bincount(key, minlength=groups)
+    first = np.cumsum(sizes) - sizes
+    rank = np.arange(len(key)) - first[key] + 1
+    # running maximum within each replica: lift every replica above the ones before it
+    lift = key * (ctx.max() + 1.0)
+    upto = np.maximum.accumulate(ctx + lift) - lift
+    before = np.r_[0.0, upto[:-1]]  # P_{k-1}; at a replica's first (k = 1) it has weight 0
+    # B·M = B·(longest context at the start) + B·(steps since): the second part is Σ r(r−1)/2
+    padded = rem * (rank * upto - (rank - 1) * before + (rem - 1) / 2)
+    past_knee = rem * np.clip(rank - knee[key], 0.0, 1.0)
+    return (
+        np.bincount(key, weights=past_knee, minlength=groups),
+        np.bincount(key, weights=padded, minlength=groups),
+    )

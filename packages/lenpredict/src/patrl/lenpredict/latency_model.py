@@ -2,15 +2,20 @@
 
 Decode step time, per TP size, is fitted as
 
-    t(B, C) = a + b·B + c·C + d·max(0, B − knee)
+    t(B, C, M) = a + b·B + c·C + e·B·M + d·max(0, B − knee)
 
-with B the batch (running sequences) and C the total context tokens. Why this form: a decode
-step reads every weight once (a, independent of B), computes per sequence (b), reads the KV
-cache of every context token (c), and turns compute-bound past a batch size (the roofline
-knee, d). Whether the knee helps is decided per TP by cross-validated error: the hinge form is
-kept only when it predicts held-out rows better than the plain linear one. All coefficients
-are non-negative (a step never gets cheaper with more work) and fitted on *relative* error,
-because the planner compares ratios of times that span three orders of magnitude.
+with B the batch (running sequences), C their total context tokens and M the longest one's.
+Why this form: a decode step reads every weight once (a, independent of B), computes per
+sequence (b), reads the KV cache it attends over, and turns compute-bound past a batch size
+(the roofline knee, d). What attention reads depends on the backend: a ragged kernel (flash
+attention's varlen/paged decode) reads each sequence's own context, C in total (c); our sdpa
+backend gathers every sequence's blocks padded to the longest, B·M tokens (e). On a batch of
+equal lengths B·M = C and no profile can tell them apart, so the padded term is fitted only
+when the profile has rows of skewed batches (`DecodeRow.max_context`), and kept only when it
+predicts held-out rows better. The same cross-validation decides whether the knee helps. All
+coefficients are non-negative (a step never gets cheaper with more work) and fitted on
+*relative* error, because the planner compares ratios of times that span three orders of
+magnitude.
 
 Prefill of a sequence of T tokens: a + b·T + c·T² (attention is quadratic); a batch of
 sequences pays `a` once. Collectives: α + bytes/β per (op, group size).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -47,22 +53,55 @@ def _mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.median(np.abs(pred - y) / y))
 
 
-def _decode_features(batch: np.ndarray, context: np.ndarray, knee: float) -> np.ndarray:
+ContextForm = Literal["total", "padded", "both"]
+# which context columns each form fits (the others are zeroed): total C, padded B·M
+_FORM_MASK: dict[str, tuple[float, float]] = {
+    "total": (1.0, 0.0),
+    "padded": (0.0, 1.0),
+    "both": (1.0, 1.0),
+}
+
+
+def _decode_features(
+    batch: np.ndarray, context: np.ndarray, padded: np.ndarray, knee: float, form: str
+) -> np.ndarray:
+    """Columns [1, B, C, max(0, B − knee), B·M]."""
     hinge = np.maximum(0.0, batch - knee) if np.isfinite(knee) else np.zeros_like(batch)
-    return np.stack([np.ones_like(batch), batch, context, hinge], axis=-1)
+    total_on, padded_on = _FORM_MASK[form]
+    return np.stack(
+        [np.ones_like(batch), batch, context * total_on, hinge, padded * padded_on], axis=-1
+    )
+
+
+class StepCoefficients(NamedTuple):
+    """t = fixed + per_seq·B + per_token·C + per_seq_past_knee·max(0, B − knee)
+    + per_padded_token·B·M, for callers that evaluate many steps in one array expression."""
+
+    fixed: float
+    per_seq: float
+    per_token: float
+    per_seq_past_knee: float
+    knee: float  # 1e300 when there is none
+    per_padded_token: float
 
 
 @dataclass(frozen=True, slots=True)
 class StepFit:
-    coef: np.ndarray
+    coef: np.ndarray  # [a, b, c, d, e] of the module docstring's form
     knee: float  # inf: the linear form was better
     cv_mape: float  # median absolute percentage error on held-out folds; nan when too few rows
+    form: ContextForm = "total"  # which context terms were kept
 
-    def predict(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        a, b, c, d = self.coef.tolist()
+    def predict(
+        self, batch: np.ndarray, context: np.ndarray, max_context: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`max_context` None: every sequence holds context / batch tokens."""
+        a, b, c, d, e = self.coef.tolist()
         t = a + b * batch + c * context
         if d and np.isfinite(self.knee):
             t = t + d * np.maximum(0.0, batch - self.knee)
+        if e:
+            t = t + e * (context if max_context is None else batch * max_context)
         return np.asarray(t)
 
 
@@ -71,33 +110,42 @@ def _folds(n: int, k: int) -> list[np.ndarray]:
     return [order[i::k] for i in range(k)]
 
 
-def _cv_error(batch: np.ndarray, context: np.ndarray, y: np.ndarray, knee: float) -> float:
+def _cv_error(x: np.ndarray, y: np.ndarray) -> float:
     n = len(y)
     if n < 6:
         return float("nan")
     errors = []
     for test in _folds(n, min(5, n)):
         train = np.setdiff1d(np.arange(n), test)
-        coef = _nonneg_relative_lstsq(
-            _decode_features(batch[train], context[train], knee), y[train]
-        )
-        pred = _decode_features(batch[test], context[test], knee) @ coef
-        errors.append(np.abs(pred - y[test]) / y[test])
+        coef = _nonneg_relative_lstsq(x[train], y[train])
+        errors.append(np.abs(x[test] @ coef - y[test]) / y[test])
     return float(np.median(np.concatenate(errors)))
 
 
-def fit_step(rows: Sequence[DecodeRow]) -> StepFit:
-    """Fit one TP size's decode rows, choosing linear or hinge by cross-validated error."""
+def _row_arrays(rows: Sequence[DecodeRow]) -> tuple[np.ndarray, ...]:
     batch = np.array([r.batch for r in rows], dtype=float)
     context = np.array([r.context_tokens for r in rows], dtype=float)
-    y = np.array([r.seconds for r in rows])
+    padded = np.array([r.padded_tokens for r in rows], dtype=float)
+    return batch, context, padded, np.array([r.seconds for r in rows])
+
+
+def fit_step(rows: Sequence[DecodeRow]) -> StepFit:
+    """Fit one TP size's decode rows, choosing the knee and the context form by
+    cross-validated error (ties go to the simpler form: no knee, total context)."""
+    batch, context, padded, y = _row_arrays(rows)
+    skewed = bool((padded > context * (1 + 1e-9) + 1).any())
+    forms: tuple[ContextForm, ...] = ("total", "padded", "both") if skewed else ("total",)
     knees = [float("inf"), *np.unique(batch)[1:-1].tolist()]
-    scored = [(_cv_error(batch, context, y, k), k) for k in knees]
-    finite = [(err, k) for err, k in scored if np.isfinite(err)]
-    # ties go to the simpler (linear) form, which comes first
-    err, knee = min(finite, key=lambda s: s[0]) if finite else (float("nan"), float("inf"))
-    coef = _nonneg_relative_lstsq(_decode_features(batch, context, knee), y)
-    return StepFit(coef=coef, knee=knee, cv_mape=err)
+    candidates = [(form, knee) for form in forms for knee in knees]
+    errors = [_cv_error(_decode_features(batch, context, padded, k, f), y) for f, k in candidates]
+    err, (form, knee) = float("nan"), candidates[0]
+    if np.isfinite(errors).any():
+        # the first (simplest) candidate as good as the best, up to rounding
+        best = np.nanmin(errors)
+        pairs = zip(errors, candidates, strict=True)
+        err, (form, knee) = next((e, c) for e, c in pairs if e <= best + 1e-9)
+    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knee, form), y)
+    return StepFit(coef=coef, knee=knee, cv_mape=err, form=form)
 
 
 def _fit_prefill(tokens: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -155,19 +203,23 @@ class LatencyModel:
         return self.step_fits[tp]
 
     def step_time(
-        self, tp: int, batch: np.ndarray | float, context_tokens: np.ndarray | float
+        self,
+        tp: int,
+        batch: np.ndarray | float,
+        context_tokens: np.ndarray | float,
+        max_context: np.ndarray | float | None = None,
     ) -> np.ndarray:
-        """Seconds of one decode step; vectorised over arrays of (batch, context) pairs."""
+        """Seconds of one decode step of `batch` sequences holding `context_tokens` in total,
+        the longest `max_context` (None: all equal); vectorised over arrays of them."""
         b = np.asarray(batch, dtype=float)
         c = np.asarray(context_tokens, dtype=float)
-        return self._step_fit(tp).predict(b, c)
+        m = None if max_context is None else np.asarray(max_context, dtype=float)
+        return self._step_fit(tp).predict(b, c, m)
 
-    def step_coefficients(self, tp: int) -> tuple[float, float, float, float, float]:
-        """(a, b, c, d, knee) of t = a + b·B + c·C + d·max(0, B − knee), for batched callers
-        that evaluate several TP sizes in one array expression."""
+    def step_coefficients(self, tp: int) -> StepCoefficients:
         fit = self._step_fit(tp)
-        a, b, c, d = fit.coef.tolist()
-        return a, b, c, d, fit.knee if np.isfinite(fit.knee) else 1e300
+        a, b, c, d, e = fit.coef.tolist()
+        return StepCoefficients(a, b, c, d, fit.knee if np.isfinite(fit.knee) else 1e300, e)
 
     def prefill_coefficients(self, tp: int) -> tuple[float, float, float]:
         """(a, b, c) of a + Σ (b·T + c·T²) over a batch of sequences of T tokens."""
@@ -270,13 +322,14 @@ class LatencyModel:
         )
         return max(0, int(free // per_token))
 
-    def describe(self) -> dict[int, dict[str, float]]:
+    def describe(self) -> dict[int, dict[str, float | str]]:
         """Chosen form and cross-validated error per TP size, for reports."""
         return {
             tp: {
                 "knee": fit.knee,
                 "cv_mape": fit.cv_mape,
-                **dict(zip("abcd", fit.coef.tolist(), strict=True)),
+                "form": fit.form,
+                **dict(zip("abcde", fit.coef.tolist(), strict=True)),
             }
             for tp, fit in self.step_fits.items()
         }
@@ -294,10 +347,7 @@ def held_out_error(profile: Profile, fraction: float = 0.25, seed: int = 0) -> d
         test = [r for r, t in zip(rows, test_mask, strict=True) if t]
         if len(train) < 3 or not test:
             raise ValueError(f"tp={tp} has {len(rows)} decode rows; too few to hold {fraction} out")
-        fit = fit_step(train)
-        pred = fit.predict(
-            np.array([r.batch for r in test], dtype=float),
-            np.array([r.context_tokens for r in test], dtype=float),
-        )
-        result[tp] = _mape(pred, np.array([r.seconds for r in test]))
+        batch, context, padded, y = _row_arrays(test)
+        pred = fit_step(train).predict(batch, context, padded / batch)
+        result[tp] = _mape(pred, y)
     return result

@@ -109,6 +109,50 @@ class Decision:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class _SwitchCosts:
+    """What pricing the switches from one TP size to some targets, in rows of scenarios,
+    needs besides the sequences: per target (targets, 1, 1) and per replica slot (the slots
+    of target j, row r start at `group_start[j, r]`, one per replica)."""
+
+    migrate_per_token: np.ndarray  # seconds to move one token's KV heads that change rank
+    prefill_b: np.ndarray
+    prefill_c: np.ndarray
+    fixed: np.ndarray  # (targets, 1): barrier + weight reshard
+    group_start: np.ndarray  # (targets, rows)
+    size: int  # slots in all
+    send_alpha: float
+    prefill_a: np.ndarray  # (size,)
+    capacity: np.ndarray  # (size,) KV tokens a replica holds
+
+    @classmethod
+    def build(
+        cls, planner: ReconfigPlanner, src: int, targets: tuple[int, ...], rows: int
+    ) -> _SwitchCosts:
+        world = planner.world_size
+        tp = np.array(targets, dtype=float)
+        dp = np.array([world // t for t in targets])
+        lo, hi = np.minimum(tp, src), np.maximum(tp, src)
+        send_alpha, per_byte = planner._send_coef
+        # the moved heads land on `hi` ranks at once, each over its own link
+        migrate = planner._kv_bytes_per_token * per_byte * (1 - lo / hi) / hi
+        prefill = np.array([planner._prefill_coef[t] for t in targets])
+        slots = np.repeat(dp, rows)
+        start = np.r_[0, np.cumsum(slots)[:-1]].reshape(len(targets), rows)
+        capacity = [planner._capacity[t] for t in targets]
+        return cls(
+            migrate_per_token=migrate[:, None, None],
+            prefill_b=prefill[:, 1, None, None],
+            prefill_c=prefill[:, 2, None, None],
+            fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
+            group_start=start,
+            size=int(slots.sum()),
+            send_alpha=send_alpha,
+            prefill_a=np.repeat(prefill[:, 0], slots.reshape(len(targets), rows).sum(axis=1)),
+            capacity=np.repeat(np.array(capacity, dtype=float), dp * rows),
+        )
+
+
 class ReconfigPlanner:
     def __init__(self, latency: LatencyModel, world_size: int, config: PlannerConfig | None = None):
         self.latency = latency
@@ -135,6 +179,7 @@ class ReconfigPlanner:
             for a in tps
             for b in tps
         }
+        self._switch_costs: dict[tuple[int, tuple[int, ...], int], _SwitchCosts] = {}
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
 
@@ -179,6 +224,12 @@ class ReconfigPlanner:
         child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
         return running.replica * split + child
 
+    def _switch_constants(self, src: int, targets: tuple[int, ...], rows: int) -> _SwitchCosts:
+        key = (src, targets, rows)
+        if key not in self._switch_costs:
+            self._switch_costs[key] = _SwitchCosts.build(self, src, targets, rows)
+        return self._switch_costs[key]
+
     def _overheads(
         self,
         src: Layout,
@@ -192,52 +243,30 @@ class ReconfigPlanner:
         alive sequences that hold some; inf where a replica would exceed max_num_seqs or its
         KV memory with all its alive sequences, queued ones included. Also whether each
         sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
-        m, rows = len(targets), context.shape[0]
-        per_target = np.array(
-            [
-                (
-                    t.tp,
-                    t.dp,
-                    *self._prefill_coef[t.tp],
-                    self._capacity[t.tp],
-                    self._fixed[(src.tp, t.tp)],
-                )
-                for t in targets
-            ]
-        )
-        tp, _, prefill_a, prefill_b, prefill_c, capacity, fixed = per_target.T[:, :, None, None]
-        dp = per_target[:, 1].astype(int)
-        lo, hi = np.minimum(tp, src.tp), np.maximum(tp, src.tp)
-        send_alpha, per_byte = self._send_coef
-        # the moved heads land on `hi` ranks at once, each over its own link
-        migrate_cost = context * (self._kv_bytes_per_token * per_byte) * (1 - lo / hi) / hi
-        recompute_cost = (prefill_b + prefill_c * context) * context
+        m, (rows, n) = len(targets), context.shape
+        k = self._switch_constants(src.tp, tuple(t.tp for t in targets), rows)
+        ctx = context.astype(float)
+        migrate_cost = ctx * k.migrate_per_token  # (m, rows, n)
+        recompute_cost = (k.prefill_b + k.prefill_c * ctx) * ctx
         migrate = migrate_cost <= recompute_cost
         moves = alive & holds_kv
         # five per-replica sums in one bincount: weights stacked, keys offset by `size` each
-        weights = np.stack(
-            np.broadcast_arrays(
-                np.where(migrate, migrate_cost, recompute_cost) * moves,
-                moves & migrate,
-                moves & ~migrate,
-                alive,
-                alive * context,
-            )
-        )
-        replicas = np.repeat(dp, rows)
-        offset = np.zeros(m * rows, dtype=int)
-        np.cumsum(replicas[:-1], out=offset[1:])
-        size = int(replicas.sum())
-        key = offset.reshape(m, rows, 1) + np.stack(assignments)[:, None, :]
-        keys = (key[None] + size * np.arange(5)[:, None, None, None]).ravel()
-        cost, migrating, recomputing, count, tokens = np.bincount(
-            keys, weights=weights.ravel(), minlength=5 * size
-        ).reshape(5, size)
-        spread = np.repeat(np.arange(m), rows * dp)  # replica -> its target
-        total = cost + (migrating > 0) * send_alpha + (recomputing > 0) * prefill_a.ravel()[spread]
-        fits = (count <= self.config.max_num_seqs) & (tokens <= capacity.ravel()[spread])
-        worst = np.maximum.reduceat(total, offset).reshape(m, rows) + fixed.reshape(m, 1)
-        ok = np.minimum.reduceat(fits, offset).reshape(m, rows)
+        weights = np.empty((5, m, rows, n))
+        np.multiply(np.minimum(migrate_cost, recompute_cost), moves, out=weights[0])
+        np.logical_and(migrate, moves, out=weights[1], casting="unsafe")
+        weights[2] = moves
+        weights[3] = alive
+        np.multiply(alive, ctx, out=weights[4])
+        key = k.group_start[:, :, None] + np.stack(assignments)[:, None, :]  # (m, rows, n)
+        keys = (key[None] + k.size * np.arange(5)[:, None, None, None]).ravel()
+        cost, migrating, moving, count, tokens = np.bincount(
+            keys, weights=weights.ravel(), minlength=5 * k.size
+        ).reshape(5, k.size)
+        total = cost + (migrating > 0) * k.send_alpha + (moving > migrating) * k.prefill_a
+        fits = (count <= self.config.max_num_seqs) & (tokens <= k.capacity)
+        starts = k.group_start.ravel()
+        worst = np.maximum.reduceat(total, starts).reshape(m, rows) + k.fixed
+        ok = np.minimum.reduceat(fits, starts).reshape(m, rows)
         return np.where(ok, worst, np.inf), migrate
 
     def switch_overhead(

@@ -60,12 +60,32 @@ class HardwareInfo(_Strict):
 
 
 class DecodeRow(_Strict):
-    """One decode step of `batch` sequences holding `context_tokens` tokens in total."""
+    """One decode step of `batch` sequences holding `context_tokens` tokens in total, the
+    longest of them `max_context` (None: all hold the same, context_tokens / batch). A padded
+    attention backend pays for batch · max_context, so skewed rows are what let the latency
+    model tell a padded backend from a ragged one."""
 
     tp: int = Field(gt=0)
     batch: int = Field(gt=0)
     context_tokens: int = Field(ge=0)
     seconds: float = Field(gt=0)
+    max_context: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _max_context_possible(self) -> DecodeRow:
+        m = self.max_context
+        if m is not None and not (m <= self.context_tokens <= m * self.batch):
+            raise ValueError(
+                f"max_context={m} impossible for {self.batch} sequences of "
+                f"{self.context_tokens} tokens in total: it needs "
+                f"context_tokens / batch <= max_context <= context_tokens"
+            )
+        return self
+
+    @property
+    def padded_tokens(self) -> float:
+        """batch · max_context: what a backend that pads to the longest sequence reads."""
+        return self.context_tokens if self.max_context is None else self.batch * self.max_context
 
 
 class PrefillRow(_Strict):

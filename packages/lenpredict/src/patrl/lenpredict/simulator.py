@@ -11,8 +11,9 @@ Each replica runs the engine's scheduler rules (nano-vllm's, which ours follows)
   preempted: its blocks are freed and it is re-queued first, to be recomputed by a prefill of
   its prompt plus what it had generated.
 Between events (a finish, a block shortage, the next planner call) every decode step of a
-replica has the same batch, so they are advanced together; the step time is linear in context,
-so k steps cost k · step_time(mean context) exactly. The timeline keeps one segment per such
+replica has the same batch, so they are advanced together; the step time is linear in the
+total and the longest context, both growing by a fixed amount a step, so k steps cost
+k · step_time(middle step) exactly. The timeline keeps one segment per such
 run of identical steps.
 
 Replicas advance independently; the planner sees all unfinished sequences before the first
@@ -360,8 +361,12 @@ class RolloutSimulator:
             k = self._steps_that_fit(replica, limit)
         batch = len(replica.running)
         context = sum(s.tokens for s in replica.running)
-        mean_context = context + batch * (k - 1) / 2
-        seconds = k * float(self.latency.step_time(layout.tp, batch, mean_context))
+        longest = max(s.tokens for s in replica.running)
+        # every sequence grows by one token a step, so the k steps average the middle one's
+        middle = (k - 1) / 2
+        seconds = k * float(
+            self.latency.step_time(layout.tp, batch, context + batch * middle, longest + middle)
+        )
         start = replica.clock
         replica.clock += seconds
         for s in replica.running:
