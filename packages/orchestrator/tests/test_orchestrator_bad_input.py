@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from patrl.orchestrator import preflight
 from patrl.orchestrator.config import ConfigError
+from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
 
@@ -99,6 +100,7 @@ class Setup:
     overrides: dict[str, Any]
     config_text: str | None = None  # the YAML file's text, when the case uses one
     world_size: int = 1
+    local_world_size: int | None = None
 
 
 def _good(assets: Assets, run_root: Path, **extra: Any) -> dict[str, Any]:
@@ -146,6 +148,10 @@ def unknown_override_key(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **{"rollout.tempreature": 0.5}))
 
 
+def unknown_key_in_a_list(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run), "reward:\n  functions:\n    - name: format\n    - nme: x\n")
+
+
 def wrong_type(a: Assets, tmp: Path, run: Path) -> Setup:
     overrides = _good(a, run)
     del overrides["data.train_batch_size"]
@@ -174,6 +180,12 @@ def tensor_shape_mismatch(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **{"model.path": model}))
 
 
+def corrupt_safetensors(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
 def missing_tensor(a: Assets, tmp: Path, run: Path) -> Setup:
     model = _model_copy(a, tmp)
     _edit_tensors(model, lambda t: t.pop("model.norm.weight"))
@@ -184,6 +196,10 @@ def unexpected_tensor(a: Assets, tmp: Path, run: Path) -> Setup:
     model = _model_copy(a, tmp)
     _edit_tensors(model, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
     return Setup(_good(a, run, **{"model.path": model}))
+
+
+def missing_data_file(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"data.train_files": tmp / "trian.jsonl"}))
 
 
 def missing_column(a: Assets, tmp: Path, run: Path) -> Setup:
@@ -227,6 +243,11 @@ def tp_beyond_heads(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **{"rollout.tensor_model_parallel_size": 8}), world_size=8)
 
 
+def tp_straddling_nodes(a: Assets, tmp: Path, run: Path) -> Setup:
+    setup = _good(a, run, **{"rollout.tensor_model_parallel_size": 2})
+    return Setup(setup, world_size=6, local_world_size=3)
+
+
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
     extra = {"data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
     return Setup(_good(a, run, **extra), world_size=3)
@@ -239,6 +260,10 @@ CASES: list[tuple[Builder, list[str]]] = [
         ["job.yaml line 3", "unknown key 'rollout.temprature'", "did you mean temperature"],
     ),
     (unknown_override_key, ["unknown key 'rollout.tempreature'", "did you mean temperature"]),
+    (
+        unknown_key_in_a_list,
+        ["job.yaml line 4", "unknown key 'reward.functions.1.nme'", "did you mean name"],
+    ),
     (
         wrong_type,
         ["data.train_batch_size", "valid integer", "'many'", "set in {yaml} line 3"],
@@ -253,8 +278,10 @@ CASES: list[tuple[Builder, list[str]]] = [
             "config.json implies [96, 64]",
         ],
     ),
+    (corrupt_safetensors, ["model.safetensors is not a readable safetensors file"]),
     (missing_tensor, ["1 tensors missing", "model.norm.weight"]),
     (unexpected_tensor, ["does not have", "model.layers.0.mlp.extra.weight"]),
+    (missing_data_file, ["data.train_files", "trian.jsonl", "does not exist"]),
     (
         missing_column,
         [
@@ -298,6 +325,14 @@ CASES: list[tuple[Builder, list[str]]] = [
             "rollout.tensor_model_parallel_size=8 fits no layout of 8 ranks",
             "num_attention_heads=4",
             "one of [1, 2, 4]",
+        ],
+    ),
+    (
+        tp_straddling_nodes,
+        [
+            "rollout.tensor_model_parallel_size=2 fits no layout of 6 ranks",
+            "straddle nodes of 3 ranks",
+            "one of [1]",
         ],
     ),
     (
@@ -346,7 +381,7 @@ def test_bad_input_fails_before_work_naming_the_culprit(
     before = _snapshot(tmp_path, assets.root)
     with pytest.raises(ConfigError) as info:
         config = preflight.load(yaml_path, _overrides(setup))
-        preflight.check(config, setup.world_size)
+        preflight.check(config, setup.world_size, setup.local_world_size)
     message = str(info.value)
     for fact in facts:
         assert fact.format(yaml=yaml_path) in message, f"{fact!r} not in:\n{message}"
@@ -360,14 +395,22 @@ def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:
     extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": assets.checkpoint}
     overrides = _good(assets, tmp_path / "runs", **extra)
     preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 1)
+    assert main(["--dry-run", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (2, 2), (4, 2), (4, 4), (6, 2)])
-def test_layouts_that_fit_pass(assets: Assets, tmp_path: Path, world_size: int, tp: int) -> None:
-    """4 heads, 2 kv heads: every TP size dividing both the world and the heads is accepted."""
+@pytest.mark.parametrize(
+    ("world_size", "local", "tp"),
+    [(2, 2, 1), (2, 2, 2), (4, 4, 2), (4, 2, 4), (6, 6, 2), (8, 2, 4)],
+)
+def test_layouts_that_fit_pass(
+    assets: Assets, tmp_path: Path, world_size: int, local: int, tp: int
+) -> None:
+    """4 heads, 2 kv heads: a TP size dividing the world and the heads, and made of whole nodes
+    or of a divisor of a node, is accepted."""
     overrides = _good(assets, tmp_path / "runs", **{"rollout.tensor_model_parallel_size": tp})
-    preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), world_size)
+    config = preflight.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    preflight.check(config, world_size, local)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

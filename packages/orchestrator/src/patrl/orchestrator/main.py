@@ -43,7 +43,9 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = preflight.load(args.config or default_config, args.overrides)
-        preflight.check(config, int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        preflight.check(config, world_size, local)
     except ConfigError as err:
         if rank == 0:
             print(f"patrl: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,7 +80,7 @@ def key_lines(path: str, text: str) -> dict[str, int]:
         raise PreflightError([f"{path}: malformed YAML: {err}"]) from None
     lines: dict[str, int] = {}
     problems: list[str] = []
-    _walk(root, JobConfig, [], path, lines, problems)
+    _walk_value(root, JobConfig, [], path, lines, problems)
     if problems:
         raise PreflightError(problems)
     return lines
@@ -87,13 +88,13 @@ def key_lines(path: str, text: str) -> dict[str, int]:
 
 def _walk(
     node: Any,
-    model: type[BaseModel] | None,
+    model: type[BaseModel],
     prefix: list[str],
     path: str,
     lines: dict[str, int],
     problems: list[str],
 ) -> None:
-    if model is None or not isinstance(node, yaml.MappingNode):
+    if not isinstance(node, yaml.MappingNode):
         return  # not a section: pydantic reports a wrong type with the dotted key
     fields = model.model_fields
     for key_node, value_node in node.value:
@@ -115,15 +116,24 @@ def _walk(
             )
         else:
             lines[dotted] = line
-            _walk(
-                value_node, _section(fields[key].annotation), [*prefix, key], path, lines, problems
-            )
+            _walk_value(value_node, fields[key].annotation, [*prefix, key], path, lines, problems)
 
 
-def _section(annotation: Any) -> type[BaseModel] | None:
+def _walk_value(
+    node: Any,
+    annotation: Any,
+    prefix: list[str],
+    path: str,
+    lines: dict[str, int],
+    problems: list[str],
+) -> None:
+    """A section, or a list of sections (reward.functions), is walked; a plain value is not."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
+        _walk(node, annotation, prefix, path, lines, problems)
+    elif typing.get_origin(annotation) is list and isinstance(node, yaml.SequenceNode):
+        (item,) = typing.get_args(annotation)
+        for i, child in enumerate(node.value):
+            _walk_value(child, item, [*prefix, str(i)], path, lines, problems)
 
 
 def _locations(message: str, path: str, lines: dict[str, int]) -> str:
@@ -136,8 +146,9 @@ def _locations(message: str, path: str, lines: dict[str, int]) -> str:
 # ----------------------------------------------------------------------------------- inputs
 
 
-def check(config: JobConfig, world_size: int) -> None:
-    """Raise PreflightError listing every problem of the model, data, layout and checkpoint.
+def check(config: JobConfig, world_size: int, local_world_size: int | None = None) -> None:
+    """Raise PreflightError listing every problem of the model, data, layout and checkpoint
+    for a run on `world_size` ranks, `local_world_size` per node (default: one node).
 
     What comes from the embedded demo is checked when the demo is already built, and left to
     its build (which makes known-good assets) when not."""
@@ -146,7 +157,8 @@ def check(config: JobConfig, world_size: int) -> None:
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
     if tokenizer is not None:
         problems += _data_problems(config, tokenizer, train_files, val_files)
-    problems += layout_problems(config.rollout.tensor_model_parallel_size, world_size, model)
+    tp = config.rollout.tensor_model_parallel_size
+    problems += layout_problems(tp, world_size, local_world_size or world_size, model)
     if model is not None:
         problems += _resume_problems(config, model, world_size)
     if problems:
@@ -166,23 +178,31 @@ def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
     return model, train, val
 
 
-def layout_problems(tp: int, world_size: int, model: ModelConfig | None) -> list[str]:
-    """Why `tp` fits no layout of `world_size` ranks for `model`, and the sizes that would."""
-    fits = [t for t in range(1, world_size + 1) if world_size % t == 0 and _splits(model, t)]
-    if tp in fits:
+def layout_problems(
+    tp: int, world_size: int, local_world_size: int, model: ModelConfig | None
+) -> list[str]:
+    """Why `tp` fits no layout of `world_size` ranks (`local_world_size` per node) for `model`,
+    and the sizes that would. A TP group is contiguous ranks: it may span whole nodes only."""
+
+    def why_not(t: int) -> list[str]:
+        why = [f"it does not divide the world size {world_size}"] if world_size % t else []
+        if (t > local_world_size and t % local_world_size) or (
+            t < local_world_size and local_world_size % t
+        ):
+            why.append(f"its groups would straddle nodes of {local_world_size} ranks")
+        if model is not None and (error := _split_error(model, t)) is not None:
+            why.append(f"the model cannot be split {t} ways ({error})")
+        return why
+
+    why = why_not(tp)
+    if not why:
         return []
-    why = [f"it does not divide the world size {world_size}"] if world_size % tp else []
-    if model is not None and not _splits(model, tp):
-        why.append(f"the model cannot be split {tp} ways ({_split_error(model, tp)})")
+    fits = [t for t in range(1, world_size + 1) if not why_not(t)]
     return [
         f"rollout.tensor_model_parallel_size={tp} fits no layout of {world_size} ranks: "
         f"{' and '.join(why)}; with {world_size} ranks"
         f"{' and this model' if model is not None else ''} it can be one of {fits}"
     ]
-
-
-def _splits(model: ModelConfig | None, tp: int) -> bool:
-    return model is None or _split_error(model, tp) is None
 
 
 def _split_error(model: ModelConfig, tp: int) -> str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
@@ -186,9 +186,12 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...],
                 f"{path.parent / 'model.safetensors.index.json'} names {path.name}, "
                 "which does not exist"
             )
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                found[name] = (tuple(f.get_slice(name).get_shape()), path)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    found[name] = (tuple(f.get_slice(name).get_shape()), path)
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
     return found
 
 
