@@ -303,92 +303,65 @@ class ReconfigPlanner:
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         """Stay or switch, with the predicted time of every option considered.
 
-        Staying and switching now are priced in every quantile scenario, in one vectorised
-        pass. Only when the best switch clears the margin is delaying it priced, in the median
-        scenario: a delayed total is the switch-now total shifted by what delaying changes in
-        that scenario."""
+        Staying and switching now are priced in every quantile scenario; delaying each switch
+        by the `_delays` steps in the median scenario, where a delayed total is the
+        switch-now total shifted by what delaying changes in that scenario. All of it in one
+        vectorised pass of finish times and one of overheads: a second round of calls for
+        the delays alone would cost more than their rows."""
         n, q = running.remaining.shape
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
         targets = self._admissible(current)
         assignments = [self._assign(running, current, t) for t in targets]
+        med = q // 2
+        median = running.remaining[:, med]
+        delays = self._delays(median) if targets else np.zeros(0)
+        m, k = len(targets), len(delays)
         rows = Questions()
         for col in range(q):
             rows.add(0, col, False, np.inf, current)  # stay to the end
         for j, target in enumerate(targets, start=1):
             for col in range(q):
                 rows.add(j, col, True, 0.0, target)  # switch now
+        for delay in delays:
+            rows.add(0, med, False, delay, current)  # the steps before a delayed switch
+        for j, target in enumerate(targets, start=1):
+            for delay in delays:
+                rows.add(j, med, True, delay, target)  # the steps after it
         all_assignments = np.stack([running.replica, *assignments])
-        times = self._times(rows, all_assignments, running).reshape(-1, q)
+        times = self._times(rows, all_assignments, running)
+        now, before, after = np.split(times, [(m + 1) * q, (m + 1) * q + k])
+        now, after = now.reshape(m + 1, q), after.reshape(m, k)
         never = np.zeros(n, dtype=bool)
-        options = [Option(current, float(times[0].mean()), 0.0, np.inf, 0, running.replica, never)]
+        options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
-            now = np.ones((1, n), dtype=bool)
+            # row 0 switches now, row 1 + i after delays[i] steps (median scenario)
+            steps = np.r_[0.0, delays][:, None]
+            context = running.context[None, :] + np.minimum(median[None, :], steps)
+            alive = (median[None, :] > steps) | (steps == 0)
             overheads, migrate = self._overheads(
-                current, targets, assignments, running.context[None, :], now, running.holds_kv
+                current, targets, assignments, context, alive, running.holds_kv
             )
             for j, target in enumerate(targets):
-                options.append(
-                    Option(
-                        layout=target,
-                        run_s=float(times[j + 1].mean()),
-                        overhead_s=float(overheads[j, 0]),
-                        later_s=np.inf,
-                        later_steps=0,
-                        assignment=assignments[j],
-                        migrate=migrate[j, 0],
-                    )
+                option = Option(
+                    layout=target,
+                    run_s=float(now[j + 1].mean()),
+                    overhead_s=float(overheads[j, 0]),
+                    later_s=np.inf,
+                    later_steps=0,
+                    assignment=assignments[j],
+                    migrate=migrate[j, 0],
                 )
-            best = self._contender(options)
-            if best is not None:
-                j = options.index(best)
-                self._price_delay(running, current, best, all_assignments, j, times[j])
+                if k:
+                    later = before + overheads[j, 1:] + after[j]  # median scenario
+                    best = int(np.argmin(later))
+                    # carry the all-scenario view of switching now over to the delayed plan
+                    option.later_s = float(later[best]) + option.run_s - float(now[j + 1, med])
+                    option.later_steps = int(delays[best])
+                options.append(option)
         decision = self._choose(options, current, running.seq_ids)
         self.decisions.append(decision)
         return decision
-
-    def _contender(self, options: list[Option]) -> Option | None:
-        """The switch that would be made now, were delaying it not better."""
-        if self._since_switch + 1 <= self.config.cooldown_calls:
-            return None
-        feasible = [o for o in options[1:] if np.isfinite(o.now_s)]
-        if not feasible:
-            return None
-        best = min(feasible, key=lambda o: o.now_s)
-        need = best.overhead_s * (1 + self.config.margin) + self.config.min_gain_s
-        return best if options[0].run_s - best.run_s > need else None
-
-    def _price_delay(
-        self,
-        running: RunningSet,
-        current: Layout,
-        option: Option,
-        assignments: np.ndarray,
-        index: int,
-        now_times: np.ndarray,
-    ) -> None:
-        """Fill in `option.later_s`: staying `delay` steps, then switching to its layout."""
-        med = running.remaining.shape[1] // 2
-        median = running.remaining[:, med]
-        delays = self._delays(median)
-        if not len(delays):
-            return
-        rows = Questions()
-        for delay in delays:
-            rows.add(0, med, False, delay, current)  # the steps before the switch
-        for delay in delays:
-            rows.add(index, med, True, delay, option.layout)  # the steps after it
-        before, after = self._times(rows, assignments, running).reshape(2, -1)
-        alive = median[None, :] > delays[:, None]
-        context = running.context[None, :] + np.minimum(median[None, :], delays[:, None])
-        overheads, _ = self._overheads(
-            current, [option.layout], [option.assignment], context, alive, running.holds_kv
-        )
-        later = before + overheads[0] + after  # median scenario
-        best = int(np.argmin(later))
-        # carry the all-scenario view of switching now over to the delayed plan
-        option.later_s = float(later[best]) + option.run_s - float(now_times[med])
-        option.later_steps = int(delays[best])
 
     def _choose(self, options: list[Option], current: Layout, seq_ids: np.ndarray) -> Decision:
         stay, switches = options[0], options[1:]
