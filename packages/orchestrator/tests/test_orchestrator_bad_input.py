@@ -314,7 +314,7 @@ CASES: list[tuple[Builder, list[str]]] = [
     (
         tp_not_dividing_world,
         [
-            "rollout.tensor_model_parallel_size=3 fits no layout of 2 ranks",
+            "rollout.tensor_model_parallel_size=3 fits no layout of world size 2",
             "does not divide the world size 2",
             "one of [1, 2]",
         ],
@@ -322,7 +322,7 @@ CASES: list[tuple[Builder, list[str]]] = [
     (
         tp_beyond_heads,
         [
-            "rollout.tensor_model_parallel_size=8 fits no layout of 8 ranks",
+            "rollout.tensor_model_parallel_size=8 fits no layout of world size 8",
             "num_attention_heads=4",
             "one of [1, 2, 4]",
         ],
@@ -330,7 +330,7 @@ CASES: list[tuple[Builder, list[str]]] = [
     (
         tp_straddling_nodes,
         [
-            "rollout.tensor_model_parallel_size=2 fits no layout of 6 ranks",
+            "rollout.tensor_model_parallel_size=2 fits no layout of world size 6",
             "straddle nodes of 3 ranks",
             "one of [1]",
         ],
@@ -431,13 +431,15 @@ def test_expected_shapes_match_transformers(family: str) -> None:
 
 
 def test_cli_reports_bad_input_without_a_traceback(assets: Assets, tmp_path: Path) -> None:
+    """`--dry-run` through the real CLI: exit code 2, every problem on stderr (a data one, so
+    the data files are read, and a layout one), and nothing else there, no traceback."""
     config = tmp_path / "job.yaml"
-    config.write_text("model:\n  path: " + str(tmp_path / "no_such_model") + "\n")
+    config.write_text("data:\n  prompt_key: question\nrollout:\n  tensor_model_parallel_size: 3\n")
     overrides = _good(assets, tmp_path / "runs")
-    del overrides["model.path"]
-    before = _snapshot(tmp_path)
+    before = _snapshot(tmp_path, assets.root)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        env.pop(var, None)
     done = subprocess.run(
         [sys.executable, "-m", "patrl.orchestrator", "--config", str(config), "--dry-run"]
         + [f"{k}={v}" for k, v in overrides.items()],
@@ -448,7 +450,10 @@ def test_cli_reports_bad_input_without_a_traceback(assets: Assets, tmp_path: Pat
     )
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""  # the config is not printed when it is bad
-    assert "patrl: model.path:" in done.stderr and "no_such_model" in done.stderr
-    assert "does not exist" in done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    assert _snapshot(tmp_path) == before
+    lines = done.stderr.splitlines()
+    assert lines[0] == "patrl: 3 problems:", done.stderr
+    assert all(line.startswith("  - ") for line in lines[1:]), done.stderr
+    assert "data.train_files: prompt column 'question' not found" in done.stderr
+    assert "data.val_files: prompt column 'question' not found" in done.stderr
+    assert "tensor_model_parallel_size=3 fits no layout of world size 1" in done.stderr
+    assert _snapshot(tmp_path, assets.root) == before

@@ -13,10 +13,11 @@ trainer, write nothing, and report every problem they find at once:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -199,8 +200,8 @@ def layout_problems(
         return []
     fits = [t for t in range(1, world_size + 1) if not why_not(t)]
     return [
-        f"rollout.tensor_model_parallel_size={tp} fits no layout of {world_size} ranks: "
-        f"{' and '.join(why)}; with {world_size} ranks"
+        f"rollout.tensor_model_parallel_size={tp} fits no layout of world size {world_size}: "
+        f"{' and '.join(why)}; with world size {world_size}"
         f"{' and this model' if model is not None else ''} it can be one of {fits}"
     ]
 
@@ -263,16 +264,31 @@ def _batch_problems(config: JobConfig, train: PromptDataset) -> list[str]:
 
 def _dataset(config: JobConfig, files: Any, tokenizer: Any) -> PromptDataset:
     d = config.data
-    return load_prompt_dataset(
-        files,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        tokenizer=tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        filter_overlong_prompts=d.filter_overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-    )
+    with _quiet_datasets():
+        return load_prompt_dataset(
+            files,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            tokenizer=tokenizer,
+            max_prompt_length=d.max_prompt_length,
+            filter_overlong_prompts=d.filter_overlong_prompts,
+            apply_chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+        )
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars from `datasets` while checking: the user should see only the verdict."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _tokenizer(model_dir: str) -> Any:
