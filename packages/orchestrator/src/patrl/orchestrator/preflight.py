@@ -5,7 +5,8 @@ with their line and the close matches, wrong types with the dotted key, the valu
 expected. `check` validates what the configuration points at against the world it will run in:
 the model directory, the data files, the tensor-parallel layout and the checkpoint a run would
 resume from. Both run on every rank before a process group is joined; they build no engine or
-trainer, write nothing, and report every problem they find at once:
+trainer, write nothing of the run (no run dir, checkpoint or metrics; `datasets` may fill its
+own cache as it reads the files), and report every problem they find at once:
 
     config = preflight.load("job.yaml", ["rollout.n=8"])
     preflight.check(config, world_size=2)
