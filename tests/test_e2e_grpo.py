@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from multirank import run_ranks
+from profiles import synthetic_profile
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, load_config
@@ -90,8 +91,15 @@ def make_loop(assets: Path, run_dir: Path, world: World, **extra: Any) -> SyncGR
 
 def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
     world = World(rank, world_size, rank, torch.device("cpu"))
-    # Length-aware assignment: both ranks must derive the same split from their predictors.
-    loop = make_loop(assets, run_dir, world, **{"rollout.prompt_assignment": "length_aware"})
+    # Adaptive TP (the default) on a profile under which tp=2 always pays: every rollout starts
+    # at dp2 x tp1, switches to tp2, and ends back at tp1 before the weight sync. Length-aware
+    # assignment: both ranks must derive the same split from their predictors.
+    profile = run_dir / "profile.json"
+    if rank == 0:
+        synthetic_profile(str(assets / "model"), tp2_speedup=20.0).save(profile)
+    torch.distributed.barrier()
+    extra = {"rollout.prompt_assignment": "length_aware", "rollout.adaptive_tp.profile": profile}
+    loop = make_loop(assets, run_dir, world, **extra)
     before = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
     result = loop.run()
     after = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
@@ -130,6 +138,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert steps[1]["training/rollout_probs_diff_max"] < 1e-4
     assert checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo") is not None
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
+    assert all(h["rollout/tp_switches"] == 1 and h["rollout/tp_max"] == 2 for h in steps)
 
 
 KEYS = (

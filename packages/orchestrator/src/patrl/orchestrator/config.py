@@ -60,13 +60,36 @@ class ModelConfig(_Section):
     )
 
 
+class AdaptiveTPConfig(_Section):
+    """Adaptive TP (PAT): start with the most data-parallel replicas, fold them into larger TP
+    groups when the planner predicts the long tail finishes sooner that way."""
+
+    enable: bool = Field(True, description="off: static TP of rollout.tensor_model_parallel_size")
+    candidates: list[int] = Field(
+        default_factory=lambda: [1, 2],
+        description="TP sizes to choose from; those that divide the world size are used",
+    )
+    check_every: int = Field(16, gt=0, description="decode steps between planner checks")
+    margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
+    kv_policy: Literal["auto", "migrate", "recompute"] = "auto"
+    profile: str | None = Field(
+        None, description="latency profile JSON; None = measure this machine once, cached"
+    )
+
+
 class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
-    tensor_model_parallel_size: int = Field(1, gt=0, description="static rollout TP size")
-    prompt_assignment: Literal["round_robin", "length_aware"] = "round_robin"
+    tensor_model_parallel_size: int = Field(
+        1, gt=0, description="rollout TP size when adaptive_tp is off"
+    )
+    adaptive_tp: AdaptiveTPConfig = Field(default_factory=lambda: AdaptiveTPConfig())
+    prompt_assignment: Literal["round_robin", "length_aware"] = Field(
+        "length_aware",
+        description="prompts to replicas: longest predicted work first onto the least loaded",
+    )
     block_size: int = Field(16, gt=0)
     num_kv_blocks: int | None = Field(None, gt=0)
     kv_cache_memory_bytes: int = Field(1 << 29, gt=0)

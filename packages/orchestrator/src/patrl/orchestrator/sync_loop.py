@@ -3,7 +3,9 @@
 One step:
  1. draw `data.train_batch_size` prompts (every rank draws the same ones) and hand each DP
     rollout replica its share, the `rollout.n` samples of a prompt kept together;
- 2. generate: each replica's engine runs its prompts (one prefill per prompt, n forks);
+ 2. generate: each replica's engine runs its prompts (one prefill per prompt, n forks); with
+    `rollout.adaptive_tp` the engines start data-parallel and the planner may fold replicas
+    into larger TP groups for the long tail (patrl.rollout.adaptive), learning lengths online;
  3. score: each replica's first rank runs the reward functions on its samples;
  4. gather every replica's samples on every rank; group-relative advantages;
  5. recompute the logprobs with the trainer (the PPO "old" policy) and log how far they are
@@ -33,8 +35,10 @@ from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem, PromptLoader, load_prompt_dataset
 from patrl.orchestrator.distributed import World, all_gather_objects, barrier, broadcast_object
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
+from patrl.orchestrator.profiling import cache_root, ensure_profile, job_grid
 from patrl.orchestrator.rewards import RewardManager
-from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl.rollout import AdaptiveTP, Engine, EngineConfig, SamplingParams
+from patrl.rollout.adaptive import usable_candidates
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
 
@@ -83,17 +87,31 @@ class SyncGRPO:
             shuffle=config.data.shuffle,
             seed=config.data.seed,
         )
+        # Learns every prompt's response length; all ranks see the same lengths (the adaptive
+        # engine all-gathers them as samples finish; else every step's samples are gathered),
+        # so all ranks hold the same predictor and derive the same prompt assignment.
+        self.predictor = LengthPredictor()
+        engine_config = self._engine_config()
+        adaptive = isinstance(engine_config.tp_policy, AdaptiveTP)
+        tp_sizes = (
+            list(engine_config.tp_policy.candidates)
+            if isinstance(engine_config.tp_policy, AdaptiveTP)
+            else [config.rollout.tensor_model_parallel_size]
+        )
         self.groups = (
-            GroupCache(
-                [config.rollout.tensor_model_parallel_size], world_size=world.size, rank=world.rank
-            )
+            GroupCache(tp_sizes, world_size=world.size, rank=world.rank)
             if world.distributed
             else None
         )
-        self.layout = (
-            self.groups.layout(config.rollout.tensor_model_parallel_size) if self.groups else None
+        self.engine = Engine(
+            engine_config,
+            None if adaptive or self.groups is None else self.groups.layout(tp_sizes[0]),
+            self.groups,
+            lengths=self.predictor if adaptive else None,
         )
-        self.engine = Engine(self._engine_config(), self.layout)
+        self.layout = self.engine.layout if world.distributed else None
+        self._online_lengths = self.engine.controller is not None
+        self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
             self._trainer_config(), model_dir, mesh=self._mesh(), device=world.device
         )
@@ -106,10 +124,8 @@ class SyncGRPO:
             if self._scores
             else None
         )
-        # Learns every prompt's response length from every step; all ranks see the same samples,
-        # so all ranks hold the same predictor and derive the same prompt assignment.
-        self.predictor = LengthPredictor()
-        self.rollout_timeline: list[Any] = []
+        self.rollout_timeline: list[dict[str, Any]] = []
+        self.rollout_decisions: list[dict[str, Any]] = []
         self.step = 0
         self.all_lengths: list[int] = []
 
@@ -144,7 +160,7 @@ class SyncGRPO:
 
     def _engine_config(self) -> EngineConfig:
         r, d = self.config.rollout, self.config.data
-        return EngineConfig(
+        base = EngineConfig(
             model=self.model_dir,
             dtype=r.dtype,
             device=str(self.world.device),
@@ -157,6 +173,28 @@ class SyncGRPO:
             max_model_len=d.max_prompt_length + d.max_response_length,
             enable_prefix_caching=r.enable_prefix_caching,
         )
+        a = r.adaptive_tp
+        candidates = usable_candidates(a.candidates, self.world.size)
+        if not a.enable or len(candidates) < 2:
+            if a.enable and self.world.is_first and self.world.distributed:
+                print(
+                    f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
+                    f"dividing the world size {self.world.size}; running static TP"
+                )
+            return base
+        profile = a.profile
+        if profile is None:
+            per_replica = -(-d.train_batch_size // self.world.size) * r.n
+            grid = job_grid(candidates, per_replica, d.max_prompt_length + d.max_response_length)
+            profile = str(ensure_profile(self.model_dir, base, self.world, grid, cache_root()))
+        policy = AdaptiveTP(
+            candidates=candidates,
+            check_every=a.check_every,
+            margin=a.margin,
+            kv_policy=a.kv_policy,
+            profile=profile,
+        )
+        return base.model_copy(update={"tp_policy": policy})
 
     def _trainer_config(self) -> TrainerConfig:
         fields = TrainerConfig.model_fields
@@ -265,11 +303,15 @@ class SyncGRPO:
         while True:
             rounds += 1
             items = self.loader.next_batch()
+            before = self.engine.stats()
             with _timed(timings, "gen"):
                 local = self._generate(
                     items, self.config.rollout.temperature, self._sampling_seed_base(rounds)
                 )
-            self.rollout_timeline = list(self.engine.timeline)  # the plots show a training rollout
+            after = self.engine.stats()
+            self.rollout_timeline = after["timeline"]  # the plots show a training rollout
+            self.rollout_decisions = after.get("tp_decisions", [])
+            metrics.update(_tp_metrics(before, after))
             with _timed(timings, "reward"):
                 scored, reward_metrics = self._score(local)
             samples = [s for share in all_gather_objects(self.world, scored) for s in share]
@@ -305,10 +347,12 @@ class SyncGRPO:
         temperature: float,
         seed_key: tuple[int, ...],
         n: int | None = None,
+        split: str = "train",
     ) -> list[tuple[PromptItem, Any]]:
-        """This replica's share of `items` (prompt-level round robin), generated."""
+        """This replica's share of `items`, generated. With adaptive TP every rank takes part,
+        including ranks whose replica got no prompt."""
         mine = self._my_share(items, n or self.config.rollout.n)
-        if not mine:
+        if not mine and not self._online_lengths:
             return []
         r = self.config.rollout
         params = [
@@ -323,7 +367,11 @@ class SyncGRPO:
             )
             for item in mine
         ]
-        outputs = self.engine.generate([item.prompt_token_ids for item in mine], params)
+        outputs = self.engine.generate(
+            [item.prompt_token_ids for item in mine],
+            params,
+            prompt_keys=[f"{split}/{item.index}" for item in mine],
+        )
         return list(zip(mine, outputs, strict=True))
 
     def _my_share(self, items: Sequence[PromptItem], n: int) -> list[PromptItem]:
@@ -332,7 +380,8 @@ class SyncGRPO:
         dp_rank, dp_size = self._dp
         if dp_size == 1:
             return list(items)
-        predicted = [self.predictor.expected_length(str(item.index)) for item in items]
+        predicted = [self.predictor.expected_length(f"train/{item.index}") for item in items]
+        self._predicted = {item.index: p for item, p in zip(items, predicted, strict=True)}
         lpt = self.config.rollout.prompt_assignment == "length_aware"
         replica = assign_prompts(
             predicted, [n] * len(items), dp_size, "lpt" if lpt else "round_robin"
@@ -346,14 +395,12 @@ class SyncGRPO:
             groups.setdefault(s.prompt_index, []).append(s)
         errors = []
         for pidx, group in groups.items():
-            errors.append(
-                abs(
-                    self.predictor.expected_length(str(pidx))
-                    - np.mean([len(s.token_ids) for s in group])
-                )
-            )
+            predicted = self._predicted.get(pidx, self.predictor.expected_length(f"train/{pidx}"))
+            errors.append(abs(predicted - np.mean([len(s.token_ids) for s in group])))
+            if self._online_lengths:
+                continue  # the adaptive engine learnt these lengths as they finished
             gid = f"{self.step}:{round_}:{pidx}"
-            self.predictor.start_group(gid, str(pidx), len(group))
+            self.predictor.start_group(gid, f"train/{pidx}", len(group))
             for i, s in enumerate(group):
                 self.predictor.observe_finished(f"{gid}:{i}", gid, len(s.token_ids))
         return {"lenpredict/prompt_mean_abs_error": float(np.mean(errors)) if errors else 0.0}
@@ -413,7 +460,9 @@ class SyncGRPO:
         items = self.val_set.items
         if self.config.data.val_batch_size:
             items = items[: self.config.data.val_batch_size]
-        local = self._generate(items, self.config.rollout.val_temperature, (-1,), n=1)
+        local = self._generate(
+            items, self.config.rollout.val_temperature, (-1,), n=1, split="validation"
+        )
         scored, _ = self._score(local)
         samples = [s for share in all_gather_objects(self.world, scored) for s in share]
         scores = [s.reward for s in samples]
@@ -476,7 +525,15 @@ class SyncGRPO:
 
     def _timeline(self) -> dict[str, Any]:
         timeline = self.rollout_timeline
-        return {"t": [e.t for e in timeline], "running": [e.running for e in timeline]}
+        return {
+            "t": [e["t"] for e in timeline],
+            "running": [e["running"] for e in timeline],
+            "switches": [
+                (d["t"], f"tp{d['current_tp']}->{d['target_tp']}")
+                for d in self.rollout_decisions
+                if d["action"] == "switch"
+            ],
+        }
 
 
 def _load_tokenizer(model_dir: str) -> Any:
@@ -536,6 +593,20 @@ def _batch_metrics(
             np.mean([s.finish_reason == "length" for s in samples])
         ),
         "prompt_length/mean": float(prompts.mean()),
+    }
+
+
+def _tp_metrics(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """This rollout's adaptive-TP activity (nothing under static TP)."""
+    if "tp_switches" not in after:
+        return {}
+    decode = after["tp_decode_s"] - before["tp_decode_s"]
+    control = after["tp_control_s"] - before["tp_control_s"]
+    return {
+        "rollout/tp_switches": after["tp_switches"] - before["tp_switches"],
+        "rollout/tp_max": float(max((r["tp_size"] for r in after["timeline"]), default=1)),
+        "rollout/tp_control_fraction": control / decode if decode > 0 else 0.0,
+        "timing_s/tp_reconfig": after["tp_reconfig_s"] - before["tp_reconfig_s"],
     }
 
 

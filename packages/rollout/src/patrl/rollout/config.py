@@ -8,6 +8,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from patrl.rollout.layers.attention.registry import attention_backend_names
+from patrl.rollout.tp_policy import StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, gt=0, description="tokens per forward at most")
     max_model_len: int | None = Field(None, gt=0, description="prompt + response; None = model's")
     enable_prefix_caching: bool = True
+    tp_policy: TPPolicy = Field(default_factory=StaticTP, description="static or adaptive TP")
 
     @field_validator("attention_backend")
     @classmethod

@@ -9,6 +9,7 @@ silently desynchronising the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,14 @@ import torch
 import torch.distributed as dist
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
+from patrl.rollout.adaptive import (
+    Lengths,
+    Planner,
+    TPController,
+    default_lengths,
+    make_planner,
+    usable_candidates,
+)
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import load_model, load_weights, read_eos_token_ids, read_tokenizer
@@ -36,6 +45,7 @@ from patrl.rollout.sampler import (
 from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
+from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,11 +91,26 @@ class Engine:
         config: EngineConfig,
         layout: ParallelLayout | None = None,
         groups: GroupCache | None = None,
+        planner: Planner | None = None,
+        lengths: Lengths | None = None,
     ) -> None:
+        """`layout`: this rank's TP group (default: one process). `groups`: every group a
+        later `reconfigure(tp)` may use, made at start-up (see GroupCache). Under
+        `tp_policy=adaptive`, every rank of the world builds its engine at once (the groups are
+        made here when not given); `planner` and `lengths` replace the planner built from
+        `tp_policy.profile` and the online LengthPredictor (tests, oracle benchmarks)."""
         self.config = config
-        self.layout = layout or single_process_layout()
-        # Every group a later `reconfigure(tp)` may use, made at start-up (see GroupCache).
         self.groups = groups
+        self.controller: TPController | None = None
+        policy = config.tp_policy
+        if isinstance(policy, AdaptiveTP):
+            layout = self._adaptive_setup(policy, layout, planner, lengths)
+        elif policy.tp is not None and (layout.tp_size if layout else 1) != policy.tp:
+            raise ValueError(
+                f"tp_policy static tp={policy.tp} but the engine's layout has "
+                f"tp_size={layout.tp_size if layout else 1}"
+            )
+        self.layout = layout or single_process_layout()
         self.reconfiguring = False
         self.device = config.torch_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
@@ -118,6 +143,46 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
+    def _adaptive_setup(
+        self,
+        policy: AdaptiveTP,
+        layout: ParallelLayout | None,
+        planner: Planner | None,
+        lengths: Lengths | None,
+    ) -> ParallelLayout | None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if self.groups is not None:
+            world_size = self.groups.world_size
+        candidates = usable_candidates(policy.candidates, world_size)
+        if len(candidates) < 2:
+            if world_size > 1 or (layout is not None and layout.tp_size > 1):
+                raise ValueError(
+                    f"tp_policy adaptive: candidates {policy.candidates} leave fewer than two "
+                    f"TP sizes that divide the world size {world_size}"
+                )
+            return layout  # one process: nothing to adapt, the engine runs as static tp=1
+        policy = policy.model_copy(update={"candidates": candidates})
+        if self.groups is None:
+            self.groups = GroupCache(candidates)
+        missing = [tp for tp in candidates if tp not in self.groups.candidates]
+        if missing:
+            raise ValueError(
+                f"tp_policy adaptive: candidate TP sizes {missing} are not in the GroupCache's "
+                f"{self.groups.candidates}"
+            )
+        start = self.groups.layout(policy.start_tp)
+        if layout is not None and layout != start:
+            raise ValueError(
+                f"tp_policy adaptive starts at tp={policy.start_tp} (the smallest candidate), "
+                f"but the engine was given a layout with tp_size={layout.tp_size}: pass "
+                "groups.layout(min(candidates)) or no layout"
+            )
+        planner = planner or make_planner(policy, world_size, self.config.max_num_seqs)
+        self.controller = TPController(
+            policy, planner, lengths or default_lengths(), self.groups.world_group()
+        )
+        return start
+
     def _build_cache(self) -> PagedKVCache:
         mc, tp, config = self.model.config, self.layout.tp_size, self.config
         if mc.num_kv_heads >= tp:
@@ -149,15 +214,21 @@ class Engine:
         prompt: Sequence[int] | str,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        prompt_key: str | None = None,
     ) -> str:
         """Queue a request of `params.n` samples; returns its id.
 
         A request that cannot run (empty, too long for max_model_len, token ids outside the
         vocabulary) is not an exception: it finishes at the next `step` with finish_reason
         "rejected" and the reason in `RequestOutput.error`, and the batch goes on.
+
+        Generated ids are unique across the world's replicas (requests of several replicas
+        meet in one engine after a reconfiguration). `prompt_key` names the prompt for the
+        length predictor of adaptive TP (the same key in later rollouts: its history).
         """
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id is None:
+            request_id = f"req-{self._group_rank()}-{next(self._request_ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._encode(prompt)
@@ -166,6 +237,8 @@ class Engine:
         seqs = [self._new_seq(request_id, i, token_ids, params) for i in range(params.n)]
         request.seqs = {s.sample_index: s for s in seqs}
         request.error = self._reject_reason(token_ids)
+        if self.controller is not None and self.controller.in_rollout:
+            self.controller.note_request(request_id, prompt_key or request_id, params.n)
         if request.error is not None:
             for s in seqs:
                 s.finish("rejected")
@@ -174,6 +247,11 @@ class Engine:
         leader.fork_children = seqs[1:]  # prefilled once, forked when the prefill is done
         self.scheduler.add(leader)
         return request_id
+
+    def _group_rank(self) -> int:
+        """Global rank of this TP group's first rank."""
+        rank = self.groups.rank if self.groups is not None else 0
+        return rank - self.layout.tp_rank
 
     def _new_seq(
         self, request_id: str, index: int, tokens: list[int], params: SamplingParams
@@ -374,14 +452,30 @@ class Engine:
         prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
+        prompt_keys: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of `prompts`."""
+        """Run prompts to completion; outputs in the order of `prompts`.
+
+        Under `tp_policy=adaptive` this is a collective over the world: every rank calls it
+        (with its replica's prompts, possibly none) and the planner may change the layout
+        while it runs; the engine is back at the starting layout when it returns.
+        """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        keys: Sequence[str | None] = (
+            prompt_keys if prompt_keys is not None else [None] * len(prompts)
+        )
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(keys)} prompt keys")
         self.reset_timeline()
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if self.controller is not None:
+            return self._generate_adaptive(prompts, params, keys, progress)
+        ids = [
+            self.add_request(p, sp, prompt_key=k)
+            for p, sp, k in zip(prompts, params, keys, strict=True)
+        ]
         results: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids)) if progress and self.layout.is_tp_first else None
         while len(results) < len(ids):
@@ -397,6 +491,39 @@ class Engine:
             bar.close()
         return [results[i] for i in ids]
 
+    def _generate_adaptive(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: Sequence[SamplingParams],
+        keys: Sequence[str | None],
+        progress: bool,
+    ) -> list[RequestOutput]:
+        controller = self.controller
+        assert controller is not None
+        if self.has_unfinished():
+            raise RuntimeError(
+                "adaptive generate() needs an idle engine: requests added with add_request() "
+                "are still unfinished"
+            )
+        controller.begin()
+        ids = [
+            self.add_request(p, sp, prompt_key=k)
+            for p, sp, k in zip(prompts, params, keys, strict=True)
+        ]
+        bar = (
+            _progress_bar(len(ids)) if progress and self.groups and self.groups.rank == 0 else None
+        )
+        results = controller.run(self, on_finished=(lambda _: bar.update(1)) if bar else None)
+        if bar is not None:
+            bar.close()
+        lost = [i for i in ids if i not in results]
+        if lost:
+            raise RuntimeError(
+                f"requests {lost[:5]} finished on another replica after a reconfiguration; "
+                "adaptive rollouts only merge replicas, so this is a bug"
+            )
+        return [results[i] for i in ids]
+
     # -------------------------------------------------------- move requests
 
     def export_requests(
@@ -408,9 +535,10 @@ class Engine:
             request = self._requests.pop(request_id, None)
             if request is None:
                 raise KeyError(f"no request {request_id!r} in this engine")
+            exported: set[int] = set()  # a leader exports the children waiting on its prefill
             for index in sorted(request.seqs):
                 seq = request.seqs[index]
-                if seq.is_finished:
+                if seq.is_finished or seq.seq_id in exported:
                     continue
                 kv = None
                 if with_kv and seq.status is SequenceStatus.RUNNING and not seq.fork_children:
@@ -420,6 +548,7 @@ class Engine:
                 self.scheduler.remove(seq)
                 for s in (seq, *pending_children):
                     states.append(self._state(s, kv if s is seq else None))
+                    exported.add(s.seq_id)
         return states
 
     def _state(self, seq: Seq, kv: Any) -> SequenceState:
@@ -520,14 +649,24 @@ class Engine:
         """Unfinished requests, in arrival order."""
         return [r for r, req in self._requests.items() if not req.done()]
 
+    def unfinished_seqs(self) -> list[Seq]:
+        return [s for r in self._requests.values() for s in r.seqs.values() if not s.is_finished]
+
+    def next_request_number(self) -> int:
+        n = next(self._request_ids)
+        self._request_ids = itertools.count(n)
+        return n
+
     def next_seq_id(self) -> int:
         n = next(self._seq_ids)
         self._seq_ids = itertools.count(n)
         return n
 
-    def rebuild(self, layout: ParallelLayout, next_seq_id: int) -> None:
-        """An empty KV cache and scheduler for `layout` (the weights are already re-cut)."""
+    def rebuild(self, layout: ParallelLayout, next_seq_id: int, next_request: int = 0) -> None:
+        """An empty KV cache and scheduler for `layout` (the weights are already re-cut);
+        counters continue from the largest of the ranks that now form one replica."""
         self.layout = layout
+        self._request_ids = itertools.count(max(next_request, self.next_request_number()))
         preemptions = self.scheduler.num_preemptions
         self.cache = self._build_cache()
         self.scheduler = Scheduler(
@@ -551,9 +690,20 @@ class Engine:
         c = self.counters
         return c.generated_tokens / c.busy_s if c.busy_s else 0.0
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
+        """Counters, plus the latest rollout's step timeline and (adaptive TP) every planner
+        decision with its prediction and measured outcome."""
         blocks, c = self.cache.blocks, self.counters
+        adaptive: dict[str, Any] = {}
+        if self.controller is not None:
+            adaptive = {
+                **self.controller.stats.as_dict(),
+                "tp_decisions": [d.to_dict() for d in self.controller.decisions],
+            }
         return {
+            **adaptive,
+            "tp_size": self.layout.tp_size,
+            "timeline": [dataclasses.asdict(r) for r in self.timeline],
             "running": self.scheduler.num_running_samples(),
             "waiting": sum(s.group_size for s in self.scheduler.waiting)
             + (self.scheduler.prefilling.group_size if self.scheduler.prefilling else 0),

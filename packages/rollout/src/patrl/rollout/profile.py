@@ -46,6 +46,7 @@ from patrl.lenpredict import (
     Profile,
 )
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.tp_policy import StaticTP
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
@@ -206,6 +207,7 @@ def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig
             "max_num_seqs": batch,
             "max_num_batched_tokens": max(batch * max(grid.contexts), max(grid.prefill_tokens)),
             "max_model_len": grid.max_model_len,
+            "tp_policy": StaticTP(),  # each cell is measured at one fixed layout
         }
     )
 

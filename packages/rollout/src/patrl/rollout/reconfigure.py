@@ -122,8 +122,10 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     local = engine.export_requests(ids, with_kv=True)
     mine = {(s.request_id, s.sample_index): s.kv for s in local if s.kv is not None}
     meta = [(dataclasses.replace(s, kv=None), _kv_len(s)) for s in local]
-    offer = (meta if src.tp_rank == 0 else [], engine.next_seq_id())
-    gathered: list[tuple[list[tuple[SequenceState, int]], int]] = [([], 0) for _ in range(size)]
+    offer = (meta if src.tp_rank == 0 else [], engine.next_seq_id(), engine.next_request_number())
+    gathered: list[tuple[list[tuple[SequenceState, int]], int, int]] = [
+        ([], 0, 0) for _ in range(size)
+    ]
     dist.all_gather_object(gathered, offer, group=group)
     old = [gathered[j * src.tp_size][0] for j in range(size // src.tp_size)]
     t1 = time.perf_counter()
@@ -132,7 +134,11 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     # 2. weights, then a fresh cache and scheduler at the new layout.
     stats: ReshardStats = reshard_(engine.model, src, dst)
     t_weights = time.perf_counter()
-    engine.rebuild(dst, next_seq_id=max(n for _, n in gathered))
+    engine.rebuild(
+        dst,
+        next_seq_id=max(g[1] for g in gathered),
+        next_request=max(g[2] for g in gathered),
+    )
     t2 = time.perf_counter()
     report.weights_s = t_weights - t1
     report.cache_s = t2 - t_weights

@@ -58,6 +58,8 @@ class GroupCache:
         for tp in self.candidates:
             for ranks in self._tp_ranks(tp) + self._dp_ranks(tp):
                 self._create(ranks)
+        # all ranks, for control traffic that spans layouts (often tp=1's DP group already)
+        self._create(tuple(range(self.world_size)))
 
     def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:
         return [tuple(range(s, s + tp)) for s in range(0, self.world_size, tp)]
@@ -89,6 +91,10 @@ class GroupCache:
             dp_rank=self.rank // tp,
             dp_group=self._groups.get(dp_ranks),
         )
+
+    def world_group(self) -> Any:
+        """The group of every rank (None in a world of one)."""
+        return self._groups.get(tuple(range(self.world_size)))
 
     def tp_group_ranks(self, tp: int) -> list[tuple[int, ...]]:
         """The global ranks of every TP group at size `tp`, by DP rank."""

@@ -1,0 +1,77 @@
+"""The latency profile adaptive TP plans with: given, or measured once on this machine and cached.
+
+Step latency depends on the model's shape, the dtype, the device, the world and the TP sizes,
+not on the weights, so a profile measured for one run serves every later run of the same shape
+here: it is cached under the cache root by a hash of exactly those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from patrl.orchestrator.distributed import World, barrier, broadcast_object
+from patrl.rollout import EngineConfig
+from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
+
+
+def cache_root() -> Path:
+    """$PATRL_CACHE_DIR, else ~/.cache/patrl (shared with the demo assets)."""
+    env = os.environ.get("PATRL_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "patrl"
+
+
+def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> ProfileGrid:
+    """A grid that spans the rollout's batch sizes and lengths, small enough for start-up."""
+    batches = sorted({1, 4, 16, *(b for b in (64, 256) if b <= max_batch), max(1, max_batch)})
+    contexts = sorted({c for c in (16, 64, max_model_len // 2) if c >= 8})
+    grid = ProfileGrid(
+        tp_sizes=tp_sizes,
+        batch_sizes=tuple(batches),
+        contexts=tuple(contexts),
+        prefill_tokens=(16, 64, 256),
+        collective_bytes=(4, 16384, 1 << 20),
+        decode_steps=6,
+        passes=2,
+        warmup_steps=3,
+    )
+    return grid.fit_to(max_model_len)
+
+
+def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: ProfileGrid) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = {
+        k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"
+    }
+    identity = [shape, engine.dtype, engine.device, world_size, repr(grid), platform.machine()]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
+
+
+def ensure_profile(
+    model_dir: str,
+    engine: EngineConfig,
+    world: World,
+    grid: ProfileGrid,
+    cache_root: Path,
+) -> Path:
+    """The cached profile for this job's shape, measured now (every rank takes part) if missing."""
+    path = cache_root / "profiles" / f"{profile_key(model_dir, engine, world.size, grid)}.json"
+    if broadcast_object(world, path.exists()):
+        return path
+    if world.is_first:
+        print(f"profiling rollout latency for adaptive TP (once; cached at {path}) ...")
+    start = time.perf_counter()
+    profile = profile_distributed(engine, grid, dist.group.WORLD, progress=world.is_first)
+    if profile is not None:
+        write_atomic(profile, path)
+        print(f"profiled in {time.perf_counter() - start:.0f} s")
+    barrier(world)
+    return path

@@ -1,0 +1,406 @@
+"""Adaptive TP: the planner decides, while the engine generates, when to fold replicas into
+larger TP groups (PAT), and all ranks apply the decision together.
+
+A rollout under `AdaptiveTP` is a world collective: every rank calls `generate` (or `rollout`),
+including ranks with nothing to do. The loop on every rank:
+
+    check -> up to `check_every` decode steps -> check -> ...
+
+A *check* is one round of control traffic over the world group: the first rank of every TP
+group sends a compact summary of its replica (each unfinished sample's context, tokens so far,
+whether it holds KV; the groups it started and the samples that finished since the last round),
+gathered by all ranks, so every rank's length predictor learns the same lengths in the same
+order; rank 0 runs the planner and broadcasts its decision; on "switch" every rank calls
+`Engine.reconfigure` at once. A rank whose replica has run dry skips straight to the next check
+(waiting in the collective, not spinning). The first check comes before the first step, so the
+planner can already move a small batch to a larger TP. When no rank has anything unfinished,
+the rollout ends and the engine returns to the starting layout, so the next rollout starts wide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch.distributed as dist
+
+from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
+from patrl.rollout.outputs import RequestOutput
+from patrl.rollout.reconfigure import KVChoice, KVCost
+from patrl.rollout.tp_policy import AdaptiveTP
+
+if TYPE_CHECKING:
+    from patrl.rollout.engine import Engine
+
+
+class Planner(Protocol):
+    """What the controller needs of a planner (patrl.lenpredict.ReconfigPlanner, or a test's)."""
+
+    def new_rollout(self) -> None: ...
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision: ...
+
+
+class Lengths(Protocol):
+    """Remaining-length quantiles of running samples (LengthPredictor, or an oracle)."""
+
+    def start_group(self, group_id: str, prompt_id: str, size: int) -> None: ...
+
+    def observe_finished(self, seq_id: str, group_id: str, length: int) -> None: ...
+
+    def end_group(self, group_id: str) -> None: ...
+
+    def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray: ...
+
+
+class OracleLengths:
+    """Knows every sample's final response length (from an earlier identical run): the upper
+    bound on what a length predictor can give the planner."""
+
+    def __init__(self, final_lengths: dict[tuple[str, int], int], num_quantiles: int = 5) -> None:
+        self.final = final_lengths
+        self.num_quantiles = num_quantiles
+
+    def start_group(self, group_id: str, prompt_id: str, size: int) -> None:
+        pass
+
+    def observe_finished(self, seq_id: str, group_id: str, length: int) -> None:
+        pass
+
+    def end_group(self, group_id: str) -> None:
+        pass
+
+    def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
+        rid, index = seq_id.rsplit("#", 1)
+        left = self.final[(rid, int(index))] - current_length
+        return np.full(self.num_quantiles, float(max(left, 1)))
+
+
+@dataclass(slots=True)
+class TPDecisionRecord:
+    """One planner check, with its prediction and, once the rollout ended, what happened."""
+
+    t: float  # seconds since the rollout started, when the decision arrived (this rank's clock)
+    action: str  # "stay" | "switch"
+    current_tp: int
+    target_tp: int
+    num_seqs: int
+    predicted_gain_s: float  # time saved by the best switch, before its overhead
+    predicted_overhead_s: float
+    predicted_finish_s: float  # to the end of the rollout along the chosen path, overhead included
+    reason: str
+    num_migrated: int = 0
+    num_recomputed: int = 0
+    measured_overhead_s: float | None = None  # the reconfigure, as this rank timed it
+    measured_finish_s: float | None = None  # from the check to the end of the rollout
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Summary:
+    """What one replica tells the others at a check (sent by its TP group's first rank)."""
+
+    has_work: bool
+    # (request id, sample index, context tokens, generated tokens, max_tokens, holds KV)
+    rows: list[tuple[str, int, int, int, int, bool]]
+    started: list[tuple[str, str, int]]  # (request id, prompt key, n)
+    finished: list[tuple[str, int, int, str]]  # (request id, sample index, length, reason)
+
+
+@dataclass(slots=True)
+class _Verdict:
+    """Rank 0's decision, broadcast: None target means the rollout is over everywhere."""
+
+    target_tp: int | None
+    recompute: frozenset[tuple[str, int]] = frozenset()
+    record: TPDecisionRecord | None = None
+    recheck_steps: int | None = None
+
+
+@dataclass(slots=True)
+class ControlStats:
+    checks: int = 0
+    switches: int = 0
+    control_s: float = 0.0  # checks made with work pending: summary, planner, broadcast
+    planner_s: float = 0.0  # rank 0's planner calls (RunningSet building included)
+    reconfig_s: float = 0.0
+    reset_s: float = 0.0  # returning to the starting layout after a rollout
+    decode_s: float = 0.0  # engine busy time during adaptive rollouts
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"tp_{k}": float(getattr(self, k)) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class _Rollout:
+    """State of one rollout on this rank."""
+
+    start: float
+    started: list[tuple[str, str, int]] = field(default_factory=list)
+    finished: list[tuple[str, int, int, str]] = field(default_factory=list)
+    records: list[TPDecisionRecord] = field(default_factory=list)
+
+
+class TPController:
+    def __init__(
+        self, policy: AdaptiveTP, planner: Planner, lengths: Lengths, world_group: Any
+    ) -> None:
+        self.policy = policy
+        self.planner = planner
+        self.lengths = lengths
+        self.world = world_group
+        self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
+        self.stats = ControlStats()
+        self._open_groups: dict[str, list[int]] = {}
+        self._rollout: _Rollout | None = None
+
+    # ------------------------------------------------------------------ rollout
+
+    def begin(self) -> None:
+        self.planner.new_rollout()
+        self._rollout = _Rollout(start=time.perf_counter())
+
+    @property
+    def in_rollout(self) -> bool:
+        return self._rollout is not None
+
+    def note_request(self, request_id: str, prompt_key: str, n: int) -> None:
+        assert self._rollout is not None, "begin() first"
+        self._rollout.started.append((request_id, prompt_key, n))
+
+    def run(self, engine: Engine, on_finished: Any = None) -> dict[str, RequestOutput]:
+        """Drive `engine` until no rank has unfinished work; returns what finished here."""
+        rollout = self._rollout
+        assert rollout is not None, "begin() first"
+        results: dict[str, RequestOutput] = {}
+        busy_before = engine.counters.busy_s
+        steps_left = 0
+        while True:
+            if steps_left <= 0 or not engine.has_unfinished():
+                verdict = self._check(engine, rollout, had_work=engine.has_unfinished())
+                if verdict.target_tp is None:
+                    break
+                if verdict.target_tp != engine.layout.tp_size:
+                    self._switch(engine, verdict)
+                steps_left = verdict.recheck_steps or self.policy.check_every
+                if not engine.has_unfinished():
+                    continue
+            for out in engine.step():
+                results[out.request_id] = out
+                self._note_finished(rollout, engine, out)
+                if on_finished is not None:
+                    on_finished(out)
+            if engine.timeline and not engine.timeline[-1].is_prefill:
+                steps_left -= 1
+        end = time.perf_counter()
+        self.stats.decode_s += engine.counters.busy_s - busy_before
+        for rec in rollout.records:
+            rec.measured_finish_s = end - rollout.start - rec.t
+        self.decisions = rollout.records
+        self._rollout = None
+        if engine.layout.tp_size != self.policy.start_tp:
+            engine.reconfigure(self.policy.start_tp, "recompute")  # nothing in flight: weights
+            self.stats.reset_s += time.perf_counter() - end
+        return results
+
+    def _note_finished(self, rollout: _Rollout, engine: Engine, out: RequestOutput) -> None:
+        if engine.layout.tp_rank != 0:
+            return  # the group's first rank reports for it
+        for c in out.outputs:
+            rollout.finished.append((out.request_id, c.index, len(c.token_ids), c.finish_reason))
+
+    # -------------------------------------------------------------------- check
+
+    def _check(self, engine: Engine, rollout: _Rollout, had_work: bool) -> _Verdict:
+        t0 = time.perf_counter()
+        mine = None
+        if engine.layout.tp_rank == 0:
+            mine = _Summary(had_work, _rows(engine), rollout.started, rollout.finished)
+            rollout.started, rollout.finished = [], []
+        summaries = self._all_gather(mine)
+        tp = engine.layout.tp_size
+        for s in summaries:
+            if s is not None:
+                self._learn(s)
+        verdict = self._decide(summaries, tp, rollout) if self._rank() == 0 else None
+        verdict = self._broadcast(verdict)
+        self.stats.checks += 1
+        if had_work:
+            self.stats.control_s += time.perf_counter() - t0
+        if verdict.record is not None:
+            verdict.record.t = time.perf_counter() - rollout.start  # this rank's clock
+            rollout.records.append(verdict.record)
+        return verdict
+
+    def _learn(self, s: _Summary) -> None:
+        """Feed the length model; every rank sees the same summaries in the same order."""
+        for rid, key, n in s.started:
+            self.lengths.start_group(rid, key, n)
+            self._open_groups[rid] = [n, n, 0]  # size, samples not reported yet, observed
+        for rid, index, length, reason in s.finished:
+            entry = self._open_groups.get(rid)
+            if entry is None:
+                continue
+            if reason in ("stop", "length"):
+                self.lengths.observe_finished(f"{rid}#{index}", rid, length)
+                entry[2] += 1
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._open_groups[rid]
+                if entry[2] < entry[0]:
+                    # aborted or rejected samples: close the group here (a fully observed
+                    # one closed itself at its last sample)
+                    self.lengths.end_group(rid)
+
+    def _decide(self, summaries: list[_Summary | None], tp: int, rollout: _Rollout) -> _Verdict:
+        replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
+        rows = [(dp, row) for dp, s in replicas for row in s.rows]
+        if not any(s.has_work for _, s in replicas) and not rows:
+            return _Verdict(None)
+        t0 = time.perf_counter()
+        running = self._running_set(rows)
+        current = Layout(dp=len(summaries) // tp, tp=tp)
+        decision = self.planner.decide(running, current)
+        self.stats.planner_s += time.perf_counter() - t0
+        record = _record(decision, time.perf_counter() - rollout.start)
+        if decision.action != "switch":
+            return _Verdict(tp, record=record, recheck_steps=decision.recheck_steps)
+        recompute: frozenset[tuple[str, int]] = frozenset()
+        if self.policy.kv_policy == "auto":
+            migrate = decision.chosen.migrate
+            keys = [(row[0], row[1]) for _, row in rows]
+            recompute = frozenset(k for k, m in zip(keys, migrate, strict=True) if not m)
+        record.num_recomputed = (
+            len(recompute)
+            if self.policy.kv_policy == "auto"
+            else len(rows) * (self.policy.kv_policy == "recompute")
+        )
+        record.num_migrated = len(rows) - record.num_recomputed
+        return _Verdict(decision.target.tp, recompute, record)
+
+    def _running_set(
+        self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]]
+    ) -> RunningSet:
+        remaining = (
+            np.stack(
+                [
+                    np.clip(
+                        self.lengths.predict_remaining(f"{rid}#{index}", rid, generated),
+                        1.0,
+                        max(max_tokens - generated, 1),
+                    )
+                    for _, (rid, index, _, generated, max_tokens, _) in rows
+                ]
+            )
+            if rows
+            else np.zeros((0, 1))
+        )
+        return RunningSet(
+            seq_ids=np.arange(len(rows)),
+            replica=np.array([dp for dp, _ in rows], dtype=int),
+            context=np.array([row[2] for _, row in rows], dtype=int),
+            remaining=remaining,
+            has_kv=np.array([row[5] for _, row in rows], dtype=bool),
+        )
+
+    def _switch(self, engine: Engine, verdict: _Verdict) -> None:
+        assert verdict.target_tp is not None
+        policy = self.policy.kv_policy
+        recompute = verdict.recompute
+
+        def choose(cost: KVCost) -> KVChoice:
+            return "recompute" if (cost.request_id, cost.sample_index) in recompute else "migrate"
+
+        t0 = time.perf_counter()
+        engine.reconfigure(verdict.target_tp, choose if policy == "auto" else policy)
+        spent = time.perf_counter() - t0
+        self.stats.switches += 1
+        self.stats.reconfig_s += spent
+        if verdict.record is not None:
+            verdict.record.measured_overhead_s = spent
+
+    # ---------------------------------------------------------- collectives
+
+    def _rank(self) -> int:
+        return 0 if self.world is None else dist.get_rank(self.world)
+
+    def _all_gather(self, mine: _Summary | None) -> list[_Summary | None]:
+        if self.world is None:
+            return [mine]
+        out: list[_Summary | None] = [None] * dist.get_world_size(self.world)
+        dist.all_gather_object(out, mine, group=self.world)
+        return out
+
+    def _broadcast(self, verdict: _Verdict | None) -> _Verdict:
+        if self.world is None:
+            assert verdict is not None
+            return verdict
+        box: list[_Verdict | None] = [verdict]
+        dist.broadcast_object_list(box, group=self.world, group_src=0)
+        assert box[0] is not None
+        return box[0]
+
+
+def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
+    from patrl.rollout.sequence import SequenceStatus
+
+    return [
+        (
+            s.request_id,
+            s.sample_index,
+            s.num_tokens,
+            len(s.output_token_ids),
+            s.params.max_tokens,
+            s.status is SequenceStatus.RUNNING,
+        )
+        for s in engine.unfinished_seqs()
+    ]
+
+
+def _record(decision: Decision, t: float) -> TPDecisionRecord:
+    chosen = decision.chosen
+    finish = chosen.run_s + (chosen.overhead_s if decision.action == "switch" else 0.0)
+    return TPDecisionRecord(
+        t=t,
+        action=decision.action,
+        current_tp=decision.current.tp,
+        target_tp=decision.target.tp,
+        num_seqs=len(decision.seq_ids),
+        predicted_gain_s=float(decision.gain_s),
+        predicted_overhead_s=float(decision.overhead_s),
+        predicted_finish_s=float(finish),
+        reason=decision.reason,
+    )
+
+
+def make_planner(policy: AdaptiveTP, world_size: int, max_num_seqs: int) -> Planner:
+    """The lenpredict planner, on the latency model fitted from `policy.profile`."""
+    from patrl.lenpredict import LatencyModel, PlannerConfig, Profile, ReconfigPlanner
+
+    if policy.profile is None:
+        raise ValueError(
+            "tp_policy adaptive needs tp_policy.profile: a latency profile JSON of this machine "
+            "and model (write one with `torchrun --nproc_per_node N -m patrl.rollout.profile "
+            "--model DIR --out PROFILE.json`), or pass a planner to Engine(planner=...)"
+        )
+    profile = Profile.load(policy.profile)
+    config = PlannerConfig(
+        candidate_tp=tuple(sorted(policy.candidates)),
+        margin=policy.margin,
+        max_num_seqs=max_num_seqs,
+    )
+    return ReconfigPlanner(LatencyModel.fit(profile), world_size, config)
+
+
+def usable_candidates(candidates: Iterable[int], world_size: int) -> tuple[int, ...]:
+    """The candidate TP sizes that divide the world: the rest cannot form groups here."""
+    return tuple(sorted(tp for tp in set(candidates) if world_size % tp == 0))
+
+
+def default_lengths() -> Lengths:
+    return LengthPredictor()

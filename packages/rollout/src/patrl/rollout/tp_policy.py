@@ -1,0 +1,59 @@
+"""How the engine chooses its tensor-parallel layout: fixed, or re-planned while it generates."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StaticTP(BaseModel):
+    """One layout for the whole rollout: the engine's `layout` (of TP size `tp` when given)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["static"] = "static"
+    tp: int | None = Field(None, gt=0, description="TP size; None = the layout the engine gets")
+
+
+class AdaptiveTP(BaseModel):
+    """Start at the smallest candidate TP (the most data-parallel replicas) and let the planner
+    fold replicas into larger TP groups as the batch drains (PAT).
+
+    Every `check_every` decode steps the replicas share a summary of their unfinished samples
+    (one all-gather), rank 0 runs the planner, the decision is broadcast and all ranks apply it
+    together. A rollout always ends back at the starting layout.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["adaptive"] = "adaptive"
+    candidates: tuple[int, ...] = Field((1, 2), description="TP sizes the rollout may use")
+    check_every: int = Field(16, gt=0, description="decode steps between planner checks")
+    margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
+    kv_policy: Literal["auto", "migrate", "recompute"] = Field(
+        "auto", description="auto: the planner's cheaper choice per sequence"
+    )
+    profile: str | None = Field(
+        None,
+        description="latency profile JSON (python -m patrl.rollout.profile); "
+        "required unless a planner object is given to the Engine",
+    )
+
+    @model_validator(mode="after")
+    def _candidates_ok(self) -> AdaptiveTP:
+        if not self.candidates or any(tp < 1 for tp in self.candidates):
+            raise ValueError(f"candidates must be positive TP sizes, got {self.candidates}")
+        if len(set(self.candidates)) < 2:
+            raise ValueError(
+                f"adaptive TP needs at least two candidate TP sizes, got {self.candidates}; "
+                "use static for one"
+            )
+        return self
+
+    @property
+    def start_tp(self) -> int:
+        return min(self.candidates)
+
+
+TPPolicy = Annotated[StaticTP | AdaptiveTP, Field(discriminator="kind")]

@@ -1,0 +1,226 @@
+"""Adaptive TP end to end through `generate`: a planner-driven switch mid-rollout changes no
+token; a planner for which switching never pays never switches; one for which it always pays
+switches once and never back; the engine ends every rollout at its starting layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from multirank import run_ranks
+from profiles import synthetic_profile
+from rollout_testkit import save_hf_model, tiny_hf_model
+
+from patrl.lenpredict import (
+    Decision,
+    Layout,
+    LengthPredictor,
+    RunningSet,
+)
+from patrl.lenpredict.planner import Option
+from patrl.rollout.adaptive import OracleLengths
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.engine import Engine
+from patrl.rollout.plot import plot_timeline
+from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import GroupCache
+
+pytestmark = pytest.mark.multirank
+
+GREEDY = SamplingParams(temperature=0, max_tokens=18, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(tiny_hf_model("llama"), tmp_path_factory.mktemp("llama_adaptive"))
+
+
+def _config(model_dir: str, **policy: Any) -> EngineConfig:
+    tp_policy = {"kind": "adaptive", "candidates": (1, 2), **policy} if policy else None
+    extra = {"tp_policy": tp_policy} if tp_policy else {}
+    return EngineConfig(model=model_dir, block_size=4, num_kv_blocks=128, max_model_len=96, **extra)
+
+
+def _prompts(dp_rank: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Per replica: greedy and sampled requests with different lengths (a short tail)."""
+    g = torch.Generator().manual_seed(200 + dp_rank)
+    lengths = (5, 11, 8, 3)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in lengths]
+    params = [
+        GREEDY,
+        SAMPLED,
+        SamplingParams(temperature=0, max_tokens=6 + 3 * dp_rank, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, seed=5 + dp_rank, max_tokens=25, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _tokens(outputs: list[Any]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def _logprobs(outputs: list[Any]) -> list[float]:
+    return [lp for o in outputs for c in o.outputs for lp in c.logprobs]
+
+
+class ForcedPlanner:
+    """Switches to `target_tp` at its `at_call`-th check (counted from 1), else stays."""
+
+    def __init__(self, at_call: int, target_tp: int, world_size: int) -> None:
+        self.at_call, self.target_tp, self.world_size = at_call, target_tp, world_size
+        self.calls = 0
+
+    def new_rollout(self) -> None:
+        self.calls = 0
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        self.calls += 1
+        n = len(running)
+        stay = Option(current, 1.0, 0.0, np.inf, 0, running.replica, np.zeros(n, dtype=bool))
+        if self.calls != self.at_call or current.tp == self.target_tp:
+            return Decision(
+                "stay", current, current, 0.0, 0.0, "forced stay", [stay], running.seq_ids
+            )
+        target = Layout(dp=self.world_size // self.target_tp, tp=self.target_tp)
+        # alternate migrate / recompute so kv_policy=auto exercises both
+        migrate = np.arange(n) % 2 == 0
+        go = Option(target, 0.5, 0.1, np.inf, 0, np.zeros(n, dtype=int), migrate)
+        return Decision("switch", current, target, 0.5, 0.1, "forced", [stay, go], running.seq_ids)
+
+
+def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -> dict[str, Any]:
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    reference = Engine(_config(model_dir))  # each rank alone: the uninterrupted run
+    prompts, params = _prompts(rank)
+    expected = reference.generate(prompts, params)
+    planner = ForcedPlanner(at_call, 2, world_size)
+    predictor = LengthPredictor()
+    engine = Engine(
+        _config(model_dir, check_every=3, kv_policy=kv),
+        groups=groups,
+        planner=planner,
+        lengths=predictor,
+    )
+    assert engine.layout.tp_size == 1
+    got = engine.generate(prompts, params, prompt_keys=[f"p{rank}-{i}" for i in range(4)])
+    stats = engine.stats()
+    names = [f"p{r}-{i}" for r in range(2) for i in range(4)]
+    learnt = {k: predictor.expected_length(k) for k in names}, predictor.global_mean()
+    # a second rollout starts wide again and switches again
+    again = engine.generate(prompts, params)
+    return {
+        "expected": _tokens(expected),
+        "got": _tokens(got),
+        "again": _tokens(again),
+        "lp_expected": _logprobs(expected),
+        "lp_got": _logprobs(got),
+        "switches": (stats["tp_switches"], engine.stats()["tp_switches"]),
+        "decisions": stats["tp_decisions"],
+        "timeline_tp": [r["tp_size"] for r in stats["timeline"]],
+        "tp_after": engine.layout.tp_size,
+        "learnt": learnt,
+    }
+
+
+@pytest.mark.parametrize("at_call,kv", [(1, "recompute"), (3, "auto")])
+def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str) -> None:
+    results = run_ranks(_forced, 2, args=(str(llama_dir), at_call, kv), timeout_s=300)
+    for r in results:
+        assert r["got"] == r["expected"]
+        assert r["again"] == r["expected"]
+        np.testing.assert_allclose(r["lp_got"], r["lp_expected"], atol=1e-4)
+        assert r["switches"] == (1, 2)  # once per rollout
+        assert r["tp_after"] == 1  # back at the starting layout
+        tps = r["timeline_tp"]
+        assert tps[0] == (2 if at_call == 1 else 1) and tps[-1] == 2
+        assert tps == sorted(tps)  # grows once, never back within the rollout
+        switches = [d for d in r["decisions"] if d["action"] == "switch"]
+        assert len(switches) == 1 and switches[0]["measured_overhead_s"] > 0
+        assert all(d["measured_finish_s"] >= 0 for d in r["decisions"])
+    predicted = [
+        [
+            {k: v for k, v in d.items() if not k.startswith("measured") and k != "t"}
+            for d in r["decisions"]
+        ]
+        for r in results
+    ]
+    assert predicted[0] == predicted[1]  # rank 0 decided, every rank applied the same
+
+    # the length predictor learnt every replica's lengths online, the same on every rank
+    expected, mean = results[0]["learnt"]
+    assert results[1]["learnt"] == (expected, mean)
+    total = sum(18 + 3 * 16 + 6 + 3 * r + 25 for r in range(2))  # per replica r, 6 samples
+    assert mean == pytest.approx(total / 12)
+    assert expected["p1-3"] > mean  # one 25-token group: above the mean, shrunk towards it
+
+
+# --- the real planner on synthetic profiles --------------------------------------------------
+
+
+def _planned(rank: int, world_size: int, model_dir: str, paths: list[str]) -> list[dict[str, Any]]:
+    prompts, params = _prompts(rank)
+    out = []
+    for path in paths:
+        engine = Engine(_config(model_dir, check_every=2, profile=path, margin=0.2))
+        outs = engine.generate(prompts, params)
+        stats = engine.stats()
+        out.append(
+            {
+                "switches": stats["tp_switches"],
+                "checks": stats["tp_checks"],
+                "tps": [r["tp_size"] for r in stats["timeline"]],
+                "tokens": _tokens(outs),
+                "actions": [d["action"] for d in stats["tp_decisions"]],
+            }
+        )
+    return out
+
+
+def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
+    """Switching never pays (tp=2 5x slower): no switch. Always pays (20x faster): one switch,
+    at the first check, before any step (a full batch is already better off at tp=2)."""
+    paths = []
+    for speedup in (0.2, 20.0):
+        paths.append(str(tmp_path / f"profile-{speedup}.json"))
+        synthetic_profile(str(llama_dir), speedup).save(paths[-1])
+    results = run_ranks(_planned, 2, args=(str(llama_dir), paths), timeout_s=300)
+    for never, always in results:
+        assert never["switches"] == 0 and never["actions"].count("switch") == 0
+        assert never["checks"] > 2 and set(never["tps"]) == {1}
+        assert always["switches"] == 1 and always["actions"][0] == "switch"
+        assert always["actions"].count("switch") == 1  # and never back: no oscillation
+        assert set(always["tps"]) == {2}
+        assert never["tokens"] == always["tokens"]
+    assert [r["actions"] for r in results[0]] == [r["actions"] for r in results[1]]
+
+
+def test_plot_timeline(tmp_path: Path) -> None:
+    timeline = [
+        {"t": 0.1 * i, "duration_s": 0.1, "running": 8 - i // 2, "tp_size": 1 if i < 6 else 2}
+        for i in range(12)
+    ]
+    decisions = [
+        {"action": "stay", "t": 0.2, "current_tp": 1, "target_tp": 1, "predicted_gain_s": 0.0},
+        {"action": "switch", "t": 0.6, "current_tp": 1, "target_tp": 2, "predicted_gain_s": 0.3},
+    ]
+    path = plot_timeline(timeline, decisions, tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp.png"))
+
+
+def test_oracle_lengths() -> None:
+    oracle = OracleLengths({("r", 0): 10, ("r", 1): 4}, num_quantiles=3)
+    assert oracle.predict_remaining("r#0", "r", 3).tolist() == [7.0, 7.0, 7.0]
+    assert oracle.predict_remaining("r#1", "r", 4).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_adaptive_config_errors(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="at least two candidate"):
+        EngineConfig(model=str(llama_dir), tp_policy={"kind": "adaptive", "candidates": (2,)})
+    # one process: nothing to adapt, the engine runs as tp=1 without a planner
+    engine = Engine(_config(str(llama_dir), profile=None))
+    assert engine.controller is None and engine.layout.tp_size == 1
