@@ -235,21 +235,35 @@ def not_a_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra))
 
 
+STATIC = {"rollout.adaptive_tp.enable": False}
+
+
 def tp_not_dividing_world(a: Assets, tmp: Path, run: Path) -> Setup:
-    return Setup(_good(a, run, **{"rollout.tensor_model_parallel_size": 3}), world_size=2)
+    extra = {**STATIC, "rollout.tensor_model_parallel_size": 3}
+    return Setup(_good(a, run, **extra), world_size=2)
 
 
 def tp_beyond_heads(a: Assets, tmp: Path, run: Path) -> Setup:
-    return Setup(_good(a, run, **{"rollout.tensor_model_parallel_size": 8}), world_size=8)
+    extra = {**STATIC, "rollout.tensor_model_parallel_size": 8}
+    return Setup(_good(a, run, **extra), world_size=8)
 
 
 def tp_straddling_nodes(a: Assets, tmp: Path, run: Path) -> Setup:
-    setup = _good(a, run, **{"rollout.tensor_model_parallel_size": 2})
+    setup = _good(a, run, **{**STATIC, "rollout.tensor_model_parallel_size": 2})
     return Setup(setup, world_size=6, local_world_size=3)
 
 
+def adaptive_candidate_beyond_heads(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.adaptive_tp.candidates": "[1,8]"}), world_size=8)
+
+
+def adaptive_profile_missing(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"rollout.adaptive_tp.profile": tmp / "nowhere.json"}
+    return Setup(_good(a, run, **extra), world_size=2)
+
+
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
-    extra = {"data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
+    extra = {**STATIC, "data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
     return Setup(_good(a, run, **extra), world_size=3)
 
 
@@ -336,6 +350,14 @@ CASES: list[tuple[Builder, list[str]]] = [
         ],
     ),
     (
+        adaptive_candidate_beyond_heads,
+        [
+            "rollout.adaptive_tp.candidates=8 fits no layout of world size 8",
+            "num_attention_heads=4",
+        ],
+    ),
+    (adaptive_profile_missing, ["rollout.adaptive_tp.profile=", "nowhere.json: no such file"]),
+    (
         several_at_once,
         [
             "3 problems",
@@ -408,7 +430,9 @@ def test_layouts_that_fit_pass(
 ) -> None:
     """4 heads, 2 kv heads: a TP size dividing the world and the heads, and made of whole nodes
     or of a divisor of a node, is accepted."""
-    overrides = _good(assets, tmp_path / "runs", **{"rollout.tensor_model_parallel_size": tp})
+    overrides = _good(
+        assets, tmp_path / "runs", **{**STATIC, "rollout.tensor_model_parallel_size": tp}
+    )
     config = preflight.load(None, [f"{k}={v}" for k, v in overrides.items()])
     preflight.check(config, world_size, local)
 

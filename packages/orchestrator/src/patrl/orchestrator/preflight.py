@@ -159,8 +159,19 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
     if tokenizer is not None:
         problems += _data_problems(config, tokenizer, train_files, val_files)
-    tp = config.rollout.tensor_model_parallel_size
-    problems += layout_problems(tp, world_size, local_world_size or world_size, model)
+    local = local_world_size or world_size
+    adaptive = config.rollout.adaptive_tp
+    usable = [t for t in adaptive.candidates if world_size % t == 0]
+    if adaptive.enable and len(usable) >= 2:  # else the job runs static TP
+        for t in usable:
+            problems += layout_problems(
+                t, world_size, local, model, "rollout.adaptive_tp.candidates"
+            )
+        if adaptive.profile is not None and not Path(adaptive.profile).is_file():
+            problems.append(f"rollout.adaptive_tp.profile={adaptive.profile}: no such file")
+    else:
+        tp = config.rollout.tensor_model_parallel_size
+        problems += layout_problems(tp, world_size, local, model)
     if model is not None:
         problems += _resume_problems(config, model, world_size)
     if problems:
@@ -181,7 +192,11 @@ def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
 
 
 def layout_problems(
-    tp: int, world_size: int, local_world_size: int, model: ModelConfig | None
+    tp: int,
+    world_size: int,
+    local_world_size: int,
+    model: ModelConfig | None,
+    key: str = "rollout.tensor_model_parallel_size",
 ) -> list[str]:
     """Why `tp` fits no layout of `world_size` ranks (`local_world_size` per node) for `model`,
     and the sizes that would. A TP group is contiguous ranks: it may span whole nodes only."""
@@ -201,7 +216,7 @@ def layout_problems(
         return []
     fits = [t for t in range(1, world_size + 1) if not why_not(t)]
     return [
-        f"rollout.tensor_model_parallel_size={tp} fits no layout of world size {world_size}: "
+        f"{key}={tp} fits no layout of world size {world_size}: "
         f"{' and '.join(why)}; with world size {world_size}"
         f"{' and this model' if model is not None else ''} it can be one of {fits}"
     ]
