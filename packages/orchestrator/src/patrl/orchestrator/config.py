@@ -100,6 +100,12 @@ class RolloutConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     val_temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
     update_weights_bucket_megabytes: int = Field(256, gt=0)
+    over_sample_rate: float = Field(
+        0.0,
+        ge=0,
+        description="partial rollouts (APRIL): start this fraction more prompts, stop when the "
+        "batch is full, resume the unfinished ones first next step; 0 = off",
+    )
 
 
 class ActorConfig(TrainerConfig):
@@ -139,6 +145,9 @@ class RunConfig(_Section):
     """verl's `trainer.*`: the run's length, logging and checkpoints."""
 
     total_training_steps: int = Field(20, gt=0)
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: rollout ranks never stop; see async_rl"
+    )
     save_freq: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     test_freq: int = Field(5, ge=0, description="steps between validations; 0 = never")
     val_before_train: bool = True
@@ -153,6 +162,18 @@ class RunConfig(_Section):
     plots: bool = True
 
 
+class AsyncConfig(_Section):
+    """Asynchronous RL (AReaL): the first `rollout_ranks` ranks generate, the others train."""
+
+    rollout_ranks: int = Field(1, gt=0, description="ranks that only generate")
+    max_staleness: int = Field(
+        1, ge=0, description="a trained sample is at most this many policy versions old"
+    )
+    behaviour_weight_cap: float | None = Field(
+        5.0, gt=1, description="decoupled PPO: drop tokens whose behaviour weight exceeds it"
+    )
+
+
 class JobConfig(_Section):
     data: DataConfig = Field(default_factory=lambda: DataConfig())
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
@@ -161,6 +182,7 @@ class JobConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
     trainer: RunConfig = Field(default_factory=lambda: RunConfig())
+    async_rl: AsyncConfig = Field(default_factory=lambda: AsyncConfig())
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
