@@ -6,8 +6,8 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.models import build_model
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
-from patrl.rollout.reconfigure import KVCost, ReconfigReport
 from patrl.rollout.plot import plot_timeline
+from patrl.rollout.reconfigure import KVCost, ReconfigReport
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import AdaptiveTP, StaticTP
 

@@ -110,11 +110,14 @@ class _Summary:
     rows: list[tuple[str, int, int, int, int, bool]]
     started: list[tuple[str, str, int]]  # (request id, prompt key, n)
     finished: list[tuple[str, int, int, str]]  # (request id, sample index, length, reason)
+    num_done: int = 0  # requests finished since the last check
+    quota: int | None = None  # partial rollouts: requests this replica was asked to finish
 
 
 @dataclass(slots=True)
 class _Verdict:
-    """Rank 0's decision, broadcast: None target means the rollout is over everywhere."""
+    """Rank 0's decision, broadcast: None target means the rollout is over everywhere (all
+    done, or the partial-rollout quota is met and the rest is to be exported)."""
 
     target_tp: int | None
     recompute: frozenset[tuple[str, int]] = frozenset()
@@ -141,9 +144,16 @@ class _Rollout:
     """State of one rollout on this rank."""
 
     start: float
+    quota: int | None = None
     started: list[tuple[str, str, int]] = field(default_factory=list)
     finished: list[tuple[str, int, int, str]] = field(default_factory=list)
     records: list[TPDecisionRecord] = field(default_factory=list)
+    num_done: int = 0  # requests finished here since the last check
+    # rank 0: the world's quota (summed at the first check, when every replica still reports
+    # for itself) and requests finished so far
+    total_quota: int | None = None
+    total_done: int = 0
+    first_check: bool = True
 
 
 class TPController:
@@ -161,9 +171,11 @@ class TPController:
 
     # ------------------------------------------------------------------ rollout
 
-    def begin(self) -> None:
+    def begin(self, quota: int | None = None) -> None:
+        """A rollout starts; with `quota`, it ends once the world has finished the sum of the
+        replicas' quotas (partial rollouts), the rest to be exported by the engine."""
         self.planner.new_rollout()
-        self._rollout = _Rollout(start=time.perf_counter())
+        self._rollout = _Rollout(start=time.perf_counter(), quota=quota)
 
     @property
     def in_rollout(self) -> bool:
@@ -174,7 +186,8 @@ class TPController:
         self._rollout.started.append((request_id, prompt_key, n))
 
     def run(self, engine: Engine, on_finished: Any = None) -> dict[str, RequestOutput]:
-        """Drive `engine` until no rank has unfinished work; returns what finished here."""
+        """Drive `engine` until no rank has unfinished work, or the quota is met; returns what
+        finished here. Call `end` afterwards (after exporting what is left, if anything)."""
         rollout = self._rollout
         assert rollout is not None, "begin() first"
         results: dict[str, RequestOutput] = {}
@@ -203,14 +216,20 @@ class TPController:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
         self._rollout = None
-        if engine.layout.tp_size != self.policy.start_tp:
-            engine.reconfigure(self.policy.start_tp, "recompute")  # nothing in flight: weights
-            self.stats.reset_s += time.perf_counter() - end
         return results
+
+    def end(self, engine: Engine) -> None:
+        """Back to the starting layout, so the next rollout starts wide (the engine is empty:
+        only weights move)."""
+        if engine.layout.tp_size != self.policy.start_tp:
+            start = time.perf_counter()
+            engine.reconfigure(self.policy.start_tp, "recompute")
+            self.stats.reset_s += time.perf_counter() - start
 
     def _note_finished(self, rollout: _Rollout, engine: Engine, out: RequestOutput) -> None:
         if engine.layout.tp_rank != 0:
             return  # the group's first rank reports for it
+        rollout.num_done += 1
         for c in out.outputs:
             rollout.finished.append((out.request_id, c.index, len(c.token_ids), c.finish_reason))
 
@@ -220,8 +239,15 @@ class TPController:
         t0 = time.perf_counter()
         mine = None
         if engine.layout.tp_rank == 0:
-            mine = _Summary(had_work, _rows(engine), rollout.started, rollout.finished)
-            rollout.started, rollout.finished = [], []
+            mine = _Summary(
+                had_work,
+                _rows(engine),
+                rollout.started,
+                rollout.finished,
+                rollout.num_done,
+                rollout.quota,
+            )
+            rollout.started, rollout.finished, rollout.num_done = [], [], 0
         summaries = self._all_gather(mine)
         tp = engine.layout.tp_size
         for s in summaries:
@@ -260,8 +286,15 @@ class TPController:
     def _decide(self, summaries: list[_Summary | None], tp: int, rollout: _Rollout) -> _Verdict:
         replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
         rows = [(dp, row) for dp, s in replicas for row in s.rows]
+        if rollout.first_check:
+            quotas = [s.quota for _, s in replicas if s.quota is not None]
+            rollout.total_quota = sum(quotas) if quotas else None
+            rollout.first_check = False
+        rollout.total_done += sum(s.num_done for _, s in replicas)
         if not any(s.has_work for _, s in replicas) and not rows:
             return _Verdict(None)
+        if rollout.total_quota is not None and rollout.total_done >= rollout.total_quota:
+            return _Verdict(None)  # partial rollout: enough finished, the rest waits
         t0 = time.perf_counter()
         running = self._running_set(rows)
         current = Layout(dp=len(summaries) // tp, tp=tp)

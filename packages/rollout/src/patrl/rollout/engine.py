@@ -514,6 +514,7 @@ class Engine:
             _progress_bar(len(ids)) if progress and self.groups and self.groups.rank == 0 else None
         )
         results = controller.run(self, on_finished=(lambda _: bar.update(1)) if bar else None)
+        controller.end(self)
         if bar is not None:
             bar.close()
         lost = [i for i in ids if i not in results]
@@ -524,12 +525,54 @@ class Engine:
             )
         return [results[i] for i in ids]
 
+    def generate_partial(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: Sequence[SamplingParams],
+        quota: int,
+        request_ids: Sequence[str] | None = None,
+        prompt_keys: Sequence[str] | None = None,
+        resume: Sequence[SequenceState] = (),
+    ) -> tuple[list[RequestOutput], list[SequenceState]]:
+        """A partial rollout (APRIL): continue `resume` (earlier rollouts' unfinished samples,
+        queued first, their KV recomputed under the current weights), then run `prompts`,
+        until `quota` requests have finished (under adaptive TP: until the world has finished
+        the sum of every rank's replica's quota). Returns the finished requests and every
+        sample of the unfinished ones (tokens, logprobs and generator state; finished samples
+        of an unfinished request carry their finish reason), to pass as `resume` later.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate_partial() needs an idle engine")
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids: Sequence[str | None] = request_ids or [None] * len(prompts)
+        keys: Sequence[str | None] = prompt_keys or [None] * len(prompts)
+        self.reset_timeline()
+        controller = self.controller
+        if controller is not None:
+            controller.begin(quota)
+        self.import_requests(resume)
+        for p, sp, rid, key in zip(prompts, params, ids, keys, strict=True):
+            self.add_request(p, sp, request_id=rid, prompt_key=key)
+        if controller is not None:
+            finished = list(controller.run(self).values())
+        else:
+            finished = []
+            while self.has_unfinished() and len(finished) < quota:
+                finished += self.step()
+        rest = self.export_requests(self.request_ids(), with_kv=False, include_finished=True)
+        if controller is not None:
+            controller.end(self)
+        return finished, rest
+
     # -------------------------------------------------------- move requests
 
     def export_requests(
-        self, request_ids: Iterable[str], with_kv: bool = True
+        self, request_ids: Iterable[str], with_kv: bool = True, include_finished: bool = False
     ) -> list[SequenceState]:
-        """Take unfinished requests out of this engine, to continue elsewhere."""
+        """Take unfinished requests out of this engine, to continue elsewhere. With
+        `include_finished`, their already finished samples come along (with finish reason),
+        so the request is whole wherever it is imported."""
         states: list[SequenceState] = []
         for request_id in request_ids:
             request = self._requests.pop(request_id, None)
@@ -538,7 +581,11 @@ class Engine:
             exported: set[int] = set()  # a leader exports the children waiting on its prefill
             for index in sorted(request.seqs):
                 seq = request.seqs[index]
-                if seq.is_finished or seq.seq_id in exported:
+                if seq.seq_id in exported:
+                    continue
+                if seq.is_finished:
+                    if include_finished:
+                        states.append(self._state(seq, None))
                     continue
                 kv = None
                 if with_kv and seq.status is SequenceStatus.RUNNING and not seq.fork_children:
@@ -563,6 +610,7 @@ class Engine:
             output_top_logprobs=list(seq.output_top_logprobs),
             kv=kv,
             num_preemptions=seq.num_preemptions,
+            finish_reason=seq.finish_reason if seq.is_finished else None,
         )
 
     def import_requests(self, states: Iterable[SequenceState]) -> None:
@@ -590,6 +638,9 @@ class Engine:
                 num_preemptions=st.num_preemptions,
             )
             request.seqs[st.sample_index] = seq
+            if st.finish_reason is not None:
+                seq.finish(st.finish_reason)  # a finished sample of a request that goes on
+                continue
             if st.kv is not None and self._kv_matches(seq, st) and self.cache.can_import(st.kv):
                 self.cache.import_(seq.seq_id, st.kv)
                 if self.cache.blocks.num_uncomputed(seq.seq_id) == 0:

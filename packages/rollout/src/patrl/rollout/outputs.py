@@ -58,3 +58,4 @@ class SequenceState:
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     kv: SequenceKV | None = None
     num_preemptions: int = 0
+    finish_reason: str | None = None  # set: this sample is done, only carried along

@@ -46,9 +46,9 @@ from patrl.lenpredict import (
     Profile,
 )
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.tp_policy import StaticTP
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.tp_policy import StaticTP
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "broadcast", "send")
