@@ -128,13 +128,15 @@ def _ordered_terms(
     longest context among them at the start is P_k, the running maximum of the contexts. By
     summation by parts Σ_k (r_k − r_{k+1})·f(k) = Σ_k r_k·(f(k) − f(k−1)), so each sequence's
     share needs only its rank k in its replica and P_k, P_{k−1}. The order: one sort of each
-    quantile column (clipping or shifting keeps it), then a stable radix sort by replica."""
+    quantile column (clipping or shifting keeps it), then a stable sort by replica (radix, on
+    16-bit keys)."""
     count, n = rem.shape
+    groups = len(knee)
     order = np.argsort(-running.remaining, axis=0).T[np.asarray(rows.column)]  # (R, n)
     flat = (np.arange(count)[:, None] * n + order).ravel()
-    idx = flat[np.argsort(key[flat].astype(np.int32), kind="stable")]
+    narrow = key[flat].astype(np.int16 if groups < 2**15 else np.int64)
+    idx = flat[np.argsort(narrow, kind="stable")]
     key, rem, ctx = key[idx], rem.ravel()[idx], ctx.ravel()[idx]
-    groups = len(knee)
     sizes = np.bincount(key, minlength=groups)
     first = np.cumsum(sizes) - sizes
     rank = np.arange(len(key)) - first[key] + 1

@@ -285,10 +285,11 @@ class ReconfigPlanner:
     def _delays(self, median: np.ndarray) -> np.ndarray:
         """Steps after which a delayed switch is priced: when the given fractions of the
         sequences are predicted finished (median scenario)."""
-        ordered = np.sort(median)
-        at = (np.asarray(self.config.delay_levels) * (len(ordered) - 1)).astype(int)
-        delays = np.unique(np.floor(ordered[at]))
-        return delays[delays > 0]
+        at = [int(level * (len(median) - 1)) for level in self.config.delay_levels]
+        if not at:
+            return np.zeros(0)
+        delays = {float(d) for d in np.floor(np.partition(median, at)[at])}
+        return np.array(sorted(d for d in delays if d > 0))
 
     def _admissible(self, current: Layout) -> list[Layout]:
         result = []
@@ -342,23 +343,29 @@ class ReconfigPlanner:
             overheads, migrate = self._overheads(
                 current, targets, assignments, context, alive, running.holds_kv
             )
-            for j, target in enumerate(targets):
-                option = Option(
-                    layout=target,
-                    run_s=float(now[j + 1].mean()),
-                    overhead_s=float(overheads[j, 0]),
-                    later_s=np.inf,
-                    later_steps=0,
-                    assignment=assignments[j],
-                    migrate=migrate[j, 0],
+            run = now[1:].mean(axis=1)
+            later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
+            if k:
+                later = before + overheads[:, 1:] + after  # (targets, delays), median scenario
+                best = np.argmin(later, axis=1)
+                # carry the all-scenario view of switching now over to the delayed plan
+                later_s = later[np.arange(m), best] + run - now[1:, med]
+                later_steps = delays[best].astype(int)
+            for j, (run_s, overhead_s, delayed_s, steps_later) in enumerate(
+                zip(
+                    run.tolist(),
+                    overheads[:, 0].tolist(),
+                    later_s.tolist(),
+                    later_steps.tolist(),
+                    strict=True,
                 )
-                if k:
-                    later = before + overheads[j, 1:] + after[j]  # median scenario
-                    best = int(np.argmin(later))
-                    # carry the all-scenario view of switching now over to the delayed plan
-                    option.later_s = float(later[best]) + option.run_s - float(now[j + 1, med])
-                    option.later_steps = int(delays[best])
-                options.append(option)
+            ):
+                options.append(
+                    Option(
+                        targets[j], run_s, overhead_s, delayed_s, steps_later, assignments[j],
+                        migrate[j, 0],
+                    )
+                )  # fmt: skip
         decision = self._choose(options, current, running.seq_ids)
         self.decisions.append(decision)
         return decision
