@@ -70,9 +70,13 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
 
 
 def run(config: JobConfig, world: World) -> Any:
+    model_dir, train_files, val_files = resolve_assets(config, world)
+    if config.trainer.mode == "async":
+        from patrl.orchestrator.async_loop import AsyncGRPO
+
+        return AsyncGRPO(config, world, model_dir, train_files, val_files).run()
     from patrl.orchestrator.sync_loop import SyncGRPO
 
-    model_dir, train_files, val_files = resolve_assets(config, world)
     loop = SyncGRPO(config, world, model_dir, train_files, val_files)
     return loop.run()
 

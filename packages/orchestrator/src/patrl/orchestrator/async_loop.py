@@ -1,0 +1,559 @@
+"""Asynchronous GRPO with bounded staleness (AReaL): generation never waits for a full step.
+
+The world is split: ranks [0, R) only generate (R = async_rl.rollout_ranks, each rank its own
+static tp=1 engine), ranks [R, W) only train (FSDP2 over just them). They never meet in a
+collective: small control values go through the job's store (control.py), weights and samples
+through the store and the run directory (weight_store.py), so a dead or stalled peer is named
+after a timeout instead of hanging everybody.
+
+Tickets. The prompt stream is cut into tickets: ticket t is prompt t % B of the loader's batch
+t // B (B = data.train_batch_size), sampled with the synchronous loop's seeds for step
+t // B + 1. Training step s trains exactly tickets [(s-1)B, sB).
+
+Admission (AReaL's rule). A rollout rank whose newest weights are version v may start a ticket
+only while capacity = (max_staleness + v + 1) * B - (accepted + running) > 0. Tickets are
+handed out in order, so accepted + running is the number of tickets handed out, and the rule
+reads: ticket t may start once t < (max_staleness + v + 1) * B.
+
+Consumption in ticket order, not finish order. AReaL trains on whichever groups finished first;
+here step s waits for its own tickets. Why: ticket t started with weights v >= t // B -
+max_staleness and is trained at version s - 1 = t // B, so no trained token is more than
+max_staleness versions old, strictly (in finish order a slow old group can be trained later
+than the bound allows), and a run is reproducible: max_staleness=0 is the synchronous loop. The
+price is head-of-line blocking: a slow group holds back its step while later groups wait,
+finished, in the store; generation goes on meanwhile, up to the staleness bound.
+
+Weights. After the update of step s the trainer publishes version s; rollout ranks poll for it
+between engine steps and load it when it is complete on disk (pull-based). Running sequences go
+on under the new weights (their KV stays), so one sample may mix versions: every token records
+the version that sampled it, and the logprob it was sampled with (the behaviour policy). The
+trainer recomputes the proximal logprobs and uses decoupled PPO with the behaviour weight
+capped at async_rl.behaviour_weight_cap.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from patrl.lenpredict import LengthPredictor
+from patrl.orchestrator import checkpointing
+from patrl.orchestrator.advantages import compute_advantages
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.control import ControlPlane
+from patrl.orchestrator.data import PromptItem, PromptLoader
+from patrl.orchestrator.distributed import World
+from patrl.orchestrator.metrics import MetricsLogger, plot_run
+from patrl.orchestrator.rewards import RewardManager
+from patrl.orchestrator.sync_loop import (
+    RunResult,
+    Sample,
+    SyncGRPO,
+    _batch_metrics,
+    _load_tokenizer,
+    _merge_reward_metrics,
+    _probs_diff,
+    _timed,
+)
+from patrl.orchestrator.weight_store import WeightStore
+from patrl.rollout import Engine, RequestOutput, SamplingParams
+from patrl.trainer import PolicyBatch, Trainer
+
+# Seconds an idle rollout rank sleeps between polls, and a waiting trainer.
+_IDLE_POLL_S = 0.005
+
+
+@dataclass(slots=True)
+class GroupRecord:
+    """One finished prompt group, as a rollout rank hands it to the trainer."""
+
+    ticket: int
+    rank: int  # the rollout rank that generated it
+    samples: list[Sample]
+    versions: list[list[int]]  # versions[i][j]: policy version that sampled token j of sample i
+    reward_metrics: dict[str, float]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    ticket: int
+    item: PromptItem
+    # Per sample: (index of the first token sampled with it, version), one per weight change.
+    switches: list[list[tuple[int, int]]] = field(default_factory=list)
+
+
+def token_versions(switches: Sequence[tuple[int, int]], num_tokens: int) -> list[int]:
+    """Expand (first token, version) switch points into one version per token."""
+    out = []
+    current = switches[0][1]
+    pending = iter(switches[1:])
+    upcoming = next(pending, None)
+    for j in range(num_tokens):
+        while upcoming is not None and upcoming[0] <= j:
+            current = upcoming[1]
+            upcoming = next(pending, None)
+        out.append(current)
+    return out
+
+
+class AsyncGRPO:
+    """The job's entry: builds this rank's role (rollout or trainer) and runs it."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        world: World,
+        model_dir: str,
+        train_files: Any,
+        val_files: Any,
+        peer_timeout_s: float = 600.0,
+    ) -> None:
+        _check_supported(config, world, val_files)
+        # Async rollout replicas are static tp=1 engines: adaptive TP needs collectives over
+        # the rollout ranks, which async mode avoids.
+        self.config = config.model_copy(deep=True)
+        self.config.rollout.adaptive_tp.enable = False
+        self.world = world
+        self.model_dir = model_dir
+        self.run_dir = config.run_dir
+        self.num_rollout = config.async_rl.rollout_ranks
+        self.rollout_ranks = list(range(self.num_rollout))
+        self.trainer_ranks = list(range(self.num_rollout, world.size))
+        SyncGRPO._seed_everything(self, config.trainer.seed)  # type: ignore[arg-type]
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.train_set = SyncGRPO._dataset(self, train_files)  # type: ignore[arg-type]
+        self.loader = PromptLoader(
+            self.train_set.items,
+            config.data.train_batch_size,
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
+        )
+        self.control = ControlPlane.of_default_group(world.rank, peer_timeout_s)
+        self.weights = WeightStore(self.run_dir / "weights")
+        # new_group is collective over the world: every rank makes the trainers' group.
+        trainer_group = dist.new_group(self.trainer_ranks)
+        self.role: RolloutWorker | TrainerWorker
+        if world.rank < self.num_rollout:
+            self.role = RolloutWorker(self)
+        else:
+            self.role = TrainerWorker(self, trainer_group)
+
+    @property
+    def is_trainer(self) -> bool:
+        return isinstance(self.role, TrainerWorker)
+
+    def run(self) -> RunResult:
+        try:
+            return self.role.run()
+        except BaseException as err:
+            # Peers polling the store stop at once instead of after their timeout.
+            self.control.fail(f"{type(err).__name__}: {err}"[:500])
+            raise
+
+
+def _check_supported(config: JobConfig, world: World, val_files: Any) -> None:
+    """What async mode does not do (yet) fails here, by name, before any work."""
+    r = config.async_rl.rollout_ranks
+    if r >= world.size:
+        raise ValueError(
+            f"async_rl.rollout_ranks={r} leaves no trainer rank in a world of {world.size}: "
+            f"accepted 1..{world.size - 1}"
+        )
+    if config.trainer.test_freq and val_files:
+        raise ValueError(
+            f"trainer.mode=async does not validate yet: set trainer.test_freq=0 (got "
+            f"{config.trainer.test_freq})"
+        )
+    if config.algorithm.filter_groups.enable:
+        raise ValueError("trainer.mode=async does not support algorithm.filter_groups.enable=true")
+    if config.rollout.over_sample_rate:
+        raise ValueError(
+            "trainer.mode=async does not support partial rollouts: set rollout.over_sample_rate=0 "
+            f"(got {config.rollout.over_sample_rate})"
+        )
+
+
+# ---------------------------------------------------------------------------- rollout ranks
+
+
+class RolloutWorker:
+    """Generates tickets as admission allows, pulls newer weights between engine steps and
+    hands each finished group to the trainer through the store."""
+
+    def __init__(self, job: AsyncGRPO) -> None:
+        self.job = job
+        self.config = job.config
+        self.world = job.world
+        self.model_dir = job.model_dir
+        self.control = job.control
+        self.batch_size = job.config.data.train_batch_size
+        self.engine = Engine(SyncGRPO._engine_config(self))  # type: ignore[arg-type]
+        self.rewards = RewardManager(
+            [(f.name, f.weight) for f in self.config.reward.functions],
+            num_workers=self.config.reward.num_workers,
+            timeout_s=self.config.reward.timeout_s,
+        )
+        self.in_flight: dict[str, _InFlight] = {}
+        self.held: int | None = None  # a ticket taken but not yet admissible
+        self.batch_index = -1  # loader batch in self.batch
+        self.batch: list[PromptItem] = []
+        self.idle_s = 0.0
+
+    def run(self) -> RunResult:
+        try:
+            self._join()
+            while not self.control.done():
+                self.control.beat()
+                self._pull_newest()
+                self._admit()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._hand_over(out)
+                else:
+                    self._idle()
+        finally:
+            self.rewards.close()
+        return RunResult(0, [], self.job.run_dir)
+
+    def _join(self) -> None:
+        """Wait for the trainer to say where the run starts (a resumed step, its loader)."""
+        first_trainer = self.job.trainer_ranks[0]
+        self.control.wait_until(
+            lambda: self.control.has(["start"]), "the trainer to start", [first_trainer]
+        )
+        start = pickle.loads(self.control.get("start"))
+        self.job.loader.load_state_dict(start["loader"])
+        self.batch_index = start["step"] - 1
+        if start["step"] > 0:
+            self._pull_newest()
+        self._report_loaded()
+
+    def _idle(self) -> None:
+        """Nothing to run: admission waits for newer weights (or the run's last tickets are
+        out). Counted as time/wait_for_weights; the trainer is watched meanwhile."""
+        start = time.monotonic()
+        self.control.check_alive(self.job.trainer_ranks)
+        time.sleep(_IDLE_POLL_S)
+        waited = time.monotonic() - start
+        self.idle_s += waited
+        self.control.bump(f"wait_weights_us/{self.world.rank}", int(waited * 1e6))
+
+    # ------------------------------------------------------------------ weights
+
+    def _pull_newest(self) -> None:
+        latest = self.control.counter("weights/latest")
+        if latest <= self.engine.weight_version:
+            return
+        # Tokens sampled from here on come from the new version.
+        for seq in self.engine.unfinished_seqs():
+            flight = self.in_flight[seq.request_id]
+            flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
+        self.engine.load_weights(self.job.weights.load(latest), version=latest)
+        self._report_loaded()
+
+    def _report_loaded(self) -> None:
+        """The version this rank holds: older ones may be deleted."""
+        self.control.put(f"loaded/{self.world.rank}", str(self.engine.weight_version))
+
+    # ---------------------------------------------------------------- admission
+
+    def _limit(self) -> int:
+        """Tickets below this may start: AReaL's capacity, and no ticket past the last step."""
+        eta = self.config.async_rl.max_staleness
+        version = self.engine.weight_version
+        total = self.config.trainer.total_training_steps
+        return min((eta + version + 1) * self.batch_size, total * self.batch_size)
+
+    def _admit(self) -> None:
+        while True:
+            if self.held is None:
+                if self.control.counter("tickets") >= self._limit():
+                    return  # peek first: most polls must not take a ticket they cannot start
+                self.held = self.control.bump("tickets") - 1
+                self.control.put(f"owner/{self.held}", str(self.world.rank))
+            if self.held >= self._limit():
+                return  # another rank took the last admissible ticket: keep it for later
+            self._start(self.held)
+            self.held = None
+
+    def _start(self, ticket: int) -> None:
+        b, n = ticket // self.batch_size, self.config.rollout.n
+        while self.batch_index < b:
+            self.batch = self.job.loader.next_batch()
+            self.batch_index += 1
+        item = self.batch[ticket % self.batch_size]
+        r, version = self.config.rollout, self.engine.weight_version
+        params = SamplingParams(
+            n=n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=self.config.data.max_response_length,
+            # The synchronous loop's seed for this prompt at step b + 1, round 1.
+            seed=hash((self.config.trainer.seed, b + 1, 1, item.index)) & 0x7FFF_FFFF_FFFF,
+        )
+        request_id = f"ticket-{ticket}"
+        self.engine.add_request(item.prompt_token_ids, params, request_id=request_id)
+        self.in_flight[request_id] = _InFlight(ticket, item, [[(0, version)] for _ in range(n)])
+
+    # ---------------------------------------------------------------- hand over
+
+    def _hand_over(self, out: RequestOutput) -> None:
+        flight = self.in_flight.pop(out.request_id)
+        item = flight.item
+        result = self.rewards.score(
+            [c.text if c.text is not None else "" for c in out.outputs],
+            [item.answer] * len(out.outputs),
+            [dict(item.extra) for _ in out.outputs],
+        )
+        samples = [
+            Sample(
+                item.index, item.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason, reward
+            )
+            for c, reward in zip(out.outputs, result.rewards, strict=True)
+        ]
+        versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
+        record = GroupRecord(flight.ticket, self.world.rank, samples, versions, result.metrics())
+        self.control.put(f"sample/{flight.ticket}", pickle.dumps(record))
+
+
+# ---------------------------------------------------------------------------- trainer ranks
+
+
+class TrainerWorker:
+    """Takes each step's tickets from the store, trains on them with decoupled PPO and
+    publishes the new weights; the first trainer rank logs, checkpoints and ends the run."""
+
+    def __init__(self, job: AsyncGRPO, group: dist.ProcessGroup) -> None:
+        self.job = job
+        self.config = job.config
+        self.world = job.world
+        self.control = job.control
+        self.batch_size = job.config.data.train_batch_size
+        self.is_first = job.world.rank == job.trainer_ranks[0]
+        mesh = None
+        if len(job.trainer_ranks) > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(group, job.world.device.type)
+        trainer_config = SyncGRPO._trainer_config(self)  # type: ignore[arg-type]
+        trainer_config.behav_imp_weight_cap = self.config.async_rl.behaviour_weight_cap
+        self.trainer = Trainer(trainer_config, job.model_dir, mesh=mesh, device=job.world.device)
+        self.step = 0
+        # (step, ticket, oldest, newest token version) of every trained sample.
+        self.trained_versions: list[tuple[int, int, int, int]] = []
+        self.all_lengths: list[int] = []
+        self._waited_us = 0
+
+    def run(self) -> RunResult:
+        cfg = self.config.trainer
+        self._maybe_resume()
+        self._announce_start()
+        logger = (
+            MetricsLogger(self.job.run_dir, cfg.logger, cfg.total_training_steps, self.step)
+            if self.is_first
+            else None
+        )
+        try:
+            while self.step < cfg.total_training_steps:
+                self.step += 1
+                metrics = self.train_one_step()
+                if logger is not None:
+                    logger.log(self.step, metrics)
+                last = self.step == cfg.total_training_steps
+                if (cfg.save_freq and self.step % cfg.save_freq == 0) or last:
+                    self.save()
+            if self.is_first:
+                self.control.finish()
+        finally:
+            if logger is not None:
+                logger.close()
+        history = logger.history if logger is not None else []
+        if logger is not None:
+            print("\n" + logger.summary())
+            if cfg.plots:
+                written = plot_run(history, self.all_lengths, [], self.job.run_dir)
+                print("plots: " + ", ".join(str(p) for p in written))
+        return RunResult(self.step, history, self.job.run_dir)
+
+    def _announce_start(self) -> None:
+        """Weights of a resumed step, the ticket counter and the loader, then "start"."""
+        if self.step > 0:
+            self._publish(self.step)
+        if self.is_first:
+            self.control.bump("tickets", self.step * self.batch_size)
+            start = {"step": self.step, "loader": self.job.loader.state_dict()}
+            self.control.put("start", pickle.dumps(start))
+
+    # --------------------------------------------------------------------- step
+
+    def train_one_step(self) -> dict[str, float]:
+        cfg = self.config
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        records = self._take_batch(timings)
+        samples = [s for r in records for s in r.samples]
+        groups = np.array([s.prompt_index for s in samples])
+        rewards = np.array([s.reward for s in samples], dtype=np.float64)
+        advantages = compute_advantages(
+            cfg.algorithm.adv_estimator,
+            rewards,
+            groups,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        )
+        batch = PolicyBatch.from_responses(
+            [s.prompt_token_ids for s in samples],
+            [s.token_ids for s in samples],
+            [float(a) for a in advantages],
+            behaviour_logprobs=[s.logprobs for s in samples],
+        )
+        with _timed(timings, "old_log_prob"):
+            proximal = self.trainer.compute_logprobs(batch)
+        batch.old_logprobs = proximal
+        with _timed(timings, "update_actor"):
+            actor_metrics = SyncGRPO._update(self, batch, samples)  # type: ignore[arg-type]
+        if self.step < cfg.trainer.total_training_steps:  # nobody generates after the last
+            with _timed(timings, "update_weights"):
+                self._publish(self.step)
+        timings["step"] = time.perf_counter() - start
+        self.job.loader.next_batch()  # kept in step with the tickets, for checkpoints
+        metrics = {f"timing_s/{k}": v for k, v in timings.items()}
+        metrics["time/wait_for_batch"] = timings["wait_for_batch"]
+        metrics["time/wait_for_weights"] = self._rollout_wait_s()
+        _merge_reward_metrics(metrics, [r.reward_metrics for r in records if r.reward_metrics])
+        metrics.update(actor_metrics)
+        metrics.update(_batch_metrics(samples, rewards, advantages, cfg.data.max_response_length))
+        metrics.update(_probs_diff(samples, proximal))
+        metrics.update(self._staleness(records))
+        tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
+        metrics["perf/total_num_tokens"] = float(tokens)
+        metrics["perf/throughput"] = tokens / timings["step"] / self.world.size
+        self.all_lengths += [len(s.token_ids) for s in samples]
+        return metrics
+
+    def _tickets(self) -> range:
+        return range((self.step - 1) * self.batch_size, self.step * self.batch_size)
+
+    def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
+        """This step's groups, in ticket order; waits (idle) until all of them are in."""
+        keys = [f"sample/{t}" for t in self._tickets()]
+        with _timed(timings, "wait_for_batch"):
+            self.control.wait_until(
+                lambda: self.control.has(keys),
+                f"the samples of step {self.step}",
+                self.job.rollout_ranks,
+            )
+        records = [pickle.loads(self.control.get(k)) for k in keys]
+        # The last trainer rank to read a step's samples deletes them from the store.
+        readers = len(self.job.trainer_ranks)
+        if self.control.bump(f"read/{self.step}") == readers:
+            for t in self._tickets():
+                self.control.delete(f"sample/{t}")
+                self.control.delete(f"owner/{t}")
+        return records
+
+    def _staleness(self, records: list[GroupRecord]) -> dict[str, float]:
+        """How many versions behind the trainer each trained sample's oldest token was."""
+        version = self.step - 1  # the weights this step's update starts from
+        eta = self.config.async_rl.max_staleness
+        per_sample, per_token = [], []
+        for r in records:
+            for vs in r.versions:
+                oldest, newest = (min(vs), max(vs)) if vs else (version, version)
+                self.trained_versions.append((self.step, r.ticket, oldest, newest))
+                per_sample.append(version - oldest)
+                per_token += [version - v for v in vs]
+        worst = max(per_sample)
+        if worst > eta:  # the admission rule makes this impossible: a bug, not a condition
+            raise RuntimeError(
+                f"step {self.step}: a sample is {worst} versions stale, above "
+                f"async_rl.max_staleness={eta}"
+            )
+        out = {
+            "async/staleness_mean": float(np.mean(per_sample)),
+            "async/staleness_max": float(worst),
+            "async/token_staleness_mean": float(np.mean(per_token)) if per_token else 0.0,
+            "async/mixed_version_samples": float(
+                sum(1 for r in records for vs in r.versions if vs and min(vs) != max(vs))
+            ),
+        }
+        for s in range(eta + 1):
+            out[f"async/staleness_count/{s}"] = float(per_sample.count(s))
+        return out
+
+    def _rollout_wait_s(self) -> float:
+        """Rollout ranks' idle time since the last step, per rank (they wait for weights)."""
+        total = sum(self.control.counter(f"wait_weights_us/{r}") for r in self.job.rollout_ranks)
+        delta, self._waited_us = total - self._waited_us, total
+        return delta / 1e6 / len(self.job.rollout_ranks)
+
+    # ------------------------------------------------------------------ weights
+
+    def _publish(self, version: int) -> None:
+        """Full weights to disk as `version` (every trainer rank gathers, the first writes),
+        then announce it; versions no rollout rank still holds are deleted."""
+        bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
+        buckets = self.trainer.iter_full_weights(bucket_bytes)
+        if not self.is_first:
+            for _ in buckets:  # the gathers are collectives of the trainer group
+                pass
+            return
+        self.job.weights.publish(version, buckets)
+        self.control.bump("weights/latest", version - self.control.counter("weights/latest"))
+        held = [self._loaded(r) for r in self.job.rollout_ranks]
+        self.job.weights.prune(min([*held, version]))
+
+    def _loaded(self, rank: int) -> int:
+        key = f"loaded/{rank}"
+        return int(self.control.get(key)) if self.control.has([key]) else 0
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        """The synchronous loop's checkpoint layout, written by the trainer ranks alone."""
+        run_dir, group = self.job.run_dir, self.trainer.group
+        staging = checkpointing.staging_dir(run_dir, self.step)
+        if self.is_first:
+            checkpointing.prepare_staging(run_dir, self.step)
+        group.barrier()
+        self.trainer.save(staging / "trainer")
+        group.barrier()
+        if self.is_first:
+            state = {
+                "step": self.step,
+                "loader": self.job.loader.state_dict(),
+                "length_predictor": LengthPredictor().state_dict(),
+            }
+            checkpointing.commit(
+                run_dir, self.step, state, self.config.trainer.max_checkpoints_to_keep
+            )
+        group.barrier()
+        return checkpointing.step_dir(run_dir, self.step)
+
+    def _maybe_resume(self) -> None:
+        t = self.config.trainer
+        if t.resume_mode == "disable":
+            return
+        if t.resume_mode == "resume_path" and t.resume_from_path:
+            found: Path | None = Path(t.resume_from_path)
+        else:
+            found = checkpointing.latest_checkpoint(self.job.run_dir)
+        if found is None:
+            return
+        if not (found / checkpointing.STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{found} is not a complete patrl checkpoint (no {checkpointing.STATE_FILE})"
+            )
+        state = checkpointing.read_state(found)
+        self.trainer.load(found / "trainer")
+        self.job.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        if self.is_first:
+            print(f"resumed from {found} at step {self.step}")

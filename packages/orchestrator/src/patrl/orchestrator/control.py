@@ -1,0 +1,128 @@
+"""The async loop's control plane: small keys in the job's store, never a collective.
+
+Rollout and trainer ranks of the async loop run at their own pace, so they must not meet in
+collectives over the whole world: one slow or dead peer would stall everybody until the
+collective timeout, with nobody named. Instead they poll keys of the `torch.distributed`
+store (the TCPStore the process group was made with): counters by `add`, values by
+`set`/`get`, presence by `check`. Every wait has a deadline and names the rank it waited on.
+
+Liveness is a heartbeat *counter* per rank, not a timestamp: an observer notes on its own clock
+when a peer's counter last moved, so clocks of different machines never need to agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+_BEAT_EVERY_S = 0.5
+_STATUS = "status"  # "done", or "failed: <who and why>"
+
+
+class PeerFailed(RuntimeError):
+    """A peer reported a failure, stopped beating, or a wait ran past its deadline."""
+
+
+class ControlPlane:
+    """Keys under `prefix` in `store`; `timeout_s` bounds every wait on a peer."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float, prefix: str = "async/") -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.store = store
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self._last_beat = -float("inf")
+        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last moved)
+
+    @classmethod
+    def of_default_group(cls, rank: int, timeout_s: float) -> ControlPlane:
+        """On the store `init_process_group` rendezvoused on."""
+        return cls(dist.distributed_c10d._get_default_store(), rank, timeout_s)
+
+    # ------------------------------------------------------------ values
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def counter(self, name: str) -> int:
+        return int(self.store.add(self._key(name), 0))
+
+    def bump(self, name: str, by: int = 1) -> int:
+        """Add `by` to a counter (created at 0); the new value."""
+        return int(self.store.add(self._key(name), by))
+
+    def put(self, name: str, value: bytes | str) -> None:
+        self.store.set(self._key(name), value)
+
+    def has(self, names: Iterable[str]) -> bool:
+        return bool(self.store.check([self._key(n) for n in names]))
+
+    def get(self, name: str) -> bytes:
+        return bytes(self.store.get(self._key(name)))
+
+    def delete(self, name: str) -> None:
+        self.store.delete_key(self._key(name))
+
+    # -------------------------------------------------- liveness, shutdown
+
+    def beat(self) -> None:
+        """Tell the others this rank is alive (rate-limited: cheap to call every loop)."""
+        now = time.monotonic()
+        if now - self._last_beat >= _BEAT_EVERY_S:
+            self.bump(f"beat/{self.rank}")
+            self._last_beat = now
+
+    def finish(self) -> None:
+        self.put(_STATUS, "done")
+
+    def fail(self, why: str) -> None:
+        """Tell the others this rank failed, so they stop at once instead of at a timeout.
+        The first failure is kept: it is the cause, later ones are its consequences."""
+        if not self.has([_STATUS]):
+            self.put(_STATUS, f"failed: rank {self.rank}: {why}")
+
+    def done(self) -> bool:
+        """True once the run finished; raises PeerFailed if a peer reported a failure."""
+        if not self.has([_STATUS]):
+            return False
+        status = self.get(_STATUS).decode()
+        if status.startswith("failed"):
+            raise PeerFailed(f"rank {self.rank} stops: a peer {status}")
+        return True
+
+    def check_alive(self, peers: Iterable[int]) -> None:
+        """Raise PeerFailed naming every peer whose heartbeat has not moved for timeout_s."""
+        now = time.monotonic()
+        stale = []
+        for peer in peers:
+            value = self.counter(f"beat/{peer}")
+            last = self._seen.get(peer)
+            if last is None or last[0] != value:
+                self._seen[peer] = (value, now)
+            elif now - last[1] > self.timeout_s:
+                stale.append(peer)
+        if stale:
+            raise PeerFailed(
+                f"rank {self.rank}: ranks {stale} sent no heartbeat for {self.timeout_s:.0f} s "
+                "(dead or stalled)"
+            )
+
+    def wait_until(
+        self, ready: Callable[[], bool], what: str, peers: Iterable[int], poll_s: float = 0.005
+    ) -> float:
+        """Poll `ready` until true; seconds waited. Fails if the run failed, or if `peers`
+        (the ranks that would make it true) stop beating. This rank keeps beating meanwhile."""
+        peers = list(peers)
+        start = time.monotonic()
+        while not ready():
+            self.beat()
+            if self.done():
+                raise PeerFailed(f"rank {self.rank}: the run ended while waiting for {what}")
+            self.check_alive(peers)
+            time.sleep(poll_s)
+        return time.monotonic() - start
