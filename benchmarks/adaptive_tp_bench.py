@@ -1,0 +1,761 @@
+"""Adaptive TP against the best static layout on 2 gloo ranks (issue 8, "Benchmark").
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/adaptive_tp_bench.py [--quick]
+
+Shapes (random-init Llamas built here, fp32, saved with safetensors under
+benchmarks/results/models or $PATRL_CACHE_DIR):
+- "wide": wide and shallow, >= 100M parameters, where this machine's profile should have a
+  crossover: at batch 1 a decode step is memory-bound (every weight read once a step), so TP=2
+  halves the bytes each rank reads for ~2 gloo all-reduces a layer; at a large batch the step
+  is compute-bound and the all-reduces and the engine's per-sequence work, which TP does not
+  split, make two data-parallel replicas faster.
+- "tiny": 2 layers, hidden 64: steps cost far less than a collective, so TP=2 never pays and
+  adaptive must simply not switch.
+Each shape is profiled once here by `patrl.rollout.profile.profile_distributed` (written
+atomically), and that file is the adaptive engines' `AdaptiveTP.profile`.
+
+Workloads (lengths imposed with ignore_eos and per-request max_tokens; the same prompts and
+seeds for every policy): uniform, long-tail (log-normal quantiles, capped: most short, a few
+5-10x longer) and bimodal; n samples per prompt.
+Policies: static (dp2, tp1); static (dp1, tp2); adaptive with the engine's online length
+predictor (after one untimed warm-up rollout of the same prompts and prompt keys, so it has
+history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`). Every dp2
+policy gets the same length-aware split (`assign_prompts(..., "lpt")` on the imposed lengths).
+Latency of a rollout: barrier, then `generate`; the max over ranks of its wall time. Each
+repeat runs every policy once, in turn (interleaved, so load drifts on this shared machine hit
+all policies alike); reported: the median over repeats, and its ratio to the best static one.
+
+Also reported: every switch decision's predicted gain / overhead / finish against the measured
+overhead and finish (the measured gain is taken against the static (dp2, tp1) run of the same
+repeat, which runs the same schedule up to the switch); the control overhead (checks:
+summary all-gather, planner, broadcast) as a fraction of decode time; and the simulator fed
+the measured lengths and the fitted latency model, simulated vs measured for every policy.
+Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of an adaptive long-tail
+rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from patrl.lenpredict import (
+    AdaptivePolicy,
+    LatencyModel,
+    Layout,
+    PlannerConfig,
+    Profile,
+    PromptGroup,
+    ReconfigPlanner,
+    RolloutSimulator,
+    SimConfig,
+    StaticPolicy,
+    assign_prompts,
+)
+from patrl.rollout import (
+    AdaptiveTP,
+    Engine,
+    EngineConfig,
+    OracleLengths,
+    RequestOutput,
+    SamplingParams,
+    plot_timeline,
+)
+from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
+from patrl.tpreshard import GroupCache
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("static_dp2_tp1", "static_dp1_tp2", "adaptive_predicted", "adaptive_oracle")
+STATIC = POLICIES[:2]
+BLOCK = 16
+CHECK_EVERY = 16
+MAX_POSITIONS = 512  # the profiler's prefill rows reach 256 tokens
+MARGIN = 0.2
+TARGET_LONG_TAIL = 0.85  # adaptive / best static on long-tail, shape with a crossover
+TARGET_ELSEWHERE = 1.03
+TARGET_CONTROL = 0.02  # control time / decode time
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "wide_6l": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    ),
+    "wide_2l": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """How big one shape's runs are."""
+
+    prompts_per_replica: int
+    n: int
+    max_len: int  # cap on imposed response lengths
+    prompt_len: tuple[int, int]  # prompt tokens drawn in [lo, hi]
+    grids: tuple[ProfileGrid, ...]  # profiled one after the other, rows merged
+
+    @property
+    def num_prompts(self) -> int:
+        return 2 * self.prompts_per_replica
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_len[1] + self.max_len + 1
+
+
+def _grid(batches: tuple[int, ...], contexts: tuple[int, ...], passes: int = 3) -> ProfileGrid:
+    return ProfileGrid(
+        tp_sizes=(1, 2),
+        batch_sizes=batches,
+        contexts=contexts,
+        prefill_tokens=(16, 64, 256),
+        collective_bytes=(4, 4096, 65536, 1 << 20, 4 << 20),
+        decode_steps=4,
+        passes=passes,
+        warmup_steps=4,
+    )
+
+
+def scale_for(shape: str, quick: bool) -> Scale:
+    if quick:
+        return Scale(4, 2, 32, (8, 16), (_grid((1, 2, 4, 8), (16, 48), passes=2),))
+    if shape == "tiny":
+        return Scale(8, 4, 160, (16, 24), (_grid((1, 4, 16, 32), (16, 96, 184)),))
+    # 100M+ parameters at 1 thread on a loaded 2-core box: a batch-16 step takes ~0.2-0.5 s,
+    # so 4 prompts x 4 samples per replica and responses up to 96 tokens keep a rollout near
+    # 5-30 s. The profiler prefills every cell's batch x context tokens, minutes per pass
+    # for a large batch at a long context here; so two grids: every batch size at a short
+    # context, small batches at the longest one (which pins the per-context-token term).
+    return Scale(4, 4, 96, (16, 24), (_grid((1, 4, 16), (16,)), _grid((1, 4), (112,))))
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    lengths: list[int]  # imposed response length of each prompt's n samples
+
+    def params(self, n: int) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=1.0, seed=1000 + i, n=n, max_tokens=L, ignore_eos=True)
+            for i, L in enumerate(self.lengths)
+        ]
+
+    def keys(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(len(self.prompts))]
+
+
+def lognormal_quantiles(count: int, median: float, sigma: float) -> np.ndarray:
+    """Evenly spaced quantiles of a log-normal: a deterministic, representative sample."""
+    from statistics import NormalDist
+
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / count) for i in range(count)])
+    return median * np.exp(sigma * z)
+
+
+def make_workloads(scale: Scale, vocab: int, seed: int = 0) -> list[Workload]:
+    rng = np.random.default_rng(seed)
+    count, cap = scale.num_prompts, scale.max_len
+    lo, hi = scale.prompt_len
+    prompts = [rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(count)]
+    uniform = rng.integers(cap // 4, cap // 2 + 1, count)
+    tail = np.clip(lognormal_quantiles(count, cap / 10, 1.4), 2, cap)
+    short = count - max(count // 4, 1)
+    bimodal = np.r_[
+        rng.integers(cap // 12, cap // 6 + 1, short),
+        rng.integers(cap * 3 // 4, cap + 1, count - short),
+    ]
+    out = []
+    for name, lengths in (("uniform", uniform), ("long_tail", tail), ("bimodal", bimodal)):
+        order = rng.permutation(count)  # long and short prompts interleaved, not sorted
+        out.append(Workload(name, prompts, [int(lengths[i]) for i in order]))
+    return out
+
+
+# ----------------------------------------------------------------------------- model, profile
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PATRL_CACHE_DIR", RESULTS / "models"))
+
+
+def model_dir(shape: str) -> Path:
+    return cache_root() / f"adaptive_tp_{shape}"
+
+
+def build_model(shape: str) -> Path:
+    """Rank 0 only: save a random-init Llama of `shape` once (write, then rename)."""
+    path = model_dir(shape)
+    if (path / "config.json").is_file():
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=MAX_POSITIONS, **SHAPES[shape])
+    tmp = path.with_name(path.name + ".tmp")
+    LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(path)
+    return path
+
+
+def base_config(model: Path, scale: Scale) -> EngineConfig:
+    # every sample of the rollout on one replica (after a switch to tp 2), plus fork slack
+    per_seq = -(-scale.max_model_len // BLOCK) + 1
+    return EngineConfig(
+        model=str(model),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=scale.num_prompts * scale.n * per_seq + 16,
+        max_num_seqs=scale.num_prompts * scale.n,
+        max_num_batched_tokens=max(2048, scale.max_model_len),
+        max_model_len=scale.max_model_len,
+    )
+
+
+def profile_shape(base: EngineConfig, scale: Scale, path: Path, world: Any) -> float:
+    """Profile every grid on all ranks; rank 0 merges the rows and writes `path` atomically."""
+    start = time.perf_counter()
+    profiles = [profile_distributed(base, grid, world) for grid in scale.grids]
+    if dist.get_rank(world) == 0:
+        first = profiles[0]
+        assert first is not None
+        merged = first.model_copy(
+            update={
+                "decode": [r for p in profiles if p for r in p.decode],
+                "prefill": [r for p in profiles if p for r in p.prefill],
+                "notes": {**first.notes, "grid": " + ".join(repr(g) for g in scale.grids)},
+            }
+        )
+        write_atomic(merged, path)
+    dist.barrier(group=world)
+    return time.perf_counter() - start
+
+
+def profile_summary(profile: Profile) -> dict[str, Any]:
+    """Measured step times at tp 1 and 2 for batch 1 and the largest batch (shortest context),
+    and whether the fitted model has a crossover: TP=2 faster for one sequence, two tp-1
+    replicas faster for the largest total batch (B per replica at tp 1 vs 2B at tp 2)."""
+    batches = sorted({r.batch for r in profile.decode})
+    rows: dict[str, float] = {}
+    for tp in (1, 2):
+        for b in (batches[0], batches[-1]):
+            cells = [r for r in profile.decode if r.tp == tp and r.batch == b]
+            rows[f"tp{tp}_b{b}_s"] = min(cells, key=lambda r: r.context_tokens).seconds
+    lm = LatencyModel.fit(profile)
+    big, ctx = batches[-1], 32
+
+    def step(tp: int, b: int) -> float:
+        return float(lm.step_time(tp, b, b * ctx))
+
+    small_tp2 = step(2, 1) < step(1, 1)
+    big_dp = step(1, big) < step(2, 2 * big)
+    return {
+        "measured": rows,
+        "model": {
+            "tp1_b1_s": step(1, 1),
+            "tp2_b1_s": step(2, 1),
+            f"tp1_b{big}_s (dp2 x {big})": step(1, big),
+            f"tp2_b{2 * big}_s (dp1 x {2 * big})": step(2, 2 * big),
+            "context_per_seq": ctx,
+        },
+        "crossover": bool(small_tp2 and big_dp),
+        "tp2_faster_at_batch_1": bool(small_tp2),
+        "dp2_faster_at_largest_batch": bool(big_dp),
+    }
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass(slots=True)
+class Engines:
+    static_dp: Engine
+    static_tp: Engine
+    predicted: Engine
+    oracle: Engine
+    oracle_lengths: OracleLengths
+
+    def of(self, policy: str) -> Engine:
+        return {
+            "static_dp2_tp1": self.static_dp,
+            "static_dp1_tp2": self.static_tp,
+            "adaptive_predicted": self.predicted,
+            "adaptive_oracle": self.oracle,
+        }[policy]
+
+
+def make_engines(base: EngineConfig, profile: Path, groups: GroupCache) -> Engines:
+    adaptive = base.model_copy(
+        update={
+            "tp_policy": AdaptiveTP(
+                candidates=(1, 2),
+                check_every=CHECK_EVERY,
+                margin=MARGIN,
+                kv_policy="auto",
+                profile=str(profile),
+            )
+        }
+    )
+    oracle = OracleLengths({})
+    return Engines(
+        static_dp=Engine(base, groups.layout(1), groups),
+        static_tp=Engine(base, groups.layout(2), groups),
+        predicted=Engine(adaptive, groups=groups),
+        oracle=Engine(adaptive, groups=groups, lengths=oracle),
+        oracle_lengths=oracle,
+    )
+
+
+def my_share(policy: str, workload: Workload, replica_of: list[int], rank: int) -> list[int]:
+    """Prompt indices this rank generates: its replica's, or all of them at tp 2."""
+    if policy == "static_dp1_tp2":
+        return list(range(len(workload.prompts)))
+    return [i for i, r in enumerate(replica_of) if r == rank]
+
+
+def tell_oracle(engines: Engines, workload: Workload, mine: list[int], n: int, world: Any) -> None:
+    """Every rank's request ids of the coming rollout with their lengths, to every rank (rank
+    0 plans for all replicas)."""
+    engine = engines.oracle
+    first = engine.next_request_number()
+    rank = dist.get_rank(world)
+    lengths = {
+        (f"req-{rank}-{first + j}", k): workload.lengths[i]
+        for j, i in enumerate(mine)
+        for k in range(n)
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(gathered, lengths, group=world)
+    for part in gathered:
+        engines.oracle_lengths.final.update(part)
+
+
+def rollout(
+    engines: Engines,
+    policy: str,
+    workload: Workload,
+    replica_of: list[int],
+    n: int,
+    world: Any,
+) -> dict[str, Any]:
+    rank = dist.get_rank(world)
+    engine = engines.of(policy)
+    mine = my_share(policy, workload, replica_of, rank)
+    if policy == "adaptive_oracle":
+        tell_oracle(engines, workload, mine, n, world)
+    params = workload.params(n)
+    before = engine.stats()
+    dist.barrier(group=world)
+    start = time.perf_counter()
+    outs = engine.generate(
+        [workload.prompts[i] for i in mine],
+        [params[i] for i in mine],
+        prompt_keys=[workload.keys()[i] for i in mine],
+    )
+    seconds = time.perf_counter() - start
+    check_lengths(outs, [workload.lengths[i] for i in mine], policy)
+    stats = engine.stats()
+    times: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(times, seconds, group=world)
+    record: dict[str, Any] = {"latency_s": max(times), "rank_s": times}
+    if policy.startswith("adaptive"):
+        for key in ("tp_control_s", "tp_decode_s", "tp_planner_s", "tp_reconfig_s", "tp_reset_s"):
+            record[key] = stats[key] - before[key]
+        record["switches"] = int(stats["tp_switches"] - before["tp_switches"])
+        record["checks"] = int(stats["tp_checks"] - before["tp_checks"])
+        record["decisions"] = stats["tp_decisions"]
+        record["timeline"] = stats["timeline"]
+    return record
+
+
+def check_lengths(outs: Sequence[RequestOutput], lengths: list[int], policy: str) -> None:
+    """The benchmark imposes every length: a different one means the comparison is void."""
+    for out, want in zip(outs, lengths, strict=True):
+        got = [len(c.token_ids) for c in out.outputs]
+        if got != [want] * len(got):
+            raise RuntimeError(f"{policy}: request {out.request_id} generated {got}, not {want}")
+
+
+def run_shape(
+    shape: str, scale: Scale, repeats: int, world: Any, suffix: str, profile_only: bool = False
+) -> dict[str, Any]:
+    rank = dist.get_rank(world)
+    if rank == 0:
+        build_model(shape)
+    dist.barrier(group=world)
+    model = model_dir(shape)
+    base = base_config(model, scale)
+    profile_path = RESULTS / f"adaptive_tp_profile_{shape}{suffix}.json"
+    timeline_png = RESULTS / f"adaptive_tp_timeline_{shape}{suffix}.png"
+    log(rank, f"[{shape}] profiling ...")
+    profile_s = profile_shape(base, scale, profile_path, world)
+    profile = Profile.load(profile_path)
+    summary = profile_summary(profile)
+    log(rank, f"[{shape}] profile in {profile_s:.0f} s: {json.dumps(summary)}")
+    if profile_only:
+        return {"profile_path": str(profile_path), "profile_s": profile_s, "profile": summary}
+
+    groups = GroupCache([1, 2], world_size=dist.get_world_size(world), rank=rank)
+    engines = make_engines(base, profile_path, groups)
+    workloads = make_workloads(scale, profile.model.vocab_size)
+    warm = Workload("warmup", workloads[0].prompts[:2], [4, 4])
+    for policy in POLICIES:  # first steps of an engine pay one-off allocations
+        rollout(engines, policy, warm, [0, 1], scale.n, world)
+    out: dict[str, Any] = {
+        "shape": {**SHAPES[shape], "num_params": profile.model.num_params},
+        "profile_path": str(profile_path),
+        "profile_s": profile_s,
+        "profile": summary,
+        "workloads": {},
+    }
+    for workload in workloads:
+        replica_of = assign_prompts(workload.lengths, [scale.n] * scale.num_prompts, 2, "lpt")
+        # warm-up: the online predictor gets this prompt set's history (steady-state RL)
+        rollout(engines, "adaptive_predicted", workload, replica_of, scale.n, world)
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+        for rep in range(repeats):
+            for policy in POLICIES:
+                runs[policy].append(rollout(engines, policy, workload, replica_of, scale.n, world))
+                log(
+                    rank,
+                    f"[{shape}] {workload.name} rep {rep} {policy}: {runs[policy][-1]['latency_s']:.2f} s",
+                )
+        if workload.name == "long_tail" and rank == 0:
+            last = runs["adaptive_predicted"][-1]
+            plot_timeline(
+                last["timeline"],
+                last["decisions"],
+                timeline_png,
+                title=f"{shape}: adaptive (predicted lengths), long-tail, rank 0",
+            )
+        out["workloads"][workload.name] = summarise(workload, replica_of, runs, scale)
+    if rank == 0:
+        simulate(out, profile, workloads, scale)
+    return out
+
+
+def summarise(
+    workload: Workload, replica_of: list[int], runs: dict[str, list[dict[str, Any]]], scale: Scale
+) -> dict[str, Any]:
+    medians = {p: statistics.median(r["latency_s"] for r in runs[p]) for p in POLICIES}
+    best = min(STATIC, key=lambda p: medians[p])
+    policies: dict[str, Any] = {}
+    for p in POLICIES:
+        entry: dict[str, Any] = {
+            "latency_s": [r["latency_s"] for r in runs[p]],
+            "median_s": medians[p],
+            "vs_best_static": medians[p] / medians[best],
+        }
+        if p.startswith("adaptive"):
+            control = sum(r["tp_control_s"] for r in runs[p])
+            decode = sum(r["tp_decode_s"] for r in runs[p])
+            entry.update(
+                switches=[r["switches"] for r in runs[p]],
+                checks=[r["checks"] for r in runs[p]],
+                control_s=control,
+                decode_s=decode,
+                control_fraction=control / decode if decode else None,
+                planner_s=sum(r["tp_planner_s"] for r in runs[p]),
+                reconfig_s=sum(r["tp_reconfig_s"] for r in runs[p]),
+                reset_s=sum(r["tp_reset_s"] for r in runs[p]),
+                switch_decisions=audit(runs[p], runs["static_dp2_tp1"]),
+            )
+        policies[p] = entry
+    return {
+        "lengths": workload.lengths,
+        "prompt_tokens": [len(p) for p in workload.prompts],
+        "n": scale.n,
+        "replica_of": replica_of,
+        "best_static": best,
+        "policies": policies,
+    }
+
+
+def audit(runs: list[dict[str, Any]], static_dp: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each switch decision with its prediction and what was measured. Up to the switch the
+    adaptive rollout runs the static (dp2, tp1) schedule, so that run of the same repeat, less
+    the switch time, stands in for "had it stayed" (net of the check overhead between them)."""
+    out = []
+    for rep, (run, static) in enumerate(zip(runs, static_dp, strict=True)):
+        for d in run["decisions"]:
+            if d["action"] != "switch":
+                continue
+            stay_s = static["latency_s"] - d["t"]
+            measured_net = stay_s - d["measured_finish_s"]
+            out.append(
+                {
+                    "repeat": rep,
+                    "t": d["t"],
+                    "tp": f"{d['current_tp']}->{d['target_tp']}",
+                    "num_seqs": d["num_seqs"],
+                    "migrated": d["num_migrated"],
+                    "recomputed": d["num_recomputed"],
+                    "predicted_gain_s": d["predicted_gain_s"],
+                    "predicted_overhead_s": d["predicted_overhead_s"],
+                    "predicted_net_s": d["predicted_gain_s"] - d["predicted_overhead_s"],
+                    "predicted_finish_s": d["predicted_finish_s"],
+                    "measured_overhead_s": d["measured_overhead_s"],
+                    "measured_finish_s": d["measured_finish_s"],
+                    "measured_stay_finish_s": stay_s,
+                    "measured_net_s": measured_net,
+                    "measured_gain_s": measured_net + (d["measured_overhead_s"] or 0.0),
+                }
+            )
+    return out
+
+
+def simulate(
+    out: dict[str, Any], profile: Profile, workloads: list[Workload], scale: Scale
+) -> None:
+    """The simulator fed each workload's measured lengths and this profile's latency model."""
+    latency = LatencyModel.fit(profile)
+    config = SimConfig(
+        max_num_seqs=scale.num_prompts * scale.n,
+        max_num_batched_tokens=max(2048, scale.max_model_len),
+        block_size=BLOCK,
+        plan_interval_steps=CHECK_EVERY,
+        assignment="lpt",
+    )
+    planner_config = PlannerConfig(
+        candidate_tp=(1, 2), margin=MARGIN, max_num_seqs=scale.num_prompts * scale.n
+    )
+    sim = RolloutSimulator(latency, 2, config)
+    for workload in workloads:
+        entry = out["workloads"][workload.name]
+        groups = [
+            PromptGroup(f"p{i}", len(p), (L,) * scale.n)
+            for i, (p, L) in enumerate(zip(workload.prompts, workload.lengths, strict=True))
+        ]
+        lengths = [float(L) for L in workload.lengths]
+        policies: dict[str, StaticPolicy | AdaptivePolicy] = {
+            "static_dp2_tp1": StaticPolicy(Layout(dp=2, tp=1)),
+            "static_dp1_tp2": StaticPolicy(Layout(dp=1, tp=2)),
+            "adaptive_oracle": AdaptivePolicy(
+                ReconfigPlanner(latency, 2, planner_config), start=Layout(dp=2, tp=1)
+            ),
+        }
+        for name, policy in policies.items():
+            result = sim.run(groups, policy, lengths)
+            measured = entry["policies"][name]["median_s"]
+            entry["policies"][name]["simulated_s"] = result.total_s
+            entry["policies"][name]["sim_over_measured"] = result.total_s / measured
+            entry["policies"][name]["simulated_switches"] = [list(s) for s in result.switches]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target, the measured value, and whether it was met."""
+    out = []
+    for shape, res in results["shapes"].items():
+        crossover = res["profile"]["crossover"]
+        for wname, w in res["workloads"].items():
+            for p in ("adaptive_predicted", "adaptive_oracle"):
+                ratio = w["policies"][p]["vs_best_static"]
+                if crossover and wname == "long_tail":
+                    target, ok = f"<= {TARGET_LONG_TAIL}", ratio <= TARGET_LONG_TAIL
+                else:
+                    target, ok = f"<= {TARGET_ELSEWHERE}", ratio <= TARGET_ELSEWHERE
+                out.append(
+                    {
+                        "shape": shape,
+                        "workload": wname,
+                        "policy": p,
+                        "metric": "adaptive / best static",
+                        "value": ratio,
+                        "target": target,
+                        "met": bool(ok),
+                    }
+                )
+                frac = w["policies"][p]["control_fraction"]
+                out.append(
+                    {
+                        "shape": shape,
+                        "workload": wname,
+                        "policy": p,
+                        "metric": "control / decode",
+                        "value": frac,
+                        "target": f"< {TARGET_CONTROL}",
+                        "met": frac is not None and frac < TARGET_CONTROL,
+                    }
+                )
+            if not crossover:
+                switches = sum(w["policies"]["adaptive_predicted"]["switches"]) + sum(
+                    w["policies"]["adaptive_oracle"]["switches"]
+                )
+                out.append(
+                    {
+                        "shape": shape,
+                        "workload": wname,
+                        "policy": "adaptive",
+                        "metric": "switches (no crossover)",
+                        "value": switches,
+                        "target": "== 0",
+                        "met": switches == 0,
+                    }
+                )
+    return out
+
+
+def print_report(results: dict[str, Any]) -> None:
+    for shape, res in results["shapes"].items():
+        s = res["shape"]
+        print(
+            f"\n== shape {shape}: {s['num_params'] / 1e6:.1f}M params, hidden {s['hidden_size']}, "
+            f"{s['num_hidden_layers']} layers, fp32; profile {res['profile_s']:.0f} s"
+        )
+        prof = res["profile"]
+        print("profile (measured, shortest context):", fmt_dict(prof["measured"]))
+        print("latency model:", fmt_dict(prof["model"]), "| crossover:", prof["crossover"])
+        print(f"{'workload':10s} | " + " | ".join(f"{p:>22s}" for p in POLICIES))
+        for wname, w in res["workloads"].items():
+            cells = []
+            for p in POLICIES:
+                e = w["policies"][p]
+                sw = f" sw{sum(e['switches'])}" if "switches" in e else ""
+                cells.append(f"{e['median_s']:7.2f}s x{e['vs_best_static']:.3f}{sw:>5s}")
+            print(f"{wname:10s} | " + " | ".join(f"{c:>22s}" for c in cells))
+        print("simulated / measured (median):")
+        for wname, w in res["workloads"].items():
+            sims = {p: w["policies"][p].get("sim_over_measured") for p in POLICIES}
+            print(
+                f"  {wname:10s} "
+                + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
+            )
+        print("control overhead (control / decode time over the timed rollouts):")
+        for wname, w in res["workloads"].items():
+            print(
+                f"  {wname:10s} "
+                + "  ".join(
+                    f"{p}={w['policies'][p]['control_fraction']:.4f}"
+                    for p in ("adaptive_predicted", "adaptive_oracle")
+                )
+            )
+        print(
+            "switch decisions: predicted gain / overhead / finish vs measured overhead / finish / net gain"
+        )
+        for wname, w in res["workloads"].items():
+            for p in ("adaptive_predicted", "adaptive_oracle"):
+                for d in w["policies"][p]["switch_decisions"]:
+                    print(
+                        f"  {wname:10s} {p:18s} rep {d['repeat']} t={d['t']:.2f}s {d['tp']} "
+                        f"seqs {d['num_seqs']} (mig {d['migrated']}, rc {d['recomputed']}): "
+                        f"pred gain {d['predicted_gain_s']:.2f} ovh {d['predicted_overhead_s']:.2f} "
+                        f"finish {d['predicted_finish_s']:.2f} | meas ovh {d['measured_overhead_s']:.2f} "
+                        f"finish {d['measured_finish_s']:.2f} net {d['measured_net_s']:+.2f} "
+                        f"(pred net {d['predicted_net_s']:+.2f})"
+                    )
+    print("\ntargets:")
+    for v in results["verdicts"]:
+        value = "-" if v["value"] is None else f"{v['value']:.4g}"
+        print(
+            f"  {v['shape']:5s} {v['workload']:10s} {v['policy']:18s} {v['metric']:24s} "
+            f"{value:>8s} target {v['target']:8s} {'MET' if v['met'] else 'NOT MET'}"
+        )
+
+
+def fmt_dict(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+
+
+def log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (~1-2 min)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-only", action="store_true", help="profile the shapes, then stop")
+    ap.add_argument("--shapes", nargs="+", default=None, help="default: wide_2l tiny (quick: tiny)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # two ranks share this machine's cores
+    dist.init_process_group("gloo")
+    world = dist.group.WORLD
+    rank = dist.get_rank()
+    try:
+        if dist.get_world_size() != 2:
+            raise SystemExit(
+                f"run with torchrun --nproc_per_node 2, got world size {dist.get_world_size()}"
+            )
+        shapes = args.shapes or (["tiny"] if args.quick else ["wide_2l", "tiny"])
+        unknown = [s for s in shapes if s not in SHAPES]
+        if unknown:
+            raise SystemExit(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
+        suffix = "_quick" if args.quick else ""
+        results: dict[str, Any] = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, gloo, 2 ranks x 1 torch thread",
+            "torch": torch.__version__,
+            "loadavg_before": os.getloadavg(),
+            "repeats": args.repeats,
+            "check_every": CHECK_EVERY,
+            "margin": MARGIN,
+            "quick": args.quick,
+            "shapes": {},
+        }
+        start = time.perf_counter()
+        for shape in shapes:
+            scale = scale_for(shape, args.quick)
+            res = run_shape(shape, scale, args.repeats, world, suffix, args.profile_only)
+            results["shapes"][shape] = res
+        if args.profile_only:
+            return
+        if rank == 0:
+            results["loadavg_after"] = os.getloadavg()
+            results["wall_s"] = time.perf_counter() - start
+            results["verdicts"] = verdicts(results)
+            for res in results["shapes"].values():
+                for w in res["workloads"].values():
+                    for p in w["policies"].values():
+                        p.pop("timeline", None)
+            path = RESULTS / f"adaptive_tp_bench{suffix}.json"
+            path.write_text(json.dumps(results, indent=1))
+            print_report(results)
+            print(
+                f"\nwritten to {path}; load average before {results['loadavg_before']}, after {results['loadavg_after']}"
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
