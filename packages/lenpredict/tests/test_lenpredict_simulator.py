@@ -2,7 +2,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from lenpredict_cases import flat, profile_from, tp_speeds_up
+from lenpredict_cases import flat, profile_from, sdpa_like, tp_speeds_up
 
 from patrl.lenpredict import (
     AdaptivePolicy,
@@ -67,7 +67,8 @@ def naive_static(latency, groups, layout, config, replica_of) -> float:
                         s[1] = 1
             else:
                 context = sum(p + g for p, g, _ in running)
-                clock += float(latency.step_time(layout.tp, len(running), context))
+                longest = max(p + g for p, g, _ in running)
+                clock += float(latency.step_time(layout.tp, len(running), context, longest))
                 for s in running:
                     s[1] += 1
             running = [s for s in running if s[1] < s[2]]
@@ -75,10 +76,11 @@ def naive_static(latency, groups, layout, config, replica_of) -> float:
     return finish
 
 
+@pytest.mark.parametrize("padded", [None, sdpa_like])
 @pytest.mark.parametrize("max_num_seqs", [256, 6])
 @pytest.mark.parametrize("layout", [Layout(8, 1), Layout(2, 4)])
-def test_static_simulation_matches_step_by_step_twin(layout, max_num_seqs):
-    latency = model()
+def test_static_simulation_matches_step_by_step_twin(layout, max_num_seqs, padded):
+    latency = LatencyModel.fit(profile_from(tp_speeds_up, padded=padded))
     groups = small_trace()
     config = SimConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, assignment="round_robin"

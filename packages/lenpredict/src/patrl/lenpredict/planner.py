@@ -5,13 +5,14 @@ sequences; each remaining-length quantile is one scenario and scenarios are aver
 
 Plans. Besides staying and switching now, the planner prices "stay s more steps, then switch
 to the same target" for a few s (by default when half and when 90% of the sequences are
-predicted done), because PAT picks the reconfiguration *point* as well as the target: a switch that
-pays off now may pay off more later, once more sequences have finished. Only the same target
-is compared, since switching now does not rule out a further switch later. It switches when
-the predicted gain of switching now over staying exceeds the overhead by the margin, no
-delayed switch to that target is predicted better, the cooldown has passed, and the target
-continues the rollout's direction (TP only grows or only shrinks within one rollout), so it
-cannot oscillate.
+predicted done), because PAT picks the reconfiguration *point* as well as the target: a switch
+that pays off now may pay off more later, once more sequences have finished. Every target's
+delayed switches are priced (`Option.later_s`), but a switch now is weighed only against
+delaying the same target, since switching now does not rule out a further switch later. It
+switches when the predicted gain of switching now over staying exceeds the overhead by the
+margin, no delayed switch to that target is predicted better, the cooldown has passed, and the
+target continues the rollout's direction (TP only grows or only shrinks within one rollout),
+so it cannot oscillate.
 
 Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
 must move or recomputing its KV by prefill, whichever the latency model prices lower.
