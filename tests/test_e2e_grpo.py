@@ -27,11 +27,15 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_assets(tmp_path_factory.mktemp("e2e"))
+
+
+def build_assets(root: Path) -> Path:
+    """A tiny random Llama with the demo's tokenizer, and an addition task."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from patrl.orchestrator.demo.tokenizer import build_tokenizer
 
-    root = tmp_path_factory.mktemp("e2e")
     tok = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(

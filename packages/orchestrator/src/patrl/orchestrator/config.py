@@ -191,6 +191,11 @@ class JobConfig(_Section):
                 f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} must divide "
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
+        if self.rollout.over_sample_rate > 0 and self.algorithm.filter_groups.enable:
+            raise ValueError(
+                "rollout.over_sample_rate > 0 (partial rollouts) cannot be combined with "
+                "algorithm.filter_groups.enable=true (DAPO refills): choose one"
+            )
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         # The trainer's logprobs must use the temperature the rollout sampled with.

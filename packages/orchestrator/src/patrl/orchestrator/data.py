@@ -237,12 +237,16 @@ class PromptLoader:
         self._order_epoch = -1
         self._order = np.arange(0)
 
-    def next_batch(self) -> list[PromptItem]:
+    def next_batch(self, size: int | None = None) -> list[PromptItem]:
+        """The next `size` prompts (default: the batch size), never across an epoch's end."""
+        size = self.batch_size if size is None else size
+        if size == 0:
+            return []
         n = len(self.dataset)
-        if self.position >= n or (self.drop_last and self.position + self.batch_size > n):
+        if self.position >= n or (self.drop_last and self.position + size > n):
             self.epoch, self.position = self.epoch + 1, 0
         order = self.order(self.epoch)
-        picked = order[self.position : self.position + self.batch_size]
+        picked = order[self.position : self.position + size]
         self.position += len(picked)
         return [self.dataset[i] for i in picked.tolist()]
 

@@ -18,6 +18,7 @@ One step:
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -37,10 +38,12 @@ from patrl.orchestrator.distributed import World, all_gather_objects, barrier, b
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
 from patrl.orchestrator.profiling import cache_root, ensure_profile, job_grid
 from patrl.orchestrator.rewards import RewardManager
-from patrl.rollout import AdaptiveTP, Engine, EngineConfig, SamplingParams
+from patrl.rollout import AdaptiveTP, Engine, EngineConfig, SamplingParams, SequenceState
 from patrl.rollout.adaptive import usable_candidates
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+
+PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
 
 
 @dataclass(slots=True)
@@ -53,6 +56,15 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     reward: float
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Partial:
+    """An unfinished group of a partial rollout, resumed first at the next step."""
+
+    item: PromptItem
+    states: list[SequenceState]
 
 
 @dataclass(slots=True)
@@ -124,6 +136,8 @@ class SyncGRPO:
             if self._scores
             else None
         )
+        self.partials: dict[str, Partial] = {}  # request id -> unfinished group
+        self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
         self.rollout_decisions: list[dict[str, Any]] = []
         self.step = 0
@@ -296,6 +310,8 @@ class SyncGRPO:
 
     def _collect_samples(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score until the batch is full (DAPO filtering may need several rounds)."""
+        if self.config.rollout.over_sample_rate > 0:
+            return self._collect_partial(timings)
         filt = self.config.algorithm.filter_groups
         kept: list[list[Sample]] = []  # DAPO: groups with a learning signal, oldest first
         metrics: dict[str, float] = {}
@@ -337,6 +353,97 @@ class SyncGRPO:
                     return samples, metrics  # every group was uniform: train on the last round
                 return [s for group in plan.groups for s in group], metrics
 
+    def _collect_partial(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Partial rollouts (APRIL): the unfinished groups of the last step resume first, new
+        prompts fill up to batch x (1 + over_sample_rate), and generation stops once
+        train_batch_size groups have finished; the rest is kept for the next step."""
+        r, batch = self.config.rollout, self.config.data.train_batch_size
+        want = math.ceil(batch * (1 + r.over_sample_rate))
+        fresh = self.loader.next_batch(max(0, want - len(self.partials)))
+        entries = [(rid, p.item, p.states) for rid, p in self.partials.items()]
+        entries += [(f"s{self.step}-p{item.index}", item, []) for item in fresh]
+        replica = self._assign_entries(entries)
+        dp_rank, dp_size = self._dp
+        counts = [replica.count(j) for j in range(dp_size)]
+        quota = _split_quota(batch, counts)[dp_rank]
+        mine = [e for e, j in zip(entries, replica, strict=True) if j == dp_rank]
+        new = [(rid, item) for rid, item, states in mine if not states]
+        resume = [st for _, _, states in mine for st in states]
+        seed_base = self._sampling_seed_base()
+        item_of = {rid: item for rid, item, _ in entries}
+        with _timed(timings, "gen"):
+            done, rest = self.engine.generate_partial(
+                [item.prompt_token_ids for _, item in new],
+                [self._params(item, r.n, r.temperature, seed_base) for _, item in new],
+                quota,
+                request_ids=[rid for rid, _ in new],
+                prompt_keys=[f"train/{item.index}" for _, item in new],
+                resume=resume,
+            )
+        stats = self.engine.stats()
+        self.rollout_timeline = stats["timeline"]
+        self.rollout_decisions = stats.get("tp_decisions", [])
+        with _timed(timings, "reward"):
+            scored, reward_metrics = self._score([(item_of[o.request_id], o) for o in done])
+        samples = [s for share in all_gather_objects(self.world, scored) for s in share]
+        left = [
+            st
+            for share in all_gather_objects(self.world, rest if self._scores else [])
+            for st in share
+        ]
+        stale = sum(self._stale_tokens.get(s.request_id, 0) for s in samples)
+        self.partials = {}
+        for st in left:
+            p = self.partials.setdefault(st.request_id, Partial(item_of[st.request_id], []))
+            p.states.append(st)
+        self._stale_tokens = {
+            rid: sum(len(st.output_token_ids) for st in p.states)
+            for rid, p in self.partials.items()
+        }
+        metrics = self._learn_lengths(samples, 1)
+        _merge_reward_metrics(
+            metrics, [m for m in all_gather_objects(self.world, reward_metrics) if m]
+        )
+        total = sum(len(s.token_ids) for s in samples)
+        metrics["partial/resumed_groups"] = float(sum(1 for rid, _, st in entries if st))
+        metrics["partial/finished_groups"] = float(len({s.request_id for s in samples}))
+        metrics["partial/buffered_groups"] = float(len(self.partials))
+        metrics["partial/off_policy_token_frac"] = stale / total if total else 0.0
+        return samples, metrics
+
+    def _assign_entries(self, entries: list[tuple[str, PromptItem, list[Any]]]) -> list[int]:
+        """Replica of each group: resumed ones by their predicted remaining work."""
+        _, dp_size = self._dp
+        predicted = []
+        for _, item, states in entries:
+            expected = self.predictor.expected_length(f"train/{item.index}")
+            done = max((len(st.output_token_ids) for st in states), default=0)
+            predicted.append(max(expected - done, 1.0))
+        self._predicted = {
+            item.index: p for (_, item, _), p in zip(entries, predicted, strict=True)
+        }
+        if dp_size == 1:
+            return [0] * len(entries)
+        lpt = self.config.rollout.prompt_assignment == "length_aware"
+        n = self.config.rollout.n
+        return assign_prompts(
+            predicted, [n] * len(entries), dp_size, "lpt" if lpt else "round_robin"
+        )
+
+    def _params(
+        self, item: PromptItem, n: int, temperature: float, seed_key: tuple[int, ...]
+    ) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=r.top_p if temperature > 0 else 1.0,
+            top_k=r.top_k if temperature > 0 else 0,
+            max_tokens=self.config.data.max_response_length,
+            # Python's hash of a tuple of ints is the same in every process and run.
+            seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
+        )
+
     def _sampling_seed_base(self, round_: int = 1) -> tuple[int, ...]:
         """Seeds depend on (run seed, step, round, prompt) only: a resumed run samples the same."""
         return (self.config.trainer.seed, self.step, round_)
@@ -354,18 +461,8 @@ class SyncGRPO:
         mine = self._my_share(items, n or self.config.rollout.n)
         if not mine and not self._online_lengths:
             return []
-        r = self.config.rollout
         params = [
-            SamplingParams(
-                n=n or r.n,
-                temperature=temperature,
-                top_p=r.top_p if temperature > 0 else 1.0,
-                top_k=r.top_k if temperature > 0 else 0,
-                max_tokens=self.config.data.max_response_length,
-                # Python's hash of a tuple of ints is the same in every process and run.
-                seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
-            )
-            for item in mine
+            self._params(item, n or self.config.rollout.n, temperature, seed_key) for item in mine
         ]
         outputs = self.engine.generate(
             [item.prompt_token_ids for item in mine],
@@ -409,17 +506,23 @@ class SyncGRPO:
         if not self._scores or not local:
             return [], {}
         assert self.rewards is not None
-        flat = [(item, c) for item, out in local for c in out.outputs]
+        flat = [(item, out, c) for item, out in local for c in out.outputs]
         result = self.rewards.score(
-            [c.text if c.text is not None else "" for _, c in flat],
-            [item.answer for item, _ in flat],
-            [dict(item.extra) for item, _ in flat],
+            [c.text if c.text is not None else "" for _, _, c in flat],
+            [item.answer for item, _, _ in flat],
+            [dict(item.extra) for item, _, _ in flat],
         )
         samples = [
             Sample(
-                item.index, item.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason, reward
+                item.index,
+                item.prompt_token_ids,
+                c.token_ids,
+                c.logprobs,
+                c.finish_reason,
+                reward,
+                out.request_id,
             )
-            for (item, c), reward in zip(flat, result.rewards, strict=True)
+            for (item, out, c), reward in zip(flat, result.rewards, strict=True)
         ]
         return samples, result.metrics()
 
@@ -485,6 +588,10 @@ class SyncGRPO:
         barrier(self.world)
         final = checkpointing.step_dir(self.run_dir, self.step)
         if self.world.is_first:
+            torch.save(
+                {"partials": self.partials, "stale_tokens": self._stale_tokens},
+                staging / PARTIALS_FILE,
+            )
             state = {
                 "step": self.step,
                 "loader": self.loader.state_dict(),
@@ -518,6 +625,9 @@ class SyncGRPO:
         self.trainer.load(found / "trainer")
         self.loader.load_state_dict(state["loader"])
         self.predictor.load_state_dict(state["length_predictor"])
+        if (found / PARTIALS_FILE).is_file():
+            saved = torch.load(found / PARTIALS_FILE, weights_only=False)
+            self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
         self.step = int(state["step"])
         self.sync_weights()
         if self.world.is_first:
@@ -594,6 +704,20 @@ def _batch_metrics(
         ),
         "prompt_length/mean": float(prompts.mean()),
     }
+
+
+def _split_quota(total: int, counts: list[int]) -> list[int]:
+    """`total` finished groups asked of replicas holding `counts` groups, in proportion (the
+    largest remainders round up), never more than a replica holds."""
+    held = sum(counts)
+    if held == 0:
+        return [0] * len(counts)
+    total = min(total, held)
+    exact = [total * c / held for c in counts]
+    quota = [math.floor(x) for x in exact]
+    for j in sorted(range(len(counts)), key=lambda j: quota[j] - exact[j])[: total - sum(quota)]:
+        quota[j] += 1
+    return [min(q, c) for q, c in zip(quota, counts, strict=True)]
 
 
 def _tp_metrics(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:

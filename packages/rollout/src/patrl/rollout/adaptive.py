@@ -295,6 +295,8 @@ class TPController:
             return _Verdict(None)
         if rollout.total_quota is not None and rollout.total_done >= rollout.total_quota:
             return _Verdict(None)  # partial rollout: enough finished, the rest waits
+        if not rows:
+            return _Verdict(tp)  # only rejected requests left to collect: nothing to plan
         t0 = time.perf_counter()
         running = self._running_set(rows)
         current = Layout(dp=len(summaries) // tp, tp=tp)
