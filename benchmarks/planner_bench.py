@@ -14,7 +14,13 @@ max_num_seqs), `padded` a synthetic profile with both terms. Sequence counts 64,
 
 Per case: the median over `calls` calls, `repeats` times; reported are the median of those
 medians and each repeat's, on the wall clock and on this thread's CPU clock (which other
-processes' load on a shared machine moves less). Writes benchmarks/results/planner_bench.json.
+processes' load on a shared machine moves less).
+
+`--compare-with REV` also times the `stay` and `switch` cases (256 sequences) of the lenpredict
+source at git revision REV against the working tree's, each in its own fresh process,
+alternating `repeats` times so load drifts hit both alike, and reports the ratio of medians.
+
+Writes benchmarks/results/planner_bench.json.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -118,12 +128,71 @@ def measure(repeats: int = 5, calls: int = 300, sizes: tuple[int, ...] = (64, 25
     return result
 
 
+ROOT = Path(__file__).resolve().parents[1]
+SRC = "packages/lenpredict/src"
+
+
+def one_process(src: Path, case: str, calls: int) -> dict[str, float]:
+    """time_decide of one case in a fresh interpreter importing lenpredict from `src`."""
+    margin = 1e9 if case == "stay" else 0.2
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
+        "import planner_bench as b;"
+        "from patrl.lenpredict import LLAMA31_8B, LatencyModel, roofline_profile;"
+        "lat = LatencyModel.fit(roofline_profile(LLAMA31_8B));"
+        f"print(json.dumps(b.time_decide(lat, {margin}, 256, 1, {calls})))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src)}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(Path(__file__).parent)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(rev: str, repeats: int, calls: int) -> dict[str, Any]:
+    """Median over alternating fresh processes of REV's and the working tree's decide()."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "src.tar"
+        subprocess.run(["git", "archive", "-o", str(archive), rev, SRC], cwd=ROOT, check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        sources = {rev: Path(tmp) / SRC, "working tree": ROOT / SRC}
+        result: dict[str, Any] = {}
+        for case in ("stay", "switch"):
+            samples: dict[str, list[float]] = {name: [] for name in sources}
+            for _ in range(repeats):
+                for name, src in sources.items():
+                    samples[name].append(one_process(src, case, calls)["wall_us"])
+            medians = {name: statistics.median(v) for name, v in samples.items()}
+            result[case] = {
+                "wall_us_per_process": samples,
+                "median_wall_us": medians,
+                "ratio_working_over_rev": medians["working tree"] / medians[rev],
+            }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--compare-with", default=None, metavar="REV")
     args = parser.parse_args()
+    if args.compare_with:
+        versus = compare(args.compare_with, args.repeats, args.calls)
+        print(f"decide(), 256 seqs: {args.compare_with} vs working tree, wall us, fresh processes")
+        for case, r in versus.items():
+            print(
+                f"  {case:<7} {r['median_wall_us']} ratio {r['ratio_working_over_rev']:.2f} "
+                f"({r['wall_us_per_process']})"
+            )
     result = measure(args.repeats, args.calls)
+    if args.compare_with:
+        result["compare_with"] = {"rev": args.compare_with, **versus}
     print(
         f"MEASURED ReconfigPlanner.decide on {platform.machine()} ({platform.processor() or '?'}), "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, load average "

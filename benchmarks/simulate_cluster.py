@@ -31,21 +31,22 @@ benchmarks/results/simulate_cluster_timeline.png.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
-import os
 import platform
-import statistics
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from patrl.lenpredict import (
+    H100_SXM_NODE,
     LLAMA31_8B,
     QWEN3_14B,
-    DecodeRow,
-    HardwareInfo,
+    AdaptivePolicy,
+    Decision,
     LatencyModel,
     Layout,
     LengthPredictor,
@@ -53,9 +54,8 @@ from patrl.lenpredict import (
     ModelInfo,
     PlannerConfig,
     PredictorConfig,
-    PrefillRow,
-    Profile,
     ReconfigPlanner,
+    RolloutSimulator,
     RunningSet,
     SimConfig,
     SimResult,
@@ -65,6 +65,9 @@ from patrl.lenpredict import (
     roofline_profile,
 )
 from patrl.lenpredict.simulate import PolicySpec, run_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import planner_bench  # a sibling script, not a package
 
 RESULTS = Path(__file__).parent / "results"
 WORLD = 8
@@ -124,45 +127,153 @@ def simulate_model(
     return rows, first_step
 
 
-def planner_latency_us(model: ModelInfo, repeats: int = 5, calls: int = 200) -> dict[str, Any]:
-    """Measured: ReconfigPlanner.decide for 256 running sequences x 3 quantiles from dp8xtp1
-    (three candidate targets, the most work), wall and process-CPU time. Two cases: a call
-    that stays (the common one) and one whose best switch clears the margin, which also prices
-    delaying it. Medians of `calls` calls, `repeats` times."""
+def lower_bounds(model: ModelInfo, max_num_seqs: int = 256) -> list[dict[str, float]]:
+    """SIMULATED, per step: what no layout policy can beat under this latency model.
+
+    - kv_read_s: every decode step reads the KV of every context token of its batch; a
+      replica of tp GPUs pays c_tp per token, c_tp·tp GPU-seconds, the same at every TP
+      (each rank reads its share of the heads), so the node's 8 GPUs need at least
+      min_tp(c_tp·tp)·Σ context-steps / 8 seconds whatever the layout.
+    - weights_s: every step reads the replica's weights (a_tp); at best every step runs
+      max_num_seqs sequences, so at least min_tp(a_tp·tp / max_num_seqs)·tokens / 8.
+    - tail_s: the longest sample alone on the fastest layout for batch 1 (TP 8).
+    lower_bound_s = max(kv_read_s + weights_s, tail_s)."""
     latency = LatencyModel.fit(roofline_profile(model))
-    rng = np.random.default_rng(0)
-    n = 256
-    running = RunningSet(
-        seq_ids=np.arange(n),
-        replica=rng.integers(0, 8, n),
-        context=rng.integers(200, 8000, n),
-        remaining=np.sort(rng.lognormal(7, 1, (n, 3)), axis=1),
+    tps = latency.tp_sizes
+    per_token = min(latency.step_coefficients(tp).per_token * tp for tp in tps)
+    fixed = min(latency.step_coefficients(tp).fixed * tp / max_num_seqs for tp in tps)
+    out = []
+    for step, groups in group_by_step(
+        long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0)
+    ).items():
+        prompt = np.array([g.prompt_tokens for g in groups for _ in g.response_tokens], float)
+        length = np.array([n for g in groups for n in g.response_tokens], float)
+        context_steps = float((length * (prompt + 1) + length * (length - 1) / 2).sum())
+        kv = per_token * context_steps / WORLD
+        weights = fixed * float(length.sum()) / WORLD
+        longest = int(np.argmax(length))
+        ctx = prompt[longest] + 1 + np.arange(int(length[longest]))
+        tail = min(float(latency.step_time(tp, 1, ctx, ctx).sum()) for tp in tps)
+        out.append(
+            {
+                "step": step,
+                "kv_read_s": kv,
+                "weights_s": weights,
+                "tail_s": tail,
+                "lower_bound_s": max(kv + weights, tail),
+            }
+        )
+    return out
+
+
+class ScriptedPlanner(ReconfigPlanner):
+    """Switches to each TP of `schedule` once at most `count` sequences are unfinished (and
+    the switch is admissible: no replica over max_num_seqs), whatever the predicted gain."""
+
+    def __init__(self, latency: LatencyModel, schedule: list[tuple[int, int]]):
+        super().__init__(latency, WORLD, PlannerConfig(margin=1e9))
+        self.schedule = schedule
+        self.next = 0
+
+    def new_rollout(self) -> None:
+        super().new_rollout()
+        self.next = 0
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        priced = super().decide(running, current)  # the options, with their overheads
+        self._direction, self._since_switch = 0, self.config.cooldown_calls
+        if self.next < len(self.schedule) and len(running) <= self.schedule[self.next][0]:
+            tp = self.schedule[self.next][1]
+            option = next(o for o in priced.options if o.layout.tp == tp)
+            if np.isfinite(option.overhead_s):
+                self.next += 1
+                return Decision(
+                    "switch", current, option.layout, 0.0, option.overhead_s, "scripted",
+                    priced.options, running.seq_ids,
+                )  # fmt: skip
+        return Decision(
+            "stay", current, current, 0.0, 0.0, "scripted", priced.options, running.seq_ids
+        )
+
+
+def scripted_schedules(model: ModelInfo) -> dict[str, Any]:
+    """SIMULATED, first step only: the planner against every schedule of one or two growing
+    switches from TP 1 or 2 at sequence counts of a grid (oracle lengths, LPT): is a
+    better switching schedule there for the planner to find?"""
+    latency = LatencyModel.fit(roofline_profile(model))
+    groups = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=1, seed=0))[0]
+    simulator = RolloutSimulator(latency, WORLD, sim_config("lpt"))
+    counts = (768, 512, 256, 128, 32)
+    tried = []
+    for start in (1, 2):
+        ups = [tp for tp in (2, 4, 8) if tp > start]
+        paths = [[]] + [[tp] for tp in ups] + [list(p) for p in itertools.combinations(ups, 2)]
+        for path in paths:
+            for at in itertools.combinations(counts, len(path)):
+                schedule = list(zip(at, path, strict=True))
+                policy = AdaptivePolicy(
+                    ScriptedPlanner(latency, schedule), Layout(WORLD // start, start)
+                )
+                tried.append((simulator.run(groups, policy).total_s, start, schedule))
+    tried.sort(key=lambda t: t[0])
+    planner = simulator.run(
+        groups, AdaptivePolicy(ReconfigPlanner(latency, WORLD), Layout(WORLD, 1))
     )
-    result: dict[str, Any] = {"sequences": n, "loadavg_before": os.getloadavg()}
-    for case, margin in (("stay", 1e9), ("switch", 0.2)):
-        planner = ReconfigPlanner(latency, WORLD, PlannerConfig(margin=margin))
-        wall, cpu = [], []
-        for _ in range(repeats):
-            w, c = [], []
-            for _ in range(calls):
-                planner.new_rollout()
-                w0, c0 = time.perf_counter(), time.process_time()
-                planner.decide(running, Layout(8, 1))
-                c.append(time.process_time() - c0)
-                w.append(time.perf_counter() - w0)
-            planner.decisions.clear()
-            wall.append(statistics.median(w) * 1e6)
-            cpu.append(statistics.median(c) * 1e6)
-        planner.new_rollout()
-        assert planner.decide(running, Layout(8, 1)).action == case
-        result[case] = {
-            "wall_us_per_repeat": wall,
-            "cpu_us_per_repeat": cpu,
-            "wall_us": statistics.median(wall),
-            "cpu_us": statistics.median(cpu),
-        }
-    result["loadavg_after"] = os.getloadavg()
-    return result
+    best_s, start, schedule = tried[0]
+    return {
+        "schedules_tried": len(tried),
+        "best_scripted_s": best_s,
+        "best_scripted": {"start_tp": start, "switch_at_count_to_tp": schedule},
+        "planner_s": planner.total_s,
+        "planner_switches": [list(s) for s in planner.switches],
+    }
+
+
+def sensitivity(model: ModelInfo) -> list[dict[str, Any]]:
+    """SIMULATED, first step only, oracle lengths: how the reduction moves with the workload
+    and with the roofline's ASSUMPTION constants. Not the headline setting; it shows which
+    regime a >= 30% reduction needs."""
+    base = H100_SXM_NODE
+    slow_tp = dataclasses.replace(
+        base, collective_latency_s=((2, 18e-6), (4, 24e-6), (8, 30e-6)), step_overhead_s=2e-3
+    )
+    cases = [
+        ("headline: 128x8", SPEC, PROMPTS, base),
+        ("64 prompts x 8", SPEC, 64, base),
+        ("32 prompts x 8", SPEC, 32, base),
+        ("median length 1000", dataclasses.replace(SPEC, median=1000.0), PROMPTS, base),
+        ("cap 32768", dataclasses.replace(SPEC, max_length=32768), PROMPTS, base),
+        ("3x collective latency, 2 ms step overhead", SPEC, PROMPTS, slow_tp),
+    ]
+    out = []
+    for label, spec, prompts, node in cases:
+        latency = LatencyModel.fit(roofline_profile(model, node))
+        steps = {0: group_by_step(long_tail_trace(spec, prompts, SAMPLES, steps=1, seed=0))[0]}
+        times = {}
+        for name, assignment in [
+            *((f"static:{tp}", "lpt") for tp in (1, 2, 4, 8)),
+            (f"static:{VERL_DEFAULT_TP}", "round_robin"),
+            ("adaptive", "lpt"),
+        ]:
+            config = sim_config(assignment).model_copy(
+                update={"max_num_batched_tokens": spec.max_length + 1024}
+            )
+            (result,) = run_policy(
+                PolicySpec.parse(name), steps, latency, WORLD, config, PlannerConfig()
+            )
+            times[f"{name} ({assignment})"] = result.total_s
+        verl = times[f"static:{VERL_DEFAULT_TP} (round_robin)"]
+        best = min(t for k, t in times.items() if k.startswith("static"))
+        adaptive = times["adaptive (lpt)"]
+        out.append(
+            {
+                "case": label,
+                "times_s": times,
+                "adaptive_vs_verl_default": adaptive / verl - 1,
+                "adaptive_vs_best_static": adaptive / best - 1,
+            }
+        )
+    return out
 
 
 def predictor_error() -> dict[str, Any]:
@@ -205,92 +316,6 @@ def predictor_error() -> dict[str, Any]:
     }
 
 
-def measured_cpu_fit(seeds: int = 5) -> dict[str, Any] | None:
-    """MEASURED on this machine: decode-step rows of a tiny random Llama (torch, one process,
-    1 thread, TP 1, HF KV cache; per row the median over 3 passes of the median of 7 steps),
-    then the LatencyModel's held-out
-    error on them. The engine's profiler (patrl.rollout.profile) does not exist yet; this only
-    checks that the fitted form holds on real, noisy CPU timings."""
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        return None
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=4096,
-    )
-    model = LlamaForCausalLM(config).eval()
-    grid = [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (32, 128, 256, 512, 1024)]
-    samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in grid}
-    prefill_samples: dict[int, list[float]] = {c: [] for _, c in grid}
-    with torch.no_grad():
-        # three passes over the grid, so a burst of load from other processes hits one sample
-        # of a row rather than all of them; each sample is the median of 7 steps
-        for _ in range(3):
-            for batch, context in grid:
-                ids = torch.randint(0, 1000, (batch, context))
-                start = time.perf_counter()
-                out = model(ids, use_cache=True)
-                if batch == 1:
-                    prefill_samples[context].append(time.perf_counter() - start)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                steps = []
-                for _ in range(7):
-                    start = time.perf_counter()
-                    out = model(token, past_key_values=cache, use_cache=True)
-                    steps.append(time.perf_counter() - start)
-                    token = out.logits[:, -1:].argmax(-1)
-                samples[(batch, context)].append(statistics.median(steps))
-    decode = [
-        DecodeRow(tp=1, batch=b, context_tokens=b * c, seconds=statistics.median(samples[(b, c)]))
-        for b, c in grid
-    ]
-    prefill = [
-        PrefillRow(tp=1, tokens=c, seconds=statistics.median(t)) for c, t in prefill_samples.items()
-    ]
-    info = ModelInfo(
-        name="tiny-llama (random)",
-        num_layers=4,
-        hidden_size=256,
-        intermediate_size=688,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-        num_params=sum(p.numel() for p in model.parameters()),
-    )
-    profile = Profile(
-        source="measured",
-        hardware=HardwareInfo(
-            name=platform.node() or "this machine",
-            device=platform.processor() or platform.machine(),
-            num_devices=1,
-            memory_bytes_per_device=2**34,
-            interconnect="none",
-        ),
-        model=info,
-        dtype="float32",
-        decode=decode,
-        prefill=prefill,
-    )
-    held_out = [held_out_error(profile, fraction=0.25, seed=seed)[1] for seed in range(seeds)]
-    return {
-        "rows": len(decode),
-        "held_out_mape_per_seed": held_out,
-        "held_out_mape_median": statistics.median(held_out),
-        "fit": {str(k): v for k, v in LatencyModel.fit(profile).describe().items()},
-        "loadavg": os.getloadavg(),
-    }
-
-
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -327,6 +352,37 @@ def print_table(rows: list[dict[str, Any]], setting: str) -> None:
         print(
             f"{r['model']:<14} {r['policy']:<10} {r['assignment']:<12} {r['lengths']:<10} "
             f"{r['total_s']:>8.1f} {100 * r['vs_verl_default']:>+11.1f}% {100 * r['vs_best_static']:>+14.1f}%"
+        )
+
+
+def print_bounds(rows: list[dict[str, Any]], bounds: dict[str, list[dict[str, float]]]) -> None:
+    """Where the time goes: what no layout can remove against what the policies took."""
+    print(
+        "\nSIMULATED lower bounds per model, sum of steps (see lower_bounds): KV reads cost the "
+        "same at every TP"
+    )
+    print(
+        f"{'model':<14} {'kv_read':>8} {'weights':>8} {'tail':>6} {'bound':>7} {'verl':>7} "
+        f"{'adaptive':>9} {'bound vs verl':>14} {'kv share of verl':>17}"
+    )
+    for model, steps in bounds.items():
+        total = {k: sum(s[k] for s in steps) for k in steps[0] if k != "step"}
+        mine = [r for r in rows if r["model"] == model and r["max_num_seqs"] == 256]
+        verl = next(
+            r["total_s"]
+            for r in mine
+            if r["policy"] == f"static:{VERL_DEFAULT_TP}" and r["assignment"] == "round_robin"
+        )
+        adaptive = next(
+            r["total_s"]
+            for r in mine
+            if r["policy"] == "adaptive" and r["assignment"] == "lpt" and r["lengths"] == "oracle"
+        )
+        print(
+            f"{model:<14} {total['kv_read_s']:>8.1f} {total['weights_s']:>8.1f} "
+            f"{total['tail_s']:>6.1f} {total['lower_bound_s']:>7.1f} {verl:>7.1f} "
+            f"{adaptive:>9.1f} {100 * (total['lower_bound_s'] / verl - 1):>+13.1f}% "
+            f"{100 * total['kv_read_s'] / verl:>16.1f}%"
         )
 
 
@@ -383,23 +439,35 @@ def main() -> None:
     print_table(rows, "max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact)")
     print_table(wide, "max_num_seqs=1024 per replica (verl ppo_trainer.yaml rollout default)")
     rows += wide
-    timing = planner_latency_us(LLAMA31_8B)
-    print(
-        f"\nMEASURED on this machine ({platform.machine()}, load average {timing['loadavg_before']}):"
-    )
-    for case in ("stay", "switch"):
-        t = timing[case]
+    bounds = {m.name: lower_bounds(m) for m in (LLAMA31_8B, QWEN3_14B)}
+    print_bounds(rows, bounds)
+    scripted = {m.name: scripted_schedules(m) for m in (LLAMA31_8B, QWEN3_14B)}
+    print("\nSIMULATED first step: the planner against the best of the scripted schedules")
+    for name, result in scripted.items():
         print(
-            f"  ReconfigPlanner.decide, 256 seqs x 3 quantiles, {case} call: median wall "
-            f"{t['wall_us']:.0f} us, cpu {t['cpu_us']:.0f} us (per-repeat wall medians: "
-            f"{', '.join(f'{m:.0f}' for m in t['wall_us_per_repeat'])})"
+            f"  {name}: planner {result['planner_s']:.1f} s; best of "
+            f"{result['schedules_tried']} scripted schedules {result['best_scripted_s']:.1f} s "
+            f"({result['best_scripted']})"
         )
-    cpu_fit = measured_cpu_fit()
-    if cpu_fit is not None:
+    sensitive = sensitivity(LLAMA31_8B)
+    print("\nSIMULATED sensitivity, Llama-3.1-8B, first step, oracle lengths")
+    for case in sensitive:
         print(
-            f"LatencyModel held-out MAPE on {cpu_fit['rows']} decode rows MEASURED here (tiny Llama, "
-            f"torch, TP 1, load average {cpu_fit['loadavg']}): median {cpu_fit['held_out_mape_median']:.3f} "
-            f"over 5 random 25% hold-outs {[round(x, 3) for x in cpu_fit['held_out_mape_per_seed']]}"
+            f"  {case['case']:<42} adaptive vs verl default "
+            f"{100 * case['adaptive_vs_verl_default']:+6.1f}%, vs best static "
+            f"{100 * case['adaptive_vs_best_static']:+6.1f}%"
+        )
+    timing = planner_bench.measure(repeats=3, calls=200, sizes=(256,))
+    print(
+        f"\nMEASURED on this machine ({platform.machine()}, load average "
+        f"{timing['loadavg_before'][0]:.1f}): ReconfigPlanner.decide, 256 seqs x 3 quantiles "
+        "(benchmarks/planner_bench.py)"
+    )
+    for case, (t,) in timing["cases"].items():
+        print(
+            f"  {case:<7} ({t['action']}): median wall {t['wall_us']:.0f} us, thread cpu "
+            f"{t['cpu_us']:.0f} us (per-repeat wall medians: "
+            f"{', '.join(f'{m:.0f}' for m in t['wall_us_per_repeat'])})"
         )
     error = predictor_error()
     print(f"LengthPredictor online remaining-length error on this trace: {error}")
@@ -419,9 +487,11 @@ def main() -> None:
         },
         "rows": rows,
         "summary": summary,
+        "lower_bounds": bounds,
+        "scripted_schedules": scripted,
+        "sensitivity": sensitive,
         "planner_decide_us": timing,
         "predictor_error": error,
-        "latency_model_measured_cpu": cpu_fit,
         "latency_model_held_out_mape": {
             m: {str(k): v for k, v in f.items()} for m, f in fits.items()
         },
