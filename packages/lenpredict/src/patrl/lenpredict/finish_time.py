@@ -106,7 +106,11 @@ def slowest_replica_times(
     a, b, c, d, knee, e = np.array([step_coefficients[tp] for tp in rows.tp]).repeat(dp, axis=0).T
     per_replica = a * longest + b * sums[:groups] + c * sums[groups:]
     # the knee matters only where a replica runs more sequences than it at once
-    crowded = (d > 0).any() and np.bincount(key, minlength=groups).max() > knee.min()
+    crowded = (
+        len(running) > knee.min()
+        and (d > 0).any()
+        and np.bincount(key, minlength=groups).max() > knee.min()
+    )
     if crowded or (e > 0).any():
         past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
         per_replica += d * past_knee + e * padded

@@ -122,6 +122,7 @@ class _SwitchCosts:
     fixed: np.ndarray  # (targets, 1): barrier + weight reshard
     group_start: np.ndarray  # (targets, rows)
     size: int  # slots in all
+    sum_start: np.ndarray  # (5, targets, rows, 1): group_start of each of five sums
     send_alpha: float
     prefill_a: np.ndarray  # (size,)
     capacity: np.ndarray  # (size,) KV tokens a replica holds
@@ -148,6 +149,7 @@ class _SwitchCosts:
             fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
             group_start=start,
             size=int(slots.sum()),
+            sum_start=(start + int(slots.sum()) * np.arange(5)[:, None, None])[..., None],
             send_alpha=send_alpha,
             prefill_a=np.repeat(prefill[:, 0], slots.reshape(len(targets), rows).sum(axis=1)),
             capacity=np.repeat(np.array(capacity, dtype=float), dp * rows),
@@ -258,8 +260,7 @@ class ReconfigPlanner:
         weights[2] = moves
         weights[3] = alive
         np.multiply(alive, ctx, out=weights[4])
-        key = k.group_start[:, :, None] + np.stack(assignments)[:, None, :]  # (m, rows, n)
-        keys = (key[None] + k.size * np.arange(5)[:, None, None, None]).ravel()
+        keys = (k.sum_start + np.stack(assignments)[None, :, None, :]).ravel()
         cost, migrating, moving, count, tokens = np.bincount(
             keys, weights=weights.ravel(), minlength=5 * k.size
         ).reshape(5, k.size)
@@ -297,7 +298,7 @@ class ReconfigPlanner:
         for layout in self.candidates:
             if layout == current or not nested(layout, current):
                 continue
-            if self._direction and np.sign(layout.tp - current.tp) != self._direction:
+            if self._direction and (layout.tp > current.tp) != (self._direction > 0):
                 continue
             result.append(layout)
         return result
@@ -332,8 +333,9 @@ class ReconfigPlanner:
                 rows.add(j, med, True, delay, target)  # the steps after it
         all_assignments = np.stack([running.replica, *assignments])
         times = self._times(rows, all_assignments, running)
-        now, before, after = np.split(times, [(m + 1) * q, (m + 1) * q + k])
-        now, after = now.reshape(m + 1, q), after.reshape(m, k)
+        split = (m + 1) * q
+        now = times[:split].reshape(m + 1, q)
+        before, after = times[split : split + k], times[split + k :].reshape(m, k)
         never = np.zeros(n, dtype=bool)
         options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
