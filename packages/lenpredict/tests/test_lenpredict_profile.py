@@ -174,3 +174,7 @@ def test_a_fit_from_equal_lengths_misprices_skewed_sdpa_steps():
     assert float(LatencyModel.fit(profile).step_time(1, 32, 8000 + 31 * 100, 8000)) == (
         pytest.approx(truth, rel=1e-6)
     )
+    # an engine that knows its backend pads can say so, and equal-length rows then suffice
+    told = LatencyModel.fit(uniform, context_form="padded")
+    assert {fit.form for fit in told.step_fits.values()} == {"padded"}
+    assert float(told.step_time(1, 32, 8000 + 31 * 100, 8000)) == pytest.approx(truth, rel=1e-6)

@@ -129,12 +129,16 @@ def _row_arrays(rows: Sequence[DecodeRow]) -> tuple[np.ndarray, ...]:
     return batch, context, padded, np.array([r.seconds for r in rows])
 
 
-def fit_step(rows: Sequence[DecodeRow]) -> StepFit:
+def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None) -> StepFit:
     """Fit one TP size's decode rows, choosing the knee and the context form by
-    cross-validated error (ties go to the simpler form: no knee, total context)."""
+    cross-validated error (ties go to the simpler form: no knee, total context).
+    `context_form` imposes the form instead: what the engine knows of its attention backend
+    decides where rows of equal lengths cannot."""
     batch, context, padded, y = _row_arrays(rows)
     skewed = bool((padded > context * (1 + 1e-9) + 1).any())
     forms: tuple[ContextForm, ...] = ("total", "padded", "both") if skewed else ("total",)
+    if context_form is not None:
+        forms = (context_form,)
     knees = [float("inf"), *np.unique(batch)[1:-1].tolist()]
     candidates = [(form, knee) for form in forms for knee in knees]
     errors = [_cv_error(_decode_features(batch, context, padded, k, f), y) for f, k in candidates]
@@ -170,9 +174,13 @@ class LatencyModel:
     collective_coef: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, profile: Profile) -> LatencyModel:
+    def fit(cls, profile: Profile, context_form: ContextForm | None = None) -> LatencyModel:
+        """`context_form`: None lets held-out error pick total / padded / both context terms
+        (only total when every row holds equal lengths); "padded" for an attention backend
+        that pads to the longest sequence (our sdpa), "total" for a ragged one (flash)."""
         step_fits = {
-            tp: fit_step([r for r in profile.decode if r.tp == tp]) for tp in profile.tp_sizes
+            tp: fit_step([r for r in profile.decode if r.tp == tp], context_form)
+            for tp in profile.tp_sizes
         }
         prefill_coef = {}
         for tp in sorted({r.tp for r in profile.prefill}):
