@@ -12,7 +12,9 @@ attention's varlen/paged decode) reads each sequence's own context, C in total (
 backend gathers every sequence's blocks padded to the longest, B·M tokens (e). On a batch of
 equal lengths B·M = C and no profile can tell them apart, so the padded term is fitted only
 when the profile has rows of skewed batches (`DecodeRow.max_context`), and kept only when it
-predicts held-out rows better. The same cross-validation decides whether the knee helps. All
+predicts held-out rows better, or when the caller knows its backend pads
+(`LatencyModel.fit(profile, context_form="padded")`). Cross-validation also decides whether
+the knee helps. All
 coefficients are non-negative (a step never gets cheaper with more work) and fitted on
 *relative* error, because the planner compares ratios of times that span three orders of
 magnitude.
