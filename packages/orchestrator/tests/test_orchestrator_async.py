@@ -51,10 +51,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     LlamaForCausalLM(config).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     rng = random.Random(0)
-    with (root / "train.jsonl").open("w") as f:
-        for _ in range(32):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
+    for split, count in (("train", 32), ("val", 4)):
+        with (root / f"{split}.jsonl").open("w") as f:
+            for _ in range(count):
+                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
     return root
 
 
@@ -62,6 +63,7 @@ def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
     base = {
         "model.path": assets / "model",
         "data.train_files": assets / "train.jsonl",
+        "data.val_files": assets / "val.jsonl",
         "data.train_batch_size": 4,
         "data.max_prompt_length": 32,
         "data.max_response_length": 16,
@@ -88,9 +90,8 @@ def _async_run(
 ) -> dict[str, Any]:
     world = World(rank, world_size, rank, torch.device("cpu"))
     config = job_config(assets, run_dir, **{"trainer.mode": "async", **extra})
-    loop = AsyncGRPO(
-        config, world, str(assets / "model"), config.data.train_files, None, peer_timeout_s=60
-    )
+    files = (config.data.train_files, config.data.val_files)
+    loop = AsyncGRPO(config, world, str(assets / "model"), *files, peer_timeout_s=120)
     result = loop.run()
     if not isinstance(loop.role, TrainerWorker):
         return {"role": "rollout"}
@@ -119,28 +120,43 @@ ACTOR_KEYS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl
 @pytest.mark.multirank
 def test_staleness_zero_reproduces_the_sync_loop(assets: Path, tmp_path: Path) -> None:
     """1 rollout + 1 trainer rank at max_staleness=0 against the sync loop on one rank, same
-    seeds. Samples, rewards and advantages must be equal: the same prompts are sampled with the
-    same seeds from the same weights. Actor metrics differ only by decoupled PPO's behaviour
-    weight exp(proximal - behaviour), which is 1 up to the engine/trainer logprob mismatch
-    (~1e-6 in fp32 on CPU), hence rtol 1e-4."""
-    extra = {"async_rl.max_staleness": 0, "async_rl.rollout_ranks": 1}
-    results = run_ranks(
-        _async_run, world_size=2, args=(assets, tmp_path / "async", extra), timeout_s=180
-    )
+    seeds; the async run stops after step 1 and resumes from its checkpoint for step 2 (the
+    trainer republishes its weights, the rollout restores the loader position).
+
+    Samples, rewards and advantages must be equal: the same prompts are sampled with the same
+    seeds from the same weights. Actor metrics differ only by decoupled PPO's behaviour weight
+    exp(proximal - behaviour), which is 1 up to the engine/trainer logprob mismatch (~1e-6 in
+    fp32 on CPU), hence rtol 1e-4."""
+    extra: dict[str, Any] = {
+        "async_rl.max_staleness": 0,
+        "async_rl.rollout_ranks": 1,
+        "trainer.test_freq": 1,
+    }
+    for steps in (1, 2):
+        extra["trainer.total_training_steps"] = steps
+        results = run_ranks(
+            _async_run, world_size=2, args=(assets, tmp_path / "async", extra), timeout_s=300
+        )
     assert [r["role"] for r in results] == ["rollout", "trainer"]
     async_steps = [h for h in results[1]["history"] if "critic/score/mean" in h]
 
-    config = job_config(assets, tmp_path / "sync")
-    sync = SyncGRPO(
-        config,
-        World(0, 1, 0, torch.device("cpu")),
-        str(assets / "model"),
-        config.data.train_files,
-        None,
-    )
-    sync_steps = [h for h in sync.run().history if "critic/score/mean" in h]
+    extra = {"trainer.total_training_steps": 2, "trainer.test_freq": 1}
+    config = job_config(assets, tmp_path / "sync", **extra)
+    world = World(0, 1, 0, torch.device("cpu"))
+    files = (config.data.train_files, config.data.val_files)
+    sync_history = SyncGRPO(config, world, str(assets / "model"), *files).run().history
+    sync_steps = [h for h in sync_history if "critic/score/mean" in h]
 
-    assert len(async_steps) == len(sync_steps) == 3
+    # Validation: rank 0 validated versions 0, 1, 2 like the sync loop before and after steps.
+    def validation(history: list[dict[str, float]]) -> list[tuple[float, float]]:
+        return [
+            (h["step"], h["val-core/acc/mean@1"]) for h in history if "val-core/acc/mean@1" in h
+        ]
+
+    assert validation(results[1]["history"]) == validation(sync_history)
+    assert [step for step, _ in validation(sync_history)] == [0.0, 1.0, 2.0]
+
+    assert len(async_steps) == len(sync_steps) == 2
     for a, s in zip(async_steps, sync_steps, strict=True):
         for key in SAMPLE_KEYS:
             assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
@@ -160,13 +176,15 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     """2 rollout + 1 trainer rank at max_staleness=2: every trained sample's oldest token is at
     most 2 versions behind the weights it trains, asserted from the recorded token versions;
     each step trains its own tickets; and the rollout did run ahead (some staleness > 0)."""
-    extra = {"async_rl.max_staleness": 2, "async_rl.rollout_ranks": 2}
-    steps = 4
+    extra = {"async_rl.max_staleness": 2, "async_rl.rollout_ranks": 2, "trainer.test_freq": 2}
+    steps = 3
     extra["trainer.total_training_steps"] = steps
-    results = run_ranks(_async_run, world_size=3, args=(assets, tmp_path, extra), timeout_s=180)
+    results = run_ranks(_async_run, world_size=3, args=(assets, tmp_path, extra), timeout_s=300)
     trainer = results[2]
     history = [h for h in trainer["history"] if "critic/score/mean" in h]
-    assert [h["step"] for h in history] == [1.0, 2.0, 3.0, 4.0]
+    validated = [h["step"] for h in trainer["history"] if "val-core/acc/mean@1" in h]
+    assert validated == [0.0, 2.0]  # before training and after step 2, by rollout rank 0
+    assert [h["step"] for h in history] == [1.0, 2.0, 3.0]
     trained = trainer["trained"]
     assert len(trained) == steps * 4 * 4  # steps x prompts x samples
     for step, ticket, oldest, newest in trained:
@@ -178,28 +196,26 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     for h in history:
         assert h["async/staleness_max"] <= 2
         assert sum(h[f"async/staleness_count/{s}"] for s in range(3)) == 16
-    # Old versions are deleted once no rollout rank holds them.
-    assert len(trainer["weight_versions"]) <= 3
+    # The newest version stays on disk (older ones go once no rollout rank holds them).
+    assert trainer["weight_versions"][-1] == steps - 1
 
 
-def _stalled_rollout(rank: int, world_size: int, assets: Path, run_dir: Path) -> str:
-    world = World(rank, world_size, rank, torch.device("cpu"))
-    config = job_config(assets, run_dir, **{"trainer.mode": "async"})
-    loop = AsyncGRPO(
-        config, world, str(assets / "model"), config.data.train_files, None, peer_timeout_s=2
-    )
+def _stalled_peer(rank: int, world_size: int) -> str:
+    """Rank 0 never beats (stalled, or its host is gone); rank 1 waits on it through the
+    job's own store, as the trainer waits for samples."""
+    control = ControlPlane.of_default_group(rank, timeout_s=1.5)
     if rank == 0:
-        time.sleep(6)  # a rollout rank that never beats: stalled, or its host is gone
+        time.sleep(3)
         return ""
     with pytest.raises(PeerFailed) as err:
-        loop.run()
+        control.wait_until(lambda: control.has(["sample/0"]), "the samples of step 1", [0])
     return str(err.value)
 
 
 @pytest.mark.multirank
-def test_a_stalled_rollout_rank_is_named_not_waited_for(assets: Path, tmp_path: Path) -> None:
-    results = run_ranks(_stalled_rollout, world_size=2, args=(assets, tmp_path), timeout_s=120)
-    assert "ranks [0] sent no heartbeat for 2 s" in results[1]
+def test_a_stalled_peer_is_named_not_waited_for() -> None:
+    results = run_ranks(_stalled_peer, world_size=2, timeout_s=180)
+    assert results[1] == "rank 1: ranks [0] sent no heartbeat for 2 s (dead or stalled)"
 
 
 # ------------------------------------------------------------------ single-process parts
@@ -264,6 +280,3 @@ def test_unsupported_async_options_fail_by_name(assets: Path, tmp_path: Path) ->
         config = job_config(assets, tmp_path, **{"trainer.mode": "async", **extra})
         with pytest.raises(ValueError, match=message):
             AsyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
-    config = job_config(assets, tmp_path, **{"trainer.mode": "async", "trainer.test_freq": 5})
-    with pytest.raises(ValueError, match="does not validate yet"):
-        AsyncGRPO(config, world, str(assets / "model"), config.data.train_files, ["val.jsonl"])

@@ -29,6 +29,12 @@ on under the new weights (their KV stays), so one sample may mix versions: every
 the version that sampled it, and the logprob it was sampled with (the behaviour policy). The
 trainer recomputes the proximal logprobs and uses decoupled PPO with the behaviour weight
 capped at async_rl.behaviour_weight_cap.
+
+Validation. Rollout rank 0 validates version v (v % trainer.test_freq == 0, and v = 0 with
+trainer.val_before_train) as the synchronous loop would after step v: its requests run beside
+the training tickets, and rank 0 holds off newer weights until they are done, so every
+validation token comes from version v. The trainer logs the result when it arrives, as a row
+of step v, and waits for the last one before ending the run.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ class AsyncGRPO:
         val_files: Any,
         peer_timeout_s: float = 600.0,
     ) -> None:
-        _check_supported(config, world, val_files)
+        _check_supported(config, world)
         # Async rollout replicas are static tp=1 engines: adaptive TP needs collectives over
         # the rollout ranks, which async mode avoids.
         self.config = config.model_copy(deep=True)
@@ -129,6 +135,11 @@ class AsyncGRPO:
         SyncGRPO._seed_everything(self, config.trainer.seed)  # type: ignore[arg-type]
         self.tokenizer = _load_tokenizer(model_dir)
         self.train_set = SyncGRPO._dataset(self, train_files)  # type: ignore[arg-type]
+        self.val_set = (
+            SyncGRPO._dataset(self, val_files)  # type: ignore[arg-type]
+            if val_files and config.trainer.test_freq
+            else None
+        )
         self.loader = PromptLoader(
             self.train_set.items,
             config.data.train_batch_size,
@@ -145,10 +156,6 @@ class AsyncGRPO:
         else:
             self.role = TrainerWorker(self, trainer_group)
 
-    @property
-    def is_trainer(self) -> bool:
-        return isinstance(self.role, TrainerWorker)
-
     def run(self) -> RunResult:
         try:
             return self.role.run()
@@ -158,18 +165,23 @@ class AsyncGRPO:
             raise
 
 
-def _check_supported(config: JobConfig, world: World, val_files: Any) -> None:
+def validates(config: JobConfig, version: int) -> bool:
+    """Whether version `version` is validated (the sync loop's rule, after step `version`)."""
+    t = config.trainer
+    if not t.test_freq:
+        return False
+    if version == 0:
+        return t.val_before_train
+    return version % t.test_freq == 0
+
+
+def _check_supported(config: JobConfig, world: World) -> None:
     """What async mode does not do (yet) fails here, by name, before any work."""
     r = config.async_rl.rollout_ranks
     if r >= world.size:
         raise ValueError(
             f"async_rl.rollout_ranks={r} leaves no trainer rank in a world of {world.size}: "
             f"accepted 1..{world.size - 1}"
-        )
-    if config.trainer.test_freq and val_files:
-        raise ValueError(
-            f"trainer.mode=async does not validate yet: set trainer.test_freq=0 (got "
-            f"{config.trainer.test_freq})"
         )
     if config.algorithm.filter_groups.enable:
         raise ValueError("trainer.mode=async does not support algorithm.filter_groups.enable=true")
@@ -205,6 +217,12 @@ class RolloutWorker:
         self.batch_index = -1  # loader batch in self.batch
         self.batch: list[PromptItem] = []
         self.idle_s = 0.0
+        self.validator = job.val_set is not None and self.world.rank == 0
+        self.validating: dict[str, PromptItem] = {}  # request id -> item, of version val_version
+        self.val_results: list[Sample] = []
+        self.val_version = 0
+        self.val_start = 0.0
+        self.joined_at = 0  # the step the run (re)started at: validated before, if due
 
     def run(self) -> RunResult:
         try:
@@ -215,7 +233,10 @@ class RolloutWorker:
                 self._admit()
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
-                        self._hand_over(out)
+                        if out.request_id in self.validating:
+                            self._validated(out)
+                        else:
+                            self._hand_over(out)
                 else:
                     self._idle()
         finally:
@@ -231,8 +252,11 @@ class RolloutWorker:
         start = pickle.loads(self.control.get("start"))
         self.job.loader.load_state_dict(start["loader"])
         self.batch_index = start["step"] - 1
+        self.joined_at = start["step"]
         if start["step"] > 0:
             self._pull_newest()
+        elif validates(self.config, 0):
+            self._start_validation()
         self._report_loaded()
 
     def _idle(self) -> None:
@@ -248,6 +272,8 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights
 
     def _pull_newest(self) -> None:
+        if self.validating:
+            return  # validation of the held version first: its tokens must all come from it
         latest = self.control.counter("weights/latest")
         if latest <= self.engine.weight_version:
             return
@@ -257,6 +283,8 @@ class RolloutWorker:
             flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
         self.engine.load_weights(self.job.weights.load(latest), version=latest)
         self._report_loaded()
+        if latest > self.joined_at and validates(self.config, latest):
+            self._start_validation()
 
     def _report_loaded(self) -> None:
         """The version this rank holds: older ones may be deleted."""
@@ -302,6 +330,52 @@ class RolloutWorker:
         request_id = f"ticket-{ticket}"
         self.engine.add_request(item.prompt_token_ids, params, request_id=request_id)
         self.in_flight[request_id] = _InFlight(ticket, item, [[(0, version)] for _ in range(n)])
+
+    # --------------------------------------------------------------- validation
+
+    def _start_validation(self) -> None:
+        """The sync loop's validation requests (same prompts, seeds, temperature), added
+        beside the training tickets. Only rank 0 validates."""
+        if not self.validator:
+            return
+        assert self.job.val_set is not None
+        items = self.job.val_set.items
+        if self.config.data.val_batch_size:
+            items = items[: self.config.data.val_batch_size]
+        r, temperature = self.config.rollout, self.config.rollout.val_temperature
+        version = self.engine.weight_version
+        for item in items:
+            params = SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=r.top_p if temperature > 0 else 1.0,
+                top_k=r.top_k if temperature > 0 else 0,
+                max_tokens=self.config.data.max_response_length,
+                seed=hash((-1, item.index)) & 0x7FFF_FFFF_FFFF,
+            )
+            request_id = f"val-{version}-{item.index}"
+            self.engine.add_request(item.prompt_token_ids, params, request_id=request_id)
+            self.validating[request_id] = item
+        self.val_version, self.val_start, self.val_results = version, time.perf_counter(), []
+
+    def _validated(self, out: RequestOutput) -> None:
+        item = self.validating.pop(out.request_id)
+        c = out.outputs[0]
+        reward = self.rewards.score([c.text or ""], [item.answer], [dict(item.extra)]).rewards[0]
+        self.val_results.append(
+            Sample(item.index, item.prompt_token_ids, c.token_ids, c.logprobs, "", reward)
+        )
+        if self.validating:
+            return
+        scores = [s.reward for s in self.val_results]
+        metrics = {
+            "val-core/acc/mean@1": float(np.mean(scores)) if scores else 0.0,
+            "val/response_length/mean": float(np.mean([len(s.token_ids) for s in self.val_results]))
+            if scores
+            else 0.0,
+            "timing_s/testing": time.perf_counter() - self.val_start,
+        }
+        self.control.put(f"val/{self.val_version}", pickle.dumps(metrics))
 
     # ---------------------------------------------------------------- hand over
 
@@ -351,6 +425,7 @@ class TrainerWorker:
         self.trained_versions: list[tuple[int, int, int, int]] = []
         self.all_lengths: list[int] = []
         self._waited_us = 0
+        self._val_logged = -1  # the newest validated version logged
 
     def run(self) -> RunResult:
         cfg = self.config.trainer
@@ -362,14 +437,18 @@ class TrainerWorker:
             else None
         )
         try:
+            self._val_logged = self.step if self.step > 0 else -1
             while self.step < cfg.total_training_steps:
                 self.step += 1
                 metrics = self.train_one_step()
                 if logger is not None:
                     logger.log(self.step, metrics)
+                    self._log_validation(logger, wait=False)
                 last = self.step == cfg.total_training_steps
                 if (cfg.save_freq and self.step % cfg.save_freq == 0) or last:
                     self.save()
+            if logger is not None:
+                self._log_validation(logger, wait=True)
             if self.is_first:
                 self.control.finish()
         finally:
@@ -382,6 +461,27 @@ class TrainerWorker:
                 written = plot_run(history, self.all_lengths, [], self.job.run_dir)
                 print("plots: " + ", ".join(str(p) for p in written))
         return RunResult(self.step, history, self.job.run_dir)
+
+    def _log_validation(self, logger: MetricsLogger, wait: bool) -> None:
+        """Log the validations rank 0 finished, in version order; with `wait`, all that are
+        due up to the current step (the run's end)."""
+        due = [
+            v
+            for v in range(self._val_logged + 1, self.step + 1)
+            if self.job.val_set is not None and validates(self.config, v)
+        ]
+        for v in due:
+            key = f"val/{v}"
+
+            def arrived(key: str = key) -> bool:
+                return self.control.has([key])
+
+            if wait:
+                self.control.wait_until(arrived, f"validation {v}", [0])
+            elif not arrived():
+                return
+            logger.log(v, pickle.loads(self.control.get(key)))
+            self._val_logged = v
 
     def _announce_start(self) -> None:
         """Weights of a resumed step, the ticket counter and the loader, then "start"."""
@@ -398,6 +498,7 @@ class TrainerWorker:
         cfg = self.config
         timings: dict[str, float] = {}
         start = time.perf_counter()
+        self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
         groups = np.array([s.prompt_index for s in samples])
@@ -419,7 +520,10 @@ class TrainerWorker:
         batch.old_logprobs = proximal
         with _timed(timings, "update_actor"):
             actor_metrics = SyncGRPO._update(self, batch, samples)  # type: ignore[arg-type]
-        if self.step < cfg.trainer.total_training_steps:  # nobody generates after the last
+        self.control.beat()
+        last = self.step == cfg.trainer.total_training_steps
+        # After the last step nobody generates; only a validation would read the weights.
+        if not last or (self.job.val_set is not None and validates(cfg, self.step)):
             with _timed(timings, "update_weights"):
                 self._publish(self.step)
         timings["step"] = time.perf_counter() - start

@@ -4,6 +4,11 @@ Bad input (configuration, model directory, data, layout, resume checkpoint; see 
 is found on every rank before any process group is joined or anything is written, so a typo
 fails in seconds with the culprit named, not after minutes of start-up. `--dry-run` runs the
 same checks, then prints the resolved config.
+
+A rank that dies (even by SIGKILL) takes the job down: torchrun's agent stops the others and its
+summary names the rank that failed first. With `torchrun --max-restarts N` the agent starts the
+workers again and the run resumes from its newest complete checkpoint
+(`trainer.resume_mode=auto`), losing at most the step in progress.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from patrl.orchestrator import preflight
@@ -54,19 +59,49 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         if rank == 0:
             print(dump_config(config), end="")
         return 0
+    if rank == 0 and (hazard := restart_hazard(os.environ)):
+        print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
     world = init_world()
     try:
         run(config, world)
     except BaseException:
-        # Say which rank failed; torchrun then stops the others.
+        # Say which rank failed; torchrun then stops the others. A peer's death surfaces here
+        # as a connection error on the survivors: that is a consequence, not the cause.
+        consequence = (
+            " (if another rank died first, this is the consequence: torchrun's summary names "
+            "the first failure)"
+            if world.distributed
+            else ""
+        )
         print(
-            f"[rank {world.rank}] patrl failed:\n{traceback.format_exc()}",
+            f"[rank {world.rank}] patrl failed{consequence}:\n{traceback.format_exc()}",
             file=sys.stderr,
             flush=True,
         )
         return 1
     close_world(world)
     return 0
+
+
+def restart_hazard(env: Mapping[str, str]) -> str | None:
+    """Why torchrun's worker restarts may fail to rejoin in this environment, or None.
+
+    torch 2.13's c10d rendezvous hands every attempt the same store (hosted by the agent), and
+    the process group's keys in it carry no attempt number: a restarted worker can read the
+    dead attempt's gloo addresses (seen on CPU: "Gloo connectFullMesh failed ... Connection
+    refused", or a hang in init_process_group, when the new rank 0 is slow to start; NCCL's
+    unique id likewise, pytorch#135712), and the async loop would read the dead attempt's
+    control keys. A store per attempt avoids it.
+    """
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (
+        f"torchrun --max-restarts {restarts} with the rendezvous store shared across restarts "
+        "(torch's default): restarted workers can read the dead attempt's addresses from it and "
+        "fail to connect or hang; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a store "
+        "per attempt"
+    )
 
 
 def run(config: JobConfig, world: World) -> Any:
