@@ -128,3 +128,31 @@ def test_adaptive_partial_rollout_stops_on_the_worlds_quota(llama_dir: Path) -> 
         assert {k: [(t, reason) for t, _, reason in v] for k, v in r["got"].items()} == {
             k: [(t, reason) for t, _, reason in v] for k, v in r["expected"].items()
         }
+
+
+def test_recompute_prefills_a_shared_prompt_once(llama_dir: Path) -> None:
+    """Samples of one request imported without KV (a recompute after a reconfiguration, or a
+    resumed partial rollout) compute their prompt once: the others find it in the prefix cache
+    a step later. The tokens are the uninterrupted run's."""
+    prompt = list(range(10, 50))  # 40 tokens: 10 full blocks of 4
+    params = SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=20, ignore_eos=True)
+    expected = Engine(_config(str(llama_dir))).generate([prompt], params)[0]
+    source = Engine(_config(str(llama_dir)))
+    source.add_request(prompt, params, request_id="a")
+    for _ in range(6):
+        source.step()
+    states = source.export_requests(["a"], with_kv=False)
+    generated = [len(s.output_token_ids) for s in states]
+    assert len(states) == 4 and min(generated) > 0
+
+    engine = Engine(_config(str(llama_dir)))  # an empty cache, as after a reconfiguration
+    engine.import_requests(states)
+    while any(s.status.name == "WAITING" for s in engine.unfinished_seqs()):
+        engine.step()
+    # the prompt once, then each sample's own tokens (block-aligned prompt: nothing else shared)
+    assert engine.counters.prefill_tokens == len(prompt) + sum(generated)
+    assert engine.counters.prefill_steps == 2
+    done: list[Any] = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert [c.token_ids for c in done[0].outputs] == [c.token_ids for c in expected.outputs]

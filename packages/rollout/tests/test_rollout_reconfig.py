@@ -71,7 +71,8 @@ def _fresh_prefill_diff(engine: Engine, model_dir: str) -> tuple[float, bool]:
     )
     running = list(engine.scheduler.running)
     fresh.import_requests([engine._state(s, None) for s in running])
-    fresh.step()  # one prefill of every imported sample
+    while fresh.scheduler.waiting:  # prefill every imported sample (siblings a step later,
+        fresh.step()  # sharing their prompt's cached blocks)
     worst = 0.0
     by_key = {(s.request_id, s.sample_index): s for s in fresh.scheduler.running}
     for seq in running:

@@ -89,10 +89,16 @@ class Scheduler:
         candidates: list[Sequence] = [self.prefilling] if self.prefilling else []
         self.prefilling = None
         candidates += self.waiting
+        requests: set[str] = set()
         for seq in candidates:
             if budget == 0:
                 break
             continuing = self.blocks.has(seq.seq_id)  # a cut prefill holds its blocks
+            if not continuing and seq.request_id in requests:
+                # Another sample of this request (recomputed after a reconfiguration or a
+                # preemption) prefills now: wait one step and find its prompt in the prefix
+                # cache instead of computing the prompt once more.
+                continue
             full = samples + seq.group_size > self.max_num_seqs
             # A group larger than max_num_seqs still runs when nothing else does.
             if not continuing and full and (seqs or self.running):
@@ -102,7 +108,13 @@ class Scheduler:
                     break
                 # The cached count is what allocate says now (it can differ from a count taken
                 # before the call: nano-vllm #211).
-                self.blocks.allocate(seq.seq_id, seq.token_ids)
+                cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
+                shareable = len(seq.prompt_token_ids) // self.blocks.block_size
+                if (
+                    self.blocks.enable_prefix_caching
+                    and cached < shareable * self.blocks.block_size
+                ):
+                    requests.add(seq.request_id)  # its prompt is computed in this step
             remaining = self.blocks.num_uncomputed(seq.seq_id)
             take = min(remaining, budget)
             seqs.append(seq)
