@@ -1,0 +1,210 @@
+"""Synchronous vs asynchronous GRPO (staleness 1, 2): steps per minute and reward after a fixed
+wall-clock budget (issue 9, "Benchmark").
+
+    OMP_NUM_THREADS=1 python benchmarks/async_bench.py [--steps 12] [--repeats 3] [--world 2]
+
+Task: a random-init tiny Llama (2 layers, hidden 64, the demo tokenizer) on "a+b=?" prompts with
+a dense reward a random model can climb (the share of digits in the response), n samples per
+prompt. Modes on --world ranks: sync runs colocated on all ranks (generate, then train with
+FSDP over all of them); async gives 1 rank to rollout and the rest to the trainer. sync_1rank
+runs the sync loop on one rank: it separates what async gains by overlap from what it gains
+by training without FSDP collectives (with --world 2 its trainer is a single process too).
+Elapsed time at step k is the sum of the loop's own `timing_s/step` up to k (async: the
+trainer's step including its wait for samples), so start-up is excluded alike. Reported per
+mode, median over repeats (modes interleaved within a repeat so load drift on this shared
+machine hits all alike): steps/min, mean training reward of the last 3 steps completed within
+the budget (default: the median sync run's total time x 0.6), final reward, the trainer's wait
+for samples, the rollout's wait for weights, mean staleness. Writes
+benchmarks/results/async_bench.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from multirank import run_ranks
+
+from patrl.orchestrator.config import load_config
+from patrl.orchestrator.distributed import World
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# mode -> (max_staleness or None for sync, ranks or None for --world)
+MODES: dict[str, tuple[int | None, int | None]] = {
+    "sync": (None, None),
+    "sync_1rank": (None, 1),
+    "async_s1": (1, None),
+    "async_s2": (2, None),
+}
+
+
+def digit_reward(response: str, answer: str, **meta: Any) -> float:
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+def build_assets(root: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+
+    if (root / "model" / "config.json").is_file():
+        return root
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with (root / "train.jsonl").open("w") as f:
+        for _ in range(256):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
+    return root
+
+
+def job(assets: Path, run_dir: Path, steps: int, staleness: int | None) -> Any:
+    values: dict[str, Any] = {
+        "model.path": assets / "model",
+        "data.train_files": assets / "train.jsonl",
+        "data.train_batch_size": 8,
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 32,
+        "actor.ppo_mini_batch_size": 8,
+        "actor.optim.lr": 1e-3,
+        "rollout.n": 8,
+        "rollout.block_size": 8,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "false",
+        "reward.functions": '[{name: "async_bench:digit_reward"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": 0,
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.resume_mode": "disable",
+        "trainer.save_freq": 0,
+        "trainer.default_local_dir": run_dir,
+    }
+    if staleness is not None:
+        values.update(
+            {
+                "trainer.mode": "async",
+                "async_rl.max_staleness": staleness,
+                "async_rl.rollout_ranks": 1,
+            }
+        )
+    return load_config(None, [f"{k}={v}" for k, v in values.items()])
+
+
+def _rank(
+    rank: int, world_size: int, assets: Path, run_dir: Path, steps: int, staleness: int | None
+) -> list[dict[str, float]]:
+    from patrl.orchestrator.async_loop import AsyncGRPO
+    from patrl.orchestrator.sync_loop import SyncGRPO
+
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    config = job(assets, run_dir, steps, staleness)
+    args = (config, world, str(assets / "model"), config.data.train_files, None)
+    loop = SyncGRPO(*args) if staleness is None else AsyncGRPO(*args)
+    return loop.run().history
+
+
+def run_mode(assets: Path, world: int, steps: int, staleness: int | None) -> list[dict[str, float]]:
+    run_dir = RESULTS / "async_bench_runs" / f"{time.time_ns()}"
+    histories = run_ranks(
+        _rank, world_size=world, args=(assets, run_dir, steps, staleness), timeout_s=1800
+    )
+    history = next(h for h in histories if h)
+    return [h for h in history if "critic/score/mean" in h]
+
+
+def summarise(steps: list[dict[str, float]], budget_s: float) -> dict[str, float]:
+    elapsed, t = [], 0.0
+    for h in steps:
+        t += h["timing_s/step"]
+        elapsed.append(t)
+    rewards = [h["critic/score/mean"] for h in steps]
+    within = [r for r, e in zip(rewards, elapsed, strict=True) if e <= budget_s]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    return {
+        "steps_per_min": 60.0 * len(steps) / elapsed[-1],
+        "steps_in_budget": float(len(within)),
+        "reward_at_budget": mean(within[-3:]),
+        "final_reward": mean(rewards[-3:]),
+        "first_reward": mean(rewards[:3]),
+        "wait_for_batch_s": mean([h.get("time/wait_for_batch", 0.0) for h in steps]),
+        "wait_for_weights_s": mean([h.get("time/wait_for_weights", 0.0) for h in steps]),
+        "staleness_mean": mean([h.get("async/staleness_mean", 0.0) for h in steps]),
+        "total_s": elapsed[-1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=None, help="default: 0.6 x median sync run")
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    assets = build_assets(RESULTS / "async_bench_assets")
+    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode, (staleness, ranks) in MODES.items():
+            start = time.perf_counter()
+            runs[mode].append(run_mode(assets, ranks or args.world, args.steps, staleness))
+            print(f"repeat {r} {mode}: {time.perf_counter() - start:.0f} s wall", flush=True)
+    sync_total = statistics.median(sum(h["timing_s/step"] for h in run) for run in runs["sync"])
+    budget = args.budget_s if args.budget_s is not None else 0.6 * sync_total
+    table: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        per_run = [summarise(run, budget) for run in runs[mode]]
+        table[mode] = {k: statistics.median(s[k] for s in per_run) for k in per_run[0]}
+    base = table["sync"]["steps_per_min"]
+    print(
+        f"\nworld {args.world}, {args.steps} steps, budget {budget:.1f} s, median of {args.repeats}"
+    )
+    cols = ("steps_per_min", "reward_at_budget", "final_reward", "first_reward",
+            "wait_for_batch_s", "wait_for_weights_s", "staleness_mean")  # fmt: skip
+    print(f"{'mode':10s} " + " ".join(f"{c:>18s}" for c in cols) + f" {'speed vs sync':>14s}")
+    for mode, row in table.items():
+        cells = " ".join(f"{row[c]:18.3f}" for c in cols)
+        print(f"{mode:10s} {cells} {row['steps_per_min'] / base:14.2f}")
+    out = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "args": vars(args),
+        "budget_s": budget,
+        "table": table,
+        "runs": runs,
+    }
+    (RESULTS / "async_bench.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {RESULTS / 'async_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()
