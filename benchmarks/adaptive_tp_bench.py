@@ -1,6 +1,8 @@
 """Adaptive TP against the best static layout on 2 gloo ranks (issue 8, "Benchmark").
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/adaptive_tp_bench.py [--quick]
+    python benchmarks/adaptive_tp_bench.py [--quick]     (starts the torchrun above itself)
+    python benchmarks/adaptive_tp_bench.py --report benchmarks/results/adaptive_tp_bench.json
 
 Shapes (random-init Llamas built here, fp32, saved with safetensors under
 benchmarks/results/models or $PATRL_CACHE_DIR):
@@ -46,6 +48,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -740,6 +744,14 @@ def reprint(path: Path) -> None:
     print_report(results)
 
 
+def relaunch_under_torchrun() -> None:
+    """`python benchmarks/adaptive_tp_bench.py` (as `nox -s bench` runs it) starts the two
+    ranks itself."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    raise SystemExit(subprocess.call([*command, __file__, *sys.argv[1:]], env=env))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (~1-2 min)")
@@ -753,6 +765,8 @@ def main() -> None:
     if args.report:
         reprint(Path(args.report))
         return
+    if "WORLD_SIZE" not in os.environ:
+        relaunch_under_torchrun()
     torch.set_num_threads(1)  # two ranks share this machine's cores
     dist.init_process_group("gloo")
     world = dist.group.WORLD
