@@ -6,9 +6,11 @@ hardest death there is (no exception, no `finally`, no atexit, sockets torn down
 It is told what to do through the environment, which torchrun hands to every worker:
 
 - PROCDEATH_RANK: the rank that dies;
-- PROCDEATH_AFTER_STEP: it dies once the checkpoint of this step is complete (so the restart
-  has something to resume from and the step in progress is lost);
-- PROCDEATH_AT: `score` dies while scoring the next step's samples; `save` dies inside the
+- PROCDEATH_AFTER_STEP, PROCDEATH_CALLS_PER_STEP: the dying rank's first reward call of step
+  AFTER_STEP + 1 (call number AFTER_STEP x CALLS_PER_STEP + 1) waits until the checkpoint of
+  step AFTER_STEP is complete, so the restart has something to resume from and the step in
+  progress is lost; then
+- PROCDEATH_AT: `score` dies right there, in the middle of the step; `save` dies inside the
   next checkpoint's write, after this rank's trainer shards are staged but before the
   checkpoint is committed (debris the restart must ignore);
 - PROCDEATH_RUN_DIR: the job's run directory (where its checkpoints are);
@@ -23,16 +25,21 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 ENV_RANK = "PROCDEATH_RANK"
 ENV_AFTER_STEP = "PROCDEATH_AFTER_STEP"
+ENV_CALLS_PER_STEP = "PROCDEATH_CALLS_PER_STEP"
 ENV_AT = "PROCDEATH_AT"
 ENV_RUN_DIR = "PROCDEATH_RUN_DIR"
 ENV_MARKER = "PROCDEATH_MARKER"
 WHERE = ("score", "save")
+# A checkpoint that does not come is a broken test set-up, not a reason to hang the job.
+CHECKPOINT_WAIT_S = 120.0
 
+_calls = 0
 _armed_save = False
 
 
@@ -45,13 +52,16 @@ def killer(response: str, answer: str, **meta: Any) -> float:
     return sum(c.isdigit() for c in response) / max(1, len(response))
 
 
-def fault_env(rank: int, after_step: int, at: str, run_dir: Path, marker: Path) -> dict[str, str]:
+def fault_env(
+    rank: int, after_step: int, calls_per_step: int, at: str, run_dir: Path, marker: Path
+) -> dict[str, str]:
     """The environment that makes `killer` kill `rank` once, as described above."""
     if at not in WHERE:
         raise ValueError(f"at={at!r}: accepted are {WHERE}")
     return {
         ENV_RANK: str(rank),
         ENV_AFTER_STEP: str(after_step),
+        ENV_CALLS_PER_STEP: str(calls_per_step),
         ENV_AT: at,
         ENV_RUN_DIR: str(run_dir),
         ENV_MARKER: str(marker),
@@ -65,13 +75,27 @@ def die() -> None:
 
 
 def _due() -> bool:
+    global _calls
     if ENV_RANK not in os.environ or os.environ.get("RANK") != os.environ[ENV_RANK]:
         return False
     if Path(os.environ[ENV_MARKER]).exists():
         return False  # already died once: this is the restarted job
+    _calls += 1
     step = int(os.environ[ENV_AFTER_STEP])
+    if _calls != step * int(os.environ[ENV_CALLS_PER_STEP]) + 1:
+        return False
+    _wait_for_checkpoint(step)
+    return True
+
+
+def _wait_for_checkpoint(step: int) -> None:
+    """In sync mode it is there already; an async trainer may still be writing it."""
     done = Path(os.environ[ENV_RUN_DIR]) / "checkpoints" / f"global_step_{step}" / "state.json"
-    return done.is_file()
+    deadline = time.monotonic() + CHECKPOINT_WAIT_S
+    while not done.is_file():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"procdeath: no {done} after {CHECKPOINT_WAIT_S}s")
+        time.sleep(0.01)
 
 
 def _arm_save() -> None:

@@ -15,10 +15,12 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,37 @@ import torch
 from procdeath_faults import fault_env
 
 from patrl.orchestrator import checkpointing
+from patrl.orchestrator.main import restart_hazard
 
 pytestmark = pytest.mark.multirank
 
 STEPS = 4
-DIES_AFTER_STEP = 2  # rank 1 dies in step 3; step 2's checkpoint is the newest complete one
-DEAD_RANK = 1
-# Sync only for now. Async (trainer.mode=async, issue 9) is one more entry: its overrides.
-MODES: dict[str, dict[str, Any]] = {"sync": {}}
+DIES_AFTER_STEP = 2  # a rank dies in step 3; step 2's checkpoint is the newest complete one
+BATCH, N = 4, 2  # prompts per step, samples per prompt
+
+
+@dataclass(frozen=True)
+class Mode:
+    overrides: dict[str, Any]
+    dies: int  # the rank killed: one that scores samples (the fault is a reward function)
+    scorers: int  # ranks that share a step's samples for scoring
+    trainer_ranks: int  # ranks that write a checkpoint
+    at: str  # where the restart test kills it (procdeath_faults.WHERE)
+
+
+MODES = {
+    # Rank 1 scores half of each step and trains: it can die mid-checkpoint.
+    "sync": Mode({}, dies=1, scorers=2, trainer_ranks=2, at="save"),
+    # Rank 0 generates and scores every sample, rank 1 trains. Staleness 0 keeps each step's
+    # samples together in rank 0's calls, so the fault's call count finds step 3's first.
+    "async": Mode(
+        {"trainer.mode": "async", "async_rl.rollout_ranks": 1, "async_rl.max_staleness": 0},
+        dies=0,
+        scorers=1,
+        trainer_ranks=1,
+        at="score",
+    ),
+}
 JOB_TIMEOUT_S = 300.0  # a hang must fail the test, not the CI job
 # From the death to the end of the job. The collective timeout (600 s) is far above it: passing
 # means nobody waited on a dead peer; torchrun noticed the death and stopped the survivor.
@@ -77,11 +102,11 @@ def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:
     values: dict[str, Any] = {
         "model.path": assets / "model",
         "data.train_files": assets / "train.jsonl",
-        "data.train_batch_size": 4,
+        "data.train_batch_size": BATCH,
         "data.max_prompt_length": 32,
         "data.max_response_length": 8,
-        "actor.ppo_mini_batch_size": 4,
-        "rollout.n": 2,
+        "actor.ppo_mini_batch_size": BATCH,
+        "rollout.n": N,
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 64,
         # Adaptive TP's start-up profiling is not what is tested here and costs seconds.
@@ -96,13 +121,13 @@ def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.default_local_dir": out,
-        **MODES[mode],
+        **MODES[mode].overrides,
     }
     return [f"{k}={v}" for k, v in values.items()]
 
 
 def torchrun(overrides: list[str], max_restarts: int, env: dict[str, str]) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of the job on 2 local ranks."""
+    """(exit code, stdout and stderr interleaved) of the job on 2 local ranks."""
     command = [
         sys.executable,
         "-m",
@@ -124,16 +149,37 @@ def torchrun(overrides: list[str], max_restarts: int, env: dict[str, str]) -> tu
         "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
         # torch 2.13's c10d rendezvous keeps one store for every restart, so restarted workers
         # can read the dead attempt's gloo addresses and fail to connect; a store per attempt
-        # (hosted by rank 0) avoids that. See main.py's warning.
+        # (hosted by rank 0) avoids that. See main.restart_hazard.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
-    done = subprocess.run(
-        command, env=full_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False
-    )
-    return done.returncode, done.stdout + done.stderr
+    # Its own session, so that a hang is ended by killing the agent and its workers together.
+    with subprocess.Popen(
+        command,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as job:
+        try:
+            output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            output, _ = job.communicate()
+            pytest.fail(f"the job hung: still running after {JOB_TIMEOUT_S}s\n{output[-6000:]}")
+    return job.returncode, output
 
 
-def assert_checkpoints_sound(run_dir: Path, model_dir: Path, steps: list[int]) -> None:
+def fault(mode: str, at: str, tmp_path: Path) -> dict[str, str]:
+    m = MODES[mode]
+    run_dir = tmp_path / "patrl" / "grpo"
+    calls_per_step = BATCH * N // m.scorers
+    return fault_env(m.dies, DIES_AFTER_STEP, calls_per_step, at, run_dir, tmp_path / "died")
+
+
+def assert_checkpoints_sound(
+    run_dir: Path, model_dir: Path, steps: list[int], world_size: int
+) -> None:
     """Exactly the checkpoints of `steps`, each complete, of this model and world, and every
     tensor readable; no staging debris left behind."""
     root = checkpointing.checkpoint_root(run_dir)
@@ -142,7 +188,7 @@ def assert_checkpoints_sound(run_dir: Path, model_dir: Path, steps: list[int]) -
     shapes = model_shapes(model_dir)
     for step in steps:
         path = checkpointing.step_dir(run_dir, step)
-        checkpointing.check_resumable(path, shapes, set(), world_size=2)
+        checkpointing.check_resumable(path, shapes, set(), world_size)
         assert checkpointing.read_state(path)["step"] == step
         assert not list(path.rglob("*.tmp")), f"staging debris inside {path}"
         tensors = read_all_tensors(path / checkpointing.TRAINER_DIR)
@@ -180,44 +226,64 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [int(r["step"]) for r in rows if "critic/score/mean" in r]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# preflight._resume_problems checks a resume checkpoint against the whole world size, but an
+# async checkpoint is written by the trainer ranks alone (world - async_rl.rollout_ranks), so
+# the restarted async job refuses its own checkpoint ("saved by 1 trainer rank(s) ... this run
+# has 2"). With that check given the trainer world size the async case passes (measured by
+# running the job with that one change patched in). Strict: it fails loudly once fixed.
+ASYNC_RESUME_BUG = pytest.mark.xfail(
+    strict=True, reason="preflight checks an async checkpoint against the whole world size"
+)
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=ASYNC_RESUME_BUG) if m == "async" else m for m in MODES]
+)
 def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: str) -> None:
-    """Rank 1 dies writing step 3's checkpoint, after its shards are staged and before the
-    commit: step 3 is lost, its staged checkpoint is debris. The restart resumes from step 2,
-    redoes step 3 and finishes; every checkpoint left is whole."""
+    """A rank dies in step 3 (sync: writing step 3's checkpoint, after its shards are staged
+    and before the commit, so the staged checkpoint is debris; async: the rollout rank, while
+    scoring). Step 3 is lost; the restart resumes from step 2, redoes step 3 and finishes;
+    every checkpoint left is whole."""
+    m = MODES[mode]
     run_dir = tmp_path / "patrl" / "grpo"
-    marker = tmp_path / "died"
-    env = fault_env(DEAD_RANK, DIES_AFTER_STEP, "save", run_dir, marker)
-    code, output = torchrun(job_overrides(assets, tmp_path, mode), 1, env)
+    code, output = torchrun(job_overrides(assets, tmp_path, mode), 1, fault(mode, m.at, tmp_path))
     assert code == 0, output[-6000:]
-    assert marker.exists(), "the fault never fired: nothing was tested"
+    assert (tmp_path / "died").exists(), "the fault never fired: nothing was tested"
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", output)
     expected = str(checkpointing.step_dir(run_dir, DIES_AFTER_STEP))
     assert resumed == [(expected, str(DIES_AFTER_STEP))], output[-6000:]
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
-    assert_checkpoints_sound(run_dir, assets / "model", list(range(1, STEPS + 1)))
+    steps = list(range(1, STEPS + 1))
+    assert_checkpoints_sound(run_dir, assets / "model", steps, m.trainer_ranks)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_killed_rank_without_restarts_fails_naming_it(
-    assets: Path, tmp_path: Path, mode: str
-) -> None:
+def test_killed_rank_without_restarts_fails_naming_it(assets: Path, tmp_path: Path) -> None:
     """Rank 1 dies scoring step 3. Rank 0, left in a collective, must not wait out the
     collective timeout: the job ends soon after the death, and torchrun's summary blames
-    rank 1 (SIGKILL) as the root cause."""
+    rank 1 (SIGKILL) as the root cause. (Sync only: naming the rank is torchrun's, the same
+    in either mode, and each run costs a minute of CI.)"""
+    m = MODES["sync"]
     run_dir = tmp_path / "patrl" / "grpo"
-    marker = tmp_path / "died"
-    env = fault_env(DEAD_RANK, DIES_AFTER_STEP, "score", run_dir, marker)
-    code, output = torchrun(job_overrides(assets, tmp_path, mode), 0, env)
+    code, output = torchrun(
+        job_overrides(assets, tmp_path, "sync"), 0, fault("sync", "score", tmp_path)
+    )
     ended = time.time()
     assert code != 0
+    marker = tmp_path / "died"
     assert marker.exists(), "the fault never fired: nothing was tested"
     assert ended - marker.stat().st_mtime < SURVIVOR_BOUND_S, output[-6000:]
     root_cause = output[output.index("Root Cause") :]
-    assert re.search(rf"rank\s*:\s*{DEAD_RANK} \(local_rank: {DEAD_RANK}\)", root_cause), output[
-        -3000:
-    ]
-    assert re.search(r"exitcode\s*:\s*-9", root_cause), output[-3000:]
+    named = rf"rank\s*:\s*{m.dies} \(local_rank: {m.dies}\)\s+exitcode\s*:\s*-9"
+    assert re.search(named, root_cause), output[-3000:]
     assert "resumed from" not in output
     assert logged_steps(run_dir) == list(range(1, DIES_AFTER_STEP + 1))
-    assert_checkpoints_sound(run_dir, assets / "model", list(range(1, DIES_AFTER_STEP + 1)))
+    steps = list(range(1, DIES_AFTER_STEP + 1))
+    assert_checkpoints_sound(run_dir, assets / "model", steps, m.trainer_ranks)
+
+
+def test_restart_hazard_is_named_only_for_restarts_on_a_shared_store() -> None:
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (restart_hazard(shared) or "")
+    assert restart_hazard({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert restart_hazard({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert restart_hazard({}) is None  # not under torchrun
