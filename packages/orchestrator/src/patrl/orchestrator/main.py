@@ -90,8 +90,9 @@ def restart_hazard(env: Mapping[str, str]) -> str | None:
     the process group's keys in it carry no attempt number: a restarted worker can read the
     dead attempt's gloo addresses (seen on CPU: "Gloo connectFullMesh failed ... Connection
     refused", or a hang in init_process_group, when the new rank 0 is slow to start; NCCL's
-    unique id likewise, pytorch#135712), and the async loop would read the dead attempt's
-    control keys. A store per attempt avoids it.
+    unique id likewise, pytorch#135712), and the async loop reads the dead attempt's control
+    keys (seen: a restarted 2-rank async job hung silently after resuming). A store per
+    attempt avoids both.
     """
     restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
