@@ -25,6 +25,7 @@ from patrl.orchestrator.demo import (
 )
 from patrl.orchestrator.demo.__main__ import main
 from patrl.orchestrator.demo.assets import MANIFEST
+from patrl.orchestrator.demo.reward import shows_work
 from patrl.orchestrator.demo.sft import IGNORE, SFTConfig, iter_batches
 from patrl.orchestrator.demo.task import Problem, read_jsonl
 from patrl.orchestrator.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
@@ -48,6 +49,7 @@ def test_solution_writes_every_running_sum() -> None:
     problem = Problem((7, 1, 5))
     assert problem.prompt == "Add: a7 b1 c5"
     assert problem.solution() == "a7: 7\nb1: 7+1=8\nc5: 8+5=13\n\\boxed{13}"
+    assert problem.direct_solution() == "\\boxed{13}"
     assert problem.answer == 13
 
 
@@ -68,7 +70,7 @@ def test_solution_lengths_have_a_long_tail() -> None:
 def test_every_step_count_up_to_the_cap_occurs() -> None:
     config = TaskConfig()
     steps = {p.num_steps for p in generate_problems(20000, seed=0, config=config)}
-    assert min(steps) == 1 and max(steps) == config.max_steps
+    assert min(steps) == config.min_steps and max(steps) == config.max_steps
     longest = max(generate_problems(20000, seed=0, config=config), key=lambda p: p.num_steps)
     labels = [line[0] for line in longest.solution().splitlines()[:-1]]
     assert len(set(labels)) == len(labels) == config.max_steps + 1  # every label is unique
@@ -228,7 +230,7 @@ def test_cli_builds_and_describes(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_sft_batches_cover_each_example_once_within_the_budget() -> None:
     tokenizer = build_tokenizer()
-    config = SFTConfig(tokens_per_batch=256, pool_size=40)
+    config = SFTConfig(tokens_per_batch=256, pool_size=40, direct_fraction=0.5)
     problems = generate_problems(40, seed=9)
     batches = iter_batches(iter(problems), tokenizer, config, random.Random(0))
     seen = []
@@ -239,10 +241,29 @@ def test_sft_batches_cover_each_example_once_within_the_budget() -> None:
             seen.append(_slow_decode_example(tokenizer, row_ids, row_labels))
         if len(seen) == len(problems):
             break
+    # Each problem once, worked or bare as the batcher's rng draws it (once per problem, in
+    # stream order, before it shuffles the batches).
+    rng = random.Random(0)
     want = sorted(
-        (prompt_text(tokenizer, p.prompt), p.solution() + tokenizer.eos_token) for p in problems
+        (
+            prompt_text(tokenizer, p.prompt),
+            (p.direct_solution() if rng.random() < 0.5 else p.solution()) + tokenizer.eos_token,
+        )
+        for p in problems
     )
     assert sorted(seen) == want
+    num_direct = sum(not response.startswith("a") for _, response in seen)
+    assert 10 <= num_direct <= 30, num_direct
+
+
+def test_sft_without_direct_fraction_shows_all_work() -> None:
+    tokenizer = build_tokenizer()
+    config = SFTConfig(tokens_per_batch=256, pool_size=20, direct_fraction=0.0)
+    batches = iter_batches(iter(generate_problems(20, seed=4)), tokenizer, config, random.Random(0))
+    input_ids, labels = next(batches)
+    for row_ids, row_labels in zip(input_ids.tolist(), labels.tolist(), strict=True):
+        _, response = _slow_decode_example(tokenizer, row_ids, row_labels)
+        assert shows_work(response, "") == 1.0, response
 
 
 def _slow_decode_example(
@@ -279,6 +300,7 @@ def test_boxed_exact_match_is_never_looser_than_math_verify() -> None:
         problem.solution().replace("\\boxed{21}", "\\boxed{12}"),
         problem.solution().replace("\\boxed{21}", "21"),
         "a4: 4\nb9: 4+9=13\n\\boxed{13}\n\\boxed{21}",
+        problem.direct_solution(),
         "\\boxed{",
         "",
     ]
@@ -300,3 +322,16 @@ def test_builds_are_reproducible_from_the_seed(tmp_path: Path) -> None:
     assert (other.model_dir / "model.safetensors").read_bytes() != (
         first.model_dir / "model.safetensors"
     ).read_bytes()
+
+
+# ---------------------------------------------------------------- reward
+
+
+def test_shows_work_tells_worked_from_bare_answers() -> None:
+    problem = Problem((7, 1, 5))
+    assert shows_work(problem.solution(), str(problem.answer)) == 1.0
+    assert shows_work(problem.direct_solution(), str(problem.answer)) == 0.0
+    # A wrong worked solution still shows its work; the reward, not this, judges it.
+    assert shows_work("a7: 8\nb1: 8+1=9\n\\boxed{9}", "13") == 1.0
+    for other in ("", "\\boxed{", "b1: 7+1=8", "a7:", "The answer is 13"):
+        assert shows_work(other, "13") == 0.0, other

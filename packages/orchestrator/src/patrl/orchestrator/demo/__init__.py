@@ -1,6 +1,6 @@
 """The embedded default of the main job: a tiny Llama with its own tokenizer, warm-started by
-SFT on a synthetic long-tailed addition task, with train/validation JSONL, built on first use
-and cached."""
+SFT on a synthetic long-tailed addition task (worked solutions mixed with bare answers), with
+train/validation JSONL, built on first use and cached."""
 
 from patrl.orchestrator.demo.assets import (
     DemoAssets,

@@ -64,6 +64,10 @@ def describe(assets: DemoAssets) -> str:
             f"{ev['pass@1_temperature_1']:.3f}  ({ev['num_prompts']} val prompts x "
             f"{ev['samples_per_prompt']} samples)"
         )
+        lines.append(
+            f"  works it out   greedy {ev['worked_greedy']:.3f}   temperature 1.0 "
+            f"{ev['worked_temperature_1']:.3f}  (share of responses with numbered lines)"
+        )
     timings = "  ".join(f"{k} {v:.1f}" for k, v in m["timings"].items())
     lines.append(f"  build time     {timings}  ({m['torch_threads']} torch threads)")
     return "\n".join(lines)

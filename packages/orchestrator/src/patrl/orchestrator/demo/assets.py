@@ -48,7 +48,7 @@ from patrl.orchestrator.demo.task import (
 from patrl.orchestrator.demo.tokenizer import build_tokenizer, prompt_text
 
 # Bump when the build code changes what it produces in a way the recipe does not capture.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 MANIFEST = "demo.json"
 _OUR_ENTRIES = frozenset({"model", "data", MANIFEST})
 # Train, validation and SFT problems come from disjoint streams of the one seed.
@@ -236,6 +236,8 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
             "samples_per_prompt": result.samples_per_prompt,
             "num_prompts": result.num_prompts,
             "mean_response_tokens_temperature_1": result.mean_response_tokens,
+            "worked_greedy": result.worked_greedy,
+            "worked_temperature_1": result.worked_temperature_1,
         }
         timings["eval_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from patrl.orchestrator.demo.reward import shows_work
 from patrl.orchestrator.demo.tokenizer import prompt_text
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 
@@ -25,6 +26,9 @@ class PassAtOne:
     samples_per_prompt: int
     num_prompts: int
     mean_response_tokens: float
+    # Shares of responses that work the sum out line by line rather than box a bare total.
+    worked_greedy: float
+    worked_temperature_1: float
 
 
 def boxed_answer(text: str) -> str | None:
@@ -66,9 +70,16 @@ def pass_at_one(
     )
     token_ids = chat_prompts(read_tokenizer(model_dir), prompts)
     greedy = engine.generate(token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    # A seed per prompt: one shared seed would draw the same uniforms for every prompt, so
+    # e.g. the choice of the first token would be made alike across the whole set.
     sampled = engine.generate(
         token_ids,
-        SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, seed=seed),
+        [
+            SamplingParams(
+                n=samples, temperature=1.0, max_tokens=max_tokens, seed=seed * 100_003 + i
+            )
+            for i in range(len(token_ids))
+        ],
     )
     greedy_hits = [
         is_correct(out.outputs[0].text or "", a) for out, a in zip(greedy, answers, strict=True)
@@ -79,10 +90,18 @@ def pass_at_one(
         for c in out.outputs
     ]
     lengths = [len(c.token_ids) for out in sampled for c in out.outputs]
+    greedy_texts = [out.outputs[0].text or "" for out in greedy]
+    sampled_texts = [c.text or "" for out in sampled for c in out.outputs]
     return PassAtOne(
         greedy=sum(greedy_hits) / len(greedy_hits),
         temperature_1=sum(sampled_hits) / len(sampled_hits),
         samples_per_prompt=samples,
         num_prompts=len(prompts),
         mean_response_tokens=sum(lengths) / len(lengths),
+        worked_greedy=_share_worked(greedy_texts),
+        worked_temperature_1=_share_worked(sampled_texts),
     )
+
+
+def _share_worked(texts: list[str]) -> float:
+    return sum(shows_work(t, "") for t in texts) / len(texts)

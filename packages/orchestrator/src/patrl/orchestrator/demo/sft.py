@@ -1,5 +1,10 @@
 """Warm-start the demo model by supervised fine-tuning on gold solutions (plain torch).
 
+A share of the demonstrations (`direct_fraction`) box the total without the worked lines, as
+a teacher who skips the work would. The warm-started model then starts more answers that way
+than with the lines (greedy decoding: all of them), though the lines are what it gets right:
+the room that RL has to show it learns something.
+
 Problems are drawn fresh for every batch, so the model never sees the same stream twice and
 there is nothing to overfit. Batches are cut by a padded-token budget from length-sorted
 pools: with long-tailed lengths, padding a random batch to its longest row would waste most of
@@ -28,7 +33,13 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    steps: int = Field(600, gt=0)
+    steps: int = Field(1000, gt=0)
+    direct_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="share of demonstrations that box the total without the running sums",
+    )
     tokens_per_batch: int = Field(2048, gt=0, description="padded tokens per optimizer step")
     pool_size: int = Field(512, gt=0, description="problems sorted together by length")
     lr: float = Field(3e-3, gt=0)
@@ -37,10 +48,13 @@ class SFTConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
 
 
-def encode_example(problem: Problem, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], int]:
+def encode_example(
+    problem: Problem, tokenizer: PreTrainedTokenizerBase, direct: bool = False
+) -> tuple[list[int], int]:
     """Token ids of the whole chat and the length of its prompt part (not trained on)."""
     prompt = prompt_text(tokenizer, problem.prompt)
-    full = prompt + problem.solution() + tokenizer.eos_token
+    solution = problem.direct_solution() if direct else problem.solution()
+    full = prompt + solution + tokenizer.eos_token
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     ids = tokenizer.encode(full, add_special_tokens=False)
     return ids, len(prompt_ids)
@@ -54,7 +68,10 @@ def iter_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) padded batches of about `tokens_per_batch` padded tokens."""
     while True:
-        pool = [encode_example(next(stream), tokenizer) for _ in range(config.pool_size)]
+        pool = [
+            encode_example(next(stream), tokenizer, rng.random() < config.direct_fraction)
+            for _ in range(config.pool_size)
+        ]
         pool.sort(key=lambda ex: len(ex[0]))
         batches: list[list[tuple[list[int], int]]] = []
         current: list[tuple[list[int], int]] = []

@@ -3,8 +3,14 @@
 Each number follows its letter label (`a7 b1 c5`), and each line of the solution restates
 the labelled number it adds, then the new running sum (`c5: 8+5=13`). Without labels a small
 model would have to count its way along a list of repeating digits to find the next addend;
-with them the next addend is the token after the line's label in the prompt, which one
-induction head finds, and a small transformer learns that in minutes on a CPU.
+with them the next addend is the token after the line's label in the prompt. (The demo's
+model learns that lookup label by label: after its warm start it copies the first three
+reliably and later ones rarely.)
+
+The warm start also sees problems answered by the boxed total alone (a bare answer). Every
+problem has at least three numbers, whose sum in one go a model this small mostly gets wrong,
+while the worked lines only need one small addition each: RL has to find out that writing
+the lines pays.
 
 The number of addends is drawn from a log-normal, so most solutions are a couple of lines and
 a few are ten times longer: the long tail that adaptive TP exists for. The last line is
@@ -36,6 +42,9 @@ class TaskConfig(BaseModel):
     # log(number of steps) ~ Normal(mu, sigma); steps = addends - 1.
     steps_log_mu: float = 0.5
     steps_log_sigma: float = Field(1.0, gt=0)
+    # At least three numbers: two (one step) are summed in one go as reliably as by the lines,
+    # so those problems would only dilute what RL can learn (whether the lines pay).
+    min_steps: int = Field(2, ge=1)
     # Caps the tail so prompt + response fit the model's 512 positions with room to spare.
     max_steps: int = Field(19, ge=1, le=LABELS_MAX - 1)
 
@@ -73,13 +82,18 @@ class Problem:
         lines.append(f"\\boxed{{{total}}}")
         return "\n".join(lines)
 
+    def direct_solution(self) -> str:
+        """The boxed total with no work shown: a sum of three or more numbers in one go, which
+        a model this small rarely gets right (see SFTConfig.direct_fraction)."""
+        return f"\\boxed{{{self.answer}}}"
+
     def record(self) -> dict[str, object]:
         return {"prompt": self.prompt, "answer": str(self.answer), "num_steps": self.num_steps}
 
 
 def draw_problem(rng: random.Random, config: TaskConfig) -> Problem:
     steps = math.ceil(math.exp(rng.gauss(config.steps_log_mu, config.steps_log_sigma)))
-    steps = min(max(steps, 1), config.max_steps)
+    steps = min(max(steps, config.min_steps), config.max_steps)
     addends = tuple(rng.randint(config.min_addend, config.max_addend) for _ in range(steps + 1))
     return Problem(addends)
 

@@ -1,0 +1,21 @@
+"""What the demo's rewards cannot show on their own: whether a response worked the sum out.
+
+The demo's warm start answers some prompts with the numbered lines and some with a bare
+`\\boxed{N}` (SFTConfig.direct_fraction). The reward (math-verify) only says whether the total
+is right; listing `shows_work` beside it with weight 0 logs, every step, the share of responses
+that wrote the lines: `reward/patrl.orchestrator.demo.reward:shows_work/mean`. That share going
+up while the reward goes up is RL finding out that working it out pays.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# The first line of a worked solution restates the first addend: "a7: 7".
+_FIRST_LINE = re.compile(r"a\d+: \d+(\n|$)")
+
+
+def shows_work(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response opens like a worked solution (`a7: 7`), right or wrong."""
+    return 1.0 if _FIRST_LINE.match(response) else 0.0
