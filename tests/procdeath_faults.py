@@ -14,8 +14,8 @@ It is told what to do through the environment, which torchrun hands to every wor
   next checkpoint's write, after this rank's trainer shards are staged but before the
   checkpoint is committed (debris the restart must ignore);
 - PROCDEATH_RUN_DIR: the job's run directory (where its checkpoints are);
-- PROCDEATH_MARKER: a file created just before dying; while it exists nothing dies, so the
-  restarted job runs through.
+- PROCDEATH_MARKER: a file created just before dying (holding, for `save`, the directory the
+  trainer had just written); while it exists nothing dies, so the restarted job runs through.
 
 Unset, it is a plain reward. Its score is the share of digits in the response: dense, so a
 random model gets non-zero advantages.
@@ -68,9 +68,9 @@ def fault_env(
     }
 
 
-def die() -> None:
+def die(note: str = "") -> None:
     """Leave the marker, then SIGKILL this process."""
-    Path(os.environ[ENV_MARKER]).touch()
+    Path(os.environ[ENV_MARKER]).write_text(note)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -110,6 +110,6 @@ def _arm_save() -> None:
 
     def save_then_die(self: Trainer, path: Any, *args: Any, **kwargs: Any) -> Any:
         original(self, path, *args, **kwargs)
-        die()
+        die(str(path))
 
     Trainer.save = save_then_die  # type: ignore[method-assign]

@@ -248,7 +248,12 @@ def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: st
     run_dir = tmp_path / "patrl" / "grpo"
     code, output = torchrun(job_overrides(assets, tmp_path, mode), 1, fault(mode, m.at, tmp_path))
     assert code == 0, output[-6000:]
-    assert (tmp_path / "died").exists(), "the fault never fired: nothing was tested"
+    marker = tmp_path / "died"
+    assert marker.exists(), "the fault never fired: nothing was tested"
+    if m.at == "save":  # it died with step 3 staged, uncommitted; the restart cleared it
+        staged = Path(marker.read_text())
+        assert staged.parent == checkpointing.staging_dir(run_dir, DIES_AFTER_STEP + 1)
+        assert not staged.parent.exists()
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", output)
     expected = str(checkpointing.step_dir(run_dir, DIES_AFTER_STEP))
     assert resumed == [(expected, str(DIES_AFTER_STEP))], output[-6000:]
