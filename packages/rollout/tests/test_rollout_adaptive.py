@@ -24,6 +24,7 @@ from patrl.lenpredict.planner import Option
 from patrl.rollout.adaptive import OracleLengths
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
+from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.plot import plot_timeline
 from patrl.rollout.sampler import SamplingParams
 from patrl.tpreshard import GroupCache
@@ -110,8 +111,16 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
     stats = engine.stats()
     names = [f"p{r}-{i}" for r in range(2) for i in range(4)]
     learnt = {k: predictor.expected_length(k) for k in names}, predictor.global_mean()
-    # a second rollout starts wide again and switches again
+    owed = engine.layout.tp_size  # the return to tp=1 is deferred...
+    # ...to the start of the next rollout (a reconfigure: weights gathered), which starts wide
+    # again and switches again,
     again = engine.generate(prompts, params)
+    # ...or to a full weight sync, which rebuilds the model at tp=1 with no collective
+    created = groups.num_created
+    engine.load_weights(iter_checkpoint(model_dir), version=1)
+    reloaded = engine.layout.tp_size
+    assert groups.num_created == created
+    third = engine.generate(prompts, params)
     return {
         "expected": _tokens(expected),
         "got": _tokens(got),
@@ -121,7 +130,8 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
         "switches": (stats["tp_switches"], engine.stats()["tp_switches"]),
         "decisions": stats["tp_decisions"],
         "timeline_tp": [r["tp_size"] for r in stats["timeline"]],
-        "tp_after": engine.layout.tp_size,
+        "tp_after": (owed, reloaded),
+        "third": _tokens(third),
         "learnt": learnt,
     }
 
@@ -133,8 +143,9 @@ def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str) 
         assert r["got"] == r["expected"]
         assert r["again"] == r["expected"]
         np.testing.assert_allclose(r["lp_got"], r["lp_expected"], atol=1e-4)
-        assert r["switches"] == (1, 2)  # once per rollout
-        assert r["tp_after"] == 1  # back at the starting layout
+        assert r["switches"] == (1, 3)  # once per rollout, three rollouts
+        assert r["tp_after"] == (2, 1)  # owed after a rollout, paid by the weight sync
+        assert r["third"] == r["expected"]
         tps = r["timeline_tp"]
         assert tps[0] == (2 if at_call == 1 else 1) and tps[-1] == 2
         assert tps == sorted(tps)  # grows once, never back within the rollout

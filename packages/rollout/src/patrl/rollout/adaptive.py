@@ -219,12 +219,11 @@ class TPController:
         return results
 
     def end(self, engine: Engine) -> None:
-        """Back to the starting layout, so the next rollout starts wide (the engine is empty:
-        only weights move)."""
-        if engine.layout.tp_size != self.policy.start_tp:
-            start = time.perf_counter()
-            engine.reconfigure(self.policy.start_tp, "recompute")
-            self.stats.reset_s += time.perf_counter() - start
+        """The next rollout starts wide again: the engine returns to the starting layout at the
+        next full weight sync (free: the new weights are cut for it) or, failing that, at the
+        start of the next rollout (a reconfigure that gathers the weights)."""
+        if engine.groups is not None:
+            engine.return_later(engine.groups.layout(self.policy.start_tp))
 
     def _note_finished(self, rollout: _Rollout, engine: Engine, out: RequestOutput) -> None:
         if engine.layout.tp_rank != 0:

@@ -30,8 +30,15 @@ from patrl.rollout.adaptive import (
 )
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
-from patrl.rollout.loader import load_model, load_weights, read_eos_token_ids, read_tokenizer
+from patrl.rollout.loader import (
+    load_model,
+    load_weights,
+    read_eos_token_ids,
+    read_tokenizer,
+    weight_keys,
+)
 from patrl.rollout.migrate import cut_and_migrate
+from patrl.rollout.models import build_model
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
 from patrl.rollout.reconfigure import KVPolicy, ReconfigReport, check_target, reconfigure
 from patrl.rollout.sampler import (
@@ -112,6 +119,7 @@ class Engine:
             )
         self.layout = layout or single_process_layout()
         self.reconfiguring = False
+        self._return_to: ParallelLayout | None = None  # see return_later
         self.device = config.torch_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = load_model(
@@ -505,6 +513,7 @@ class Engine:
                 "adaptive generate() needs an idle engine: requests added with add_request() "
                 "are still unfinished"
             )
+        controller.stats.reset_s += self.settle_layout()
         controller.begin()
         ids = [
             self.add_request(p, sp, prompt_key=k)
@@ -550,6 +559,7 @@ class Engine:
         self.reset_timeline()
         controller = self.controller
         if controller is not None:
+            controller.stats.reset_s += self.settle_layout()
             controller.begin(quota)
         self.import_requests(resume)
         for p, sp, rid, key in zip(prompts, params, ids, keys, strict=True):
@@ -669,6 +679,7 @@ class Engine:
         """
         dst = self._target_layout(target)
         check_target(self, dst)
+        self._return_to = None  # an explicit move supersedes a deferred return
         self.reconfiguring = True
         try:
             return reconfigure(self, dst, kv_policy)
@@ -730,10 +741,57 @@ class Engine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full tensors under their HF names (cut for this layout); cached prefixes are
-        dropped because their KV came from the old weights."""
-        load_weights(self.model, named_tensors)
+        dropped because their KV came from the old weights.
+
+        After an adaptive rollout the engine owes a return to its starting layout; a load of
+        every weight pays it for free: the model is rebuilt at that layout from these tensors
+        (no gather, no collective). A partial load then raises and changes nothing."""
+        if self._return_to is not None and not self.has_unfinished():
+            self._load_at(self._return_to, named_tensors)
+        else:
+            load_weights(self.model, named_tensors)
         self.weight_version = version
         self.cache.blocks.reset_prefix_cache()
+
+    def return_later(self, layout: ParallelLayout) -> None:
+        """Go back to `layout` at the next full `load_weights`, or else at the next adaptive
+        rollout (by a reconfigure); until then the engine works on at its current layout."""
+        self._return_to = None if layout == self.layout else layout
+
+    def settle_layout(self) -> float:
+        """Pay a return owed by `return_later` now (every rank at once); seconds it took."""
+        if self._return_to is None:
+            return 0.0
+        start = time.perf_counter()
+        target, self._return_to = self._return_to, None
+        self.reconfigure(target, "recompute")
+        return time.perf_counter() - start
+
+    def _load_at(
+        self, layout: ParallelLayout, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        start = time.perf_counter()
+        current = self.model
+        model = build_model(
+            current.config,
+            layout,
+            attention=self.config.attention_backend,
+            dtype=next(current.parameters()).dtype,
+            device=self.device,
+        )
+        missing = weight_keys(model) - load_weights(model, named_tensors)
+        if missing:
+            raise ValueError(
+                f"load_weights brought {len(missing)} fewer weights than the model has (e.g. "
+                f"{sorted(missing)[:3]}); after an adaptive rollout it must bring all of them, "
+                f"as it rebuilds the model at tp={layout.tp_size}; the engine is unchanged"
+            )
+        del current
+        self.model = model
+        self.rebuild(layout, self.next_seq_id(), self.next_request_number())
+        self._return_to = None
+        if self.controller is not None:
+            self.controller.stats.reset_s += time.perf_counter() - start
 
     # ----------------------------------------------------------------- stats
 
