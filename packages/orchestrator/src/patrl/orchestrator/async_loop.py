@@ -305,7 +305,6 @@ class RolloutWorker:
                 if self.control.counter("tickets") >= self._limit():
                     return  # peek first: most polls must not take a ticket they cannot start
                 self.held = self.control.bump("tickets") - 1
-                self.control.put(f"owner/{self.held}", str(self.world.rank))
             if self.held >= self._limit():
                 return  # another rank took the last admissible ticket: keep it for later
             self._start(self.held)
@@ -560,7 +559,6 @@ class TrainerWorker:
         if self.control.bump(f"read/{self.step}") == readers:
             for t in self._tickets():
                 self.control.delete(f"sample/{t}")
-                self.control.delete(f"owner/{t}")
         return records
 
     def _staleness(self, records: list[GroupRecord]) -> dict[str, float]:
