@@ -156,3 +156,23 @@ def test_recompute_prefills_a_shared_prompt_once(llama_dir: Path) -> None:
     while engine.has_unfinished():
         done += engine.step()
     assert [c.token_ids for c in done[0].outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_samples_moved_before_their_prefill_still_share_it(llama_dir: Path) -> None:
+    """A request exported before its prompt was prefilled (a switch at the first planner check)
+    is one prefill and n forks again where it lands, with the tokens of a fresh request."""
+    prompt = list(range(10, 47))
+    params = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=8, ignore_eos=True)
+    expected = Engine(_config(str(llama_dir))).generate([prompt], params)[0]
+    source = Engine(_config(str(llama_dir)))
+    source.add_request(prompt, params, request_id="a")
+    states = source.export_requests(["a"])
+    assert len(states) == 3 and not any(s.output_token_ids for s in states)
+    engine = Engine(_config(str(llama_dir)))
+    engine.import_requests(states)
+    done: list[Any] = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert engine.counters.prefill_tokens == len(prompt)
+    assert engine.counters.prefill_steps == 1
+    assert [c.token_ids for c in done[0].outputs] == [c.token_ids for c in expected.outputs]

@@ -624,7 +624,10 @@ class Engine:
         )
 
     def import_requests(self, states: Iterable[SequenceState]) -> None:
-        """Continue exported samples here: with their KV when it fits, else by recompute."""
+        """Continue exported samples here: with their KV when it fits, else by recompute.
+        Samples that had not started (exported before their prompt's prefill) wait on one
+        leader again, so the prompt is prefilled once and forked, as for a fresh request."""
+        leaders: dict[str, Seq] = {}
         for st in states:
             request = self._requests.get(st.request_id)
             if request is None:
@@ -651,6 +654,12 @@ class Engine:
             if st.finish_reason is not None:
                 seq.finish(st.finish_reason)  # a finished sample of a request that goes on
                 continue
+            if not st.output_token_ids and st.kv is None:
+                leader = leaders.get(st.request_id)
+                if leader is not None:
+                    leader.fork_children.append(seq)
+                    continue
+                leaders[st.request_id] = seq
             if st.kv is not None and self._kv_matches(seq, st) and self.cache.can_import(st.kv):
                 self.cache.import_(seq.seq_id, st.kv)
                 if self.cache.blocks.num_uncomputed(seq.seq_id) == 0:
