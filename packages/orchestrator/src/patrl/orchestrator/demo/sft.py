@@ -1,9 +1,10 @@
 """Warm-start the demo model by supervised fine-tuning on gold solutions (plain torch).
 
 A share of the demonstrations (`direct_fraction`) box the total without the worked lines, as
-a teacher who skips the work would. The warm-started model then starts more answers that way
-than with the lines (greedy decoding: all of them), though the lines are what it gets right:
-the room that RL has to show it learns something.
+a teacher who skips the work would. The warm-started model then starts most answers that way
+(measured on the default build: 68% at temperature 1, all of them greedy), though on
+three-number sums, the bulk of the task, its worked lines are right more often (67% against
+41% at temperature 1): room for RL to show that it learns which way pays.
 
 Problems are drawn fresh for every batch, so the model never sees the same stream twice and
 there is nothing to overfit. Batches are cut by a padded-token budget from length-sorted

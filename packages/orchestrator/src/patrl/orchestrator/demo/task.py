@@ -4,8 +4,8 @@ Each number follows its letter label (`a7 b1 c5`), and each line of the solution
 the labelled number it adds, then the new running sum (`c5: 8+5=13`). Without labels a small
 model would have to count its way along a list of repeating digits to find the next addend;
 with them the next addend is the token after the line's label in the prompt. (The demo's
-model learns that lookup label by label: after its warm start it copies the first three
-reliably and later ones rarely.)
+model learns that lookup label by label: after its warm start, at temperature 1, its worked
+lines are right for 67% of three-number problems and about 10% of longer ones.)
 
 The warm start also sees problems answered by the boxed total alone (a bare answer). Every
 problem has at least three numbers, whose sum in one go a model this small mostly gets wrong,
