@@ -147,10 +147,6 @@ def torchrun(overrides: list[str], max_restarts: int, env: dict[str, str]) -> tu
         **env,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
-        # torch 2.13's c10d rendezvous keeps one store for every restart, so restarted workers
-        # can read the dead attempt's gloo addresses and fail to connect; a store per attempt
-        # (hosted by rank 0) avoids that. See main.restart_hazard.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     # Its own session, so that a hang is ended by killing the agent and its workers together.
     with subprocess.Popen(
@@ -226,19 +222,7 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [int(r["step"]) for r in rows if "critic/score/mean" in r]
 
 
-# preflight._resume_problems checks a resume checkpoint against the whole world size, but an
-# async checkpoint is written by the trainer ranks alone (world - async_rl.rollout_ranks), so
-# the restarted async job refuses its own checkpoint ("saved by 1 trainer rank(s) ... this run
-# has 2"). With that check given the trainer world size the async case passes (measured by
-# running the job with that one change patched in). Strict: it fails loudly once fixed.
-ASYNC_RESUME_BUG = pytest.mark.xfail(
-    strict=True, reason="preflight checks an async checkpoint against the whole world size"
-)
-
-
-@pytest.mark.parametrize(
-    "mode", [pytest.param(m, marks=ASYNC_RESUME_BUG) if m == "async" else m for m in MODES]
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: str) -> None:
     """A rank dies in step 3 (sync: writing step 3's checkpoint, after its shards are staged
     and before the commit, so the staged checkpoint is debris; async: the rollout rank, while
@@ -287,8 +271,13 @@ def test_killed_rank_without_restarts_fails_naming_it(assets: Path, tmp_path: Pa
 
 
 def test_restart_hazard_is_named_only_for_restarts_on_a_shared_store() -> None:
-    shared = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    shared = {
+        "TORCHELASTIC_MAX_RESTARTS": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "GROUP_WORLD_SIZE": "2",  # several nodes: attempt numbers can differ between them
+    }
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (restart_hazard(shared) or "")
+    assert restart_hazard({**shared, "GROUP_WORLD_SIZE": "1"}) is None  # init_world handles it
     assert restart_hazard({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
     assert restart_hazard({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
     assert restart_hazard({}) is None  # not under torchrun

@@ -41,8 +41,31 @@ def init_world(timeout_s: float = 600.0) -> World:
     if cuda:
         torch.cuda.set_device(device)
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            timeout=timeout,
+            store=_attempt_store(timeout),
+            rank=rank,
+            world_size=size,
+        )
     return World(rank, size, local_rank, device)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun on one node, the agent's store with this restart attempt's own key
+    prefix: torch 2.13 keeps the store across `--max-restarts` restarts, and workers of a new
+    attempt otherwise read the dead attempt's keys (a failed or hung rendezvous). Across nodes
+    the attempt count differs per node, so there torchrun's own setting is left alone
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 avoids the shared store)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not shared or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"patrl/attempt_{attempt}/", base)
 
 
 def close_world(world: World) -> None:

@@ -92,11 +92,14 @@ def restart_hazard(env: Mapping[str, str]) -> str | None:
     refused", or a hang in init_process_group, when the new rank 0 is slow to start; NCCL's
     unique id likewise, pytorch#135712), and the async loop reads the dead attempt's control
     keys (seen: a restarted 2-rank async job hung silently after resuming). A store per
-    attempt avoids both.
+    attempt avoids both: on one node `init_world` prefixes the store's keys with the attempt
+    number; across nodes the attempt numbers can differ, so there this warning stands.
     """
     restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    if env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return None  # one node: init_world keeps each attempt's keys apart
     return (
         f"torchrun --max-restarts {restarts} with the rendezvous store shared across restarts "
         "(torch's default): restarted workers can read the dead attempt's addresses from it and "

@@ -173,7 +173,10 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)
     if model is not None:
-        problems += _resume_problems(config, model, world_size)
+        trainers = world_size  # an async checkpoint holds the trainer ranks' shards only
+        if config.trainer.mode == "async":
+            trainers = world_size - config.async_rl.rollout_ranks
+        problems += _resume_problems(config, model, trainers)
     if problems:
         raise PreflightError(problems)
 
