@@ -252,6 +252,20 @@ def test_control_plane_reports_failures_and_stale_peers() -> None:
     assert c.wait_until(lambda: True, "x", []) == pytest.approx(0.0, abs=0.05)
 
 
+def test_waiting_on_peers_that_beat_but_never_work_fails() -> None:
+    """Alive is not enough: if no peer works while one waits, the wait fails by name."""
+    store = dist.HashStore()
+    waiter = ControlPlane(store, 0, timeout_s=0.2)
+    peers = [ControlPlane(store, r, timeout_s=0.2) for r in (1, 2)]
+    waiter.check_progress([1, 2], "step 3")  # first sight
+    time.sleep(0.3)
+    peers[1].progress()  # one of them works: fine
+    waiter.check_progress([1, 2], "step 3")
+    time.sleep(0.3)
+    with pytest.raises(PeerFailed, match=r"ranks \[1, 2\] are alive but did no work .* step 3"):
+        waiter.check_progress([1, 2], "step 3")
+
+
 def test_weight_store_round_trip_and_pruning(tmp_path: Path) -> None:
     store = WeightStore(tmp_path)
     w = {"a": torch.randn(3, 4), "b": torch.arange(5.0), "c": torch.randn(2).t()}

@@ -232,6 +232,7 @@ class RolloutWorker:
                 self._pull_newest()
                 self._admit()
                 if self.engine.has_unfinished():
+                    self.control.progress()
                     for out in self.engine.step():
                         if out.request_id in self.validating:
                             self._validated(out)
@@ -282,6 +283,7 @@ class RolloutWorker:
             flight = self.in_flight[seq.request_id]
             flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
         self.engine.load_weights(self.job.weights.load(latest), version=latest)
+        self.control.progress()
         self._report_loaded()
         if latest > self.joined_at and validates(self.config, latest):
             self._start_validation()
@@ -552,6 +554,7 @@ class TrainerWorker:
                 lambda: self.control.has(keys),
                 f"the samples of step {self.step}",
                 self.job.rollout_ranks,
+                need_progress=True,
             )
         records = [pickle.loads(self.control.get(k)) for k in keys]
         # The last trainer rank to read a step's samples deletes them from the store.

@@ -7,7 +7,11 @@ store (the TCPStore the process group was made with): counters by `add`, values 
 `set`/`get`, presence by `check`. Every wait has a deadline and names the rank it waited on.
 
 Liveness is a heartbeat *counter* per rank, not a timestamp: an observer notes on its own clock
-when a peer's counter last moved, so clocks of different machines never need to agree.
+when a peer's counter last moved, so clocks of different machines never need to agree. Being
+alive is not enough: a peer that beats but never produces what is waited for (its state says
+there is nothing to do: a bug, or keys left by an earlier attempt in a shared store) would
+hang the job as surely as a dead one, so a waiter can also require *progress*, a second
+counter that peers bump only when they did work.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class ControlPlane:
         self.timeout_s = timeout_s
         self.prefix = prefix
         self._last_beat = -float("inf")
-        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last moved)
+        # (counter name, peer) -> (value, when it last moved, on this rank's clock)
+        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
+        self._last_progress = -float("inf")
 
     @classmethod
     def of_default_group(cls, rank: int, timeout_s: float) -> ControlPlane:
@@ -77,6 +83,13 @@ class ControlPlane:
             self.bump(f"beat/{self.rank}")
             self._last_beat = now
 
+    def progress(self) -> None:
+        """Tell the others this rank did work (rate-limited like `beat`)."""
+        now = time.monotonic()
+        if now - self._last_progress >= _BEAT_EVERY_S:
+            self.bump(f"progress/{self.rank}")
+            self._last_progress = now
+
     def finish(self) -> None:
         self.put(_STATUS, "done")
 
@@ -97,26 +110,48 @@ class ControlPlane:
 
     def check_alive(self, peers: Iterable[int]) -> None:
         """Raise PeerFailed naming every peer whose heartbeat has not moved for timeout_s."""
-        now = time.monotonic()
-        stale = []
-        for peer in peers:
-            value = self.counter(f"beat/{peer}")
-            last = self._seen.get(peer)
-            if last is None or last[0] != value:
-                self._seen[peer] = (value, now)
-            elif now - last[1] > self.timeout_s:
-                stale.append(peer)
+        stale = self._stale("beat", peers)
         if stale:
             raise PeerFailed(
                 f"rank {self.rank}: ranks {stale} sent no heartbeat for {self.timeout_s:.0f} s "
                 "(dead or stalled)"
             )
 
+    def check_progress(self, peers: Iterable[int], what: str) -> None:
+        """Raise PeerFailed if none of `peers` reported progress for timeout_s."""
+        peers = list(peers)
+        stale = self._stale("progress", peers)
+        if peers and stale == peers:
+            raise PeerFailed(
+                f"rank {self.rank}: ranks {peers} are alive but did no work for "
+                f"{self.timeout_s:.0f} s while this rank waits for {what}: their control state "
+                "says there is nothing to do (a bug, or keys of an earlier attempt in the store)"
+            )
+
+    def _stale(self, name: str, peers: Iterable[int]) -> list[int]:
+        """Peers whose counter `name` has not moved for timeout_s (clock starts at first look)."""
+        now = time.monotonic()
+        stale = []
+        for peer in peers:
+            value = self.counter(f"{name}/{peer}")
+            last = self._seen.get((name, peer))
+            if last is None or last[0] != value:
+                self._seen[(name, peer)] = (value, now)
+            elif now - last[1] > self.timeout_s:
+                stale.append(peer)
+        return stale
+
     def wait_until(
-        self, ready: Callable[[], bool], what: str, peers: Iterable[int], poll_s: float = 0.005
+        self,
+        ready: Callable[[], bool],
+        what: str,
+        peers: Iterable[int],
+        poll_s: float = 0.005,
+        need_progress: bool = False,
     ) -> float:
         """Poll `ready` until true; seconds waited. Fails if the run failed, or if `peers`
-        (the ranks that would make it true) stop beating. This rank keeps beating meanwhile."""
+        (the ranks that would make it true) stop beating, or, with `need_progress`, all stop
+        working. This rank keeps beating meanwhile."""
         peers = list(peers)
         start = time.monotonic()
         while not ready():
@@ -124,5 +159,7 @@ class ControlPlane:
             if self.done():
                 raise PeerFailed(f"rank {self.rank}: the run ended while waiting for {what}")
             self.check_alive(peers)
+            if need_progress:
+                self.check_progress(peers, what)
             time.sleep(poll_s)
         return time.monotonic() - start
