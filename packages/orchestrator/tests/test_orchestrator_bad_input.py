@@ -262,6 +262,11 @@ def adaptive_profile_missing(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra), world_size=2)
 
 
+def async_without_trainer(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"trainer.mode": "async", "async_rl.rollout_ranks": 2}
+    return Setup(_good(a, run, **extra), world_size=2)
+
+
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
     extra = {**STATIC, "data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
     return Setup(_good(a, run, **extra), world_size=3)
@@ -357,6 +362,7 @@ CASES: list[tuple[Builder, list[str]]] = [
         ],
     ),
     (adaptive_profile_missing, ["rollout.adaptive_tp.profile=", "nowhere.json: no such file"]),
+    (async_without_trainer, ["async_rl.rollout_ranks=2 leaves no trainer rank", "use 1..1"]),
     (
         several_at_once,
         [

@@ -61,12 +61,16 @@ from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.sync_loop import (
     RunResult,
     Sample,
-    SyncGRPO,
     _batch_metrics,
     _load_tokenizer,
     _merge_reward_metrics,
     _probs_diff,
     _timed,
+    engine_config,
+    ppo_update,
+    prompt_dataset,
+    seed_everything,
+    trainer_config,
 )
 from patrl.orchestrator.weight_store import WeightStore
 from patrl.rollout import Engine, RequestOutput, SamplingParams
@@ -132,11 +136,11 @@ class AsyncGRPO:
         self.num_rollout = config.async_rl.rollout_ranks
         self.rollout_ranks = list(range(self.num_rollout))
         self.trainer_ranks = list(range(self.num_rollout, world.size))
-        SyncGRPO._seed_everything(self, config.trainer.seed)  # type: ignore[arg-type]
+        seed_everything(config.trainer.seed)
         self.tokenizer = _load_tokenizer(model_dir)
-        self.train_set = SyncGRPO._dataset(self, train_files)  # type: ignore[arg-type]
+        self.train_set = prompt_dataset(config, self.tokenizer, train_files)
         self.val_set = (
-            SyncGRPO._dataset(self, val_files)  # type: ignore[arg-type]
+            prompt_dataset(config, self.tokenizer, val_files)
             if val_files and config.trainer.test_freq
             else None
         )
@@ -206,7 +210,7 @@ class RolloutWorker:
         self.model_dir = job.model_dir
         self.control = job.control
         self.batch_size = job.config.data.train_batch_size
-        self.engine = Engine(SyncGRPO._engine_config(self))  # type: ignore[arg-type]
+        self.engine = Engine(engine_config(self.config, self.model_dir, self.world))
         self.rewards = RewardManager(
             [(f.name, f.weight) for f in self.config.reward.functions],
             num_workers=self.config.reward.num_workers,
@@ -418,9 +422,9 @@ class TrainerWorker:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(group, job.world.device.type)
-        trainer_config = SyncGRPO._trainer_config(self)  # type: ignore[arg-type]
-        trainer_config.behav_imp_weight_cap = self.config.async_rl.behaviour_weight_cap
-        self.trainer = Trainer(trainer_config, job.model_dir, mesh=mesh, device=job.world.device)
+        config = trainer_config(self.config)
+        config.behav_imp_weight_cap = self.config.async_rl.behaviour_weight_cap
+        self.trainer = Trainer(config, job.model_dir, mesh=mesh, device=job.world.device)
         self.step = 0
         # (step, ticket, oldest, newest token version) of every trained sample.
         self.trained_versions: list[tuple[int, int, int, int]] = []
@@ -520,7 +524,7 @@ class TrainerWorker:
             proximal = self.trainer.compute_logprobs(batch)
         batch.old_logprobs = proximal
         with _timed(timings, "update_actor"):
-            actor_metrics = SyncGRPO._update(self, batch, samples)  # type: ignore[arg-type]
+            actor_metrics = ppo_update(self.config, self.trainer, batch, samples, self.step)
         self.control.beat()
         last = self.step == cfg.trainer.total_training_steps
         # After the last step nobody generates; only a validation would read the weights.

@@ -69,7 +69,9 @@ class AdaptiveTPConfig(_Section):
         default_factory=lambda: [1, 2],
         description="TP sizes to choose from; those that divide the world size are used",
     )
-    check_every: int = Field(16, gt=0, description="decode steps between planner checks")
+    check_every: int = Field(
+        64, gt=0, description="decode steps between planner checks (each is a world sync point)"
+    )
     margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
     kv_policy: Literal["auto", "migrate", "recompute"] = "auto"
     profile: str | None = Field(
@@ -171,6 +173,9 @@ class AsyncConfig(_Section):
     )
     behaviour_weight_cap: float | None = Field(
         5.0, gt=1, description="decoupled PPO: drop tokens whose behaviour weight exceeds it"
+    )
+    peer_timeout_s: float = Field(
+        600.0, gt=0, description="a rank silent (no heartbeat) this long fails the job, named"
     )
 
 

@@ -113,7 +113,8 @@ def run(config: JobConfig, world: World) -> Any:
     if config.trainer.mode == "async":
         from patrl.orchestrator.async_loop import AsyncGRPO
 
-        return AsyncGRPO(config, world, model_dir, train_files, val_files).run()
+        timeout = config.async_rl.peer_timeout_s
+        return AsyncGRPO(config, world, model_dir, train_files, val_files, timeout).run()
     from patrl.orchestrator.sync_loop import SyncGRPO
 
     loop = SyncGRPO(config, world, model_dir, train_files, val_files)

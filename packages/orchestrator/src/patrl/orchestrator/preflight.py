@@ -160,6 +160,11 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     if tokenizer is not None:
         problems += _data_problems(config, tokenizer, train_files, val_files)
     local = local_world_size or world_size
+    if config.trainer.mode == "async" and config.async_rl.rollout_ranks >= world_size:
+        problems.append(
+            f"async_rl.rollout_ranks={config.async_rl.rollout_ranks} leaves no trainer rank in a "
+            f"world of {world_size}: use 1..{world_size - 1} (or trainer.mode=sync)"
+        )
     adaptive = config.rollout.adaptive_tp
     usable = [t for t in adaptive.candidates if world_size % t == 0]
     if adaptive.enable and len(usable) >= 2:  # else the job runs static TP

@@ -82,10 +82,10 @@ class SyncGRPO:
         self.world = world
         self.run_dir = config.run_dir
         self.model_dir = model_dir
-        self._seed_everything(config.trainer.seed)
+        seed_everything(config.trainer.seed)
         self.tokenizer = _load_tokenizer(model_dir)
-        self.train_set = self._dataset(train_files)
-        self.val_set = self._dataset(val_files) if val_files else None
+        self.train_set = prompt_dataset(config, self.tokenizer, train_files)
+        self.val_set = prompt_dataset(config, self.tokenizer, val_files) if val_files else None
         if world.is_first:
             for name, ds in (("train", self.train_set), ("validation", self.val_set)):
                 if ds is not None:
@@ -103,11 +103,11 @@ class SyncGRPO:
         # engine all-gathers them as samples finish; else every step's samples are gathered),
         # so all ranks hold the same predictor and derive the same prompt assignment.
         self.predictor = LengthPredictor()
-        engine_config = self._engine_config()
-        adaptive = isinstance(engine_config.tp_policy, AdaptiveTP)
+        engine = engine_config(config, model_dir, world)
+        adaptive = isinstance(engine.tp_policy, AdaptiveTP)
         tp_sizes = (
-            list(engine_config.tp_policy.candidates)
-            if isinstance(engine_config.tp_policy, AdaptiveTP)
+            list(engine.tp_policy.candidates)
+            if isinstance(engine.tp_policy, AdaptiveTP)
             else [config.rollout.tensor_model_parallel_size]
         )
         self.groups = (
@@ -116,7 +116,7 @@ class SyncGRPO:
             else None
         )
         self.engine = Engine(
-            engine_config,
+            engine,
             None if adaptive or self.groups is None else self.groups.layout(tp_sizes[0]),
             self.groups,
             lengths=self.predictor if adaptive else None,
@@ -125,7 +125,7 @@ class SyncGRPO:
         self._online_lengths = self.engine.controller is not None
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
-            self._trainer_config(), model_dir, mesh=self._mesh(), device=world.device
+            trainer_config(config), model_dir, mesh=self._mesh(), device=world.device
         )
         self.rewards = (
             RewardManager(
@@ -153,68 +153,6 @@ class SyncGRPO:
     @property
     def _dp(self) -> tuple[int, int]:
         return (0, 1) if self.layout is None else (self.layout.dp_rank, self.layout.dp_size)
-
-    def _seed_everything(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-
-    def _dataset(self, files: Any) -> Any:
-        d = self.config.data
-        return load_prompt_dataset(
-            files,
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            tokenizer=self.tokenizer,
-            max_prompt_length=d.max_prompt_length,
-            filter_overlong_prompts=d.filter_overlong_prompts,
-            apply_chat_template=d.apply_chat_template,
-            system_prompt=d.system_prompt,
-        )
-
-    def _engine_config(self) -> EngineConfig:
-        r, d = self.config.rollout, self.config.data
-        base = EngineConfig(
-            model=self.model_dir,
-            dtype=r.dtype,
-            device=str(self.world.device),
-            attention_backend=r.attention_backend,
-            block_size=r.block_size,
-            num_kv_blocks=r.num_kv_blocks,
-            kv_cache_memory_bytes=r.kv_cache_memory_bytes,
-            max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.max_num_batched_tokens,
-            max_model_len=d.max_prompt_length + d.max_response_length,
-            enable_prefix_caching=r.enable_prefix_caching,
-        )
-        a = r.adaptive_tp
-        candidates = usable_candidates(a.candidates, self.world.size)
-        if not a.enable or len(candidates) < 2:
-            if a.enable and self.world.is_first and self.world.distributed:
-                print(
-                    f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
-                    f"dividing the world size {self.world.size}; running static TP"
-                )
-            return base
-        profile = a.profile
-        if profile is None:
-            per_replica = -(-d.train_batch_size // self.world.size) * r.n
-            grid = job_grid(candidates, per_replica, d.max_prompt_length + d.max_response_length)
-            profile = str(ensure_profile(self.model_dir, base, self.world, grid, cache_root()))
-        policy = AdaptiveTP(
-            candidates=candidates,
-            check_every=a.check_every,
-            margin=a.margin,
-            kv_policy=a.kv_policy,
-            profile=profile,
-        )
-        return base.model_copy(update={"tp_policy": policy})
-
-    def _trainer_config(self) -> TrainerConfig:
-        fields = TrainerConfig.model_fields
-        values = {k: v for k, v in self.config.actor.model_dump().items() if k in fields}
-        values["seed"] = self.config.trainer.seed
-        return TrainerConfig(**values)
 
     def _mesh(self) -> Any:
         if not self.world.distributed:
@@ -291,7 +229,7 @@ class SyncGRPO:
             old = self.trainer.compute_logprobs(batch)
         batch.old_logprobs = old
         with _timed(timings, "update_actor"):
-            actor_metrics = self._update(batch, samples)
+            actor_metrics = ppo_update(self.config, self.trainer, batch, samples, self.step)
         with _timed(timings, "update_weights"):
             self.sync_weights()
         timings["step"] = time.perf_counter() - start
@@ -526,27 +464,6 @@ class SyncGRPO:
         ]
         return samples, result.metrics()
 
-    def _update(self, batch: PolicyBatch, samples: list[Sample]) -> dict[str, float]:
-        """`ppo_epochs` passes over mini-batches of whole prompt groups."""
-        actor = self.config.actor
-        prompts = sorted({s.prompt_index for s in samples})
-        per_mini = max(
-            1, len(prompts) * actor.ppo_mini_batch_size // max(1, self.config.data.train_batch_size)
-        )
-        rng = np.random.default_rng(self.config.trainer.seed * 7919 + self.step)
-        sums: dict[str, list[float]] = {}
-        for _ in range(actor.ppo_epochs):
-            order = (
-                rng.permutation(len(prompts)) if actor.ppo_epochs > 1 else np.arange(len(prompts))
-            )
-            for start in range(0, len(prompts), per_mini):
-                chosen = {prompts[i] for i in order[start : start + per_mini]}
-                rows = [i for i, s in enumerate(samples) if s.prompt_index in chosen]
-                metrics = self.trainer.train_step(_subset(batch, rows))
-                for k, v in metrics.items():
-                    sums.setdefault(k, []).append(v)
-        return {k: float(np.mean(v)) for k, v in sums.items()}
-
     def sync_weights(self) -> None:
         """Stream the trainer's full weights into the engine, one bucket at a time."""
         bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
@@ -757,3 +674,96 @@ def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+# --- the loop's building blocks (the async loop uses them too) ---------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prompt_dataset(config: JobConfig, tokenizer: Any, files: Any) -> Any:
+    d = config.data
+    return load_prompt_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+    )
+
+
+def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
+    """The rollout engine of this job; under adaptive TP with its latency profile (measured
+    now, every rank taking part, unless cached or given)."""
+    r, d = config.rollout, config.data
+    base = EngineConfig(
+        model=model_dir,
+        dtype=r.dtype,
+        device=str(world.device),
+        attention_backend=r.attention_backend,
+        block_size=r.block_size,
+        num_kv_blocks=r.num_kv_blocks,
+        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_model_len=d.max_prompt_length + d.max_response_length,
+        enable_prefix_caching=r.enable_prefix_caching,
+    )
+    a = r.adaptive_tp
+    candidates = usable_candidates(a.candidates, world.size)
+    if not a.enable or len(candidates) < 2:
+        if a.enable and world.is_first and world.distributed:
+            print(
+                f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
+                f"dividing the world size {world.size}; running static TP"
+            )
+        return base
+    profile = a.profile
+    if profile is None:
+        per_replica = -(-d.train_batch_size // world.size) * r.n
+        grid = job_grid(candidates, per_replica, d.max_prompt_length + d.max_response_length)
+        profile = str(ensure_profile(model_dir, base, world, grid, cache_root()))
+    policy = AdaptiveTP(
+        candidates=candidates,
+        check_every=a.check_every,
+        margin=a.margin,
+        kv_policy=a.kv_policy,
+        profile=profile,
+    )
+    return base.model_copy(update={"tp_policy": policy})
+
+
+def trainer_config(config: JobConfig) -> TrainerConfig:
+    fields = TrainerConfig.model_fields
+    values = {k: v for k, v in config.actor.model_dump().items() if k in fields}
+    values["seed"] = config.trainer.seed
+    return TrainerConfig(**values)
+
+
+def ppo_update(
+    config: JobConfig, trainer: Trainer, batch: PolicyBatch, samples: list[Sample], step: int
+) -> dict[str, float]:
+    """`ppo_epochs` passes over mini-batches of whole prompt groups."""
+    actor = config.actor
+    prompts = sorted({s.prompt_index for s in samples})
+    per_mini = max(
+        1, len(prompts) * actor.ppo_mini_batch_size // max(1, config.data.train_batch_size)
+    )
+    rng = np.random.default_rng(config.trainer.seed * 7919 + step)
+    sums: dict[str, list[float]] = {}
+    for _ in range(actor.ppo_epochs):
+        order = rng.permutation(len(prompts)) if actor.ppo_epochs > 1 else np.arange(len(prompts))
+        for start in range(0, len(prompts), per_mini):
+            chosen = {prompts[i] for i in order[start : start + per_mini]}
+            rows = [i for i, s in enumerate(samples) if s.prompt_index in chosen]
+            metrics = trainer.train_step(_subset(batch, rows))
+            for k, v in metrics.items():
+                sums.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in sums.items()}

@@ -22,14 +22,17 @@ class AdaptiveTP(BaseModel):
 
     Every `check_every` decode steps the replicas share a summary of their unfinished samples
     (one all-gather), rank 0 runs the planner, the decision is broadcast and all ranks apply it
-    together. A rollout always ends back at the starting layout.
+    together. Each rollout starts at the smallest candidate again (the way back is paid by the
+    next full weight sync, else by a reconfigure when the next rollout starts).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["adaptive"] = "adaptive"
     candidates: tuple[int, ...] = Field((1, 2), description="TP sizes the rollout may use")
-    check_every: int = Field(16, gt=0, description="decode steps between planner checks")
+    check_every: int = Field(
+        64, gt=0, description="decode steps between planner checks (each is a world sync point)"
+    )
     margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
     kv_policy: Literal["auto", "migrate", "recompute"] = Field(
         "auto", description="auto: the planner's cheaper choice per sequence"
