@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator import checkpointing
-from patrl.orchestrator.advantages import compute_advantages
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptItem, PromptLoader
@@ -67,6 +66,7 @@ from patrl.orchestrator.sync_loop import (
     _probs_diff,
     _timed,
     engine_config,
+    policy_batch,
     ppo_update,
     prompt_dataset,
     seed_everything,
@@ -74,7 +74,7 @@ from patrl.orchestrator.sync_loop import (
 )
 from patrl.orchestrator.weight_store import WeightStore
 from patrl.rollout import Engine, RequestOutput, SamplingParams
-from patrl.trainer import PolicyBatch, Trainer
+from patrl.trainer import Trainer
 
 # Seconds an idle rollout rank sleeps between polls, and a waiting trainer.
 _IDLE_POLL_S = 0.005
@@ -506,20 +506,7 @@ class TrainerWorker:
         self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
-        groups = np.array([s.prompt_index for s in samples])
-        rewards = np.array([s.reward for s in samples], dtype=np.float64)
-        advantages = compute_advantages(
-            cfg.algorithm.adv_estimator,
-            rewards,
-            groups,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-        )
-        batch = PolicyBatch.from_responses(
-            [s.prompt_token_ids for s in samples],
-            [s.token_ids for s in samples],
-            [float(a) for a in advantages],
-            behaviour_logprobs=[s.logprobs for s in samples],
-        )
+        batch, rewards, advantages = policy_batch(cfg, samples, behaviour=True)
         with _timed(timings, "old_log_prob"):
             proximal = self.trainer.compute_logprobs(batch)
         batch.old_logprobs = proximal

@@ -212,19 +212,7 @@ class SyncGRPO:
         timings: dict[str, float] = {}
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
-        groups = np.array([s.prompt_index for s in samples])
-        rewards = np.array([s.reward for s in samples], dtype=np.float64)
-        advantages = compute_advantages(
-            cfg.algorithm.adv_estimator,
-            rewards,
-            groups,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-        )
-        batch = PolicyBatch.from_responses(
-            [s.prompt_token_ids for s in samples],
-            [s.token_ids for s in samples],
-            [float(a) for a in advantages],
-        )
+        batch, rewards, advantages = policy_batch(cfg, samples)
         with _timed(timings, "old_log_prob"):
             old = self.trainer.compute_logprobs(batch)
         batch.old_logprobs = old
@@ -745,6 +733,28 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
     values = {k: v for k, v in config.actor.model_dump().items() if k in fields}
     values["seed"] = config.trainer.seed
     return TrainerConfig(**values)
+
+
+def policy_batch(
+    config: JobConfig, samples: list[Sample], behaviour: bool = False
+) -> tuple[PolicyBatch, np.ndarray, np.ndarray]:
+    """Group-relative advantages of scored samples, and the trainer's batch (with the
+    samples' own logprobs as behaviour logprobs, for decoupled PPO, when `behaviour`)."""
+    groups = np.array([s.prompt_index for s in samples])
+    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    advantages = compute_advantages(
+        config.algorithm.adv_estimator,
+        rewards,
+        groups,
+        norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+    )
+    batch = PolicyBatch.from_responses(
+        [s.prompt_token_ids for s in samples],
+        [s.token_ids for s in samples],
+        [float(a) for a in advantages],
+        behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
+    )
+    return batch, rewards, advantages
 
 
 def ppo_update(
