@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from procdeath_faults import fault_env
+from test_e2e_grpo import build_assets
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
@@ -69,33 +69,7 @@ SURVIVOR_BOUND_S = 60.0
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
-
-    root = tmp_path_factory.mktemp("procdeath")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with (root / "train.jsonl").open("w") as f:
-        for _ in range(32):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
-    return root
+    return build_assets(tmp_path_factory.mktemp("procdeath"))
 
 
 def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:

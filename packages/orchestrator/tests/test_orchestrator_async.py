@@ -3,8 +3,6 @@ staleness bound over a whole run, the control plane's failure reports, the weigh
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multirank import run_ranks
+from test_e2e_grpo import build_assets
 
 from patrl.orchestrator.async_loop import AsyncGRPO, TrainerWorker, token_versions
 from patrl.orchestrator.config import load_config
@@ -29,34 +28,8 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
-
-    root = tmp_path_factory.mktemp("async")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(0)
-    for split, count in (("train", 32), ("val", 4)):
-        with (root / f"{split}.jsonl").open("w") as f:
-            for _ in range(count):
-                a, b = rng.randint(0, 9), rng.randint(0, 9)
-                f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
-    return root
+    """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
+    return build_assets(tmp_path_factory.mktemp("async"))
 
 
 def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
