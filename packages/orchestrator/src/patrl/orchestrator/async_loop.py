@@ -53,7 +53,7 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.control import ControlPlane
-from patrl.orchestrator.data import PromptItem, PromptLoader
+from patrl.orchestrator.data import PromptItem, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
 from patrl.orchestrator.rewards import RewardManager
@@ -68,7 +68,6 @@ from patrl.orchestrator.sync_loop import (
     engine_config,
     policy_batch,
     ppo_update,
-    prompt_dataset,
     seed_everything,
     trainer_config,
 )
@@ -138,9 +137,9 @@ class AsyncGRPO:
         self.trainer_ranks = list(range(self.num_rollout, world.size))
         seed_everything(config.trainer.seed)
         self.tokenizer = _load_tokenizer(model_dir)
-        self.train_set = prompt_dataset(config, self.tokenizer, train_files)
+        self.train_set = dataset_for(config, self.tokenizer, train_files)
         self.val_set = (
-            prompt_dataset(config, self.tokenizer, val_files)
+            dataset_for(config, self.tokenizer, val_files)
             if val_files and config.trainer.test_freq
             else None
         )

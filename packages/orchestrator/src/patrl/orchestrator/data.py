@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from patrl.orchestrator.config import JobConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -282,3 +285,18 @@ class PromptLoader:
                     "the saved position belongs to a different order"
                 )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def dataset_for(config: JobConfig, tokenizer: Any, files: Any) -> PromptDataset:
+    """`files` read as the job's `data.*` settings say."""
+    d = config.data
+    return load_prompt_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+    )

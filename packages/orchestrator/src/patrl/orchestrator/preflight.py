@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, JobConfig, load_config
-from patrl.orchestrator.data import PromptDataset, load_prompt_dataset
+from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
 from patrl.rollout.model_config import ModelConfig
 
@@ -287,18 +287,8 @@ def _batch_problems(config: JobConfig, train: PromptDataset) -> list[str]:
 
 
 def _dataset(config: JobConfig, files: Any, tokenizer: Any) -> PromptDataset:
-    d = config.data
     with _quiet_datasets():
-        return load_prompt_dataset(
-            files,
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            tokenizer=tokenizer,
-            max_prompt_length=d.max_prompt_length,
-            filter_overlong_prompts=d.filter_overlong_prompts,
-            apply_chat_template=d.apply_chat_template,
-            system_prompt=d.system_prompt,
-        )
+        return dataset_for(config, tokenizer, files)
 
 
 @contextlib.contextmanager

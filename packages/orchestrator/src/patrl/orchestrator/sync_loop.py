@@ -33,7 +33,7 @@ from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.advantages import compute_advantages, filter_zero_variance_groups, refill
 from patrl.orchestrator.config import JobConfig
-from patrl.orchestrator.data import PromptItem, PromptLoader, load_prompt_dataset
+from patrl.orchestrator.data import PromptItem, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World, all_gather_objects, barrier, broadcast_object
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
 from patrl.orchestrator.profiling import cache_root, ensure_profile, job_grid
@@ -84,8 +84,8 @@ class SyncGRPO:
         self.model_dir = model_dir
         seed_everything(config.trainer.seed)
         self.tokenizer = _load_tokenizer(model_dir)
-        self.train_set = prompt_dataset(config, self.tokenizer, train_files)
-        self.val_set = prompt_dataset(config, self.tokenizer, val_files) if val_files else None
+        self.train_set = dataset_for(config, self.tokenizer, train_files)
+        self.val_set = dataset_for(config, self.tokenizer, val_files) if val_files else None
         if world.is_first:
             for name, ds in (("train", self.train_set), ("validation", self.val_set)):
                 if ds is not None:
@@ -671,20 +671,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prompt_dataset(config: JobConfig, tokenizer: Any, files: Any) -> Any:
-    d = config.data
-    return load_prompt_dataset(
-        files,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        tokenizer=tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        filter_overlong_prompts=d.filter_overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-    )
 
 
 def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
