@@ -608,6 +608,18 @@ class Engine:
                     exported.add(s.seq_id)
         return states
 
+    def snapshot_requests(self, request_ids: Iterable[str]) -> list[SequenceState]:
+        """The samples of these requests as they stand, finished ones included, without KV,
+        leaving the engine as it was: a report from which another replica can continue them
+        by recompute (import_requests) if this one is lost."""
+        states: list[SequenceState] = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                raise KeyError(f"no request {request_id!r} in this engine")
+            states += [self._state(request.seqs[i], None) for i in sorted(request.seqs)]
+        return states
+
     def _state(self, seq: Seq, kv: Any) -> SequenceState:
         return SequenceState(
             request_id=seq.request_id,
