@@ -102,6 +102,27 @@ def test_tied_embeddings_share_one_tensor(tmp_path: Path) -> None:
     assert "lm_head.weight" not in weight_keys(model)
 
 
+def test_cpu_matmul_weights_are_input_major_and_equal_the_checkpoint(tmp_path: Path) -> None:
+    """Linear and (untied) head weights are transposed views of contiguous [in, out] storage
+    on CPU (faster small-batch matmuls); the embedding table stays row-major for lookups.
+    Values are the checkpoint's, whatever the storage order (the parity tests check logits)."""
+    hf = tiny_hf_model("llama")
+    path = save_hf_model(hf, tmp_path / "llama")
+    model = load_model(path, attention="sdpa", dtype=torch.float32)
+    params = dict(model.named_parameters())
+    matmul = [n for n in params if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert len(matmul) == 4 * hf.config.num_hidden_layers + 1
+    for name in matmul:
+        p = params[name]
+        assert not p.is_contiguous() and p.t().is_contiguous(), name
+    assert params["model.embed_tokens.weight"].is_contiguous()
+    ref = hf.state_dict()
+    assert torch.equal(params["lm_head.weight"], ref["lm_head.weight"])
+    assert torch.equal(
+        params["model.layers.0.mlp.down_proj.weight"], ref["model.layers.0.mlp.down_proj.weight"]
+    )
+
+
 def test_unknown_checkpoint_name_is_an_error() -> None:
     hf = tiny_hf_model("llama")
     model = build_model(hf.config, attention="sdpa")

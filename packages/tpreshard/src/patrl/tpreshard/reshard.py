@@ -98,9 +98,10 @@ def _recut(
     new_shape = list(old.shape)
     new_shape[dim] = dst_map.numel()
     # Padding rows (vocabulary past its end) are zeros, as in a fresh load.
-    make = torch.zeros if bool((dst_map < 0).any()) else torch.empty
+    zeros = bool((dst_map < 0).any())
+    transposed = _is_transposed(old)
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
-        new = make(new_shape, dtype=old.dtype, device=old.device)
+        new = _alloc(old, new_shape, zeros, transposed)
         where = _positions(index_map(spec, rows, 0, 1), rows)[dst_map.clamp(min=0)]
         _copy_runs(
             new,
@@ -114,8 +115,13 @@ def _recut(
         return new, new.nbytes, 0
     # Every rank of the source group must take the same branch (the gather is collective), and
     # from tp > 1 some rank of the group always misses rows, so all of them gather.
-    buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
-    dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
+    if transposed:  # gather the contiguous storage, then view each shard as [out, in] again
+        buf = torch.empty((src.tp_size, *old.shape[::-1]), dtype=old.dtype, device=old.device)
+        dist.all_gather(list(buf.unbind(0)), old.t(), group=src.tp_group)
+        buf = buf.transpose(1, 2)
+    else:
+        buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
+        dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
     old_bytes = old.nbytes
     p.data = old = old.new_empty(0)  # buf holds this shard now: free the old storage
     owner: list[tuple[int, int]] = [(-1, -1)] * dst_map.numel()
@@ -124,10 +130,23 @@ def _recut(
         for i, (d, w) in enumerate(zip(dst_map.tolist(), where.tolist(), strict=True)):
             if d >= 0 and w >= 0:
                 owner[i] = (r, w)
-    new = make(new_shape, dtype=old.dtype, device=old.device)
+    new = _alloc(old, new_shape, zeros, transposed)
     _copy_runs(new, buf, dim, owner)
     extra = max(old_bytes + buf.nbytes, buf.nbytes + new.nbytes) - old_bytes
     return new, extra, buf.nbytes - old_bytes
+
+
+def _is_transposed(t: torch.Tensor) -> bool:
+    """A 2-D tensor stored as the transposed view of a contiguous one (the engine's input-major
+    CPU matmul weights): its re-cut must be stored the same way."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
+
+
+def _alloc(like: torch.Tensor, shape: list[int], zeros: bool, transposed: bool) -> torch.Tensor:
+    make = torch.zeros if zeros else torch.empty
+    if transposed:
+        return make(shape[::-1], dtype=like.dtype, device=like.device).t()
+    return make(shape, dtype=like.dtype, device=like.device)
 
 
 def _copy_runs(

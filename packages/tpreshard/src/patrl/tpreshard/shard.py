@@ -263,7 +263,23 @@ def load_full(
             f"{layout.tp_size}, but the {spec.kind} cut of the given tensor "
             f"{tuple(full.shape)} is {tuple(local.shape)}"
         )
-    target.copy_(local)
+    copy_rows_(target, local)
+
+
+# Rows per copy into a transposed target: a tile that stays in cache on both sides.
+_TILE_ROWS = 32
+
+
+def copy_rows_(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target.copy_(source), in tiles of rows when `target` is stored transposed (the engine's
+    input-major CPU weights). Transposing is dearer than a plain copy either way: loading a
+    134M-parameter fp32 Llama took 0.07-0.11 s row-major, 0.65-0.75 s transposed by one copy_
+    per tensor and 0.38 s in tiles of 32 rows (8: 0.75 s, 128: 0.47 s), on a 2-core x86 box."""
+    if target.dim() != 2 or target.is_contiguous() or target.stride(0) != 1:
+        target.copy_(source)
+        return
+    for start in range(0, target.shape[0], _TILE_ROWS):
+        target[start : start + _TILE_ROWS].copy_(source[start : start + _TILE_ROWS])
 
 
 def _rows_per_rank(vocab_size: int, tp_size: int) -> int:

@@ -16,6 +16,9 @@ from patrl.tpreshard import ParallelLayout, ShardSpec, vocab_range
 
 
 class VocabParallelEmbedding(ShardedModule):
+    # The head's weight is a matmul weight (input-major on CPU); the table is looked up by row.
+    is_head = False
+
     def __init__(
         self,
         vocab_size: int,
@@ -28,7 +31,12 @@ class VocabParallelEmbedding(ShardedModule):
         super().__init__(layout)
         self.vocab_size = vocab_size
         self.weight = self.add_param(
-            "weight", (vocab_size, hidden_size), ShardSpec.vocab(), dtype, device
+            "weight",
+            (vocab_size, hidden_size),
+            ShardSpec.vocab(),
+            dtype,
+            device,
+            matmul_weight=self.is_head,
         )
 
     @property
@@ -51,6 +59,8 @@ class VocabParallelEmbedding(ShardedModule):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> full-vocabulary logits on every TP rank (weight may be tied to the embedding)."""
+
+    is_head = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)

@@ -30,7 +30,9 @@ class ColumnParallelLinear(ShardedModule):
     ) -> None:
         super().__init__(layout)
         spec = spec or ShardSpec.column()
-        self.weight = self.add_param("weight", (out_features, in_features), spec, dtype, device)
+        self.weight = self.add_param(
+            "weight", (out_features, in_features), spec, dtype, device, matmul_weight=True
+        )
         self.bias = self.add_param("bias", (out_features,), spec, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +123,12 @@ class RowParallelLinear(ShardedModule):
     ) -> None:
         super().__init__(layout)
         self.weight = self.add_param(
-            "weight", (out_features, in_features), ShardSpec.row(), dtype, device
+            "weight",
+            (out_features, in_features),
+            ShardSpec.row(),
+            dtype,
+            device,
+            matmul_weight=True,
         )
         self.bias = (
             self.add_param("bias", (out_features,), ShardSpec.replicated(), dtype, device)

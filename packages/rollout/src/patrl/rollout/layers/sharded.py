@@ -3,6 +3,14 @@
 Every parameter carries `shard_spec` (a tpreshard `ShardSpec` describing its full tensor) and
 `weight_loader(param, full_tensor, shard_id=None)`, so loading a checkpoint at any TP size is one
 loop over the checkpoint's tensors, and weight sync from the trainer is the same loop.
+
+Linear weights on the CPU are stored input-major: the parameter has its usual [out, in] shape,
+but as the transposed view of a contiguous [in, out] tensor. MKL's fp32 matmul streams such a
+weight 1.5-1.7x faster at 1-2 rows (the decode of a shrinking batch, measured on a 2-core
+x86 box: 12 GB/s [out, in] vs 17-19 GB/s [in, out] for a 4096x768 and a 32000x768 weight;
+batch-1 decode of a 134M Llama 54 -> 42 ms) and about as fast from 4 rows on. The price is
+paid at weight sync: copying a row-major tensor in transposes it (0.1 -> 0.4 s for the 134M
+model). Loading, resharding and weight sync see only the [out, in] view.
 """
 
 from __future__ import annotations
@@ -27,10 +35,19 @@ class ShardedModule(nn.Module):
         spec: ShardSpec,
         dtype: torch.dtype,
         device: torch.device | str | None,
+        *,
+        matmul_weight: bool = False,
     ) -> nn.Parameter:
-        """Register `name` with this rank's local shape of a `full_shape` tensor cut by `spec`."""
+        """Register `name` with this rank's local shape of a `full_shape` tensor cut by `spec`.
+        A `matmul_weight` (the [out, in] weight of a linear map) is stored input-major on CPU."""
         local = spec.local_shape(full_shape, self.layout.tp_size)
-        param = nn.Parameter(torch.empty(local, dtype=dtype, device=device), requires_grad=False)
+        input_major = matmul_weight and torch.device(device or "cpu").type == "cpu"
+        data = (
+            torch.empty(local[::-1], dtype=dtype, device=device).t()
+            if input_major
+            else torch.empty(local, dtype=dtype, device=device)
+        )
+        param = nn.Parameter(data, requires_grad=False)
         param.shard_spec = spec  # type: ignore[attr-defined]
         param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.register_parameter(name, param)
