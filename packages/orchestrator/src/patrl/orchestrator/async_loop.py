@@ -35,6 +35,33 @@ trainer.val_before_train) as the synchronous loop would after step v: its reques
 the training tickets, and rank 0 holds off newer weights until they are done, so every
 validation token comes from version v. The trainer logs the result when it arrives, as a row
 of step v, and waits for the last one before ending the run.
+
+Preemption and token-level migration (RLBoost). Rollout ranks are interchangeable, so losing
+one must not lose the job, nor its work. A rank reports what it holds under
+`flight/<rank>.<life>`: every async_rl.report_every engine steps, and at once when it takes a
+ticket. For each ticket: its samples so far (tokens, logprobs, finish state, sampler RNG state;
+Engine.snapshot_requests, no KV) and their version switch points; a ticket taken but not
+started yet has no samples. A rank is lost when it is preempted (`ControlPlane.preempt`, a spot
+instance taken back: at its next engine step it drops everything, engine included, and marks
+its life gone; it does not beat while away) or when its heartbeat stops for
+async_rl.peer_timeout_s (a peer marks its life gone). The other rollout ranks then claim its
+reported tickets through the store (`claim`: one winner per ticket and life) and continue them
+as admission allows, by recompute: the reported tokens are kept; tokens sampled after the last
+report are sampled again, the same ones if the adopter holds the same weights (the RNG state
+travels with the sample), else by its newer weights. Either way every token's version is
+recorded: the adopter keeps the reported switch points and adds its own version from the
+migration point, and it starts a ticket only when admission allows it with its own weights, so
+the staleness bound holds for migrated samples too. A ticket is lost only if its rank dies
+between taking it and reporting it (one loop iteration) and never returns; the trainer's wait
+then fails by name. Each (re)join is a new life with its own report and claims: a preempted
+rank rejoins after its down time with a fresh engine and the newest weights, and claims what
+nobody claimed of its earlier lives; a stalled rank that wakes to find its life gone keeps the
+tickets nobody claimed, drops the others, and rejoins. Samples are written with `put_first`, so
+if a woken rank and an adopter both finish a ticket the first one counts; a trained ticket
+leaves a tombstone, so the trainer never sees a ticket twice. The trainer's wait for samples
+fails only when every rollout rank is silent. Validation is rank 0's alone and does not
+migrate: with validation configured rank 0 refuses a preemption (the job fails, saying so); a
+stalled rank 0 keeps its validation requests, and the run's end waits for them by name.
 """
 
 from __future__ import annotations
@@ -72,11 +99,15 @@ from patrl.orchestrator.sync_loop import (
     trainer_config,
 )
 from patrl.orchestrator.weight_store import WeightStore
-from patrl.rollout import Engine, RequestOutput, SamplingParams
+from patrl.rollout import Engine, RequestOutput, SamplingParams, SequenceState
 from patrl.trainer import Trainer
 
 # Seconds an idle rollout rank sleeps between polls, and a waiting trainer.
 _IDLE_POLL_S = 0.005
+# Seconds between a rollout rank's looks at its peers' lives (a few store reads each).
+_WATCH_EVERY_S = 0.1
+# What a trained ticket's sample key holds afterwards: a late duplicate cannot be written.
+_TRAINED = b"trained"
 
 
 @dataclass(slots=True)
@@ -84,10 +115,13 @@ class GroupRecord:
     """One finished prompt group, as a rollout rank hands it to the trainer."""
 
     ticket: int
-    rank: int  # the rollout rank that generated it
+    rank: int  # the rollout rank that finished it
     samples: list[Sample]
     versions: list[list[int]]  # versions[i][j]: policy version that sampled token j of sample i
     reward_metrics: dict[str, float]
+    life: int = 1  # of `rank`
+    migrated_from: int | None = None  # the lost rank it was taken over from, if any
+    migrated_tokens: int = 0  # tokens the adopter kept from that rank's report
 
 
 @dataclass(slots=True)
@@ -96,6 +130,77 @@ class _InFlight:
     item: PromptItem
     # Per sample: (index of the first token sampled with it, version), one per weight change.
     switches: list[list[tuple[int, int]]] = field(default_factory=list)
+    migrated_from: int | None = None
+    migrated_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TicketReport:
+    """What a peer needs to continue one ticket: its samples as they stood (none: not started,
+    start it afresh) and their version switch points."""
+
+    states: list[SequenceState]
+    switches: list[list[tuple[int, int]]]
+    migrated_from: int | None = None  # kept along when an adopted ticket moves on again
+
+    def tokens(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.states)
+
+
+@dataclass(slots=True)
+class FlightReport:
+    """A rollout rank's tickets in one of its lives, as it last reported them."""
+
+    rank: int
+    life: int
+    tickets: dict[int, TicketReport]
+
+    def key(self) -> str:
+        return report_key(self.rank, self.life)
+
+    def tokens(self) -> int:
+        return sum(t.tokens() for t in self.tickets.values())
+
+
+def report_key(rank: int, life: int) -> str:
+    return f"flight/{rank}.{life}"
+
+
+def read_report(control: ControlPlane, rank: int, life: int) -> FlightReport | None:
+    """The last report of `rank` in `life`; None if it never reported in it."""
+    key = report_key(rank, life)
+    if not control.has([key]):
+        return None
+    report = pickle.loads(control.get(key))
+    assert isinstance(report, FlightReport)
+    return report
+
+
+def claim_orphans(control: ControlPlane, report: FlightReport) -> dict[int, TicketReport]:
+    """The tickets of a lost life that this caller wins (each has exactly one winner over the
+    job: the adopters and the rank itself, should it wake up); tickets already handed over
+    are nobody's."""
+    won = {}
+    for ticket, ticket_report in sorted(report.tickets.items()):
+        if control.has([f"sample/{ticket}"]):
+            continue
+        if control.claim(f"{ticket}/{report.rank}.{report.life}"):
+            won[ticket] = ticket_report
+    return won
+
+
+def continued_switches(report: TicketReport, version: int) -> list[list[tuple[int, int]]]:
+    """An adopted ticket's switch points: the reported ones, then `version` from the first
+    token the adopter samples (finished samples take no more tokens)."""
+    states = {s.sample_index: s for s in report.states}
+    out = []
+    for index, switches in enumerate(report.switches):
+        state = states[index]
+        if state.finish_reason is not None:
+            out.append(list(switches))
+        else:
+            out.append([*switches, (len(state.output_token_ids), version)])
+    return out
 
 
 def token_versions(switches: Sequence[tuple[int, int]], num_tokens: int) -> list[int]:
@@ -122,8 +227,9 @@ class AsyncGRPO:
         model_dir: str,
         train_files: Any,
         val_files: Any,
-        peer_timeout_s: float = 600.0,
+        peer_timeout_s: float | None = None,
     ) -> None:
+        """`peer_timeout_s`: None = async_rl.peer_timeout_s."""
         _check_supported(config, world)
         # Async rollout replicas are static tp=1 engines: adaptive TP needs collectives over
         # the rollout ranks, which async mode avoids.
@@ -149,7 +255,8 @@ class AsyncGRPO:
             shuffle=config.data.shuffle,
             seed=config.data.seed,
         )
-        self.control = ControlPlane.of_default_group(world.rank, peer_timeout_s)
+        timeout = config.async_rl.peer_timeout_s if peer_timeout_s is None else peer_timeout_s
+        self.control = ControlPlane.of_default_group(world.rank, timeout)
         self.weights = WeightStore(self.run_dir / "weights")
         # new_group is collective over the world: every rank makes the trainers' group.
         trainer_group = dist.new_group(self.trainer_ranks)
@@ -199,8 +306,9 @@ def _check_supported(config: JobConfig, world: World) -> None:
 
 
 class RolloutWorker:
-    """Generates tickets as admission allows, pulls newer weights between engine steps and
-    hands each finished group to the trainer through the store."""
+    """Generates tickets as admission allows, pulls newer weights between engine steps, hands
+    each finished group to the trainer through the store, reports its tickets in flight, and
+    continues those of lost peers."""
 
     def __init__(self, job: AsyncGRPO) -> None:
         self.job = job
@@ -209,7 +317,7 @@ class RolloutWorker:
         self.model_dir = job.model_dir
         self.control = job.control
         self.batch_size = job.config.data.train_batch_size
-        self.engine = Engine(engine_config(self.config, self.model_dir, self.world))
+        self.engine = self._new_engine()
         self.rewards = RewardManager(
             [(f.name, f.weight) for f in self.config.reward.functions],
             num_workers=self.config.reward.num_workers,
@@ -217,8 +325,9 @@ class RolloutWorker:
         )
         self.in_flight: dict[str, _InFlight] = {}
         self.held: int | None = None  # a ticket taken but not yet admissible
-        self.batch_index = -1  # loader batch in self.batch
-        self.batch: list[PromptItem] = []
+        self.adopted: dict[int, TicketReport] = {}  # claimed from a lost life, not started yet
+        self.batch_index = -1  # the newest loader batch read
+        self.batches: dict[int, list[PromptItem]] = {}  # loader batches that may still be needed
         self.idle_s = 0.0
         self.validator = job.val_set is not None and self.world.rank == 0
         self.validating: dict[str, PromptItem] = {}  # request id -> item, of version val_version
@@ -226,14 +335,35 @@ class RolloutWorker:
         self.val_version = 0
         self.val_start = 0.0
         self.joined_at = 0  # the step the run (re)started at: validated before, if due
+        self.life = 0  # this rank's current life: 1 at the start, one more at every rejoin
+        self.watched: dict[int, int] = {r: 1 for r in job.rollout_ranks}  # first life to watch
+        self._last_watch = -float("inf")
+        self.steps_since_report = 0
+        self.report_due = False  # a ticket was taken: report before the next engine step
+        self.last_report = FlightReport(self.world.rank, 0, {})
+        # What happened to this rank, for tests and logs: preemptions, declared gone, rejoins,
+        # tickets handed over (ticket, life), and hand-overs that another rank had beaten.
+        self.preempted: list[dict[str, Any]] = []
+        self.declared_gone: list[dict[str, Any]] = []
+        self.rejoins: list[dict[str, Any]] = []
+        self.handed: list[tuple[int, int]] = []
+        self.duplicates = 0
+
+    def _new_engine(self) -> Engine:
+        return Engine(engine_config(self.config, self.model_dir, self.world))
 
     def run(self) -> RunResult:
         try:
             self._join()
             while not self.control.done():
                 self.control.beat()
+                if self._lost():
+                    continue
                 self._pull_newest()
+                self._watch_peers()
                 self._admit()
+                if self.report_due:
+                    self._report()
                 if self.engine.has_unfinished():
                     self.control.progress()
                     for out in self.engine.step():
@@ -241,6 +371,9 @@ class RolloutWorker:
                             self._validated(out)
                         else:
                             self._hand_over(out)
+                    self.steps_since_report += 1
+                    if self.steps_since_report >= self.config.async_rl.report_every:
+                        self._report()
                 else:
                     self._idle()
         finally:
@@ -257,6 +390,8 @@ class RolloutWorker:
         self.job.loader.load_state_dict(start["loader"])
         self.batch_index = start["step"] - 1
         self.joined_at = start["step"]
+        self.life = self.control.bump(f"life/{self.world.rank}")
+        self._report()
         if start["step"] > 0:
             self._pull_newest()
         elif validates(self.config, 0):
@@ -305,22 +440,21 @@ class RolloutWorker:
         return min((eta + version + 1) * self.batch_size, total * self.batch_size)
 
     def _admit(self) -> None:
+        self._continue_adopted()
         while True:
             if self.held is None:
                 if self.control.counter("tickets") >= self._limit():
                     return  # peek first: most polls must not take a ticket they cannot start
                 self.held = self.control.bump("tickets") - 1
+                self.report_due = True
             if self.held >= self._limit():
                 return  # another rank took the last admissible ticket: keep it for later
             self._start(self.held)
             self.held = None
 
-    def _start(self, ticket: int) -> None:
+    def _start(self, ticket: int, migrated_from: int | None = None) -> None:
         b, n = ticket // self.batch_size, self.config.rollout.n
-        while self.batch_index < b:
-            self.batch = self.job.loader.next_batch()
-            self.batch_index += 1
-        item = self.batch[ticket % self.batch_size]
+        item = self._item(ticket)
         r, version = self.config.rollout, self.engine.weight_version
         params = SamplingParams(
             n=n,
@@ -333,7 +467,19 @@ class RolloutWorker:
         )
         request_id = f"ticket-{ticket}"
         self.engine.add_request(item.prompt_token_ids, params, request_id=request_id)
-        self.in_flight[request_id] = _InFlight(ticket, item, [[(0, version)] for _ in range(n)])
+        switches = [[(0, version)] for _ in range(n)]
+        self.in_flight[request_id] = _InFlight(ticket, item, switches, migrated_from)
+
+    def _item(self, ticket: int) -> PromptItem:
+        """The prompt of `ticket`; loader batches are kept while a ticket of theirs may still
+        be adopted (until the step that trains them is done)."""
+        b = ticket // self.batch_size
+        while self.batch_index < b:
+            self.batch_index += 1
+            self.batches[self.batch_index] = self.job.loader.next_batch()
+        for trained in [k for k in self.batches if k < self.engine.weight_version]:
+            del self.batches[trained]
+        return self.batches[b][ticket % self.batch_size]
 
     # --------------------------------------------------------------- validation
 
@@ -398,8 +544,198 @@ class RolloutWorker:
             for c, reward in zip(out.outputs, result.rewards, strict=True)
         ]
         versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
-        record = GroupRecord(flight.ticket, self.world.rank, samples, versions, result.metrics())
-        self.control.put(f"sample/{flight.ticket}", pickle.dumps(record))
+        record = GroupRecord(
+            flight.ticket,
+            self.world.rank,
+            samples,
+            versions,
+            result.metrics(),
+            self.life,
+            flight.migrated_from,
+            flight.migrated_tokens,
+        )
+        # First writer wins: a woken rank and the peer that adopted its ticket may both finish.
+        if self.control.put_first(f"sample/{flight.ticket}", pickle.dumps(record)):
+            self.handed.append((flight.ticket, self.life))
+        else:
+            self.duplicates += 1
+            self.control.bump("duplicates")
+
+    # --------------------------------------------------------------- migration
+
+    def _report(self) -> None:
+        """Tell the others what this rank holds, so they can continue it if it is lost."""
+        ids = list(self.in_flight)
+        by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
+        for state in self.engine.snapshot_requests(ids):
+            by_request[state.request_id].append(state)
+        tickets = {
+            f.ticket: TicketReport(by_request[rid], f.switches, f.migrated_from)
+            for rid, f in self.in_flight.items()
+        }
+        tickets.update(self.adopted)
+        if self.held is not None:
+            tickets[self.held] = TicketReport([], [])
+        report = FlightReport(self.world.rank, self.life, tickets)
+        self.control.put(report.key(), pickle.dumps(report))
+        self.last_report = report
+        self.steps_since_report = 0
+        self.report_due = False
+
+    def _watch_peers(self) -> None:
+        """Adopt the tickets of every ended life of a rollout rank, once: a life ends when its
+        rank is preempted, or declared gone here because its heartbeat stopped. This rank's
+        own earlier lives are watched too (what nobody else took, it takes back)."""
+        now = time.monotonic()
+        if now - self._last_watch < _WATCH_EVERY_S:
+            return
+        self._last_watch = now
+        me = self.world.rank
+        for peer in self.job.rollout_ranks:
+            # Its life before its beat: a rank beats before it starts a new life, so a stale
+            # beat read after the new life began cannot be blamed on that life.
+            current = self.life if peer == me else self.control.counter(f"life/{peer}")
+            for ended in range(self.watched[peer], current):
+                self._adopt(peer, ended)
+            self.watched[peer] = max(self.watched[peer], current)
+            if peer == me or current < 1 or self.watched[peer] > current:
+                continue
+            gone = f"gone/{peer}.{current}"
+            if self.control.has([gone]) or peer in self.control.stale_peers([peer]):
+                if self.control.put_first(gone, b"stalled"):
+                    self.control.bump("stalls")  # declared here, not a preemption
+                self._adopt(peer, current)
+                self.watched[peer] = current + 1
+
+    def _adopt(self, peer: int, life: int) -> None:
+        """Claim what this rank wins of `peer`'s ended `life`; started when admissible."""
+        report = read_report(self.control, peer, life)
+        if report is None:
+            return
+        for ticket, ticket_report in claim_orphans(self.control, report).items():
+            if ticket_report.migrated_from is None:
+                ticket_report.migrated_from = peer
+            self.adopted[ticket] = ticket_report
+        self.report_due = True
+
+    def _continue_adopted(self) -> None:
+        """Start adopted tickets in ticket order as admission allows (with this rank's weights,
+        so the staleness bound holds); their reported tokens are kept, the rest recomputed."""
+        for ticket in sorted(self.adopted):
+            if ticket >= self._limit():
+                return
+            report = self.adopted.pop(ticket)
+            if self.control.has([f"sample/{ticket}"]):
+                continue  # its lost rank woke up and handed it over after all
+            self.report_due = True
+            if not report.states:
+                self._start(ticket, report.migrated_from)
+                continue
+            version = self.engine.weight_version
+            self.engine.import_requests(report.states)
+            self.in_flight[f"ticket-{ticket}"] = _InFlight(
+                ticket,
+                self._item(ticket),
+                continued_switches(report, version),
+                report.migrated_from,
+                report.tokens(),
+            )
+
+    def _lost(self) -> bool:
+        """Preempted, or declared gone by a peer while this rank stalled: either way its
+        tickets go to others and it rejoins in a new life. True if it happened."""
+        me = self.world.rank
+        if self.control.has([f"preempt/{me}"]):
+            self._preempted()
+            return True
+        if self.control.has([f"gone/{me}.{self.life}"]):
+            self._woke_up_gone()
+            return True
+        return False
+
+    def _preempted(self) -> None:
+        """The instance is taken back: everything on it is lost at once (the last report is
+        what the others continue). It stays away for its down time, then rejoins afresh."""
+        me = self.world.rank
+        if self.validator:
+            raise RuntimeError(
+                f"rollout rank {me} validates (trainer.test_freq={self.config.trainer.test_freq}) "
+                "and cannot be preempted: validation does not migrate. Preempt another rollout "
+                "rank, or run without validation (trainer.test_freq=0)"
+            )
+        down_s = float(self.control.get(f"preempt/{me}"))
+        self.control.put(f"gone/{me}.{self.life}", "preempted")
+        self.control.bump("preemptions")
+        self.preempted.append(
+            {
+                "life": self.life,
+                "tickets": sorted(self.last_report.tickets),
+                "reported_tokens": self.last_report.tokens(),
+                "at": time.time(),
+            }
+        )
+        self.control.delete(f"preempt/{me}")
+        self.in_flight, self.held, self.adopted = {}, None, {}
+        del self.engine  # reclaimed with its instance: the replacement starts from the model
+        self._stay_away(down_s)
+        if not self.control.done():
+            self.engine = self._new_engine()
+            self._rejoin()
+
+    def _stay_away(self, down_s: float) -> None:
+        """Silent (no heartbeat: nothing runs there) until the down time passes, `resume`, or
+        the run ends."""
+        until, resume = time.monotonic() + down_s, f"resume/{self.world.rank}"
+        while time.monotonic() < until and not self.control.has([resume]):
+            if self.control.done():
+                return
+            time.sleep(_IDLE_POLL_S * 10)
+        if self.control.has([resume]):
+            self.control.delete(resume)
+
+    def _woke_up_gone(self) -> None:
+        """This rank stalled past the peer timeout and a peer declared it gone: keep the
+        tickets nobody has claimed (still in this engine), drop the others, rejoin."""
+        me, life = self.world.rank, self.life
+        dropped, kept = [], []
+        for rid, flight in list(self.in_flight.items()):
+            if self.control.has([f"sample/{flight.ticket}"]) or not self.control.claim(
+                f"{flight.ticket}/{me}.{life}"
+            ):
+                self.engine.export_requests([rid], with_kv=False, include_finished=True)
+                del self.in_flight[rid]
+                dropped.append(flight.ticket)
+            else:
+                kept.append(flight.ticket)
+        for ticket in list(self.adopted):
+            if not self.control.claim(f"{ticket}/{me}.{life}"):
+                del self.adopted[ticket]
+                dropped.append(ticket)
+        if self.held is not None and not self.control.claim(f"{self.held}/{me}.{life}"):
+            dropped.append(self.held)
+            self.held = None
+        self.declared_gone.append(
+            {"life": life, "dropped": sorted(dropped), "kept": sorted(kept), "at": time.time()}
+        )
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """A new life: beat first (see _watch_peers), newest weights, an empty-handed report."""
+        self.control.beat(now=True)
+        self.life = self.control.bump(f"life/{self.world.rank}")
+        start = time.time()
+        self._pull_newest()
+        self._report_loaded()
+        self._report()
+        self.control.bump("rejoins")
+        self.rejoins.append(
+            {
+                "life": self.life,
+                "loaded": self.engine.weight_version,
+                "started": start,
+                "done": time.time(),
+            }
+        )
 
 
 # ---------------------------------------------------------------------------- trainer ranks
@@ -427,6 +763,9 @@ class TrainerWorker:
         self.step = 0
         # (step, ticket, oldest, newest token version) of every trained sample.
         self.trained_versions: list[tuple[int, int, int, int]] = []
+        # (step, ticket, rank, life, migrated_from, migrated_tokens) of every trained group.
+        self.trained_groups: list[tuple[int, int, int, int, int | None, int]] = []
+        self.published: list[tuple[int, float]] = []  # (version, when announced: time.time())
         self.all_lengths: list[int] = []
         self._waited_us = 0
         self._val_logged = -1  # the newest validated version logged
@@ -527,6 +866,7 @@ class TrainerWorker:
         metrics.update(_batch_metrics(samples, rewards, advantages, cfg.data.max_response_length))
         metrics.update(_probs_diff(samples, proximal))
         metrics.update(self._staleness(records))
+        metrics.update(self._migrations(records))
         tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
         metrics["perf/total_num_tokens"] = float(tokens)
         metrics["perf/throughput"] = tokens / timings["step"] / self.world.size
@@ -540,18 +880,21 @@ class TrainerWorker:
         """This step's groups, in ticket order; waits (idle) until all of them are in."""
         keys = [f"sample/{t}" for t in self._tickets()]
         with _timed(timings, "wait_for_batch"):
+            # A lost rollout rank's tickets migrate: only all of them lost fails the wait.
             self.control.wait_until(
                 lambda: self.control.has(keys),
                 f"the samples of step {self.step}",
                 self.job.rollout_ranks,
                 need_progress=True,
+                any_peer=True,
             )
         records = [pickle.loads(self.control.get(k)) for k in keys]
-        # The last trainer rank to read a step's samples deletes them from the store.
+        # The last trainer rank to read a step's samples replaces them by a tombstone: the
+        # store's memory is freed, and a late duplicate (see put_first) cannot come back.
         readers = len(self.job.trainer_ranks)
         if self.control.bump(f"read/{self.step}") == readers:
             for t in self._tickets():
-                self.control.delete(f"sample/{t}")
+                self.control.put(f"sample/{t}", _TRAINED)
         return records
 
     def _staleness(self, records: list[GroupRecord]) -> dict[str, float]:
@@ -583,6 +926,23 @@ class TrainerWorker:
             out[f"async/staleness_count/{s}"] = float(per_sample.count(s))
         return out
 
+    def _migrations(self, records: list[GroupRecord]) -> dict[str, float]:
+        """This step's groups finished by another rank than the one that lost them, and the
+        tokens kept from the lost rank's reports; lost ranks so far (counters of the run)."""
+        migrated = [r for r in records if r.migrated_from is not None]
+        for r in records:
+            self.trained_groups.append(
+                (self.step, r.ticket, r.rank, r.life, r.migrated_from, r.migrated_tokens)
+            )
+        return {
+            "async/migrated_requests": float(len(migrated)),
+            "async/migrated_tokens": float(sum(r.migrated_tokens for r in migrated)),
+            "async/preemptions": float(self.control.counter("preemptions")),
+            "async/stalls": float(self.control.counter("stalls")),
+            "async/rejoins": float(self.control.counter("rejoins")),
+            "async/duplicate_groups": float(self.control.counter("duplicates")),
+        }
+
     def _rollout_wait_s(self) -> float:
         """Rollout ranks' idle time since the last step, per rank (they wait for weights)."""
         total = sum(self.control.counter(f"wait_weights_us/{r}") for r in self.job.rollout_ranks)
@@ -602,6 +962,7 @@ class TrainerWorker:
             return
         self.job.weights.publish(version, buckets)
         self.control.bump("weights/latest", version - self.control.counter("weights/latest"))
+        self.published.append((version, time.time()))
         held = [self._loaded(r) for r in self.job.rollout_ranks]
         self.job.weights.prune(min([*held, version]))
 

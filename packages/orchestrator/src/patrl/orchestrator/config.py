@@ -175,7 +175,17 @@ class AsyncConfig(_Section):
         5.0, gt=1, description="decoupled PPO: drop tokens whose behaviour weight exceeds it"
     )
     peer_timeout_s: float = Field(
-        600.0, gt=0, description="a rank silent (no heartbeat) this long fails the job, named"
+        600.0,
+        gt=0,
+        description="a rollout rank silent (no heartbeat) this long is declared gone and its "
+        "requests migrate to the others; a silent trainer rank, or all rollout ranks, fail the "
+        "job, named",
+    )
+    report_every: int = Field(
+        8,
+        gt=0,
+        description="engine steps between a rollout rank's reports of its requests in flight "
+        "(tokens, logprobs, sampler states): what a peer continues if the rank is lost",
     )
 
 

@@ -12,6 +12,12 @@ alive is not enough: a peer that beats but never produces what is waited for (it
 there is nothing to do: a bug, or keys left by an earlier attempt in a shared store) would
 hang the job as surely as a dead one, so a waiter can also require *progress*, a second
 counter that peers bump only when they did work.
+
+Some peers may be lost without losing the job: rollout ranks are interchangeable (a lost one's
+work migrates, see async_loop.py), so a wait on them fails only when *all* are silent
+(`wait_until(..., any_peer=True)`). Who continues a lost rank's work is decided by the store's
+atomic operations, never by agreement: `claim` (the first `add` to a key wins) and `put_first`
+(compare-and-set on an absent key: the first writer's value stays).
 """
 
 from __future__ import annotations
@@ -74,14 +80,40 @@ class ControlPlane:
     def delete(self, name: str) -> None:
         self.store.delete_key(self._key(name))
 
+    def put_first(self, name: str, value: bytes) -> bool:
+        """Set `name` only if it is absent (or empty); whether this call's value is the one
+        stored. An empty `value` could be overwritten, so it is refused."""
+        if not value:
+            raise ValueError(f"put_first({name!r}) needs a non-empty value")
+        return bytes(self.store.compare_set(self._key(name), "", value)) == value
+
+    def claim(self, name: str) -> bool:
+        """True for exactly one caller per `name`, over the whole job."""
+        return self.bump(f"claim/{name}") == 1
+
+    # ------------------------------------------------------------ preemption
+
+    def preempt(self, rank: int, down_s: float) -> None:
+        """Reclaim rollout rank `rank` (a spot instance taken back): it drops its work at its
+        next engine step, which its peers continue, and stays away for `down_s` seconds (or
+        until `resume(rank)`), then rejoins with the newest weights."""
+        if not down_s >= 0:
+            raise ValueError(f"down_s must be >= 0 seconds, got {down_s}")
+        self.put(f"preempt/{rank}", str(down_s))
+
+    def resume(self, rank: int) -> None:
+        """End a preempted rank's down time now."""
+        self.put(f"resume/{rank}", "1")
+
     # -------------------------------------------------- liveness, shutdown
 
-    def beat(self) -> None:
-        """Tell the others this rank is alive (rate-limited: cheap to call every loop)."""
-        now = time.monotonic()
-        if now - self._last_beat >= _BEAT_EVERY_S:
+    def beat(self, now: bool = False) -> None:
+        """Tell the others this rank is alive (rate-limited: cheap to call every loop; `now`
+        beats regardless)."""
+        t = time.monotonic()
+        if now or t - self._last_beat >= _BEAT_EVERY_S:
             self.bump(f"beat/{self.rank}")
-            self._last_beat = now
+            self._last_beat = t
 
     def progress(self) -> None:
         """Tell the others this rank did work (rate-limited like `beat`)."""
@@ -117,6 +149,22 @@ class ControlPlane:
                 "(dead or stalled)"
             )
 
+    def check_any_alive(self, peers: Iterable[int]) -> None:
+        """Raise PeerFailed when every one of `peers` (interchangeable ones: some may be lost)
+        has not beaten for timeout_s."""
+        peers = list(peers)
+        stale = self._stale("beat", peers)
+        if peers and stale == peers:
+            raise PeerFailed(
+                f"rank {self.rank}: all of ranks {peers} sent no heartbeat for "
+                f"{self.timeout_s:.0f} s (dead, stalled or preempted): nobody is left to wait on"
+            )
+
+    def stale_peers(self, peers: Iterable[int]) -> list[int]:
+        """Peers whose heartbeat has not moved for timeout_s, as this rank has watched them
+        (the clock starts at the first look)."""
+        return self._stale("beat", peers)
+
     def check_progress(self, peers: Iterable[int], what: str) -> None:
         """Raise PeerFailed if none of `peers` reported progress for timeout_s."""
         peers = list(peers)
@@ -148,17 +196,22 @@ class ControlPlane:
         peers: Iterable[int],
         poll_s: float = 0.005,
         need_progress: bool = False,
+        any_peer: bool = False,
     ) -> float:
         """Poll `ready` until true; seconds waited. Fails if the run failed, or if `peers`
-        (the ranks that would make it true) stop beating, or, with `need_progress`, all stop
-        working. This rank keeps beating meanwhile."""
+        (the ranks that would make it true) stop beating (with `any_peer`: all of them, any
+        one can make it true), or, with `need_progress`, all stop working. This rank keeps
+        beating meanwhile."""
         peers = list(peers)
         start = time.monotonic()
         while not ready():
             self.beat()
             if self.done():
                 raise PeerFailed(f"rank {self.rank}: the run ended while waiting for {what}")
-            self.check_alive(peers)
+            if any_peer:
+                self.check_any_alive(peers)
+            else:
+                self.check_alive(peers)
             if need_progress:
                 self.check_progress(peers, what)
             time.sleep(poll_s)
