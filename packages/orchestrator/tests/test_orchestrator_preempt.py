@@ -5,7 +5,6 @@ weights; the run completes and trains every ticket once within the staleness bou
 
 from __future__ import annotations
 
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -301,11 +300,15 @@ def test_a_report_continues_on_another_engine_token_for_token(assets: Path) -> N
     store = dist.HashStore()
     reporter, adopter = ControlPlane(store, 1, 5.0), ControlPlane(store, 0, 5.0)
     sent = _state_report(lost, ids, version=2)
-    reporter.put(sent.key(), pickle.dumps(sent))
+    reporter.put(sent.key(), sent.to_bytes())
     del lost  # preempted
 
     report = read_report(adopter, 1, 1)
     assert report is not None and report.tokens() == sent.tokens() > 0
+    for t in sent.tickets:  # the generator states travel as bytes, and come back as they were
+        for a, b in zip(sent.tickets[t].states, report.tickets[t].states, strict=True):
+            assert b.generator_state.dtype == torch.uint8
+            assert torch.equal(a.generator_state, b.generator_state)
     won = claim_orphans(adopter, report)
     assert sorted(won) == [0, 1]
     other = Engine(config)

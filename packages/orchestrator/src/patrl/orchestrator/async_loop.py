@@ -66,6 +66,8 @@ stalled rank 0 keeps its validation requests, and the run's end waits for them b
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import time
 from collections.abc import Sequence
@@ -74,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from patrl.lenpredict import LengthPredictor
@@ -161,6 +164,32 @@ class FlightReport:
     def tokens(self) -> int:
         return sum(t.tokens() for t in self.tickets.values())
 
+    def to_bytes(self) -> bytes:
+        """Pickled, with the samples' generator states (uint8 tensors) as plain bytes: torch's
+        own tensor pickling took ~0.4 ms each, 50 ms for a report of 128 samples, 0.6 ms so."""
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+        pickler.dump(self)
+        return buffer.getvalue()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> FlightReport:
+        report = pickle.loads(data)
+        if not isinstance(report, FlightReport):
+            raise TypeError(f"not a FlightReport: {type(report).__name__}")
+        return report
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    if t.dtype is torch.uint8 and t.device.type == "cpu" and t.dim() == 1:
+        return _uint8_tensor, (t.contiguous().numpy().tobytes(),)
+    return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _uint8_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
 
 def report_key(rank: int, life: int) -> str:
     return f"flight/{rank}.{life}"
@@ -171,9 +200,7 @@ def read_report(control: ControlPlane, rank: int, life: int) -> FlightReport | N
     key = report_key(rank, life)
     if not control.has([key]):
         return None
-    report = pickle.loads(control.get(key))
-    assert isinstance(report, FlightReport)
-    return report
+    return FlightReport.from_bytes(control.get(key))
 
 
 def claim_orphans(control: ControlPlane, report: FlightReport) -> dict[int, TicketReport]:
@@ -577,7 +604,7 @@ class RolloutWorker:
         if self.held is not None:
             tickets[self.held] = TicketReport([], [])
         report = FlightReport(self.world.rank, self.life, tickets)
-        self.control.put(report.key(), pickle.dumps(report))
+        self.control.put(report.key(), report.to_bytes())
         self.last_report = report
         self.steps_since_report = 0
         self.report_due = False
