@@ -395,3 +395,17 @@ def test_control_plane_first_writes_claims_and_any_peer_waits() -> None:
 def test_report_every_must_be_positive() -> None:
     with pytest.raises(ConfigError, match=r"async_rl\.report_every"):
         load_config(None, ["async_rl.report_every=0"])
+
+
+def test_the_validating_rank_refuses_preemption(assets: Path, tmp_path: Path) -> None:
+    """Validation does not migrate: rank 0, validating, fails the job with the reason (a
+    worker built bare: only what a preemption notice reads)."""
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.config = job_config(assets, tmp_path, **{"trainer.test_freq": 2})
+    worker.world = World(0, 3, 0, torch.device("cpu"))
+    worker.control = ControlPlane(dist.HashStore(), 0, 5.0)
+    worker.validator, worker.life = True, 1
+    assert not worker._lost()
+    worker.control.preempt(0, 1.0)
+    with pytest.raises(RuntimeError, match=r"rank 0 validates .* cannot be preempted"):
+        worker._lost()
