@@ -89,7 +89,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("static_dp2_tp1", "static_dp1_tp2", "adaptive_predicted", "adaptive_oracle")
 STATIC = POLICIES[:2]
 BLOCK = 16
-CHECK_EVERY = 16
+CHECK_EVERY = AdaptiveTP().check_every  # the engine's default (--check-every overrides)
 MAX_POSITIONS = 512  # the profiler's prefill rows reach 256 tokens
 MARGIN = 0.2
 TARGET_LONG_TAIL = 0.85  # adaptive / best static on long-tail, shape with a crossover
@@ -331,6 +331,11 @@ class Engines:
             "adaptive_predicted": self.predicted,
             "adaptive_oracle": self.oracle,
         }[policy]
+
+
+def set_check_every(steps: int) -> None:
+    global CHECK_EVERY
+    CHECK_EVERY = steps
 
 
 def make_engines(base: EngineConfig, profile: Path, groups: GroupCache) -> Engines:
@@ -761,7 +766,9 @@ def main() -> None:
     ap.add_argument(
         "--report", metavar="JSON", help="re-derive the verdicts of a results file and print it"
     )
+    ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="decode steps per check")
     args = ap.parse_args()
+    set_check_every(args.check_every)
     if args.report:
         reprint(Path(args.report))
         return

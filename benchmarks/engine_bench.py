@@ -1,7 +1,7 @@
 """Rollout engine benchmark: patrl's Engine vs transformers `generate`, batch-1 decode vs the
 weight-streaming floor, and deduplicated prefill (issue 3).
 
-    python benchmarks/engine_bench.py [--repeats 3] [--threads 1,2] [--requests 16]
+    python benchmarks/engine_bench.py [--repeats 3] [--threads 1,2] [--requests 64]
 
 One run measures, side by side, for each thread count in --threads (torch.set_num_threads):
 1. Useful tokens/s of `Engine.generate` vs Hugging Face `generate` on the same random-init
@@ -11,8 +11,11 @@ One run measures, side by side, for each thread count in --threads (torch.set_nu
    left-padded, each generating up to its longest request: what HF users get. Useful tokens are
    the tokens requested; wall time includes prefill. Two workloads with the same useful token
    count: long-tail lengths (evenly spaced quantiles of a log-normal, median 10, sigma 1,
-   clamped to [4, 64]: for 16 requests mostly 4-27 tokens, then 37 and 64) and uniform lengths
-   (every request the long-tail mean, 16). Prompts are 16-48 tokens, fresh every repeat.
+   clamped to [4, 64]: for 64 requests mostly 4-25 tokens, a tail to 64) and uniform lengths
+   (every request the long-tail mean). Prompts are 16-48 tokens, fresh every repeat. 64
+   requests (8 prompts x n=8, a small RL batch) through a 16-wide batch: the engine's
+   max_num_seqs and HF's batch size are the same --hf-batch, so both run 16 at a time and
+   differ in what they do when a request finishes (refill the slot vs pad to the longest).
 2. Batch-1 decode step latency (one request, wall time of `Engine.step()`, prefill excluded)
    against the weight-streaming floor: parameter bytes / read bandwidth, the bandwidth measured
    right before by `torch.sum` over a 1 GiB fp32 tensor (32x the L3 cache).
@@ -452,7 +455,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
     parser.add_argument(
         "--hf-batch", type=int, default=16, help="HF batch size = the engine's max_num_seqs"
     )
