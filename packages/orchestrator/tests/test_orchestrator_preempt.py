@@ -60,7 +60,7 @@ def _inject(role: RolloutWorker, fault: dict[str, Any], seen: dict[str, Any]) ->
     def faulty_step() -> Any:
         out = step()
         if not seen and _mid_generation(role):
-            seen["report"] = role.last_report
+            seen["report"], seen["at"] = role.last_report, time.time()
             if fault["kind"] == "preempt":
                 role.control.preempt(role.world.rank, fault["down_s"])
             else:
@@ -155,6 +155,12 @@ def _check_rejoin(rejoin: dict[str, Any], published: list[tuple[int, float]]) ->
     assert newest <= rejoin["loaded"] <= _newest_before(published, rejoin["done"])
 
 
+def _recovered_s(lost: dict[str, Any], trainer: dict[str, Any], migrated: Any) -> float:
+    """Seconds from the fault to the publication of the last step with a migrated ticket."""
+    published = dict(trainer["published"])
+    return max(published[t // BATCH + 1] for t in migrated) - float(lost["seen"]["at"])
+
+
 def _check_migrated_tokens(report: FlightReport, tickets: set[int], trained: Any) -> None:
     """Token-level: each migrated sample starts with the tokens its lost rank reported."""
     for ticket in tickets:
@@ -205,7 +211,8 @@ def test_preempted_rollout_rank_migrates_its_requests_and_rejoins(
     _check_rejoin(rejoin, trainer["published"])
     assert any(life == 2 for _, life in rank1["handed"])  # it generated after rejoining
     print(
-        f"\npreempt: {len(in_flight)} requests in flight migrated, {kept} reported tokens kept; "
+        f"\npreempt: {len(in_flight)} requests in flight migrated, {kept} reported tokens kept, "
+        f"their step trained {_recovered_s(rank1, trainer, migrated):.2f} s after the notice; "
         f"rank 1 rejoined at version {rejoin['loaded']}, handed over "
         f"{sum(1 for _, life in rank1['handed'] if life == 2)} groups afterwards"
     )
@@ -251,7 +258,8 @@ def test_stalled_rollout_rank_is_declared_gone_and_not_waited_for(
     _check_rejoin(rejoin, trainer["published"])
     print(
         f"\nstall: {len(migrated)} requests migrated "
-        f"({sum(g[5] for g in migrated.values())} reported tokens kept), "
+        f"({sum(g[5] for g in migrated.values())} reported tokens kept), their steps trained "
+        f"{_recovered_s(rank1, trainer, migrated):.2f} s after the stall began, "
         f"{rank1['duplicates']} late duplicates refused; rank 1 rejoined at version "
         f"{rejoin['loaded']}"
     )
