@@ -18,19 +18,21 @@ from test_orchestrator_async import job_config
 
 from patrl.orchestrator.async_loop import (
     AsyncGRPO,
-    FlightReport,
     GroupRecord,
     RolloutWorker,
-    TicketReport,
     TrainerWorker,
-    claim_orphans,
-    continued_switches,
-    read_report,
     token_versions,
 )
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
+from patrl.orchestrator.migration import (
+    FlightReport,
+    TicketReport,
+    claim_orphans,
+    continued_switches,
+    read_report,
+)
 from patrl.rollout import Engine, EngineConfig, SamplingParams, SequenceState
 
 BATCH = 4  # data.train_batch_size of job_config

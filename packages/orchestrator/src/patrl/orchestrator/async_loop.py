@@ -66,8 +66,6 @@ stalled rank 0 keeps its validation requests, and the run's end waits for them b
 
 from __future__ import annotations
 
-import copyreg
-import io
 import pickle
 import time
 from collections.abc import Sequence
@@ -76,7 +74,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from patrl.lenpredict import LengthPredictor
@@ -86,6 +83,13 @@ from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptItem, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
+from patrl.orchestrator.migration import (
+    FlightReport,
+    TicketReport,
+    claim_orphans,
+    continued_switches,
+    read_report,
+)
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.sync_loop import (
     RunResult,
@@ -135,99 +139,6 @@ class _InFlight:
     switches: list[list[tuple[int, int]]] = field(default_factory=list)
     migrated_from: int | None = None
     migrated_tokens: int = 0
-
-
-@dataclass(slots=True)
-class TicketReport:
-    """What a peer needs to continue one ticket: its samples as they stood (none: not started,
-    start it afresh) and their version switch points."""
-
-    states: list[SequenceState]
-    switches: list[list[tuple[int, int]]]
-    migrated_from: int | None = None  # kept along when an adopted ticket moves on again
-
-    def tokens(self) -> int:
-        return sum(len(s.output_token_ids) for s in self.states)
-
-
-@dataclass(slots=True)
-class FlightReport:
-    """A rollout rank's tickets in one of its lives, as it last reported them."""
-
-    rank: int
-    life: int
-    tickets: dict[int, TicketReport]
-
-    def key(self) -> str:
-        return report_key(self.rank, self.life)
-
-    def tokens(self) -> int:
-        return sum(t.tokens() for t in self.tickets.values())
-
-    def to_bytes(self) -> bytes:
-        """Pickled, with the samples' generator states (uint8 tensors) as plain bytes: torch's
-        own tensor pickling took ~0.4 ms each, 50 ms for a report of 128 samples, 0.6 ms so."""
-        buffer = io.BytesIO()
-        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
-        pickler.dump(self)
-        return buffer.getvalue()
-
-    @staticmethod
-    def from_bytes(data: bytes) -> FlightReport:
-        report = pickle.loads(data)
-        if not isinstance(report, FlightReport):
-            raise TypeError(f"not a FlightReport: {type(report).__name__}")
-        return report
-
-
-def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
-    if t.dtype is torch.uint8 and t.device.type == "cpu" and t.dim() == 1:
-        return _uint8_tensor, (t.contiguous().numpy().tobytes(),)
-    return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-
-
-def _uint8_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def report_key(rank: int, life: int) -> str:
-    return f"flight/{rank}.{life}"
-
-
-def read_report(control: ControlPlane, rank: int, life: int) -> FlightReport | None:
-    """The last report of `rank` in `life`; None if it never reported in it."""
-    key = report_key(rank, life)
-    if not control.has([key]):
-        return None
-    return FlightReport.from_bytes(control.get(key))
-
-
-def claim_orphans(control: ControlPlane, report: FlightReport) -> dict[int, TicketReport]:
-    """The tickets of a lost life that this caller wins (each has exactly one winner over the
-    job: the adopters and the rank itself, should it wake up); tickets already handed over
-    are nobody's."""
-    won = {}
-    for ticket, ticket_report in sorted(report.tickets.items()):
-        if control.has([f"sample/{ticket}"]):
-            continue
-        if control.claim(f"{ticket}/{report.rank}.{report.life}"):
-            won[ticket] = ticket_report
-    return won
-
-
-def continued_switches(report: TicketReport, version: int) -> list[list[tuple[int, int]]]:
-    """An adopted ticket's switch points: the reported ones, then `version` from the first
-    token the adopter samples (finished samples take no more tokens)."""
-    states = {s.sample_index: s for s in report.states}
-    out = []
-    for index, switches in enumerate(report.switches):
-        state = states[index]
-        if state.finish_reason is not None:
-            out.append(list(switches))
-        else:
-            out.append([*switches, (len(state.output_token_ids), version)])
-    return out
 
 
 def token_versions(switches: Sequence[tuple[int, int]], num_tokens: int) -> list[int]:
