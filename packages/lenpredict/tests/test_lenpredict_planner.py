@@ -23,6 +23,7 @@ from patrl.lenpredict import (
     RunningSet,
     SimConfig,
     StaticPolicy,
+    SwitchRow,
 )
 
 LAYOUTS = [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
@@ -185,6 +186,28 @@ def test_never_switches_when_overhead_exceeds_gain():
         decision = planner.decide(running_set(rng, int(rng.integers(1, 60)), 8), Layout(8, 1))
         if decision.action == "switch":
             assert decision.gain_s > 1.5 * decision.overhead_s + 0.01
+
+
+def test_a_measured_switch_price_replaces_the_traffic_estimate():
+    """Growing TP moves no weights over the wire, so the traffic estimate prices it at the
+    barrier alone; a profile's measured switch (copies, KV cache re-made) is what it costs."""
+    tail = RunningSet(
+        np.array([7]), np.array([3]), np.array([2000]), np.array([[3000.0, 4000, 6000]])
+    )
+    cheap = ReconfigPlanner(latency(tp_speeds_up), 8).decide(tail, Layout(8, 1))
+    assert cheap.action == "switch"
+    profile = profile_from(tp_speeds_up)
+    measured = [
+        SwitchRow(src_tp=a, dst_tp=b, seconds=10 * cheap.gain_s)
+        for a in (1, 2, 4, 8)
+        for b in (1, 2, 4, 8)
+        if a != b
+    ]
+    model = LatencyModel.fit(profile.model_copy(update={"switches": measured}))
+    assert model.switch_time(1, 8, 8) == pytest.approx(10 * cheap.gain_s)
+    assert model.switch_time(8, 8, 8) == latency(tp_speeds_up).switch_time(8, 8, 8)
+    dear = ReconfigPlanner(model, 8).decide(tail, Layout(8, 1))
+    assert dear.action == "stay" and dear.overhead_s >= 10 * cheap.gain_s
 
 
 def test_no_oscillation_and_cooldown():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,4 +158,9 @@ def test_quick_profile_tp1_and_tp2_on_two_ranks(models: dict[str, Any]) -> None:
     latency = _check_fits(profile)
     for op in COLLECTIVE_OPS:
         assert latency.collective_time(op, 1 << 16, 2) > 0
+    # the fixed price of a switch, both ways, measured on an engine with nothing in flight
+    assert sorted({(r.src_tp, r.dst_tp) for r in profile.switches}) == [(1, 2), (2, 1)]
+    assert latency.switch_time(1, 2, 2) == pytest.approx(
+        float(np.median([r.seconds for r in profile.switches if r.src_tp == 1]))
+    )
     assert profile.model.num_params == models["tiny_params"]

@@ -24,6 +24,7 @@ from patrl.lenpredict.profile import (
     PrefillRow,
     Profile,
     ProfileMismatchError,
+    SwitchRow,
 )
 from patrl.lenpredict.roofline import (
     H100_SXM_NODE,
@@ -69,6 +70,7 @@ __all__ = [
     "SimConfig",
     "SimResult",
     "StaticPolicy",
+    "SwitchRow",
     "assign_prompts",
     "group_by_step",
     "held_out_error",

@@ -177,11 +177,7 @@ class ReconfigPlanner:
         self._capacity = {
             tp: latency.kv_capacity_tokens(tp, self.config.memory_utilization) for tp in tps
         }
-        self._fixed = {
-            (a, b): latency.switch_fixed_time(world_size) + latency.weight_reshard_time(a, b)
-            for a in tps
-            for b in tps
-        }
+        self._fixed = {(a, b): latency.switch_time(a, b, world_size) for a in tps for b in tps}
         self._switch_costs: dict[tuple[int, tuple[int, ...], int], _SwitchCosts] = {}
         self._direction = 0
         self._since_switch = self.config.cooldown_calls

@@ -106,6 +106,16 @@ class CollectiveRow(_Strict):
     seconds: float = Field(gt=0)
 
 
+class SwitchRow(_Strict):
+    """One measured reconfiguration from `src_tp` to `dst_tp` with no sequence in flight: the
+    fixed price of a switch (weights re-cut or gathered, KV cache re-made, groups looked up),
+    to which a planner adds the KV of the sequences it moves."""
+
+    src_tp: int = Field(gt=0)
+    dst_tp: int = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
 class Profile(_Strict):
     schema_version: Literal[1] = 1
     source: Literal["measured", "roofline"]
@@ -115,12 +125,14 @@ class Profile(_Strict):
     decode: list[DecodeRow] = Field(min_length=1)
     prefill: list[PrefillRow] = Field(min_length=1)
     collectives: list[CollectiveRow] = Field(default_factory=list)
+    switches: list[SwitchRow] = Field(default_factory=list)
     notes: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _tp_fits_hardware(self) -> Profile:
         n = self.hardware.num_devices
-        for tp in {r.tp for r in self.decode} | {r.tp for r in self.prefill}:
+        switch_tps = {r.src_tp for r in self.switches} | {r.dst_tp for r in self.switches}
+        for tp in {r.tp for r in self.decode} | {r.tp for r in self.prefill} | switch_tps:
             if n % tp:
                 raise ValueError(f"rows with tp={tp}: it does not divide num_devices={n}")
         return self

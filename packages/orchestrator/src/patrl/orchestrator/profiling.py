@@ -44,12 +44,25 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
     return grid.fit_to(max_model_len)
 
 
+# Bumped when the profiler measures something new, so cached profiles are measured again.
+# 2: measured switch prices (SwitchRow), which the planner uses in place of a traffic estimate.
+PROFILER_VERSION = 2
+
+
 def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: ProfileGrid) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     shape = {
         k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"
     }
-    identity = [shape, engine.dtype, engine.device, world_size, repr(grid), platform.machine()]
+    identity = [
+        shape,
+        engine.dtype,
+        engine.device,
+        world_size,
+        repr(grid),
+        platform.machine(),
+        PROFILER_VERSION,
+    ]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[
         :16
     ]

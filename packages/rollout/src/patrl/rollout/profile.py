@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from patrl.lenpredict import (
     ModelInfo,
     PrefillRow,
     Profile,
+    SwitchRow,
 )
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
@@ -454,13 +456,40 @@ def profile_distributed(
                 collectives += measure_collectives(layout, grid, tick)
             identity = identity or engine
         dist.barrier(group=wait)
+    switches = measure_switches(base, grid, cache, world)
     if bar is not None:
         bar.close()
     if rank != 0:
         return None
     assert identity is not None  # rank 0 is in every first group
     backend = str(dist.get_backend(world))
-    return _profile(base.model, identity, world_size, backend, decode, prefill, collectives, grid)
+    return _profile(
+        base.model, identity, world_size, backend, decode, prefill, collectives, grid, switches
+    )
+
+
+def measure_switches(
+    base: EngineConfig, grid: ProfileGrid, cache: GroupCache, world: Any, repeats: int = 2
+) -> list[SwitchRow]:
+    """Seconds of `Engine.reconfigure` between every two TP sizes of the grid with nothing in
+    flight, on every rank at once (the slowest rank's time: a barrier closes each): the fixed
+    price of a switch. Growing TP has no traffic but is not free: it copies the weights it
+    keeps and re-makes the KV cache. Every rank of `world` must call this."""
+    tps = sorted(grid.tp_sizes)
+    if len(tps) < 2:
+        return []
+    engine = Engine(profile_engine_config(base, grid), cache.layout(tps[0]), groups=cache)
+    rows = []
+    for src, dst in itertools.permutations(tps, 2):
+        for _ in range(repeats):
+            if engine.layout.tp_size != src:
+                engine.reconfigure(src)
+            dist.barrier(group=world)
+            start = time.perf_counter()
+            engine.reconfigure(dst)
+            dist.barrier(group=world)
+            rows.append(SwitchRow(src_tp=src, dst_tp=dst, seconds=time.perf_counter() - start))
+    return rows
 
 
 def _ticker(bar: Any) -> Callable[[], None]:
@@ -476,6 +505,7 @@ def _profile(
     prefill: list[PrefillRow],
     collectives: list[CollectiveRow],
     grid: ProfileGrid,
+    switches: list[SwitchRow] | None = None,
 ) -> Profile:
     return Profile(
         source="measured",
@@ -485,6 +515,7 @@ def _profile(
         decode=decode,
         prefill=prefill,
         collectives=collectives,
+        switches=switches or [],
         notes={
             "profiler": "patrl.rollout.profile",
             "grid": repr(grid),
