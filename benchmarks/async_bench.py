@@ -2,8 +2,17 @@
 wall-clock budget (issue 9, "Benchmark").
 
     OMP_NUM_THREADS=1 python benchmarks/async_bench.py [--steps 12] [--repeats 3] [--world 2]
+    OMP_NUM_THREADS=1 python benchmarks/async_bench.py --task demo --world 3 [--steps 15]
 
-Task: a random-init tiny Llama (2 layers, hidden 64, the demo tokenizer) on "a+b=?" prompts with
+--task demo runs the README's main job itself (examples/grpo_adaptive_tp.py under torchrun with
+--world processes, the embedded demo model and task, examples/configs/demo.yaml), with
+validation off, for --steps steps per mode: sync (colocated, adaptive TP where the world
+allows), sync_partial (the same + rollout.over_sample_rate=0.25: partial rollouts), async_s1 and
+async_s2 (--rollout-ranks generate, default world - 1, the rest train). The demo model is
+warm-started by SFT, so its reward curve is the learning that matters; `first_reward` is the
+reward of its first 3 steps. The demo assets are built once under $PATRL_CACHE_DIR (minutes).
+
+--task tiny (the default): a random-init tiny Llama (2 layers, hidden 64, the demo tokenizer) on "a+b=?" prompts with
 a dense reward a random model can climb (the share of digits in the response), n samples per
 prompt. Modes on --world ranks: sync runs colocated on all ranks (generate, then train with
 FSDP over all of them); async gives 1 rank to rollout and the rest to the trainer. sync_1rank
@@ -140,6 +149,37 @@ def run_mode(assets: Path, world: int, steps: int, staleness: int | None) -> lis
     return [h for h in history if "critic/score/mean" in h]
 
 
+DEMO_MODES: dict[str, list[str]] = {
+    "sync": [],
+    "sync_partial": ["rollout.over_sample_rate=0.25"],
+    "async_s1": ["trainer.mode=async", "async_rl.max_staleness=1"],
+    "async_s2": ["trainer.mode=async", "async_rl.max_staleness=2"],
+}
+
+
+def run_demo(world: int, steps: int, extra: list[str], rollout_ranks: int, seed: int) -> list[dict]:
+    """The main job under torchrun; the training steps' metrics rows."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    run_root = Path(tempfile.mkdtemp(prefix="patrl-async-bench-"))
+    if any(e.startswith("trainer.mode=async") for e in extra):
+        extra = [*extra, f"async_rl.rollout_ranks={rollout_ranks}"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+        str(root / "examples" / "grpo_adaptive_tp.py"),
+        f"trainer.default_local_dir={run_root}", "trainer.resume_mode=disable",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.save_freq=0",
+        "trainer.plots=false", f"trainer.seed={seed}", f"data.seed={seed}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    metrics = next(run_root.rglob("metrics.jsonl"))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "critic/score/mean" in r]
+
+
 def summarise(steps: list[dict[str, float]], budget_s: float) -> dict[str, float]:
     elapsed, t = [], 0.0
     for h in steps:
@@ -170,31 +210,43 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=None, help="default: 0.6 x median sync run")
+    ap.add_argument("--task", choices=("tiny", "demo"), default="tiny")
+    ap.add_argument("--rollout-ranks", type=int, default=None, help="async: default world - 1")
+    ap.add_argument("--out", default=None, help="default: results/async_bench[_demo_w<world>].json")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    assets = build_assets(RESULTS / "async_bench_assets")
-    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in MODES}
+    modes = list(DEMO_MODES if args.task == "demo" else MODES)
+    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in modes}
+    assets = build_assets(RESULTS / "async_bench_assets") if args.task == "tiny" else None
     for r in range(args.repeats):
-        for mode, (staleness, ranks) in MODES.items():
+        for mode in modes:
             start = time.perf_counter()
-            runs[mode].append(run_mode(assets, ranks or args.world, args.steps, staleness))
+            if assets is None:
+                rollout_ranks = args.rollout_ranks or args.world - 1
+                runs[mode].append(
+                    run_demo(args.world, args.steps, DEMO_MODES[mode], rollout_ranks, seed=r)
+                )
+            else:
+                staleness, ranks = MODES[mode]
+                runs[mode].append(run_mode(assets, ranks or args.world, args.steps, staleness))
             print(f"repeat {r} {mode}: {time.perf_counter() - start:.0f} s wall", flush=True)
     sync_total = statistics.median(sum(h["timing_s/step"] for h in run) for run in runs["sync"])
     budget = args.budget_s if args.budget_s is not None else 0.6 * sync_total
     table: dict[str, dict[str, float]] = {}
-    for mode in MODES:
+    for mode in modes:
         per_run = [summarise(run, budget) for run in runs[mode]]
         table[mode] = {k: statistics.median(s[k] for s in per_run) for k in per_run[0]}
     base = table["sync"]["steps_per_min"]
     print(
-        f"\nworld {args.world}, {args.steps} steps, budget {budget:.1f} s, median of {args.repeats}"
+        f"\n{args.task} task, world {args.world}, {args.steps} steps, budget {budget:.1f} s, "
+        f"median of {args.repeats}"
     )
     cols = ("steps_per_min", "reward_at_budget", "final_reward", "first_reward",
             "wait_for_batch_s", "wait_for_weights_s", "staleness_mean")  # fmt: skip
-    print(f"{'mode':10s} " + " ".join(f"{c:>18s}" for c in cols) + f" {'speed vs sync':>14s}")
+    print(f"{'mode':12s} " + " ".join(f"{c:>18s}" for c in cols) + f" {'speed vs sync':>14s}")
     for mode, row in table.items():
         cells = " ".join(f"{row[c]:18.3f}" for c in cols)
-        print(f"{mode:10s} {cells} {row['steps_per_min'] / base:14.2f}")
+        print(f"{mode:12s} {cells} {row['steps_per_min'] / base:14.2f}")
     out = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "args": vars(args),
@@ -202,8 +254,10 @@ def main() -> None:
         "table": table,
         "runs": runs,
     }
-    (RESULTS / "async_bench.json").write_text(json.dumps(out, indent=1))
-    print(f"wrote {RESULTS / 'async_bench.json'}")
+    name = "async_bench.json" if args.task == "tiny" else f"async_bench_demo_w{args.world}.json"
+    path = Path(args.out) if args.out else RESULTS / name
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
