@@ -1,7 +1,8 @@
 """patrl vs TRL's GRPOTrainer on CPU: seconds per GRPO step on the same job (issue 5).
 
     pip install trl   # benchmark-only dependency (measured with trl 1.16.0, accelerate 1.15.0)
-    OMP_NUM_THREADS=2 python benchmarks/vs_trl.py [--steps 3] [--quick] [--no-torchrun]
+    OMP_NUM_THREADS=2 python benchmarks/vs_trl.py [--steps 5] [--quick] [--no-torchrun]
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --threads 1     # steadier on a loaded box
 
 The job is the demo recipe (examples/configs/demo.yaml): the cached demo model (a 0.6M-parameter
 char-level Llama warm-started by SFT, built by `ensure_demo_assets` under $PATRL_CACHE_DIR), its
@@ -15,19 +16,28 @@ Both sides see the same prompts in the same order: patrl's loader (data.seed) dr
 and TRL gets exactly those rows, unshuffled, as already chat-formatted text, whose token ids are
 checked equal to patrl's before anything runs. Both run in this one process with the same torch
 thread count, interleaved step by step (a TRL step, then a patrl step, from a TRL callback), so
-load drift on a shared machine hits both alike. Step 1 of each is a warm-up; the table reports
-medians of the next --steps steps. A step is, for TRL, on_step_begin -> on_step_end (generation
-with HF `generate`, rewards, advantages, loss, backward, optimizer step); for patrl,
+load drift on a shared machine hits both alike; the per-step ratio of each adjacent pair is
+reported beside the ratio of medians. Step 1 of each is a warm-up; the table reports medians of
+the next --steps steps. A step is, for TRL, on_step_begin -> on_step_end (generation with HF
+`generate`, rewards, advantages, loss, backward, optimizer step); for patrl,
 `SyncGRPO.train_one_step` (generation on its engine, rewards, advantages, the old-logprob pass,
-the update, the weight sync into the engine). Mean response length (tokens, EOS included, on
-both sides) and the mean reward of each step are recorded, so a reader can see the work was
-comparable; tokens/s = generated tokens of the step / its seconds.
+the update, the weight sync into the engine). Columns: gen+score = generation and rewards (TRL:
+its `_generate_and_score_completions`, which also computes advantages), train = the rest of the
+step; resp len / max = mean / longest response of the step in tokens (EOS included on both
+sides), so a reader can see the work was comparable; resp tok/s = response tokens of the step /
+the step's seconds; reward = the step's mean reward.
 
-A second patrl row runs the main job as users do, `torchrun --nproc_per_node 2
+A third row runs the main job as users do, `torchrun --nproc_per_node 2
 examples/grpo_adaptive_tp.py` (FSDP over 2 ranks, adaptive-TP rollouts, one thread per rank, so
 the same 2 cores), with the same overrides; its step time is the job's own `timing_s/step`.
 
-Writes benchmarks/results/vs_trl.json (vs_trl_quick.json with --quick) and prints a table.
+Threads: on the shared 2-core box, while other jobs kept its load average at 3-8, two intra-op
+threads left both sides with medians of 25-65 s per step against 3-12 s with one thread, and
+erratic (a patrl step 2 s in one minute and 60 s in the next: the threads spin against each
+other and the other jobs), so `--threads 1` (with OMP_NUM_THREADS=1) gives the steadier
+comparison there; the default stays at 2, for a machine that is otherwise idle.
+
+Writes benchmarks/results/vs_trl[_quick][_threadsN].json and prints a table.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ class StepRecord:
     seconds: float
     gen_score_seconds: float  # generation + rewards (+ TRL's advantages): the rest is training
     mean_response_tokens: float
+    max_response_tokens: float  # a static batch (HF generate) decodes until this one ends
     generated_tokens: int
     mean_reward: float
     parts: dict[str, float] = field(default_factory=dict)  # the side's own timing breakdown
@@ -88,6 +99,7 @@ def patrl_record(seconds: float, metrics: dict[str, float], samples: int) -> Ste
         seconds,
         parts["gen"] + parts["reward"],
         mean_len,
+        metrics["response_length/max"],
         round(mean_len * samples),
         metrics["critic/score/mean"],
         parts,
@@ -115,14 +127,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=3, help="timed steps after 1 warm-up (>= 1)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps after 1 warm-up (default 5; quick 2)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the one process")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}, 2 timed steps")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the 2-process patrl row")
-    ap.add_argument("--out", default=None, help="default benchmarks/results/vs_trl[_quick].json")
+    ap.add_argument(
+        "--out", default=None, help="default benchmarks/results/vs_trl[_quick][_threadsN].json"
+    )
     args = ap.parse_args()
-    if args.quick and args.steps == 3:
-        args.steps = 2
+    if args.steps is None:
+        args.steps = 2 if args.quick else 5
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     trl = require_trl()
@@ -139,7 +155,12 @@ def main() -> None:
         rows.append(run_torchrun(config, assets, overrides, args.steps + 1))
 
     result = report(args, config, rows, trl.__version__)
-    out = Path(args.out or RESULTS / ("vs_trl_quick.json" if args.quick else "vs_trl.json"))
+    name = (
+        "vs_trl"
+        + ("_quick" if args.quick else "")
+        + (f"_threads{args.threads}" if args.threads != 2 else "")
+    )
+    out = Path(args.out or RESULTS / f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
@@ -374,6 +395,7 @@ def run_interleaved(
                 seconds,
                 gen_seconds[-1],
                 mean_len,
+                m["completions/max_length"][-1],
                 round(mean_len * samples),
                 m["reward"][-1],
                 {"generate_and_score": gen_seconds[-1], "train": seconds - gen_seconds[-1]},
@@ -454,7 +476,7 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
           f"steps after 1 warm-up; {args.threads} torch threads")  # fmt: skip
     print(
         f"{'':52s} {'s/step':>7s} {'vs TRL':>7s} {'gen+score':>9s} {'train':>6s} "
-        f"{'resp len':>8s} {'gen tok/s':>9s} {'reward':>6s}  s per step"
+        f"{'resp len':>8s} {'max':>4s} {'resp tok/s':>10s} {'reward':>6s}  s per step"
     )
     for row in rows:
         per_step = ", ".join(f"{s.seconds:.2f}" for s in row.timed)
@@ -463,11 +485,16 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
         print(
             f"{row.name:52s} {row.median('seconds'):7.2f} {trl_s / row.median('seconds'):6.2f}x "
             f"{gen:9.2f} {train:6.2f} {row.median('mean_response_tokens'):8.1f} "
-            f"{row.tokens_per_s():9.1f} {row.median('mean_reward'):6.3f}  {per_step}"
+            f"{row.median('max_response_tokens'):4.0f} {row.tokens_per_s():10.1f} "
+            f"{row.median('mean_reward'):6.3f}  {per_step}"
         )
     loads = [s.load_avg_1min for row in rows for s in row.steps if s.load_avg_1min is not None]
     print(f"machine load average (1 min) during the in-process steps: "
           f"{min(loads):.1f} .. {max(loads):.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+    # Step i of TRL and step i of patrl ran back to back: their ratio sees the same load.
+    paired = [t.seconds / p.seconds for t, p in zip(rows[0].timed, rows[1].timed, strict=True)]
+    print(f"TRL / patrl (1 process) per interleaved step: "
+          f"{', '.join(f'{r:.2f}' for r in paired)}; median {statistics.median(paired):.2f}")  # fmt: skip
     return {
         "machine": {
             "platform": platform.platform(),
@@ -485,6 +512,8 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
         },
         "args": vars(args),
         "config": json.loads(config.model_dump_json()),
+        "paired_ratio_trl_over_patrl": paired,
+        "median_paired_ratio": statistics.median(paired),
         "rows": {
             row.name: {
                 "median_s_per_step": row.median("seconds"),
