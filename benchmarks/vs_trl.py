@@ -181,13 +181,9 @@ def require_trl() -> Any:
 # ------------------------------------------------------------------------------- the job
 
 
-def job_config(
-    assets: DemoAssets, overrides: dict[str, Any], total_steps: int, run_root: Path
-) -> JobConfig:
-    """The demo recipe pointed at the cached assets, without validation, saving or plots."""
-    values: dict[str, Any] = {
-        "model.path": assets.model_dir,
-        "data.train_files": assets.train_file,
+def job_values(overrides: dict[str, Any], total_steps: int, run_root: Path) -> dict[str, Any]:
+    """Overrides of the demo recipe for a timed run: no validation, saving, plots or resume."""
+    return {
         "trainer.total_training_steps": total_steps,
         "trainer.test_freq": 0,
         "trainer.val_before_train": "false",
@@ -197,6 +193,17 @@ def job_config(
         "trainer.resume_mode": "disable",
         "trainer.default_local_dir": run_root,
         **overrides,
+    }
+
+
+def job_config(
+    assets: DemoAssets, overrides: dict[str, Any], total_steps: int, run_root: Path
+) -> JobConfig:
+    """The demo recipe pointed at the cached assets."""
+    values: dict[str, Any] = {
+        "model.path": assets.model_dir,
+        "data.train_files": assets.train_file,
+        **job_values(overrides, total_steps, run_root),
     }
     config = load_config(DEMO_YAML, [f"{k}={v}" for k, v in values.items()])
     if config.actor.ppo_mini_batch_size != config.data.train_batch_size:
@@ -433,17 +440,7 @@ def run_torchrun(
 ) -> Row:
     """The main job as users run it, 2 ranks x 1 thread, with the same settings."""
     run_root = Path(tempfile.mkdtemp(prefix="patrl-vs-trl-"))
-    values = {
-        "trainer.total_training_steps": total_steps,
-        "trainer.test_freq": 0,
-        "trainer.val_before_train": "false",
-        "trainer.save_freq": 0,
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.resume_mode": "disable",
-        "trainer.default_local_dir": run_root,
-        **overrides,
-    }
+    values = job_values(overrides, total_steps, run_root)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLE),
         *(f"{k}={v}" for k, v in values.items()),
