@@ -378,8 +378,12 @@ class RolloutWorker:
         return min((eta + version + 1) * self.batch_size, total * self.batch_size)
 
     def _admit(self) -> None:
+        """Start admissible tickets, at most a fair share of a batch per loop pass. Taking
+        every admissible ticket at once let the first rank to see new weights take the whole
+        batch while its peers idled (and a rejoined rank could find nothing left to do)."""
         self._continue_adopted()
-        while True:
+        share = -(-self.batch_size // self.job.num_rollout)
+        for _ in range(share):
             if self.held is None:
                 if self.control.counter("tickets") >= self._limit():
                     return  # peek first: most polls must not take a ticket they cannot start
