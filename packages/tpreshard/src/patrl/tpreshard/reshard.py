@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from patrl.tpreshard.layout import ParallelLayout
-from patrl.tpreshard.shard import ShardSpec, shard_tensor
+from patrl.tpreshard.shard import ShardSpec, is_input_major, shard_tensor
 
 __all__ = ["ReshardStats", "index_map", "reshard_"]
 
@@ -99,7 +99,7 @@ def _recut(
     new_shape[dim] = dst_map.numel()
     # Padding rows (vocabulary past its end) are zeros, as in a fresh load.
     zeros = bool((dst_map < 0).any())
-    transposed = _is_transposed(old)
+    transposed = is_input_major(old)  # its re-cut is stored the same way
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
         new = _alloc(old, new_shape, zeros, transposed)
         where = _positions(index_map(spec, rows, 0, 1), rows)[dst_map.clamp(min=0)]
@@ -134,12 +134,6 @@ def _recut(
     _copy_runs(new, buf, dim, owner)
     extra = max(old_bytes + buf.nbytes, buf.nbytes + new.nbytes) - old_bytes
     return new, extra, buf.nbytes - old_bytes
-
-
-def _is_transposed(t: torch.Tensor) -> bool:
-    """A 2-D tensor stored as the transposed view of a contiguous one (the engine's input-major
-    CPU matmul weights): its re-cut must be stored the same way."""
-    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
 
 
 def _alloc(like: torch.Tensor, shape: list[int], zeros: bool, transposed: bool) -> torch.Tensor:

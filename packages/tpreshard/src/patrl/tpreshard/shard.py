@@ -270,12 +270,18 @@ def load_full(
 _TILE_ROWS = 32
 
 
+def is_input_major(t: torch.Tensor) -> bool:
+    """A 2-D [out, in] tensor (or a slice of rows of one) laid out as the transposed view of
+    [in, out] storage: the engine's input-major CPU matmul weights."""
+    return t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1
+
+
 def copy_rows_(target: torch.Tensor, source: torch.Tensor) -> None:
     """target.copy_(source), in tiles of rows when `target` is stored transposed (the engine's
     input-major CPU weights). Transposing is dearer than a plain copy either way: loading a
     134M-parameter fp32 Llama took 0.07-0.11 s row-major, 0.65-0.75 s transposed by one copy_
     per tensor and 0.38 s in tiles of 32 rows (8: 0.75 s, 128: 0.47 s), on a 2-core x86 box."""
-    if target.dim() != 2 or target.is_contiguous() or target.stride(0) != 1:
+    if not is_input_major(target):
         target.copy_(source)
         return
     for start in range(0, target.shape[0], _TILE_ROWS):
