@@ -140,6 +140,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert all(r["changed"] > 0 for r in results)  # the optimizer moved the weights
     assert all(r["gap"] < 1e-4 for r in results)  # and the engine got them
     assert steps[1]["training/rollout_probs_diff_max"] < 1e-4
+    assert "timing_s/old_log_prob" in steps[0]  # two mini-batches: a scoring pass first
     assert checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo") is not None
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
     assert all(h["rollout/tp_switches"] == 1 and h["rollout/tp_max"] == 2 for h in steps)
@@ -232,6 +233,11 @@ def test_grpo_raises_a_dense_reward(assets: Path, tmp_path: Path) -> None:
         "trainer.test_freq": 0,
     }
     history = make_loop(assets, tmp_path, world, **extra).run().history
-    rewards = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
+    steps = [h for h in history if "critic/score/mean" in h]
+    # One optimizer step per batch: the old logprobs come from the update's forward, and they
+    # are still the engine's (the diff would show a wrong or stale scoring).
+    assert not any("timing_s/old_log_prob" in h for h in steps)
+    assert max(h["training/rollout_probs_diff_max"] for h in steps) < 1e-4
+    rewards = [h["critic/score/mean"] for h in steps]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last >= first + 0.05, f"reward went {first:.3f} -> {last:.3f}: {rewards}"

@@ -56,10 +56,12 @@ def _fsdp_three_steps(rank: int, world_size: int) -> dict[str, Any]:
     cfg = config(**CFG, enable_gradient_checkpointing=True)
     trainer = Trainer(cfg, tiny_llama(), mesh=_mesh(world_size))
     metrics = [trainer.train_step(b) for b in _batches()]
+    scored = trainer.scored_logprobs()  # each rank scored its share: gathered on every rank
     buckets = [[(n, t.clone()) for n, t in b] for b in trainer.iter_full_weights(BUCKET)]
     return _portable(
         {
             "metrics": metrics,
+            "scored": scored,
             "logprobs": trainer.compute_logprobs(_batches()[0]),
             "bucket_bytes": [sum(t.numel() * t.element_size() for _, t in b) for b in buckets],
             "bucket_sizes": [len(b) for b in buckets],
@@ -73,6 +75,10 @@ def test_fsdp_two_ranks_equals_single_process_after_three_steps() -> None:
     ranks = _tensors(run_ranks(_fsdp_three_steps, world_size=2, timeout_s=240))
     single = Trainer(config(**CFG), tiny_llama())
     single_metrics = [single.train_step(b) for b in _batches()]
+    for got in ranks:
+        assert len(got["scored"]) == len(_batches()[2])
+        for a, b in zip(got["scored"], single.scored_logprobs(), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     expected = full_weights(single)
 
     assert ranks[0]["sharded"].startswith("FSDP")

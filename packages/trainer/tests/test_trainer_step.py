@@ -36,6 +36,38 @@ def test_given_old_logprobs_equal_to_current_give_ratio_one() -> None:
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
 
 
+@pytest.mark.parametrize("budget", [10_000, 24])  # one micro-batch, several
+def test_on_policy_step_needs_no_scoring_pass_and_equals_one_given_the_scores(
+    budget: int,
+) -> None:
+    batch = make_batch(4, [3, 9, 1, 6, 4])
+    fused = Trainer(config(ppo_max_token_len_per_gpu=budget), tiny_llama())
+    separate = Trainer(config(ppo_max_token_len_per_gpu=budget), tiny_llama())
+    before = separate.compute_logprobs(batch)  # the slow twin: a scoring pass first
+    given = PolicyBatch(batch.input_ids, batch.loss_mask, batch.advantages, old_logprobs=before)
+    calls = 0
+    score = fused._score
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return score(*args, **kwargs)  # type: ignore[arg-type]
+
+    fused._score = counted  # type: ignore[method-assign]
+    m_fused, m_separate = fused.train_step(batch), separate.train_step(given)
+    assert calls == 0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
+        assert m_fused[key] == pytest.approx(m_separate[key], rel=1e-6, abs=1e-9), key
+    w_fused, w_separate = full_weights(fused), full_weights(separate)
+    for name in w_fused:
+        torch.testing.assert_close(w_fused[name], w_separate[name], atol=1e-7, rtol=0, msg=name)
+    # What the on-policy step took its ratio against is the policy before the update.
+    for got, want in zip(fused.scored_logprobs(), before, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="no on-policy logprobs"):
+        separate.scored_logprobs()
+
+
 def test_compute_logprobs_matches_plain_hf_forward() -> None:
     trainer = Trainer(config(temperature=0.7), tiny_llama())
     batch = make_batch(2, [3, 9, 1])

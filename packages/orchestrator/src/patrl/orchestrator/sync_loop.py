@@ -8,11 +8,12 @@ One step:
     into larger TP groups for the long tail (patrl.rollout.adaptive), learning lengths online;
  3. score: each replica's first rank runs the reward functions on its samples;
  4. gather every replica's samples on every rank; group-relative advantages;
- 5. recompute the logprobs with the trainer (the PPO "old" policy) and log how far they are
-    from the engine's (`training/rollout_probs_diff_*`);
- 6. `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts;
- 7. stream the new weights, bucket by bucket, into the engine (a new weight version);
- 8. log metrics; validate every `trainer.test_freq` steps; checkpoint every `trainer.save_freq`.
+ 5. `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts. The
+    PPO "old" policy's logprobs come from a scoring pass before the first update, or, when the
+    batch makes a single optimizer step, from that update's own forward (no extra pass); either
+    way their distance from the engine's is logged (`training/rollout_probs_diff_*`);
+ 6. stream the new weights, bucket by bucket, into the engine (a new weight version);
+ 7. log metrics; validate every `trainer.test_freq` steps; checkpoint every `trainer.save_freq`.
 """
 
 from __future__ import annotations
@@ -213,11 +214,17 @@ class SyncGRPO:
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
         batch, rewards, advantages = policy_batch(cfg, samples)
-        with _timed(timings, "old_log_prob"):
-            old = self.trainer.compute_logprobs(batch)
-        batch.old_logprobs = old
+        # One on-policy optimizer step takes its old logprobs from the update's own forward
+        # (as TRL does with num_iterations=1); only several steps per batch need a scoring
+        # pass before the first (verl's old_log_prob).
+        fused = single_update(cfg, samples)
+        if not fused:
+            with _timed(timings, "old_log_prob"):
+                batch.old_logprobs = self.trainer.compute_logprobs(batch)
         with _timed(timings, "update_actor"):
             actor_metrics = ppo_update(self.config, self.trainer, batch, samples, self.step)
+        old = self.trainer.scored_logprobs() if fused else batch.old_logprobs
+        assert old is not None
         with _timed(timings, "update_weights"):
             self.sync_weights()
         timings["step"] = time.perf_counter() - start
@@ -743,15 +750,26 @@ def policy_batch(
     return batch, rewards, advantages
 
 
+def single_update(config: JobConfig, samples: list[Sample]) -> bool:
+    """Whether `ppo_update` makes exactly one optimizer step over the whole batch."""
+    prompts = len({s.prompt_index for s in samples})
+    return config.actor.ppo_epochs == 1 and _prompts_per_mini_batch(config, prompts) >= prompts
+
+
+def _prompts_per_mini_batch(config: JobConfig, prompts: int) -> int:
+    # A batch can hold more or fewer prompts than train_batch_size (dynamic sampling,
+    # over-sampling): mini-batches keep their share of it.
+    mini = config.actor.ppo_mini_batch_size
+    return max(1, prompts * mini // max(1, config.data.train_batch_size))
+
+
 def ppo_update(
     config: JobConfig, trainer: Trainer, batch: PolicyBatch, samples: list[Sample], step: int
 ) -> dict[str, float]:
     """`ppo_epochs` passes over mini-batches of whole prompt groups."""
     actor = config.actor
     prompts = sorted({s.prompt_index for s in samples})
-    per_mini = max(
-        1, len(prompts) * actor.ppo_mini_batch_size // max(1, config.data.train_batch_size)
-    )
+    per_mini = _prompts_per_mini_batch(config, len(prompts))
     rng = np.random.default_rng(config.trainer.seed * 7919 + step)
     sums: dict[str, list[float]] = {}
     for _ in range(actor.ppo_epochs):

@@ -20,9 +20,11 @@ _FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "behaviour_logpro
 class PolicyBatch:
     """One optimizer step's samples. Optional logprob fields are computed by the trainer.
 
-    old_logprobs: the logprobs the ratio is taken against. None means on-policy: the trainer
-        scores the batch with its current weights before the update (verl's `old_log_prob`);
-        in decoupled PPO this is the *proximal* policy.
+    old_logprobs: the logprobs the ratio is taken against. None means on-policy: the policy
+        before the update, which the trainer takes from the update's own forward (detached;
+        the ratio is 1 with the policy gradient's gradient), so it costs no scoring pass. Give
+        them (verl's `old_log_prob`) when one batch feeds several optimizer steps; in decoupled
+        PPO this is the *proximal* policy.
     ref_logprobs: reference-policy logprobs for the KL loss; None lets the trainer's frozen
         reference compute them.
     behaviour_logprobs: the logprobs the sample was generated with (decoupled PPO only).

@@ -86,6 +86,8 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        # This rank's on-policy logprobs of the last train_step, and that batch's size.
+        self._scored: tuple[dict[int, torch.Tensor], int] | None = None
 
     # ---- building -------------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class Trainer:
             ids = [batch.input_ids[i] for i in mb] or [_DUMMY_IDS]
             logp, _ = self._forward(model, ids)
             for row, i in enumerate(mb):
-                out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu()
+                out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu().clone()
         return out
 
     def compute_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
@@ -166,12 +168,26 @@ class Trainer:
         Every rank scores its share; the full list is returned on every rank.
         """
         batch.validate()
-        local = self._score(self.model, batch, self._plan(batch))
+        return self._gather(self._score(self.model, batch, self._plan(batch)), len(batch))
+
+    def scored_logprobs(self) -> list[torch.Tensor]:
+        """The logprobs the last on-policy `train_step` took its ratio against (the policy
+        before that update, from the update's own forward), all samples, on every rank; in the
+        layout `compute_logprobs` returns. Collective over the trainer's ranks."""
+        if self._scored is None:
+            raise RuntimeError(
+                "no on-policy logprobs to return: the last train_step was given old_logprobs "
+                "(or none ran yet); use compute_logprobs"
+            )
+        local, n = self._scored
+        return self._gather(local, n)
+
+    def _gather(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
         if self.group.pg is not None:
             shares: list[dict[int, torch.Tensor] | None] = [None] * self.group.size
             dist.all_gather_object(shares, local, group=self.group.pg)
             local = {i: t for share in shares if share for i, t in share.items()}
-        return [local[i] for i in range(len(batch))]
+        return [local[i] for i in range(n)]
 
     # ---- training -------------------------------------------------------------------------
 
@@ -183,8 +199,12 @@ class Trainer:
         num_tokens = float(sum(int(m.sum()) for m in batch.loss_mask))
         num_seqs = float(sum(bool(m.any()) for m in batch.loss_mask))
         micro_batches = self._plan(batch)
-        # On-policy (no old logprobs given): score with the weights before this update.
-        old = self._given(batch.old_logprobs) or self._score(self.model, batch, micro_batches)
+        # On-policy (no old logprobs given) the policy before this update is the one each
+        # micro-batch's forward runs (the optimizer steps after the last one): its detached
+        # logprobs are the old logprobs, and no separate scoring pass is needed.
+        old = self._given(batch.old_logprobs)
+        scored: dict[int, torch.Tensor] | None = {} if old is None else None
+        self._scored = None
         ref = None
         if cfg.use_kl_loss:
             assert self.reference is not None
@@ -194,10 +214,12 @@ class Trainer:
 
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         for mb in micro_batches:
-            loss, mb_sums = self._micro_step(batch, mb, old, ref, num_tokens, num_seqs)
+            loss, mb_sums = self._micro_step(batch, mb, old, scored, ref, num_tokens, num_seqs)
             # FSDP averages gradients over ranks; the loss is already a share of the global one.
             (loss * self.group.size).backward()
             sums += mb_sums
+        if scored is not None:
+            self._scored = (scored, len(batch))
         grad_norm = self._clip_grad_norm()
         if self.group.pg is not None:
             dist.all_reduce(sums, group=self.group.pg)
@@ -238,27 +260,36 @@ class Trainer:
         self,
         batch: PolicyBatch,
         mb: list[int],
-        old: dict[int, torch.Tensor],
+        old: dict[int, torch.Tensor] | None,
+        scored: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
         num_tokens: float,
         num_seqs: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward one micro-batch; return its share of the step loss and its metric sums."""
+        """Forward one micro-batch; return its share of the step loss and its metric sums.
+        With `old` None (on-policy) the ratio is taken against this forward's own detached
+        logprobs, which are also recorded into `scored`."""
         cfg = self.config
         if mb:
             ids = [batch.input_ids[i] for i in mb]
             mask_list = [batch.loss_mask[i] for i in mb]
             adv_list = [batch.advantages[i] for i in mb]
-            old_list = [old[i] for i in mb]
         else:  # keeps this rank in step with FSDP's collectives; contributes exactly zero
             ids, mask_list = [_DUMMY_IDS], [torch.zeros(2, dtype=torch.bool)]
-            adv_list = old_list = [torch.zeros(2)]
+            adv_list = [torch.zeros(2)]
         longest = max(int(t.numel()) for t in ids)
 
         def pad(values: list[torch.Tensor]) -> torch.Tensor:
             return pad_field([v.float() for v in values], longest).to(self.device)
 
         logp, entropy = self._forward(self.model, ids)
+        if old is None:
+            old_logp = logp.detach().float()
+            assert scored is not None
+            for row, i in enumerate(mb):
+                scored[i] = old_logp[row, : batch.input_ids[i].numel()].cpu().clone()
+        else:
+            old_logp = pad([old[i] for i in mb] or [torch.zeros(2)])
         mask = pad_field(mask_list, longest, False).to(self.device)
         behaviour = None
         if batch.behaviour_logprobs is not None:
@@ -269,7 +300,7 @@ class Trainer:
 
         pg_loss, stats = policy_loss(
             logp,
-            pad(old_list),
+            old_logp,
             pad(adv_list),
             mask,
             clip_ratio_low=cfg.clip_ratio_low,
