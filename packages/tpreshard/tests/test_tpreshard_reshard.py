@@ -10,7 +10,8 @@ import torch.distributed as dist
 from multirank import run_ranks
 from torch import nn
 
-from patrl.tpreshard import GroupCache, ParallelLayout, ShardSpec, reshard_, shard_tensor
+from patrl.tpreshard import GroupCache, ParallelLayout, ShardSpec, index_map, reshard_, shard_tensor
+from patrl.tpreshard.reshard import copy_plan
 from patrl.tpreshard.shard import ShardPart
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 7, 8, 4, 2, 2
@@ -118,3 +119,68 @@ def test_growing_from_tp1_narrows_without_communication() -> None:
         assert all(torch.equal(p.data, want[n]) for n, p in toy.named_parameters())
         assert stats.bytes_received == 0 and stats.bytes_after < stats.bytes_before
         assert _input_major_kept(toy)
+
+
+def _slow_plan(
+    spec: ShardSpec, rows: int, src_tp: int, dst_rank: int, dst_tp: int
+) -> list[tuple[int, int, int, int]]:
+    """The per-row twin of copy_plan: each local row's owner, then a walk that extends a run
+    while the next row is the next row of the same source."""
+    owner = []
+    for d in index_map(spec, rows, dst_rank, dst_tp).tolist():
+        found = (-1, -1)
+        for r in reversed(range(src_tp)):  # the lowest rank holding the row wins
+            local = index_map(spec, rows, r, src_tp).tolist()
+            if d >= 0 and d in local:
+                found = (r, local.index(d))
+        owner.append(found)
+    runs, i = [], 0
+    while i < len(owner):
+        r, w = owner[i]
+        n = 1
+        while i + n < len(owner) and owner[i + n] == (r, w + n):
+            n += 1
+        if r >= 0:
+            runs.append((i, r, w, n))
+        i += n
+    return runs
+
+
+def _plan_cases() -> list[tuple[str, ShardSpec, int]]:
+    cases = [
+        (n, spec, shape[spec.dim]) for n, (spec, shape) in _specs().items() if spec.dim is not None
+    ]
+    return [
+        *cases,
+        ("gqa_qkv", ShardSpec.qkv(16, 4, 8), (16 + 2 * 4) * 8),  # kv replicated at tp 8
+        ("vocab_odd", ShardSpec.vocab(), 1001),  # padding on the last rank at every tp > 1
+    ]
+
+
+@pytest.mark.parametrize(("name", "spec", "rows"), _plan_cases(), ids=[c[0] for c in _plan_cases()])
+def test_copy_plan_equals_the_per_row_walk(name: str, spec: ShardSpec, rows: int) -> None:
+    sizes = [1, 2, 4, 8] if name in ("gqa_qkv", "vocab_odd") else [1, 2, 4]
+    for src_tp, dst_tp in itertools.permutations(sizes, 2):
+        for dst_rank in range(dst_tp):
+            fast = copy_plan(spec, rows, src_tp, dst_rank, dst_tp)
+            assert fast == _slow_plan(spec, rows, src_tp, dst_rank, dst_tp), (src_tp, dst_tp)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_copying_by_the_plan_equals_a_fresh_cut(transposed: bool) -> None:
+    # The twin's plan applied row by row from the source shards gives the destination's cut,
+    # for every spec kind, row-major or input-major (the planner and the copy agree).
+    for name, spec, rows in _plan_cases():
+        dim = spec.dim
+        assert dim is not None
+        shape = (rows, 6) if dim == 0 else (6, rows)
+        full = _full(name, shape)
+        for src_tp, dst_tp in itertools.permutations([1, 2, 4], 2):
+            shards = [shard_tensor(full, spec, r, src_tp) for r in range(src_tp)]
+            for dst_rank in range(dst_tp):
+                want = shard_tensor(full, spec, dst_rank, dst_tp)
+                got = torch.zeros(want.shape[::-1]).t() if transposed else torch.zeros(want.shape)
+                for i, r, w, n in copy_plan(spec, rows, src_tp, dst_rank, dst_tp):
+                    for k in range(n):
+                        got.select(dim, i + k).copy_(shards[r].select(dim, w + k))
+                assert torch.equal(got, want), (name, src_tp, dst_tp, dst_rank)
