@@ -239,3 +239,19 @@ def test_worker_that_cannot_start_fails_loudly(monkeypatch: pytest.MonkeyPatch) 
     assert not any(_alive(pid) for pid in pids), "the failed pool was not shut down"
     with pytest.raises(RuntimeError, match="closed"):
         manager.score(["a"], ["a"])
+
+
+def test_pool_chunks_keep_every_other_call_when_one_misbehaves(pool: RewardManager) -> None:
+    # 48 samples x 2 functions: calls go to the workers in chunks, so a crash, a hang and an
+    # unpicklable meta land in the middle of one; the rest of that chunk must still be scored.
+    responses = [f"\\boxed{{{i}}}" for i in range(48)]
+    responses[5], responses[20], responses[33] = "exit now", "hang on", "raise it"
+    answers = [str(i) for i in range(48)]
+    metas: list[dict[str, Any]] = [{} for _ in range(48)]
+    metas[40] = {"bonus": lambda: 1.0}  # cannot be sent to a worker
+    result = pool.score(responses, answers, metas)
+    assert result.error_counts() == {"exception": 3, "timeout": 1, "invalid": 0, "crash": 1}
+    failed = {5, 20, 33, 40}
+    assert {e.sample for e in result.errors} == failed
+    assert "cannot send to worker" in next(e for e in result.errors if e.sample == 40).message
+    assert result.rewards == [0.0 if i in failed else 1.0 for i in range(48)]

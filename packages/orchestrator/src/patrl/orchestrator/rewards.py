@@ -5,8 +5,9 @@ Every reward function has one signature, `fn(response: str, answer: str, **meta)
 `meta` is the prompt's extra metadata; a function that does not take `**kwargs` is passed only
 the meta keys it names. A spec is a built-in name (`math_verify`, `format`) or `module:function`.
 
-`RewardManager` scores a batch in spawned worker processes, one call (one function on one
-sample) at a time per worker, each under a deadline. A call that raises, outlives the deadline,
+`RewardManager` scores a batch in spawned worker processes. A worker is handed a chunk of
+calls (one function on one sample each) per message, runs them in order and answers each as it
+finishes; every call has its own deadline. A call that raises, outlives the deadline,
 returns something that is not a finite number, or kills its worker is recorded per sample as an
 error of kind exception / timeout / invalid / crash: the sample's reward is 0.0, the rest of the
 batch is scored normally, and a timed-out or dead worker is replaced. `num_workers=0` runs calls
@@ -31,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import lru_cache
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
@@ -52,11 +54,17 @@ def math_verify_reward(response: str, answer: str, **meta: Any) -> float:
     # (so math-verify's "timeout is disabled" warning is noise for us).
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
+    gold = _parse_gold(answer)
     if not gold:
         return 0.0
     prediction = parse(response, parsing_timeout=None)
-    return 1.0 if verify(gold, prediction, timeout_seconds=None) else 0.0
+    return 1.0 if verify(list(gold), prediction, timeout_seconds=None) else 0.0
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(answer: str) -> tuple[Any, ...]:
+    # The n samples of a prompt share its gold answer: parsing it is half the cost of a call.
+    return tuple(parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None))
 
 
 def format_reward(response: str, answer: str, **meta: Any) -> float:
@@ -213,10 +221,10 @@ def _worker_main(conn: Connection, specs: list[str]) -> None:
         conn.send(("boot_error", _describe(e)))
         return
     conn.send(("ready", None))
-    while (task := conn.recv()) is not None:
-        fn_index, response, answer, meta = task
-        out = fns[fn_index](response, answer, meta)
-        conn.send(("done", (out.kind, out.score, dict(out.extras), out.message)))
+    while (chunk := conn.recv()) is not None:
+        for fn_index, response, answer, meta in chunk:
+            out = fns[fn_index](response, answer, meta)
+            conn.send(("done", (out.kind, out.score, dict(out.extras), out.message)))
 
 
 @dataclass(slots=True)
@@ -225,8 +233,14 @@ class _Worker:
     conn: Connection
     started: float
     ready: bool = False
-    task: tuple[int, int] | None = None  # (sample, function index) in flight
+    # (sample, function index) of the calls handed over and not answered yet, in the order
+    # the worker runs them; the deadline is the first one's.
+    tasks: deque[tuple[int, int]] = field(default_factory=deque)
     deadline: float = math.inf
+
+
+# Calls per message to a worker, at most.
+_MAX_CHUNK = 16
 
 
 class RewardManager:
@@ -261,6 +275,7 @@ class RewardManager:
         self._ctx = mp.get_context("spawn")
         self._workers = [self._start_worker() for _ in range(num_workers)]
         self._closed = False
+        self._chunk_limit = _MAX_CHUNK
 
     def __enter__(self) -> RewardManager:
         return self
@@ -349,12 +364,13 @@ class RewardManager:
         outcomes: dict[tuple[int, int], _Outcome | RewardError],
     ) -> None:
         pending = deque(tasks)
-        while pending or any(w.task for w in self._workers):
+        self._chunk_limit = _MAX_CHUNK
+        while pending or any(w.tasks for w in self._workers):
             for w in self._workers:
-                if w.ready and w.task is None and pending:
+                if w.ready and not w.tasks and pending:
                     self._dispatch(w, pending, samples, outcomes)
-            self._wait_and_collect(outcomes)
-            self._enforce_deadlines(outcomes)
+            self._wait_and_collect(pending, outcomes)
+            self._enforce_deadlines(pending, outcomes)
 
     def _dispatch(
         self,
@@ -363,25 +379,39 @@ class RewardManager:
         samples: tuple[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]],
         outcomes: dict[tuple[int, int], _Outcome | RewardError],
     ) -> None:
-        s, f = pending.popleft()
+        # Chunks amortise a message round trip over several calls (a math-verify call is about
+        # a millisecond); a few chunks per worker keep the workers evenly busy to the end.
+        size = min(self._chunk_limit, max(1, len(pending) // (4 * len(self._workers))))
+        chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
         responses, answers, metas = samples
+        message = [(f, responses[s], answers[s], dict(metas[s])) for s, f in chunk]
         try:
-            w.conn.send((f, responses[s], answers[s], dict(metas[s])))
+            w.conn.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            # The worker died while idle: not this sample's fault, so it goes back in line.
-            pending.appendleft((s, f))
+            # The worker died while idle: not these samples' fault, so they go back in line.
+            pending.extendleft(reversed(chunk))
             self._replace(w)
             return
-        except Exception as e:  # the sample's meta could not be pickled
+        except Exception as e:  # a meta could not be pickled (nothing was sent)
+            if len(chunk) > 1:  # find which: from now on one call per message
+                self._chunk_limit = 1
+                pending.extendleft(reversed(chunk))
+                return
+            s, f = chunk[0]
             outcomes[s, f] = self._error(
                 s, f, "exception", f"cannot send to worker: {_describe(e)}"
             )
             return
-        w.task, w.deadline = (s, f), time.monotonic() + self.timeout_s
+        w.tasks.extend(chunk)
+        w.deadline = time.monotonic() + self.timeout_s
 
-    def _wait_and_collect(self, outcomes: dict[tuple[int, int], _Outcome | RewardError]) -> None:
+    def _wait_and_collect(
+        self,
+        pending: deque[tuple[int, int]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
+    ) -> None:
         now = time.monotonic()
-        busy = [w for w in self._workers if w.task is not None]
+        busy = [w for w in self._workers if w.tasks]
         booting = [w for w in self._workers if not w.ready]
         deadlines = [w.deadline for w in busy] + [w.started + self.start_timeout_s for w in booting]
         timeout = max(0.0, min(deadlines, default=now) - now)
@@ -391,22 +421,28 @@ class RewardManager:
             try:
                 tag, payload = w.conn.recv()
             except (EOFError, OSError):
-                self._on_crash(w, outcomes)
+                self._on_crash(w, pending, outcomes)
                 continue
             if tag == "ready":
                 w.ready = True
             elif tag == "boot_error":
                 raise RuntimeError(f"reward worker failed to start: {payload}")
-            elif w.task is not None:
-                outcomes[w.task] = _Outcome(*payload)
-                w.task, w.deadline = None, math.inf
+            elif w.tasks:
+                outcomes[w.tasks.popleft()] = _Outcome(*payload)
+                # The worker starts its next call as it sends this answer.
+                w.deadline = time.monotonic() + self.timeout_s if w.tasks else math.inf
 
-    def _enforce_deadlines(self, outcomes: dict[tuple[int, int], _Outcome | RewardError]) -> None:
+    def _enforce_deadlines(
+        self,
+        pending: deque[tuple[int, int]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
+    ) -> None:
         now = time.monotonic()
         for w in self._workers:
-            if w.task is not None and now >= w.deadline:
-                s, f = w.task
+            if w.tasks and now >= w.deadline:
+                s, f = w.tasks.popleft()
                 outcomes[s, f] = self._error(s, f, "timeout", f"took longer than {self.timeout_s}s")
+                pending.extendleft(reversed(w.tasks))  # the rest of its chunk never ran
                 self._replace(w)
             elif not w.ready and now >= w.started + self.start_timeout_s:
                 raise RuntimeError(
@@ -415,19 +451,23 @@ class RewardManager:
                 )
 
     def _on_crash(
-        self, w: _Worker, outcomes: dict[tuple[int, int], _Outcome | RewardError]
+        self,
+        w: _Worker,
+        pending: deque[tuple[int, int]],
+        outcomes: dict[tuple[int, int], _Outcome | RewardError],
     ) -> None:
         w.process.join(timeout=1.0)
         code = w.process.exitcode
-        if w.task is None and not w.ready:
+        if not w.tasks and not w.ready:
             raise RuntimeError(
                 f"reward worker pid {w.process.pid} exited with {code} while starting (its error "
                 "is on stderr; under spawn, a script that makes a RewardManager needs the "
                 "`if __name__ == '__main__':` guard)"
             )
-        if w.task is not None:
-            s, f = w.task
+        if w.tasks:  # the call it was running killed it; the rest of its chunk never ran
+            s, f = w.tasks.popleft()
             outcomes[s, f] = self._error(s, f, "crash", f"worker process exited with code {code}")
+            pending.extendleft(reversed(w.tasks))
         self._replace(w)
 
     def _start_worker(self) -> _Worker:
@@ -443,7 +483,7 @@ class RewardManager:
         self._kill(w)
         fresh = self._start_worker()
         w.process, w.conn, w.started = fresh.process, fresh.conn, fresh.started
-        w.ready, w.task, w.deadline = False, None, math.inf
+        w.ready, w.tasks, w.deadline = False, deque(), math.inf
         self._restarts += 1
 
     @staticmethod
