@@ -35,7 +35,9 @@ all policies alike); reported: the median over repeats, and its ratio to the bes
 Also reported: every switch decision's predicted gain / overhead / finish against the measured
 overhead and finish (the measured gain is taken against the static (dp2, tp1) run of the same
 repeat, which runs the same schedule up to the switch); the control overhead (checks:
-summary all-gather, planner, broadcast) as a fraction of decode time; and the simulator fed
+summary all-gather, planner, broadcast) on the critical path (per check, the least time a rank
+with work spent in it: the rest is waiting for a busier replica) as a fraction of the busiest
+rank's decode time; and the simulator fed
 the measured lengths and the fitted latency model, simulated vs measured for every policy.
 Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of an adaptive long-tail
 rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check the script.
@@ -422,7 +424,8 @@ def rollout(
         "rank_s": [t for t, _ in times],
     }
     if policy.startswith("adaptive"):
-        for key in ("tp_control_s", "tp_decode_s", "tp_planner_s", "tp_reconfig_s", "tp_reset_s"):
+        keys = ("tp_control_s", "tp_decode_s", "tp_critical_control_s", "tp_critical_decode_s")
+        for key in (*keys, "tp_planner_s", "tp_reconfig_s", "tp_reset_s"):
             record[key] = stats[key] - before[key]
         record["switches"] = int(stats["tp_switches"] - before["tp_switches"])
         record["checks"] = int(stats["tp_checks"] - before["tp_checks"])
@@ -515,12 +518,19 @@ def summarise(
         if p.startswith("adaptive"):
             control = sum(r["tp_control_s"] for r in runs[p])
             decode = sum(r["tp_decode_s"] for r in runs[p])
+            critical = sum(r["tp_critical_control_s"] for r in runs[p])
+            critical_decode = sum(r["tp_critical_decode_s"] for r in runs[p])
             entry.update(
                 switches=[r["switches"] for r in runs[p]],
                 checks=[r["checks"] for r in runs[p]],
+                # rank 0's own check time, waiting for a busier replica included
                 control_s=control,
                 decode_s=decode,
-                control_fraction=control / decode if decode else None,
+                rank0_control_fraction=control / decode if decode else None,
+                # what the checks added to the critical path (see ControlStats)
+                critical_control_s=critical,
+                critical_decode_s=critical_decode,
+                control_fraction=critical / critical_decode if critical_decode else None,
                 planner_s=sum(r["tp_planner_s"] for r in runs[p]),
                 reconfig_s=sum(r["tp_reconfig_s"] for r in runs[p]),
                 reset_s=sum(r["tp_reset_s"] for r in runs[p]),
@@ -695,7 +705,10 @@ def print_report(results: dict[str, Any]) -> None:
                 f"  {wname:10s} "
                 + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
             )
-        print("control overhead (control / decode time over the timed rollouts):")
+        print(
+            "control overhead on the critical path (per check the least time a working rank "
+            "spent in it, summed / the busiest rank's decode time):"
+        )
         for wname, w in res["workloads"].items():
             print(
                 f"  {wname:10s} "

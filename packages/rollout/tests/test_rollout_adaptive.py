@@ -21,7 +21,7 @@ from patrl.lenpredict import (
     RunningSet,
 )
 from patrl.lenpredict.planner import Option
-from patrl.rollout.adaptive import OracleLengths
+from patrl.rollout.adaptive import OracleLengths, critical_path
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
@@ -186,6 +186,8 @@ def _planned(rank: int, world_size: int, model_dir: str, paths: list[str]) -> li
                 "tps": [r["tp_size"] for r in stats["timeline"]],
                 "tokens": _tokens(outs),
                 "actions": [d["action"] for d in stats["tp_decisions"]],
+                "critical": (stats["tp_critical_control_s"], stats["tp_critical_decode_s"]),
+                "own": (stats["tp_control_s"], stats["tp_decode_s"]),
             }
         )
     return out
@@ -207,6 +209,19 @@ def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
         assert set(always["tps"]) == {2}
         assert never["tokens"] == always["tokens"]
     assert [r["actions"] for r in results[0]] == [r["actions"] for r in results[1]]
+    # The critical path is reduced over the ranks: the same everywhere, the busiest decode.
+    for a, b in zip(*results, strict=True):
+        assert a["critical"] == b["critical"] and a["critical"][0] > 0
+        assert a["critical"][1] == max(a["own"][1], b["own"][1])
+
+
+def test_critical_path_takes_the_last_rank_to_arrive_at_each_check() -> None:
+    nan = float("nan")
+    # check 1: rank 0 waited 0.5 s for rank 1, which spent 0.02 s; check 2: only rank 0 had
+    # work; check 3 (the last, everyone drained): no working rank, nothing on the path.
+    ranks = [([0.5, 0.01, nan], 3.0), ([0.02, nan, nan], 4.0)]
+    control, decode = critical_path(ranks)
+    assert control == pytest.approx(0.03) and decode == 4.0
 
 
 def test_plot_timeline(tmp_path: Path) -> None:

@@ -636,8 +636,9 @@ def _tp_metrics(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
     """This rollout's adaptive-TP activity (nothing under static TP)."""
     if "tp_switches" not in after:
         return {}
-    decode = after["tp_decode_s"] - before["tp_decode_s"]
-    control = after["tp_control_s"] - before["tp_control_s"]
+    # On the critical path: what the checks added to the busiest replica's decode time.
+    decode = after["tp_critical_decode_s"] - before["tp_critical_decode_s"]
+    control = after["tp_critical_control_s"] - before["tp_critical_control_s"]
     return {
         "rollout/tp_switches": after["tp_switches"] - before["tp_switches"],
         "rollout/tp_max": float(max((r["tp_size"] for r in after["timeline"]), default=1)),

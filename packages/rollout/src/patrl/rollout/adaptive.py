@@ -19,6 +19,7 @@ the rollout ends and the engine returns to the starting layout, so the next roll
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -130,10 +131,15 @@ class ControlStats:
     checks: int = 0
     switches: int = 0
     control_s: float = 0.0  # checks made with work pending: summary, planner, broadcast
+    # The same on the rollout's critical path: per check, the least time a rank with work
+    # spent in it (the last to arrive waits for no one; the others' extra is waiting for a
+    # busier replica, which the rollout spends anyway), summed; the same on every rank.
+    critical_control_s: float = 0.0
     planner_s: float = 0.0  # rank 0's planner calls (RunningSet building included)
     reconfig_s: float = 0.0
     reset_s: float = 0.0  # returning to the starting layout after a rollout
     decode_s: float = 0.0  # engine busy time during adaptive rollouts
+    critical_decode_s: float = 0.0  # per rollout, the busiest rank's decode_s, summed
 
     def as_dict(self) -> dict[str, float]:
         return {f"tp_{k}": float(getattr(self, k)) for k in self.__slots__}
@@ -154,6 +160,7 @@ class _Rollout:
     total_quota: int | None = None
     total_done: int = 0
     first_check: bool = True
+    check_s: list[float] = field(default_factory=list)  # each check's time; NaN: had no work
 
 
 class TPController:
@@ -211,7 +218,9 @@ class TPController:
             if engine.timeline and not engine.timeline[-1].is_prefill:
                 steps_left -= 1
         end = time.perf_counter()
-        self.stats.decode_s += engine.counters.busy_s - busy_before
+        decode = engine.counters.busy_s - busy_before
+        self.stats.decode_s += decode
+        self._add_critical_path(rollout.check_s, decode)
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
@@ -255,8 +264,10 @@ class TPController:
         verdict = self._decide(summaries, tp, rollout) if self._rank() == 0 else None
         verdict = self._broadcast(verdict)
         self.stats.checks += 1
+        spent = time.perf_counter() - t0
+        rollout.check_s.append(spent if had_work else math.nan)
         if had_work:
-            self.stats.control_s += time.perf_counter() - t0
+            self.stats.control_s += spent
         if verdict.record is not None:
             verdict.record.t = time.perf_counter() - rollout.start  # this rank's clock
             rollout.records.append(verdict.record)
@@ -358,6 +369,16 @@ class TPController:
         if verdict.record is not None:
             verdict.record.measured_overhead_s = spent
 
+    def _add_critical_path(self, check_s: list[float], decode_s: float) -> None:
+        """One small collective at the end of a rollout (every rank made the same checks)."""
+        ranks = [(check_s, decode_s)]
+        if self.world is not None:
+            ranks = [([], 0.0)] * dist.get_world_size(self.world)
+            dist.all_gather_object(ranks, (check_s, decode_s), group=self.world)
+        control, decode = critical_path(ranks)
+        self.stats.critical_control_s += control
+        self.stats.critical_decode_s += decode
+
     # ---------------------------------------------------------- collectives
 
     def _rank(self) -> int:
@@ -378,6 +399,16 @@ class TPController:
         dist.broadcast_object_list(box, group=self.world, group_src=0)
         assert box[0] is not None
         return box[0]
+
+
+def critical_path(ranks: list[tuple[list[float], float]]) -> tuple[float, float]:
+    """(control, decode) seconds of a rollout on its critical path, from each rank's (time of
+    each check, NaN where it had no work; decode time): per check the least time a working
+    rank spent in it, summed, and the busiest rank's decode time."""
+    control = 0.0
+    for times in zip(*(c for c, _ in ranks), strict=True):
+        control += min((t for t in times if not math.isnan(t)), default=0.0)
+    return control, max(d for _, d in ranks)
 
 
 def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
