@@ -20,8 +20,9 @@ load drift on a shared machine hits both alike; the per-step ratio of each adjac
 reported beside the ratio of medians. Step 1 of each is a warm-up; the table reports medians of
 the next --steps steps. A step is, for TRL, on_step_begin -> on_step_end (generation with HF
 `generate`, rewards, advantages, loss, backward, optimizer step); for patrl,
-`SyncGRPO.train_one_step` (generation on its engine, rewards, advantages, the old-logprob pass,
-the update, the weight sync into the engine). Columns: gen+score = generation and rewards (TRL:
+`SyncGRPO.train_one_step` (generation on its engine, rewards, advantages, the update, the
+weight sync into the engine; one optimizer step per batch, so, as in TRL, the old logprobs come
+from the update's own forward and there is no separate scoring pass). Columns: gen+score = generation and rewards (TRL:
 its `_generate_and_score_completions`, which also computes advantages), train = the rest of the
 step; resp len / max = mean / longest response of the step in tokens (EOS included on both
 sides), so a reader can see the work was comparable; resp tok/s = response tokens of the step /
