@@ -70,6 +70,11 @@ def test_export_import_round_trip_is_bit_identical(dst_block_size: int) -> None:
     fill(dst, 7, [5, 5, 5, 5, 5])  # the destination is not empty
     dst.import_(0, exported)
     assert dst.blocks.num_uncomputed(0) == 2
+    # The all-layer export and import agree with the per-layer gathers (their slow twin).
+    for cache in (src, dst):
+        for layer in range(3):
+            ks, vs = cache.gather(layer, [cache.blocks.block_table(0)], [21])
+            assert torch.equal(ks[0], exported.k[layer]) and torch.equal(vs[0], exported.v[layer])
     again = dst.export(0)
     assert torch.equal(again.k, exported.k) and torch.equal(again.v, exported.v)
     assert again.token_ids == exported.token_ids
@@ -116,3 +121,43 @@ def test_import_without_room_is_refused_before_touching_anything() -> None:
     with pytest.raises(RuntimeError, match="check can_import first"):
         dst.import_(0, src.export(0))
     assert dst.blocks.num_free_blocks == 3 and not dst.blocks.has(0)
+
+
+def _written_kv(cache: PagedKVCache, seqs: dict[int, list[int]]) -> list[torch.Tensor]:
+    out = []
+    for seq, tokens in seqs.items():
+        table = [cache.blocks.block_table(seq)]
+        for layer in range(cache.spec.num_layers):
+            ks, vs = cache.gather(layer, table, [len(tokens)])
+            out += [ks[0], vs[0]]
+    return out
+
+
+def test_a_new_layout_takes_over_a_large_enough_pool_and_works_like_a_fresh_cache() -> None:
+    old = make_cache(heads=4, num_blocks=32)
+    fill(old, 0, list(range(40)))  # stale KV the new cache must not need zeroed
+    pool = old.pool.data_ptr()
+    spec = old.spec.with_heads(2)  # tp 1 -> 2: half the heads, twice the blocks, same bytes
+    new = PagedKVCache(spec, 64, head_start=2, num_total_kv_heads=4, reuse=old)
+    assert new.pool.data_ptr() == pool and new.nbytes == new.pool.nbytes
+    assert old.k == [] and old.v == [] and old.pool.numel() == 0  # unusable, not aliased
+    twin = PagedKVCache(spec, 64, head_start=2, num_total_kv_heads=4)  # fresh zeros
+    seqs = {1: list(range(7)), 2: list(range(100, 123))}
+    for cache in (new, twin):
+        for seq, tokens in seqs.items():
+            fill(cache, seq, tokens)
+    assert all(map(torch.equal, _written_kv(new, seqs), _written_kv(twin, seqs)))
+    assert all(t.isfinite().all() for t in (*new.k, *new.v))
+
+
+def test_a_smaller_pool_fits_in_a_taken_over_one_and_a_larger_is_fresh_zeros() -> None:
+    old = make_cache(heads=4, num_blocks=32)
+    fill(old, 0, list(range(40)))
+    ptr, numel = old.pool.data_ptr(), old.pool.numel()
+    small = PagedKVCache(old.spec.with_heads(2), 32, head_start=0, num_total_kv_heads=4, reuse=old)
+    assert small.pool.data_ptr() == ptr and small.nbytes == small.pool.nbytes // 2
+    fill(small, 3, list(range(9)))
+    big = PagedKVCache(small.spec.with_heads(4), 64, reuse=small)  # needs more than the pool
+    # A fresh pool of exactly its size (the freed one's address may well be reused), zeroed.
+    assert big.pool.numel() == 2 * numel and small.pool.numel() == 0
+    assert all(t.eq(0).all() for t in (*big.k, *big.v))

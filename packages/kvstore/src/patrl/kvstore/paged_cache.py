@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -18,6 +19,9 @@ class PagedKVCache:
     describe the same blocks. Under tensor parallelism every rank of a group holds the same
     block layout and its own slice of the KV heads, `[head_start, head_start + kv_heads)` of
     the model's `num_total_kv_heads`.
+
+    Every layer's K and V are views of one flat pool, so a cache for another layout can take
+    over this one's pool (`reuse=`) instead of allocating and zeroing a new one.
     """
 
     def __init__(
@@ -27,7 +31,11 @@ class PagedKVCache:
         enable_prefix_caching: bool = True,
         head_start: int = 0,
         num_total_kv_heads: int | None = None,
+        reuse: PagedKVCache | None = None,
     ) -> None:
+        """`reuse`: a cache whose contents are no longer needed (e.g. the old layout's, once
+        its sequences are exported); its pool is taken over when large enough, else released
+        before the new one is allocated. Either way `reuse` is left empty and unusable."""
         self.spec = spec
         self.blocks = BlockManager(num_blocks, spec.block_size, enable_prefix_caching)
         self.head_start = head_start
@@ -38,13 +46,20 @@ class PagedKVCache:
                 f"num_total_kv_heads={self.num_total_kv_heads}"
             )
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # Zeros, not empty: gathered padding is masked out of attention, but 0 * NaN is NaN.
-        self.k = [
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
-        ]
+        numel = 2 * spec.num_layers * math.prod(shape)
+        self.pool = _take_pool(reuse, numel, spec)
+        # [k|v, layer, slot, head, dim]: every layer at once, for export and import.
+        self._slots = self.pool[:numel].view(2, spec.num_layers, -1, *shape[2:])
+        k, v = self.pool[:numel].view(2, spec.num_layers, *shape).unbind(0)
+        self.k = list(k.unbind(0))
+        self.v = list(v.unbind(0))
+
+    def release(self) -> torch.Tensor:
+        """Give up the pool (returned): this cache holds no tensors afterwards."""
+        pool = self.pool
+        self.pool = self._slots = pool.new_empty(0)
+        self.k, self.v = [], []
+        return pool
 
     @property
     def num_blocks(self) -> int:
@@ -56,6 +71,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the K and V blocks (the pool may be larger when it was taken over)."""
         return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
 
     # ------------------------------------------------------------- tensor ops
@@ -123,18 +139,13 @@ class PagedKVCache:
     # ------------------------------------------------------- export / import
 
     def export(self, seq_id: Hashable) -> SequenceKV:
-        """A contiguous copy of a sequence's computed KV, with its token ids."""
-        table = self.blocks.block_table(seq_id)
-        n = self.blocks.num_computed(seq_id)
-        ks, vs = [], []
-        for layer in range(self.spec.num_layers):
-            k, v = self.gather(layer, [table], [n])
-            ks.append(k[0])
-            vs.append(v[0])
+        """A contiguous copy of a sequence's computed KV, with its token ids: one gather of
+        its slots over every layer (per-layer gathers, a stack and a clone copied it 3 times)."""
+        index = self._slot_index(seq_id, 0, self.blocks.num_computed(seq_id))
         return SequenceKV(
             tuple(self.blocks.token_ids(seq_id)),
-            torch.stack(ks).clone(),
-            torch.stack(vs).clone(),
+            self._slots[0].index_select(1, index),
+            self._slots[1].index_select(1, index),
             self.head_start,
             self.num_total_kv_heads,
         )
@@ -158,11 +169,19 @@ class PagedKVCache:
         cached = self.blocks.allocate(seq_id, kv.token_ids)
         start = min(cached, kv.num_computed)
         if kv.num_computed > start:
-            slots = self.blocks.slot_mapping(seq_id, start, kv.num_computed)
-            index = torch.as_tensor(slots, dtype=torch.long, device=self.spec.device)
-            for layer in range(self.spec.num_layers):
-                self.write(layer, index, kv.k[layer, start:], kv.v[layer, start:])
+            index = self._slot_index(seq_id, start, kv.num_computed)
+            self._slots[0].index_copy_(1, index, kv.k[:, start:])  # every layer at once
+            self._slots[1].index_copy_(1, index, kv.v[:, start:])
         self.blocks.mark_computed(seq_id, max(0, kv.num_computed - cached))
+
+    def _slot_index(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
+        """BlockManager.slot_mapping as a tensor, computed per block rather than per token."""
+        bs = self.spec.block_size
+        table = torch.as_tensor(self.blocks.block_table(seq_id), dtype=torch.long)
+        slots = (table[:, None] * bs + torch.arange(bs)).flatten()
+        if not 0 <= start <= end <= len(self.blocks.token_ids(seq_id)):
+            self.blocks.slot_mapping(seq_id, start, end)  # raises, naming the range
+        return slots[start:end].to(self.spec.device)
 
     def _check_importable(self, kv: SequenceKV) -> None:
         spec = self.spec
@@ -182,3 +201,19 @@ class PagedKVCache:
                 f"cache holds heads [{self.head_start}, {self.head_start + spec.num_kv_heads}); "
                 "slice with SequenceKV.heads() first"
             )
+
+
+def _take_pool(reuse: PagedKVCache | None, numel: int, spec: KVCacheSpec) -> torch.Tensor:
+    """A flat pool of at least `numel` elements: `reuse`'s when it fits, else fresh zeros.
+
+    Zeros, not empty: gathered padding is masked out of attention, but 0 * NaN is NaN. A
+    taken-over pool needs no zeroing: it holds zeros and KV the model wrote, all finite, the
+    stale contents a freed block already hands to its next sequence, and an unwritten slot is
+    only ever read as masked padding. Skipping the zeroing skips touching every page of a new
+    pool, and the old pool is never alive beside a new one."""
+    if reuse is not None:
+        pool = reuse.release()
+        if pool.dtype == spec.dtype and pool.device == spec.device and pool.numel() >= numel:
+            return pool
+        del pool  # released before the new pool is allocated: one pool alive at a time
+    return torch.zeros(numel, dtype=spec.dtype, device=spec.device)

@@ -191,7 +191,9 @@ class Engine:
         )
         return start
 
-    def _build_cache(self) -> PagedKVCache:
+    def _build_cache(self, reuse: PagedKVCache | None = None) -> PagedKVCache:
+        """The KV cache at the current layout; `reuse`: a cache whose contents are dead, whose
+        storage the new one takes over when large enough (see PagedKVCache)."""
         mc, tp, config = self.model.config, self.layout.tp_size, self.config
         if mc.num_kv_heads >= tp:
             local_heads = mc.num_kv_heads // tp
@@ -212,7 +214,7 @@ class Engine:
                 "or lower max_model_len"
             )
         return PagedKVCache(
-            spec, num_blocks, config.enable_prefix_caching, head_start, mc.num_kv_heads
+            spec, num_blocks, config.enable_prefix_caching, head_start, mc.num_kv_heads, reuse
         )
 
     # ------------------------------------------------------------- requests
@@ -751,7 +753,8 @@ class Engine:
         self.layout = layout
         self._request_ids = itertools.count(max(next_request, self.next_request_number()))
         preemptions = self.scheduler.num_preemptions
-        self.cache = self._build_cache()
+        # Every sequence has left the old cache (exported) by now: its pool is dead storage.
+        self.cache = self._build_cache(reuse=self.cache)
         self.scheduler = Scheduler(
             self.cache.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
