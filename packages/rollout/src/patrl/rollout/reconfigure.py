@@ -197,6 +197,14 @@ def _kv_len(st: SequenceState) -> int:
     return 0 if st.kv is None else st.kv.num_computed
 
 
+def _head_view(kv: SequenceKV, start: int, end: int) -> SequenceKV:
+    """Heads [start, end) of `kv` without the copy `SequenceKV.heads` makes."""
+    lo, hi = start - kv.head_start, end - kv.head_start
+    return SequenceKV(
+        kv.token_ids, kv.k[:, :, lo:hi], kv.v[:, :, lo:hi], start, kv.num_total_kv_heads
+    )
+
+
 def _check_unique(gathered: list[list[str]]) -> None:
     seen: set[str] = set()
     for ids in gathered:
@@ -285,15 +293,19 @@ def _exchange(
     for index, m in enumerate(moves):
         if me not in (m.src, m.dst):
             continue
-        if m.src == m.dst:
-            kv = mine[m.key]
-            received.setdefault(m.key, []).append(kv.heads(m.lo, m.hi))
+        if m.src == m.dst:  # a view: the import copies it into the cache, once
+            received.setdefault(m.key, []).append(_head_view(mine[m.key], m.lo, m.hi))
             continue
         n = keep[m.key][0]
         if m.src == me:
             kv = mine[m.key]
-            part = kv.heads(m.lo, m.hi)
-            buf = torch.stack([part.k, part.v]).permute(2, 0, 1, 3, 4).contiguous()
+            lo, hi = m.lo - kv.head_start, m.hi - kv.head_start
+            # One strided copy each of k and v into the message (heads() + stack + permute
+            # made three).
+            shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
+            buf = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
+            buf[:, 0].copy_(kv.k[:, :, lo:hi].transpose(0, 1))
+            buf[:, 1].copy_(kv.v[:, :, lo:hi].transpose(0, 1))
             report.kv_bytes_sent += buf.nbytes
         else:
             shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
