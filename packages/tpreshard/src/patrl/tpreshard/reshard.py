@@ -19,6 +19,7 @@ Copies only, so the result equals a fresh load bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> Res
     for p, _, rows in plans:  # validate every cut first: a failure leaves the module untouched
         spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
         if spec.dim is not None:
-            index_map(spec, rows, dst.tp_rank, dst.tp_size)
+            _dst_rows(spec, rows, dst.tp_rank, dst.tp_size)
     stats = ReshardStats(num_params=len(plans))
     live = stats.bytes_before = sum(p.nbytes for p, _, _ in plans)
     stats.peak_bytes = live
@@ -94,11 +95,9 @@ def _recut(
     old = p.data
     dim = spec.dim
     assert dim is not None
-    dst_map = index_map(spec, rows, dst.tp_rank, dst.tp_size)
     new_shape = list(old.shape)
-    new_shape[dim] = dst_map.numel()
     # Padding rows (vocabulary past its end) are zeros, as in a fresh load.
-    zeros = bool((dst_map < 0).any())
+    new_shape[dim], zeros = _dst_rows(spec, rows, dst.tp_rank, dst.tp_size)
     transposed = is_input_major(old)  # its re-cut is stored the same way
     runs = copy_plan(spec, rows, src.tp_size, dst.tp_rank, dst.tp_size)
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
@@ -129,9 +128,20 @@ def _alloc(like: torch.Tensor, shape: list[int], zeros: bool, transposed: bool) 
     return make(shape, dtype=like.dtype, device=like.device)
 
 
+@functools.lru_cache(maxsize=1024)
+def _dst_rows(spec: ShardSpec, rows: int, dst_rank: int, dst_tp: int) -> tuple[int, bool]:
+    """(local rows, whether some are padding) of rank `dst_rank` of `dst_tp`; raises when the
+    spec cannot be cut so. Cached, as copy_plan."""
+    dst_map = index_map(spec, rows, dst_rank, dst_tp)
+    return dst_map.numel(), bool((dst_map < 0).any())
+
+
+# Cached: every layer of a model repeats the same few (spec, rows) pairs, and an engine moves
+# between the same layouts again and again; a plan is a few tuples.
+@functools.lru_cache(maxsize=1024)
 def copy_plan(
     spec: ShardSpec, rows: int, src_tp: int, dst_rank: int, dst_tp: int
-) -> list[tuple[int, int, int, int]]:
+) -> tuple[tuple[int, int, int, int], ...]:
     """How rank `dst_rank` of `dst_tp` builds its shard from the `src_tp` source shards: runs
     `(start, source rank, source row, length)` along the split dimension, maximal, in order;
     padding rows are in no run. The lowest source rank holding a row sends it.
@@ -146,7 +156,7 @@ def copy_plan(
         held = (dst_map >= 0) & (where >= 0)
         rank[held] = r
         row[held] = where[held]
-    return _runs(rank, row)
+    return tuple(_runs(rank, row))
 
 
 def _runs(rank: torch.Tensor, row: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -173,7 +183,7 @@ def _runs(rank: torch.Tensor, row: torch.Tensor) -> list[tuple[int, int, int, in
 
 
 def _copy_runs(
-    new: torch.Tensor, source: torch.Tensor, dim: int, runs: list[tuple[int, int, int, int]]
+    new: torch.Tensor, source: torch.Tensor, dim: int, runs: tuple[tuple[int, int, int, int], ...]
 ) -> None:
     """new[i : i + n] = source[r][w : w + n] (source[w : w + n] for a single tensor) along
     `dim`, for each run (i, r, w, n): a handful of memcpy-like copies per parameter."""
