@@ -53,7 +53,7 @@ from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
 from patrl.rollout.tp_policy import AdaptiveTP
-from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
+from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -412,8 +412,7 @@ class Engine:
         if layout.tp_size == 1:
             return out
         mine = torch.stack([out.tokens.double(), out.logprobs.double()]).cpu()
-        first = mine.clone()
-        dist.broadcast(first, group=layout.tp_group, group_src=0)
+        first = tp_broadcast(layout, mine.clone(), src=0)
         if not torch.equal(first, mine):
             raise RuntimeError(
                 f"TP rank {layout.tp_rank} sampled differently from its group's first rank: "

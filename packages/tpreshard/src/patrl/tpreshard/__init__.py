@@ -1,5 +1,13 @@
 """patrl.tpreshard: parallel layouts as data, and how parameters are cut across TP ranks."""
 
+from patrl.tpreshard.comm import (
+    CollectiveTimeout,
+    ShmComm,
+    shm_supported,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_broadcast,
+)
 from patrl.tpreshard.groups import GroupCache
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.reshard import ReshardStats, index_map, reshard_
@@ -15,18 +23,24 @@ from patrl.tpreshard.shard import (
 )
 
 __all__ = [
+    "CollectiveTimeout",
     "GroupCache",
     "ParallelLayout",
     "ReshardStats",
     "ShardKind",
     "ShardPart",
     "ShardSpec",
+    "ShmComm",
     "head_range",
     "index_map",
     "load_full",
     "reshard_",
     "shard_part",
     "shard_tensor",
+    "shm_supported",
     "single_process_layout",
+    "tp_all_gather",
+    "tp_all_reduce",
+    "tp_broadcast",
     "vocab_range",
 ]

@@ -8,6 +8,9 @@ lazily: `GroupCache` builds the TP and DP groups of every candidate layout at st
 TP groups are consecutive ranks (`[0..tp)`, `[tp..2tp)`, ...), which keeps a TP group inside a
 node whenever `tp` divides the node's size (`LOCAL_WORLD_SIZE`); DP groups join the ranks with
 the same TP rank.
+
+A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`, the default): its
+per-step collectives then go through shared memory instead of gloo (patrl.tpreshard.comm).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from patrl.tpreshard.comm import ShmComm, shm_supported
 from patrl.tpreshard.layout import ParallelLayout
+
+TP_COMM_CHOICES = ("auto", "shm", "process_group")
 
 __all__ = ["GroupCache"]
 
@@ -34,11 +40,14 @@ class GroupCache:
         local_world_size: int | None = None,
         backend: str | None = None,
         timeout: timedelta | None = None,
+        tp_comm: str = "auto",
     ) -> None:
         self.world_size = world_size if world_size is not None else dist.get_world_size()
         self.rank = rank if rank is not None else dist.get_rank()
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.candidates = sorted(set(candidate_tp_sizes))
+        if tp_comm not in TP_COMM_CHOICES:
+            raise ValueError(f"tp_comm must be one of {TP_COMM_CHOICES}, got {tp_comm!r}")
         for tp in self.candidates:
             if tp < 1 or self.world_size % tp:
                 raise ValueError(
@@ -60,6 +69,29 @@ class GroupCache:
                 self._create(ranks)
         # all ranks, for control traffic that spans layouts (often tp=1's DP group already)
         self._create(tuple(range(self.world_size)))
+        self._comms = self._create_comms(tp_comm, local)
+
+    def _create_comms(self, mode: str, local: int) -> dict[tuple[int, ...], ShmComm]:
+        """A ShmComm for this rank's TP group of every candidate size that can have one."""
+        comms: dict[tuple[int, ...], ShmComm] = {}
+        if mode == "process_group":
+            return comms
+        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 300.0
+        for tp in self.candidates:
+            ranks = self._tp_ranks(tp)[self.rank // tp]
+            if tp == 1:
+                continue
+            group = self._groups[ranks]
+            eligible = shm_supported() and tp <= local and str(dist.get_backend(group)) == "gloo"
+            if mode == "shm" and not eligible:
+                raise ValueError(
+                    f"tp_comm='shm' needs gloo TP groups inside one node on x86-64; TP size {tp} "
+                    f"(LOCAL_WORLD_SIZE={local}, backend {dist.get_backend(group)}) has none; "
+                    "use tp_comm='auto' or 'process_group'"
+                )
+            if eligible:
+                comms[ranks] = ShmComm(group, timeout_s=timeout_s, name=f"tp{tp}")
+        return comms
 
     def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:
         return [tuple(range(s, s + tp)) for s in range(0, self.world_size, tp)]
@@ -90,6 +122,7 @@ class GroupCache:
             dp_size=self.world_size // tp,
             dp_rank=self.rank // tp,
             dp_group=self._groups.get(dp_ranks),
+            tp_comm=self._comms.get(tp_ranks),
         )
 
     def world_group(self) -> Any:

@@ -7,8 +7,12 @@ the default process group, because in RL the trainer's world and the rollout's T
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from patrl.tpreshard.comm import ShmComm
 
 __all__ = ["ParallelLayout", "single_process_layout"]
 
@@ -23,6 +27,9 @@ class ParallelLayout:
     dp_size: int = 1
     dp_rank: int = 0
     dp_group: ProcessGroup | None = None
+    # The TP group's per-step collectives through shared memory (ranks on one host); None:
+    # they go through `tp_group`. See patrl.tpreshard.comm.
+    tp_comm: ShmComm | None = None
 
     def __post_init__(self) -> None:
         _check_axis("tp", self.tp_size, self.tp_rank, self.tp_group)

@@ -8,11 +8,10 @@ every TP rank holds the full logits and samples identically.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from patrl.rollout.layers.sharded import ShardedModule
-from patrl.tpreshard import ParallelLayout, ShardSpec, vocab_range
+from patrl.tpreshard import ParallelLayout, ShardSpec, tp_all_gather, tp_all_reduce, vocab_range
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -53,8 +52,7 @@ class VocabParallelEmbedding(ShardedModule):
         owned = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(owned, ids - self.vocab_start, 0)
         y = F.embedding(local, self.weight).masked_fill_(~owned.unsqueeze(-1), 0)
-        dist.all_reduce(y, group=self.layout.tp_group)
-        return y
+        return tp_all_reduce(self.layout, y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -64,9 +62,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        if self.layout.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.layout.tp_size)]
-            dist.all_gather(parts, logits.contiguous(), group=self.layout.tp_group)
-            logits = torch.cat(parts, dim=-1)
+        logits = tp_all_gather(self.layout, logits, dim=-1)
         # Drop the padding rows of the last rank's vocabulary block.
         return logits[..., : self.vocab_size]

@@ -7,11 +7,10 @@ column layers (qkv, gate_up) declare their parts so that each part is cut on its
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from patrl.rollout.layers.sharded import ShardedModule
-from patrl.tpreshard import ParallelLayout, ShardPart, ShardSpec
+from patrl.tpreshard import ParallelLayout, ShardPart, ShardSpec, tp_all_reduce
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -138,7 +137,6 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if self.layout.tp_size > 1:
-            dist.all_reduce(y, group=self.layout.tp_group)
+        tp_all_reduce(self.layout, y)
         # After the reduction, so the bias is counted once and not tp_size times.
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,315 @@
+"""The TP group's per-step collectives, and a shared-memory implementation for ranks on one host.
+
+A TP decode step makes a few small collectives per layer (an all-reduce after each row-parallel
+linear, an all-gather of the vocabulary-parallel logits). Over gloo each one costs 0.4 ms at
+the median and 4 ms at p90 on the 2-core CPU box (a blocked process waits for the kernel's
+4 ms tick to run again; research/feasibility.md §2), which is more than the memory traffic TP
+saves: TP=2 lost to one process at batch 1. `ShmComm` moves those bytes through a shared-memory
+file that every rank of the group maps, and waits by polling a counter instead of sleeping in
+the kernel (the busy-spinning all-reduce the feasibility study prototyped: 37 -> 22-29 ms per
+fp32 step at batch 1).
+
+The protocol, per collective (a "round" s = 1, 2, ...; one round per chunk of `slot_bytes`):
+each rank copies its part into its own slot of buffer s % 2, then stores s in its flag; it
+waits until every flag of the group is >= s, then reads the slots it needs. A rank that has
+finished round s - 1 knows every peer has reached round s - 1, so no peer still reads buffer
+s % 2 from round s - 2: two buffers suffice, and a round needs no second barrier.
+Every rank adds the slots in rank order, so all ranks hold bit-identical sums.
+
+Ordering: a flag is stored after the data it announces and loaded before the data is read; on
+x86-64 (total store order) stores are seen in program order and loads are not reordered with
+loads, so no fence is needed. Elsewhere `shm_supported()` is False and the group's own
+backend does the work.
+
+Failure: a wait gives up after `timeout_s`, and sooner when a peer's process is gone (its pid
+is checked every 0.1 s), naming the ranks that did not arrive. The shared file is unlinked as
+soon as every rank has mapped it, so a crash leaves nothing behind in /dev/shm.
+
+`tp_all_reduce` / `tp_all_gather` / `tp_broadcast` are what layers call: they use the layout's
+`tp_comm` when it has one, and the TP process group otherwise (NCCL on GPUs, gloo elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from patrl.tpreshard.layout import ParallelLayout
+
+__all__ = [
+    "CollectiveTimeout",
+    "ShmComm",
+    "shm_supported",
+    "tp_all_gather",
+    "tp_all_reduce",
+    "tp_broadcast",
+]
+
+_FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each, so flags never share a line
+_SPIN_S = 0.002  # poll with sched_yield this long, then back off to short sleeps
+_MAX_SLEEP_S = 0.0005
+_LIVENESS_EVERY_S = 0.1
+
+
+class CollectiveTimeout(RuntimeError):
+    """A shared-memory collective waited longer than its timeout, or a peer process died."""
+
+
+def shm_supported() -> bool:
+    """True where the lock-free protocol above is sound (x86-64, Linux-style shared files)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.name == "posix"
+
+
+def _shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class ShmComm:
+    """All-reduce, all-gather and broadcast among the ranks of `group`, all on this host,
+    through one shared file. Collective to construct: every rank of `group` must call it.
+
+    `slot_bytes` bounds one round; larger tensors go in chunks. The file holds two buffers of
+    one slot per rank plus a cache line of flag per rank: 2 * size * slot_bytes bytes."""
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        slot_bytes: int = 4 << 20,
+        timeout_s: float = 300.0,
+        name: str = "tp",
+    ) -> None:
+        if not shm_supported():
+            raise RuntimeError(
+                f"ShmComm needs x86-64 POSIX (total store order); this is {platform.machine()}"
+            )
+        if slot_bytes <= 0 or slot_bytes % 64:
+            raise ValueError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self.name = name
+        self.global_ranks = dist.get_process_group_ranks(group)
+        flag_bytes = self.size * _FLAG_STRIDE * 8
+        pid_bytes = self.size * 8
+        total = flag_bytes + pid_bytes + 2 * self.size * slot_bytes
+        box: list[Any] = [None]
+        if self.rank == 0:
+            path = _shm_dir() / f"patrl-{name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            box[0] = (str(path), os.uname().nodename)
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        path_str, host = box[0]
+        if host != os.uname().nodename:
+            raise RuntimeError(
+                f"ShmComm({name}): rank {self.rank} runs on {os.uname().nodename!r}, the group's "
+                f"first rank on {host!r}; a shared-memory group must be on one host"
+            )
+        try:
+            mem = torch.from_file(path_str, shared=True, size=total, dtype=torch.uint8)
+        finally:
+            # every rank has mapped the file (or failed) before the first one unlinks it
+            dist.barrier(group=group)
+            if self.rank == 0:
+                Path(path_str).unlink(missing_ok=True)
+        self._mem = mem  # keeps the mapping alive
+        self._flags = mem[:flag_bytes].view(torch.int64).view(self.size, _FLAG_STRIDE).numpy()
+        pids = mem[flag_bytes : flag_bytes + pid_bytes].view(torch.int64).numpy()
+        pids[self.rank] = os.getpid()
+        self._pids = pids
+        data = mem[flag_bytes + pid_bytes :]
+        self._slots = data.view(2, self.size, slot_bytes)
+        self._peers = [r for r in range(self.size) if r != self.rank]
+        self._seq = 0
+        # The flags start at 0 and the pids are written before this barrier, so the first
+        # round cannot read a peer's stale flag or miss its pid.
+        dist.barrier(group=group)
+        self.rounds = 0
+
+    # ---- the round ------------------------------------------------------------------------
+
+    def _slot(self, parity: int, rank: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._slots[parity, rank, :nbytes].view(dtype)
+
+    def _round(self, post: Callable[[int], None]) -> int:
+        """One round: `post(parity)` fills this rank's slot, then flag, then wait for all."""
+        seq = self._seq + 1
+        parity = seq & 1
+        post(parity)
+        self._flags[self.rank, 0] = seq
+        self._wait(seq)
+        self._seq = seq
+        self.rounds += 1
+        return parity
+
+    def _wait(self, seq: int) -> None:
+        flags = self._flags
+        peers = self._peers
+        if all(flags[r, 0] >= seq for r in peers):
+            return
+        start = time.monotonic()
+        next_check = start + _LIVENESS_EVERY_S
+        sleep = 0.0
+        while True:
+            if all(flags[r, 0] >= seq for r in peers):
+                return
+            now = time.monotonic()
+            if now - start < _SPIN_S:
+                os.sched_yield()
+                continue
+            sleep = min(_MAX_SLEEP_S, max(sleep * 2, 2e-5))
+            time.sleep(sleep)
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                self._check_peers(seq, now - start)
+
+    def _check_peers(self, seq: int, waited_s: float) -> None:
+        missing = [r for r in self._peers if self._flags[r, 0] < seq]
+        dead = [r for r in missing if not _alive(int(self._pids[r]))]
+        if dead or waited_s > self.timeout_s:
+            who = ", ".join(
+                f"group rank {r} (global rank {self.global_ranks[r]}, pid {int(self._pids[r])}"
+                f"{', process gone' if r in dead else ''})"
+                for r in (dead or missing)
+            )
+            raise CollectiveTimeout(
+                f"shared-memory collective on {self.name} group {self.global_ranks}: waited "
+                f"{waited_s:.1f} s in round {seq} for {who}"
+                + ("" if dead else f"; timeout_s={self.timeout_s}")
+            )
+
+    # ---- collectives ----------------------------------------------------------------------
+
+    def _chunks(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        per = self.slot_bytes // itemsize
+        return [(i, min(i + per, numel)) for i in range(0, max(numel, 1), per)]
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the group, in place (every rank gets the same bits); returns `t`."""
+        flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        size = t.element_size()
+        for lo, hi in self._chunks(flat.numel(), size):
+            part = flat[lo:hi]
+            nbytes = (hi - lo) * size
+
+            def post(parity: int, part: torch.Tensor = part, nbytes: int = nbytes) -> None:
+                self._slot(parity, self.rank, nbytes, t.dtype).copy_(part)
+
+            parity = self._round(post)
+            slots = [self._slot(parity, r, nbytes, t.dtype) for r in range(self.size)]
+            torch.add(slots[0], slots[1], out=part)
+            for s in slots[2:]:
+                part.add_(s)
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat.view(t.shape))
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The group's tensors (same shape on every rank) concatenated along `dim`."""
+        src = t.contiguous().view(-1)
+        size = t.element_size()
+        if src.numel() * size <= self.slot_bytes:
+            nbytes = src.numel() * size
+
+            def post(parity: int) -> None:
+                self._slot(parity, self.rank, nbytes, t.dtype).copy_(src)
+
+            parity = self._round(post)
+            parts = [self._slot(parity, r, nbytes, t.dtype).view(t.shape) for r in range(self.size)]
+            return torch.cat(parts, dim=dim)
+        stacked = torch.empty(self.size, src.numel(), dtype=t.dtype)
+        for lo, hi in self._chunks(src.numel(), size):
+            nbytes = (hi - lo) * size
+
+            def post_chunk(parity: int, lo: int = lo, hi: int = hi, nbytes: int = nbytes) -> None:
+                self._slot(parity, self.rank, nbytes, t.dtype).copy_(src[lo:hi])
+
+            parity = self._round(post_chunk)
+            for r in range(self.size):
+                stacked[r, lo:hi].copy_(self._slot(parity, r, nbytes, t.dtype))
+        return torch.cat([stacked[r].view(t.shape) for r in range(self.size)], dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Group rank `src`'s `t` into `t` on every rank, in place; returns `t`."""
+        flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        size = t.element_size()
+        for lo, hi in self._chunks(flat.numel(), size):
+            nbytes = (hi - lo) * size
+            part = flat[lo:hi]
+
+            def post(parity: int, part: torch.Tensor = part, nbytes: int = nbytes) -> None:
+                if self.rank == src:
+                    self._slot(parity, src, nbytes, t.dtype).copy_(part)
+
+            parity = self._round(post)
+            if self.rank != src:
+                part.copy_(self._slot(parity, src, nbytes, t.dtype))
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat.view(t.shape))
+        return t
+
+    def barrier(self) -> None:
+        self._round(lambda parity: None)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShmComm({self.name}, ranks={self.global_ranks}, slot_bytes={self.slot_bytes}, "
+            f"rounds={self.rounds})"
+        )
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not written yet: cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- what layers call -----------------------------------------------------------------------
+
+
+def tp_all_reduce(layout: ParallelLayout, t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` in place over the layout's TP group (a no-op at TP 1); returns `t`."""
+    if layout.tp_size == 1:
+        return t
+    if layout.tp_comm is not None:
+        return layout.tp_comm.all_reduce(t)
+    dist.all_reduce(t, group=layout.tp_group)
+    return t
+
+
+def tp_all_gather(layout: ParallelLayout, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The TP group's tensors concatenated along `dim`, in TP-rank order."""
+    if layout.tp_size == 1:
+        return t
+    if layout.tp_comm is not None:
+        return layout.tp_comm.all_gather(t, dim=dim)
+    parts = [torch.empty_like(t) for _ in range(layout.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def tp_broadcast(layout: ParallelLayout, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """TP rank `src`'s `t` into `t` on every TP rank, in place; returns `t`."""
+    if layout.tp_size == 1:
+        return t
+    if layout.tp_comm is not None:
+        return layout.tp_comm.broadcast(t, src=src)
+    dist.broadcast(t, group=layout.tp_group, group_src=src)
+    return t
