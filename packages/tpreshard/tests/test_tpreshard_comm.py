@@ -39,6 +39,8 @@ def _gloo_reference(layout, name: str, t: torch.Tensor, op: str) -> torch.Tensor
         out = t.clone()
         dist.all_reduce(out, group=group)
         return out
+    if op == "into":  # stacked on a new leading dim = concatenated on dim 0
+        op = "all_gather0"
     if op == "broadcast":
         out = t.clone()
         dist.broadcast(out, group=group, group_src=layout.tp_size - 1)
@@ -58,12 +60,15 @@ def _against_gloo(rank: int, world_size: int) -> dict[str, object]:
         small = ShmComm(layout.tp_group, slot_bytes=1024, name=f"small{tp}")
         for comm_name, comm in (("slots", layout.tp_comm), ("small", small)):
             for name, t in _tensors(tp, rank).items():
-                for op in ("all_reduce", "broadcast", "all_gather0", "all_gather-1"):
+                for op in ("all_reduce", "broadcast", "all_gather0", "all_gather-1", "into"):
                     want = _gloo_reference(layout, name, t, op)
                     if op == "all_reduce":
                         got = comm.all_reduce(t.clone())
                     elif op == "broadcast":
                         got = comm.broadcast(t.clone(), src=tp - 1)
+                    elif op == "into":
+                        out_ = torch.empty(tp, *t.shape, dtype=t.dtype)
+                        got = comm.all_gather_into(out_, t).view(-1, *t.shape[1:])
                     else:
                         got = comm.all_gather(t, dim=0 if op == "all_gather0" else -1)
                     key = f"tp{tp}/{comm_name}/{name}/{op}"
@@ -101,10 +106,10 @@ def test_shm_collectives_equal_gloo_and_agree_bit_for_bit(world_size: int) -> No
     results = run_ranks(_against_gloo, world_size=world_size, timeout_s=180)
     for rank, r in enumerate(results):
         assert r["mismatch"] == [], f"rank {rank}: {r['mismatch']}"
-        # 7 tensors x 4 ops + 3 helper calls, one round each; the small slots take several
+        # 7 tensors x 5 ops + 3 helper calls, one round each; the small slots take several
         # rounds for the "chunked" tensor (12,000 bytes in 1,024-byte slots)
-        assert r[f"rounds{world_size}"][0] == 31
-        assert r[f"rounds{world_size}"][1] >= 28 + 4 * 11
+        assert r[f"rounds{world_size}"][0] == 38
+        assert r[f"rounds{world_size}"][1] >= 35 + 5 * 11
     for tp in sorted({2, world_size}):
         members = range(tp)  # ranks 0..tp-1 form one TP group at every size
         for key in results[0]["bits"]:
@@ -181,6 +186,22 @@ def _slow_peer(rank: int, world_size: int) -> float:
 @pytest.mark.multirank
 def test_a_late_peer_is_waited_for() -> None:
     assert run_ranks(_slow_peer, world_size=2, timeout_s=120) == [3.0, 3.0]
+
+
+def _bad_out(rank: int, world_size: int) -> str:
+    comm = GroupCache([2], world_size=world_size, rank=rank).layout(2).tp_comm
+    assert comm is not None
+    try:
+        comm.all_gather_into(torch.empty(3, 4), torch.ones(4))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.multirank
+def test_all_gather_into_names_the_shape_it_needs() -> None:
+    results = run_ranks(_bad_out, world_size=2, timeout_s=120)
+    assert all("out of shape (2, 4)" in r and "got (3, 4)" in r for r in results)
 
 
 def test_shm_comm_refuses_misaligned_slots() -> None:

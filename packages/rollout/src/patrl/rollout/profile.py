@@ -51,7 +51,14 @@ from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import StaticTP
-from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
+from patrl.tpreshard import (
+    GroupCache,
+    ParallelLayout,
+    single_process_layout,
+    tp_all_gather_into,
+    tp_all_reduce,
+    tp_broadcast,
+)
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "broadcast", "send")
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -345,12 +352,14 @@ def measure_collective(
     gathered = torch.zeros(shard.numel() * size)
 
     def once() -> None:
+        # the TP ops go the way the engine's layers send them (tp_comm when the layout has
+        # one); point-to-point (KV moves) stays on the process group
         if op == "all_reduce":
-            dist.all_reduce(result, group=group)
+            tp_all_reduce(layout, result)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(gathered, shard, group=group)
+            tp_all_gather_into(layout, gathered.view(size, -1), shard)
         elif op == "broadcast":
-            dist.broadcast(result, group=group, group_src=0)
+            tp_broadcast(layout, result, src=0)
         elif rank == 0:
             dist.send(result, group=group, group_dst=1)
         else:

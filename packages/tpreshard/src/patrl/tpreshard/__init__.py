@@ -5,6 +5,7 @@ from patrl.tpreshard.comm import (
     ShmComm,
     shm_supported,
     tp_all_gather,
+    tp_all_gather_into,
     tp_all_reduce,
     tp_broadcast,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "shm_supported",
     "single_process_layout",
     "tp_all_gather",
+    "tp_all_gather_into",
     "tp_all_reduce",
     "tp_broadcast",
     "vocab_range",

@@ -51,6 +51,7 @@ __all__ = [
     "ShmComm",
     "shm_supported",
     "tp_all_gather",
+    "tp_all_gather_into",
     "tp_all_reduce",
     "tp_broadcast",
 ]
@@ -228,17 +229,32 @@ class ShmComm:
             parity = self._round(post)
             parts = [self._slot(parity, r, nbytes, t.dtype).view(t.shape) for r in range(self.size)]
             return torch.cat(parts, dim=dim)
-        stacked = torch.empty(self.size, src.numel(), dtype=t.dtype)
+        stacked = self.all_gather_into(torch.empty(self.size, *t.shape, dtype=t.dtype), t)
+        return torch.cat(list(stacked.unbind(0)), dim=dim)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The group's tensors stacked into `out` (contiguous, [group size, *t.shape]), in
+        chunks of `slot_bytes`; returns `out`."""
+        if tuple(out.shape) != (self.size, *t.shape) or out.dtype != t.dtype:
+            raise ValueError(
+                f"all_gather_into needs out of shape {(self.size, *t.shape)} and dtype "
+                f"{t.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+        if not out.is_contiguous():
+            raise ValueError("all_gather_into needs a contiguous out")
+        src = t.contiguous().view(-1)
+        dst = out.view(self.size, -1)
+        size = t.element_size()
         for lo, hi in self._chunks(src.numel(), size):
             nbytes = (hi - lo) * size
 
-            def post_chunk(parity: int, lo: int = lo, hi: int = hi, nbytes: int = nbytes) -> None:
+            def post(parity: int, lo: int = lo, hi: int = hi, nbytes: int = nbytes) -> None:
                 self._slot(parity, self.rank, nbytes, t.dtype).copy_(src[lo:hi])
 
-            parity = self._round(post_chunk)
+            parity = self._round(post)
             for r in range(self.size):
-                stacked[r, lo:hi].copy_(self._slot(parity, r, nbytes, t.dtype))
-        return torch.cat([stacked[r].view(t.shape) for r in range(self.size)], dim=dim)
+                dst[r, lo:hi].copy_(self._slot(parity, r, nbytes, t.dtype))
+        return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Group rank `src`'s `t` into `t` on every rank, in place; returns `t`."""
@@ -303,6 +319,14 @@ def tp_all_gather(layout: ParallelLayout, t: torch.Tensor, dim: int = -1) -> tor
     parts = [torch.empty_like(t) for _ in range(layout.tp_size)]
     dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def tp_all_gather_into(layout: ParallelLayout, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The TP group's tensors stacked into `out` ([tp_size, *t.shape], contiguous)."""
+    if layout.tp_comm is not None:
+        return layout.tp_comm.all_gather_into(out, t)
+    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=layout.tp_group)
+    return out
 
 
 def tp_broadcast(layout: ParallelLayout, t: torch.Tensor, src: int = 0) -> torch.Tensor:

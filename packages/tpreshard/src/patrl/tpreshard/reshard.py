@@ -23,9 +23,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from patrl.tpreshard.comm import tp_all_gather_into
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import ShardSpec, is_input_major, shard_tensor
 
@@ -108,11 +108,11 @@ def _recut(
     # from tp > 1 some rank of the group always misses rows, so all of them gather.
     if transposed:  # gather the contiguous storage, then view each shard as [out, in] again
         buf = torch.empty((src.tp_size, *old.shape[::-1]), dtype=old.dtype, device=old.device)
-        dist.all_gather(list(buf.unbind(0)), old.t(), group=src.tp_group)
+        tp_all_gather_into(src, buf, old.t())
         buf = buf.transpose(1, 2)
     else:
         buf = torch.empty((src.tp_size, *old.shape), dtype=old.dtype, device=old.device)
-        dist.all_gather(list(buf.unbind(0)), old.contiguous(), group=src.tp_group)
+        tp_all_gather_into(src, buf, old)
     old_bytes = old.nbytes
     p.data = old = old.new_empty(0)  # buf holds this shard now: free the old storage
     new = _alloc(old, new_shape, zeros, transposed)
