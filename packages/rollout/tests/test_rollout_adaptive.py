@@ -121,7 +121,14 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
     reloaded = engine.layout.tp_size
     assert groups.num_created == created
     third = engine.generate(prompts, params)
+    # no seed: under a TP>1 opening the submitting rank draws one for the whole group (else the
+    # group's ranks would sample differently and the engine would refuse)
+    unseeded = engine.generate(
+        prompts[:1], [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)]
+    )
     return {
+        "unseeded": len(unseeded[0].outputs[0].token_ids),
+        "opening_tp": engine.controller.opening_tp,
         "expected": _tokens(expected),
         "got": _tokens(got),
         "again": _tokens(again),
@@ -143,9 +150,19 @@ def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str) 
         assert r["got"] == r["expected"]
         assert r["again"] == r["expected"]
         np.testing.assert_allclose(r["lp_got"], r["lp_expected"], atol=1e-4)
-        assert r["switches"] == (1, 3)  # once per rollout, three rollouts
-        assert r["tp_after"] == (2, 1)  # owed after a rollout, paid by the weight sync
+        if at_call == 1:
+            # the first check chose tp 2 for the whole batch, so every later rollout opens at
+            # tp 2, the replicas' submissions merged: no switch, and no return to tp 1 owed
+            assert r["opening_tp"] == 2
+            assert r["switches"] == (1, 1)
+            assert r["tp_after"] == (2, 2)
+        else:
+            assert r["opening_tp"] == 1
+            # once per full rollout; the short unseeded one ends before the forced 3rd check
+            assert r["switches"] == (1, 3)
+            assert r["tp_after"] == (2, 1)  # owed after a rollout, paid by the weight sync
         assert r["third"] == r["expected"]
+        assert r["unseeded"] == 7
         tps = r["timeline_tp"]
         assert tps[0] == (2 if at_call == 1 else 1) and tps[-1] == 2
         assert tps == sorted(tps)  # grows once, never back within the rollout

@@ -99,6 +99,11 @@ class RolloutConfig(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    tp_comm: Literal["auto", "shm", "process_group"] = Field(
+        "auto",
+        description="TP collectives: shm (shared memory, one host, gloo) or the process group; "
+        "auto = shm where it can",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     val_temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
     update_weights_bucket_megabytes: int = Field(256, gt=0)

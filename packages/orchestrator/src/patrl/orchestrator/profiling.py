@@ -59,6 +59,7 @@ def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: Pro
         shape,
         engine.dtype,
         engine.device,
+        engine.tp_comm,  # the TP collectives' cost is in every tp > 1 row
         world_size,
         repr(grid),
         platform.machine(),

@@ -112,7 +112,9 @@ class SyncGRPO:
             else [config.rollout.tensor_model_parallel_size]
         )
         self.groups = (
-            GroupCache(tp_sizes, world_size=world.size, rank=world.rank)
+            GroupCache(
+                tp_sizes, world_size=world.size, rank=world.rank, tp_comm=config.rollout.tp_comm
+            )
             if world.distributed
             else None
         )
@@ -690,6 +692,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         dtype=r.dtype,
         device=str(world.device),
         attention_backend=r.attention_backend,
+        tp_comm=r.tp_comm,
         block_size=r.block_size,
         num_kv_blocks=r.num_kv_blocks,
         kv_cache_memory_bytes=r.kv_cache_memory_bytes,

@@ -161,6 +161,7 @@ class _Rollout:
     total_done: int = 0
     first_check: bool = True
     check_s: list[float] = field(default_factory=list)  # each check's time; NaN: had no work
+    first_decision: bool = True
 
 
 class TPController:
@@ -170,6 +171,10 @@ class TPController:
         self.policy = policy
         self.planner = planner
         self.lengths = lengths
+        # The TP size the first check of the last rollout chose, seeing the whole batch: the
+        # next `generate` opens there (the layout the profile prices best for a full batch)
+        # instead of at the smallest candidate only to switch away at its first check.
+        self.opening_tp = policy.start_tp
         self.world = world_group
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
         self.stats = ControlStats()
@@ -207,6 +212,9 @@ class TPController:
                     break
                 if verdict.target_tp != engine.layout.tp_size:
                     self._switch(engine, verdict)
+                if rollout.first_decision:
+                    rollout.first_decision = False
+                    self.opening_tp = engine.layout.tp_size
                 steps_left = verdict.recheck_steps or self.policy.check_every
                 if not engine.has_unfinished():
                     continue
@@ -227,12 +235,16 @@ class TPController:
         self._rollout = None
         return results
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: Engine, reopen: bool = False) -> None:
         """The next rollout starts wide again: the engine returns to the starting layout at the
         next full weight sync (free: the new weights are cut for it) or, failing that, at the
-        start of the next rollout (a reconfigure that gathers the weights)."""
+        start of the next rollout (a reconfigure that gathers the weights). With `reopen`
+        (`Engine.generate`, which can merge replicas' submissions) it returns to the layout this
+        rollout's first check chose instead (`opening_tp`); a partial rollout, whose resumed
+        samples belong to their replicas, always returns to the starting layout."""
         if engine.groups is not None:
-            engine.return_later(engine.groups.layout(self.policy.start_tp))
+            tp = self.opening_tp if reopen else self.policy.start_tp
+            engine.return_later(engine.groups.layout(tp))
 
     def _note_finished(self, rollout: _Rollout, engine: Engine, out: RequestOutput) -> None:
         if engine.layout.tp_rank != 0:

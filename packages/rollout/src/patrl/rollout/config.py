@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, gt=0, description="prompt + response; None = model's")
     enable_prefix_caching: bool = True
     tp_policy: TPPolicy = Field(default_factory=StaticTP, description="static or adaptive TP")
+    tp_comm: Literal["auto", "shm", "process_group"] = Field(
+        "auto",
+        description="the TP group's per-step collectives: shm = shared memory (gloo groups on "
+        "one host, x86-64), process_group = the group's backend, auto = shm where it can",
+    )
 
     @field_validator("attention_backend")
     @classmethod

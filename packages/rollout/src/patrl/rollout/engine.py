@@ -171,7 +171,7 @@ class Engine:
             return layout  # one process: nothing to adapt, the engine runs as static tp=1
         policy = policy.model_copy(update={"candidates": candidates})
         if self.groups is None:
-            self.groups = GroupCache(candidates)
+            self.groups = GroupCache(candidates, tp_comm=self.config.tp_comm)
         missing = [tp for tp in candidates if tp not in self.groups.candidates]
         if missing:
             raise ValueError(
@@ -516,15 +516,12 @@ class Engine:
             )
         controller.stats.reset_s += self.settle_layout()
         controller.begin()
-        ids = [
-            self.add_request(p, sp, prompt_key=k)
-            for p, sp, k in zip(prompts, params, keys, strict=True)
-        ]
+        ids = self._add_replica_requests(prompts, params, keys)
         bar = (
             _progress_bar(len(ids)) if progress and self.groups and self.groups.rank == 0 else None
         )
         results = controller.run(self, on_finished=(lambda _: bar.update(1)) if bar else None)
-        controller.end(self)
+        controller.end(self, reopen=True)
         if bar is not None:
             bar.close()
         lost = [i for i in ids if i not in results]
@@ -534,6 +531,41 @@ class Engine:
                 "adaptive rollouts only merge replicas, so this is a bug"
             )
         return [results[i] for i in ids]
+
+    def _add_replica_requests(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: Sequence[SamplingParams],
+        keys: Sequence[str | None],
+    ) -> list[str]:
+        """Queue this rank's requests at the start of an adaptive rollout; returns their ids.
+
+        At tp 1 every rank is its own replica. A rollout may open at a larger TP (the layout the
+        last rollout's first check chose for its whole batch): then the TP group is one replica,
+        so every rank's requests are gathered, in TP-rank order, and queued on every rank of the
+        group, as a switch at the first check would have merged them. Ids are drawn from the
+        submitting rank's counter and global rank, and a missing seed is drawn by the submitting
+        rank, so every rank of the group holds the same requests and generator streams."""
+        layout = self.layout
+        if layout.tp_size == 1:
+            return [
+                self.add_request(p, sp, prompt_key=k)
+                for p, sp, k in zip(prompts, params, keys, strict=True)
+            ]
+        assert self.groups is not None  # adaptive engines always have a GroupCache
+        mine = []
+        for p, sp, k in zip(prompts, params, keys, strict=True):
+            if sp.seed is None:
+                sp = dataclasses.replace(sp, seed=int(torch.randint(0, 2**62, ()).item()))
+            rid = f"req-{self.groups.rank}-{next(self._request_ids)}"
+            mine.append((p, sp, k, rid))
+        gathered: list[Any] = [None] * layout.tp_size
+        dist.all_gather_object(gathered, (mine, self.next_seq_id()), group=layout.tp_group)
+        self._seq_ids = itertools.count(max(g[1] for g in gathered))
+        for part, _ in gathered:
+            for p, sp, k, rid in part:
+                self.add_request(p, sp, request_id=rid, prompt_key=k)
+        return [m[3] for m in mine]
 
     def generate_partial(
         self,

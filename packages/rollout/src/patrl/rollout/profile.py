@@ -445,7 +445,7 @@ def profile_distributed(
     world_size, rank = dist.get_world_size(world), dist.get_rank(world)
     if dist.get_world_size() != world_size:
         raise ValueError("profile_distributed needs `world` to span the whole job")
-    cache = GroupCache(grid.tp_sizes, world_size=world_size, rank=rank)
+    cache = GroupCache(grid.tp_sizes, world_size=world_size, rank=rank, tp_comm=base.tp_comm)
     # waiting ranks sit in a barrier while another group measures: give it a long timeout
     wait = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=wait_timeout_s))
     bar = _progress(_num_ticks(grid, grid.tp_sizes), progress and rank == 0)
