@@ -234,13 +234,19 @@ def test_bad_config_names_the_key(llama_dir: Path, overrides: dict[str, Any], me
         engine(llama_dir, **overrides)
 
 
-def _tp_generate(rank: int, world_size: int, model_dir: str) -> list[list[list[int]]]:
+def _tp_generate(
+    rank: int, world_size: int, model_dir: str, comm: str
+) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
     import torch.distributed as dist
 
-    from patrl.tpreshard import ParallelLayout
+    from patrl.tpreshard import GroupCache, ParallelLayout
 
-    group = dist.new_group(list(range(world_size)))
-    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
+    if comm == "shm":  # GroupCache's default: the TP collectives through shared memory
+        layout = GroupCache([world_size], world_size=world_size, rank=rank).layout(world_size)
+        assert layout.tp_comm is not None
+    else:
+        group = dist.new_group(list(range(world_size)))
+        layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
     eng = Engine(
         EngineConfig(model=model_dir, block_size=4, num_kv_blocks=128, max_model_len=128), layout
     )
@@ -248,16 +254,23 @@ def _tp_generate(rank: int, world_size: int, model_dir: str) -> list[list[list[i
     out = eng.generate(batch, GREEDY) + eng.generate(
         batch, SamplingParams(seed=1, n=2, max_tokens=16)
     )
-    return tokens(out)
+    # no seed: the group's first rank draws it for all (else the ranks would sample apart)
+    unseeded = eng.generate(
+        batch, SamplingParams(temperature=1.0, n=2, max_tokens=9, ignore_eos=True)
+    )
+    return tokens(out), tokens(unseeded)
 
 
 @pytest.mark.multirank
-def test_tp2_engine_generates_what_tp1_generates(llama_dir: Path) -> None:
+@pytest.mark.parametrize("comm", ["process_group", "shm"])
+def test_tp2_engine_generates_what_tp1_generates(llama_dir: Path, comm: str) -> None:
     batch = prompts(4, seed=3)
     eng = engine(llama_dir, num_kv_blocks=128, max_model_len=128)
     expected = tokens(
         eng.generate(batch, GREEDY)
         + eng.generate(batch, SamplingParams(seed=1, n=2, max_tokens=16))
     )
-    per_rank = run_ranks(_tp_generate, world_size=2, args=(str(llama_dir),), timeout_s=180)
-    assert per_rank[0] == per_rank[1] == expected
+    per_rank = run_ranks(_tp_generate, world_size=2, args=(str(llama_dir), comm), timeout_s=180)
+    assert per_rank[0][0] == per_rank[1][0] == expected
+    assert per_rank[0][1] == per_rank[1][1]
+    assert all(len(sample) == 9 for request in per_rank[0][1] for sample in request)

@@ -14,7 +14,11 @@ order; rank 0 runs the planner and broadcasts its decision; on "switch" every ra
 `Engine.reconfigure` at once. A rank whose replica has run dry skips straight to the next check
 (waiting in the collective, not spinning). The first check comes before the first step, so the
 planner can already move a small batch to a larger TP. When no rank has anything unfinished,
-the rollout ends and the engine returns to the starting layout, so the next rollout starts wide.
+the rollout ends and the engine returns to the layout the first check chose for the whole batch
+(`opening_tp`; tp 1 unless the planner folded at once), so the next `generate` opens there: a
+full batch at the layout the profile prices best for it, with no switch to pay. Opening at a
+larger TP merges the replicas' submissions (`Engine._add_replica_requests`). Partial rollouts
+return to the starting layout (their resumed samples belong to their replicas).
 """
 
 from __future__ import annotations

@@ -241,6 +241,13 @@ class Engine:
             request_id = f"req-{self._group_rank()}-{next(self._request_ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.seed is None and params.temperature > 0 and self.layout.tp_size > 1:
+            # The TP group samples as one replica: its ranks must draw the same stream, so the
+            # group's first rank picks the seed (every rank adds the same requests in order).
+            drawn = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            params = dataclasses.replace(
+                params, seed=int(tp_broadcast(self.layout, drawn, src=0).item())
+            )
         token_ids = self._encode(prompt)
         request = _Request(request_id, token_ids)
         self._requests[request_id] = request
