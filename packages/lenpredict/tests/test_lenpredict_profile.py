@@ -82,6 +82,26 @@ def test_step_fit_finds_the_roofline_knee():
     assert fit.cv_mape < 0.05
 
 
+def test_step_fit_follows_a_slope_that_drops_past_a_knee():
+    # the CPU box's decode steps (wide_2l, tp 1): batch 4 costs ~4x batch 1 (small-batch
+    # sgemm is slow), batch 32 only 2x batch 4; a knee that steepens cannot follow that
+    def step(b: int, c: int) -> float:
+        return 0.038 * min(b, 4) + 0.005 * max(0, b - 4) + 2e-5 * c
+
+    rows = [
+        DecodeRow(tp=1, batch=b, context_tokens=b * c, seconds=step(b, b * c))
+        for b in (1, 4, 16, 32)
+        for c in (16, 112)
+    ]
+    fit = fit_step(rows)
+    assert fit.knee == 4.0 and fit.coef[3] < 0  # the slope drops past the knee
+    assert fit.coef[1] + fit.coef[3] >= 0  # and never below flat
+    assert fit.cv_mape < 0.01
+    for b in (2, 8, 24):
+        predicted = fit.predict(np.array([b]), np.array([b * 50]))[0]
+        assert predicted == pytest.approx(step(b, b * 50), rel=0.01)
+
+
 def test_latency_model_prefill_collectives_and_reshard():
     model = LatencyModel.fit(profile_from(tp_speeds_up, prefill_per_token_s=1e-4, alpha_s=1e-3))
     assert model.prefill_time(2, [1000]) == pytest.approx(1e-3 + 1e-4 * 1000 / 2, rel=1e-6)

@@ -65,10 +65,16 @@ _FORM_MASK: dict[str, tuple[float, float]] = {
 
 
 def _decode_features(
-    batch: np.ndarray, context: np.ndarray, padded: np.ndarray, knee: float, form: str
+    batch: np.ndarray,
+    context: np.ndarray,
+    padded: np.ndarray,
+    knee: float,
+    form: str,
+    bend: float = 1.0,
 ) -> np.ndarray:
-    """Columns [1, B, C, max(0, B − knee), B·M]."""
-    hinge = np.maximum(0.0, batch - knee) if np.isfinite(knee) else np.zeros_like(batch)
+    """Columns [1, B, C, bend·max(0, B − knee), B·M]; bend −1: the slope drops past the knee
+    (the coefficients are fitted non-negative, so the sign of that change is chosen here)."""
+    hinge = bend * np.maximum(0.0, batch - knee) if np.isfinite(knee) else np.zeros_like(batch)
     total_on, padded_on = _FORM_MASK[form]
     return np.stack(
         [np.ones_like(batch), batch, context * total_on, hinge, padded * padded_on], axis=-1
@@ -141,16 +147,28 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
     forms: tuple[ContextForm, ...] = ("total", "padded", "both") if skewed else ("total",)
     if context_form is not None:
         forms = (context_form,)
+    # A knee either steepens the slope (compute-bound past it) or flattens it: on the CPU box
+    # single-threaded sgemm runs batches 2-8 at a few GFLOP/s, so a step at batch 4 costs ~4x
+    # one at batch 1 and batch 16 little more than batch 4, a shape no straight line follows.
     knees = [float("inf"), *np.unique(batch)[1:-1].tolist()]
-    candidates = [(form, knee) for form in forms for knee in knees]
-    errors = [_cv_error(_decode_features(batch, context, padded, k, f), y) for f, k in candidates]
-    err, (form, knee) = float("nan"), candidates[0]
+    candidates = [
+        (form, knee, bend)
+        for form in forms
+        for knee in knees
+        for bend in ((1.0,) if not np.isfinite(knee) else (1.0, -1.0))
+    ]
+    errors = [
+        _cv_error(_decode_features(batch, context, padded, k, f, s), y) for f, k, s in candidates
+    ]
+    err, (form, knee, bend) = float("nan"), candidates[0]
     if np.isfinite(errors).any():
         # the first (simplest) candidate as good as the best, up to rounding
         best = np.nanmin(errors)
         pairs = zip(errors, candidates, strict=True)
-        err, (form, knee) = next((e, c) for e, c in pairs if e <= best + 1e-9)
-    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knee, form), y)
+        err, (form, knee, bend) = next((e, c) for e, c in pairs if e <= best + 1e-9)
+    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knee, form, bend), y)
+    # signed from here on: past the knee the slope is b + d, never below zero
+    coef[3] = max(bend * coef[3], -coef[1])
     return StepFit(coef=coef, knee=knee, cv_mape=err, form=form)
 
 
