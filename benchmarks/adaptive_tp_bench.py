@@ -12,6 +12,11 @@ benchmarks/results/models or $PATRL_CACHE_DIR):
   for a few gloo collectives a step; at a large batch the step is compute-bound, TP splits the
   compute as well as DP does, and the collectives and the per-sequence work TP does not split
   (sampling, scheduling) should make two replicas faster. Few layers: few collectives a step.
+  Since the TP collectives go through shared memory (ShmComm), TP=2 wins at batch 1 (0.024-0.029
+  vs 0.039 s) and also at the rollouts' full batch (32 sequences: tp2 0.165 s a step vs 0.22-0.25
+  for two batch-16 replicas): two replicas on one socket share its memory bandwidth and each
+  reads all the weights. The model's crossover, where it shows one, is at 64 sequences, past
+  these rollouts.
 - "wide_6l" (111M: hidden 1024, intermediate 4096, 6 layers): the first candidate, kept to
   re-profile with --shapes wide_6l --profile-only. On this box (load 6-10 on 2 cores) its
   15 collectives a step cost ~4-5 ms each inside the engine (0.5 ms in isolation), so TP=2
