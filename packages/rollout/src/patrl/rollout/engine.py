@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -244,7 +245,9 @@ class Engine:
         if params.seed is None and params.temperature > 0 and self.layout.tp_size > 1:
             # The TP group samples as one replica: its ranks must draw the same stream, so the
             # group's first rank picks the seed (every rank adds the same requests in order).
-            drawn = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            # (an OS-random seed: drawing from torch's global generator would shift the
+            # trainer's stream, which shares this process)
+            drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
             params = dataclasses.replace(
                 params, seed=int(tp_broadcast(self.layout, drawn, src=0).item())
             )
@@ -563,7 +566,7 @@ class Engine:
         mine = []
         for p, sp, k in zip(prompts, params, keys, strict=True):
             if sp.seed is None:
-                sp = dataclasses.replace(sp, seed=int(torch.randint(0, 2**62, ()).item()))
+                sp = dataclasses.replace(sp, seed=secrets.randbits(62))
             rid = f"req-{self.groups.rank}-{next(self._request_ids)}"
             mine.append((p, sp, k, rid))
         gathered: list[Any] = [None] * layout.tp_size
