@@ -165,7 +165,6 @@ class _Rollout:
     total_done: int = 0
     first_check: bool = True
     check_s: list[float] = field(default_factory=list)  # each check's time; NaN: had no work
-    first_decision: bool = True
 
 
 class TPController:
@@ -209,6 +208,7 @@ class TPController:
         results: dict[str, RequestOutput] = {}
         busy_before = engine.counters.busy_s
         steps_left = 0
+        opened = False
         while True:
             if steps_left <= 0 or not engine.has_unfinished():
                 verdict = self._check(engine, rollout, had_work=engine.has_unfinished())
@@ -216,8 +216,8 @@ class TPController:
                     break
                 if verdict.target_tp != engine.layout.tp_size:
                     self._switch(engine, verdict)
-                if rollout.first_decision:
-                    rollout.first_decision = False
+                if not opened:  # the first check saw the whole batch
+                    opened = True
                     self.opening_tp = engine.layout.tp_size
                 steps_left = verdict.recheck_steps or self.policy.check_every
                 if not engine.has_unfinished():
