@@ -275,9 +275,6 @@ class ShmComm:
             t.copy_(flat.view(t.shape))
         return t
 
-    def barrier(self) -> None:
-        self._round(lambda parity: None)
-
     def __repr__(self) -> str:
         return (
             f"ShmComm({self.name}, ranks={self.global_ranks}, slot_bytes={self.slot_bytes}, "
