@@ -118,6 +118,13 @@ def compute_bound(tp: int, batch: int, context: int) -> float:
     return 0.001 / tp + 0.002 * batch / tp + (0.0003 + 1e-4 * batch) * (tp > 1)
 
 
+def cpu_knee(tp: int, batch: int, context: int) -> float:
+    """This CPU box's shape since TP goes through shared memory (wide_2l): small batches are
+    dear (single-threaded sgemm), the slope drops past 4 sequences, TP faster everywhere."""
+    per_rank = 0.011 * min(batch, 4) + 0.0035 * max(0, batch - 4)
+    return 0.017 / tp + per_rank / tp + 0.001 * (tp > 1) + 1e-8 * context / tp
+
+
 def sdpa_like(tp: int, batch: int, context: int, longest: int) -> float:
     """A padded attention backend (this machine's sdpa): every sequence reads the longest
     one's blocks; a compute knee at 32 sequences. `tp_speeds_up` otherwise."""

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from lenpredict_cases import (
     compute_bound,
+    cpu_knee,
     flat,
     gloo_like,
     profile_from,
@@ -85,6 +86,7 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
         (tp_speeds_up, None),
         (gloo_like, None),
         (compute_bound, None),
+        (cpu_knee, None),  # a knee past which the slope drops
         (tp_speeds_up, sdpa_like),  # padded context and a knee at 32 sequences
         (tp_speeds_up, ragged_like),
     ],

@@ -105,13 +105,14 @@ def slowest_replica_times(
     np.maximum.at(longest, key, rem.ravel())
     a, b, c, d, knee, e = np.array([step_coefficients[tp] for tp in rows.tp]).repeat(dp, axis=0).T
     per_replica = a * longest + b * sums[:groups] + c * sums[groups:]
-    # the knee matters only where a replica runs more sequences than it at once
+    # the knee matters only where a replica runs more sequences than it at once (its slope
+    # change may be negative: on a CPU, past a few sequences each costs less)
     crowded = (
         len(running) > knee.min()
-        and (d > 0).any()
+        and (d != 0).any()
         and np.bincount(key, minlength=groups).max() > knee.min()
     )
-    if crowded or (e > 0).any():
+    if crowded or (e != 0).any():
         past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
         per_replica += d * past_knee + e * padded
     return np.maximum.reduceat(per_replica, offset)
