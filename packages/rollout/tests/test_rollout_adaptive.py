@@ -186,6 +186,56 @@ def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str) 
     assert expected["p1-3"] > mean  # one 25-token group: above the mean, shrunk towards it
 
 
+class DearSwitchPlanner:
+    """Always stays, but prices tp 2 faster for the batch, with a switch too dear to pay off
+    in one rollout: the next rollouts should open at tp 2."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def new_rollout(self) -> None:
+        pass
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        n = len(running)
+        other = Layout(dp=self.world_size // (3 - current.tp), tp=3 - current.tp)
+        run = {1: 1.0, 2: 0.5}
+        stay = Option(current, run[current.tp], 0.0, np.inf, 0, running.replica, np.zeros(n, bool))
+        go = Option(other, run[other.tp], 10.0, np.inf, 0, running.replica, np.ones(n, bool))
+        return Decision("stay", current, current, 0.5, 10.0, "dear", [stay, go], running.seq_ids)
+
+
+def _opening(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    prompts, params = _prompts(rank)
+    expected = Engine(_config(model_dir)).generate(prompts, params)
+    engine = Engine(
+        _config(model_dir, check_every=3), groups=groups, planner=DearSwitchPlanner(world_size)
+    )
+    out: dict[str, Any] = {"expected": _tokens(expected)}
+    for name in ("first", "second"):
+        got = engine.generate(prompts, params)
+        stats = engine.stats()
+        out[name] = {
+            "tokens": _tokens(got),
+            "tps": sorted({r["tp_size"] for r in stats["timeline"]}),
+            "opening": engine.controller.opening_tp,
+        }
+    out["switches"] = engine.stats()["tp_switches"]
+    return out
+
+
+def test_a_stay_that_prices_another_layout_faster_opens_the_next_rollout_there(
+    llama_dir: Path,
+) -> None:
+    for r in run_ranks(_opening, 2, args=(str(llama_dir),), timeout_s=300):
+        # the first rollout stays at tp 1 (the switch is too dear) but names tp 2 the opening;
+        # the second opens at tp 2 (the engine's return, not a planner switch) and keeps it
+        assert r["first"] == {"tokens": r["expected"], "tps": [1], "opening": 2}
+        assert r["second"] == {"tokens": r["expected"], "tps": [2], "opening": 2}
+        assert r["switches"] == 0
+
+
 # --- the real planner on synthetic profiles --------------------------------------------------
 
 

@@ -207,3 +207,35 @@ def test_all_gather_into_names_the_shape_it_needs() -> None:
 def test_shm_comm_refuses_misaligned_slots() -> None:
     with pytest.raises(ValueError, match="slot_bytes must be a positive multiple of 64, got 100"):
         ShmComm(None, slot_bytes=100)
+
+
+def _objects(rank: int, world_size: int) -> dict[str, object]:
+    cache = GroupCache([1, 2], world_size=world_size, rank=rank)
+    world = cache.world_comm()
+    assert world is not None and world.global_ranks == list(range(world_size))
+    # a world of 2 is the TP group of 2: its comm serves; a larger world gets its own
+    assert (world is cache.layout(2).tp_comm) == (world_size == 2)
+    small = ShmComm(cache.world_group(), slot_bytes=1024, name="small-world")
+    # per rank a different size: rank 1's pickle spans several 1 KB slots, the others' fit
+    mine = {"rank": rank, "rows": [("req", i, 3.5) for i in range(200 if rank == 1 else rank)]}
+    out: dict[str, object] = {}
+    for name, comm in (("world", world), ("small", small)):
+        want: list[object] = [None] * world_size
+        dist.all_gather_object(want, mine, group=cache.world_group())
+        out[f"{name}/gather"] = comm.all_gather_object(mine) == want
+        for src in range(world_size):
+            box = [mine]
+            dist.broadcast_object_list(box, group=cache.world_group(), group_src=src)
+            out[f"{name}/bcast{src}"] = comm.broadcast_object(mine, src=src) == box[0]
+        out[f"{name}/none"] = comm.all_gather_object(None) == [None] * world_size
+    plain = GroupCache([1, 2], world_size=world_size, rank=rank, tp_comm="process_group")
+    out["plain_has_none"] = plain.world_comm() is None
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_object_collectives_equal_gloo_and_the_world_gets_a_comm(world_size: int) -> None:
+    for rank, r in enumerate(run_ranks(_objects, world_size=world_size, timeout_s=180)):
+        assert all(r.values()), f"rank {rank}: {r}"
+        assert len(r) == 2 * (2 + world_size) + 1

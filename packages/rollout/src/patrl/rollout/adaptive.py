@@ -14,11 +14,13 @@ order; rank 0 runs the planner and broadcasts its decision; on "switch" every ra
 `Engine.reconfigure` at once. A rank whose replica has run dry skips straight to the next check
 (waiting in the collective, not spinning). The first check comes before the first step, so the
 planner can already move a small batch to a larger TP. When no rank has anything unfinished,
-the rollout ends and the engine returns to the layout the first check chose for the whole batch
-(`opening_tp`; tp 1 unless the planner folded at once), so the next `generate` opens there: a
-full batch at the layout the profile prices best for it, with no switch to pay. Opening at a
-larger TP merges the replicas' submissions (`Engine._add_replica_requests`). Partial rollouts
-return to the starting layout (their resumed samples belong to their replicas).
+the rollout ends and the engine returns to the layout the first check found fastest for the
+whole batch (`opening_tp`: where it folded at once or, if that did not pay for its own switch,
+the layout predicted fastest with the switch cost aside; see `opening_layout`), so the next
+`generate` opens there: a full batch at the layout the profile prices best for it, with no
+switch to pay. Opening at a larger TP merges the replicas' submissions
+(`Engine._add_replica_requests`). Partial rollouts return to the starting layout (their
+resumed samples belong to their replicas).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
+from patrl.tpreshard import ShmComm
 
 if TYPE_CHECKING:
     from patrl.rollout.engine import Engine
@@ -128,6 +131,7 @@ class _Verdict:
     recompute: frozenset[tuple[str, int]] = frozenset()
     record: TPDecisionRecord | None = None
     recheck_steps: int | None = None
+    opening_tp: int | None = None  # first check: where the next rollouts open (None: here)
 
 
 @dataclass(slots=True)
@@ -169,7 +173,12 @@ class _Rollout:
 
 class TPController:
     def __init__(
-        self, policy: AdaptiveTP, planner: Planner, lengths: Lengths, world_group: Any
+        self,
+        policy: AdaptiveTP,
+        planner: Planner,
+        lengths: Lengths,
+        world_group: Any,
+        world_comm: ShmComm | None = None,
     ) -> None:
         self.policy = policy
         self.planner = planner
@@ -179,6 +188,10 @@ class TPController:
         # instead of at the smallest candidate only to switch away at its first check.
         self.opening_tp = policy.start_tp
         self.world = world_group
+        # the checks' all-gather and broadcast go through shared memory when the world is
+        # one host (GroupCache.world_comm): over gloo each costs milliseconds, which on a
+        # small model is several decode steps
+        self.comm = world_comm
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
         self.stats = ControlStats()
         self._open_groups: dict[str, list[int]] = {}
@@ -218,7 +231,7 @@ class TPController:
                     self._switch(engine, verdict)
                 if not opened:  # the first check saw the whole batch
                     opened = True
-                    self.opening_tp = engine.layout.tp_size
+                    self.opening_tp = verdict.opening_tp or engine.layout.tp_size
                 steps_left = verdict.recheck_steps or self.policy.check_every
                 if not engine.has_unfinished():
                     continue
@@ -312,7 +325,8 @@ class TPController:
     def _decide(self, summaries: list[_Summary | None], tp: int, rollout: _Rollout) -> _Verdict:
         replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
         rows = [(dp, row) for dp, s in replicas for row in s.rows]
-        if rollout.first_check:
+        first = rollout.first_check
+        if first:
             quotas = [s.quota for _, s in replicas if s.quota is not None]
             rollout.total_quota = sum(quotas) if quotas else None
             rollout.first_check = False
@@ -330,7 +344,10 @@ class TPController:
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
         if decision.action != "switch":
-            return _Verdict(tp, record=record, recheck_steps=decision.recheck_steps)
+            opening = opening_layout(decision) if first else None
+            return _Verdict(
+                tp, record=record, recheck_steps=decision.recheck_steps, opening_tp=opening
+            )
         recompute: frozenset[tuple[str, int]] = frozenset()
         if self.policy.kv_policy == "auto":
             migrate = decision.chosen.migrate
@@ -388,7 +405,9 @@ class TPController:
     def _add_critical_path(self, check_s: list[float], decode_s: float) -> None:
         """One small collective at the end of a rollout (every rank made the same checks)."""
         ranks = [(check_s, decode_s)]
-        if self.world is not None:
+        if self.comm is not None:
+            ranks = self.comm.all_gather_object((check_s, decode_s))
+        elif self.world is not None:
             ranks = [([], 0.0)] * dist.get_world_size(self.world)
             dist.all_gather_object(ranks, (check_s, decode_s), group=self.world)
         control, decode = critical_path(ranks)
@@ -403,12 +422,18 @@ class TPController:
     def _all_gather(self, mine: _Summary | None) -> list[_Summary | None]:
         if self.world is None:
             return [mine]
+        if self.comm is not None:
+            return self.comm.all_gather_object(mine)
         out: list[_Summary | None] = [None] * dist.get_world_size(self.world)
         dist.all_gather_object(out, mine, group=self.world)
         return out
 
     def _broadcast(self, verdict: _Verdict | None) -> _Verdict:
         if self.world is None:
+            assert verdict is not None
+            return verdict
+        if self.comm is not None:
+            verdict = self.comm.broadcast_object(verdict, src=0)
             assert verdict is not None
             return verdict
         box: list[_Verdict | None] = [verdict]
@@ -441,6 +466,25 @@ def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
         )
         for s in engine.unfinished_seqs()
     ]
+
+
+# a layout other than the current one becomes the next rollouts' opening when it is predicted
+# at least this much faster for the whole batch (a guard against flip-flopping on noise)
+OPENING_MIN_GAIN = 0.02
+
+
+def opening_layout(decision: Decision) -> int:
+    """The TP size the next rollouts should open at, from a first check that stays: the one
+    predicted fastest for this whole batch, switch cost aside, since the next rollout pays
+    none (the way there is cut at the next weight sync, or at worst once, at the next
+    `generate`; the gain recurs every rollout). A switch now may not pay for itself in this
+    rollout and still be the right place to start the next ones. Layouts that could not hold
+    the batch (infinite overhead) are not candidates."""
+    stay = next(o for o in decision.options if o.layout == decision.current)
+    best = min((o for o in decision.options if math.isfinite(o.now_s)), key=lambda o: o.run_s)
+    if best.run_s < stay.run_s * (1 - OPENING_MIN_GAIN):
+        return best.layout.tp
+    return decision.current.tp
 
 
 def _record(decision: Decision, t: float) -> TPDecisionRecord:

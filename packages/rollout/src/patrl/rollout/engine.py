@@ -188,7 +188,11 @@ class Engine:
             )
         planner = planner or make_planner(policy, world_size, self.config.max_num_seqs)
         self.controller = TPController(
-            policy, planner, lengths or default_lengths(), self.groups.world_group()
+            policy,
+            planner,
+            lengths or default_lengths(),
+            self.groups.world_group(),
+            self.groups.world_comm(),
         )
         return start
 

@@ -17,13 +17,16 @@ class StaticTP(BaseModel):
 
 
 class AdaptiveTP(BaseModel):
-    """Start at the smallest candidate TP (the most data-parallel replicas) and let the planner
-    fold replicas into larger TP groups as the batch drains (PAT).
+    """Let the planner fold data-parallel replicas into larger TP groups as the batch drains
+    (PAT).
 
-    Every `check_every` decode steps the replicas share a summary of their unfinished samples
-    (one all-gather), rank 0 runs the planner, the decision is broadcast and all ranks apply it
-    together. Each rollout starts at the smallest candidate again (the way back is paid by the
-    next full weight sync, else by a reconfigure when the next rollout starts).
+    The first rollout starts at the smallest candidate TP (the most replicas); each rollout's
+    first check, which sees the whole batch, picks the layout the next ones open at (the one
+    the profile prices fastest for a full batch). Every `check_every` decode steps the
+    replicas share a summary of their unfinished samples (one all-gather), rank 0 runs the
+    planner, the decision is broadcast and all ranks apply it together. After a rollout the
+    engine returns to the opening layout: at the next full weight sync (free, the new weights
+    are cut for it), else by a reconfigure when the next rollout starts.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

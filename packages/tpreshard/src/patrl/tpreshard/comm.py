@@ -25,6 +25,9 @@ Failure: a wait gives up after `timeout_s`, and sooner when a peer's process is 
 is checked every 0.1 s), naming the ranks that did not arrive. The shared file is unlinked as
 soon as every rank has mapped it, so a crash leaves nothing behind in /dev/shm.
 
+`all_gather_object` / `broadcast_object` carry small pickled Python objects the same way (the
+adaptive controller's per-check summaries and decisions, over a world-wide comm).
+
 `tp_all_reduce` / `tp_all_gather` / `tp_broadcast` are what layers call: they use the layout's
 `tp_comm` when it has one, and the TP process group otherwise (NCCL on GPUs, gloo elsewhere).
 """
@@ -32,6 +35,7 @@ soon as every rank has mapped it, so a crash leaves nothing behind in /dev/shm.
 from __future__ import annotations
 
 import os
+import pickle
 import platform
 import tempfile
 import time
@@ -275,11 +279,70 @@ class ShmComm:
             t.copy_(flat.view(t.shape))
         return t
 
+    # ---- Python objects (control traffic: small, pickled) ------------------------------------
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in group-rank order: one round when every pickle fits
+        a slot with its 8-byte length, chunked rounds for the rest of the longest otherwise."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = self.slot_bytes - 8
+
+        def post(parity: int) -> None:
+            _post_bytes(self._slots[parity, self.rank], payload[:head], len(payload))
+
+        parity = self._round(post)
+        read = [_read_bytes(self._slots[parity, r]) for r in range(self.size)]
+        sizes, parts = [size for size, _ in read], [part for _, part in read]
+        rest = max(sizes) - head
+        if rest > 0:
+            tail = torch.zeros(rest, dtype=torch.uint8)
+            if len(payload) > head:
+                tail[: len(payload) - head] = torch.frombuffer(
+                    bytearray(payload[head:]), dtype=torch.uint8
+                )
+            out = self.all_gather_into(torch.empty(self.size, rest, dtype=torch.uint8), tail)
+            parts = [
+                part + out[r, : max(size - head, 0)].numpy().tobytes()
+                for r, (size, part) in enumerate(zip(sizes, parts, strict=True))
+            ]
+        return [pickle.loads(part) for part in parts]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank `src`'s `obj` (picklable; ignored elsewhere), on every rank."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
+        head = self.slot_bytes - 8
+
+        def post(parity: int) -> None:
+            if self.rank == src:
+                _post_bytes(self._slots[parity, src], payload[:head], len(payload))
+
+        parity = self._round(post)
+        size, part = _read_bytes(self._slots[parity, src])
+        if size > head:
+            tail = torch.zeros(size - head, dtype=torch.uint8)
+            if self.rank == src:
+                tail[:] = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
+            part += self.broadcast(tail, src=src).numpy().tobytes()
+        return obj if self.rank == src else pickle.loads(part)
+
     def __repr__(self) -> str:
         return (
             f"ShmComm({self.name}, ranks={self.global_ranks}, slot_bytes={self.slot_bytes}, "
             f"rounds={self.rounds})"
         )
+
+
+def _post_bytes(slot: torch.Tensor, data: bytes, total: int) -> None:
+    """Into a slot: the payload's full length (int64), then its first bytes."""
+    slot[:8].view(torch.int64)[0] = total
+    if data:
+        slot[8 : 8 + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def _read_bytes(slot: torch.Tensor) -> tuple[int, bytes]:
+    """From a slot: (the payload's full length, the bytes of it the slot holds)."""
+    size = int(slot[:8].view(torch.int64)[0])
+    return size, slot[8 : 8 + min(size, slot.numel() - 8)].numpy().tobytes()
 
 
 def _alive(pid: int) -> bool:

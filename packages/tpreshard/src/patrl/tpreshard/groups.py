@@ -10,7 +10,9 @@ node whenever `tp` divides the node's size (`LOCAL_WORLD_SIZE`); DP groups join 
 the same TP rank.
 
 A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`, the default): its
-per-step collectives then go through shared memory instead of gloo (patrl.tpreshard.comm).
+per-step collectives then go through shared memory instead of gloo (patrl.tpreshard.comm). So
+does the whole world when it is one gloo host (`world_comm()`, for the adaptive controller's
+control traffic).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class GroupCache:
         # all ranks, for control traffic that spans layouts (often tp=1's DP group already)
         self._create(tuple(range(self.world_size)))
         self._comms = self._create_comms(tp_comm, local)
+        self._world_comm = self._create_world_comm(tp_comm, local)
 
     def _create_comms(self, mode: str, local: int) -> dict[tuple[int, ...], ShmComm]:
         """A ShmComm for this rank's TP group of every candidate size that can have one."""
@@ -92,6 +95,25 @@ class GroupCache:
             if eligible:
                 comms[ranks] = ShmComm(group, timeout_s=timeout_s, name=f"tp{tp}")
         return comms
+
+    def _create_world_comm(self, mode: str, local: int) -> ShmComm | None:
+        """A ShmComm over every rank when the whole world is one gloo host: the adaptive
+        controller's checks (a summary all-gather and a decision broadcast) then cost tens of
+        microseconds instead of gloo's milliseconds. The TP group of the world's size is the
+        world: its comm serves."""
+        world = tuple(range(self.world_size))
+        if world in self._comms:
+            return self._comms[world]
+        group = self._groups.get(world)
+        if mode == "process_group" or group is None or self.world_size > local:
+            return None
+        if not shm_supported() or str(dist.get_backend(group)) != "gloo":
+            return None
+        # a rank whose replica ran dry waits here while the others decode: as long as the
+        # world group itself would wait (torch's default when no timeout was given)
+        timeout = self._timeout or dist.default_pg_timeout
+        # pickled summaries of a few hundred samples: 1 MB slots, larger ones go in rounds
+        return ShmComm(group, slot_bytes=1 << 20, timeout_s=timeout.total_seconds(), name="world")
 
     def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:
         return [tuple(range(s, s + tp)) for s in range(0, self.world_size, tp)]
@@ -128,6 +150,11 @@ class GroupCache:
     def world_group(self) -> Any:
         """The group of every rank (None in a world of one)."""
         return self._groups.get(tuple(range(self.world_size)))
+
+    def world_comm(self) -> ShmComm | None:
+        """Shared-memory collectives over every rank (None unless the world is one gloo host
+        and tp_comm allows it)."""
+        return self._world_comm
 
     def tp_group_ranks(self, tp: int) -> list[tuple[int, ...]]:
         """The global ranks of every TP group at size `tp`, by DP rank."""
