@@ -129,3 +129,38 @@ def test_state_dict_round_trip():
     assert restored.expected_length("p3") == predictor.expected_length("p3")
     with pytest.raises(ValueError, match="config"):
         LengthPredictor(PredictorConfig(max_length=8)).load_state_dict(state)
+
+
+@pytest.mark.parametrize("max_length", [None, 16384])
+@pytest.mark.parametrize("history", ["none", "lengths only", "trace"])
+def test_batched_prediction_equals_one_at_a_time(max_length, history):
+    """predict_remaining_many (what the planner's check calls) against predict_remaining, its
+    slow twin, on two predictors in the same state; also what they leave to be scored."""
+    config = PredictorConfig(max_length=max_length, quantiles=(0.1, 0.25, 0.5, 0.9))
+    one, many = LengthPredictor(config), LengthPredictor(config)
+    for p in (one, many):
+        if history == "trace":
+            replay(p, steps=2)
+        for g, size in (("a", 4), ("b", 1), ("c", 8)):
+            p.start_group(g, f"prompt-{g}", size)
+        if history != "none":
+            p.observe_finished("c/0", "c", 300)  # a group of one closes without a ratio
+    rng = np.random.default_rng(0)
+    groups = rng.choice(["a", "b", "c"], 200).tolist()
+    # zero, typical, and past anything seen (the cap or Lindy branch)
+    current = np.r_[0, 1, rng.integers(0, 3000, 196), 10**6 - 1, 15000]
+    seqs = [f"{g}/{i}" for i, g in enumerate(groups)]
+    slow = np.stack(
+        [one.predict_remaining(s, g, int(c)) for s, g, c in zip(seqs, groups, current, strict=True)]
+    )
+    fast = many.predict_remaining_many(seqs, groups, current)
+    np.testing.assert_allclose(fast, slow, rtol=1e-12, atol=1e-9)
+    for p in (one, many):
+        for s, c in zip(seqs, current, strict=True):
+            p._score(s, int(c) + 50)  # every prediction scored against one outcome
+    fast_report, slow_report = many.error_report(), one.error_report()
+    assert fast_report["scored"] == slow_report["scored"] > 0
+    assert fast_report["mae"] == pytest.approx(slow_report["mae"], rel=1e-12)
+    assert fast_report["coverage"] == slow_report["coverage"]
+    with pytest.raises(ValueError, match="2 seq ids, 1 group ids, 2 current lengths"):
+        many.predict_remaining_many(["x", "y"], ["a"], np.array([1, 2]))

@@ -52,6 +52,12 @@ def _blom(i: np.ndarray, n: int) -> np.ndarray:
     return (i - 0.375) / (n + 0.25)
 
 
+def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """a + (b - a)·t as numpy's quantile computes it (from the nearer end), bit for bit."""
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+
+
 class LengthPredictor:
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
@@ -160,6 +166,45 @@ class LengthPredictor:
         quantiles = self._remaining(self.group_scale(group_id), current_length)
         self._pending.setdefault(seq_id, []).append((current_length, quantiles.tolist()))
         return quantiles
+
+    def predict_remaining_many(
+        self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
+    ) -> np.ndarray:
+        """`predict_remaining` for many running samples at once, (n, Q): one vectorised pass
+        over the shape samples instead of a quantile call per sample (the planner's check
+        asks for every running sample; per sample it cost ~0.1 ms)."""
+        current = np.asarray(current_lengths, dtype=float)
+        n, levels = len(current), np.asarray(self.config.quantiles)
+        if len(seq_ids) != n or len(group_ids) != n:
+            raise ValueError(
+                f"{len(seq_ids)} seq ids, {len(group_ids)} group ids, {n} current lengths"
+            )
+        scales = {g: self.group_scale(g) for g in dict.fromkeys(group_ids)}
+        mu = np.array([scales[g] for g in group_ids], dtype=float)
+        shape = self._shape()
+        if shape.size == 0:
+            remaining = -mu[:, None] * np.log1p(-levels)[None, :]
+        else:
+            start = np.searchsorted(shape, current / mu, side="right")
+            inside = start < shape.size
+            # np.quantile of shape[start:] * mu ("linear"): virtual index q·(m - 1) past start
+            first = np.minimum(start, shape.size - 1)
+            virtual = first[:, None] + levels[None, :] * (shape.size - 1 - first)[:, None]
+            lo = np.floor(virtual).astype(int)
+            hi = np.minimum(lo + 1, shape.size - 1)
+            a, b = shape[lo] * mu[:, None], shape[hi] * mu[:, None]
+            remaining = _lerp(a, b, virtual - lo) - current[:, None]
+            if self.config.max_length is not None:
+                beyond = levels[None, :] * (self.config.max_length - current)[:, None]
+            else:
+                beyond = 2 * levels[None, :] * current[:, None]
+            remaining = np.where(inside[:, None], remaining, beyond)
+        if self.config.max_length is not None:
+            remaining = np.minimum(remaining, (self.config.max_length - current)[:, None])
+        remaining = np.maximum(remaining, 1.0)
+        for seq_id, c, row in zip(seq_ids, current.tolist(), remaining.tolist(), strict=True):
+            self._pending.setdefault(seq_id, []).append((int(c), row))
+        return remaining
 
     def _remaining(self, mu: float, current: int) -> np.ndarray:
         levels = np.asarray(self.config.quantiles)

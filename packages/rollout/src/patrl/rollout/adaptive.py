@@ -61,7 +61,9 @@ class Lengths(Protocol):
 
     def end_group(self, group_id: str) -> None: ...
 
-    def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray: ...
+    def predict_remaining_many(
+        self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
+    ) -> np.ndarray: ...
 
 
 class OracleLengths:
@@ -85,6 +87,15 @@ class OracleLengths:
         rid, index = seq_id.rsplit("#", 1)
         left = self.final[(rid, int(index))] - current_length
         return np.full(self.num_quantiles, float(max(left, 1)))
+
+    def predict_remaining_many(
+        self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
+    ) -> np.ndarray:
+        rows = [
+            self.predict_remaining(s, g, int(c))
+            for s, g, c in zip(seq_ids, group_ids, current_lengths, strict=True)
+        ]
+        return np.stack(rows) if rows else np.zeros((0, self.num_quantiles))
 
 
 @dataclass(slots=True)
@@ -364,16 +375,17 @@ class TPController:
     def _running_set(
         self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]]
     ) -> RunningSet:
+        generated = np.array([row[3] for _, row in rows], dtype=int)
+        room = np.maximum(np.array([row[4] for _, row in rows], dtype=int) - generated, 1)
         remaining = (
-            np.stack(
-                [
-                    np.clip(
-                        self.lengths.predict_remaining(f"{rid}#{index}", rid, generated),
-                        1.0,
-                        max(max_tokens - generated, 1),
-                    )
-                    for _, (rid, index, _, generated, max_tokens, _) in rows
-                ]
+            np.clip(
+                self.lengths.predict_remaining_many(
+                    [f"{row[0]}#{row[1]}" for _, row in rows],
+                    [row[0] for _, row in rows],
+                    generated,
+                ),
+                1.0,
+                room[:, None],
             )
             if rows
             else np.zeros((0, 1))
