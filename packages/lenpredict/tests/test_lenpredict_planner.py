@@ -26,6 +26,7 @@ from patrl.lenpredict import (
     StaticPolicy,
     SwitchRow,
 )
+from patrl.lenpredict.planner import NEVER
 
 LAYOUTS = [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
 
@@ -284,3 +285,21 @@ def test_planner_picks_what_the_oracle_simulator_says_is_fastest(step, groups):
     policy = AdaptivePolicy(ReconfigPlanner(model, 8), Layout(8, 1))
     adaptive = simulator.run(groups, policy)
     assert adaptive.total_s <= 1.001 * simulated[ranked[0]], (adaptive.summary(), simulated)
+
+
+def test_a_target_slower_at_every_batch_is_never_priced_and_never_rechecked():
+    """The shortcut: TP=2 over gloo (gloo_like) is slower than TP=1 at every batch, so
+    growing can never pay and the planner says so at once, pricing only staying; where TP
+    wins at small batches (compute_bound), the full pricing runs."""
+    rng = np.random.default_rng(3)
+    rs = running_set(rng, 40, 8, max_remaining=400)
+    slow = ReconfigPlanner(latency(gloo_like), 8, PlannerConfig(candidate_tp=(1, 2)))
+    decision = slow.decide(rs, Layout(8, 1))
+    assert decision.action == "stay" and decision.recheck_steps == NEVER
+    assert decision.reason.startswith("no switch can pay") and len(decision.options) == 1
+    assert decision.options[0].run_s == pytest.approx(
+        naive_finish(slow.latency, Layout(8, 1), rs.replica, rs.context, rs.remaining)
+    )
+    mixed = ReconfigPlanner(latency(compute_bound), 8, PlannerConfig(candidate_tp=(1, 2)))
+    decision = mixed.decide(rs, Layout(8, 1))
+    assert decision.recheck_steps != NEVER and len(decision.options) == 2

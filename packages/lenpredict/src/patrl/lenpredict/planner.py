@@ -17,6 +17,11 @@ so it cannot oscillate.
 Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
 must move or recomputing its KV by prefill, whichever the latency model prices lower.
 
+Shortcut. When the latency model says no admissible target is faster than the current layout
+at any batch size the shrinking running set can still have, no switch can pay before the
+rollout ends: the planner stays without pricing anything and asks not to be called again
+(`recheck_steps=NEVER`), which spares the engine its checks on a shape where TP never helps.
+
 Every decision is kept as a record with the predictions it was made from, for audit.
 """
 
@@ -32,6 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from patrl.lenpredict.finish_time import Questions, RunningSet, slowest_replica_times
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
+
+# `Decision.recheck_steps` when nothing can change the decision before the rollout ends
+NEVER = 1 << 62
 
 
 class PlannerConfig(BaseModel):
@@ -289,6 +297,27 @@ class ReconfigPlanner:
         delays = {float(d) for d in np.floor(np.partition(median, at)[at])}
         return np.array(sorted(d for d in delays if d > 0))
 
+    def _never_pays(self, current: Layout, target: Layout, running: RunningSet) -> bool:
+        """True when no moment of this rollout can make `target` faster than `current`: the
+        running set only shrinks, and at every batch size it can still have, a step of the
+        target is no faster than one of the current layout's replicas in its best case.
+        Growing merges replicas whose busiest holds at most all B sequences: it never pays
+        if step(target, B) >= step(current, B) for every B <= n. Shrinking splits B over k
+        replicas, at best ceil(B / k) each: it never pays if step(target, ceil(B / k)) >=
+        step(current, B). Priced at the shortest and the longest context a sequence can have,
+        both must agree (the context term may favour either side)."""
+        n = len(running)
+        batch = np.arange(1, n + 1, dtype=float)
+        grow = target.tp > current.tp
+        mine = batch if grow else np.ceil(batch / (current.tp // target.tp))
+        longest = float(running.context.max() + running.remaining.max())
+        for per_seq in (float(running.context.min()), longest):
+            now = self.latency.step_time(current.tp, batch, batch * per_seq)
+            then = self.latency.step_time(target.tp, mine, mine * per_seq)
+            if (then < now).any():
+                return False
+        return True
+
     def _admissible(self, current: Layout) -> list[Layout]:
         result = []
         for layout in self.candidates:
@@ -310,7 +339,34 @@ class ReconfigPlanner:
         n, q = running.remaining.shape
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
-        targets = self._admissible(current)
+        admissible = self._admissible(current)
+        targets = [t for t in admissible if not self._never_pays(current, t, running)]
+        if admissible and not targets:
+            # no switch can pay before the rollout ends: ask again only when it has
+            stay = Option(
+                current,
+                self.finish_time(current.tp, current.dp, running.replica, running),
+                0.0,
+                np.inf,
+                0,
+                running.replica,
+                np.zeros(n, dtype=bool),
+            )
+            self._since_switch += 1
+            decision = Decision(
+                "stay",
+                current,
+                current,
+                0.0,
+                0.0,
+                f"no switch can pay: {', '.join(map(str, admissible))} no faster than "
+                f"{current} at any batch of <= {n} sequences",
+                [stay],
+                running.seq_ids,
+                recheck_steps=NEVER,
+            )
+            self.decisions.append(decision)
+            return decision
         assignments = [self._assign(running, current, t) for t in targets]
         med = q // 2
         median = running.remaining[:, med]

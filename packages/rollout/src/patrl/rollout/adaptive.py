@@ -356,9 +356,10 @@ class TPController:
         record = _record(decision, time.perf_counter() - rollout.start)
         if decision.action != "switch":
             opening = opening_layout(decision) if first else None
-            return _Verdict(
-                tp, record=record, recheck_steps=decision.recheck_steps, opening_tp=opening
-            )
+            recheck = decision.recheck_steps
+            if recheck is not None and rollout.total_quota is not None:
+                recheck = min(recheck, self.policy.check_every)  # the quota is met at checks
+            return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening)
         recompute: frozenset[tuple[str, int]] = frozenset()
         if self.policy.kv_policy == "auto":
             migrate = decision.chosen.migrate
