@@ -21,12 +21,13 @@ from patrl.lenpredict import (
     RunningSet,
 )
 from patrl.lenpredict.planner import Option
-from patrl.rollout.adaptive import OracleLengths, critical_path
+from patrl.rollout.adaptive import OracleLengths, TPController, critical_path
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.plot import plot_timeline
 from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import GroupCache
 
 pytestmark = pytest.mark.multirank
@@ -41,6 +42,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model_dir: str, **policy: Any) -> EngineConfig:
+    # checks exactly check_every steps apart (the forced switches are placed by check count)
+    policy = {"check_budget": 0.0, **policy} if policy else policy
     tp_policy = {"kind": "adaptive", "candidates": (1, 2), **policy} if policy else None
     extra = {"tp_policy": tp_policy} if tp_policy else {}
     return EngineConfig(model=model_dir, block_size=4, num_kv_blocks=128, max_model_len=96, **extra)
@@ -284,6 +287,19 @@ def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
     for a, b in zip(*results, strict=True):
         assert a["critical"] == b["critical"] and a["critical"][0] > 0
         assert a["critical"][1] == max(a["own"][1], b["own"][1])
+
+
+def test_checks_are_spaced_to_cost_at_most_their_budget() -> None:
+    policy = AdaptiveTP(candidates=(1, 2), check_every=8, check_budget=0.01)
+    controller = TPController(policy, ForcedPlanner(0, 2, 2), OracleLengths({}), None)
+    assert controller.check_interval() == 8  # nothing timed yet
+    controller._check_cost_s, controller._step_s = 0.001, 0.0005  # tiny model: 200 steps
+    assert controller.check_interval() == 200
+    controller._step_s = 0.05  # a 160M model: check_every already spends under 1%
+    assert controller.check_interval() == 8
+    exact = TPController(policy.model_copy(update={"check_budget": 0.0}), None, None, None)
+    exact._check_cost_s, exact._step_s = 0.001, 0.0005
+    assert exact.check_interval() == 8
 
 
 def test_critical_path_takes_the_last_rank_to_arrive_at_each_check() -> None:

@@ -72,6 +72,13 @@ class AdaptiveTPConfig(_Section):
     check_every: int = Field(
         64, gt=0, description="decode steps between planner checks (each is a world sync point)"
     )
+    check_budget: float = Field(
+        0.005,
+        ge=0,
+        lt=1,
+        description="checks further apart than check_every where one costs more than this "
+        "fraction of the decode time between two (0: exactly check_every)",
+    )
     margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
     kv_policy: Literal["auto", "migrate", "recompute"] = "auto"
     profile: str | None = Field(

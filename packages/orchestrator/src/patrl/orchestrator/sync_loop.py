@@ -718,6 +718,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
     policy = AdaptiveTP(
         candidates=candidates,
         check_every=a.check_every,
+        check_budget=a.check_budget,
         margin=a.margin,
         kv_policy=a.kv_policy,
         profile=profile,

@@ -36,6 +36,13 @@ class AdaptiveTP(BaseModel):
     check_every: int = Field(
         64, gt=0, description="decode steps between planner checks (each is a world sync point)"
     )
+    check_budget: float = Field(
+        0.005,
+        ge=0,
+        lt=1,
+        description="space checks further than check_every where one would cost more than "
+        "this fraction of the decode time between two (0: exactly check_every)",
+    )
     margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
     kv_policy: Literal["auto", "migrate", "recompute"] = Field(
         "auto", description="auto: the planner's cheaper choice per sequence"
