@@ -12,15 +12,17 @@ benchmarks/results/models or $PATRL_CACHE_DIR):
   for a few gloo collectives a step; at a large batch the step is compute-bound, TP splits the
   compute as well as DP does, and the collectives and the per-sequence work TP does not split
   (sampling, scheduling) should make two replicas faster. Few layers: few collectives a step.
-  Since the TP collectives go through shared memory (ShmComm), TP=2 wins at batch 1 (0.024-0.029
-  vs 0.039 s) and also at the rollouts' full batch (32 sequences: tp2 0.165 s a step vs 0.22-0.25
-  for two batch-16 replicas): two replicas on one socket share its memory bandwidth and each
-  reads all the weights. The model's crossover, where it shows one, is at 64 sequences, past
-  these rollouts.
+  Since the TP collectives go through shared memory (ShmComm), TP=2 wins at batch 1 (0.019-0.026
+  vs 0.029-0.034 s) and also at the rollouts' full batch (32 sequences: tp2 0.08-0.11 s a step
+  vs 0.10-0.12 s for two batch-16 replicas): two replicas on one socket share its memory
+  bandwidth and each reads all the weights, while a TP rank reads half. The fitted model's
+  crossover, in the profiles that show one, is at 64 sequences, past these rollouts (and
+  past what the profile measured): on this box there is no shape with a crossover inside a
+  rollout's batch, so adaptive is held to "open at the best static layout and stay there".
 - "wide_6l" (111M: hidden 1024, intermediate 4096, 6 layers): the first candidate, kept to
-  re-profile with --shapes wide_6l --profile-only. On this box (load 6-10 on 2 cores) its
-  15 collectives a step cost ~4-5 ms each inside the engine (0.5 ms in isolation), so TP=2
-  lost at batch 1.
+  re-profile with --shapes wide_6l --profile-only. Over gloo its 15 collectives a step made
+  TP=2 lose even at batch 1; through shared memory TP=2 is 1.5x faster at batch 1 and 2x at batch 32
+  (2026-11-23: 0.016 vs 0.024 s, 0.063 vs 0.124 s): no crossover either.
 - "tiny": 2 layers, hidden 64: steps cost about as much as a collective, so TP=2 never pays
   and adaptive must simply not switch.
 Each shape is profiled once here by `patrl.rollout.profile.profile_distributed` (written
@@ -294,10 +296,11 @@ def profile_shape(base: EngineConfig, scale: Scale, path: Path, world: Any) -> f
     return time.perf_counter() - start
 
 
-def profile_summary(profile: Profile) -> dict[str, Any]:
+def profile_summary(profile: Profile, rollout_batch: int) -> dict[str, Any]:
     """Measured step times at tp 1 and 2 for batch 1 and the largest batch (shortest context),
-    and whether the fitted model has a crossover: TP=2 faster for one sequence, two tp-1
-    replicas faster for the largest total batch (B per replica at tp 1 vs 2B at tp 2)."""
+    and whether the fitted model has a crossover where the rollouts can use it: TP=2 faster
+    for one sequence, two tp-1 replicas faster for the rollouts' full batch (`rollout_batch`
+    sequences: half per replica at tp 1, all of them at tp 2)."""
     batches = sorted({r.batch for r in profile.decode})
     rows: dict[str, float] = {}
     for tp in (1, 2):
@@ -305,7 +308,7 @@ def profile_summary(profile: Profile) -> dict[str, Any]:
             cells = [r for r in profile.decode if r.tp == tp and r.batch == b]
             rows[f"tp{tp}_b{b}_s"] = min(cells, key=lambda r: r.context_tokens).seconds
     lm = LatencyModel.fit(profile)
-    big, ctx = batches[-1], 32
+    big, ctx = -(-rollout_batch // 2), 32
 
     def step(tp: int, b: int) -> float:
         return float(lm.step_time(tp, b, b * ctx))
@@ -466,7 +469,7 @@ def run_shape(
     log(rank, f"[{shape}] profiling ...")
     profile_s = profile_shape(base, scale, profile_path, world)
     profile = Profile.load(profile_path)
-    summary = profile_summary(profile)
+    summary = profile_summary(profile, scale.num_prompts * scale.n)
     log(rank, f"[{shape}] profile in {profile_s:.0f} s: {json.dumps(summary)}")
     if profile_only:
         return {"profile_path": str(profile_path), "profile_s": profile_s, "profile": summary}
