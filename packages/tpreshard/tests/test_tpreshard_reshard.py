@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -10,7 +11,15 @@ import torch.distributed as dist
 from multirank import run_ranks
 from torch import nn
 
-from patrl.tpreshard import GroupCache, ParallelLayout, ShardSpec, index_map, reshard_, shard_tensor
+from patrl.tpreshard import (
+    GroupCache,
+    ParallelLayout,
+    ShardSpec,
+    ShmComm,
+    index_map,
+    reshard_,
+    shard_tensor,
+)
 from patrl.tpreshard.reshard import copy_plan
 from patrl.tpreshard.shard import ShardPart
 
@@ -68,14 +77,21 @@ def _input_major_kept(toy: nn.Module) -> bool:
     )
 
 
-def _walk(rank: int, world_size: int, path: list[int]) -> list[bool]:
-    groups = GroupCache([1, 2, 4], world_size=world_size, rank=rank)
+def _walk(
+    rank: int, world_size: int, path: list[int], tp_comm: str, slot_bytes: int | None
+) -> list[bool]:
+    groups = GroupCache([1, 2, 4], world_size=world_size, rank=rank, tp_comm=tp_comm)
     created = groups.num_created
-    toy = _Toy(groups.layout(path[0]))
+    layouts = {tp: groups.layout(tp) for tp in (1, 2, 4)}
+    if slot_bytes is not None:  # a few rows a round: the streamed gather's blocks and runs meet
+        for tp in (2, 4):
+            small = ShmComm(layouts[tp].tp_group, slot_bytes=slot_bytes, name=f"walk{tp}")
+            layouts[tp] = dataclasses.replace(layouts[tp], tp_comm=small)
+    toy = _Toy(layouts[path[0]])
     norm_ptr = toy.norm.data_ptr()
     results = []
     for src_tp, dst_tp in itertools.pairwise(path):
-        src, dst = groups.layout(src_tp), groups.layout(dst_tp)
+        src, dst = layouts[src_tp], layouts[dst_tp]
         stats = reshard_(toy, src, dst)
         want = _expected(dst)
         exact = all(torch.equal(p.data, want[n]) for n, p in toy.named_parameters())
@@ -91,8 +107,18 @@ def _walk(rank: int, world_size: int, path: list[int]) -> list[bool]:
 
 
 @pytest.mark.multirank
-def test_reshard_walks_1_2_4_2_1_bit_exact_on_four_ranks() -> None:
-    per_rank = run_ranks(_walk, world_size=4, args=([1, 2, 4, 2, 1],), timeout_s=300)
+@pytest.mark.parametrize(
+    "tp_comm,slot_bytes",
+    [
+        ("auto", None),  # shared memory: shards stream into place, one round per parameter
+        ("auto", 64),  # two 8-float rows a round: runs cut across blocks
+        ("process_group", None),  # gloo: gathered whole, then re-cut (the slow twin)
+    ],
+)
+def test_reshard_walks_1_2_4_2_1_bit_exact_on_four_ranks(tp_comm: str, slot_bytes: int | None):
+    per_rank = run_ranks(
+        _walk, world_size=4, args=([1, 2, 4, 2, 1], tp_comm, slot_bytes), timeout_s=300
+    )
     assert per_rank == [[True] * 4] * 4
 
 

@@ -40,7 +40,7 @@ import platform
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -278,6 +278,35 @@ class ShmComm:
         if flat.data_ptr() != t.data_ptr():
             t.copy_(flat.view(t.shape))
         return t
+
+    def all_gather_rows(self, t: torch.Tensor) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+        """Every rank's 2-D contiguous `t` (the same shape everywhere), a block of whole rows
+        at a time: yields (lo, hi, parts) with parts[r] rows [lo, hi) of rank r's tensor, views
+        of the shared slots, valid until the next iteration (read them, do not keep them).
+        The caller places each block where it belongs, without a gathered copy of the whole
+        (the weight reshard's shrink). Every rank must run the iteration to its end."""
+        if t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"all_gather_rows needs a 2-D contiguous tensor, got {tuple(t.shape)}")
+        rows, row_bytes = t.shape[0], t.shape[1] * t.element_size()
+        if row_bytes > self.slot_bytes:
+            raise ValueError(f"a row of {row_bytes} bytes exceeds slot_bytes={self.slot_bytes}")
+        per = max(1, self.slot_bytes // max(row_bytes, 1))
+        for lo in range(0, rows, per):
+            hi = min(lo + per, rows)
+            nbytes = (hi - lo) * row_bytes
+
+            def post(parity: int, lo: int = lo, hi: int = hi, nbytes: int = nbytes) -> None:
+                self._slot(parity, self.rank, nbytes, t.dtype).copy_(t[lo:hi].view(-1))
+
+            parity = self._round(post)
+            yield (
+                lo,
+                hi,
+                [
+                    self._slot(parity, r, nbytes, t.dtype).view(hi - lo, t.shape[1])
+                    for r in range(self.size)
+                ],
+            )
 
     # ---- Python objects (control traffic: small, pickled) ------------------------------------
 
