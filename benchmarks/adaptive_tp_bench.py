@@ -33,7 +33,12 @@ seeds for every policy): uniform, long-tail (log-normal quantiles, capped: most 
 5-10x longer) and bimodal; n samples per prompt.
 Policies: static (dp2, tp1); static (dp1, tp2); adaptive with the engine's online length
 predictor (after one untimed warm-up rollout of the same prompts and prompt keys, so it has
-history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`). Every dp2
+history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`); "cold"
+adaptive, predicted lengths, reopened at tp 1 before every rollout (PAT's setting: the
+layout moves only by the mid-rollout planner, whose switches the decision audit then shows;
+the way back to tp 1 is reset time, which the "without the return" line leaves out). The
+adaptive policies open where the first check of their previous rollout said (the
+steady state of an RL run). Every dp2
 policy gets the same length-aware split (`assign_prompts(..., "lpt")` on the imposed lengths).
 Latency of a rollout: barrier, then `generate`; the max over ranks of its wall time. Each
 repeat runs every policy once, in turn (interleaved, so load drifts on this shared machine hit
@@ -95,7 +100,14 @@ from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
 from patrl.tpreshard import GroupCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
-POLICIES = ("static_dp2_tp1", "static_dp1_tp2", "adaptive_predicted", "adaptive_oracle")
+POLICIES = (
+    "static_dp2_tp1",
+    "static_dp1_tp2",
+    "adaptive_predicted",
+    "adaptive_oracle",
+    "adaptive_cold",
+)
+ADAPTIVE = POLICIES[2:]
 STATIC = POLICIES[:2]
 BLOCK = 16
 CHECK_EVERY = AdaptiveTP().check_every  # the engine's default (--check-every overrides)
@@ -340,6 +352,7 @@ class Engines:
     predicted: Engine
     oracle: Engine
     oracle_lengths: OracleLengths
+    cold: Engine
 
     def of(self, policy: str) -> Engine:
         return {
@@ -347,6 +360,7 @@ class Engines:
             "static_dp1_tp2": self.static_tp,
             "adaptive_predicted": self.predicted,
             "adaptive_oracle": self.oracle,
+            "adaptive_cold": self.cold,
         }[policy]
 
 
@@ -374,6 +388,7 @@ def make_engines(base: EngineConfig, profile: Path, groups: GroupCache) -> Engin
         predicted=Engine(adaptive, groups=groups),
         oracle=Engine(adaptive, groups=groups, lengths=oracle),
         oracle_lengths=oracle,
+        cold=Engine(adaptive, groups=groups),
     )
 
 
@@ -415,6 +430,13 @@ def rollout(
     if policy == "adaptive_oracle":
         tell_oracle(engines, workload, mine, n, world)
     params = workload.params(n)
+    if policy == "adaptive_cold":
+        # PAT's setting: every rollout opens wide (tp 1) and only the mid-rollout planner
+        # moves it; the way back to tp 1 is reset time, reported apart (free at a weight sync)
+        controller = engine.controller
+        assert controller is not None and engine.groups is not None
+        controller.opening_tp = controller.policy.start_tp
+        engine.return_later(engine.groups.layout(controller.policy.start_tp))
     before = engine.stats()
     dist.barrier(group=world)
     start = time.perf_counter()
@@ -491,6 +513,7 @@ def run_shape(
         replica_of = assign_prompts(workload.lengths, [scale.n] * scale.num_prompts, 2, "lpt")
         # warm-up: the online predictor gets this prompt set's history (steady-state RL)
         rollout(engines, "adaptive_predicted", workload, replica_of, scale.n, world)
+        rollout(engines, "adaptive_cold", workload, replica_of, scale.n, world)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rep in range(repeats):
             for policy in POLICIES:
@@ -536,6 +559,7 @@ def summarise(
             entry.update(
                 switches=[r["switches"] for r in runs[p]],
                 checks=[r["checks"] for r in runs[p]],
+                opening_tp=[r["timeline"][0]["tp_size"] for r in runs[p] if r["timeline"]],
                 # rank 0's own check time, waiting for a busier replica included
                 control_s=control,
                 decode_s=decode,
@@ -616,10 +640,15 @@ def simulate(
             for i, (p, L) in enumerate(zip(workload.prompts, workload.lengths, strict=True))
         ]
         lengths = [float(L) for L in workload.lengths]
+        tp = statistics.mode(entry["policies"]["adaptive_oracle"]["opening_tp"] or [1])
         policies: dict[str, StaticPolicy | AdaptivePolicy] = {
             "static_dp2_tp1": StaticPolicy(Layout(dp=2, tp=1)),
             "static_dp1_tp2": StaticPolicy(Layout(dp=1, tp=2)),
+            # where the measured runs opened (the first check's choice of the rollout before)
             "adaptive_oracle": AdaptivePolicy(
+                ReconfigPlanner(latency, 2, planner_config), start=Layout(dp=2 // tp, tp=tp)
+            ),
+            "adaptive_cold": AdaptivePolicy(
                 ReconfigPlanner(latency, 2, planner_config), start=Layout(dp=2, tp=1)
             ),
         }
@@ -674,8 +703,8 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                     verdict(shape, wname, p, "control / decode", frac, f"< {TARGET_CONTROL}", ok)
                 )
             if role == "none":
-                switches = sum(w["policies"]["adaptive_predicted"]["switches"]) + sum(
-                    w["policies"]["adaptive_oracle"]["switches"]
+                switches = sum(
+                    sum(w["policies"][p]["switches"]) for p in ADAPTIVE if p in w["policies"]
                 )
                 out.append(
                     verdict(shape, wname, "adaptive", "switches", switches, "== 0", switches == 0)
@@ -697,6 +726,9 @@ def print_report(results: dict[str, Any]) -> None:
         for wname, w in res["workloads"].items():
             cells = []
             for p in POLICIES:
+                if p not in w["policies"]:  # a results file from before the policy existed
+                    cells.append("-")
+                    continue
                 e = w["policies"][p]
                 sw = f" sw{sum(e['switches'])}" if "switches" in e else ""
                 cells.append(f"{e['median_s']:7.2f}s x{e['vs_best_static']:.3f}{sw:>5s}")
@@ -704,7 +736,7 @@ def print_report(results: dict[str, Any]) -> None:
         print("adaptive without the return to tp 1 at the end of generate (x best static):")
         for wname, w in res["workloads"].items():
             parts = []
-            for p in ("adaptive_predicted", "adaptive_oracle"):
+            for p in (p for p in ADAPTIVE if p in w["policies"]):
                 e = w["policies"][p]
                 excl, approx = excl_reset(e)
                 best = w["policies"][w["best_static"]]["median_s"]
@@ -713,7 +745,7 @@ def print_report(results: dict[str, Any]) -> None:
             print(f"  {wname:10s} " + "  ".join(parts))
         print("simulated / measured (median):")
         for wname, w in res["workloads"].items():
-            sims = {p: w["policies"][p].get("sim_over_measured") for p in POLICIES}
+            sims = {p: w["policies"].get(p, {}).get("sim_over_measured") for p in POLICIES}
             print(
                 f"  {wname:10s} "
                 + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
@@ -727,14 +759,15 @@ def print_report(results: dict[str, Any]) -> None:
                 f"  {wname:10s} "
                 + "  ".join(
                     f"{p}={w['policies'][p]['control_fraction']:.4f}"
-                    for p in ("adaptive_predicted", "adaptive_oracle")
+                    for p in ADAPTIVE
+                    if p in w["policies"]
                 )
             )
         print(
             "switch decisions: predicted gain / overhead / finish vs measured overhead / finish / net gain"
         )
         for wname, w in res["workloads"].items():
-            for p in ("adaptive_predicted", "adaptive_oracle"):
+            for p in (p for p in ADAPTIVE if p in w["policies"]):
                 for d in w["policies"][p]["switch_decisions"]:
                     print(
                         f"  {wname:10s} {p:18s} rep {d['repeat']} t={d['t']:.2f}s {d['tp']} "
