@@ -154,8 +154,9 @@ def _gather_runs(
 ) -> None:
     """new = the runs of the source group's shards, placed block by block as the shards arrive
     through shared memory: two copies of each byte (into the slot, out to its place) where a
-    whole gather and a re-cut make four, and no gathered buffer (the shrink's weights moved
-    1.6x faster on a 160M-parameter model). In storage order a run lies along rows (the split
+    whole gather and a re-cut make four, and no gathered buffer (a tp 2 -> 1 shrink moved its
+    weights 1.5-1.8x faster on a 2-layer 160M model, 3.6-4.5x on a 12-layer 124M one). In
+    storage order a run lies along rows (the split
     dimension is the storage's first) or along columns (its second: every block of rows holds
     a piece of every run)."""
     assert src.tp_comm is not None
