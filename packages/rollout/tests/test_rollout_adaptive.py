@@ -302,6 +302,32 @@ def test_checks_are_spaced_to_cost_at_most_their_budget() -> None:
     assert exact.check_interval() == 8
 
 
+def _spaced(rank: int, world_size: int, model_dir: str) -> list[int]:
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    prompts, params = _prompts(rank)
+    checks = []
+    for budget in (0.0, 0.005):
+        engine = Engine(
+            _config(model_dir, check_every=2, check_budget=budget),
+            groups=groups,
+            planner=ForcedPlanner(0, 2, world_size),  # always stays, asks for no recheck
+        )
+        assert engine.controller is not None
+        # as if a check had cost a second beside 1 ms steps: rank 0 spaces the next check
+        # 200,000 steps away, past the end of the rollout (budget 0: every 2 steps)
+        engine.controller._check_cost_s, engine.controller._step_s = 1.0, 0.001
+        engine.generate(prompts, params)
+        checks.append(engine.stats()["tp_checks"])
+    return checks
+
+
+def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:
+    results = run_ranks(_spaced, 2, args=(str(llama_dir),), timeout_s=300)
+    assert results[0] == results[1]
+    every_two, spaced = results[0]
+    assert spaced == 2 and every_two > 5  # the first check and the closing one
+
+
 def test_critical_path_takes_the_last_rank_to_arrive_at_each_check() -> None:
     nan = float("nan")
     # check 1: rank 0 waited 0.5 s for rank 1, which spent 0.02 s; check 2: only rank 0 had
