@@ -230,6 +230,23 @@ def _objects(rank: int, world_size: int) -> dict[str, object]:
         out[f"{name}/none"] = comm.all_gather_object(None) == [None] * world_size
     plain = GroupCache([1, 2], world_size=world_size, rank=rank, tp_comm="process_group")
     out["plain_has_none"] = plain.world_comm() is None
+    # rows: refused before any round (so no rank is left waiting), else gathered block-wise
+    for bad, message in (
+        (torch.zeros(3, 300), "exceeds slot_bytes"),
+        (torch.zeros(4, 6).t(), "2-D"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            next(small.all_gather_rows(bad))
+    mine_rows = torch.arange(70, dtype=torch.float32).view(10, 7) + 100 * rank
+    blocks = list(small.all_gather_rows(mine_rows))  # 36 rows of 28 bytes a 1 KB slot: 1 round
+    out["rows_in_one_block"] = [(lo, hi) for lo, hi, _ in blocks] == [(0, 10)]
+    tiny = ShmComm(cache.world_group(), slot_bytes=64, name="tiny-world")  # 2 rows a round
+    got = [torch.empty(10, 7) for _ in range(world_size)]
+    for lo, hi, parts in tiny.all_gather_rows(mine_rows):
+        for r, part in enumerate(parts):
+            got[r][lo:hi] = part
+    want = [torch.arange(70, dtype=torch.float32).view(10, 7) + 100 * r for r in range(world_size)]
+    out["rows_in_blocks"] = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     return out
 
 
@@ -238,4 +255,4 @@ def _objects(rank: int, world_size: int) -> dict[str, object]:
 def test_object_collectives_equal_gloo_and_the_world_gets_a_comm(world_size: int) -> None:
     for rank, r in enumerate(run_ranks(_objects, world_size=world_size, timeout_s=180)):
         assert all(r.values()), f"rank {rank}: {r}"
-        assert len(r) == 2 * (2 + world_size) + 1
+        assert len(r) == 2 * (2 + world_size) + 3
