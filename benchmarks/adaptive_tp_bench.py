@@ -51,7 +51,7 @@ summary all-gather, planner, broadcast) on the critical path (per check, the lea
 with work spent in it: the rest is waiting for a busier replica) as a fraction of the busiest
 rank's decode time; and the simulator fed
 the measured lengths and the fitted latency model, simulated vs measured for every policy.
-Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of an adaptive long-tail
+Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of a cold adaptive long-tail
 rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check the script.
 """
 
@@ -523,12 +523,12 @@ def run_shape(
                     f"[{shape}] {workload.name} rep {rep} {policy}: {runs[policy][-1]['latency_s']:.2f} s",
                 )
         if workload.name == "long_tail" and rank == 0:
-            last = runs["adaptive_predicted"][-1]
+            last = runs["adaptive_cold"][-1]  # opens wide: the planner's switch shows
             plot_timeline(
                 last["timeline"],
                 last["decisions"],
                 timeline_png,
-                title=f"{shape}: adaptive (predicted lengths), long-tail, rank 0",
+                title=f"{shape}: adaptive opened at tp 1 (predicted lengths), long-tail, rank 0",
             )
         out["workloads"][workload.name] = summarise(workload, replica_of, runs, scale)
     if rank == 0:
