@@ -39,6 +39,7 @@ from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import ShmComm
+from patrl.tpreshard.comm import broadcast_obj, gather_objects
 
 if TYPE_CHECKING:
     from patrl.rollout.engine import Engine
@@ -435,11 +436,8 @@ class TPController:
     def _add_critical_path(self, check_s: list[float], decode_s: float) -> None:
         """One small collective at the end of a rollout (every rank made the same checks)."""
         ranks = [(check_s, decode_s)]
-        if self.comm is not None:
-            ranks = self.comm.all_gather_object((check_s, decode_s))
-        elif self.world is not None:
-            ranks = [([], 0.0)] * dist.get_world_size(self.world)
-            dist.all_gather_object(ranks, (check_s, decode_s), group=self.world)
+        if self.world is not None:
+            ranks = gather_objects(self.comm, self.world, (check_s, decode_s))
         control, decode = critical_path(ranks)
         self.stats.critical_control_s += control
         self.stats.critical_decode_s += decode
@@ -452,24 +450,13 @@ class TPController:
     def _all_gather(self, mine: _Summary | None) -> list[_Summary | None]:
         if self.world is None:
             return [mine]
-        if self.comm is not None:
-            return self.comm.all_gather_object(mine)
-        out: list[_Summary | None] = [None] * dist.get_world_size(self.world)
-        dist.all_gather_object(out, mine, group=self.world)
-        return out
+        return gather_objects(self.comm, self.world, mine)
 
     def _broadcast(self, verdict: _Verdict | None) -> _Verdict:
-        if self.world is None:
-            assert verdict is not None
-            return verdict
-        if self.comm is not None:
-            verdict = self.comm.broadcast_object(verdict, src=0)
-            assert verdict is not None
-            return verdict
-        box: list[_Verdict | None] = [verdict]
-        dist.broadcast_object_list(box, group=self.world, group_src=0)
-        assert box[0] is not None
-        return box[0]
+        if self.world is not None:
+            verdict = broadcast_obj(self.comm, self.world, verdict, src=0)
+        assert verdict is not None
+        return verdict
 
 
 def critical_path(ranks: list[tuple[list[float], float]]) -> tuple[float, float]:

@@ -55,6 +55,7 @@ from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
+from patrl.tpreshard.comm import gather_objects
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -573,11 +574,7 @@ class Engine:
                 sp = dataclasses.replace(sp, seed=secrets.randbits(62))
             rid = f"req-{self.groups.rank}-{next(self._request_ids)}"
             mine.append((p, sp, k, rid))
-        gathered: list[Any] = [None] * layout.tp_size
-        if layout.tp_comm is not None:  # shared memory: tens of microseconds, not gloo's ms
-            gathered = layout.tp_comm.all_gather_object((mine, self.next_seq_id()))
-        else:
-            dist.all_gather_object(gathered, (mine, self.next_seq_id()), group=layout.tp_group)
+        gathered = gather_objects(layout.tp_comm, layout.tp_group, (mine, self.next_seq_id()))
         self._seq_ids = itertools.count(max(g[1] for g in gathered))
         for part, _ in gathered:
             for p, sp, k, rid in part:

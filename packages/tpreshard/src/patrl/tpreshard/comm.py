@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveTimeout",
     "ShmComm",
+    "broadcast_obj",
+    "gather_objects",
     "shm_supported",
     "tp_all_gather",
     "tp_all_gather_into",
@@ -416,6 +418,26 @@ def tp_all_gather_into(layout: ParallelLayout, out: torch.Tensor, t: torch.Tenso
         return layout.tp_comm.all_gather_into(out, t)
     dist.all_gather(list(out.unbind(0)), t.contiguous(), group=layout.tp_group)
     return out
+
+
+def gather_objects(comm: ShmComm | None, group: Any, obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in group-rank order: through `comm` when there is one,
+    else the process group `group`."""
+    if comm is not None:
+        return comm.all_gather_object(obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_obj(comm: ShmComm | None, group: Any, obj: Any, src: int = 0) -> Any:
+    """Group rank `src`'s picklable `obj` on every rank: through `comm` when there is one,
+    else the process group `group`."""
+    if comm is not None:
+        return comm.broadcast_object(obj, src=src)
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=src)
+    return box[0]
 
 
 def tp_broadcast(layout: ParallelLayout, t: torch.Tensor, src: int = 0) -> torch.Tensor:
