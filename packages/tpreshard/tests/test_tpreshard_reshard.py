@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from patrl.tpreshard import (
     reshard_,
     shard_tensor,
 )
+from patrl.tpreshard import reshard as reshard_module
 from patrl.tpreshard.reshard import copy_plan
 from patrl.tpreshard.shard import ShardPart
 
@@ -210,3 +213,80 @@ def test_copying_by_the_plan_equals_a_fresh_cut(transposed: bool) -> None:
                     for k in range(n):
                         got.select(dim, i + k).copy_(shards[r].select(dim, w + k))
                 assert torch.equal(got, want), (name, src_tp, dst_tp, dst_rank)
+
+
+def _grow(toy: nn.Module, dst_tp: int, rank: int) -> None:
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    dst = ParallelLayout(tp_size=dst_tp, tp_rank=rank, tp_group=object())  # type: ignore[arg-type]
+    reshard_(toy, src, dst)
+
+
+@pytest.mark.parametrize("dst_tp", [2, 4])
+def test_growing_from_tp1_cuts_inside_the_old_storage(
+    dst_tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fast path (the shard cut in place in the parameter's own storage) against its twin
+    # (a fresh shard allocated and copied): the same bits, every spec, every rank, padding
+    # included (VOCAB=7 pads the last rank at tp 2 and 4); the fast path allocates nothing.
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    for rank in range(dst_tp):
+        toy = _Toy(src)
+        storages = {n: p.untyped_storage().data_ptr() for n, p in toy.named_parameters()}
+        _grow(toy, dst_tp, rank)
+        with monkeypatch.context() as m:
+            m.setattr(reshard_module, "_can_release", lambda: False)
+            twin = _Toy(src)
+            _grow(twin, dst_tp, rank)
+        want = _expected(ParallelLayout(tp_size=dst_tp, tp_rank=rank, tp_group=object()))  # type: ignore[arg-type]
+        for n, p in toy.named_parameters():
+            assert torch.equal(p.data, want[n]), (n, rank)
+            assert torch.equal(p.data, dict(twin.named_parameters())[n].data), (n, rank)
+            assert p.untyped_storage().data_ptr() == storages[n], f"{n} was reallocated"
+            other = dict(twin.named_parameters())[n]
+            if n != "norm":
+                assert other.untyped_storage().data_ptr() != storages[n]
+        assert _input_major_kept(toy) and _input_major_kept(twin)
+
+
+def test_a_parameter_sharing_its_storage_is_not_cut_in_place() -> None:
+    # Two views of one buffer: cutting one inside the buffer would overwrite the other.
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    toy = _Toy(src)
+    shared = torch.randn(2, *toy.row.shape)
+    toy.row.data = shared[1]
+    neighbour = shared[0].clone()
+    _grow(toy, 2, 1)
+    assert torch.equal(shared[0], neighbour)
+    assert toy.row.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+@pytest.mark.parametrize("name", ["embed", "row_t"])
+def test_growing_in_place_returns_the_dropped_half_to_the_os(name: str) -> None:
+    # One 64 MB parameter (a contiguous run along rows; a column slice of input-major storage)
+    # grown to tp 2 on rank 1: the process gives back about half of it.
+    spec = _specs()[name][0]
+    full = torch.randn(4096, 4096) if name == "embed" else torch.randn(4096, 4096).t()
+
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layout = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+            self.vocab_size = 4096
+            self.w = nn.Parameter(full, requires_grad=False)
+            self.w.shard_spec = spec  # type: ignore[attr-defined]
+
+    module = One()
+    del full
+    want = shard_tensor(module.w.data, spec, 1, 2).clone()
+    before = _rss_bytes()
+    dst = ParallelLayout(tp_size=2, tp_rank=1, tp_group=object())  # type: ignore[arg-type]
+    reshard_(module, module.layout, dst)
+    freed = before - _rss_bytes()
+    assert torch.equal(module.w.data, want)
+    assert freed > 0.45 * 64 * 2**20, f"only {freed} bytes returned"

@@ -7,8 +7,13 @@ Every parameter with a `shard_spec` is re-cut for the destination layout, and ev
 One rule serves every spec (replicated, column, row, vocab, fused parts, replicated KV heads):
 an *index map* says which rows (along the split dimension) of the full tensor a rank holds, by
 cutting `arange(full)` with the spec itself. Then
-- from TP 1 a rank holds every row, so the new shard is an `index_select` of the old one: no
-  communication;
+- from TP 1 a rank holds every row, so the new shard is a selection of the old one: no
+  communication. On CPU it is cut *inside the old storage* (`_narrow_in_place`): the kept
+  rows are moved to its front (or, when they are one run, left where they are) and the pages
+  no longer needed are handed back to the OS. Allocating the new shard instead cost more in
+  page faults than the copy itself (a 600 MB narrowing: 0.22 s into fresh memory, 0.09 s
+  into touched memory, the first time in a process 1.8 s, on this project's 2-core box);
+
 - from TP > 1 the old shards are all-gathered inside the *source* TP group (which holds every row)
   and the new shard is picked from the gathered pieces (through shared memory, a block of rows
   at a time, straight into the new shard). With consecutive-rank TP groups the
@@ -20,7 +25,10 @@ Copies only, so the result equals a fresh load bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +111,9 @@ def _recut(
     transposed = is_input_major(old)  # its re-cut is stored the same way
     runs = copy_plan(spec, rows, src.tp_size, dst.tp_rank, dst.tp_size)
     if src.tp_size == 1:  # this rank holds every row: narrow, no communication
+        narrowed = _narrow_in_place(old, new_shape, dim, transposed, runs, zeros)
+        if narrowed is not None:
+            return narrowed, 0, 0
         new = _alloc(old, new_shape, zeros, transposed)
         _copy_runs(new, old, dim, runs)
         return new, new.nbytes, 0
@@ -177,6 +188,124 @@ def _alloc(like: torch.Tensor, shape: list[int], zeros: bool, transposed: bool) 
     if transposed:
         return make(shape[::-1], dtype=like.dtype, device=like.device).t()
     return make(shape, dtype=like.dtype, device=like.device)
+
+
+def _narrow_in_place(
+    old: torch.Tensor,
+    new_shape: list[int],
+    dim: int,
+    transposed: bool,
+    runs: tuple[tuple[int, int, int, int], ...],
+    zeros: bool,
+) -> torch.Tensor | None:
+    """The new shard cut inside `old`'s own storage, the rest of whose pages go back to the OS;
+    None where that cannot be done (not CPU, the storage shared or not released, a run that
+    would have to move backwards), and the caller allocates.
+
+    In storage order (`_storage`: an input-major weight's [in, out] rows) the kept rows or
+    columns move towards the front, in place. A copy never reads what an earlier copy wrote:
+    along rows, a run moves to an earlier row (i <= w) in pieces no longer than the distance
+    it moves; along columns, rows go in blocks [a, b) whose new place ends before their old
+    place starts (b * new_width <= a * old_width: blocks grow geometrically), the first row
+    through a copy of itself. One run along rows is not moved at all: the shard is a view."""
+    if not _can_release() or old.device.type != "cpu" or old.dim() > 2:
+        return None
+    storage = _storage(old, transposed)
+    storage_bytes = old.untyped_storage().nbytes()
+    if (
+        not storage.is_contiguous()
+        or old.storage_offset() != 0
+        or storage_bytes != old.numel() * old.element_size()
+    ):
+        return None  # a view of something larger, or padded: other tensors may share it
+    if any(i > w for i, _, w, _ in runs):
+        return None
+    along_rows = (dim == 0) != transposed or old.dim() == 1
+    new_rows, new_cols = (
+        (new_shape[::-1] if transposed else new_shape) if old.dim() == 2 else [new_shape[0], 1]
+    )
+    flat = storage.reshape(-1)
+    cols = storage.shape[1]
+    if along_rows and len(runs) == 1 and not zeros:
+        i, _, w, n = runs[0]  # i == 0: the shard is rows [w, w + n) as they are
+        start = w * cols
+        target = flat[start : start + n * cols].view(n, cols)
+        _release(flat, start, start + n * cols)
+        return _as_param(target, old, new_shape, transposed)
+    target = flat[: new_rows * new_cols].view(new_rows, new_cols)
+    if along_rows:
+        for i, _, w, n in runs:
+            step = w - i
+            if step == 0:
+                continue
+            for k in range(0, n, step):
+                m = min(step, n - k)
+                target[i + k : i + k + m].copy_(storage[w + k : w + k + m])
+    else:
+        a = 0
+        while a < new_rows:
+            b = min(new_rows, (a * cols) // new_cols)
+            if b > a:
+                block = storage[a:b]
+            else:  # the first row (or, with padding, a row that overlaps its new place)
+                b = a + 1
+                block = storage[a:b].clone()
+            for i, _, w, n in runs:
+                target[a:b, i : i + n].copy_(block[:, w : w + n])
+            a = b
+    if zeros:  # padding rows (a vocabulary past its end): zeros, as in a fresh load
+        covered = torch.zeros(new_rows if along_rows else new_cols, dtype=torch.bool)
+        for i, _, _, n in runs:
+            covered[i : i + n] = True
+        for k in (~covered).nonzero().flatten().tolist():
+            (target[k] if along_rows else target[:, k]).zero_()
+    _release(flat, 0, new_rows * new_cols)
+    return _as_param(target, old, new_shape, transposed)
+
+
+def _as_param(
+    target: torch.Tensor, old: torch.Tensor, new_shape: list[int], transposed: bool
+) -> torch.Tensor:
+    """The [rows, cols] storage view as the parameter's own shape and layout."""
+    if transposed:
+        return target.t()
+    return target.view(new_shape)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4  # Linux: private anonymous pages are dropped; touched again, they read 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _can_release() -> bool:
+    return _libc() is not None
+
+
+def _release(flat: torch.Tensor, keep_lo: int, keep_hi: int) -> None:
+    """Hand back to the OS the whole pages of `flat`'s memory outside elements [keep_lo,
+    keep_hi). They stay mapped (the storage keeps its size and frees it as usual); nothing
+    reads them again."""
+    libc = _libc()
+    assert libc is not None
+    size = flat.element_size()
+    base = flat.data_ptr()
+    for lo, hi in ((base, base + keep_lo * size), (base + keep_hi * size, base + flat.numel() * size)):
+        first = -(-lo // _PAGE) * _PAGE
+        last = (hi // _PAGE) * _PAGE
+        if last > first and libc.madvise(first, last - first, _MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_DONTNEED) of {last - first} bytes: {os.strerror(err)}")
 
 
 @functools.lru_cache(maxsize=1024)
