@@ -274,14 +274,14 @@ def test_growing_in_place_returns_the_dropped_half_to_the_os(name: str) -> None:
     full = torch.randn(4096, 4096) if name == "embed" else torch.randn(4096, 4096).t()
 
     class One(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, weight: torch.Tensor) -> None:
             super().__init__()
             self.layout = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
             self.vocab_size = 4096
-            self.w = nn.Parameter(full, requires_grad=False)
+            self.w = nn.Parameter(weight, requires_grad=False)
             self.w.shard_spec = spec  # type: ignore[attr-defined]
 
-    module = One()
+    module = One(full)
     del full
     want = shard_tensor(module.w.data, spec, 1, 2).clone()
     before = _rss_bytes()

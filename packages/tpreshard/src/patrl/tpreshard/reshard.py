@@ -300,12 +300,17 @@ def _release(flat: torch.Tensor, keep_lo: int, keep_hi: int) -> None:
     assert libc is not None
     size = flat.element_size()
     base = flat.data_ptr()
-    for lo, hi in ((base, base + keep_lo * size), (base + keep_hi * size, base + flat.numel() * size)):
+    for lo, hi in (
+        (base, base + keep_lo * size),
+        (base + keep_hi * size, base + flat.numel() * size),
+    ):
         first = -(-lo // _PAGE) * _PAGE
         last = (hi // _PAGE) * _PAGE
         if last > first and libc.madvise(first, last - first, _MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_DONTNEED) of {last - first} bytes: {os.strerror(err)}")
+            raise OSError(
+                err, f"madvise(MADV_DONTNEED) of {last - first} bytes: {os.strerror(err)}"
+            )
 
 
 @functools.lru_cache(maxsize=1024)
