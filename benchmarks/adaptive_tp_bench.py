@@ -119,7 +119,7 @@ TARGET_CONTROL = 0.02  # control time / decode time
 
 # what a shape is for: "crossover" shapes are held to the long-tail speed-up target, "none"
 # shapes to no switching
-SHAPE_ROLE = {"wide_2l": "crossover", "wide_6l": "crossover", "tiny": "none"}
+SHAPE_ROLE = {"vocab_2l": "crossover", "wide_2l": "none", "wide_6l": "none", "tiny": "none"}
 SHAPES: dict[str, dict[str, Any]] = {
     "wide_6l": dict(
         hidden_size=1024,
@@ -137,6 +137,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=16,
         num_key_value_heads=8,
         vocab_size=8192,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2.5-0.5B's width, heads and vocabulary, 2 layers: 302M parameters, 90% of them the
+    # embedding and the untied head
+    "vocab_2l": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
         tie_word_embeddings=False,
     ),
     "tiny": dict(
@@ -162,6 +173,9 @@ class Scale:
     # at least this many repeats: a tiny-shape rollout lasts ~0.2 s, and one burst of load on
     # this shared box moves a single run by up to 50%, so its median needs more of them
     min_repeats: int = 1
+    # decode steps between planner checks; None: --check-every (the engine's default, 64).
+    # A rollout of at most 96 tokens gets its tail seen within 8 steps of it starting.
+    check_every: int | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -199,6 +213,16 @@ def scale_for(shape: str, quick: bool) -> Scale:
     # tp 2 past batch 16 and priced (dp 1, tp 2) slower than the measured static runs.
     # Batch 16 at the long context too: a full replica's per-context-token cost, which the
     # model took from batches 1 and 4 alone and got wrong by 30% at the rollouts' contexts.
+    if shape == "vocab_2l":
+        # 64 sequences: 32 per tp-1 replica, where two replicas beat one tp-2 group
+        return Scale(
+            8,
+            4,
+            96,
+            (16, 24),
+            (_grid((1, 4, 16, 32, 64), (16,)), _grid((1, 4, 16, 32), (112,))),
+            check_every=8,
+        )
     return Scale(4, 4, 96, (16, 24), (_grid((1, 4, 16, 32), (16,)), _grid((1, 4, 16), (112,))))
 
 
@@ -369,12 +393,14 @@ def set_check_every(steps: int) -> None:
     CHECK_EVERY = steps
 
 
-def make_engines(base: EngineConfig, profile: Path, groups: GroupCache) -> Engines:
+def make_engines(
+    base: EngineConfig, profile: Path, groups: GroupCache, check_every: int
+) -> Engines:
     adaptive = base.model_copy(
         update={
             "tp_policy": AdaptiveTP(
                 candidates=(1, 2),
-                check_every=CHECK_EVERY,
+                check_every=check_every,
                 margin=MARGIN,
                 kv_policy="auto",
                 profile=str(profile),
@@ -497,7 +523,7 @@ def run_shape(
         return {"profile_path": str(profile_path), "profile_s": profile_s, "profile": summary}
 
     groups = GroupCache([1, 2], world_size=dist.get_world_size(world), rank=rank)
-    engines = make_engines(base, profile_path, groups)
+    engines = make_engines(base, profile_path, groups, scale.check_every or CHECK_EVERY)
     workloads = make_workloads(scale, profile.model.vocab_size)
     warm = Workload("warmup", workloads[0].prompts[:2], [4, 4])
     for policy in POLICIES:  # first steps of an engine pay one-off allocations
@@ -507,6 +533,7 @@ def run_shape(
         "profile_path": str(profile_path),
         "profile_s": profile_s,
         "profile": summary,
+        "check_every": scale.check_every or CHECK_EVERY,
         "workloads": {},
     }
     for workload in workloads:
@@ -631,7 +658,7 @@ def simulate(
         max_num_seqs=scale.num_prompts * scale.n,
         max_num_batched_tokens=max(2048, scale.max_model_len),
         block_size=BLOCK,
-        plan_interval_steps=CHECK_EVERY,
+        plan_interval_steps=scale.check_every or CHECK_EVERY,
         assignment="lpt",
     )
     planner_config = PlannerConfig(
