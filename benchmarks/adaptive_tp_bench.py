@@ -6,7 +6,15 @@
 
 Shapes (random-init Llamas built here, fp32, saved with safetensors under
 benchmarks/results/models or $PATRL_CACHE_DIR):
-- "wide_2l" (the default crossover candidate, 159M parameters: hidden 2048, intermediate 8192,
+- "vocab_2l" (the crossover shape, 302M parameters: Qwen2.5-0.5B's hidden 896, intermediate
+  4864, 14 heads, 2 KV heads and 151,936-token vocabulary, 2 layers, untied head). 90% of the
+  weights are the embedding and the head. At batch 1 TP=2 halves the head each rank reads
+  (2026-11-23: tp2 0.032-0.043 vs tp1 0.053 s a step); at 64 sequences the ranks of a TP group
+  each gather and sample all 64 rows of 152k logits (the engine samples replicated, as vLLM's
+  TP workers do), which costs about as much as the half head they compute, so two tp-1
+  replicas of 32 win (fitted 0.26 vs 0.40 s a step). Rollouts of 64 sequences, checks every 8
+  decode steps.
+- "wide_2l" (the first crossover candidate, 159M parameters: hidden 2048, intermediate 8192,
   2 layers, 16 heads, 8 KV heads, vocab 8192). The hoped-for crossover: at batch 1 a decode step
   is memory-bound (every weight read once a step), so TP=2 halves the bytes each rank reads
   for a few gloo collectives a step; at a large batch the step is compute-bound, TP splits the
