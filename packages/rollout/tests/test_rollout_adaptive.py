@@ -239,6 +239,67 @@ def test_a_stay_that_prices_another_layout_faster_opens_the_next_rollout_there(
         assert r["switches"] == 0
 
 
+class OpenWideThenSplitPlanner(DearSwitchPlanner):
+    """First rollout: stays, naming tp 2 the opening (as DearSwitchPlanner). Later rollouts,
+    which open at tp 2: split back to tp 1 at their first check."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.rollouts = self.calls = 0
+
+    def new_rollout(self) -> None:
+        self.rollouts += 1
+        self.calls = 0
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        self.calls += 1
+        if self.rollouts == 1 or self.calls > 1 or current.tp == 1:
+            return super().decide(running, current)
+        split = ForcedPlanner(1, 1, self.world_size)
+        return split.decide(running, current)
+
+
+def _open_then_split(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    prompts, params = _prompts(rank)
+    expected = Engine(_config(model_dir)).generate(prompts, params)
+    engine = Engine(
+        _config(model_dir, check_every=2, kv_policy="migrate"),
+        groups=groups,
+        planner=OpenWideThenSplitPlanner(world_size),
+        lengths=LengthPredictor(),
+    )
+    tps = []
+    out: dict[str, Any] = {"expected": _tokens(expected)}
+    # the second opens at tp 2 and asks for a split at its first check; the third opens at 1
+    for name in ("first", "second", "third"):
+        out[name] = _tokens(engine.generate(prompts, params))
+        stats = engine.stats()
+        tps += sorted({r["tp_size"] for r in stats["timeline"]})
+        if name == "second":
+            out["deferred"] = [
+                d["reason"].startswith("split to tp 1 deferred") for d in stats["tp_decisions"]
+            ][:1]
+    out["tps"] = tps
+    out["switches"] = engine.stats()["tp_switches"]
+    return out
+
+
+def test_a_split_asked_for_inside_a_rollout_opens_the_next_one_there(llama_dir: Path) -> None:
+    # A rollout that opened at tp 2 and whose first check asks for tp 1 (found by the adaptive
+    # bench on a shape whose full batch is faster on two replicas) keeps tp 2 to its end (a
+    # rollout only merges replicas: a split would finish requests away from their submitter)
+    # and the next rollout opens at tp 1; the checks report each group once (a rank that did
+    # not report the merged requests kept them and reported them again later: "group 'req-0-1'
+    # already started").
+    for r in run_ranks(_open_then_split, 2, args=(str(llama_dir),), timeout_s=300):
+        assert r["first"] == r["expected"] and r["second"] == r["expected"]
+        assert r["third"] == r["expected"]
+        assert r["switches"] == 0
+        assert r["tps"] == [1, 2, 1], r["tps"]
+        assert r["deferred"] == [True]
+
+
 # --- the real planner on synthetic profiles --------------------------------------------------
 
 

@@ -302,7 +302,11 @@ class TPController:
                 rollout.num_done,
                 rollout.quota,
             )
-            rollout.started, rollout.finished, rollout.num_done = [], [], 0
+        # Every rank forgets what this check reported: the group's first rank sent it for the
+        # whole group, and a rank that did not send it (tp rank > 0 of a group that opened at
+        # TP>1 and noted every merged request) would report it again once a split made it the
+        # first rank of its own replica.
+        rollout.started, rollout.finished, rollout.num_done = [], [], 0
         summaries = self._all_gather(mine)
         tp = engine.layout.tp_size
         for s in summaries:
@@ -372,6 +376,18 @@ class TPController:
         decision = self.planner.decide(running, current)
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
+        if decision.action == "switch" and decision.target.tp < tp:
+            # A rollout only merges replicas (a split would finish requests on a replica other
+            # than the one that submitted them). A split asked for at the first check (a full
+            # batch that opened at TP>1 where more replicas are faster) becomes where the next
+            # rollouts open; this one stays.
+            record.action = "stay"
+            record.target_tp = tp
+            record.reason = f"split to tp {decision.target.tp} deferred to the next rollout"
+            opening = decision.target.tp if first else None
+            return _Verdict(
+                tp, record=record, recheck_steps=self.check_interval(), opening_tp=opening
+            )
         if decision.action != "switch":
             opening = opening_layout(decision) if first else None
             recheck = decision.recheck_steps or self.check_interval()
