@@ -13,7 +13,6 @@ cutting `arange(full)` with the spec itself. Then
   no longer needed are handed back to the OS. Allocating the new shard instead cost more in
   page faults than the copy itself (a 600 MB narrowing: 0.22 s into fresh memory, 0.09 s
   into touched memory, the first time in a process 1.8 s, on this project's 2-core box);
-
 - from TP > 1 the old shards are all-gathered inside the *source* TP group (which holds every row)
   and the new shard is picked from the gathered pieces (through shared memory, a block of rows
   at a time, straight into the new shard). With consecutive-rank TP groups the
