@@ -266,12 +266,15 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-@pytest.mark.parametrize("name", ["embed", "row_t"])
+@pytest.mark.parametrize("name", ["embed", "head_t", "gate_up"])
 def test_growing_in_place_returns_the_dropped_half_to_the_os(name: str) -> None:
-    # One 64 MB parameter (a contiguous run along rows; a column slice of input-major storage)
-    # grown to tp 2 on rank 1: the process gives back about half of it.
+    # One 64 MB parameter grown to tp 2 on rank 1, by each in-place path: one run along rows
+    # (a view), a column slice of input-major storage (rows compacted in growing blocks), fused
+    # parts along rows (runs moved forward): the process gives back about half of it.
     spec = _specs()[name][0]
-    full = torch.randn(4096, 4096) if name == "embed" else torch.randn(4096, 4096).t()
+    if name == "gate_up":
+        spec = ShardSpec.column(ShardPart("gate", 2048), ShardPart("up", 2048))
+    full = torch.randn(4096, 4096).t() if name.endswith("_t") else torch.randn(4096, 4096)
 
     class One(nn.Module):
         def __init__(self, weight: torch.Tensor) -> None:

@@ -376,20 +376,16 @@ class TPController:
         decision = self.planner.decide(running, current)
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
-        if decision.action == "switch" and decision.target.tp < tp:
-            # A rollout only merges replicas (a split would finish requests on a replica other
-            # than the one that submitted them). A split asked for at the first check (a full
-            # batch that opened at TP>1 where more replicas are faster) becomes where the next
-            # rollouts open; this one stays.
-            record.action = "stay"
-            record.target_tp = tp
+        # A rollout only merges replicas (a split would finish requests on a replica other than
+        # the one that submitted them). A split asked for at the first check (a full batch that
+        # opened at TP>1 where more replicas are faster) becomes where the next rollouts open;
+        # this one stays.
+        split = decision.action == "switch" and decision.target.tp < tp
+        if split:
+            record.action, record.target_tp = "stay", tp
             record.reason = f"split to tp {decision.target.tp} deferred to the next rollout"
-            opening = decision.target.tp if first else None
-            return _Verdict(
-                tp, record=record, recheck_steps=self.check_interval(), opening_tp=opening
-            )
-        if decision.action != "switch":
-            opening = opening_layout(decision) if first else None
+        if decision.action != "switch" or split:
+            opening = (decision.target.tp if split else opening_layout(decision)) if first else None
             recheck = decision.recheck_steps or self.check_interval()
             if rollout.total_quota is not None:
                 recheck = min(recheck, self.policy.check_every)  # the quota is met at checks

@@ -230,7 +230,7 @@ def _narrow_in_place(
         start = w * cols
         target = flat[start : start + n * cols].view(n, cols)
         _release(flat, start, start + n * cols)
-        return _as_param(target, old, new_shape, transposed)
+        return _as_param(target, new_shape, transposed)
     target = flat[: new_rows * new_cols].view(new_rows, new_cols)
     if along_rows:
         for i, _, w, n in runs:
@@ -259,12 +259,10 @@ def _narrow_in_place(
         for k in (~covered).nonzero().flatten().tolist():
             (target[k] if along_rows else target[:, k]).zero_()
     _release(flat, 0, new_rows * new_cols)
-    return _as_param(target, old, new_shape, transposed)
+    return _as_param(target, new_shape, transposed)
 
 
-def _as_param(
-    target: torch.Tensor, old: torch.Tensor, new_shape: list[int], transposed: bool
-) -> torch.Tensor:
+def _as_param(target: torch.Tensor, new_shape: list[int], transposed: bool) -> torch.Tensor:
     """The [rows, cols] storage view as the parameter's own shape and layout."""
     if transposed:
         return target.t()
