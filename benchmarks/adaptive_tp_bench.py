@@ -43,14 +43,19 @@ Policies: static (dp2, tp1); static (dp1, tp2); adaptive with the engine's onlin
 predictor (after one untimed warm-up rollout of the same prompts and prompt keys, so it has
 history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`); "cold"
 adaptive, predicted lengths, reopened at tp 1 before every rollout (PAT's setting: the
-layout moves only by the mid-rollout planner, whose switches the decision audit then shows;
-the way back to tp 1 is reset time, which the "without the return" line leaves out). The
-adaptive policies open where the first check of their previous rollout said (the
-steady state of an RL run). Every dp2
-policy gets the same length-aware split (`assign_prompts(..., "lpt")` on the imposed lengths).
+layout moves only by the mid-rollout planner, whose switches the decision audit then shows).
+The adaptive policies open where the first check of their previous rollout said (the steady
+state of an RL run; every workload gets one untimed rollout first, as a new batch shape would
+in RL). Every dp2 policy gets the same length-aware split (`assign_prompts(..., "lpt")` on the
+imposed lengths).
+As in an RL step, every engine loads the full weights before each rollout (untimed, the
+weight sync; for an adaptive engine it also makes the way back to its opening layout, which
+RL gets for free); reported apart as `sync_s`.
 Latency of a rollout: barrier, then `generate`; the max over ranks of its wall time. Each
 repeat runs every policy once, in turn (interleaved, so load drifts on this shared machine hit
-all policies alike); reported: the median over repeats, and its ratio to the best static one.
+all policies alike); reported: the median over repeats and its ratio to the best static one
+(the targets' measure), and the median of per-repeat ratios to the best static run of the same
+repeat (paired: a slow stretch of this shared box hits both, so it is less noisy).
 
 Also reported: every switch decision's predicted gain / overhead / finish against the measured
 overhead and finish (the measured gain is taken against the static (dp2, tp1) run of the same
@@ -104,6 +109,7 @@ from patrl.rollout import (
     SamplingParams,
     plot_timeline,
 )
+from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
 from patrl.tpreshard import GroupCache
 
@@ -466,11 +472,17 @@ def rollout(
     params = workload.params(n)
     if policy == "adaptive_cold":
         # PAT's setting: every rollout opens wide (tp 1) and only the mid-rollout planner
-        # moves it; the way back to tp 1 is reset time, reported apart (free at a weight sync)
+        # moves it
         controller = engine.controller
         assert controller is not None and engine.groups is not None
         controller.opening_tp = controller.policy.start_tp
         engine.return_later(engine.groups.layout(controller.policy.start_tp))
+    # the RL step's weight sync, untimed: an adaptive engine goes back to its opening layout
+    # in it (the model rebuilt there from the full tensors), as it does in the RL loop
+    dist.barrier(group=world)
+    start = time.perf_counter()
+    engine.load_weights(iter_checkpoint(engine.config.model), engine.weight_version + 1)
+    sync_s = time.perf_counter() - start
     before = engine.stats()
     dist.barrier(group=world)
     start = time.perf_counter()
@@ -482,14 +494,11 @@ def rollout(
     seconds = time.perf_counter() - start
     check_lengths(outs, [workload.lengths[i] for i in mine], policy)
     stats = engine.stats()
-    # an adaptive rollout ends by returning to tp 1 inside generate; RL could fold that into
-    # the next weight sync, so it is also reported without it
-    reset = stats.get("tp_reset_s", 0.0) - before.get("tp_reset_s", 0.0)
     times: list[Any] = [None] * dist.get_world_size(world)
-    dist.all_gather_object(times, (seconds, seconds - reset), group=world)
+    dist.all_gather_object(times, (seconds, sync_s), group=world)
     record: dict[str, Any] = {
         "latency_s": max(t for t, _ in times),
-        "latency_excl_reset_s": max(t for _, t in times),
+        "sync_s": max(t for _, t in times),
         "rank_s": [t for t, _ in times],
     }
     if policy.startswith("adaptive"):
@@ -546,9 +555,10 @@ def run_shape(
     }
     for workload in workloads:
         replica_of = assign_prompts(workload.lengths, [scale.n] * scale.num_prompts, 2, "lpt")
-        # warm-up: the online predictor gets this prompt set's history (steady-state RL)
-        rollout(engines, "adaptive_predicted", workload, replica_of, scale.n, world)
-        rollout(engines, "adaptive_cold", workload, replica_of, scale.n, world)
+        # warm-up: the online predictor gets this prompt set's history, and every adaptive
+        # engine's first check names where this batch opens (steady-state RL)
+        for policy in ADAPTIVE:
+            rollout(engines, policy, workload, replica_of, scale.n, world)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rep in range(repeats):
             for policy in POLICIES:
@@ -578,7 +588,6 @@ def summarise(
     best = min(STATIC, key=lambda p: medians[p])
     policies: dict[str, Any] = {}
     for p in POLICIES:
-        excl = statistics.median(r["latency_excl_reset_s"] for r in runs[p])
         entry: dict[str, Any] = {
             "latency_s": [r["latency_s"] for r in runs[p]],
             "median_s": medians[p],
@@ -588,8 +597,7 @@ def summarise(
             "paired_vs_best_static": statistics.median(
                 a["latency_s"] / b["latency_s"] for a, b in zip(runs[p], runs[best], strict=True)
             ),  # (print_report derives it from latency_s, for files written before it)
-            "median_excl_reset_s": excl,
-            "vs_best_static_excl_reset": excl / medians[best],
+            "sync_s": [r["sync_s"] for r in runs[p]],
         }
         if p.startswith("adaptive"):
             control = sum(r["tp_control_s"] for r in runs[p])
@@ -784,16 +792,16 @@ def print_report(results: dict[str, Any]) -> None:
                 if p in w["policies"]
             }
             print(f"  {wname:10s} " + "  ".join(f"{p}=x{v:.3f}" for p, v in paired.items()))
-        print("adaptive without the return to tp 1 at the end of generate (x best static):")
-        for wname, w in res["workloads"].items():
-            parts = []
-            for p in (p for p in ADAPTIVE if p in w["policies"]):
-                e = w["policies"][p]
-                excl, approx = excl_reset(e)
-                best = w["policies"][w["best_static"]]["median_s"]
-                mark = " (median - mean reset)" if approx else ""
-                parts.append(f"{p}={excl:.2f}s x{excl / best:.3f}{mark}")
-            print(f"  {wname:10s} " + "  ".join(parts))
+        if all("sync_s" in e for w in res["workloads"].values() for e in w["policies"].values()):
+            print("weight sync before each rollout, untimed (median s):")
+            for wname, w in res["workloads"].items():
+                print(
+                    f"  {wname:10s} "
+                    + "  ".join(
+                        f"{p}={statistics.median(e['sync_s']):.2f}"
+                        for p, e in w["policies"].items()
+                    )
+                )
         print("simulated / measured (median):")
         for wname, w in res["workloads"].items():
             sims = {p: w["policies"].get(p, {}).get("sim_over_measured") for p in POLICIES}
@@ -835,14 +843,6 @@ def print_report(results: dict[str, Any]) -> None:
             f"  {v['shape']:5s} {v['workload']:10s} {v['policy']:18s} {v['metric']:24s} "
             f"{value:>8s} target {v['target']:8s} {'MET' if v['met'] else 'NOT MET'}"
         )
-
-
-def excl_reset(entry: dict[str, Any]) -> tuple[float, bool]:
-    """Median latency without the final return to tp 1; results written before that was
-    recorded per rollout give the median less the mean reset (flagged True)."""
-    if "median_excl_reset_s" in entry:
-        return entry["median_excl_reset_s"], False
-    return entry["median_s"] - entry["reset_s"] / len(entry["latency_s"]), True
 
 
 def fmt_dict(d: dict[str, Any]) -> str:

@@ -233,6 +233,34 @@ def test_no_oscillation_and_cooldown():
     assert planner.decide(crowd, Layout(2, 4)).action == "switch"
 
 
+def test_a_split_at_the_first_call_reopens_the_rollout():
+    """A rollout that opened at a larger TP than its full batch wants splits at its first
+    call and may still fold for its tail; a split at a later call locks the direction."""
+    model = latency(compute_bound)
+    tail = RunningSet(
+        np.array([0]), np.array([0]), np.array([100]), np.array([[5000.0, 5000, 5000]])
+    )
+    crowd = running_set(np.random.default_rng(4), 200, 2, q=1)
+    planner = ReconfigPlanner(model, 8)
+    first = planner.decide(crowd, Layout(2, 4))
+    assert first.action == "switch" and first.target.tp < 4
+    opened = first.target
+    assert planner.decide(tail, opened).reason.startswith("cooldown")
+    grow = planner.decide(tail, opened)
+    assert grow.action == "switch" and grow.target.tp > opened.tp
+
+    planner.new_rollout()
+    assert planner.decide(tail, Layout(1, 8)).action == "stay"  # the tail wants TP 8
+    one_replica = RunningSet(
+        crowd.seq_ids, np.zeros_like(crowd.replica), crowd.context, crowd.remaining
+    )
+    late = planner.decide(one_replica, Layout(1, 8))
+    assert late.action == "switch" and late.target.tp < 8
+    decisions = [planner.decide(tail, late.target) for _ in range(2)]
+    assert [d.action for d in decisions] == ["stay", "stay"]
+    assert all(o.layout.tp <= late.target.tp for o in decisions[1].options)
+
+
 def test_decisions_are_auditable_records():
     planner = ReconfigPlanner(latency(tp_speeds_up), 8)
     rs = running_set(np.random.default_rng(5), 30, 8)

@@ -240,11 +240,13 @@ def test_a_stay_that_prices_another_layout_faster_opens_the_next_rollout_there(
 
 
 class OpenWideThenSplitPlanner(DearSwitchPlanner):
-    """First rollout: stays, naming tp 2 the opening (as DearSwitchPlanner). Later rollouts,
-    which open at tp 2: split back to tp 1 at their first check."""
+    """First rollout: stays, naming tp 2 the opening (as DearSwitchPlanner). The second, which
+    opens at tp 2: splits to tp 1 at its `split_at`-th check and, with `grow_at`, folds back to
+    tp 2 at that check. Later ones: stay."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, split_at: int, grow_at: int | None) -> None:
         super().__init__(world_size)
+        self.split_at, self.grow_at = split_at, grow_at
         self.rollouts = self.calls = 0
 
     def new_rollout(self) -> None:
@@ -253,51 +255,74 @@ class OpenWideThenSplitPlanner(DearSwitchPlanner):
 
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         self.calls += 1
-        if self.rollouts == 1 or self.calls > 1 or current.tp == 1:
+        if self.rollouts == 2 and self.calls == self.split_at and current.tp == 2:
+            return ForcedPlanner(1, 1, self.world_size).decide(running, current)
+        if self.rollouts == 2 and self.calls == self.grow_at and current.tp == 1:
+            return ForcedPlanner(1, 2, self.world_size).decide(running, current)
+        if self.rollouts == 1:
             return super().decide(running, current)
-        split = ForcedPlanner(1, 1, self.world_size)
-        return split.decide(running, current)
+        n = len(running)
+        stay = Option(current, 1.0, 0.0, np.inf, 0, running.replica, np.zeros(n, dtype=bool))
+        return Decision("stay", current, current, 0.0, 0.0, "stay", [stay], running.seq_ids)
 
 
-def _open_then_split(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+def _open_then_split(
+    rank: int, world_size: int, model_dir: str, split_at: int, grow_at: int | None
+) -> dict[str, Any]:
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     prompts, params = _prompts(rank)
     expected = Engine(_config(model_dir)).generate(prompts, params)
     engine = Engine(
         _config(model_dir, check_every=2, kv_policy="migrate"),
         groups=groups,
-        planner=OpenWideThenSplitPlanner(world_size),
+        planner=OpenWideThenSplitPlanner(world_size, split_at, grow_at),
         lengths=LengthPredictor(),
     )
-    tps = []
-    out: dict[str, Any] = {"expected": _tokens(expected)}
-    # the second opens at tp 2 and asks for a split at its first check; the third opens at 1
-    for name in ("first", "second", "third"):
-        out[name] = _tokens(engine.generate(prompts, params))
+    out: dict[str, Any] = {"expected": _tokens(expected), "tokens": [], "tps": [], "opened": []}
+    # the first names tp 2 the opening; the second opens there and is split
+    for _ in range(3):
+        out["tokens"].append(_tokens(engine.generate(prompts, params)))
         stats = engine.stats()
-        tps += sorted({r["tp_size"] for r in stats["timeline"]})
-        if name == "second":
-            out["deferred"] = [
-                d["reason"].startswith("split to tp 1 deferred") for d in stats["tp_decisions"]
-            ][:1]
-    out["tps"] = tps
+        out["opened"].append(stats["tp_decisions"][0]["current_tp"])
+        out["tps"].append([r["tp_size"] for r in stats["timeline"]])
+        if len(out["tps"]) == 2:
+            out["reasons"] = [d["reason"] for d in stats["tp_decisions"]]
     out["switches"] = engine.stats()["tp_switches"]
     return out
 
 
-def test_a_split_asked_for_inside_a_rollout_opens_the_next_one_there(llama_dir: Path) -> None:
-    # A rollout that opened at tp 2 and whose first check asks for tp 1 (found by the adaptive
-    # bench on a shape whose full batch is faster on two replicas) keeps tp 2 to its end (a
-    # rollout only merges replicas: a split would finish requests away from their submitter)
-    # and the next rollout opens at tp 1; the checks report each group once (a rank that did
-    # not report the merged requests kept them and reported them again later: "group 'req-0-1'
+def test_a_split_at_the_first_check_reopens_the_rollout(llama_dir: Path) -> None:
+    # A rollout that opened at tp 2 (named by the rollout before) and whose first check asks
+    # for tp 1 (a full batch faster on two replicas) splits before decoding anything; its
+    # requests finish on either replica and are handed back to their submitters; the tail may
+    # still fold back to tp 2 (here at the 6th check, after some requests finished on each
+    # replica); the next rollout opens at tp 1. Every check reports each group once (a rank
+    # that kept the merged requests unreported reported them again later: "group 'req-0-1'
     # already started").
-    for r in run_ranks(_open_then_split, 2, args=(str(llama_dir),), timeout_s=300):
-        assert r["first"] == r["expected"] and r["second"] == r["expected"]
-        assert r["third"] == r["expected"]
+    for grow_at in (None, 6):
+        results = run_ranks(_open_then_split, 2, args=(str(llama_dir), 1, grow_at), timeout_s=300)
+        for r in results:
+            assert r["tokens"] == [r["expected"]] * 3
+            assert r["opened"] == [1, 2, 1]
+            second = r["tps"][1]
+            assert second[0] == 1, second
+            if grow_at is None:
+                assert set(second) == {1} and r["switches"] == 1
+            else:
+                assert second[-1] == 2 and second == sorted(second) and r["switches"] == 2
+            assert set(r["tps"][2]) == {1}
+
+
+def test_a_split_asked_for_later_is_deferred_to_the_next_rollout(llama_dir: Path) -> None:
+    # Later than the first check a rollout only merges replicas: this one keeps tp 2 to its
+    # end, and the next opens where the first check said (a later check sees part of a
+    # batch, not what a full one wants).
+    for r in run_ranks(_open_then_split, 2, args=(str(llama_dir), 2, None), timeout_s=300):
+        assert r["tokens"] == [r["expected"]] * 3
         assert r["switches"] == 0
-        assert r["tps"] == [1, 2, 1], r["tps"]
-        assert r["deferred"] == [True]
+        assert r["opened"] == [1, 2, 2]
+        assert [sorted(set(t)) for t in r["tps"]] == [[1], [2], [2]]
+        assert r["reasons"][1].startswith("split to tp 1 deferred")
 
 
 # --- the real planner on synthetic profiles --------------------------------------------------

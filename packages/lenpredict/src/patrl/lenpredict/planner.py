@@ -12,7 +12,8 @@ delaying the same target, since switching now does not rule out a further switch
 switches when the predicted gain of switching now over staying exceeds the overhead by the
 margin, no delayed switch to that target is predicted better, the cooldown has passed, and the
 target continues the rollout's direction (TP only grows or only shrinks within one rollout),
-so it cannot oscillate.
+so it cannot oscillate. A split at a rollout's first call, before anything was decoded, sets
+no direction: it corrects where the rollout opened, and the tail may still fold later.
 
 Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
 must move or recomputing its KV by prefill, whichever the latency model prices lower.
@@ -189,11 +190,13 @@ class ReconfigPlanner:
         self._switch_costs: dict[tuple[int, tuple[int, ...], int], _SwitchCosts] = {}
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
+        self._calls = 0  # decide() calls in this rollout
 
     def new_rollout(self) -> None:
         """A new batch starts: the direction lock and cooldown of the last one no longer apply."""
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
+        self._calls = 0
 
     # --- time model ---------------------------------------------------------------------
 
@@ -339,6 +342,7 @@ class ReconfigPlanner:
         n, q = running.remaining.shape
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
+        self._calls += 1
         admissible = self._admissible(current)
         targets = [t for t in admissible if not self._never_pays(current, t, running)]
         if admissible and not targets:
@@ -457,7 +461,11 @@ class ReconfigPlanner:
             )
             decision.recheck_steps = best.later_steps
             return decision
-        self._direction = int(np.sign(best.layout.tp - current.tp))
+        # A split at the rollout's first call, before anything was decoded, re-chooses where
+        # it opens (it opened where an earlier batch was best): it locks no direction, so
+        # the tail may still fold into larger TP groups.
+        reopen = self._calls == 1 and best.layout.tp < current.tp
+        self._direction = 0 if reopen else int(np.sign(best.layout.tp - current.tp))
         self._since_switch = 0
         reason = f"gain {gain:.4g}s > needed {need:.4g}s"
         return Decision(

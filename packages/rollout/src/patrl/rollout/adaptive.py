@@ -19,8 +19,12 @@ whole batch (`opening_tp`: where it folded at once or, if that did not pay for i
 the layout predicted fastest with the switch cost aside; see `opening_layout`), so the next
 `generate` opens there: a full batch at the layout the profile prices best for it, with no
 switch to pay. Opening at a larger TP merges the replicas' submissions
-(`Engine._add_replica_requests`). Partial rollouts return to the starting layout (their
-resumed samples belong to their replicas).
+(`Engine._add_replica_requests`). Within a rollout TP only grows, except at the first check:
+a rollout that opened at TP>1 where its full batch is faster on more replicas (the opening
+was named by an earlier, different batch) splits before decoding anything, and its requests,
+which may then finish on another replica, are handed back to their submitters at the end
+(`hand_back`). Partial rollouts return to the starting layout (their resumed samples belong
+to their replicas).
 """
 
 from __future__ import annotations
@@ -181,6 +185,7 @@ class _Rollout:
     total_done: int = 0
     first_check: bool = True
     check_s: list[float] = field(default_factory=list)  # each check's time; NaN: had no work
+    split: bool = False  # a switch to a smaller TP (at the first check) happened
 
 
 class TPController:
@@ -205,6 +210,7 @@ class TPController:
         # small model is several decode steps
         self.comm = world_comm
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
+        self.split = False  # the latest rollout split (its outputs need `hand_back`)
         self.stats = ControlStats()
         self._open_groups: dict[str, list[int]] = {}
         self._rollout: _Rollout | None = None
@@ -244,6 +250,7 @@ class TPController:
                 if verdict.target_tp is None:
                     break
                 if verdict.target_tp != engine.layout.tp_size:
+                    rollout.split |= verdict.target_tp < engine.layout.tp_size
                     self._switch(engine, verdict)
                 if not opened:  # the first check saw the whole batch
                     opened = True
@@ -267,7 +274,32 @@ class TPController:
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
+        self.split = rollout.split
         self._rollout = None
+        return results
+
+    def hand_back(
+        self, results: dict[str, RequestOutput], ids: list[str]
+    ) -> dict[str, RequestOutput]:
+        """After a rollout that split (`split`), a request may have finished on another replica
+        than its submitter's: every rank sends the outputs the others miss (two small world
+        collectives; every rank calls it, as every rank applied the split)."""
+        missing = [i for i in ids if i not in results]
+        if self.world is None:
+            return results
+        me = dist.get_rank(self.world)
+        wanted = gather_objects(self.comm, self.world, missing)
+        offer = {
+            i: results[i]
+            for rank, miss in enumerate(wanted)
+            if rank != me
+            for i in miss
+            if i in results
+        }
+        for part in gather_objects(self.comm, self.world, offer):
+            for i in missing:
+                if i in part:
+                    results.setdefault(i, part[i])
         return results
 
     def end(self, engine: Engine, reopen: bool = False) -> None:
@@ -376,12 +408,16 @@ class TPController:
         decision = self.planner.decide(running, current)
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
-        # A rollout only merges replicas (a split would finish requests on a replica other than
-        # the one that submitted them). A split asked for at the first check (a full batch that
-        # opened at TP>1 where more replicas are faster) becomes where the next rollouts open;
-        # this one stays.
+        # Within a rollout TP only grows, with one exception: a split at the first check, before
+        # anything was decoded, corrects where a full rollout opened (at TP>1, named by an
+        # earlier batch, where this one is faster on more replicas); its requests may then
+        # finish on another replica than their submitter's (`hand_back`). A split asked for
+        # later, or in a partial rollout (whose samples stay with their replicas), becomes
+        # where the next rollouts open; this one stays.
         split = decision.action == "switch" and decision.target.tp < tp
-        if split:
+        if split and first and rollout.total_quota is None:
+            split = False
+        elif split:
             record.action, record.target_tp = "stay", tp
             record.reason = f"split to tp {decision.target.tp} deferred to the next rollout"
         if decision.action != "switch" or split:

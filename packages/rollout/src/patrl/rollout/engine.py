@@ -482,7 +482,8 @@ class Engine:
 
         Under `tp_policy=adaptive` this is a collective over the world: every rank calls it
         (with its replica's prompts, possibly none) and the planner may change the layout
-        while it runs; the engine is back at the starting layout when it returns.
+        while it runs; the engine goes back to where the next rollouts open lazily (at the
+        next full weight sync, or else at the next rollout's start).
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -536,14 +537,16 @@ class Engine:
             _progress_bar(len(ids)) if progress and self.groups and self.groups.rank == 0 else None
         )
         results = controller.run(self, on_finished=(lambda _: bar.update(1)) if bar else None)
+        if controller.split:
+            results = controller.hand_back(results, ids)
         controller.end(self, reopen=True)
         if bar is not None:
             bar.close()
         lost = [i for i in ids if i not in results]
         if lost:
             raise RuntimeError(
-                f"requests {lost[:5]} finished on another replica after a reconfiguration; "
-                "adaptive rollouts only merge replicas, so this is a bug"
+                f"requests {lost[:5]} were not handed back after the rollout (they finished "
+                "on no replica, or on one that did not return them): this is a bug"
             )
         return [results[i] for i in ids]
 
