@@ -237,17 +237,27 @@ def sensitivity(model: ModelInfo) -> list[dict[str, Any]]:
     slow_tp = dataclasses.replace(
         base, collective_latency_s=((2, 18e-6), (4, 24e-6), (8, 30e-6)), step_overhead_s=2e-3
     )
-    cases = [
-        ("headline: 128x8", SPEC, PROMPTS, base),
-        ("64 prompts x 8", SPEC, 64, base),
-        ("32 prompts x 8", SPEC, 32, base),
-        ("median length 1000", dataclasses.replace(SPEC, median=1000.0), PROMPTS, base),
-        ("cap 32768", dataclasses.replace(SPEC, max_length=32768), PROMPTS, base),
-        ("3x collective latency, 2 ms step overhead", SPEC, PROMPTS, slow_tp),
+    runaway = [
+        (f"{rate:.0%} of samples run to the cap (repetition loops)", rate)
+        for rate in (0.01, 0.02, 0.05)
     ]
+    cases = [
+        ("headline: 128x8", SPEC, PROMPTS, base, 0.9),
+        ("64 prompts x 8", SPEC, 64, base, 0.9),
+        ("32 prompts x 8", SPEC, 32, base, 0.9),
+        ("median length 1000", dataclasses.replace(SPEC, median=1000.0), PROMPTS, base, 0.9),
+        ("cap 32768", dataclasses.replace(SPEC, max_length=32768), PROMPTS, base, 0.9),
+        ("3x collective latency, 2 ms step overhead", SPEC, PROMPTS, slow_tp, 0.9),
+        # what colocated verl runs: the trainer keeps the rest of the GPU (ppo_trainer.yaml
+        # 0.5; RLBoost's verl artifact 0.6)
+        ("gpu_memory_utilization 0.6", SPEC, PROMPTS, base, 0.6),
+        ("gpu_memory_utilization 0.5", SPEC, PROMPTS, base, 0.5),
+        *((label, dataclasses.replace(SPEC, runaway_rate=r), PROMPTS, base, 0.9)
+          for label, r in runaway),
+    ]  # fmt: skip
     out = []
-    for label, spec, prompts, node in cases:
-        latency = LatencyModel.fit(roofline_profile(model, node))
+    for label, spec, prompts, node, memory in cases:
+        latency = LatencyModel.fit(roofline_profile(model, node, memory_utilization=memory))
         steps = {0: group_by_step(long_tail_trace(spec, prompts, SAMPLES, steps=1, seed=0))[0]}
         times = {}
         for name, assignment in [
@@ -256,10 +266,18 @@ def sensitivity(model: ModelInfo) -> list[dict[str, Any]]:
             ("adaptive", "lpt"),
         ]:
             config = sim_config(assignment).model_copy(
-                update={"max_num_batched_tokens": spec.max_length + 1024}
+                update={
+                    "max_num_batched_tokens": spec.max_length + 1024,
+                    "memory_utilization": memory,
+                }
             )
             (result,) = run_policy(
-                PolicySpec.parse(name), steps, latency, WORLD, config, PlannerConfig()
+                PolicySpec.parse(name),
+                steps,
+                latency,
+                WORLD,
+                config,
+                PlannerConfig(memory_utilization=memory),
             )
             times[f"{name} ({assignment})"] = result.total_s
         verl = times[f"static:{VERL_DEFAULT_TP} (round_robin)"]

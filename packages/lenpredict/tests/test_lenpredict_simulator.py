@@ -219,3 +219,15 @@ def test_simulator_refuses_inconsistent_setups():
         simulator.run(groups, AdaptivePolicy(planner, Layout(8, 1)))
     with pytest.raises(ValueError, match="does not cover world_size=8"):
         simulator.run(groups, StaticPolicy(Layout(2, 2)))
+
+
+def test_runaway_samples_run_to_the_cap_and_leave_the_rest_unchanged():
+    base = LongTailSpec(median=60, max_length=600)
+    plain = long_tail_trace(base, 256, 8, steps=2, seed=3)
+    looped = long_tail_trace(
+        LongTailSpec(median=60, max_length=600, runaway_rate=0.05), 256, 8, steps=2, seed=3
+    )
+    changed = [b for a, b in zip(plain, looped, strict=True) if a != b]
+    assert all(r.response_tokens == 600 for r in changed)
+    capped = sum(r.response_tokens == 600 for r in looped) / len(looped)
+    assert 0.035 < len(changed) / len(looped) <= capped < 0.07

@@ -93,7 +93,11 @@ class LongTailSpec:
     failure rate f_p ~ U(0, max_failure_rate). Per sample: with probability f_p it is a failed
     (wrong) answer, failure_factor times longer (DeepScaleR's authors report wrong answers about
     3× longer than right ones); length = m_p · factor · exp(N(0, sample_sigma²)), rounded,
-    clipped to [16, max_length] (the cap is max_response_length: truncation).
+    clipped to [16, max_length] (the cap is max_response_length: truncation). With probability
+    runaway_rate a sample never stops on its own (a repetition loop, which slime counts as
+    `rollout/repetition_frac`) and runs to max_length: PAT's "a few long responses remain
+    unfinished". The rate is an ASSUMPTION, 0 by default; it draws from a stream of its own,
+    so a zero rate leaves the trace as it was.
     """
 
     median: float = 2000.0
@@ -102,6 +106,7 @@ class LongTailSpec:
     max_failure_rate: float = 0.6
     failure_factor: float = 3.0
     max_length: int = 16384
+    runaway_rate: float = 0.0
 
 
 def long_tail_trace(
@@ -114,6 +119,7 @@ def long_tail_trace(
     """`steps` rollouts over the same `num_prompts` prompts (an epoch per step), so prompts
     recur the way they do across epochs of GRPO training."""
     rng = np.random.default_rng(seed)
+    runaway = np.random.default_rng([seed, 1])
     prompt_tokens = rng.integers(64, 513, num_prompts)
     scale = np.exp(rng.normal(np.log(spec.median), spec.prompt_sigma, num_prompts))
     fail_rate = rng.uniform(0, spec.max_failure_rate, num_prompts)
@@ -124,6 +130,9 @@ def long_tail_trace(
             noise = np.exp(rng.normal(0, spec.sample_sigma, samples_per_prompt))
             lengths = scale[p] * np.where(failed, spec.failure_factor, 1.0) * noise
             lengths = np.clip(np.rint(lengths), 16, spec.max_length).astype(int)
+            if spec.runaway_rate > 0:
+                looped = runaway.random(samples_per_prompt) < spec.runaway_rate
+                lengths[looped] = spec.max_length
             records += [
                 LengthRecord(
                     step=step,
