@@ -210,3 +210,26 @@ def test_tp_that_cannot_split_the_model_is_rejected() -> None:
     )
     with pytest.raises(ValueError, match=r"tp_size=4 and num_key_value_heads=3: one must divide"):
         three_kv.check_tp(4)
+
+
+def test_a_dropped_model_frees_its_weights_at_once() -> None:
+    # Each parameter's weight_loader is bound to a weak proxy of its module: a bound method
+    # made module -> parameter -> loader -> module a cycle, so a model the engine dropped (it
+    # rebuilds one at every weight sync after an adaptive rollout) kept its memory until the
+    # cyclic collector ran, which it is held off from here.
+    import gc
+    import weakref
+
+    hf = tiny_hf_model("llama")
+    model = build_model(hf.config, attention="sdpa")
+    load_weights(model, hf.state_dict().items())
+    weights = [weakref.ref(p) for p in model.parameters()]
+    gc.disable()
+    try:
+        del model
+        assert all(w() is None for w in weights)
+    finally:
+        gc.enable()
+    # the loaders still load while their module lives
+    again = build_model(hf.config, attention="sdpa")
+    assert load_weights(again, hf.state_dict().items()) == weight_keys(again)

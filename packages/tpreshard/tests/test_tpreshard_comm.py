@@ -139,7 +139,10 @@ def test_bad_tp_comm_mode_is_refused_before_any_group_is_made() -> None:
         GroupCache([1], world_size=1, rank=0, tp_comm="nccl")
 
 
-def _stranded(rank: int, world_size: int, kill_pid: bool) -> str:
+_UNREAPED: list[subprocess.Popen[bytes]] = []
+
+
+def _stranded(rank: int, world_size: int, kill_pid: str) -> str:
     cache = GroupCache([2], world_size=world_size, rank=rank, timeout=timedelta(seconds=2))
     comm = cache.layout(2).tp_comm
     assert comm is not None
@@ -147,7 +150,13 @@ def _stranded(rank: int, world_size: int, kill_pid: bool) -> str:
     if rank == 1:
         if kill_pid:  # pretend this rank's process died: its pid slot names a finished one
             dead = subprocess.Popen([sys.executable, "-c", "pass"])
-            dead.wait()
+            if kill_pid == "reaped":
+                dead.wait()
+            else:  # exited and never reaped (its launcher died): a zombie answers kill(pid, 0)
+                stat = Path(f"/proc/{dead.pid}/stat")
+                while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    time.sleep(0.01)
+                _UNREAPED.append(dead)  # Popen.__del__ would reap it
             comm._pids[1] = dead.pid
         dist.barrier()
         return "skipped"  # never joins the all-reduce below (its final barrier is gloo's)
@@ -161,8 +170,8 @@ def _stranded(rank: int, world_size: int, kill_pid: bool) -> str:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kill_pid", [False, True])
-def test_a_missing_peer_fails_the_wait_naming_it(kill_pid: bool) -> None:
+@pytest.mark.parametrize("kill_pid", ["", "reaped", "zombie"])
+def test_a_missing_peer_fails_the_wait_naming_it(kill_pid: str) -> None:
     results = run_ranks(_stranded, world_size=2, args=(kill_pid,), timeout_s=120)
     assert results[1] == "skipped"
     waited, message = results[0].split(" ", 1)

@@ -385,7 +385,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie (exited, not yet reaped: its launcher is gone or slow) still answers kill(pid, 0);
+    # its state in /proc is Z. Without procfs there is no telling.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return not os.path.exists("/proc/self/stat")
+    except OSError:
+        return True
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state != b"Z"
 
 
 # ---- what layers call -----------------------------------------------------------------------

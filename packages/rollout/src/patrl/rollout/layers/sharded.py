@@ -2,7 +2,11 @@
 
 Every parameter carries `shard_spec` (a tpreshard `ShardSpec` describing its full tensor) and
 `weight_loader(param, full_tensor, shard_id=None)`, so loading a checkpoint at any TP size is one
-loop over the checkpoint's tensors, and weight sync from the trainer is the same loop.
+loop over the checkpoint's tensors, and weight sync from the trainer is the same loop. The loader
+is bound to a weak proxy of its module: a bound method would make module -> parameter -> method
+-> module a reference cycle, and a dropped model (the engine rebuilds one at every weight sync
+after an adaptive rollout) would then hold its memory until Python's cyclic collector happened
+to run (measured: 0.6-1.2 GB more per sync of a 302M model).
 
 Linear weights on the CPU are stored input-major: the parameter has its usual [out, in] shape,
 but as the transposed view of a contiguous [in, out] tensor. MKL's fp32 matmul streams such a
@@ -14,6 +18,9 @@ model). Loading, resharding and weight sync see only the [out, in] view.
 """
 
 from __future__ import annotations
+
+import types
+import weakref
 
 import torch
 from torch import nn
@@ -49,7 +56,8 @@ class ShardedModule(nn.Module):
         )
         param = nn.Parameter(data, requires_grad=False)
         param.shard_spec = spec  # type: ignore[attr-defined]
-        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        loader = types.MethodType(type(self).weight_loader, weakref.proxy(self))
+        param.weight_loader = loader  # type: ignore[attr-defined]
         self.register_parameter(name, param)
         return param
 
