@@ -59,10 +59,10 @@ repeat (paired: a slow stretch of this shared box hits both, so it is less noisy
 
 Also reported: every switch decision's predicted gain / overhead / finish against the measured
 overhead and finish (the measured gain is taken against the static (dp2, tp1) run of the same
-repeat, which runs the same schedule up to the switch); the control overhead (checks:
-summary all-gather, planner, broadcast) on the critical path (per check, the least time a rank
-with work spent in it: the rest is waiting for a busier replica) as a fraction of the busiest
-rank's decode time; and the simulator fed
+repeat, which runs the same schedule up to the switch); the control overhead on the critical
+path (each rollout's wall time less its switches and its busiest rank's decode time: the
+checks, and the waits their synchronisation imposes) as a fraction of the busiest rank's decode
+time; and the simulator fed
 the measured lengths and the fitted latency model, simulated vs measured for every policy.
 Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of a cold adaptive long-tail
 rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check the script.
@@ -612,7 +612,8 @@ def summarise(
                 control_s=control,
                 decode_s=decode,
                 rank0_control_fraction=control / decode if decode else None,
-                # what the checks added to the critical path (see ControlStats)
+                # what control (checks, and the waits they impose) added to the critical
+                # path (see patrl.rollout.adaptive.critical_path)
                 critical_control_s=critical,
                 critical_decode_s=critical_decode,
                 control_fraction=critical / critical_decode if critical_decode else None,
@@ -810,8 +811,8 @@ def print_report(results: dict[str, Any]) -> None:
                 + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
             )
         print(
-            "control overhead on the critical path (per check the least time a working rank "
-            "spent in it, summed / the busiest rank's decode time):"
+            "control overhead on the critical path (rollout wall time less switches and the "
+            "busiest rank's decode time, summed / the busiest rank's decode time):"
         )
         for wname, w in res["workloads"].items():
             print(

@@ -414,13 +414,12 @@ def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:
     assert spaced == 2 and every_two > 5  # the first check and the closing one
 
 
-def test_critical_path_takes_the_last_rank_to_arrive_at_each_check() -> None:
-    nan = float("nan")
-    # check 1: rank 0 waited 0.5 s for rank 1, which spent 0.02 s; check 2: only rank 0 had
-    # work; check 3 (the last, everyone drained): no working rank, nothing on the path.
-    ranks = [([0.5, 0.01, nan], 3.0), ([0.02, nan, nan], 4.0)]
-    control, decode = critical_path(ranks)
-    assert control == pytest.approx(0.03) and decode == 4.0
+def test_control_on_the_critical_path_is_the_wall_time_past_the_busiest_decode() -> None:
+    # rank 1 decoded longest (4.0 s); the rollout took 4.6 s less 0.2 s of switching on rank 1
+    # and 4.5 s less 0.2 s on rank 0, which started later: 0.3 s went to checks and waits
+    control, decode = critical_path([(3.0, 4.3), (4.0, 4.4)])
+    assert control == pytest.approx(0.3) and decode == 4.0
+    assert critical_path([(3.0, 2.9)]) == (0.0, 3.0)  # clock skew never makes it negative
 
 
 def test_plot_timeline(tmp_path: Path) -> None:

@@ -155,9 +155,8 @@ class ControlStats:
     checks: int = 0
     switches: int = 0
     control_s: float = 0.0  # checks made with work pending: summary, planner, broadcast
-    # The same on the rollout's critical path: per check, the least time a rank with work
-    # spent in it (the last to arrive waits for no one; the others' extra is waiting for a
-    # busier replica, which the rollout spends anyway), summed; the same on every rank.
+    # What control cost the rollouts, summed (see `critical_path`): each rollout's time less
+    # its switches and its busiest rank's decode time; the same on every rank.
     critical_control_s: float = 0.0
     planner_s: float = 0.0  # rank 0's planner calls (RunningSet building included)
     reconfig_s: float = 0.0
@@ -184,7 +183,6 @@ class _Rollout:
     total_quota: int | None = None
     total_done: int = 0
     first_check: bool = True
-    check_s: list[float] = field(default_factory=list)  # each check's time; NaN: had no work
     split: bool = False  # a switch to a smaller TP (at the first check) happened
 
 
@@ -242,6 +240,7 @@ class TPController:
         assert rollout is not None, "begin() first"
         results: dict[str, RequestOutput] = {}
         busy_before = engine.counters.busy_s
+        switching_before = self.stats.reconfig_s
         steps_left = 0
         opened = False
         while True:
@@ -270,7 +269,8 @@ class TPController:
         end = time.perf_counter()
         decode = engine.counters.busy_s - busy_before
         self.stats.decode_s += decode
-        self._add_critical_path(rollout.check_s, decode)
+        switching = self.stats.reconfig_s - switching_before
+        self._add_critical_path(decode, end - rollout.start - switching)
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
@@ -348,7 +348,6 @@ class TPController:
         verdict = self._broadcast(verdict)
         self.stats.checks += 1
         spent = time.perf_counter() - t0
-        rollout.check_s.append(spent if had_work else math.nan)
         if had_work:
             self.stats.control_s += spent
             self._check_cost_s = min(spent, self._check_cost_s or spent)
@@ -481,11 +480,11 @@ class TPController:
         if verdict.record is not None:
             verdict.record.measured_overhead_s = spent
 
-    def _add_critical_path(self, check_s: list[float], decode_s: float) -> None:
-        """One small collective at the end of a rollout (every rank made the same checks)."""
-        ranks = [(check_s, decode_s)]
+    def _add_critical_path(self, decode_s: float, wall_s: float) -> None:
+        """One small collective at the end of a rollout."""
+        ranks = [(decode_s, wall_s)]
         if self.world is not None:
-            ranks = gather_objects(self.comm, self.world, (check_s, decode_s))
+            ranks = gather_objects(self.comm, self.world, (decode_s, wall_s))
         control, decode = critical_path(ranks)
         self.stats.critical_control_s += control
         self.stats.critical_decode_s += decode
@@ -507,14 +506,17 @@ class TPController:
         return verdict
 
 
-def critical_path(ranks: list[tuple[list[float], float]]) -> tuple[float, float]:
-    """(control, decode) seconds of a rollout on its critical path, from each rank's (time of
-    each check, NaN where it had no work; decode time): per check the least time a working
-    rank spent in it, summed, and the busiest rank's decode time."""
-    control = 0.0
-    for times in zip(*(c for c, _ in ranks), strict=True):
-        control += min((t for t in times if not math.isnan(t)), default=0.0)
-    return control, max(d for _, d in ranks)
+def critical_path(ranks: list[tuple[float, float]]) -> tuple[float, float]:
+    """(control, decode) seconds of a rollout on its critical path, from each rank's (decode
+    time, rollout wall time less its switches). The busiest rank's decode time is what the
+    rollout would take with no checks; the rest of the wall time, switches aside, is what
+    control cost it: the checks themselves and the waits they impose. Every check is a
+    synchronisation, so the rollout takes, interval by interval, the slowest replica's time:
+    more than the slowest replica's total whenever the slowest one changes between intervals
+    (run-to-run noise, batches that shrink at different times). The least wall time of the
+    ranks is taken (a rank that started later counts less)."""
+    decode = max(d for d, _ in ranks)
+    return max(0.0, min(w for _, w in ranks) - decode), decode
 
 
 def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
