@@ -335,3 +335,23 @@ def test_shows_work_tells_worked_from_bare_answers() -> None:
     assert shows_work("a7: 8\nb1: 8+1=9\n\\boxed{9}", "13") == 1.0
     for other in ("", "\\boxed{", "b1: 7+1=8", "a7:", "The answer is 13"):
         assert shows_work(other, "13") == 0.0, other
+
+
+def _build_on(rank: int, world_size: int, root: str) -> list[str]:
+    if rank != 1:
+        return []
+    # transformers 5's save_pretrained writes nothing on a torch.distributed rank other than
+    # 0, and any rank may win the build lock: the demo must still come out whole
+    assets = ensure_demo_assets(Path(root), seed=6, quick=True, progress=False)
+    engine = Engine(EngineConfig(model=str(assets.model_dir), device="cpu", num_kv_blocks=64))
+    assert engine.model is not None
+    return sorted(p.name for p in assets.model_dir.iterdir())
+
+
+@pytest.mark.multirank
+def test_a_rank_other_than_zero_builds_a_whole_demo(tmp_path: Path) -> None:
+    from multirank import run_ranks
+
+    files = run_ranks(_build_on, 2, args=(str(tmp_path),), timeout_s=300)[1]
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)
+    assert "tokenizer.json" in files

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from patrl.orchestrator.demo.evaluate import pass_at_one
@@ -215,7 +216,7 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
     )
     timings["sft_s"] = time.perf_counter() - t
     model_dir = out / "model"
-    model.save_pretrained(model_dir, safe_serialization=True)
+    _save_model(model, model_dir)
     tokenizer.save_pretrained(model_dir)
 
     evaluation = None
@@ -298,6 +299,22 @@ def _check_replaceable(target: Path) -> None:
             f"{target} exists and holds {foreign[:5]}, which a demo build did not write: "
             "point the demo at a new or empty directory, or at an earlier demo build"
         )
+
+
+def _save_model(model: Any, model_dir: Path) -> None:
+    """What `save_pretrained` writes for the demo model (config, generation config, one
+    safetensors file), written directly: under an initialised torch.distributed, transformers 5
+    writes nothing on a rank other than 0, and whichever rank wins the build lock builds."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config.save_pretrained(model_dir)
+    model.generation_config.save_pretrained(model_dir)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:  # the head is the embedding: saved once, as HF does
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _remove_stale_temporaries(target: Path) -> None:
