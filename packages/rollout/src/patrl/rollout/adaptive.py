@@ -239,6 +239,8 @@ class TPController:
         rollout = self._rollout
         assert rollout is not None, "begin() first"
         results: dict[str, RequestOutput] = {}
+        # from here on (queuing the requests, which a static rollout does too, is behind us)
+        started = time.perf_counter()
         busy_before = engine.counters.busy_s
         switching_before = self.stats.reconfig_s
         steps_left = 0
@@ -270,7 +272,7 @@ class TPController:
         decode = engine.counters.busy_s - busy_before
         self.stats.decode_s += decode
         switching = self.stats.reconfig_s - switching_before
-        self._add_critical_path(decode, end - rollout.start - switching)
+        self._add_critical_path(decode, end - started - switching)
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
