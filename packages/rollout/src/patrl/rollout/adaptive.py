@@ -161,7 +161,7 @@ class ControlStats:
     planner_s: float = 0.0  # rank 0's planner calls (RunningSet building included)
     reconfig_s: float = 0.0
     reset_s: float = 0.0  # returning to the starting layout after a rollout
-    decode_s: float = 0.0  # engine busy time during adaptive rollouts
+    decode_s: float = 0.0  # time in Engine.step during adaptive rollouts
     critical_decode_s: float = 0.0  # per rollout, the busiest rank's decode_s, summed
 
     def as_dict(self) -> dict[str, float]:
@@ -241,7 +241,7 @@ class TPController:
         results: dict[str, RequestOutput] = {}
         # from here on (queuing the requests, which a static rollout does too, is behind us)
         started = time.perf_counter()
-        busy_before = engine.counters.busy_s
+        stepping = 0.0  # in engine.step (scheduling included: a static rollout pays it too)
         switching_before = self.stats.reconfig_s
         steps_left = 0
         opened = False
@@ -259,7 +259,10 @@ class TPController:
                 steps_left = verdict.recheck_steps or self.policy.check_every
                 if not engine.has_unfinished():
                     continue
-            for out in engine.step():
+            t0 = time.perf_counter()
+            finished = engine.step()
+            stepping += time.perf_counter() - t0
+            for out in finished:
                 results[out.request_id] = out
                 self._note_finished(rollout, engine, out)
                 if on_finished is not None:
@@ -269,10 +272,9 @@ class TPController:
                 step_s = engine.timeline[-1].duration_s
                 self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
         end = time.perf_counter()
-        decode = engine.counters.busy_s - busy_before
-        self.stats.decode_s += decode
+        self.stats.decode_s += stepping
         switching = self.stats.reconfig_s - switching_before
-        self._add_critical_path(decode, end - started - switching)
+        self._add_critical_path(stepping, end - started - switching)
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
