@@ -286,11 +286,11 @@ class TPController:
         self, results: dict[str, RequestOutput], ids: list[str]
     ) -> dict[str, RequestOutput]:
         """After a rollout that split (`split`), a request may have finished on another replica
-        than its submitter's: every rank sends the outputs the others miss (two small world
+        than its submitter's: every rank sends the outputs the others miss (two world
         collectives; every rank calls it, as every rank applied the split)."""
-        missing = [i for i in ids if i not in results]
         if self.world is None:
             return results
+        missing = [i for i in ids if i not in results]
         me = dist.get_rank(self.world)
         wanted = gather_objects(self.comm, self.world, missing)
         offer = {
