@@ -286,24 +286,16 @@ class TPController:
         self, results: dict[str, RequestOutput], ids: list[str]
     ) -> dict[str, RequestOutput]:
         """After a rollout that split (`split`), a request may have finished on another replica
-        than its submitter's: every rank sends the outputs the others miss (two world
-        collectives; every rank calls it, as every rank applied the split)."""
+        than its submitter's: every rank sends the outputs it holds of requests it did not
+        submit, and keeps those of its own `ids` it lacked (one world all-gather; every rank
+        calls it, as every rank applied the split)."""
         if self.world is None:
             return results
-        missing = [i for i in ids if i not in results]
-        me = dist.get_rank(self.world)
-        wanted = gather_objects(self.comm, self.world, missing)
-        offer = {
-            i: results[i]
-            for rank, miss in enumerate(wanted)
-            if rank != me
-            for i in miss
-            if i in results
-        }
+        mine = set(ids)
+        offer = {i: out for i, out in results.items() if i not in mine}
         for part in gather_objects(self.comm, self.world, offer):
-            for i in missing:
-                if i in part:
-                    results.setdefault(i, part[i])
+            for i in mine.intersection(part):
+                results.setdefault(i, part[i])
         return results
 
     def end(self, engine: Engine, reopen: bool = False) -> None:
