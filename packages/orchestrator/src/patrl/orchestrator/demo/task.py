@@ -5,7 +5,8 @@ the labelled number it adds, then the new running sum (`c5: 8+5=13`). Without la
 model would have to count its way along a list of repeating digits to find the next addend;
 with them the next addend is the token after the line's label in the prompt. (The demo's
 model learns that lookup label by label: after its warm start, at temperature 1, its worked
-lines are right for 67% of three-number problems and about 10% of longer ones.)
+lines are right for 98% of three-number problems, 43% of four-number ones and under 20% of
+longer ones, whose later labels it has seen least.)
 
 The warm start also sees problems answered by the boxed total alone (a bare answer). Every
 problem has at least three numbers, whose sum in one go a model this small mostly gets wrong,
