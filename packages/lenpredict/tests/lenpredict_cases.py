@@ -125,6 +125,14 @@ def cpu_knee(tp: int, batch: int, context: int) -> float:
     return 0.017 / tp + per_rank / tp + 0.001 * (tp > 1) + 1e-8 * context / tp
 
 
+def cpu_two_knees(tp: int, batch: int, context: int) -> float:
+    """This CPU box's vocab_2l profile (2026-11-24): batch 4 costs ~2.6x batch 1, batch 16
+    little more than batch 4, and the slope rises again past 16 (two knees, two ways)."""
+    per_rank = 0.0147 * min(batch, 4) + 0.0037 * min(max(0, batch - 4), 12)
+    per_rank += 0.0069 * max(0, batch - 16)
+    return 0.012 / tp + per_rank / tp + 0.001 * (tp > 1) + 1e-8 * context / tp
+
+
 def sdpa_like(tp: int, batch: int, context: int, longest: int) -> float:
     """A padded attention backend (this machine's sdpa): every sequence reads the longest
     one's blocks; a compute knee at 32 sequences. `tp_speeds_up` otherwise."""

@@ -5,6 +5,7 @@ import pytest
 from lenpredict_cases import (
     compute_bound,
     cpu_knee,
+    cpu_two_knees,
     flat,
     gloo_like,
     profile_from,
@@ -88,6 +89,7 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
         (gloo_like, None),
         (compute_bound, None),
         (cpu_knee, None),  # a knee past which the slope drops
+        (cpu_two_knees, None),  # the slope drops past 4, rises past 16
         (tp_speeds_up, sdpa_like),  # padded context and a knee at 32 sequences
         (tp_speeds_up, ragged_like),
     ],

@@ -1,13 +1,13 @@
 """Time to finish: how long the running sequences take to complete in a layout.
 
 A replica's time is the sum of its decode steps until its last sequence finishes, each step
-priced by the latency model, `a + b·B + c·C + e·B·M + d·max(0, B − knee)` with B the alive
+priced by the latency model, `a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)` with B the alive
 sequences, C their total context and M the longest one (see latency_model.py). A layout's time
 is that of its slowest replica.
 
 Why it needs no step loop: a sequence with r steps left is alive for exactly r steps, and its
 context grows by one per step, so the terms linear in B and C are sums over sequences:
-Σ_steps a = a·max r, Σ_steps B = Σ r, Σ_steps C = Σ r·(context + (r − 1)/2). Only the knee
+Σ_steps a = a·max r, Σ_steps B = Σ r, Σ_steps C = Σ r·(context + (r − 1)/2). Only the knees'
 and padded-context terms depend on *which* sequences are alive together; they are summed over
 the segments between consecutive finishes, in each replica's order of remaining length, and
 only when the latency model has them (a GPU profile with flash attention has no padded term,
@@ -103,19 +103,30 @@ def slowest_replica_times(
     sums = np.bincount(np.concatenate([key, key + groups]), weights, minlength=2 * groups)
     longest = np.zeros(groups)
     np.maximum.at(longest, key, rem.ravel())
-    a, b, c, d, knee, e = np.array([step_coefficients[tp] for tp in rows.tp]).repeat(dp, axis=0).T
+    coefs = [step_coefficients[tp] for tp in rows.tp]
+    a, b, c, e = np.array([k[:4] for k in coefs]).repeat(dp, axis=0).T
+    knee, change = _knee_arrays(coefs, dp)
     per_replica = a * longest + b * sums[:groups] + c * sums[groups:]
-    # the knee matters only where a replica runs more sequences than it at once (its slope
+    # a knee matters only where a replica runs more sequences than it at once (its slope
     # change may be negative: on a CPU, past a few sequences each costs less)
-    crowded = (
-        len(running) > knee.min()
-        and (d != 0).any()
-        and np.bincount(key, minlength=groups).max() > knee.min()
-    )
+    lowest = knee.min(initial=np.inf)
+    crowded = len(running) > lowest and np.bincount(key, minlength=groups).max() > lowest
     if crowded or (e != 0).any():
         past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
-        per_replica += d * past_knee + e * padded
+        per_replica += (change * past_knee).sum(axis=1) + e * padded
     return np.maximum.reduceat(per_replica, offset)
+
+
+def _knee_arrays(coefs: list[StepCoefficients], dp: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Knees and slope changes per replica, shape (replicas, most knees of any row); rows
+    with fewer knees are padded with a knee no batch reaches and a change of 0."""
+    width = max(len(k.knees) for k in coefs)
+    knee = np.full((len(coefs), width), 1e300)
+    change = np.zeros((len(coefs), width))
+    for i, k in enumerate(coefs):
+        knee[i, : len(k.knees)] = k.knees
+        change[i, : len(k.knees)] = k.slope_changes
+    return knee.repeat(dp, axis=0), change.repeat(dp, axis=0)
 
 
 def _ordered_terms(
@@ -126,7 +137,8 @@ def _ordered_terms(
     key: np.ndarray,
     knee: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per replica (as `key` numbers them): Σ_steps max(0, B − knee) and Σ_steps B·M.
+    """Per replica (as `key` numbers them): Σ_steps max(0, B − knee) for each of its knees
+    (`knee` is (replicas, knees); the result too) and Σ_steps B·M.
 
     In a replica's order of remaining length, longest first (r_1 >= r_2 >= ..), exactly k
     sequences are alive for the r_k − r_{k+1} steps after the (k+1)-th finishes, and the
@@ -151,8 +163,8 @@ def _ordered_terms(
     before = np.r_[0.0, upto[:-1]]  # P_{k-1}; at a replica's first (k = 1) it has weight 0
     # B·M = B·(longest context at the start) + B·(steps since): the second part is Σ r(r−1)/2
     padded = rem * (rank * upto - (rank - 1) * before + (rem - 1) / 2)
-    past_knee = rem * np.clip(rank - knee[key], 0.0, 1.0)
-    return (
-        np.bincount(key, weights=past_knee, minlength=groups),
-        np.bincount(key, weights=padded, minlength=groups),
+    past_knee = [rem * np.clip(rank - k[key], 0.0, 1.0) for k in knee.T]
+    summed = [np.bincount(key, weights=w, minlength=groups) for w in past_knee]
+    return np.stack(summed, axis=1).reshape(knee.shape), np.bincount(
+        key, weights=padded, minlength=groups
     )

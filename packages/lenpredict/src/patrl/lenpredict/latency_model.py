@@ -2,22 +2,27 @@
 
 Decode step time, per TP size, is fitted as
 
-    t(B, C, M) = a + b·B + c·C + e·B·M + d·max(0, B − knee)
+    t(B, C, M) = a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)    (at most two knees)
 
 with B the batch (running sequences), C their total context tokens and M the longest one's.
 Why this form: a decode step reads every weight once (a, independent of B), computes per
 sequence (b), reads the KV cache it attends over, and turns compute-bound past a batch size
-(the roofline knee, d). What attention reads depends on the backend: a ragged kernel (flash
+(the roofline knee, d > 0). A knee may also flatten the slope (d < 0), and a measured CPU
+profile needs both: single-threaded sgemm on this box runs batches 2-8 slowly, so a step
+costs ~2.6x batch 1 at batch 4, little more at 16, and grows linearly again past it (the
+vocab_2l profile, 2026-11-24); one knee missed batch 4 by 30%, which is where long tails run. What attention reads depends on the backend: a ragged kernel (flash
 attention's varlen/paged decode) reads each sequence's own context, C in total (c); our sdpa
 backend gathers every sequence's blocks padded to the longest, B·M tokens (e). On a batch of
 equal lengths B·M = C and no profile can tell them apart, so the padded term is fitted only
 when the profile has rows of skewed batches (`DecodeRow.max_context`), and kept only when it
 predicts held-out rows better, or when the caller knows its backend pads
-(`LatencyModel.fit(profile, context_form="padded")`). Cross-validation also decides whether
-the knee helps. All
-coefficients are non-negative (a step never gets cheaper with more work) and fitted on
-*relative* error, because the planner compares ratios of times that span three orders of
-magnitude.
+(`LatencyModel.fit(profile, context_form="padded")`). Cross-validation also decides how many
+knees help, where, and which way each bends, on the *mean* held-out error (a median would let
+a whole batch regime, a fifth of a profile's rows, be mispriced unseen): one more knee must
+cut it by 10% of the fit it replaces, and ties go to the simpler context form. The slope never drops below zero
+(a step never gets cheaper with more work), the other coefficients are non-negative, and all
+are fitted on *relative* error, because the planner compares ratios of times that span three
+orders of magnitude.
 
 Prefill of a sequence of T tokens: a + b·T + c·T² (attention is quadratic); a batch of
 sequences pays `a` once. Collectives: α + bytes/β per (op, group size).
@@ -25,6 +30,7 @@ sequences pays `a` once. Collectives: α + bytes/β per (op, group size).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -64,50 +70,57 @@ _FORM_MASK: dict[str, tuple[float, float]] = {
 }
 
 
+MAX_KNEES = 2
+
+
 def _decode_features(
     batch: np.ndarray,
     context: np.ndarray,
     padded: np.ndarray,
-    knee: float,
+    knees: tuple[float, ...],
     form: str,
-    bend: float = 1.0,
+    bends: tuple[float, ...] = (),
 ) -> np.ndarray:
-    """Columns [1, B, C, bend·max(0, B − knee), B·M]; bend −1: the slope drops past the knee
-    (the coefficients are fitted non-negative, so the sign of that change is chosen here)."""
-    hinge = bend * np.maximum(0.0, batch - knee) if np.isfinite(knee) else np.zeros_like(batch)
+    """Columns [1, B, C, B·M, bend_k·max(0, B − knee_k)...]; a bend of −1 makes the slope drop
+    past its knee (the coefficients are fitted non-negative, so each change's sign is chosen
+    here). `bends` defaults to +1 for every knee."""
+    bends = bends or (1.0,) * len(knees)
     total_on, padded_on = _FORM_MASK[form]
+    hinges = [s * np.maximum(0.0, batch - k) for k, s in zip(knees, bends, strict=True)]
     return np.stack(
-        [np.ones_like(batch), batch, context * total_on, hinge, padded * padded_on], axis=-1
+        [np.ones_like(batch), batch, context * total_on, padded * padded_on, *hinges], axis=-1
     )
 
 
 class StepCoefficients(NamedTuple):
-    """t = fixed + per_seq·B + per_token·C + per_seq_past_knee·max(0, B − knee)
-    + per_padded_token·B·M, for callers that evaluate many steps in one array expression."""
+    """t = fixed + per_seq·B + per_token·C + per_padded_token·B·M
+    + Σ_k slope_changes[k]·max(0, B − knees[k]), for callers that evaluate many steps in one
+    array expression."""
 
     fixed: float
     per_seq: float
     per_token: float
-    per_seq_past_knee: float
-    knee: float  # 1e300 when there is none
     per_padded_token: float
+    knees: tuple[float, ...]  # ascending; () when the linear form was best
+    slope_changes: tuple[float, ...]  # signed, one per knee
 
 
 @dataclass(frozen=True, slots=True)
 class StepFit:
-    coef: np.ndarray  # [a, b, c, d, e] of the module docstring's form
-    knee: float  # inf: the linear form was better
-    cv_mape: float  # median absolute percentage error on held-out folds; nan when too few rows
+    coef: np.ndarray  # [a, b, c, e] of the module docstring's form
+    knees: tuple[float, ...]  # ascending; (): the linear form was best
+    slope_changes: tuple[float, ...]  # d_k, signed; b + the changes up to any knee >= 0
+    cv_mape: float  # mean absolute percentage error on held-out folds; nan when too few rows
     form: ContextForm = "total"  # which context terms were kept
 
     def predict(
         self, batch: np.ndarray, context: np.ndarray, max_context: np.ndarray | None = None
     ) -> np.ndarray:
         """`max_context` None: every sequence holds context / batch tokens."""
-        a, b, c, d, e = self.coef.tolist()
+        a, b, c, e = self.coef.tolist()
         t = a + b * batch + c * context
-        if d and np.isfinite(self.knee):
-            t = t + d * np.maximum(0.0, batch - self.knee)
+        for knee, change in zip(self.knees, self.slope_changes, strict=True):
+            t = t + change * np.maximum(0.0, batch - knee)
         if e:
             t = t + e * (context if max_context is None else batch * max_context)
         return np.asarray(t)
@@ -127,7 +140,7 @@ def _cv_error(x: np.ndarray, y: np.ndarray) -> float:
         train = np.setdiff1d(np.arange(n), test)
         coef = _nonneg_relative_lstsq(x[train], y[train])
         errors.append(np.abs(x[test] @ coef - y[test]) / y[test])
-    return float(np.median(np.concatenate(errors)))
+    return float(np.mean(np.concatenate(errors)))
 
 
 def _row_arrays(rows: Sequence[DecodeRow]) -> tuple[np.ndarray, ...]:
@@ -138,8 +151,8 @@ def _row_arrays(rows: Sequence[DecodeRow]) -> tuple[np.ndarray, ...]:
 
 
 def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None) -> StepFit:
-    """Fit one TP size's decode rows, choosing the knee and the context form by
-    cross-validated error (ties go to the simpler form: no knee, total context).
+    """Fit one TP size's decode rows, choosing the knees and the context form by
+    cross-validated error (ties go to the simpler form: fewer knees, total context).
     `context_form` imposes the form instead: what the engine knows of its attention backend
     decides where rows of equal lengths cannot."""
     batch, context, padded, y = _row_arrays(rows)
@@ -148,28 +161,61 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
     if context_form is not None:
         forms = (context_form,)
     # A knee either steepens the slope (compute-bound past it) or flattens it: on the CPU box
-    # single-threaded sgemm runs batches 2-8 at a few GFLOP/s, so a step at batch 4 costs ~4x
-    # one at batch 1 and batch 16 little more than batch 4, a shape no straight line follows.
-    knees = [float("inf"), *np.unique(batch)[1:-1].tolist()]
+    # single-threaded sgemm runs batches 2-8 at a few GFLOP/s, so a step at batch 4 costs ~2.6x
+    # one at batch 1 and batch 16 little more than batch 4, then the slope rises again: a
+    # shape that takes two knees. Knees sit at profiled batch sizes, inside the grid.
+    inner = np.unique(batch)[1:-1].tolist()
+    knee_sets = [tuple(ks) for n in range(MAX_KNEES + 1) for ks in itertools.combinations(inner, n)]
     candidates = [
-        (form, knee, bend)
+        (form, knees, bends)
         for form in forms
-        for knee in knees
-        for bend in ((1.0,) if not np.isfinite(knee) else (1.0, -1.0))
+        for knees in knee_sets
+        for bends in itertools.product((1.0, -1.0), repeat=len(knees))
     ]
     errors = [
         _cv_error(_decode_features(batch, context, padded, k, f, s), y) for f, k, s in candidates
     ]
-    err, (form, knee, bend) = float("nan"), candidates[0]
+    err, (form, knees, bends) = float("nan"), candidates[0]
     if np.isfinite(errors).any():
-        # the first (simplest) candidate as good as the best, up to rounding
-        best = np.nanmin(errors)
-        pairs = zip(errors, candidates, strict=True)
-        err, (form, knee, bend) = next((e, c) for e, c in pairs if e <= best + 1e-9)
-    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knee, form, bend), y)
-    # signed from here on: past the knee the slope is b + d, never below zero
-    coef[3] = max(bend * coef[3], -coef[1])
-    return StepFit(coef=coef, knee=knee, cv_mape=err, form=form)
+        err, (form, knees, bends) = _simplest_good_enough(errors, candidates)
+    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knees, form, bends), y)
+    # signed from here on: past each knee the slope is b + the changes so far, never below 0
+    changes, slope = [], coef[1]
+    for bend, size in zip(bends, coef[4:], strict=True):
+        changes.append(max(bend * size, -slope))
+        slope += changes[-1]
+    kept = [(k, d) for k, d in zip(knees, changes, strict=True) if d != 0.0]
+    return StepFit(
+        coef=coef[:4],
+        knees=tuple(k for k, _ in kept),
+        slope_changes=tuple(d for _, d in kept),
+        cv_mape=err,
+        form=form,
+    )
+
+
+# a fit with one more knee must cut the held-out error by this fraction of the fit it
+# replaces: on a noiseless roofline a second knee "helps" by 1-2% with slope changes of 1e-6,
+# and every knee inside the batches the planner prices costs it an ordered pass per call
+KNEE_GAIN = 0.10
+
+
+def _simplest_good_enough(
+    errors: list[float], candidates: list[tuple[ContextForm, tuple[float, ...], tuple[float, ...]]]
+) -> tuple[float, tuple[ContextForm, tuple[float, ...], tuple[float, ...]]]:
+    """The candidate to fit: the fewest knees whose best held-out error no candidate with more
+    knees beats by `KNEE_GAIN`, then the first (simplest form) as good as that best."""
+    best: dict[int, float] = {}
+    for error, (_, knees, _) in zip(errors, candidates, strict=True):
+        if np.isfinite(error):
+            best[len(knees)] = min(error, best.get(len(knees), np.inf))
+    levels = sorted(best)
+    chosen = levels[0]
+    for n in levels[1:]:
+        if best[n] < (1 - KNEE_GAIN) * best[chosen]:
+            chosen = n
+    pairs = zip(errors, candidates, strict=True)
+    return next((e, c) for e, c in pairs if len(c[1]) == chosen and e <= best[chosen] + 1e-9)
 
 
 def _fit_prefill(tokens: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -255,8 +301,8 @@ class LatencyModel:
 
     def step_coefficients(self, tp: int) -> StepCoefficients:
         fit = self._step_fit(tp)
-        a, b, c, d, e = fit.coef.tolist()
-        return StepCoefficients(a, b, c, d, fit.knee if np.isfinite(fit.knee) else 1e300, e)
+        a, b, c, e = fit.coef.tolist()
+        return StepCoefficients(a, b, c, e, fit.knees, fit.slope_changes)
 
     def prefill_coefficients(self, tp: int) -> tuple[float, float, float]:
         """(a, b, c) of a + Σ (b·T + c·T²) over a batch of sequences of T tokens."""
