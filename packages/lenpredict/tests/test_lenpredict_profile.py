@@ -120,6 +120,9 @@ def test_step_fit_follows_a_slope_that_drops_then_rises(monkeypatch):
     fit = fit_step(rows)
     assert fit.knees == (4.0, 16.0)
     assert fit.slope_changes[0] < 0 < fit.slope_changes[1]
+    report = LatencyModel.fit(profile_from(cpu_two_knees, tp_sizes=(1, 2))).describe()
+    assert report[1]["knees"] == [4.0, 16.0] and len(report[1]["d"]) == 2
+    assert json.loads(json.dumps(report))["1"]["form"] == "total"
     for b in (2, 4, 8, 12, 24, 48):
         predicted = fit.predict(np.array([b]), np.array([b * 50]))[0]
         assert predicted == pytest.approx(step(b, b * 50), rel=0.01)

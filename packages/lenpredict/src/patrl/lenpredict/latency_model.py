@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -415,14 +415,16 @@ class LatencyModel:
         )
         return max(0, int(free // per_token))
 
-    def describe(self) -> dict[int, dict[str, float | str]]:
-        """Chosen form and cross-validated error per TP size, for reports."""
+    def describe(self) -> dict[int, dict[str, Any]]:
+        """Chosen form, knees and cross-validated error per TP size, for reports (JSON-ready):
+        the coefficients a, b, c, e of the module docstring's form and d, one per knee."""
         return {
             tp: {
-                "knee": fit.knee,
+                "knees": list(fit.knees),
+                "d": list(fit.slope_changes),
                 "cv_mape": fit.cv_mape,
                 "form": fit.form,
-                **dict(zip("abcde", fit.coef.tolist(), strict=True)),
+                **dict(zip("abce", fit.coef.tolist(), strict=True)),
             }
             for tp, fit in self.step_fits.items()
         }
