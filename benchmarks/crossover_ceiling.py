@@ -1,0 +1,145 @@
+"""SIMULATED on a MEASURED profile: how much can adaptive TP gain over the best static layout
+on this machine, whatever the workload?
+
+    python benchmarks/crossover_ceiling.py [--profile benchmarks/results/adaptive_tp_profile_vocab_2l.json]
+
+The gain of folding replicas for the tail is bounded by the profile's crossover: how much
+faster two tp-1 replicas run the full batch, and how much faster one tp-2 group runs the
+tail. This script asks the rollout simulator, with the latency model fitted to a measured
+2-rank profile (`adaptive_tp_bench.py` writes one per shape), for static (dp2, tp1), static
+(dp1, tp2) and the planner told the true lengths (oracle), on:
+- the adaptive bench's own workloads (uniform, long-tail, bimodal) at its size (16 prompts x
+  4 samples) and twice it (16 x 8, 32 x 4);
+- `LongTailSpec` (simulate_cluster's DeepScaleR-like lengths: per-prompt scale and failure
+  rate, per-sample noise) scaled to the bench's 96-token cap, medians 12, 16 and 24, at the
+  same three sizes.
+Reported: each run's time and adaptive / best static; the minimum of that ratio is the most
+the planner gains here. Writes benchmarks/results/crossover_ceiling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from patrl.lenpredict import (
+    AdaptivePolicy,
+    LatencyModel,
+    Layout,
+    LongTailSpec,
+    PlannerConfig,
+    Profile,
+    PromptGroup,
+    ReconfigPlanner,
+    RolloutSimulator,
+    SimConfig,
+    StaticPolicy,
+    group_by_step,
+    long_tail_trace,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import adaptive_tp_bench as bench  # a sibling script, not a package
+
+RESULTS = Path(__file__).parent / "results"
+SIZES = ((8, 4), (8, 8), (16, 4))  # (prompts per replica, samples per prompt)
+VOCAB = 151_936  # vocab_2l's; only the prompts' token ids depend on it
+
+
+def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup]]:
+    base = bench.scale_for("vocab_2l", quick=False)
+    scale = dataclasses.replace(base, prompts_per_replica=prompts_per_replica, n=n)
+    return {
+        w.name: [
+            PromptGroup(f"p{i}", len(p), (length,) * n)
+            for i, (p, length) in enumerate(zip(w.prompts, w.lengths, strict=True))
+        ]
+        for w in bench.make_workloads(scale, VOCAB)
+    }
+
+
+def deepscaler_groups(prompts: int, n: int, median: float) -> list[PromptGroup]:
+    spec = dataclasses.replace(LongTailSpec(), median=median, max_length=96)
+    groups = group_by_step(long_tail_trace(spec, prompts, n, steps=1, seed=0))[0]
+    # at least 2 tokens, as the bench imposes; prompts of the bench's length
+    return [
+        PromptGroup(g.prompt_id, 20, tuple(max(2, t) for t in g.response_tokens)) for g in groups
+    ]
+
+
+def run(latency: LatencyModel, groups: list[PromptGroup]) -> dict[str, Any]:
+    seqs = sum(len(g.response_tokens) for g in groups)
+    config = SimConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=2048,
+        block_size=bench.BLOCK,
+        plan_interval_steps=8,  # vocab_2l's check interval in the bench
+        assignment="lpt",
+    )
+    planner = ReconfigPlanner(
+        latency, 2, PlannerConfig(candidate_tp=(1, 2), margin=bench.MARGIN, max_num_seqs=seqs)
+    )
+    simulator = RolloutSimulator(latency, 2, config)
+    times = {
+        "static_dp2_tp1": simulator.run(groups, StaticPolicy(Layout(2, 1))).total_s,
+        "static_dp1_tp2": simulator.run(groups, StaticPolicy(Layout(1, 2))).total_s,
+    }
+    adaptive = simulator.run(groups, AdaptivePolicy(planner, start=Layout(2, 1)))
+    times["adaptive_oracle"] = adaptive.total_s
+    best = min(times["static_dp2_tp1"], times["static_dp1_tp2"])
+    return {
+        "sequences": seqs,
+        "times_s": times,
+        "adaptive_vs_best_static": adaptive.total_s / best,
+        "switches": [list(s) for s in adaptive.switches],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=str(RESULTS / "adaptive_tp_profile_vocab_2l.json"))
+    args = ap.parse_args()
+    path = Path(args.profile)
+    if not path.is_file():
+        sys.exit(
+            f"no profile at {path}: run `python benchmarks/adaptive_tp_bench.py --shapes "
+            "vocab_2l --profile-only` first, or pass --profile"
+        )
+    latency = LatencyModel.fit(Profile.model_validate_json(path.read_text()))
+    rows = []
+    for per_replica, n in SIZES:
+        cases = dict(bench_groups(per_replica, n))
+        for median in (12.0, 16.0, 24.0):
+            cases[f"deepscaler_median{median:.0f}"] = deepscaler_groups(2 * per_replica, n, median)
+        for name, groups in cases.items():
+            row = {"workload": name, "prompts": 2 * per_replica, "n": n, **run(latency, groups)}
+            rows.append(row)
+            t = row["times_s"]
+            print(
+                f"{name:<22} {2 * per_replica:>3} x {n}  dp2 {t['static_dp2_tp1']:6.2f}  "
+                f"tp2 {t['static_dp1_tp2']:6.2f}  adaptive {t['adaptive_oracle']:6.2f} s  "
+                f"x{row['adaptive_vs_best_static']:.3f}"
+            )
+    ceiling = min(r["adaptive_vs_best_static"] for r in rows)
+    print(f"SIMULATED: the planner told the true lengths is at best x{ceiling:.3f} the best static")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "crossover_ceiling.json"
+    payload = {
+        "label": "SIMULATED on a MEASURED profile",
+        "profile": str(path),
+        "latency_model": {str(k): v for k, v in latency.describe().items()},
+        "rows": rows,
+        "best_adaptive_vs_best_static": ceiling,
+    }
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
