@@ -37,6 +37,11 @@ class EngineConfig(BaseModel):
         description="the TP group's per-step collectives: shm = shared memory (gloo groups on "
         "one host, x86-64), process_group = the group's backend, auto = shm where it can",
     )
+    tune_host_malloc: bool = Field(
+        True,
+        description="on CPU under glibc, keep freed memory for reuse instead of faulting in "
+        "fresh pages for each step's logits (process-wide; see patrl.rollout.host_memory)",
+    )
 
     @field_validator("attention_backend")
     @classmethod

@@ -30,6 +30,7 @@ from patrl.rollout.adaptive import (
     usable_candidates,
 )
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.host_memory import keep_freed_memory
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import (
     load_model,
@@ -123,6 +124,8 @@ class Engine:
         self.reconfiguring = False
         self._return_to: ParallelLayout | None = None  # see return_later
         self.device = config.torch_device()
+        if self.device.type == "cpu" and config.tune_host_malloc:
+            keep_freed_memory()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = load_model(
             config.model,
