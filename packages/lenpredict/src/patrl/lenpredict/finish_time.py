@@ -1,9 +1,9 @@
 """Time to finish: how long the running sequences take to complete in a layout.
 
 A replica's time is the sum of its decode steps until its last sequence finishes, each step
-priced by the latency model, `a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)` with B the alive
-sequences, C their total context and M the longest one (see latency_model.py). A layout's time
-is that of its slowest replica.
+priced by the latency model, `a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)` with B the
+alive sequences, C their total context and M the longest one (see latency_model.py). A
+layout's time is that of its slowest replica.
 
 Why it needs no step loop: a sequence with r steps left is alive for exactly r steps, and its
 context grows by one per step, so the terms linear in B and C are sums over sequences:

@@ -10,7 +10,8 @@ sequence (b), reads the KV cache it attends over, and turns compute-bound past a
 (the roofline knee, d > 0). A knee may also flatten the slope (d < 0), and a measured CPU
 profile needs both: single-threaded sgemm on this box runs batches 2-8 slowly, so a step
 costs ~2.6x batch 1 at batch 4, little more at 16, and grows linearly again past it (the
-vocab_2l profile, 2026-11-24); one knee missed batch 4 by 30%, which is where long tails run. What attention reads depends on the backend: a ragged kernel (flash
+vocab_2l profile, 2026-11-24); one knee missed batch 4 by 30%, which is where long tails
+run. What attention reads depends on the backend: a ragged kernel (flash
 attention's varlen/paged decode) reads each sequence's own context, C in total (c); our sdpa
 backend gathers every sequence's blocks padded to the longest, B·M tokens (e). On a batch of
 equal lengths B·M = C and no profile can tell them apart, so the padded term is fitted only
@@ -19,10 +20,10 @@ predicts held-out rows better, or when the caller knows its backend pads
 (`LatencyModel.fit(profile, context_form="padded")`). Cross-validation also decides how many
 knees help, where, and which way each bends, on the *mean* held-out error (a median would let
 a whole batch regime, a fifth of a profile's rows, be mispriced unseen): one more knee must
-cut it by 10% of the fit it replaces, and ties go to the simpler context form. The slope never drops below zero
-(a step never gets cheaper with more work), the other coefficients are non-negative, and all
-are fitted on *relative* error, because the planner compares ratios of times that span three
-orders of magnitude.
+cut it by 10% of the fit it replaces, and ties go to the simpler context form. The slope never
+drops below zero (a step never gets cheaper with more work), the other coefficients are
+non-negative, and all are fitted on *relative* error, because the planner compares ratios of
+times that span three orders of magnitude.
 
 Prefill of a sequence of T tokens: a + b·T + c·T² (attention is quadratic); a batch of
 sequences pays `a` once. Collectives: α + bytes/β per (op, group size).

@@ -5,7 +5,8 @@ of a 152k-token vocabulary are 0.6 MB a sequence, 10 MB for 16 sequences, and sa
 them. glibc serves an allocation above its mmap threshold (128 KB at start, raised to the
 size of the largest mmapped chunk freed so far, at most 32 MB) with fresh pages from the
 kernel and unmaps them on free, and trims the top of its heap once 2x that threshold is
-free; so a step pays a page fault for every 4 KB of its temporaries, every step. On this
+free; so until a larger free has raised the threshold past them, a step pays a page fault
+for every 4 KB of its temporaries. On this
 project's 2-core box a page fault of fresh memory costs more than the copy into it (see
 tpreshard's in-place grow), and a TP=2 decode step of 16 sequences of vocab_2l (302M
 parameters, 152k vocabulary) measured 0.081 s by default against 0.061-0.063 s with the
