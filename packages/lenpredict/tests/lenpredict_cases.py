@@ -139,6 +139,11 @@ def sdpa_like(tp: int, batch: int, context: int, longest: int) -> float:
     return tp_speeds_up(tp, batch, 0) + 4e-8 * batch * longest / tp + 1e-4 * max(0, batch - 32) / tp
 
 
+def padded_no_knee(tp: int, batch: int, context: int, longest: int) -> float:
+    """`sdpa_like` without its compute knee: a padded term on a fit with no knee to sum."""
+    return tp_speeds_up(tp, batch, 0) + 4e-8 * batch * longest / tp
+
+
 def ragged_like(tp: int, batch: int, context: int, longest: int) -> float:
     """A ragged attention backend (flash): only the total context costs."""
     return tp_speeds_up(tp, batch, 0) + 4e-8 * context / tp

@@ -8,6 +8,7 @@ from lenpredict_cases import (
     cpu_two_knees,
     flat,
     gloo_like,
+    padded_no_knee,
     profile_from,
     ragged_like,
     sdpa_like,
@@ -91,6 +92,7 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
         (cpu_knee, None),  # a knee past which the slope drops
         (cpu_two_knees, None),  # the slope drops past 4, rises past 16
         (tp_speeds_up, sdpa_like),  # padded context and a knee at 32 sequences
+        (tp_speeds_up, padded_no_knee),  # padded context, no knee at some tp
         (tp_speeds_up, ragged_like),
     ],
 )

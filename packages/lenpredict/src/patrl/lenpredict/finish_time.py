@@ -163,8 +163,9 @@ def _ordered_terms(
     before = np.r_[0.0, upto[:-1]]  # P_{k-1}; at a replica's first (k = 1) it has weight 0
     # B·M = B·(longest context at the start) + B·(steps since): the second part is Σ r(r−1)/2
     padded = rem * (rank * upto - (rank - 1) * before + (rem - 1) / 2)
-    past_knee = [rem * np.clip(rank - k[key], 0.0, 1.0) for k in knee.T]
-    summed = [np.bincount(key, weights=w, minlength=groups) for w in past_knee]
-    return np.stack(summed, axis=1).reshape(knee.shape), np.bincount(
-        key, weights=padded, minlength=groups
-    )
+    past_knee = np.zeros(knee.shape)  # no columns when only the padded term brought us here
+    for j, k in enumerate(knee.T):
+        past_knee[:, j] = np.bincount(
+            key, weights=rem * np.clip(rank - k[key], 0.0, 1.0), minlength=groups
+        )
+    return past_knee, np.bincount(key, weights=padded, minlength=groups)
