@@ -666,22 +666,28 @@ def audit(runs: list[dict[str, Any]], static_dp: list[dict[str, Any]]) -> list[d
     return out
 
 
-def simulate(
-    out: dict[str, Any], profile: Profile, workloads: list[Workload], scale: Scale
-) -> None:
-    """The simulator fed each workload's measured lengths and this profile's latency model."""
-    latency = LatencyModel.fit(profile)
+def simulator_for(
+    latency: LatencyModel, scale: Scale, seqs: int
+) -> tuple[RolloutSimulator, PlannerConfig]:
+    """The rollout simulator and planner settings of this bench's engines (2 ranks, LPT,
+    the shape's check interval) for rollouts of `seqs` sequences."""
     config = SimConfig(
-        max_num_seqs=scale.num_prompts * scale.n,
+        max_num_seqs=seqs,
         max_num_batched_tokens=max(2048, scale.max_model_len),
         block_size=BLOCK,
         plan_interval_steps=scale.check_every or CHECK_EVERY,
         assignment="lpt",
     )
-    planner_config = PlannerConfig(
-        candidate_tp=(1, 2), margin=MARGIN, max_num_seqs=scale.num_prompts * scale.n
-    )
-    sim = RolloutSimulator(latency, 2, config)
+    planner_config = PlannerConfig(candidate_tp=(1, 2), margin=MARGIN, max_num_seqs=seqs)
+    return RolloutSimulator(latency, 2, config), planner_config
+
+
+def simulate(
+    out: dict[str, Any], profile: Profile, workloads: list[Workload], scale: Scale
+) -> None:
+    """The simulator fed each workload's measured lengths and this profile's latency model."""
+    latency = LatencyModel.fit(profile)
+    sim, planner_config = simulator_for(latency, scale, scale.num_prompts * scale.n)
     for workload in workloads:
         entry = out["workloads"][workload.name]
         groups = [

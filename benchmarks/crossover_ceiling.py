@@ -31,12 +31,9 @@ from patrl.lenpredict import (
     LatencyModel,
     Layout,
     LongTailSpec,
-    PlannerConfig,
     Profile,
     PromptGroup,
     ReconfigPlanner,
-    RolloutSimulator,
-    SimConfig,
     StaticPolicy,
     group_by_step,
     long_tail_trace,
@@ -48,11 +45,11 @@ import adaptive_tp_bench as bench  # a sibling script, not a package
 RESULTS = Path(__file__).parent / "results"
 SIZES = ((8, 4), (8, 8), (16, 4))  # (prompts per replica, samples per prompt)
 VOCAB = 151_936  # vocab_2l's; only the prompts' token ids depend on it
+SCALE = bench.scale_for("vocab_2l", quick=False)
 
 
 def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup]]:
-    base = bench.scale_for("vocab_2l", quick=False)
-    scale = dataclasses.replace(base, prompts_per_replica=prompts_per_replica, n=n)
+    scale = dataclasses.replace(SCALE, prompts_per_replica=prompts_per_replica, n=n)
     return {
         w.name: [
             PromptGroup(f"p{i}", len(p), (length,) * n)
@@ -73,17 +70,8 @@ def deepscaler_groups(prompts: int, n: int, median: float) -> list[PromptGroup]:
 
 def run(latency: LatencyModel, groups: list[PromptGroup]) -> dict[str, Any]:
     seqs = sum(len(g.response_tokens) for g in groups)
-    config = SimConfig(
-        max_num_seqs=seqs,
-        max_num_batched_tokens=2048,
-        block_size=bench.BLOCK,
-        plan_interval_steps=8,  # vocab_2l's check interval in the bench
-        assignment="lpt",
-    )
-    planner = ReconfigPlanner(
-        latency, 2, PlannerConfig(candidate_tp=(1, 2), margin=bench.MARGIN, max_num_seqs=seqs)
-    )
-    simulator = RolloutSimulator(latency, 2, config)
+    simulator, planner_config = bench.simulator_for(latency, SCALE, seqs)
+    planner = ReconfigPlanner(latency, 2, planner_config)
     times = {
         "static_dp2_tp1": simulator.run(groups, StaticPolicy(Layout(2, 1))).total_s,
         "static_dp1_tp2": simulator.run(groups, StaticPolicy(Layout(1, 2))).total_s,
