@@ -80,12 +80,11 @@ def _decode_features(
     padded: np.ndarray,
     knees: tuple[float, ...],
     form: str,
-    bends: tuple[float, ...] = (),
+    bends: tuple[float, ...],
 ) -> np.ndarray:
     """Columns [1, B, C, B·M, bend_k·max(0, B − knee_k)...]; a bend of −1 makes the slope drop
     past its knee (the coefficients are fitted non-negative, so each change's sign is chosen
-    here). `bends` defaults to +1 for every knee."""
-    bends = bends or (1.0,) * len(knees)
+    here)."""
     total_on, padded_on = _FORM_MASK[form]
     hinges = [s * np.maximum(0.0, batch - k) for k, s in zip(knees, bends, strict=True)]
     return np.stack(
