@@ -1,3 +1,5 @@
+import dataclasses
+import itertools
 import json
 
 import numpy as np
@@ -79,8 +81,9 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
     for r in range(dst.dp):
         per_replica[r] += model.send_fixed() * ("send" in kinds[r])
         per_replica[r] += model.prefill_fixed(dst.tp) * ("prefill" in kinds[r])
-    fixed = model.switch_fixed_time(world) + model.weight_reshard_time(src.tp, dst.tp)
-    return fixed + max(per_replica), np.array(migrate)
+    fixed = model.switch_time(src.tp, dst.tp, world)
+    in_flight = model.switch_per_seq_time(src.tp, dst.tp) * len(context)
+    return fixed + in_flight + max(per_replica), np.array(migrate)
 
 
 @pytest.mark.parametrize(
@@ -134,11 +137,33 @@ def test_padded_attention_prices_a_long_sequence_beside_short_ones():
     )
 
 
-def test_switch_overhead_matches_per_sequence_twin():
+def with_loaded_switches(model: LatencyModel, per_seq_s: float) -> LatencyModel:
+    """`model` with measured switches: 0.05 s empty, plus `per_seq_s` per sequence in flight
+    beyond the KV transfer the planner prices, for every pair of TP sizes."""
+    rows = []
+    for a, b in itertools.permutations(model.tp_sizes, 2):
+        rows.append(SwitchRow(src_tp=a, dst_tp=b, seconds=0.05))
+        for n, tokens in ((50, 5_000), (200, 40_000)):
+            kv = model.switch_kv_time(a, b, tokens)
+            seconds = 0.05 + kv + n * per_seq_s
+            rows.append(
+                SwitchRow(src_tp=a, dst_tp=b, seconds=seconds, num_seqs=n, context_tokens=tokens)
+            )
+    pairs = itertools.permutations(model.tp_sizes, 2)
+    loaded = dataclasses.replace(model, switch_s=dict.fromkeys(pairs, 0.05))
+    loaded.switch_per_seq_s = loaded._fit_switch_per_seq(rows)
+    return loaded
+
+
+@pytest.mark.parametrize("per_seq_s", [0.0, 2e-3])
+def test_switch_overhead_matches_per_sequence_twin(per_seq_s):
     # quadratic prefill: recompute is cheaper for short contexts, migration for long ones
     model = latency(
         tp_speeds_up, prefill_per_token_s=1e-7, prefill_quadratic_s=1e-9, send_per_byte_s=1e-8
     )
+    if per_seq_s:
+        model = with_loaded_switches(model, per_seq_s)
+        assert model.switch_per_seq_time(1, 8) == pytest.approx(per_seq_s)
     planner = ReconfigPlanner(model, 8)
     rng = np.random.default_rng(1)
     for src, dst in [
@@ -215,6 +240,66 @@ def test_a_measured_switch_price_replaces_the_traffic_estimate():
     assert model.switch_time(8, 8, 8) == latency(tp_speeds_up).switch_time(8, 8, 8)
     dear = ReconfigPlanner(model, 8).decide(tail, Layout(8, 1))
     assert dear.action == "stay" and dear.overhead_s >= 10 * cheap.gain_s
+
+
+def test_loaded_switch_rows_price_each_sequence_in_flight():
+    """A profile's switches with sequences in flight price what each one adds beyond its KV
+    bytes (median over rows, never below 0); the planner charges it for every sequence in
+    flight, so a switch that pays for a lone straggler does not pay for a crowd."""
+    profile = profile_from(tp_speeds_up)
+    base = LatencyModel.fit(profile)
+    kv = base.switch_kv_time(1, 8, 10_000)
+    assert kv > 0
+    rows = [
+        SwitchRow(src_tp=1, dst_tp=8, seconds=0.05),
+        SwitchRow(src_tp=1, dst_tp=8, seconds=0.07),
+        SwitchRow(
+            src_tp=1, dst_tp=8, seconds=0.06 + kv + 100 * 2e-3, num_seqs=100, context_tokens=10_000
+        ),
+        SwitchRow(
+            src_tp=1, dst_tp=8, seconds=0.06 + kv + 100 * 4e-3, num_seqs=100, context_tokens=10_000
+        ),
+        SwitchRow(
+            src_tp=1, dst_tp=8, seconds=0.06 + kv + 100 * 9e-3, num_seqs=100, context_tokens=10_000
+        ),
+        # faster than the empty switch (noise): priced at 0, not as a discount
+        SwitchRow(src_tp=8, dst_tp=1, seconds=0.5),
+        SwitchRow(src_tp=8, dst_tp=1, seconds=0.2, num_seqs=10, context_tokens=100),
+        # loaded rows with no empty one to subtract price nothing
+        SwitchRow(src_tp=2, dst_tp=8, seconds=0.3, num_seqs=10, context_tokens=100),
+    ]
+    model = LatencyModel.fit(profile.model_copy(update={"switches": rows}))
+    assert model.switch_time(1, 8, 8) == pytest.approx(0.06)
+    assert model.switch_per_seq_time(1, 8) == pytest.approx(4e-3)
+    assert model.switch_per_seq_time(8, 1) == 0.0
+    assert (2, 8) not in model.switch_per_seq_s and model.switch_per_seq_time(2, 8) == 0.0
+
+    rng = np.random.default_rng(3)
+    crowd = running_set(rng, 40, 8)
+    src, dst = Layout(8, 1), Layout(1, 8)
+    assignment = ReconfigPlanner(model, 8)._assign(crowd, src, dst)
+    empty_only = LatencyModel.fit(profile.model_copy(update={"switches": rows[:2]}))
+    loaded_s, _ = ReconfigPlanner(model, 8).switch_overhead(crowd, src, dst, assignment)
+    empty_s, _ = ReconfigPlanner(empty_only, 8).switch_overhead(crowd, src, dst, assignment)
+    assert loaded_s - empty_s == pytest.approx(40 * 4e-3)
+
+    # one straggler: the fold pays at the empty price; at 200 in flight's price per sequence
+    # it does not (the decision compares the gain with the whole overhead)
+    tail = RunningSet(
+        np.array([7]), np.array([3]), np.array([2000]), np.array([[3000.0, 4000, 6000]])
+    )
+    cheap = ReconfigPlanner(empty_only, 8).decide(tail, Layout(8, 1))
+    assert cheap.action == "switch"
+    dear_rows = []
+    for b in (2, 4, 8):  # every fold from tp 1: none of them stays cheap
+        extra = base.switch_kv_time(1, b, 2_000) + 10 * cheap.gain_s
+        dear_rows += [
+            SwitchRow(src_tp=1, dst_tp=b, seconds=0.06),
+            SwitchRow(src_tp=1, dst_tp=b, seconds=0.06 + extra, num_seqs=1, context_tokens=2_000),
+        ]
+    dear = LatencyModel.fit(profile.model_copy(update={"switches": dear_rows}))
+    decision = ReconfigPlanner(dear, 8).decide(tail, Layout(8, 1))
+    assert decision.action == "stay" and decision.overhead_s >= 10 * cheap.gain_s
 
 
 def test_no_oscillation_and_cooldown():

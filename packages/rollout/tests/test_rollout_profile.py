@@ -158,9 +158,17 @@ def test_quick_profile_tp1_and_tp2_on_two_ranks(models: dict[str, Any]) -> None:
     latency = _check_fits(profile)
     for op in COLLECTIVE_OPS:
         assert latency.collective_time(op, 1 << 16, 2) > 0
-    # the fixed price of a switch, both ways, measured on an engine with nothing in flight
+    # the fixed price of a switch, both ways, measured on an engine with nothing in flight,
+    # then with the grid's largest batch in flight across the world (prompt + 1 token of KV)
     assert sorted({(r.src_tp, r.dst_tp) for r in profile.switches}) == [(1, 2), (2, 1)]
+    empty = [r for r in profile.switches if r.num_seqs == 0]
     assert latency.switch_time(1, 2, 2) == pytest.approx(
-        float(np.median([r.seconds for r in profile.switches if r.src_tp == 1]))
+        float(np.median([r.seconds for r in empty if r.src_tp == 1]))
     )
+    loaded = [r for r in profile.switches if r.num_seqs]
+    assert len(loaded) == len(empty) == 4
+    batch, context = max(grid.batch_sizes), min(grid.contexts)
+    for r in loaded:
+        assert (r.num_seqs, r.context_tokens) == (batch, batch * (context + 1))
+    assert set(latency.switch_per_seq_s) == {(1, 2), (2, 1)}
     assert profile.model.num_params == models["tiny_params"]

@@ -129,6 +129,7 @@ class _SwitchCosts:
     prefill_b: np.ndarray
     prefill_c: np.ndarray
     fixed: np.ndarray  # (targets, 1): barrier + weight reshard
+    per_seq: np.ndarray  # (targets, 1): what each sequence in flight adds
     group_start: np.ndarray  # (targets, rows)
     size: int  # slots in all
     sum_start: np.ndarray  # (5, targets, rows, 1): group_start of each of five sums
@@ -141,12 +142,10 @@ class _SwitchCosts:
         cls, planner: ReconfigPlanner, src: int, targets: tuple[int, ...], rows: int
     ) -> _SwitchCosts:
         world = planner.world_size
-        tp = np.array(targets, dtype=float)
         dp = np.array([world // t for t in targets])
-        lo, hi = np.minimum(tp, src), np.maximum(tp, src)
-        send_alpha, per_byte = planner._send_coef
-        # the moved heads land on `hi` ranks at once, each over its own link
-        migrate = planner._kv_bytes_per_token * per_byte * (1 - lo / hi) / hi
+        latency = planner.latency
+        send_alpha = planner._send_coef[0]
+        migrate = np.array([latency.switch_migrate_per_token(src, t) for t in targets])
         prefill = np.array([planner._prefill_coef[t] for t in targets])
         slots = np.repeat(dp, rows)
         start = np.r_[0, np.cumsum(slots)[:-1]].reshape(len(targets), rows)
@@ -156,6 +155,7 @@ class _SwitchCosts:
             prefill_b=prefill[:, 1, None, None],
             prefill_c=prefill[:, 2, None, None],
             fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
+            per_seq=np.array([latency.switch_per_seq_time(src, t) for t in targets])[:, None],
             group_start=start,
             size=int(slots.sum()),
             sum_start=(start + int(slots.sum()) * np.arange(5)[:, None, None])[..., None],
@@ -182,7 +182,6 @@ class ReconfigPlanner:
         self._step_coef = {tp: latency.step_coefficients(tp) for tp in tps}
         self._prefill_coef = {tp: latency.prefill_coefficients(tp) for tp in tps}
         self._send_coef = latency.send_coefficients()
-        self._kv_bytes_per_token = float(latency.kv_bytes(np.ones(1))[0])
         self._capacity = {
             tp: latency.kv_capacity_tokens(tp, self.config.memory_utilization) for tp in tps
         }
@@ -275,6 +274,7 @@ class ReconfigPlanner:
         fits = (count <= self.config.max_num_seqs) & (tokens <= k.capacity)
         starts = k.group_start.ravel()
         worst = np.maximum.reduceat(total, starts).reshape(m, rows) + k.fixed
+        worst += k.per_seq * alive.sum(axis=-1)  # (m, 1) * (rows,): every rank exchanges all
         ok = np.minimum.reduceat(fits, starts).reshape(m, rows)
         return np.where(ok, worst, np.inf), migrate
 

@@ -107,13 +107,17 @@ class CollectiveRow(_Strict):
 
 
 class SwitchRow(_Strict):
-    """One measured reconfiguration from `src_tp` to `dst_tp` with no sequence in flight: the
-    fixed price of a switch (weights re-cut or gathered, KV cache re-made, groups looked up),
-    to which a planner adds the KV of the sequences it moves."""
+    """One measured reconfiguration from `src_tp` to `dst_tp`. With no sequence in flight
+    (`num_seqs` 0) it is the fixed price of a switch (weights re-cut or gathered, KV cache
+    re-made, groups looked up); rows with `num_seqs` sequences in flight across the world,
+    holding `context_tokens` tokens of KV in all, price what each moved sequence adds beyond
+    its KV bytes (its state exchanged, its KV copied in and out of the caches)."""
 
     src_tp: int = Field(gt=0)
     dst_tp: int = Field(gt=0)
     seconds: float = Field(gt=0)
+    num_seqs: int = Field(default=0, ge=0)
+    context_tokens: int = Field(default=0, ge=0)
 
 
 class Profile(_Strict):

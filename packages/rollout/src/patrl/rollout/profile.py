@@ -486,25 +486,58 @@ def profile_distributed(
 def measure_switches(
     base: EngineConfig, grid: ProfileGrid, cache: GroupCache, world: Any, repeats: int = 2
 ) -> list[SwitchRow]:
-    """Seconds of `Engine.reconfigure` between every two TP sizes of the grid with nothing in
-    flight, on every rank at once (the slowest rank's time: a barrier closes each): the fixed
-    price of a switch. Growing TP has no traffic but is not free: it copies the weights it
-    keeps and re-makes the KV cache. Every rank of `world` must call this."""
+    """Seconds of `Engine.reconfigure` between every two TP sizes of the grid, on every rank
+    at once (the slowest rank's time: a barrier closes each). With nothing in flight it is
+    the fixed price of a switch: growing TP has no traffic but is not free, it copies the
+    weights it keeps and re-makes the KV cache. Then with the grid's largest batch in flight
+    across the world (split over the source replicas, a prompt of the shortest context and
+    two tokens each): what each sequence adds. Every rank of `world` must call this."""
     tps = sorted(grid.tp_sizes)
     if len(tps) < 2:
         return []
     engine = Engine(profile_engine_config(base, grid), cache.layout(tps[0]), groups=cache)
-    rows = []
+    world_size = dist.get_world_size(world)
+    rows: list[SwitchRow] = []
     for src, dst in itertools.permutations(tps, 2):
-        for _ in range(repeats):
+        for loaded in [False] * repeats + [True] * repeats:
             if engine.layout.tp_size != src:
                 engine.reconfigure(src)
+            num_seqs = context = 0
+            if loaded:
+                num_seqs, context = _fill(engine, grid, world_size, seed=len(rows))
             dist.barrier(group=world)
             start = time.perf_counter()
             engine.reconfigure(dst)
             dist.barrier(group=world)
-            rows.append(SwitchRow(src_tp=src, dst_tp=dst, seconds=time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            rows.append(
+                SwitchRow(
+                    src_tp=src,
+                    dst_tp=dst,
+                    seconds=seconds,
+                    num_seqs=num_seqs,
+                    context_tokens=context,
+                )
+            )
+            while engine.has_unfinished():
+                engine.step()
     return rows
+
+
+def _fill(engine: Engine, grid: ProfileGrid, world_size: int, seed: int) -> tuple[int, int]:
+    """Put max(grid.batch_sizes) sequences in flight across the world, split over this
+    layout's replicas, each past its prefill and one decode step with one token to go;
+    returns (sequences, context tokens) across the world."""
+    replicas = world_size // engine.layout.tp_size
+    per_replica = max(1, max(grid.batch_sizes) // replicas)
+    context = min(grid.contexts)
+    params = SamplingParams(temperature=grid.temperature, seed=seed, ignore_eos=True, max_tokens=3)
+    for prompt in _prompts(engine, per_replica, context, seed):
+        engine.add_request(prompt, params)
+    while any(len(s.output_token_ids) < 2 for s in engine.unfinished_seqs()):
+        engine.step()
+    held = sum(s.num_tokens - 1 for s in engine.unfinished_seqs())  # the newest has no KV
+    return per_replica * replicas, held * replicas
 
 
 def _ticker(bar: Any) -> Callable[[], None]:
