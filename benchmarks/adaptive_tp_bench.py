@@ -338,6 +338,7 @@ def profile_shape(base: EngineConfig, scale: Scale, path: Path, world: Any) -> f
             update={
                 "decode": [r for p in profiles if p for r in p.decode],
                 "prefill": [r for p in profiles if p for r in p.prefill],
+                "switches": [r for p in profiles if p for r in p.switches],
                 "notes": {**first.notes, "grid": " + ".join(repr(g) for g in scale.grids)},
             }
         )

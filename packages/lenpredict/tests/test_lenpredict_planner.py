@@ -83,6 +83,7 @@ def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, as
         per_replica[r] += model.prefill_fixed(dst.tp) * ("prefill" in kinds[r])
     fixed = model.switch_time(src.tp, dst.tp, world)
     in_flight = model.switch_per_seq_time(src.tp, dst.tp) * len(context)
+    in_flight += model.switch_per_token_time(src.tp, dst.tp) * float(np.sum(context))
     return fixed + in_flight + max(per_replica), np.array(migrate)
 
 
@@ -137,33 +138,36 @@ def test_padded_attention_prices_a_long_sequence_beside_short_ones():
     )
 
 
-def with_loaded_switches(model: LatencyModel, per_seq_s: float) -> LatencyModel:
-    """`model` with measured switches: 0.05 s empty, plus `per_seq_s` per sequence in flight
-    beyond the KV transfer the planner prices, for every pair of TP sizes."""
-    rows = []
+def with_loaded_switches(model: LatencyModel, per_seq_s: float, per_token_s: float) -> LatencyModel:
+    """`model` with measured switches: 0.05 s empty, plus `per_seq_s` per sequence and
+    `per_token_s` per context token in flight beyond the KV transfer the planner prices, for
+    every pair of TP sizes (three loads: two counts, two context lengths)."""
+    loaded = dataclasses.replace(model, switch_s={}, switch_per_seq_s={}, switch_per_token_s={})
     for a, b in itertools.permutations(model.tp_sizes, 2):
-        rows.append(SwitchRow(src_tp=a, dst_tp=b, seconds=0.05))
-        for n, tokens in ((50, 5_000), (200, 40_000)):
+        rows = [SwitchRow(src_tp=a, dst_tp=b, seconds=0.05)]
+        for n, tokens in ((50, 5_000), (200, 20_000), (50, 20_000)):
             kv = model.switch_kv_time(a, b, tokens)
-            seconds = 0.05 + kv + n * per_seq_s
+            seconds = 0.05 + kv + n * per_seq_s + tokens * per_token_s
             rows.append(
                 SwitchRow(src_tp=a, dst_tp=b, seconds=seconds, num_seqs=n, context_tokens=tokens)
             )
-    pairs = itertools.permutations(model.tp_sizes, 2)
-    loaded = dataclasses.replace(model, switch_s=dict.fromkeys(pairs, 0.05))
-    loaded.switch_per_seq_s = loaded._fit_switch_per_seq(rows)
+        fit = loaded._fit_switch(rows)
+        loaded.switch_s[(a, b)], loaded.switch_per_seq_s[(a, b)] = fit[:2]
+        loaded.switch_per_token_s[(a, b)] = fit[2]
     return loaded
 
 
-@pytest.mark.parametrize("per_seq_s", [0.0, 2e-3])
-def test_switch_overhead_matches_per_sequence_twin(per_seq_s):
+@pytest.mark.parametrize(("per_seq_s", "per_token_s"), [(0.0, 0.0), (2e-3, 0.0), (1e-3, 3e-6)])
+def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s):
     # quadratic prefill: recompute is cheaper for short contexts, migration for long ones
     model = latency(
         tp_speeds_up, prefill_per_token_s=1e-7, prefill_quadratic_s=1e-9, send_per_byte_s=1e-8
     )
-    if per_seq_s:
-        model = with_loaded_switches(model, per_seq_s)
-        assert model.switch_per_seq_time(1, 8) == pytest.approx(per_seq_s)
+    if per_seq_s or per_token_s:
+        model = with_loaded_switches(model, per_seq_s, per_token_s)
+        assert model.switch_time(1, 8, 8) == pytest.approx(0.05)
+        assert model.switch_per_seq_time(1, 8) == pytest.approx(per_seq_s, abs=1e-12)
+        assert model.switch_per_token_time(1, 8) == pytest.approx(per_token_s, abs=1e-12)
     planner = ReconfigPlanner(model, 8)
     rng = np.random.default_rng(1)
     for src, dst in [
@@ -265,14 +269,22 @@ def test_loaded_switch_rows_price_each_sequence_in_flight():
         # faster than the empty switch (noise): priced at 0, not as a discount
         SwitchRow(src_tp=8, dst_tp=1, seconds=0.5),
         SwitchRow(src_tp=8, dst_tp=1, seconds=0.2, num_seqs=10, context_tokens=100),
-        # loaded rows with no empty one to subtract price nothing
-        SwitchRow(src_tp=2, dst_tp=8, seconds=0.3, num_seqs=10, context_tokens=100),
+        # at two counts a line through them decides, whatever the empty switch took
+        SwitchRow(src_tp=2, dst_tp=8, seconds=9.0),
+        SwitchRow(src_tp=2, dst_tp=8, seconds=0.3 + 10 * 1e-3, num_seqs=10),
+        SwitchRow(src_tp=2, dst_tp=8, seconds=0.3 + 30 * 1e-3, num_seqs=30),
+        # at one count with none empty: their median is the fixed price
+        SwitchRow(src_tp=8, dst_tp=2, seconds=0.4, num_seqs=10),
+        SwitchRow(src_tp=8, dst_tp=2, seconds=0.2, num_seqs=10),
     ]
     model = LatencyModel.fit(profile.model_copy(update={"switches": rows}))
     assert model.switch_time(1, 8, 8) == pytest.approx(0.06)
     assert model.switch_per_seq_time(1, 8) == pytest.approx(4e-3)
     assert model.switch_per_seq_time(8, 1) == 0.0
-    assert (2, 8) not in model.switch_per_seq_s and model.switch_per_seq_time(2, 8) == 0.0
+    assert model.switch_time(2, 8, 8) == pytest.approx(0.3)
+    assert model.switch_per_seq_time(2, 8) == pytest.approx(1e-3)
+    assert model.switch_time(8, 2, 8) == pytest.approx(0.3)
+    assert model.switch_per_seq_time(8, 2) == 0.0
 
     rng = np.random.default_rng(3)
     crowd = running_set(rng, 40, 8)

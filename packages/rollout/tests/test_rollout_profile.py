@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -162,13 +161,15 @@ def test_quick_profile_tp1_and_tp2_on_two_ranks(models: dict[str, Any]) -> None:
     # then with the grid's largest batch in flight across the world (prompt + 1 token of KV)
     assert sorted({(r.src_tp, r.dst_tp) for r in profile.switches}) == [(1, 2), (2, 1)]
     empty = [r for r in profile.switches if r.num_seqs == 0]
-    assert latency.switch_time(1, 2, 2) == pytest.approx(
-        float(np.median([r.seconds for r in empty if r.src_tp == 1]))
-    )
+    assert latency.switch_time(1, 2, 2) >= 0 and latency.switch_per_seq_time(1, 2) >= 0
     loaded = [r for r in profile.switches if r.num_seqs]
-    assert len(loaded) == len(empty) == 4
-    batch, context = max(grid.batch_sizes), min(grid.contexts)
-    for r in loaded:
-        assert (r.num_seqs, r.context_tokens) == (batch, batch * (context + 1))
-    assert set(latency.switch_per_seq_s) == {(1, 2), (2, 1)}
+    assert len(empty) == 4 and len(loaded) == 12
+    largest, short, long = max(grid.batch_sizes), min(grid.contexts), max(grid.contexts)
+    loads = {(r.num_seqs, r.context_tokens) for r in loaded}
+    assert loads == {
+        (largest // 4, largest // 4 * (short + 1)),
+        (largest, largest * (short + 1)),
+        (largest // 4, largest // 4 * (long + 1)),
+    }
+    assert set(latency.switch_per_seq_s) == set(latency.switch_per_token_s) == {(1, 2), (2, 1)}
     assert profile.model.num_params == models["tiny_params"]

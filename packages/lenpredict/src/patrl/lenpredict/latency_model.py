@@ -238,10 +238,12 @@ class LatencyModel:
     step_fits: dict[int, StepFit]
     prefill_coef: dict[int, np.ndarray]
     collective_coef: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
-    # (src tp, dst tp) -> median measured seconds of a switch with nothing in flight
+    # (src tp, dst tp) -> measured seconds of a switch before its sequences (see _fit_switch)
     switch_s: dict[tuple[int, int], float] = field(default_factory=dict)
     # (src tp, dst tp) -> seconds each sequence in flight adds to a switch beyond its KV bytes
     switch_per_seq_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    # (src tp, dst tp) -> seconds each context token in flight adds beyond its KV bytes
+    switch_per_token_s: dict[tuple[int, int], float] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, profile: Profile, context_form: ContextForm | None = None) -> LatencyModel:
@@ -261,11 +263,6 @@ class LatencyModel:
         for op, group in sorted({(r.op, r.group_size) for r in profile.collectives}):
             same = [r for r in profile.collectives if (r.op, r.group_size) == (op, group)]
             collective_coef[(op, group)] = _fit_collective(same)
-        empty = [r for r in profile.switches if r.num_seqs == 0]
-        switch_s = {
-            (a, b): float(np.median([r.seconds for r in empty if (r.src_tp, r.dst_tp) == (a, b)]))
-            for a, b in {(r.src_tp, r.dst_tp) for r in empty}
-        }
         latency = cls(
             model=profile.model,
             dtype=profile.dtype,
@@ -274,29 +271,46 @@ class LatencyModel:
             step_fits=step_fits,
             prefill_coef=prefill_coef,
             collective_coef=collective_coef,
-            switch_s=switch_s,
         )
-        latency.switch_per_seq_s = latency._fit_switch_per_seq(profile.switches)
+        for pair in {(r.src_tp, r.dst_tp) for r in profile.switches}:
+            pair_rows = [r for r in profile.switches if (r.src_tp, r.dst_tp) == pair]
+            fit = latency._fit_switch(pair_rows)
+            latency.switch_s[pair], latency.switch_per_seq_s[pair] = fit[:2]
+            latency.switch_per_token_s[pair] = fit[2]
         return latency
 
-    def _fit_switch_per_seq(self, rows: Sequence[SwitchRow]) -> dict[tuple[int, int], float]:
-        """Median over the rows with sequences in flight of what each sequence added to the
-        empty switch beyond the KV transfer the planner prices (never below 0). On the 2-core
-        CPU box a fold of 64 short sequences took 0.11 s against 0.07 s empty, 0.6 ms each,
-        and a transfer of their 1.6 MB of KV is priced at 0.5 ms in all: the sequences'
-        states cross in pickled collectives and their KV is copied in and out of the caches."""
-        out = {}
-        for a, b in {(r.src_tp, r.dst_tp) for r in rows if r.num_seqs}:
-            if (a, b) not in self.switch_s:
-                continue  # no empty switch to subtract: the loaded rows price nothing alone
-            extra = [
-                (r.seconds - self.switch_s[(a, b)] - self.switch_kv_time(a, b, r.context_tokens))
-                / r.num_seqs
-                for r in rows
-                if (r.src_tp, r.dst_tp) == (a, b) and r.num_seqs
-            ]
-            out[(a, b)] = max(0.0, float(np.median(extra)))
-        return out
+    def _fit_switch(self, rows: Sequence[SwitchRow]) -> tuple[float, float, float]:
+        """(fixed seconds, seconds per sequence in flight, seconds per context token in flight)
+        of one (src, dst) pair's switches, each term non-negative.
+
+        A planner only prices switches with sequences in flight, so rows with some in flight
+        decide: a relative least-squares plane through what each took beyond the KV transfer
+        the planner prices separately, over as many of (sequences, tokens) as the rows tell
+        apart (tokens need two context lengths among them, sequences two counts); at one
+        load, the empty switches' median plus a slope through it (their own median, if none
+        ran empty). Without such rows, the empty switches' median alone. On the 2-core CPU box
+        a fold of 64 sequences of 50 tokens took 0.11 s and one of 16 took 0.09 s, against
+        0.07 s empty, and the 1.6 MB of KV of the 64 is priced at 0.5 ms: their states cross
+        in pickled collectives and their KV is copied in and out of the caches."""
+        empty = [r.seconds for r in rows if r.num_seqs == 0]
+        loaded = [r for r in rows if r.num_seqs]
+        fixed = float(np.median(empty)) if empty else 0.0
+        if not loaded:
+            return fixed, 0.0, 0.0
+        n = np.array([r.num_seqs for r in loaded], dtype=float)
+        tokens = np.array([r.context_tokens for r in loaded], dtype=float)
+        kv = [self.switch_kv_time(r.src_tp, r.dst_tp, r.context_tokens) for r in loaded]
+        beyond = np.maximum(np.array([r.seconds for r in loaded]) - kv, 1e-9)
+        x = np.stack([np.ones_like(n), n, tokens], axis=-1)
+        if np.linalg.matrix_rank(x / np.where(x.max(axis=0) > 0, x.max(axis=0), 1.0)) == 3:
+            a, b, c = _nonneg_relative_lstsq(x, beyond)
+            return float(a), float(b), float(c)
+        if len(set(n.tolist())) > 1:
+            a, b = _nonneg_relative_lstsq(x[:, :2], beyond)
+            return float(a), float(b), 0.0
+        if not empty:
+            return float(np.median(beyond)), 0.0, 0.0
+        return fixed, max(0.0, float(np.median((beyond - fixed) / n))), 0.0
 
     @property
     def tp_sizes(self) -> list[int]:
@@ -430,6 +444,11 @@ class LatencyModel:
         """Seconds each sequence in flight adds to a switch beyond its KV bytes (0 when the
         profile measured no switch with sequences in flight)."""
         return self.switch_per_seq_s.get((src_tp, dst_tp), 0.0)
+
+    def switch_per_token_time(self, src_tp: int, dst_tp: int) -> float:
+        """Seconds each context token in flight adds to a switch beyond its KV bytes (0 when
+        the profile's switches in flight did not tell context lengths apart)."""
+        return self.switch_per_token_s.get((src_tp, dst_tp), 0.0)
 
     def switch_fixed_time(self, world_size: int) -> float:
         """Every switch is collective: at least one barrier across the world."""

@@ -130,6 +130,7 @@ class _SwitchCosts:
     prefill_c: np.ndarray
     fixed: np.ndarray  # (targets, 1): barrier + weight reshard
     per_seq: np.ndarray  # (targets, 1): what each sequence in flight adds
+    per_token: np.ndarray  # (targets, 1): what each context token in flight adds
     group_start: np.ndarray  # (targets, rows)
     size: int  # slots in all
     sum_start: np.ndarray  # (5, targets, rows, 1): group_start of each of five sums
@@ -156,6 +157,7 @@ class _SwitchCosts:
             prefill_c=prefill[:, 2, None, None],
             fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
             per_seq=np.array([latency.switch_per_seq_time(src, t) for t in targets])[:, None],
+            per_token=np.array([latency.switch_per_token_time(src, t) for t in targets])[:, None],
             group_start=start,
             size=int(slots.sum()),
             sum_start=(start + int(slots.sum()) * np.arange(5)[:, None, None])[..., None],
@@ -274,7 +276,8 @@ class ReconfigPlanner:
         fits = (count <= self.config.max_num_seqs) & (tokens <= k.capacity)
         starts = k.group_start.ravel()
         worst = np.maximum.reduceat(total, starts).reshape(m, rows) + k.fixed
-        worst += k.per_seq * alive.sum(axis=-1)  # (m, 1) * (rows,): every rank exchanges all
+        # (m, 1) * (rows,): every rank takes part in exchanging all the sequences in flight
+        worst += k.per_seq * alive.sum(axis=-1) + k.per_token * (alive * ctx).sum(axis=-1)
         ok = np.minimum.reduceat(fits, starts).reshape(m, rows)
         return np.where(ok, worst, np.inf), migrate
 
