@@ -38,7 +38,10 @@ atomically), and that file is the adaptive engines' `AdaptiveTP.profile`.
 
 Workloads (lengths imposed with ignore_eos and per-request max_tokens; the same prompts and
 seeds for every policy): uniform, long-tail (log-normal quantiles, capped: most short, a few
-5-10x longer) and bimodal; n samples per prompt.
+5-10x longer) and bimodal, n samples per prompt all of one length; and long-tail per sample
+(simulate_cluster's DeepScaleR-like `LongTailSpec` scaled to the cap: each of a prompt's n
+samples its own length, so each is sent as a request of one sample, the prompt's key shared).
+Both long-tail workloads are held to the long-tail target.
 Policies: static (dp2, tp1); static (dp1, tp2); adaptive with the engine's online length
 predictor (after one untimed warm-up rollout of the same prompts and prompt keys, so it has
 history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`); "cold"
@@ -71,6 +74,7 @@ rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -91,6 +95,7 @@ from patrl.lenpredict import (
     AdaptivePolicy,
     LatencyModel,
     Layout,
+    LongTailSpec,
     PlannerConfig,
     Profile,
     PromptGroup,
@@ -99,6 +104,8 @@ from patrl.lenpredict import (
     SimConfig,
     StaticPolicy,
     assign_prompts,
+    group_by_step,
+    long_tail_trace,
 )
 from patrl.rollout import (
     AdaptiveTP,
@@ -245,18 +252,26 @@ def scale_for(shape: str, quick: bool) -> Scale:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
+    """Requests of `n` samples each, all of a request's samples `lengths[i]` tokens long. A
+    workload whose samples of one prompt differ sends each sample as a request of its own
+    (n 1, the prompt repeated) with `prompt_ids` naming the prompt, which keys the length
+    predictor's history (the engine has one max_tokens per request)."""
+
     name: str
     prompts: list[list[int]]
-    lengths: list[int]  # imposed response length of each prompt's n samples
+    lengths: list[int]  # imposed response length of each request's samples
+    n: int
+    prompt_ids: tuple[int, ...] | None = None
 
-    def params(self, n: int) -> list[SamplingParams]:
+    def params(self) -> list[SamplingParams]:
         return [
-            SamplingParams(temperature=1.0, seed=1000 + i, n=n, max_tokens=L, ignore_eos=True)
+            SamplingParams(temperature=1.0, seed=1000 + i, n=self.n, max_tokens=L, ignore_eos=True)
             for i, L in enumerate(self.lengths)
         ]
 
     def keys(self) -> list[str]:
-        return [f"{self.name}-{i}" for i in range(len(self.prompts))]
+        ids = self.prompt_ids or range(len(self.prompts))
+        return [f"{self.name}-{i}" for i in ids]
 
 
 def lognormal_quantiles(count: int, median: float, sigma: float) -> np.ndarray:
@@ -282,8 +297,28 @@ def make_workloads(scale: Scale, vocab: int, seed: int = 0) -> list[Workload]:
     out = []
     for name, lengths in (("uniform", uniform), ("long_tail", tail), ("bimodal", bimodal)):
         order = rng.permutation(count)  # long and short prompts interleaved, not sorted
-        out.append(Workload(name, prompts, [int(lengths[i]) for i in order]))
+        out.append(Workload(name, prompts, [int(lengths[i]) for i in order], scale.n))
+    out.append(per_sample_long_tail(prompts, scale, seed))
     return out
+
+
+def per_sample_long_tail(prompts: list[list[int]], scale: Scale, seed: int) -> Workload:
+    """simulate_cluster's DeepScaleR-like law (`LongTailSpec`: per-prompt scale and failure
+    rate, log-normal per-sample noise, capped) with its median:cap ratio (2000:16384) kept at
+    this cap, every sample its own length: a GRPO group's samples differ, and the tail is a
+    few samples of many prompts, not whole prompts. crossover_ceiling.py found this law the
+    one where the measured profile lets adaptive gain most (0.85x at 16 x 4, simulated)."""
+    default = LongTailSpec()
+    median = float(round(scale.max_len * default.median / default.max_length))
+    spec = dataclasses.replace(default, median=median, max_length=scale.max_len)
+    groups = group_by_step(long_tail_trace(spec, len(prompts), scale.n, steps=1, seed=seed))[0]
+    requests, lengths, ids = [], [], []
+    for i, group in enumerate(groups):
+        for length in group.response_tokens:
+            requests.append(prompts[i])
+            lengths.append(max(2, int(length)))
+            ids.append(i)
+    return Workload("long_tail_per_sample", requests, lengths, 1, tuple(ids))
 
 
 # ----------------------------------------------------------------------------- model, profile
@@ -440,7 +475,7 @@ def my_share(policy: str, workload: Workload, replica_of: list[int], rank: int) 
     return [i for i, r in enumerate(replica_of) if r == rank]
 
 
-def tell_oracle(engines: Engines, workload: Workload, mine: list[int], n: int, world: Any) -> None:
+def tell_oracle(engines: Engines, workload: Workload, mine: list[int], world: Any) -> None:
     """Every rank's request ids of the coming rollout with their lengths, to every rank (rank
     0 plans for all replicas)."""
     engine = engines.oracle
@@ -449,7 +484,7 @@ def tell_oracle(engines: Engines, workload: Workload, mine: list[int], n: int, w
     lengths = {
         (f"req-{rank}-{first + j}", k): workload.lengths[i]
         for j, i in enumerate(mine)
-        for k in range(n)
+        for k in range(workload.n)
     }
     gathered: list[Any] = [None] * dist.get_world_size(world)
     dist.all_gather_object(gathered, lengths, group=world)
@@ -462,15 +497,14 @@ def rollout(
     policy: str,
     workload: Workload,
     replica_of: list[int],
-    n: int,
     world: Any,
 ) -> dict[str, Any]:
     rank = dist.get_rank(world)
     engine = engines.of(policy)
     mine = my_share(policy, workload, replica_of, rank)
     if policy == "adaptive_oracle":
-        tell_oracle(engines, workload, mine, n, world)
-    params = workload.params(n)
+        tell_oracle(engines, workload, mine, world)
+    params = workload.params()
     if policy == "adaptive_cold":
         # PAT's setting: every rollout opens wide (tp 1) and only the mid-rollout planner
         # moves it
@@ -543,9 +577,9 @@ def run_shape(
     groups = GroupCache([1, 2], world_size=dist.get_world_size(world), rank=rank)
     engines = make_engines(base, profile_path, groups, scale.check_every or CHECK_EVERY)
     workloads = make_workloads(scale, profile.model.vocab_size)
-    warm = Workload("warmup", workloads[0].prompts[:2], [4, 4])
+    warm = Workload("warmup", workloads[0].prompts[:2], [4, 4], scale.n)
     for policy in POLICIES:  # first steps of an engine pay one-off allocations
-        rollout(engines, policy, warm, [0, 1], scale.n, world)
+        rollout(engines, policy, warm, [0, 1], world)
     out: dict[str, Any] = {
         "shape": {**SHAPES[shape], "num_params": profile.model.num_params},
         "profile_path": str(profile_path),
@@ -555,15 +589,16 @@ def run_shape(
         "workloads": {},
     }
     for workload in workloads:
-        replica_of = assign_prompts(workload.lengths, [scale.n] * scale.num_prompts, 2, "lpt")
+        sizes = [workload.n] * len(workload.prompts)
+        replica_of = assign_prompts(workload.lengths, sizes, 2, "lpt")
         # warm-up: the online predictor gets this prompt set's history, and every adaptive
         # engine's first check names where this batch opens (steady-state RL)
         for policy in ADAPTIVE:
-            rollout(engines, policy, workload, replica_of, scale.n, world)
+            rollout(engines, policy, workload, replica_of, world)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rep in range(repeats):
             for policy in POLICIES:
-                runs[policy].append(rollout(engines, policy, workload, replica_of, scale.n, world))
+                runs[policy].append(rollout(engines, policy, workload, replica_of, world))
                 log(
                     rank,
                     f"[{shape}] {workload.name} rep {rep} {policy}: {runs[policy][-1]['latency_s']:.2f} s",
@@ -627,7 +662,8 @@ def summarise(
     return {
         "lengths": workload.lengths,
         "prompt_tokens": [len(p) for p in workload.prompts],
-        "n": scale.n,
+        "n": workload.n,
+        "prompt_ids": list(workload.prompt_ids) if workload.prompt_ids else None,
         "replica_of": replica_of,
         "best_static": best,
         "policies": policies,
@@ -692,7 +728,7 @@ def simulate(
     for workload in workloads:
         entry = out["workloads"][workload.name]
         groups = [
-            PromptGroup(f"p{i}", len(p), (L,) * scale.n)
+            PromptGroup(f"p{i}", len(p), (L,) * workload.n)
             for i, (p, L) in enumerate(zip(workload.prompts, workload.lengths, strict=True))
         ]
         lengths = [float(L) for L in workload.lengths]
@@ -748,7 +784,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
         for wname, w in res["workloads"].items():
             for p in ("adaptive_predicted", "adaptive_oracle"):
                 ratio = w["policies"][p]["vs_best_static"]
-                if role == "crossover" and wname == "long_tail":
+                if role == "crossover" and wname.startswith("long_tail"):
                     target, ok = f"<= {TARGET_LONG_TAIL}", ratio <= TARGET_LONG_TAIL
                 else:
                     target, ok = f"<= {TARGET_ELSEWHERE}", ratio <= TARGET_ELSEWHERE
@@ -788,7 +824,7 @@ def print_report(results: dict[str, Any]) -> None:
                 e = w["policies"][p]
                 sw = f" sw{sum(e['switches'])}" if "switches" in e else ""
                 cells.append(f"{e['median_s']:7.2f}s x{e['vs_best_static']:.3f}{sw:>5s}")
-            print(f"{wname:10s} | " + " | ".join(f"{c:>22s}" for c in cells))
+            print(f"{wname:20s} | " + " | ".join(f"{c:>22s}" for c in cells))
         print("median of per-repeat ratios to the best static run of the same repeat:")
         for wname, w in res["workloads"].items():
             best = w["policies"][w["best_static"]]["latency_s"]
@@ -799,12 +835,12 @@ def print_report(results: dict[str, Any]) -> None:
                 for p in ADAPTIVE
                 if p in w["policies"]
             }
-            print(f"  {wname:10s} " + "  ".join(f"{p}=x{v:.3f}" for p, v in paired.items()))
+            print(f"  {wname:20s} " + "  ".join(f"{p}=x{v:.3f}" for p, v in paired.items()))
         if all("sync_s" in e for w in res["workloads"].values() for e in w["policies"].values()):
             print("weight sync before each rollout, untimed (median s):")
             for wname, w in res["workloads"].items():
                 print(
-                    f"  {wname:10s} "
+                    f"  {wname:20s} "
                     + "  ".join(
                         f"{p}={statistics.median(e['sync_s']):.2f}"
                         for p, e in w["policies"].items()
@@ -814,7 +850,7 @@ def print_report(results: dict[str, Any]) -> None:
         for wname, w in res["workloads"].items():
             sims = {p: w["policies"].get(p, {}).get("sim_over_measured") for p in POLICIES}
             print(
-                f"  {wname:10s} "
+                f"  {wname:20s} "
                 + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
             )
         print(
@@ -823,7 +859,7 @@ def print_report(results: dict[str, Any]) -> None:
         )
         for wname, w in res["workloads"].items():
             print(
-                f"  {wname:10s} "
+                f"  {wname:20s} "
                 + "  ".join(
                     f"{p}={w['policies'][p]['control_fraction']:.4f}"
                     for p in ADAPTIVE
@@ -837,7 +873,7 @@ def print_report(results: dict[str, Any]) -> None:
             for p in (p for p in ADAPTIVE if p in w["policies"]):
                 for d in w["policies"][p]["switch_decisions"]:
                     print(
-                        f"  {wname:10s} {p:18s} rep {d['repeat']} t={d['t']:.2f}s {d['tp']} "
+                        f"  {wname:20s} {p:18s} rep {d['repeat']} t={d['t']:.2f}s {d['tp']} "
                         f"seqs {d['num_seqs']} (mig {d['migrated']}, rc {d['recomputed']}): "
                         f"pred gain {d['predicted_gain_s']:.2f} ovh {d['predicted_overhead_s']:.2f} "
                         f"finish {d['predicted_finish_s']:.2f} | meas ovh {d['measured_overhead_s']:.2f} "
@@ -848,7 +884,7 @@ def print_report(results: dict[str, Any]) -> None:
     for v in results["verdicts"]:
         value = "-" if v["value"] is None else f"{v['value']:.4g}"
         print(
-            f"  {v['shape']:5s} {v['workload']:10s} {v['policy']:18s} {v['metric']:24s} "
+            f"  {v['shape']:5s} {v['workload']:20s} {v['policy']:18s} {v['metric']:24s} "
             f"{value:>8s} target {v['target']:8s} {'MET' if v['met'] else 'NOT MET'}"
         )
 

@@ -52,7 +52,7 @@ def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup
     scale = dataclasses.replace(SCALE, prompts_per_replica=prompts_per_replica, n=n)
     return {
         w.name: [
-            PromptGroup(f"p{i}", len(p), (length,) * n)
+            PromptGroup(f"p{i}", len(p), (length,) * w.n)
             for i, (p, length) in enumerate(zip(w.prompts, w.lengths, strict=True))
         ]
         for w in bench.make_workloads(scale, VOCAB)
