@@ -47,7 +47,8 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
 # Bumped when the profiler measures something new, so cached profiles are measured again.
 # 2: measured switch prices (SwitchRow), which the planner uses in place of a traffic estimate.
 # 3: every TP group of a size measured at once, as replicas run side by side.
-PROFILER_VERSION = 3
+# 4: switches also timed with sequences in flight (their per-sequence and per-token price).
+PROFILER_VERSION = 4
 
 
 def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: ProfileGrid) -> str:
