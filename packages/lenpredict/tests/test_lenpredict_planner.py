@@ -295,8 +295,8 @@ def test_loaded_switch_rows_price_each_sequence_in_flight():
     empty_s, _ = ReconfigPlanner(empty_only, 8).switch_overhead(crowd, src, dst, assignment)
     assert loaded_s - empty_s == pytest.approx(40 * 4e-3)
 
-    # one straggler: the fold pays at the empty price; at 200 in flight's price per sequence
-    # it does not (the decision compares the gain with the whole overhead)
+    # one straggler: the fold pays at the empty price; when each sequence in flight adds ten
+    # times the fold's gain it does not (the decision weighs the gain against all of it)
     tail = RunningSet(
         np.array([7]), np.array([3]), np.array([2000]), np.array([[3000.0, 4000, 6000]])
     )

@@ -545,8 +545,10 @@ def _fill(
         engine.add_request(prompt, params)
     while any(len(s.output_token_ids) < 2 for s in engine.unfinished_seqs()):
         engine.step()
-    held = sum(s.num_tokens - 1 for s in engine.unfinished_seqs())  # the newest has no KV
-    return per_replica * replicas, held * replicas
+    # as measured: a sequence that hit max_model_len already has left
+    left = engine.unfinished_seqs()
+    held = sum(s.num_tokens - 1 for s in left)  # the newest token has no KV yet
+    return len(left) * replicas, held * replicas
 
 
 def _ticker(bar: Any) -> Callable[[], None]:
