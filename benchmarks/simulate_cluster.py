@@ -170,8 +170,15 @@ class ScriptedPlanner(ReconfigPlanner):
     """Switches to each TP of `schedule` once at most `count` sequences are unfinished (and
     the switch is admissible: no replica over max_num_seqs), whatever the predicted gain."""
 
-    def __init__(self, latency: LatencyModel, schedule: list[tuple[int, int]]):
-        super().__init__(latency, WORLD, PlannerConfig(margin=1e9))
+    def __init__(
+        self,
+        latency: LatencyModel,
+        schedule: list[tuple[int, int]],
+        world: int = WORLD,
+        config: PlannerConfig | None = None,
+    ):
+        config = (config or PlannerConfig()).model_copy(update={"margin": 1e9})
+        super().__init__(latency, world, config)
         self.schedule = schedule
         self.next = 0
 
