@@ -7,6 +7,7 @@ import torch
 
 from patrl.rollout.sampler import (
     SamplingParams,
+    _inverse_cdf,
     export_generator,
     import_generator,
     make_generator,
@@ -218,3 +219,65 @@ def test_truncated_fast_path_equals_the_full_sort_twin(dtype: torch.dtype) -> No
         assert torch.equal(ids, slow_ids), (i, p, len(ids), len(slow_ids))
         torch.testing.assert_close(kept, slow_kept, rtol=0, atol=0)
         assert out.tokens[i].item() == slow_truncated_token(probs, p, draw), (i, p)
+
+
+def _reference_sample(logits, params, generators):
+    """Slow twin of `sample` without its shortcuts: every row tempered, argmax and the
+    last entry with mass computed for every row, sampled rows copied out."""
+    logits = logits.float()
+    temps = torch.tensor([p.effective_temperature for p in params])
+    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    v = logits.shape[-1]
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        draw = torch.rand((), generator=generators[i])
+        probs = logprobs[i].exp()
+        if 0 < p.top_k < v or p.top_p < 1:
+            ids, kept = truncated_candidates(probs, p)
+            tokens[i] = ids[_reference_inverse_cdf(kept[None], draw[None])[0]]
+        else:
+            tokens[i] = _reference_inverse_cdf(probs[None], draw[None])[0]
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _reference_inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
+    last = (probs.shape[-1] - 1) - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(pos, last)
+
+
+@pytest.mark.parametrize("v", [V, 4096])
+def test_fast_paths_equal_the_slow_twin(v: int) -> None:
+    """Untempered batches skip the division, only greedy rows take an argmax, an all-sampled
+    batch is not copied, and only rows that searched past the end look for their last entry
+    with mass: none of it may change a token or a logprob."""
+    kinds = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=2),
+        SamplingParams(temperature=1.0, top_k=5, seed=3),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=4),
+    ]
+    batches = [kinds, [kinds[0]] * 6, [kinds[2], kinds[0]] * 3, [kinds[1]] * 3, kinds[::-1]]
+    for step, params in enumerate(batches * 4):
+        logits = _logits(len(params), seed=step, v=v)
+        logits[0, v // 2 :] = -float("inf")  # a row whose upper half has no mass
+        fast_gens = [make_generator(100 * step + i) for i in range(len(params))]
+        slow_gens = [make_generator(100 * step + i) for i in range(len(params))]
+        fast = sample(logits, params, fast_gens)
+        tokens, chosen = _reference_sample(logits, params, slow_gens)
+        assert torch.equal(fast.tokens, tokens)
+        assert torch.equal(fast.logprobs, chosen)
+
+
+def test_a_draw_that_rounds_past_the_total_takes_the_last_entry_with_mass() -> None:
+    probs = torch.tensor([[0.25, 0.5, 0.25, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    # a draw of 1 stands for draw * total rounding up to the total
+    for draw in (0.0, 0.3, 0.99, 1.0):
+        draws = torch.full((2,), draw)
+        got = _inverse_cdf(probs, draws)
+        assert torch.equal(got, _reference_inverse_cdf(probs, draws))
+    assert _inverse_cdf(probs, torch.ones(2)).tolist() == [2, 4]

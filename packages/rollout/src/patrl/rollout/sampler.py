@@ -121,16 +121,23 @@ def sample(
             f"{b} logit rows, {len(params)} sampling params, {len(generators)} generators"
         )
     logits = logits.float()
-    temps = torch.tensor([p.effective_temperature for p in params], device=logits.device)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
+    temperatures = [p.effective_temperature for p in params]
+    # x / 1.0 is x exactly: skip the pass over [B, V] when no row is tempered
+    scaled = logits
+    if any(t != 1.0 for t in temperatures):
+        scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
     v = logits.shape[-1]
+    tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     # Which path a row takes depends on its own params only, never on its batch neighbours.
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
     plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
     if plain:
-        index = torch.tensor(plain, device=logits.device)
         draws = _draws([generators[i] for i in plain], logits.device)
-        tokens[index] = _inverse_cdf(logprobs[index].exp(), draws)
+        rows = logprobs if len(plain) == b else logprobs[plain]  # no copy when all are plain
+        tokens[plain] = _inverse_cdf(rows.exp(), draws)
     for i, p in enumerate(params):
         if not p.greedy and _truncates(p, v):
             draw = _draws([generators[i]], logits.device)
@@ -153,12 +160,19 @@ def _draws(generators: Sequence[torch.Generator], device: torch.device) -> torch
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Per row of probs [B, n]: the first index whose cumulative mass exceeds draw * total."""
+    """Per row of probs [B, n]: the first index whose cumulative mass exceeds draw * total.
+
+    draw * total can round up to total, and then the search runs past the end: such a row
+    takes its last entry with mass instead. Only past the end: the first index whose mass
+    sum exceeds a value always has mass itself, so the rows to fix are found without a pass
+    over the others."""
+    n = probs.shape[-1]
     cdf = probs.cumsum(dim=-1)
     pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    # draw * total can round up to total; never step past the last entry with mass.
-    last = (probs.shape[-1] - 1) - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(pos, last)
+    past = (pos >= n).nonzero()[:, 0]
+    if len(past):
+        pos[past] = (n - 1) - (probs[past] > 0).flip(-1).int().argmax(dim=-1)
+    return pos
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:
