@@ -53,6 +53,7 @@ from patrl.lenpredict import (
     long_tail_trace,
     roofline_profile,
 )
+from patrl.lenpredict.assignment import longest_processing_time
 from patrl.lenpredict.simulate import PolicySpec, run_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,23 +83,23 @@ class Rollout:
 
     def lpt(self, seqs: list[int], k: int) -> list[list[int]]:
         """Longest remaining first onto the least-loaded of k replicas."""
-        loads, parts = np.zeros(k), [[] for _ in range(k)]
-        for s, left in sorted(zip(seqs, self.remaining(seqs), strict=True), key=lambda x: -x[1]):
-            j = int(np.argmin(loads))
-            parts[j].append(s)
-            loads[j] += left
-        return parts
+        return _lpt_parts(self.remaining(seqs), [[s] for s in seqs], k)
 
     def lpt_groups(self, k: int) -> list[list[int]]:
         """Whole prompt groups (their n samples share a prefill), most tokens first."""
-        loads, parts = np.zeros(k), [[] for _ in range(k)]
-        for g in sorted(
-            range(len(self.groups)), key=lambda g: -sum(self.groups[g].response_tokens)
-        ):
-            j = int(np.argmin(loads))
-            parts[j] += np.flatnonzero(self.group == g).tolist()
-            loads[j] += sum(self.groups[g].response_tokens)
-        return parts
+        work = [sum(g.response_tokens) for g in self.groups]
+        members = [np.flatnonzero(self.group == g).tolist() for g in range(len(self.groups))]
+        return _lpt_parts(work, members, k)
+
+
+def _lpt_parts(work, items: list[list[int]], k: int) -> list[list[int]]:
+    """patrl's LPT split (`longest_processing_time`), each replica's items queued largest
+    first."""
+    replica_of = longest_processing_time(work, k)
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in np.argsort(-np.asarray(work, dtype=float), kind="stable").tolist():
+        parts[replica_of[i]] += items[i]
+    return parts
 
 
 class Replica:
