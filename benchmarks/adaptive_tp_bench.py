@@ -310,15 +310,22 @@ def per_sample_long_tail(prompts: list[list[int]], scale: Scale, seed: int) -> W
     one where the measured profile lets adaptive gain most (0.85x at 16 x 4, simulated)."""
     default = LongTailSpec()
     median = float(round(scale.max_len * default.median / default.max_length))
-    spec = dataclasses.replace(default, median=median, max_length=scale.max_len)
-    groups = group_by_step(long_tail_trace(spec, len(prompts), scale.n, steps=1, seed=seed))[0]
+    groups = long_tail_lengths(len(prompts), scale.n, median, scale.max_len, seed)
     requests, lengths, ids = [], [], []
     for i, group in enumerate(groups):
-        for length in group.response_tokens:
+        for length in group:
             requests.append(prompts[i])
-            lengths.append(max(2, int(length)))
+            lengths.append(length)
             ids.append(i)
     return Workload("long_tail_per_sample", requests, lengths, 1, tuple(ids))
+
+
+def long_tail_lengths(prompts: int, n: int, median: float, cap: int, seed: int) -> list[list[int]]:
+    """Each prompt's n response lengths under `LongTailSpec` with this median and cap, at least
+    2 tokens (the bench imposes them with max_tokens; one token leaves no decode step)."""
+    spec = dataclasses.replace(LongTailSpec(), median=median, max_length=cap)
+    groups = group_by_step(long_tail_trace(spec, prompts, n, steps=1, seed=seed))[0]
+    return [[max(2, int(t)) for t in g.response_tokens] for g in groups]
 
 
 # ----------------------------------------------------------------------------- model, profile

@@ -32,13 +32,10 @@ from patrl.lenpredict import (
     AdaptivePolicy,
     LatencyModel,
     Layout,
-    LongTailSpec,
     Profile,
     PromptGroup,
     ReconfigPlanner,
     StaticPolicy,
-    group_by_step,
-    long_tail_trace,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,12 +60,9 @@ def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup
 
 
 def deepscaler_groups(prompts: int, n: int, median: float) -> list[PromptGroup]:
-    spec = dataclasses.replace(LongTailSpec(), median=median, max_length=96)
-    groups = group_by_step(long_tail_trace(spec, prompts, n, steps=1, seed=0))[0]
-    # at least 2 tokens, as the bench imposes; prompts of the bench's length
-    return [
-        PromptGroup(g.prompt_id, 20, tuple(max(2, t) for t in g.response_tokens)) for g in groups
-    ]
+    lengths = bench.long_tail_lengths(prompts, n, median, SCALE.max_len, seed=0)
+    # prompts of the bench's length
+    return [PromptGroup(f"p{i}", 20, tuple(g)) for i, g in enumerate(lengths)]
 
 
 def run(latency: LatencyModel, groups: list[PromptGroup]) -> dict[str, Any]:
