@@ -16,7 +16,7 @@ tail. This script asks the rollout simulator, with the latency model fitted to a
 Reported: each run's time and adaptive / best static; the minimum of that ratio is the most
 the planner gains here. Also the planner against the best single fold from (dp2, tp1) to
 (dp1, tp2) at a grid of sequence counts (simulate_cluster's ScriptedPlanner): how far the
-planner's own choice of when to fold is from the best one (2026-11-24: within 1.2% on all 21). Writes benchmarks/results/crossover_ceiling.json.
+planner's own choice of when to fold is from the best one (2026-11-24: within 1.2-1.8% on all 21, on two profiles). Writes benchmarks/results/crossover_ceiling.json.
 """
 
 from __future__ import annotations
