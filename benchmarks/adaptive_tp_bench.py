@@ -40,8 +40,10 @@ Workloads (lengths imposed with ignore_eos and per-request max_tokens; the same 
 seeds for every policy): uniform, long-tail (log-normal quantiles, capped: most short, a few
 5-10x longer) and bimodal, n samples per prompt all of one length; and long-tail per sample
 (simulate_cluster's DeepScaleR-like `LongTailSpec` scaled to the cap: each of a prompt's n
-samples its own length, so each is sent as a request of one sample, the prompt's key shared).
-Both long-tail workloads are held to the long-tail target.
+samples its own length, so each is sent as a request of one sample, the prompt's key shared:
+the engine computes the repeated prompt once and its length predictor takes the requests of
+one key as one group, as TRL sends a GRPO group). Both long-tail workloads are held to the
+long-tail target.
 Policies: static (dp2, tp1); static (dp1, tp2); adaptive with the engine's online length
 predictor (after one untimed warm-up rollout of the same prompts and prompt keys, so it has
 history, as in steady-state RL); adaptive with oracle lengths (`OracleLengths`); "cold"
@@ -49,8 +51,8 @@ adaptive, predicted lengths, reopened at tp 1 before every rollout (PAT's settin
 layout moves only by the mid-rollout planner, whose switches the decision audit then shows).
 The adaptive policies open where the first check of their previous rollout said (the steady
 state of an RL run; every workload gets one untimed rollout first, as a new batch shape would
-in RL). Every dp2 policy gets the same length-aware split (`assign_prompts(..., "lpt")` on the
-imposed lengths).
+in RL). Every dp2 policy gets the same length-aware split (`Workload.replica_split`:
+longest-processing-time first on the imposed lengths, a prompt's samples on one replica).
 As in an RL step, every engine loads the full weights before each rollout (untimed, the
 weight sync; for an adaptive engine it also makes the way back to its opening layout, which
 RL gets for free); reported apart as `sync_s`.
@@ -103,9 +105,9 @@ from patrl.lenpredict import (
     RolloutSimulator,
     SimConfig,
     StaticPolicy,
-    assign_prompts,
     group_by_step,
     long_tail_trace,
+    longest_processing_time,
 )
 from patrl.rollout import (
     AdaptiveTP,
@@ -254,8 +256,8 @@ def scale_for(shape: str, quick: bool) -> Scale:
 class Workload:
     """Requests of `n` samples each, all of a request's samples `lengths[i]` tokens long. A
     workload whose samples of one prompt differ sends each sample as a request of its own
-    (n 1, the prompt repeated) with `prompt_ids` naming the prompt, which keys the length
-    predictor's history (the engine has one max_tokens per request)."""
+    (n 1, the prompt repeated: the engine has one max_tokens per request) with `prompt_ids`
+    naming the prompt, whose key makes them one group to the length predictor."""
 
     name: str
     prompts: list[list[int]]
@@ -270,8 +272,43 @@ class Workload:
         ]
 
     def keys(self) -> list[str]:
-        ids = self.prompt_ids or range(len(self.prompts))
-        return [f"{self.name}-{i}" for i in ids]
+        return [f"{self.name}-{i}" for i in self.ids()]
+
+    def ids(self) -> Sequence[int]:
+        """The prompt of each request."""
+        return self.prompt_ids or range(len(self.prompts))
+
+    def groups(self) -> dict[int, list[int]]:
+        """Each prompt's requests (one, or one per sample), in first-seen order."""
+        out: dict[int, list[int]] = {}
+        for request, prompt in enumerate(self.ids()):
+            out.setdefault(prompt, []).append(request)
+        return out
+
+    def prompt_groups(self) -> list[PromptGroup]:
+        """The simulator's view: one group per prompt with all its samples' lengths."""
+        return [
+            PromptGroup(
+                f"p{prompt}",
+                len(self.prompts[requests[0]]),
+                tuple(self.lengths[r] for r in requests for _ in range(self.n)),
+            )
+            for prompt, requests in self.groups().items()
+        ]
+
+    def replica_split(self, num_replicas: int = 2) -> list[int]:
+        """Each request's replica: longest-processing-time first on the imposed work, a
+        prompt's requests together (as GRPO keeps a prompt's n samples on one replica, which
+        prefills the prompt once for them all; the engine computes a prompt repeated in
+        requests once, too)."""
+        groups = self.groups()
+        work = [self.n * sum(self.lengths[r] for r in requests) for requests in groups.values()]
+        replica_of_group = longest_processing_time(work, num_replicas)
+        out = [0] * len(self.prompts)
+        for replica, requests in zip(replica_of_group, groups.values(), strict=True):
+            for r in requests:
+                out[r] = replica
+        return out
 
 
 def lognormal_quantiles(count: int, median: float, sigma: float) -> np.ndarray:
@@ -596,8 +633,7 @@ def run_shape(
         "workloads": {},
     }
     for workload in workloads:
-        sizes = [workload.n] * len(workload.prompts)
-        replica_of = assign_prompts(workload.lengths, sizes, 2, "lpt")
+        replica_of = workload.replica_split()
         # warm-up: the online predictor gets this prompt set's history, and every adaptive
         # engine's first check names where this batch opens (steady-state RL)
         for policy in ADAPTIVE:
@@ -734,11 +770,7 @@ def simulate(
     sim, planner_config = simulator_for(latency, scale, scale.num_prompts * scale.n)
     for workload in workloads:
         entry = out["workloads"][workload.name]
-        groups = [
-            PromptGroup(f"p{i}", len(p), (L,) * workload.n)
-            for i, (p, L) in enumerate(zip(workload.prompts, workload.lengths, strict=True))
-        ]
-        lengths = [float(L) for L in workload.lengths]
+        groups = workload.prompt_groups()
         tp = statistics.mode(entry["policies"]["adaptive_oracle"]["opening_tp"] or [1])
         policies: dict[str, StaticPolicy | AdaptivePolicy] = {
             "static_dp2_tp1": StaticPolicy(Layout(dp=2, tp=1)),
@@ -752,7 +784,7 @@ def simulate(
             ),
         }
         for name, policy in policies.items():
-            result = sim.run(groups, policy, lengths)
+            result = sim.run(groups, policy)  # split on the true lengths, as measured
             measured = entry["policies"][name]["median_s"]
             entry["policies"][name]["simulated_s"] = result.total_s
             entry["policies"][name]["sim_over_measured"] = result.total_s / measured

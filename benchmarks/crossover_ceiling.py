@@ -50,13 +50,7 @@ SCALE = bench.scale_for("vocab_2l", quick=False)
 
 def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup]]:
     scale = dataclasses.replace(SCALE, prompts_per_replica=prompts_per_replica, n=n)
-    return {
-        w.name: [
-            PromptGroup(f"p{i}", len(p), (length,) * w.n)
-            for i, (p, length) in enumerate(zip(w.prompts, w.lengths, strict=True))
-        ]
-        for w in bench.make_workloads(scale, VOCAB)
-    }
+    return {w.name: w.prompt_groups() for w in bench.make_workloads(scale, VOCAB)}
 
 
 def deepscaler_groups(prompts: int, n: int, median: float) -> list[PromptGroup]:

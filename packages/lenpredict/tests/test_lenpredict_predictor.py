@@ -102,6 +102,23 @@ def test_siblings_and_history_move_the_prediction():
     assert predictor.group_scale("new") > 2 * before
 
 
+def test_a_grown_group_reads_its_first_finished_as_a_shorter_order_statistic():
+    predictor = LengthPredictor()
+    predictor.start_group("old", "p", 4)
+    for i, f in enumerate((0.5, 0.8, 1.2, 1.5)):
+        predictor.observe_finished(f"old/{i}", "old", int(100 * f))
+    predictor.start_group("g", "q", 2)
+    predictor.observe_finished("g/0", "g", 100)
+    of_two = predictor.group_scale("g")
+    predictor.extend_group("g", 6)  # more requests of q joined: 100 was the first of 8
+    assert predictor.state_dict()["groups"]["g"]["size"] == 8
+    assert predictor.group_scale("g") > of_two  # not a stale cached scale
+    with pytest.raises(ValueError, match="at least one sample"):
+        predictor.extend_group("g", 0)
+    with pytest.raises(KeyError, match="unknown group 'h'"):
+        predictor.extend_group("h", 1)
+
+
 def test_survival_is_the_empirical_conditional():
     predictor = LengthPredictor()
     predictor.start_group("g", "p", 5)

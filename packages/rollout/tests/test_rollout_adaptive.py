@@ -21,7 +21,7 @@ from patrl.lenpredict import (
     RunningSet,
 )
 from patrl.lenpredict.planner import Option
-from patrl.rollout.adaptive import OracleLengths, TPController, critical_path
+from patrl.rollout.adaptive import OracleLengths, TPController, _Summary, critical_path
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
@@ -386,6 +386,39 @@ def test_checks_are_spaced_to_cost_at_most_their_budget() -> None:
     exact = TPController(policy.model_copy(update={"check_budget": 0.0}), None, None, None)
     exact._check_cost_s, exact._step_s = 0.001, 0.0005
     assert exact.check_interval() == 8
+
+
+def test_requests_of_one_prompt_key_in_a_rollout_are_one_length_group() -> None:
+    """A GRPO group sent as requests of one sample (TRL's way, the per-sample bench) is one
+    group to the predictor, as the n samples of one request are: the first to finish tell
+    the others' scale, and the group closes into the prompt's history at its last sample."""
+    predictor = LengthPredictor()
+    policy = AdaptiveTP(candidates=(1, 2))
+    controller = TPController(policy, ForcedPlanner(0, 2, 2), predictor, None)
+    controller.begin()
+    started = [("a", "k", 1), ("b", "k", 1), ("c", "other", 2)]
+    controller._learn(_Summary(True, [], started, []))
+    # a later check: one more request of k (it joins the open group), and a finishes
+    controller._learn(_Summary(True, [], [("d", "k", 1)], [("a", 0, 30, "length")]))
+    groups = predictor.state_dict()["groups"]
+    assert groups["k@1"] == {"prompt_id": "k", "size": 3, "finished": [30]}
+    assert groups["other@2"]["size"] == 2
+    # the running siblings are predicted from k's group (a KeyError if they were not)
+    rows = [(0, ("b", 0, 20, 5, 60, True)), (1, ("c", 1, 20, 5, 60, True))]
+    assert controller._running_set(rows).remaining.shape == (2, 3)
+    finished = [("b", 0, 10, "length"), ("d", 0, 20, "stop"), ("c", 1, 90, "length")]
+    controller._learn(_Summary(True, [], [], finished))
+    groups = predictor.state_dict()["groups"]
+    assert "k@1" not in groups and groups["other@2"]["finished"] == [90]
+    # k's history is its group's mean, 20, shrunk towards the global mean (30+10+20+90)/4
+    assert predictor.expected_length("k") == pytest.approx((4 * 20 + 1 * 37.5) / 5)
+    controller._learn(_Summary(True, [], [], [("c", 0, 7, "abort")]))
+    assert controller._open_groups == {} and controller._group_of == {}
+    assert predictor.state_dict()["groups"] == {}
+    # the same key in the next rollout is a new group
+    controller.begin()
+    controller._learn(_Summary(True, [], [("e", "k", 2)], []))
+    assert list(predictor.state_dict()["groups"]) == ["k@3"]
 
 
 def _spaced(rank: int, world_size: int, model_dir: str) -> list[int]:

@@ -107,6 +107,22 @@ def test_n_samples_prefill_the_prompt_once_and_equal_separate_requests(llama_dir
     assert len({tuple(c.token_ids) for c in grouped[0].outputs}) > 1  # the samples do differ
 
 
+def test_requests_repeating_a_prompt_compute_its_full_blocks_once(llama_dir: Path) -> None:
+    # a GRPO group sent as 8 requests of one sample (TRL's way), between two other prompts
+    group = prompts(1, seed=7, low=42, high=43)[0]  # 10 full blocks of 4 and 2 tokens
+    other = prompts(2, seed=8, low=9, high=10)
+    batch = [other[0], *[group] * 8, other[1]]
+    params = [SamplingParams(seed=21 + i, max_tokens=12, ignore_eos=True) for i in range(10)]
+    shared_engine = engine(llama_dir)
+    shared = shared_engine.generate(batch, params)
+    plain = engine(llama_dir, enable_prefix_caching=False).generate(batch, params)
+    assert tokens(shared) == tokens(plain)
+    # the prompt once, then 2 tokens of each other copy (the partial block is not shared)
+    assert shared_engine.counters.prefill_tokens == 9 + 42 + 7 * 2 + 9
+    shared_engine.cache.blocks.check_integrity()
+    assert shared_engine.cache.blocks.num_used_blocks == 0
+
+
 def test_a_kv_budget_too_small_for_the_batch_preempts_and_gives_the_same_tokens(
     llama_dir: Path,
 ) -> None:

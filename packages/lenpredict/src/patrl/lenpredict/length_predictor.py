@@ -80,6 +80,14 @@ class LengthPredictor:
             raise ValueError(f"group {group_id!r} already started")
         self._groups[group_id] = _Group(prompt_id=prompt_id, size=size)
 
+    def extend_group(self, group_id: str, extra: int) -> None:
+        """`extra` more samples join an open group (another request of the same prompt)."""
+        if extra < 1:
+            raise ValueError(f"a group grows by at least one sample, got {extra}")
+        group = self._group(group_id)
+        group.size += extra
+        group.scale = None
+
     def observe_finished(self, seq_id: str, group_id: str, length: int) -> None:
         """A sample finished with `length` response tokens; the group closes at its last one."""
         group = self._group(group_id)

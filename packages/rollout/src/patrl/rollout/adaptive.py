@@ -62,6 +62,8 @@ class Lengths(Protocol):
 
     def start_group(self, group_id: str, prompt_id: str, size: int) -> None: ...
 
+    def extend_group(self, group_id: str, extra: int) -> None: ...
+
     def observe_finished(self, seq_id: str, group_id: str, length: int) -> None: ...
 
     def end_group(self, group_id: str) -> None: ...
@@ -80,6 +82,9 @@ class OracleLengths:
         self.num_quantiles = num_quantiles
 
     def start_group(self, group_id: str, prompt_id: str, size: int) -> None:
+        pass
+
+    def extend_group(self, group_id: str, extra: int) -> None:
         pass
 
     def observe_finished(self, seq_id: str, group_id: str, length: int) -> None:
@@ -210,7 +215,13 @@ class TPController:
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
         self.split = False  # the latest rollout split (its outputs need `hand_back`)
         self.stats = ControlStats()
-        self._open_groups: dict[str, list[int]] = {}
+        # The length groups (GRPO groups) of the requests: the requests of one prompt key in
+        # one rollout form one group, so n requests of one sample each (TRL's way of asking
+        # for a group, or a per-sample replay) are siblings as n samples of one request are.
+        self._open_groups: dict[str, list[int]] = {}  # id -> size, unreported, observed
+        self._group_of: dict[str, list[Any]] = {}  # request id -> [group id, unreported]
+        self._groups_by_key: dict[str, str] = {}  # prompt key -> its group in this rollout
+        self._num_groups = 0
         self._rollout: _Rollout | None = None
         # what spacing the checks needs: the fastest check with work seen (the others include
         # waiting for a busier replica) and a moving average of this rank's decode steps
@@ -224,6 +235,7 @@ class TPController:
         replicas' quotas (partial rollouts), the rest to be exported by the engine."""
         self.planner.new_rollout()
         self._rollout = _Rollout(start=time.perf_counter(), quota=quota)
+        self._groups_by_key = {}
 
     @property
     def in_rollout(self) -> bool:
@@ -365,22 +377,37 @@ class TPController:
     def _learn(self, s: _Summary) -> None:
         """Feed the length model; every rank sees the same summaries in the same order."""
         for rid, key, n in s.started:
-            self.lengths.start_group(rid, key, n)
-            self._open_groups[rid] = [n, n, 0]  # size, samples not reported yet, observed
+            gid = self._groups_by_key.get(key)
+            if gid is not None and gid in self._open_groups:
+                self.lengths.extend_group(gid, n)
+                self._open_groups[gid][0] += n
+                self._open_groups[gid][1] += n
+            else:
+                self._num_groups += 1
+                gid = f"{key}@{self._num_groups}"
+                self.lengths.start_group(gid, key, n)
+                self._open_groups[gid] = [n, n, 0]
+                self._groups_by_key[key] = gid
+            self._group_of[rid] = [gid, n]
         for rid, index, length, reason in s.finished:
-            entry = self._open_groups.get(rid)
-            if entry is None:
+            request = self._group_of.get(rid)
+            if request is None:
                 continue
+            gid = request[0]
+            entry = self._open_groups[gid]
             if reason in ("stop", "length"):
-                self.lengths.observe_finished(f"{rid}#{index}", rid, length)
+                self.lengths.observe_finished(f"{rid}#{index}", gid, length)
                 entry[2] += 1
             entry[1] -= 1
+            request[1] -= 1
+            if request[1] == 0:
+                del self._group_of[rid]
             if entry[1] == 0:
-                del self._open_groups[rid]
+                del self._open_groups[gid]
                 if entry[2] < entry[0]:
                     # aborted or rejected samples: close the group here (a fully observed
                     # one closed itself at its last sample)
-                    self.lengths.end_group(rid)
+                    self.lengths.end_group(gid)
 
     def _decide(self, summaries: list[_Summary | None], tp: int, rollout: _Rollout) -> _Verdict:
         replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
@@ -443,7 +470,7 @@ class TPController:
             np.clip(
                 self.lengths.predict_remaining_many(
                     [f"{row[0]}#{row[1]}" for _, row in rows],
-                    [row[0] for _, row in rows],
+                    [self._group_of[row[0]][0] for _, row in rows],
                     generated,
                 ),
                 1.0,

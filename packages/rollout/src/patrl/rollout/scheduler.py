@@ -89,15 +89,17 @@ class Scheduler:
         candidates: list[Sequence] = [self.prefilling] if self.prefilling else []
         self.prefilling = None
         candidates += self.waiting
-        requests: set[str] = set()
+        computing: set[int] = set()  # prompt hashes whose prompt KV this step computes
         for seq in candidates:
             if budget == 0:
                 break
             continuing = self.blocks.has(seq.seq_id)  # a cut prefill holds its blocks
-            if not continuing and seq.request_id in requests:
-                # Another sample of this request (recomputed after a reconfiguration or a
-                # preemption) prefills now: wait one step and find its prompt in the prefix
-                # cache instead of computing the prompt once more.
+            if not continuing and seq.prompt_hash in computing:
+                # The same prompt prefills in this step: another sample of this request
+                # (recomputed after a reconfiguration or a preemption), or another request of
+                # the same prompt (a GRPO group sent as n requests of one sample, as TRL and
+                # per-sample replays do). Wait one step and find the prompt in the prefix
+                # cache instead of computing it once more (SGLang's in-batch prefix caching).
                 continue
             full = samples + seq.group_size > self.max_num_seqs
             # A group larger than max_num_seqs still runs when nothing else does.
@@ -114,7 +116,7 @@ class Scheduler:
                     self.blocks.enable_prefix_caching
                     and cached < shareable * self.blocks.block_size
                 ):
-                    requests.add(seq.request_id)  # its prompt is computed in this step
+                    computing.add(seq.prompt_hash)  # its prompt is computed in this step
             remaining = self.blocks.num_uncomputed(seq.seq_id)
             take = min(remaining, budget)
             seqs.append(seq)

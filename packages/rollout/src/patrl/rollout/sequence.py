@@ -43,6 +43,12 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     weight_version: int = 0  # policy version of the weights that sampled the latest token
+    # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
+    # compares tokens), so the scheduler can compute a prompt repeated in requests once
+    prompt_hash: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_hash = hash(tuple(self.prompt_token_ids))
 
     @property
     def token_ids(self) -> list[int]:
