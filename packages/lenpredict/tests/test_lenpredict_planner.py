@@ -362,6 +362,42 @@ def test_a_split_at_the_first_call_reopens_the_rollout():
     assert all(o.layout.tp <= late.target.tp for o in decisions[1].options)
 
 
+def test_a_rollout_opened_for_its_tail_splits_for_its_bulk_and_folds_back():
+    """Opened at TP 2 (dp 1), where one long sequence's tail is fastest, with 63 short ones
+    that two TP-1 replicas run faster: staying beats splitting for good (the tail at TP 1),
+    but splitting now and folding back once the short ones are done beats both. Only at the
+    rollout's first call, as any split; priced as its step-by-step twin prices it."""
+    model = latency(compute_bound)
+    n = 64
+    remaining = np.full((n, 1), 100.0)
+    remaining[0] = 3000.0
+    rs = RunningSet(np.arange(n), np.zeros(n, dtype=int), np.full(n, 40), remaining)
+    tp2, dp2 = Layout(1, 2), Layout(2, 1)
+    planner = ReconfigPlanner(model, 2, PlannerConfig(candidate_tp=(1, 2)))
+    first = planner.decide(rs, tp2)
+    stay, split = first.options
+    assert split.layout == dp2 and split.now_s > stay.run_s  # splitting for good loses
+    assert first.action == "switch" and first.target == dp2 and "fold back" in first.reason
+    assert split.round_trip_steps == 100 and split.round_trip_s < stay.run_s
+    # the twin: the split's overhead, 100 steps split, the fold back's overhead (the long
+    # sequence alone is alive), the rest at TP 2
+    context, rem = rs.context, rs.remaining
+    there, _ = naive_overhead(model, 2, tp2, dp2, split.assignment, context)
+    back, _ = naive_overhead(model, 2, dp2, tp2, [0], context[:1] + 100)
+    before = naive_finish(model, dp2, split.assignment, context, np.minimum(rem, 100))
+    after = naive_finish(model, tp2, rs.replica, context + 100, np.maximum(rem - 100, 0))
+    assert split.round_trip_s == pytest.approx(there + before + back + after, rel=1e-9)
+    assert json.loads(json.dumps(first.record()))["predicted"][str(dp2)]["round_trip_s"] > 0
+    # the rollout goes on split; the tail folds back
+    tail = RunningSet(np.array([0]), np.array([0]), np.array([140]), np.array([[2900.0]]))
+    assert planner.decide(tail, dp2).reason.startswith("cooldown")
+    assert planner.decide(tail, dp2).target == tp2
+    # past the first call a split is not priced as a round trip
+    patient = ReconfigPlanner(model, 2, PlannerConfig(candidate_tp=(1, 2), min_gain_s=100.0))
+    assert patient.decide(rs, tp2).action == "stay"
+    assert all(o.round_trip_s == np.inf for o in patient.decide(rs, tp2).options)
+
+
 def test_decisions_are_auditable_records():
     planner = ReconfigPlanner(latency(tp_speeds_up), 8)
     rs = running_set(np.random.default_rng(5), 30, 8)

@@ -2,7 +2,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from lenpredict_cases import flat, profile_from, sdpa_like, tp_speeds_up
+from lenpredict_cases import compute_bound, flat, profile_from, sdpa_like, tp_speeds_up
 
 from patrl.lenpredict import (
     AdaptivePolicy,
@@ -160,6 +160,22 @@ def test_adaptive_is_not_slower_than_any_static_layout_on_a_long_tail():
     assert adaptive.total_s <= 1.001 * min(statics), (adaptive.summary(), statics)
     tps = [Layout.parse(to).tp for _, _, to in adaptive.switches]
     assert tps == sorted(tps)  # TP only grows within a rollout: no oscillation
+
+
+def test_a_split_before_the_prefill_sends_whole_queued_groups_to_both_halves():
+    """Opened at TP 2, a batch that two TP-1 replicas run faster splits at the first check:
+    its queued groups (equal lengths within each) go whole to the lighter half, so the rest
+    of the rollout takes what static (dp 2, tp 1) takes. The planner splits per sequence,
+    and every group's first sample, which a queued group moves with, fell on one half."""
+    latency = model(compute_bound)
+    groups = [PromptGroup(f"p{i}", 16, (200,) * 4) for i in range(8)]
+    simulator = RolloutSimulator(latency, 2, SimConfig(max_num_batched_tokens=2048))
+    static = simulator.run(groups, StaticPolicy(Layout(2, 1)))
+    planner = ReconfigPlanner(latency, 2, PlannerConfig(candidate_tp=(1, 2)))
+    adaptive = simulator.run(groups, AdaptivePolicy(planner, Layout(1, 2)))
+    assert [(a, b) for _, a, b in adaptive.switches] == [("dp1xtp2", "dp2xtp1")]
+    split_s = planner.decisions[0].overhead_s
+    assert adaptive.total_s == pytest.approx(static.total_s + split_s, rel=1e-6)
 
 
 def test_predicted_remaining_lengths_drive_the_planner():

@@ -21,7 +21,13 @@ from patrl.lenpredict import (
     RunningSet,
 )
 from patrl.lenpredict.planner import Option
-from patrl.rollout.adaptive import OracleLengths, TPController, _Summary, critical_path
+from patrl.rollout.adaptive import (
+    OracleLengths,
+    TPController,
+    _Summary,
+    critical_path,
+    opening_layout,
+)
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
@@ -467,6 +473,33 @@ def test_plot_timeline(tmp_path: Path) -> None:
     path = plot_timeline(timeline, decisions, tmp_path / "t.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp.png"))
+
+
+def test_the_next_rollout_opens_where_the_best_plan_starts() -> None:
+    """A first check that stays names where the next rollouts open: the layout whose best plan
+    (staying, a delayed switch from here, a round trip from there) is fastest, switch costs
+    of getting there aside. Not where one layout kept throughout is fastest: opening at tp 1
+    and folding for the tail beats tp 2 throughout, which beats tp 1 throughout."""
+    tp1, tp2 = Layout(2, 1), Layout(1, 2)
+    none = np.zeros(4, dtype=bool)
+
+    def option(layout: Layout, run: float, over: float, later: float, trip: float) -> Option:
+        return Option(layout, run, over, later, 8, np.zeros(4, dtype=int), none, trip)
+
+    def first_check(current: Layout, options: list[Option]) -> Decision:
+        return Decision("stay", current, current, 0.0, 0.0, "", options, np.arange(4))
+
+    fold_later = option(tp2, 4.6, 0.1, 4.4, np.inf)  # tp 2 throughout 4.6, fold later 4.4
+    assert opening_layout(first_check(tp1, [option(tp1, 5.2, 0, np.inf, np.inf), fold_later])) == 1
+    no_fold = option(tp2, 4.6, 0.1, np.inf, np.inf)
+    assert opening_layout(first_check(tp1, [option(tp1, 5.2, 0, np.inf, np.inf), no_fold])) == 2
+    # at tp 2: splitting for good (5.2) loses, a round trip (4.5 with its 0.1 split) wins
+    split = option(tp1, 5.2, 0.1, np.inf, 4.5)
+    assert opening_layout(first_check(tp2, [option(tp2, 4.6, 0, np.inf, np.inf), split])) == 1
+    split = option(tp1, 5.2, 0.1, np.inf, 4.7)  # 4.6 with the split aside: within 2%
+    assert opening_layout(first_check(tp2, [option(tp2, 4.6, 0, np.inf, np.inf), split])) == 2
+    cannot = option(tp1, 1.0, np.inf, np.inf, np.inf)  # would not hold the batch
+    assert opening_layout(first_check(tp2, [option(tp2, 4.6, 0, np.inf, np.inf), cannot])) == 2
 
 
 def test_oracle_lengths() -> None:

@@ -13,7 +13,11 @@ switches when the predicted gain of switching now over staying exceeds the overh
 margin, no delayed switch to that target is predicted better, the cooldown has passed, and the
 target continues the rollout's direction (TP only grows or only shrinks within one rollout),
 so it cannot oscillate. A split at a rollout's first call, before anything was decoded, sets
-no direction: it corrects where the rollout opened, and the tail may still fold later.
+no direction: it corrects where the rollout opened, and the tail may still fold later. So at
+that call a split is also priced as a round trip, "split now, fold back to the current layout
+after s steps" (`Option.round_trip_s`): a rollout that opened at a TP that suits its tail, where
+its bulk runs faster on more replicas, would otherwise compare staying only with splitting for
+good, and stay.
 
 Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
 must move or recomputing its KV by prefill, whichever the latency model prices lower.
@@ -69,6 +73,11 @@ class Option:
     later_steps: int  # after how many steps that best delayed switch happens
     assignment: np.ndarray  # replica of each sequence in this layout
     migrate: np.ndarray  # bool per sequence: migrate its KV (True) or recompute it (False)
+    # a split at the rollout's first call: the best predicted total when splitting now and
+    # folding back to the current layout after `round_trip_steps` steps, both switches'
+    # overheads included (inf: not priced)
+    round_trip_s: float = np.inf
+    round_trip_steps: int = 0
 
     @property
     def now_s(self) -> float:
@@ -110,6 +119,8 @@ class Decision:
                     "overhead_s": o.overhead_s if np.isfinite(o.overhead_s) else None,
                     "later_s": o.later_s if np.isfinite(o.later_s) else None,
                     "later_steps": o.later_steps,
+                    "round_trip_s": o.round_trip_s if np.isfinite(o.round_trip_s) else None,
+                    "round_trip_steps": o.round_trip_steps,
                 }
                 for o in self.options
             },
@@ -390,11 +401,23 @@ class ReconfigPlanner:
         for j, target in enumerate(targets, start=1):
             for delay in delays:
                 rows.add(j, med, True, delay, target)  # the steps after it
+        # At a rollout's first call a split may pay only with a fold back for the tail (it
+        # opened at a TP that suits the tail, where this batch's bulk runs faster on more
+        # replicas): "split now, fold back after `delay` steps", median scenario.
+        trips = [j for j, t in enumerate(targets) if t.tp < current.tp] if self._calls == 1 else []
+        for j in trips:
+            for delay in delays:
+                rows.add(j + 1, med, False, delay, targets[j])  # split: the steps before
+        if trips:
+            for delay in delays:
+                rows.add(0, med, True, delay, current)  # folded back: the steps after
         all_assignments = np.stack([running.replica, *assignments])
         times = self._times(rows, all_assignments, running)
         split = (m + 1) * q
         now = times[:split].reshape(m + 1, q)
-        before, after = times[split : split + k], times[split + k :].reshape(m, k)
+        before = times[split : split + k]
+        after = times[split + k : split + k + m * k].reshape(m, k)
+        trip_rows = times[split + k + m * k :]
         never = np.zeros(n, dtype=bool)
         options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
@@ -428,9 +451,43 @@ class ReconfigPlanner:
                         migrate[j, 0],
                     )
                 )  # fmt: skip
+            if trips and k:
+                self._price_round_trips(
+                    options, trips, trip_rows, delays, context[1:], alive[1:], now, med
+                )
         decision = self._choose(options, current, running.seq_ids)
         self.decisions.append(decision)
         return decision
+
+    def _price_round_trips(
+        self,
+        options: list[Option],
+        trips: list[int],
+        rows: np.ndarray,
+        delays: np.ndarray,
+        context: np.ndarray,
+        alive: np.ndarray,
+        now: np.ndarray,
+        med: int,
+    ) -> None:
+        """Fill `round_trip_s` of the split options `trips` (indices into the targets) from
+        their rows: per split, its steps before each delay, then the current layout's steps
+        after each delay (shared by all splits); plus the split's overhead now and the fold
+        back's at each delay (its sequences all hold KV by then). Carried from the median
+        scenario to all as staying is (the plan ends in the current layout)."""
+        current = options[0]
+        k = len(delays)
+        before, after = rows[: len(trips) * k].reshape(len(trips), k), rows[len(trips) * k :]
+        holds = np.ones(context.shape[1], dtype=bool)
+        for i, j in enumerate(trips):
+            split = options[j + 1]
+            back, _ = self._overheads(
+                split.layout, [current.layout], [current.assignment], context, alive, holds
+            )
+            total = split.overhead_s + before[i] + back[0] + after
+            best = int(np.argmin(total))
+            split.round_trip_s = float(total[best] + now[0].mean() - now[0, med])
+            split.round_trip_steps = int(delays[best])
 
     def _choose(self, options: list[Option], current: Layout, seq_ids: np.ndarray) -> Decision:
         stay, switches = options[0], options[1:]
@@ -442,6 +499,12 @@ class ReconfigPlanner:
             )
         best = min(feasible, key=lambda o: o.now_s)
         gain = stay.run_s - best.run_s
+        trip = min(feasible, key=lambda o: o.round_trip_s)
+        round_trip = trip.round_trip_s < min(best.now_s, stay.run_s)
+        if round_trip:
+            # split now and fold back later: the fold back's overhead is part of the plan's
+            # run, the split's is the overhead the margin applies to
+            best, gain = trip, stay.run_s - (trip.round_trip_s - trip.overhead_s)
         need = best.overhead_s * (1 + self.config.margin) + self.config.min_gain_s
 
         def stay_because(reason: str) -> Decision:
@@ -455,7 +518,7 @@ class ReconfigPlanner:
             )
         if gain <= need:
             return stay_because(f"best {best.layout}: gain {gain:.4g}s <= needed {need:.4g}s")
-        if best.later_s < best.now_s:
+        if best.later_s < best.now_s and not round_trip:
             # only the same target is compared: switching now does not rule out a further
             # switch later, which a one-switch plan to another target cannot see
             decision = stay_because(
@@ -471,6 +534,8 @@ class ReconfigPlanner:
         self._direction = 0 if reopen else int(np.sign(best.layout.tp - current.tp))
         self._since_switch = 0
         reason = f"gain {gain:.4g}s > needed {need:.4g}s"
+        if round_trip:
+            reason += f" (split now, fold back to {current} after {best.round_trip_steps} steps)"
         return Decision(
             "switch", current, best.layout, gain, best.overhead_s, reason, options, seq_ids
         )

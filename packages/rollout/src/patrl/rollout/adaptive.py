@@ -39,6 +39,7 @@ import numpy as np
 import torch.distributed as dist
 
 from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
+from patrl.lenpredict.planner import Option
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
@@ -568,11 +569,20 @@ def opening_layout(decision: Decision) -> int:
     predicted fastest for this whole batch, switch cost aside, since the next rollout pays
     none (the way there is cut at the next weight sync, or at worst once, at the next
     `generate`; the gain recurs every rollout). A switch now may not pay for itself in this
-    rollout and still be the right place to start the next ones. Layouts that could not hold
-    the batch (infinite overhead) are not candidates."""
-    stay = next(o for o in decision.options if o.layout == decision.current)
-    best = min((o for o in decision.options if math.isfinite(o.now_s)), key=lambda o: o.run_s)
-    if best.run_s < stay.run_s * (1 - OPENING_MIN_GAIN):
+    rollout and still be the right place to start the next ones. Each layout is worth its best
+    plan from there: the current one, staying or a delayed switch (`later_s`: opening at tp 1
+    and folding for the tail can beat tp 2 throughout, which beats tp 1 throughout); another,
+    staying there or a round trip back (`round_trip_s`), its switch cost aside. Layouts that
+    could not hold the batch (infinite overhead) are not candidates."""
+    options = [o for o in decision.options if math.isfinite(o.now_s)]
+    stay = next(o for o in options if o.layout == decision.current)
+    here = min([stay.run_s, *(o.later_s for o in options)])
+
+    def worth(o: Option) -> float:
+        return min(o.run_s, o.round_trip_s - o.overhead_s)
+
+    best = min((o for o in options if o is not stay), key=worth, default=None)
+    if best is not None and worth(best) < here * (1 - OPENING_MIN_GAIN):
         return best.layout.tp
     return decision.current.tp
 
