@@ -398,6 +398,31 @@ def test_a_rollout_opened_for_its_tail_splits_for_its_bulk_and_folds_back():
     assert all(o.round_trip_s == np.inf for o in patient.decide(rs, tp2).options)
 
 
+def test_a_split_moves_requests_whole_and_balances_their_work():
+    """Two replicas of TP 4 split into four of TP 2: each request (group) goes whole to one
+    child of its replica, and the children's predicted work is near-balanced (LPT-like)."""
+    rng = np.random.default_rng(9)
+    n = 96
+    group = np.repeat(np.arange(24), 4)  # 24 requests of 4 samples
+    replica = (group % 2).astype(int)
+    work = np.repeat(rng.integers(10, 400, 24), 4).astype(float) + rng.integers(0, 5, n)
+    rs = RunningSet(np.arange(n), replica, np.full(n, 50), work[:, None], group=group)
+    planner = ReconfigPlanner(latency(compute_bound), 8)
+    child = planner._assign(rs, Layout(2, 4), Layout(4, 2))
+    assert (child // 2 == replica).all()  # children of the replica that held them
+    for g in range(24):
+        assert len(set(child[group == g].tolist())) == 1
+    loads = np.bincount(child, weights=work, minlength=4)
+    for r in range(2):
+        pair = loads[2 * r : 2 * r + 2]
+        assert abs(pair[0] - pair[1]) <= work.max() * 4  # within one request's work
+    # without groups, sequences are split one by one (the old, finer split)
+    alone = planner._assign(dataclasses.replace(rs, group=None), Layout(2, 4), Layout(4, 2))
+    assert any(len(set(alone[group == g].tolist())) > 1 for g in range(24))
+    with pytest.raises(ValueError, match="group has 3 entries for 96 sequences"):
+        dataclasses.replace(rs, group=np.arange(3))
+
+
 def test_decisions_are_auditable_records():
     planner = ReconfigPlanner(latency(tp_speeds_up), 8)
     rs = running_set(np.random.default_rng(5), 30, 8)

@@ -476,10 +476,11 @@ def test_plot_timeline(tmp_path: Path) -> None:
 
 
 def test_the_next_rollout_opens_where_the_best_plan_starts() -> None:
-    """A first check that stays names where the next rollouts open: the layout whose best plan
-    (staying, a delayed switch from here, a round trip from there) is fastest, switch costs
-    of getting there aside. Not where one layout kept throughout is fastest: opening at tp 1
-    and folding for the tail beats tp 2 throughout, which beats tp 1 throughout."""
+    """A first check that stays names where the next rollouts open: where the best plan
+    (staying, another layout throughout, a delayed switch from here, a round trip from
+    there) starts, switch costs of getting there aside, a plan replacing a simpler one only
+    when 2% faster. Not where one layout kept throughout is fastest: opening at tp 1 and
+    folding for the tail beats tp 2 throughout, which beats tp 1 throughout."""
     tp1, tp2 = Layout(2, 1), Layout(1, 2)
     none = np.zeros(4, dtype=bool)
 
@@ -491,6 +492,9 @@ def test_the_next_rollout_opens_where_the_best_plan_starts() -> None:
 
     fold_later = option(tp2, 4.6, 0.1, 4.4, np.inf)  # tp 2 throughout 4.6, fold later 4.4
     assert opening_layout(first_check(tp1, [option(tp1, 5.2, 0, np.inf, np.inf), fold_later])) == 1
+    # a fold later that only ties with tp 2 throughout: the plan without a switch wins
+    tie = option(tp2, 4.6, 0.1, 4.55, np.inf)
+    assert opening_layout(first_check(tp1, [option(tp1, 5.2, 0, np.inf, np.inf), tie])) == 2
     no_fold = option(tp2, 4.6, 0.1, np.inf, np.inf)
     assert opening_layout(first_check(tp1, [option(tp1, 5.2, 0, np.inf, np.inf), no_fold])) == 2
     # at tp 2: splitting for good (5.2) loses, a round trip (4.5 with its 0.1 split) wins

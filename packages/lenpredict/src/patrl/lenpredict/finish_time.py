@@ -37,6 +37,9 @@ class RunningSet:
     remaining: np.ndarray  # float (n, Q), predicted remaining-length quantiles
     # False for sequences still queued (no KV yet): a switch moves nothing of theirs
     has_kv: np.ndarray | None = None
+    # int, the request of each sequence: a split moves requests whole, as the engine does
+    # (None: every sequence on its own)
+    group: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.seq_ids)
@@ -46,6 +49,8 @@ class RunningSet:
             raise ValueError(
                 f"seq_ids/replica/context lengths differ: {n}/{len(self.replica)}/{len(self.context)}"
             )
+        if self.group is not None and len(self.group) != n:
+            raise ValueError(f"group has {len(self.group)} entries for {n} sequences")
 
     def __len__(self) -> int:
         return len(self.seq_ids)

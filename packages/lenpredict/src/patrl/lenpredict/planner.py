@@ -178,6 +178,18 @@ class _SwitchCosts:
         )
 
 
+def _snake(replica: np.ndarray, work: np.ndarray, split: int) -> np.ndarray:
+    """Child (0 .. split-1) of each item within its replica: most work first, in snake order."""
+    order = np.argsort(replica * (work.max(initial=0.0) + 1.0) - work)
+    sorted_replica = replica[order]
+    starts = np.flatnonzero(np.r_[True, sorted_replica[1:] != sorted_replica[:-1]])
+    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    lap = rank % (2 * split)
+    child = np.empty(len(order), dtype=int)
+    child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
+    return child
+
+
 class ReconfigPlanner:
     def __init__(self, latency: LatencyModel, world_size: int, config: PlannerConfig | None = None):
         self.latency = latency
@@ -231,19 +243,21 @@ class ReconfigPlanner:
 
     def _assign(self, running: RunningSet, src: Layout, dst: Layout) -> np.ndarray:
         """Growing TP merges whole replicas (sequences stay on the ranks that hold them);
-        shrinking splits each replica's sequences over its children, longest first in snake
-        order (0, 1, .., s-1, s-1, .., 0): a vectorised near-LPT split."""
+        shrinking splits each replica's requests (`RunningSet.group`; else its sequences)
+        over its children, whole, most predicted work first in snake order (0, 1, .., s-1,
+        s-1, .., 0): a vectorised near-LPT split, as the engine splits (LPT)."""
         if dst.tp >= src.tp:
             return running.replica // (dst.tp // src.tp)
         split = src.tp // dst.tp
         work = running.remaining.mean(axis=1)
-        order = np.argsort(running.replica * (work.max() + 1.0) - work)
-        replica = running.replica[order]
-        starts = np.flatnonzero(np.r_[True, replica[1:] != replica[:-1]])
-        rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-        lap = rank % (2 * split)
-        child = np.empty(len(order), dtype=int)
-        child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
+        if running.group is None:
+            return running.replica * split + _snake(running.replica, work, split)
+        # a unit per (replica, request), its work the sum of its sequences'
+        keys = running.replica.astype(np.int64) * (int(running.group.max()) + 1) + running.group
+        units, unit_of = np.unique(keys, return_inverse=True)
+        unit_work = np.bincount(unit_of, weights=work, minlength=len(units))
+        unit_replica = units // (int(running.group.max()) + 1)
+        child = _snake(unit_replica, unit_work, split)[unit_of]
         return running.replica * split + child
 
     def _switch_constants(self, src: int, targets: tuple[int, ...], rows: int) -> _SwitchCosts:

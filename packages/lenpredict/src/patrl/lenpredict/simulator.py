@@ -180,7 +180,6 @@ class RolloutSimulator:
             replicas[r].waiting.append(by_group[g])
         self._segments: list[Segment] = []
         self._preemptions = 0
-        self._work: dict[int, float] = {}  # predicted remaining steps, at the last plan
         switches: list[tuple[float, str, str]] = []
         decisions: list[dict[str, Any]] = []
         if isinstance(policy, AdaptivePolicy):
@@ -418,28 +417,9 @@ class RolloutSimulator:
             context=np.array([s.tokens for s in seqs]),
             remaining=policy.remaining(seqs),
             has_kv=has_kv,
+            group=np.array([s.group for s in seqs], dtype=int),
         )
-        median = running.remaining[:, running.remaining.shape[1] // 2]
-        self._work = dict(zip(running.seq_ids.tolist(), median.tolist(), strict=True))
         return policy.planner.decide(running, layout)
-
-    def _split_queues(self, replicas: list[_Replica], split: int, home: dict[int, int]) -> None:
-        """A split sends each queued request whole to one of its replica's children, as the
-        engine does (`reconfigure._assign`): the most predicted work first, onto the child
-        with the least so far (the planner's per-sequence split would send every group's
-        first sample, which a queued group moves with, to the same child)."""
-        load: dict[int, float] = {}
-        for r in replicas:
-            for s in r.running:
-                load[home[s.seq_id]] = load.get(home[s.seq_id], 0.0) + self._work[s.seq_id]
-        for r in replicas:
-            children = [r.index * split + c for c in range(split)]
-            units = sorted(r.waiting, key=lambda u: -sum(self._work[s.seq_id] for s in u))
-            for unit in units:
-                child = min(children, key=lambda c: (load.get(c, 0.0), c))
-                load[child] = load.get(child, 0.0) + sum(self._work[s.seq_id] for s in unit)
-                for s in unit:
-                    home[s.seq_id] = child
 
     def _switch(
         self, replicas: list[_Replica], layout: Layout, decision: Decision
@@ -458,9 +438,9 @@ class RolloutSimulator:
         home = dict(
             zip(decision.seq_ids.tolist(), decision.chosen.assignment.tolist(), strict=True)
         )
-        if target.tp < layout.tp:
-            self._split_queues(replicas, layout.tp // target.tp, home)
-        for r in replicas:  # keep each replica's queue order; a group moves with its first sample
+        # keep each replica's queue order; a queued group moves with its first sample (the
+        # planner splits requests whole, as the engine does)
+        for r in replicas:
             for unit in r.waiting:
                 new[home[unit[0].seq_id]].waiting.append(unit)
         for s in seqs:

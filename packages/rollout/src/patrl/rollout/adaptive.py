@@ -14,11 +14,11 @@ order; rank 0 runs the planner and broadcasts its decision; on "switch" every ra
 `Engine.reconfigure` at once. A rank whose replica has run dry skips straight to the next check
 (waiting in the collective, not spinning). The first check comes before the first step, so the
 planner can already move a small batch to a larger TP. When no rank has anything unfinished,
-the rollout ends and the engine returns to the layout the first check found fastest for the
-whole batch (`opening_tp`: where it folded at once or, if that did not pay for its own switch,
-the layout predicted fastest with the switch cost aside; see `opening_layout`), so the next
-`generate` opens there: a full batch at the layout the profile prices best for it, with no
-switch to pay. Opening at a larger TP merges the replicas' submissions
+the rollout ends and the engine returns to the layout the first check found best for the
+whole batch (`opening_tp`: where it switched at once or, if that did not pay for its own
+switch, where the best plan predicted starts, the switch cost aside, a plan with a fold for
+the tail included; see `opening_layout`), so the next `generate` opens there with no switch
+to pay. Opening at a larger TP merges the replicas' submissions
 (`Engine._add_replica_requests`). Within a rollout TP only grows, except at the first check:
 a rollout that opened at TP>1 where its full batch is faster on more replicas (the opening
 was named by an earlier, different batch) splits before decoding anything, and its requests,
@@ -39,7 +39,6 @@ import numpy as np
 import torch.distributed as dist
 
 from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
-from patrl.lenpredict.planner import Option
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
@@ -480,12 +479,14 @@ class TPController:
             if rows
             else np.zeros((0, 1))
         )
+        requests = np.unique(np.array([row[0] for _, row in rows]), return_inverse=True)[1]
         return RunningSet(
             seq_ids=np.arange(len(rows)),
             replica=np.array([dp for dp, _ in rows], dtype=int),
             context=np.array([row[2] for _, row in rows], dtype=int),
             remaining=remaining,
             has_kv=np.array([row[5] for _, row in rows], dtype=bool),
+            group=requests.reshape(-1).astype(int),
         )
 
     def _switch(self, engine: Engine, verdict: _Verdict) -> None:
@@ -565,26 +566,31 @@ OPENING_MIN_GAIN = 0.02
 
 
 def opening_layout(decision: Decision) -> int:
-    """The TP size the next rollouts should open at, from a first check that stays: the one
-    predicted fastest for this whole batch, switch cost aside, since the next rollout pays
+    """The TP size the next rollouts should open at, from a first check that stays: where the
+    best plan for this whole batch starts, switch cost aside, since the next rollout pays
     none (the way there is cut at the next weight sync, or at worst once, at the next
     `generate`; the gain recurs every rollout). A switch now may not pay for itself in this
-    rollout and still be the right place to start the next ones. Each layout is worth its best
-    plan from there: the current one, staying or a delayed switch (`later_s`: opening at tp 1
-    and folding for the tail can beat tp 2 throughout, which beats tp 1 throughout); another,
-    staying there or a round trip back (`round_trip_s`), its switch cost aside. Layouts that
+    rollout and still be the right place to start the next ones.
+
+    The plans, simplest first: staying here throughout; another layout throughout; here, then
+    a switch (`later_s`: opening at tp 1 and folding for the tail can beat tp 2 throughout,
+    which beats tp 1 throughout); another layout and back (`round_trip_s`, less the switch
+    there). A plan replaces a simpler one only when predicted `OPENING_MIN_GAIN` faster:
+    against flip-flopping on noise, and for a plan with a switch in the middle, whose price
+    the model tends to underestimate, against a near tie with one without. Layouts that
     could not hold the batch (infinite overhead) are not candidates."""
     options = [o for o in decision.options if math.isfinite(o.now_s)]
     stay = next(o for o in options if o.layout == decision.current)
-    here = min([stay.run_s, *(o.later_s for o in options)])
-
-    def worth(o: Option) -> float:
-        return min(o.run_s, o.round_trip_s - o.overhead_s)
-
-    best = min((o for o in options if o is not stay), key=worth, default=None)
-    if best is not None and worth(best) < here * (1 - OPENING_MIN_GAIN):
-        return best.layout.tp
-    return decision.current.tp
+    others = [o for o in options if o is not stay]
+    plans: list[tuple[float, int]] = [(stay.run_s, stay.layout.tp)]
+    plans += [(o.run_s, o.layout.tp) for o in others]
+    plans += [(o.later_s, stay.layout.tp) for o in others]
+    plans += [(o.round_trip_s - o.overhead_s, o.layout.tp) for o in others]
+    best_s, best_tp = plans[0]
+    for plan_s, tp in plans[1:]:
+        if plan_s < best_s * (1 - OPENING_MIN_GAIN):
+            best_s, best_tp = plan_s, tp
+    return best_tp
 
 
 def _record(decision: Decision, t: float) -> TPDecisionRecord:
