@@ -117,8 +117,48 @@ def test_requests_repeating_a_prompt_compute_its_full_blocks_once(llama_dir: Pat
     shared = shared_engine.generate(batch, params)
     plain = engine(llama_dir, enable_prefix_caching=False).generate(batch, params)
     assert tokens(shared) == tokens(plain)
-    # the prompt once, then 2 tokens of each other copy (the partial block is not shared)
-    assert shared_engine.counters.prefill_tokens == 9 + 42 + 7 * 2 + 9
+    # the prompt once: the other copies take its logits and blocks, as a request's samples do
+    assert shared_engine.counters.prefill_tokens == 9 + 42 + 9
+    assert shared_engine.counters.prefill_steps == 1
+    shared_engine.cache.blocks.check_integrity()
+    assert shared_engine.cache.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 5])
+def test_repeated_prompts_with_mixed_params_and_a_seq_cap_give_the_same_tokens(
+    llama_dir: Path, max_num_seqs: int
+) -> None:
+    # requests of n 3, greedy, with top logprobs, another prompt, n 2 again: under a cap of 5
+    # sequences some copies cannot join the first prefill and find the prompt cached later
+    p, q = prompts(2, seed=9, low=21, high=22)
+    batch = [p, p, p, q, p]
+    params = [
+        SamplingParams(n=3, seed=1, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=2, logprobs=2, max_tokens=9),
+        SamplingParams(seed=3, max_tokens=6, ignore_eos=True),
+        SamplingParams(n=2, top_p=0.8, seed=4, max_tokens=8, ignore_eos=True),
+    ]
+    shared_engine = engine(llama_dir, max_num_seqs=max_num_seqs)
+    shared = shared_engine.generate(batch, params)
+    plain = engine(llama_dir, enable_prefix_caching=False, max_num_seqs=max_num_seqs).generate(
+        batch, params
+    )
+    assert tokens(shared) == tokens(plain)
+    for a, b in zip(shared, plain, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5
+            )
+            assert [sorted(t) for t in x.top_logprobs or []] == [
+                sorted(t) for t in y.top_logprobs or []
+            ]
+    assert shared[2].outputs[0].top_logprobs  # the request that asked for them got them
+    counters = shared_engine.counters
+    if max_num_seqs == 256:  # p once, q once, in one step
+        assert (counters.prefill_steps, counters.prefill_tokens) == (1, 2 * 21)
+    else:  # p's 5 samples, then q, then p's last request: its 5 full blocks cached
+        assert (counters.prefill_steps, counters.prefill_tokens) == (3, 2 * 21 + 1)
     shared_engine.cache.blocks.check_integrity()
     assert shared_engine.cache.blocks.num_used_blocks == 0
 

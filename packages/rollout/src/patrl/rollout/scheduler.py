@@ -2,7 +2,9 @@
 
 A step is either a prefill step (new, preempted or imported sequences, up to the token budget;
 the last one may be cut into chunks) or a decode step (one token for every running sequence).
-Prefill goes first, so the batch refills as soon as sequences finish.
+Prefill goes first, so the batch refills as soon as sequences finish. A prompt prefills once
+per step: fresh requests repeating a prompt whose prefill completes in the step join it as
+fork children, and a sample with tokens of its own waits a step for the prompt's cached blocks.
 
 When the KV blocks run out during decode, the most recently admitted sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue, to be
@@ -90,16 +92,33 @@ class Scheduler:
         self.prefilling = None
         candidates += self.waiting
         computing: set[int] = set()  # prompt hashes whose prompt KV this step computes
+        # fresh sequences whose whole prompt prefills in this step, by prompt hash
+        leaders: dict[int, Sequence] = {}
+        sharing = self.blocks.enable_prefix_caching
         for seq in candidates:
             if budget == 0:
                 break
             continuing = self.blocks.has(seq.seq_id)  # a cut prefill holds its blocks
+            leader = leaders.get(seq.prompt_hash) if sharing and not continuing else None
+            if (
+                leader is not None
+                and not seq.output_token_ids
+                and seq.prompt_token_ids == leader.prompt_token_ids
+                and samples + seq.group_size <= self.max_num_seqs
+            ):
+                # Another request of a prompt that prefills in full in this step (a GRPO
+                # group sent as n requests of one sample, as TRL does): its samples draw
+                # their first tokens from the same logits and take over the prompt's blocks,
+                # as the samples of one request do. Nothing to compute.
+                samples += seq.group_size
+                leader.fork_children += [seq, *seq.fork_children]
+                seq.fork_children = []
+                self.waiting.remove(seq)
+                continue
             if not continuing and seq.prompt_hash in computing:
-                # The same prompt prefills in this step: another sample of this request
-                # (recomputed after a reconfiguration or a preemption), or another request of
-                # the same prompt (a GRPO group sent as n requests of one sample, as TRL and
-                # per-sample replays do). Wait one step and find the prompt in the prefix
-                # cache instead of computing it once more (SGLang's in-batch prefix caching).
+                # The same prompt prefills in this step, and this sample has tokens of its
+                # own (recomputed after a reconfiguration or a preemption): wait one step and
+                # find the prompt in the prefix cache instead of computing it once more.
                 continue
             full = samples + seq.group_size > self.max_num_seqs
             # A group larger than max_num_seqs still runs when nothing else does.
@@ -126,6 +145,8 @@ class Scheduler:
             if take < remaining:
                 self.prefilling = seq
                 break
+            if not seq.output_token_ids:
+                leaders.setdefault(seq.prompt_hash, seq)
         for seq in seqs:
             if seq in self.waiting:
                 self.waiting.remove(seq)

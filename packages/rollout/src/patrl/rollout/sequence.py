@@ -23,7 +23,9 @@ class Sequence:
 
     `fork_children` holds the other samples of a fresh request while this one (the leader)
     prefills the shared prompt: when the prefill ends, all of them sample their first token
-    from the same logits and the children take over the leader's blocks by `fork`.
+    from the same logits and the children take over the leader's blocks by `fork`. With
+    prefix caching on, the scheduler also adopts fresh samples of other requests of the
+    same prompt for the step in which the leader's prompt prefills in full.
     """
 
     seq_id: int
