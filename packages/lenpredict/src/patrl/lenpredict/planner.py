@@ -253,10 +253,12 @@ class ReconfigPlanner:
         if running.group is None:
             return running.replica * split + _snake(running.replica, work, split)
         # a unit per (replica, request), its work the sum of its sequences'
-        keys = running.replica.astype(np.int64) * (int(running.group.max()) + 1) + running.group
-        units, unit_of = np.unique(keys, return_inverse=True)
+        stride = int(running.group.max()) + 1
+        units, unit_of = np.unique(
+            running.replica.astype(np.int64) * stride + running.group, return_inverse=True
+        )
         unit_work = np.bincount(unit_of, weights=work, minlength=len(units))
-        unit_replica = units // (int(running.group.max()) + 1)
+        unit_replica = units // stride
         child = _snake(unit_replica, unit_work, split)[unit_of]
         return running.replica * split + child
 

@@ -47,7 +47,7 @@ class Sequence:
     weight_version: int = 0  # policy version of the weights that sampled the latest token
     # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
     # compares tokens), so the scheduler can compute a prompt repeated in requests once
-    prompt_hash: int = 0
+    prompt_hash: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.prompt_hash = hash(tuple(self.prompt_token_ids))
