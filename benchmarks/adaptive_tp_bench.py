@@ -105,6 +105,7 @@ from patrl.lenpredict import (
     RolloutSimulator,
     SimConfig,
     StaticPolicy,
+    adaptive_ceiling,
     group_by_step,
     long_tail_trace,
     longest_processing_time,
@@ -142,7 +143,14 @@ TARGET_CONTROL = 0.02  # control time / decode time
 
 # what a shape is for: "crossover" shapes are held to the long-tail speed-up target, "none"
 # shapes to no switching
-SHAPE_ROLE = {"vocab_2l": "crossover", "wide_2l": "none", "wide_6l": "none", "tiny": "none"}
+SHAPE_ROLE = {
+    "vocab_2l": "crossover",
+    "vocab_2l_h512": "crossover",
+    "vocab_2l_h384": "crossover",
+    "wide_2l": "none",
+    "wide_6l": "none",
+    "tiny": "none",
+}
 SHAPES: dict[str, dict[str, Any]] = {
     "wide_6l": dict(
         hidden_size=1024,
@@ -169,6 +177,25 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=4864,
         num_hidden_layers=2,
         num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    # candidate: vocab_2l at hidden 512
+    "vocab_2l_h512": dict(
+        hidden_size=512,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "vocab_2l_h384": dict(
+        hidden_size=384,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=6,
         num_key_value_heads=2,
         vocab_size=151936,
         tie_word_embeddings=False,
@@ -236,7 +263,7 @@ def scale_for(shape: str, quick: bool) -> Scale:
     # tp 2 past batch 16 and priced (dp 1, tp 2) slower than the measured static runs.
     # Batch 16 at the long context too: a full replica's per-context-token cost, which the
     # model took from batches 1 and 4 alone and got wrong by 30% at the rollouts' contexts.
-    if shape == "vocab_2l":
+    if shape.startswith("vocab_2l"):
         # 64 sequences: 32 per tp-1 replica, where two replicas beat one tp-2 group
         return Scale(
             8,
@@ -445,6 +472,7 @@ def profile_summary(profile: Profile, rollout_batch: int) -> dict[str, Any]:
 
     small_tp2 = step(2, 1) < step(1, 1)
     big_dp = step(1, big) < step(2, 2 * big)
+    ceiling = adaptive_ceiling(lm, Layout(2, 1), Layout(1, 2), rollout_batch, ctx)
     return {
         "measured": rows,
         "model": {
@@ -457,6 +485,9 @@ def profile_summary(profile: Profile, rollout_batch: int) -> dict[str, Any]:
         "crossover": bool(small_tp2 and big_dp),
         "tp2_faster_at_batch_1": bool(small_tp2),
         "dp2_faster_at_largest_batch": bool(big_dp),
+        # the least adaptive / best static any workload of at most rollout_batch sequences
+        # allows, switching for free (patrl.lenpredict.ceiling)
+        "ceiling": dataclasses.asdict(ceiling),
     }
 
 

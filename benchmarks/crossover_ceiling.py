@@ -16,7 +16,10 @@ tail. This script asks the rollout simulator, with the latency model fitted to a
 Reported: each run's time and adaptive / best static; the minimum of that ratio is the most
 the planner gains here. Also the planner against the best single fold from (dp2, tp1) to
 (dp1, tp2) at a grid of sequence counts (simulate_cluster's ScriptedPlanner): how far the
-planner's own choice of when to fold is from the best one (2026-11-24: within 1.2-1.8% on all 21, on two profiles). Writes benchmarks/results/crossover_ceiling.json.
+planner's own choice of when to fold is from the best one (2026-11-24: within 1.2-1.8% on all 21, on two profiles).
+Last, a bound no workload can beat (`patrl.lenpredict.adaptive_ceiling`): adaptive switching
+for free at every step, on the two batch sizes in the proportion that favour it most.
+Writes benchmarks/results/crossover_ceiling.json.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from patrl.lenpredict import (
     PromptGroup,
     ReconfigPlanner,
     StaticPolicy,
+    adaptive_ceiling,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,6 +125,19 @@ def main() -> None:
                 f"x{row['adaptive_vs_best_static']:.3f}  vs best single fold "
                 f"x{row['adaptive_vs_best_of_all']:.3f}"
             )
+    # no workload at all: two batch sizes in the worst proportion, switches free
+    bounds = {
+        f"{seqs} sequences, {ctx} tokens each": dataclasses.asdict(
+            adaptive_ceiling(latency, Layout(2, 1), Layout(1, 2), seqs, ctx)
+        )
+        for seqs in sorted({2 * p * n for p, n in SIZES})
+        for ctx in (32, 96)
+    }
+    for name, bound in bounds.items():
+        print(
+            f"SIMULATED bound, {name}: x{bound['ratio']:.3f} (steps at {bound['wide_batch']} and "
+            f"{bound['narrow_batch']} sequences, {bound['wide_share']:.0%} at the first)"
+        )
     ceiling = min(r["adaptive_vs_best_static"] for r in rows)
     print(f"SIMULATED: the planner told the true lengths is at best x{ceiling:.3f} the best static")
     worst = max(r["adaptive_vs_best_of_all"] for r in rows)
@@ -133,6 +150,7 @@ def main() -> None:
         "latency_model": {str(k): v for k, v in latency.describe().items()},
         "rows": rows,
         "best_adaptive_vs_best_static": ceiling,
+        "workload_free_bound": bounds,
         "worst_adaptive_vs_best_of_all": worst,
     }
     tmp = out.with_suffix(".json.tmp")

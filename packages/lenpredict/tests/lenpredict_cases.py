@@ -37,6 +37,7 @@ def profile_from(
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     prefill_per_token_s: float = 1e-4,
     prefill_quadratic_s: float = 0.0,
+    prefill_per_seq_s: float | None = None,
     send_per_byte_s: float = 1e-9,
     alpha_s: float = 1e-4,
     num_devices: int = 8,
@@ -45,7 +46,9 @@ def profile_from(
 ) -> Profile:
     """A profile whose decode rows follow `step(tp, batch, context)` exactly; with `padded`,
     rows of equal lengths and skewed rows (one sequence 8x the others) follow
-    `padded(tp, batch, context, longest)` instead."""
+    `padded(tp, batch, context, longest)` instead. With `prefill_per_seq_s`, prefill rows of 1,
+    4 and 16 sequences, each sequence adding that much beyond its tokens; without, rows of
+    one sequence."""
     cells = [
         (tp, b, c)
         for tp in tp_sizes
@@ -69,10 +72,15 @@ def profile_from(
         PrefillRow(
             tp=tp,
             tokens=t,
-            seconds=alpha_s + (prefill_per_token_s * t + prefill_quadratic_s * t * t) / tp,
+            num_seqs=k,
+            seconds=alpha_s
+            + k
+            * ((prefill_per_seq_s or 0.0) + prefill_per_token_s * t + prefill_quadratic_s * t * t)
+            / tp,
         )
         for tp in tp_sizes
         for t in (16, 128, 1024, 8192)
+        for k in ((1,) if prefill_per_seq_s is None else (1, 4, 16))
     ]
     collectives = [
         CollectiveRow(op=op, nbytes=n, group_size=g, seconds=alpha_s + send_per_byte_s * n)

@@ -157,12 +157,20 @@ def with_loaded_switches(model: LatencyModel, per_seq_s: float, per_token_s: flo
     return loaded
 
 
-@pytest.mark.parametrize(("per_seq_s", "per_token_s"), [(0.0, 0.0), (2e-3, 0.0), (1e-3, 3e-6)])
-def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s):
+@pytest.mark.parametrize(
+    ("per_seq_s", "per_token_s", "prefill_per_seq_s"),
+    [(0.0, 0.0, None), (2e-3, 0.0, None), (1e-3, 3e-6, None), (0.0, 0.0, 1e-5)],
+)
+def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s, prefill_per_seq_s):
     # quadratic prefill: recompute is cheaper for short contexts, migration for long ones
     model = latency(
-        tp_speeds_up, prefill_per_token_s=1e-7, prefill_quadratic_s=1e-9, send_per_byte_s=1e-8
+        tp_speeds_up,
+        prefill_per_token_s=1e-7,
+        prefill_quadratic_s=1e-9,
+        send_per_byte_s=1e-8,
+        prefill_per_seq_s=prefill_per_seq_s,
     )
+    assert model.prefill_coefficients(8).per_seq == pytest.approx((prefill_per_seq_s or 0) / 8)
     if per_seq_s or per_token_s:
         model = with_loaded_switches(model, per_seq_s, per_token_s)
         assert model.switch_time(1, 8, 8) == pytest.approx(0.05)

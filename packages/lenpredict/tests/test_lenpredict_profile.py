@@ -161,6 +161,23 @@ def test_latency_model_prefill_collectives_and_reshard():
         model.step_time(3, 1, 1)
 
 
+def test_prefill_prices_each_sequence_when_rows_of_several_tell_it_apart():
+    """A prefill step runs the LM head and the sampler once per sequence: rows of 4 and 16
+    sequences price it; from rows of one sequence it is folded into the fixed cost."""
+    model = LatencyModel.fit(
+        profile_from(tp_speeds_up, prefill_per_token_s=1e-4, prefill_per_seq_s=4e-3, alpha_s=1e-3)
+    )
+    coef = model.prefill_coefficients(2)
+    assert coef.per_seq == pytest.approx(2e-3, rel=1e-6)  # the rows' per-sequence cost / tp
+    assert coef.fixed == pytest.approx(1e-3, rel=1e-6)
+    assert model.prefill_time(2, [500, 500]) == pytest.approx(1e-3 + 2 * 2e-3 + 1e-4 * 1000 / 2)
+    assert model.kv_recompute_time(2, [300]) == pytest.approx(1e-3 + 2e-3 + 1e-4 * 300 / 2)
+    assert float(model.prefill_marginal(2, np.array(100))) == pytest.approx(2e-3 + 1e-4 * 50)
+    single = LatencyModel.fit(profile_from(tp_speeds_up, prefill_per_token_s=1e-4, alpha_s=1e-3))
+    assert single.prefill_coefficients(2).per_seq == 0.0
+    assert single.prefill_time(2, [1000]) == pytest.approx(1e-3 + 1e-4 * 1000 / 2, rel=1e-6)
+
+
 def test_noisy_profile_held_out_error_within_target():
     rng = np.random.default_rng(0)
 

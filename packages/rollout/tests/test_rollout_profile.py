@@ -87,7 +87,8 @@ def test_quick_profile_tp1_cli_writes_a_profile_that_fits(
     cells = {(r.tp, r.batch, r.context_tokens) for r in profile.decode}
     assert cells == _expected_decode_cells(grid, 1)
     assert len(profile.decode) == len(cells)
-    assert sorted(r.tokens for r in profile.prefill) == sorted(grid.prefill_tokens)
+    assert sorted((r.num_seqs, r.tokens) for r in profile.prefill) == sorted(grid.prefill_cells())
+    assert {r.num_seqs for r in profile.prefill} == {1, 4}  # several price each sequence
     assert profile.collectives == []  # one process: no group to time
     assert all(r.seconds > 0 for r in [*profile.decode, *profile.prefill])
     # the identity comes from the checkpoint; the parameter count is HF's own count
@@ -147,8 +148,8 @@ def test_quick_profile_tp1_and_tp2_on_two_ranks(models: dict[str, Any]) -> None:
     assert profile.tp_sizes == [1, 2]
     cells = {(r.tp, r.batch, r.context_tokens) for r in profile.decode}
     assert cells == _expected_decode_cells(grid, 1) | _expected_decode_cells(grid, 2)
-    assert sorted((r.tp, r.tokens) for r in profile.prefill) == sorted(
-        (tp, n) for tp in (1, 2) for n in grid.prefill_tokens
+    assert sorted((r.tp, r.num_seqs, r.tokens) for r in profile.prefill) == sorted(
+        (tp, *cell) for tp in (1, 2) for cell in grid.prefill_cells()
     )
     ops = {(r.op, r.group_size) for r in profile.collectives}
     assert ops == {(op, 2) for op in COLLECTIVE_OPS}

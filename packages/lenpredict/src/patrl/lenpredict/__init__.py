@@ -2,6 +2,7 @@
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
 from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
+from patrl.lenpredict.ceiling import Ceiling, adaptive_ceiling
 from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
 from patrl.lenpredict.layout import Layout, layouts_for
@@ -47,6 +48,7 @@ __all__ = [
     "LLAMA31_8B",
     "QWEN3_14B",
     "AdaptivePolicy",
+    "Ceiling",
     "CollectiveRow",
     "Decision",
     "DecodeRow",
@@ -71,6 +73,7 @@ __all__ = [
     "SimResult",
     "StaticPolicy",
     "SwitchRow",
+    "adaptive_ceiling",
     "assign_prompts",
     "group_by_step",
     "held_out_error",

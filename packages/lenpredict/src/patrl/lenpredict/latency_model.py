@@ -25,8 +25,11 @@ drops below zero (a step never gets cheaper with more work), the other coefficie
 non-negative, and all are fitted on *relative* error, because the planner compares ratios of
 times that span three orders of magnitude.
 
-Prefill of a sequence of T tokens: a + b·T + c·T² (attention is quadratic); a batch of
-sequences pays `a` once. Collectives: α + bytes/β per (op, group size).
+Prefill of a batch of sequences of T_i tokens: a + Σ_i (s + b·T_i + c·T_i²): `a` once a step,
+`s` per sequence (the LM head on its last position and the sampler's draw, which a 152k
+vocabulary makes dear), attention quadratic in T. `s` is fitted only from a profile with rows
+of several sequences; from rows of one sequence alone it cannot be told from `a` and is 0.
+Collectives: α + bytes/β per (op, group size).
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from patrl.lenpredict.profile import CollectiveRow, DecodeRow, ModelInfo, Profile, SwitchRow
+from patrl.lenpredict.profile import (
+    CollectiveRow,
+    DecodeRow,
+    ModelInfo,
+    PrefillRow,
+    Profile,
+    SwitchRow,
+)
 
 
 def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -218,9 +228,24 @@ def _simplest_good_enough(
     return next((e, c) for e, c in pairs if len(c[1]) == chosen and e <= best[chosen] + 1e-9)
 
 
-def _fit_prefill(tokens: np.ndarray, y: np.ndarray) -> np.ndarray:
-    x = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=-1)
-    return _nonneg_relative_lstsq(x, y)
+class PrefillCoefficients(NamedTuple):
+    """t = fixed + Σ over the batch's sequences of (per_seq + per_token·T + per_token_sq·T²)."""
+
+    fixed: float
+    per_seq: float
+    per_token: float
+    per_token_sq: float
+
+
+def _fit_prefill(rows: Sequence[PrefillRow]) -> PrefillCoefficients:
+    seqs = np.array([r.num_seqs for r in rows], dtype=float)
+    tokens = np.array([r.tokens for r in rows], dtype=float)
+    y = np.array([r.seconds for r in rows])
+    x = np.stack([np.ones_like(seqs), seqs, seqs * tokens, seqs * tokens**2], axis=-1)
+    if len(set(seqs.tolist())) == 1:  # `per_seq` is not told apart from `fixed`: 0
+        x[:, 1] = 0.0
+    a, s, b, c = _nonneg_relative_lstsq(x, y).tolist()
+    return PrefillCoefficients(a, s, b, c)
 
 
 def _fit_collective(rows: Sequence[CollectiveRow]) -> np.ndarray:
@@ -236,7 +261,7 @@ class LatencyModel:
     num_devices: int
     memory_bytes_per_device: int
     step_fits: dict[int, StepFit]
-    prefill_coef: dict[int, np.ndarray]
+    prefill_coef: dict[int, PrefillCoefficients]
     collective_coef: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
     # (src tp, dst tp) -> measured seconds of a switch before its sequences (see _fit_switch)
     switch_s: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -254,11 +279,10 @@ class LatencyModel:
             tp: fit_step([r for r in profile.decode if r.tp == tp], context_form)
             for tp in profile.tp_sizes
         }
-        prefill_coef = {}
-        for tp in sorted({r.tp for r in profile.prefill}):
-            rows = [r for r in profile.prefill if r.tp == tp]
-            tokens = np.array([r.tokens for r in rows], dtype=float)
-            prefill_coef[tp] = _fit_prefill(tokens, np.array([r.seconds for r in rows]))
+        prefill_coef = {
+            tp: _fit_prefill([r for r in profile.prefill if r.tp == tp])
+            for tp in sorted({r.tp for r in profile.prefill})
+        }
         collective_coef: dict[tuple[str, int], np.ndarray] = {}
         for op, group in sorted({(r.op, r.group_size) for r in profile.collectives}):
             same = [r for r in profile.collectives if (r.op, r.group_size) == (op, group)]
@@ -340,32 +364,28 @@ class LatencyModel:
         a, b, c, e = fit.coef.tolist()
         return StepCoefficients(a, b, c, e, fit.knees, fit.slope_changes)
 
-    def prefill_coefficients(self, tp: int) -> tuple[float, float, float]:
-        """(a, b, c) of a + Σ (b·T + c·T²) over a batch of sequences of T tokens."""
-        a, b, c = self._prefill(tp).tolist()
-        return a, b, c
-
-    def send_coefficients(self) -> tuple[float, float]:
-        """(α, seconds per byte) of a point-to-point transfer."""
-        alpha, per_byte = self._collective("send", 2).tolist()
-        return alpha, per_byte
-
-    def _prefill(self, tp: int) -> np.ndarray:
+    def prefill_coefficients(self, tp: int) -> PrefillCoefficients:
+        """Of a prefill step: see `PrefillCoefficients`."""
         if tp not in self.prefill_coef:
             raise KeyError(
                 f"no prefill rows for tp={tp}; the profile has {sorted(self.prefill_coef)}"
             )
         return self.prefill_coef[tp]
 
+    def send_coefficients(self) -> tuple[float, float]:
+        """(α, seconds per byte) of a point-to-point transfer."""
+        alpha, per_byte = self._collective("send", 2).tolist()
+        return alpha, per_byte
+
     def prefill_fixed(self, tp: int) -> float:
-        """Seconds a prefill batch costs however few tokens it holds."""
-        return float(self._prefill(tp)[0])
+        """Seconds a prefill batch costs however few sequences it holds."""
+        return self.prefill_coefficients(tp).fixed
 
     def prefill_marginal(self, tp: int, tokens: np.ndarray) -> np.ndarray:
         """Seconds one more sequence of `tokens` adds to a prefill batch."""
-        _, b, c = self._prefill(tp)
+        _, s, b, c = self.prefill_coefficients(tp)
         t = np.asarray(tokens, dtype=float)
-        return np.asarray(b * t + c * t * t)
+        return np.asarray(s + b * t + c * t * t)
 
     def prefill_time(self, tp: int, lengths: Sequence[int] | np.ndarray) -> float:
         """Seconds to prefill a batch of sequences of these lengths (0 for an empty batch)."""

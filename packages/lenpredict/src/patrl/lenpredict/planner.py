@@ -137,6 +137,7 @@ class _SwitchCosts:
     of target j, row r start at `group_start[j, r]`, one per replica)."""
 
     migrate_per_token: np.ndarray  # seconds to move one token's KV heads that change rank
+    prefill_s: np.ndarray  # (targets, 1, 1) recompute: per sequence, per token, per token²
     prefill_b: np.ndarray
     prefill_c: np.ndarray
     fixed: np.ndarray  # (targets, 1): barrier + weight reshard
@@ -164,8 +165,9 @@ class _SwitchCosts:
         capacity = [planner._capacity[t] for t in targets]
         return cls(
             migrate_per_token=migrate[:, None, None],
-            prefill_b=prefill[:, 1, None, None],
-            prefill_c=prefill[:, 2, None, None],
+            prefill_s=prefill[:, 1, None, None],
+            prefill_b=prefill[:, 2, None, None],
+            prefill_c=prefill[:, 3, None, None],
             fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
             per_seq=np.array([latency.switch_per_seq_time(src, t) for t in targets])[:, None],
             per_token=np.array([latency.switch_per_token_time(src, t) for t in targets])[:, None],
@@ -285,7 +287,7 @@ class ReconfigPlanner:
         k = self._switch_constants(src.tp, tuple(t.tp for t in targets), rows)
         ctx = context.astype(float)
         migrate_cost = ctx * k.migrate_per_token  # (m, rows, n)
-        recompute_cost = (k.prefill_b + k.prefill_c * ctx) * ctx
+        recompute_cost = k.prefill_s + (k.prefill_b + k.prefill_c * ctx) * ctx
         migrate = migrate_cost <= recompute_cost
         moves = alive & holds_kv
         # five per-replica sums in one bincount: weights stacked, keys offset by `size` each

@@ -89,11 +89,15 @@ class DecodeRow(_Strict):
 
 
 class PrefillRow(_Strict):
-    """Prefill of one sequence of `tokens` tokens."""
+    """One prefill step of `num_seqs` sequences of `tokens` tokens each. Rows of several
+    sequences are what price the work a prefill does per sequence rather than per token: the
+    LM head on its last position and the sampler's draw (on a 152k vocabulary, more than 8
+    prompt tokens' worth each, 2026-11-24)."""
 
     tp: int = Field(gt=0)
     tokens: int = Field(gt=0)
     seconds: float = Field(gt=0)
+    num_seqs: int = Field(default=1, gt=0)
 
 
 class CollectiveRow(_Strict):

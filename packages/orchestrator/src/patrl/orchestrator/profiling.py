@@ -48,7 +48,8 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
 # 2: measured switch prices (SwitchRow), which the planner uses in place of a traffic estimate.
 # 3: every TP group of a size measured at once, as replicas run side by side.
 # 4: switches also timed with sequences in flight (their per-sequence and per-token price).
-PROFILER_VERSION = 4
+# 5: prefill rows of several sequences (what each adds: its LM head row, its sampler draw).
+PROFILER_VERSION = 5
 
 
 def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: ProfileGrid) -> str:

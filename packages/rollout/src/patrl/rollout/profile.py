@@ -6,8 +6,9 @@ lenpredict `Profile` (JSON) that the latency model is fitted from.
 
 A decode row is the median time of `engine.step()` calls (scheduling and sampling included:
 that is what a rollout pays per step) of a batch of B sequences holding C tokens in total,
-forced with `ignore_eos` and `max_tokens`. A prefill row is one `step()` that prefills one
-sequence of T tokens. Every cell is measured once per pass and the passes are interleaved, so a
+forced with `ignore_eos` and `max_tokens`. A prefill row is one `step()` that prefills N
+distinct sequences of T tokens each (N from `prefill_seqs`: one alone prices the tokens, several
+price what each sequence adds, its LM head row and its sampler draw). Every cell is measured once per pass and the passes are interleaved, so a
 burst of load from another process on a shared machine hits one sample of a row, not all of
 them; a row is the median over passes.
 
@@ -73,6 +74,8 @@ class ProfileGrid:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     contexts: tuple[int, ...] = (16, 64, 128, 256, 512)
     prefill_tokens: tuple[int, ...] = (8, 32, 64, 128, 256, 512)
+    # sequences per prefill row, each at every prefill_tokens
+    prefill_seqs: tuple[int, ...] = (1, 4)
     collective_bytes: tuple[int, ...] = (4, 4096, 65536, 1 << 20, 4 << 20)
     decode_steps: int = 8  # timed decode steps per cell and pass
     passes: int = 3
@@ -86,7 +89,8 @@ class ProfileGrid:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "collective_bytes"):
+        names = ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "prefill_seqs")
+        for name in (*names, "collective_bytes"):
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be non-empty positive integers, got {values}")
@@ -113,6 +117,10 @@ class ProfileGrid:
 
     def decode_cells(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.batch_sizes for c in self.contexts]
+
+    def prefill_cells(self) -> list[tuple[int, int]]:
+        """(sequences, tokens each) of every prefill row."""
+        return [(n, t) for n in self.prefill_seqs for t in self.prefill_tokens]
 
 
 def quick_grid(tp_sizes: Sequence[int] = (1,)) -> ProfileGrid:
@@ -209,12 +217,14 @@ def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig
     longest = max(grid.contexts) + grid.decode_steps + 1
     batch = max(grid.batch_sizes)
     block = base.block_size
-    blocks = batch * -(-longest // block) + -(-grid.max_model_len // block) + 1
+    prefill_blocks = max(n * -(-(t + 1) // block) for n, t in grid.prefill_cells())
+    blocks = max(batch * -(-longest // block), prefill_blocks) + -(-grid.max_model_len // block) + 1
+    prefill_tokens = max(n * t for n, t in grid.prefill_cells())
     return base.model_copy(
         update={
             "num_kv_blocks": blocks,
-            "max_num_seqs": batch,
-            "max_num_batched_tokens": max(batch * max(grid.contexts), max(grid.prefill_tokens)),
+            "max_num_seqs": max(batch, *grid.prefill_seqs),
+            "max_num_batched_tokens": max(batch * max(grid.contexts), prefill_tokens),
             "max_model_len": grid.max_model_len,
             "tp_policy": StaticTP(),  # each cell is measured at one fixed layout
         }
@@ -224,7 +234,7 @@ def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig
 @dataclass(slots=True)
 class _Samples:
     decode: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    prefill: dict[int, list[float]] = field(default_factory=dict)
+    prefill: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
 
 def _prompts(engine: Engine, count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -279,12 +289,17 @@ def measure_prefill(
     seed: int,
     clock: Callable[[], float] = time.perf_counter,
     temperature: float = 1.0,
+    num_seqs: int = 1,
 ) -> float:
+    """Seconds of the one step that prefills `num_seqs` distinct prompts of `tokens` tokens."""
     params = SamplingParams(temperature=temperature, seed=seed, ignore_eos=True, max_tokens=1)
-    engine.add_request(_prompts(engine, 1, tokens, seed)[0], params)
+    for prompt in _prompts(engine, num_seqs, tokens, seed):
+        engine.add_request(prompt, params)
     prefill = [s for s, is_prefill, _ in timed_steps(engine, clock) if is_prefill]
     if len(prefill) != 1:
-        raise RuntimeError(f"a {tokens}-token prompt took {len(prefill)} prefill steps, not 1")
+        raise RuntimeError(
+            f"{num_seqs} prompts of {tokens} tokens took {len(prefill)} prefill steps, not 1"
+        )
     return prefill[0]
 
 
@@ -310,9 +325,9 @@ def measure_engine(
             samples.decode.setdefault((batch, context), []).append(seconds)
             seed += 1
             tick()
-        for tokens in grid.prefill_tokens:
-            samples.prefill.setdefault(tokens, []).append(
-                measure_prefill(engine, tokens, seed, clock, grid.temperature)
+        for num_seqs, tokens in grid.prefill_cells():
+            samples.prefill.setdefault((num_seqs, tokens), []).append(
+                measure_prefill(engine, tokens, seed, clock, grid.temperature, num_seqs)
             )
             seed += 1
             tick()
@@ -326,8 +341,8 @@ def measure_engine(
         for (b, c), t in samples.decode.items()
     ]
     prefill = [
-        PrefillRow(tp=tp, tokens=n, seconds=statistics.median(t))
-        for n, t in samples.prefill.items()
+        PrefillRow(tp=tp, tokens=t, num_seqs=n, seconds=statistics.median(s))
+        for (n, t), s in samples.prefill.items()
     ]
     return decode, prefill
 
@@ -412,7 +427,7 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 def _num_ticks(grid: ProfileGrid, tp_sizes: Sequence[int]) -> int:
-    per_tp = grid.passes * (len(grid.decode_cells()) + len(grid.prefill_tokens))
+    per_tp = grid.passes * (len(grid.decode_cells()) + len(grid.prefill_cells()))
     ops = [len(COLLECTIVE_OPS) - (tp != 2) for tp in tp_sizes if tp > 1]
     return per_tp * len(tp_sizes) + sum(ops) * len(grid.collective_bytes)
 
@@ -615,6 +630,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+")
     p.add_argument("--context", type=int, nargs="+", help="tokens per sequence of decode cells")
     p.add_argument("--prefill-tokens", type=int, nargs="+")
+    p.add_argument(
+        "--prefill-seqs", type=int, nargs="+", help="sequences per prefill row (default 1 4)"
+    )
     p.add_argument("--passes", type=int, help="interleaved passes over the grid (medians)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds on a tiny model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -636,6 +654,7 @@ def grid_from_args(args: argparse.Namespace, world_size: int) -> ProfileGrid:
         "batch_sizes": args.batch_sizes,
         "contexts": args.context,
         "prefill_tokens": args.prefill_tokens,
+        "prefill_seqs": args.prefill_seqs,
         "passes": args.passes,
         "clock": args.clock,
     }
