@@ -6,14 +6,24 @@
 
 Shapes (random-init Llamas built here, fp32, saved with safetensors under
 benchmarks/results/models or $PATRL_CACHE_DIR):
-- "vocab_2l" (the crossover shape, 302M parameters: Qwen2.5-0.5B's hidden 896, intermediate
-  4864, 14 heads, 2 KV heads and 151,936-token vocabulary, 2 layers, untied head). 90% of the
-  weights are the embedding and the head. At batch 1 TP=2 halves the head each rank reads
-  (2026-11-23: tp2 0.032-0.043 vs tp1 0.053 s a step); at 64 sequences the ranks of a TP group
-  each gather and sample all 64 rows of 152k logits (the engine samples replicated, as vLLM's
-  TP workers do), which costs about as much as the half head they compute, so two tp-1
-  replicas of 32 win (fitted 0.26 vs 0.40 s a step). Rollouts of 64 sequences, checks every 8
-  decode steps.
+- "vocab_2l_h512" (the crossover shape, 166M parameters: Qwen2.5-0.5B's 151,936-token
+  vocabulary and untied head, 94% of the weights, on 2 layers of width 512, intermediate 2816,
+  8 heads, 2 KV heads). At batch 1 TP=2 halves the head each rank reads (2026-11-24: tp2
+  0.010-0.012 vs tp1 0.016-0.018 s a step); at 64 sequences the ranks of a TP group each
+  gather and sample all 64 rows of 152k logits (the engine samples replicated, as vLLM's TP
+  workers do), which at this width costs more than the half head they save, so two tp-1
+  replicas of 32 win (fitted 0.10-0.12 vs 0.14-0.16 s a step). Rollouts of 64 sequences,
+  checks every 8 decode steps. How it was chosen: the vocab_2l family at widths 384-896 was
+  profiled and each profile given to crossover_ceiling.py; on the per-sample long-tail
+  workload the simulator put the planner (true lengths) at 0.87x the best static at width 512,
+  0.88 at 640, 0.90 at 384, 448 and 576, and 0.92-0.94 at 896. A narrower model makes two
+  replicas win the full batch by more (the replicated sampling weighs more beside the head)
+  and TP win the tail by less; 512 balances the two.
+- "vocab_2l" (width 896, 302M parameters, Qwen2.5-0.5B's width and heads): the crossover shape
+  until 2026-11-24. Two tp-1 replicas beat one tp-2 group at 64 sequences by only 1.17-1.2x,
+  so even switching for free at every step adaptive could not beat 0.85x the best static on
+  any workload (`patrl.lenpredict.adaptive_ceiling`: 0.84-0.86 on its profile); it measured
+  0.88-0.90x on the per-sample long tail.
 - "wide_2l" (the first crossover candidate, 159M parameters: hidden 2048, intermediate 8192,
   2 layers, 16 heads, 8 KV heads, vocab 8192). The hoped-for crossover: at batch 1 a decode step
   is memory-bound (every weight read once a step), so TP=2 halves the bytes each rank reads
@@ -80,6 +90,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,16 +152,27 @@ TARGET_LONG_TAIL = 0.85  # adaptive / best static on long-tail, shape with a cro
 TARGET_ELSEWHERE = 1.03
 TARGET_CONTROL = 0.02  # control time / decode time
 
+
 # what a shape is for: "crossover" shapes are held to the long-tail speed-up target, "none"
 # shapes to no switching
-SHAPE_ROLE = {
-    "vocab_2l": "crossover",
-    "vocab_2l_h512": "crossover",
-    "vocab_2l_h384": "crossover",
-    "wide_2l": "none",
-    "wide_6l": "none",
-    "tiny": "none",
-}
+def vocab_2l(hidden: int) -> dict[str, Any]:
+    """Qwen2.5-0.5B's 151,936-token vocabulary and untied head on 2 layers of width `hidden`
+    (intermediate 5.5x, heads of 64, or 32 where that gives an odd count, 2 KV heads)."""
+    head_dim = 64 if (hidden // 64) % 2 == 0 else 32
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 2 // 32 * 32,
+        num_hidden_layers=2,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
+
+
+# what a shape is for: "crossover" shapes are held to the long-tail speed-up target, "none"
+# shapes to no switching. The vocab_2l family at any width is "vocab_2l_h<width>".
+SHAPE_ROLE = {"vocab_2l_h512": "crossover", "wide_2l": "none", "wide_6l": "none", "tiny": "none"}
 SHAPES: dict[str, dict[str, Any]] = {
     "wide_6l": dict(
         hidden_size=1024,
@@ -171,7 +193,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
     # Qwen2.5-0.5B's width, heads and vocabulary, 2 layers: 302M parameters, 90% of them the
-    # embedding and the untied head
+    # embedding and the untied head (the crossover shape until 2026-11-24)
     "vocab_2l": dict(
         hidden_size=896,
         intermediate_size=4864,
@@ -181,25 +203,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         tie_word_embeddings=False,
     ),
-    # candidate: vocab_2l at hidden 512
-    "vocab_2l_h512": dict(
-        hidden_size=512,
-        intermediate_size=2816,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
-    "vocab_2l_h384": dict(
-        hidden_size=384,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
+    # the crossover shape: 166M parameters, 94% of them the embedding and the head
+    "vocab_2l_h512": vocab_2l(512),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -403,16 +408,39 @@ def model_dir(shape: str) -> Path:
     return cache_root() / f"adaptive_tp_{shape}"
 
 
+def shape_config(shape: str) -> dict[str, Any]:
+    """The Llama config fields of a named shape, or of "vocab_2l_h<width>" for any width."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    width = shape.removeprefix("vocab_2l_h")
+    if shape.startswith("vocab_2l_h") and width.isdigit() and int(width) % 64 == 0:
+        return vocab_2l(int(width))
+    raise SystemExit(
+        f"unknown shape {shape!r}; choose from {sorted(SHAPES)} or vocab_2l_h<width>, the "
+        "width a multiple of 64"
+    )
+
+
+def shape_role(shape: str) -> str:
+    return SHAPE_ROLE.get(shape, "crossover" if shape.startswith("vocab_2l") else "none")
+
+
 def build_model(shape: str) -> Path:
-    """Rank 0 only: save a random-init Llama of `shape` once (write, then rename)."""
+    """Rank 0 only: save a random-init Llama of `shape` once (write, then rename); a cached
+    one of other dimensions (a shape whose definition changed) is built again."""
     path = model_dir(shape)
+    wanted = shape_config(shape)
     if (path / "config.json").is_file():
-        return path
+        cached = json.loads((path / "config.json").read_text())
+        if all(cached.get(k) == v for k, v in wanted.items()):
+            return path
+        shutil.rmtree(path)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=MAX_POSITIONS, **SHAPES[shape])
+    config = LlamaConfig(max_position_embeddings=MAX_POSITIONS, **wanted)
     tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
     tmp.rename(path)
     return path
@@ -656,7 +684,7 @@ def run_shape(
     for policy in POLICIES:  # first steps of an engine pay one-off allocations
         rollout(engines, policy, warm, [0, 1], world)
     out: dict[str, Any] = {
-        "shape": {**SHAPES[shape], "num_params": profile.model.num_params},
+        "shape": {**shape_config(shape), "num_params": profile.model.num_params},
         "profile_path": str(profile_path),
         "profile_s": profile_s,
         "profile": summary,
@@ -845,7 +873,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
     profile has no crossover fails that line and is still held to the long-tail target."""
     out = []
     for shape, res in results["shapes"].items():
-        role = SHAPE_ROLE[shape]
+        role = shape_role(shape)
         if role == "crossover":
             crossover = res["profile"]["crossover"]
             out.append(
@@ -988,7 +1016,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (~1-2 min)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-only", action="store_true", help="profile the shapes, then stop")
-    ap.add_argument("--shapes", nargs="+", default=None, help="default: wide_2l tiny (quick: tiny)")
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, help="default: vocab_2l_h512 tiny (quick: tiny)"
+    )
     ap.add_argument(
         "--report", metavar="JSON", help="re-derive the verdicts of a results file and print it"
     )
@@ -1009,10 +1039,9 @@ def main() -> None:
             raise SystemExit(
                 f"run with torchrun --nproc_per_node 2, got world size {dist.get_world_size()}"
             )
-        shapes = args.shapes or (["tiny"] if args.quick else ["wide_2l", "tiny"])
-        unknown = [s for s in shapes if s not in SHAPES]
-        if unknown:
-            raise SystemExit(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
+        shapes = args.shapes or (["tiny"] if args.quick else ["vocab_2l_h512", "tiny"])
+        for shape in shapes:
+            shape_config(shape)  # exits naming an unknown shape
         suffix = "_quick" if args.quick else ""
         results: dict[str, Any] = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, gloo, 2 ranks x 1 torch thread",

@@ -1,7 +1,7 @@
 """SIMULATED on a MEASURED profile: how much can adaptive TP gain over the best static layout
 on this machine, whatever the workload?
 
-    python benchmarks/crossover_ceiling.py [--profile benchmarks/results/adaptive_tp_profile_vocab_2l.json]
+    python benchmarks/crossover_ceiling.py [--profile benchmarks/results/adaptive_tp_profile_vocab_2l_h512.json]
 
 The gain of folding replicas for the tail is bounded by the profile's crossover: how much
 faster two tp-1 replicas run the full batch, and how much faster one tp-2 group runs the
@@ -48,8 +48,8 @@ import simulate_cluster as cluster
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = ((8, 4), (8, 8), (16, 4))  # (prompts per replica, samples per prompt)
-VOCAB = 151_936  # vocab_2l's; only the prompts' token ids depend on it
-SCALE = bench.scale_for("vocab_2l", quick=False)
+VOCAB = 151_936  # the vocab_2l family's; only the prompts' token ids depend on it
+SCALE = bench.scale_for("vocab_2l_h512", quick=False)
 
 
 def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup]]:
@@ -101,13 +101,13 @@ def run(latency: LatencyModel, groups: list[PromptGroup]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=str(RESULTS / "adaptive_tp_profile_vocab_2l.json"))
+    ap.add_argument("--profile", default=str(RESULTS / "adaptive_tp_profile_vocab_2l_h512.json"))
     args = ap.parse_args()
     path = Path(args.profile)
     if not path.is_file():
         sys.exit(
             f"no profile at {path}: run `python benchmarks/adaptive_tp_bench.py --shapes "
-            "vocab_2l --profile-only` first, or pass --profile"
+            "vocab_2l_h512 --profile-only` first, or pass --profile"
         )
     latency = LatencyModel.fit(Profile.model_validate_json(path.read_text()))
     rows = []

@@ -193,6 +193,20 @@ def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s, prefi
         assert 0 < slow_migrate.sum() < len(slow_migrate)
 
 
+def test_never_switches_from_a_layout_no_candidate_beats_at_any_batch_or_context():
+    # gloo_like: TP=2+ dearer than TP=1 at every batch, and splitting the batch over more
+    # replicas always pays; compute_bound crosses over
+    config = PlannerConfig(candidate_tp=(1, 2), max_num_seqs=64)
+    gloo = ReconfigPlanner(latency(gloo_like), 2, config)
+    assert gloo.never_switches_from(Layout(2, 1), max_context=4096)
+    assert not gloo.never_switches_from(Layout(1, 2), max_context=4096)
+    crossing = ReconfigPlanner(latency(compute_bound), 2, config)
+    assert not crossing.never_switches_from(Layout(2, 1), max_context=4096)
+    # flat: no layout is ever faster than another, from anywhere
+    flat_planner = ReconfigPlanner(latency(flat), 8)
+    assert all(flat_planner.never_switches_from(layout, 8192) for layout in LAYOUTS)
+
+
 def test_flat_latency_model_never_switches():
     planner = ReconfigPlanner(latency(flat), 8)
     rng = np.random.default_rng(2)

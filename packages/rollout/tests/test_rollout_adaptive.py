@@ -357,10 +357,10 @@ def _planned(rank: int, world_size: int, model_dir: str, paths: list[str]) -> li
 
 
 def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
-    """Switching never pays (tp=2 5x slower at every batch): no switch, and after the first
-    check none but the closing one (the planner says nothing can change before the end).
-    Always pays (20x faster): one switch, at the first check, before any step (a full batch
-    is already better off at tp=2)."""
+    """Switching never pays (tp=2 5x slower at every batch): no switch, and no check but the
+    closing one (the planner proves from the profile that nothing can change, so no rank asks
+    the others). Always pays (20x faster): one switch, at the first check, before any step (a
+    full batch is already better off at tp=2)."""
     paths = []
     for speedup in (0.2, 20.0):
         paths.append(str(tmp_path / f"profile-{speedup}.json"))
@@ -368,13 +368,13 @@ def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
     results = run_ranks(_planned, 2, args=(str(llama_dir), paths), timeout_s=300)
     for never, always in results:
         assert never["switches"] == 0 and never["actions"].count("switch") == 0
-        assert never["checks"] == 2 and set(never["tps"]) == {1}
-        assert never["actions"] == ["stay"] and never["reasons"][0].startswith("no switch can pay")
+        assert never["checks"] == 1 and set(never["tps"]) == {1} and never["actions"] == []
         assert always["switches"] == 1 and always["actions"][0] == "switch"
         assert always["actions"].count("switch") == 1  # and never back: no oscillation
         assert set(always["tps"]) == {2}
         assert never["tokens"] == always["tokens"]
     assert [r["actions"] for r in results[0]] == [r["actions"] for r in results[1]]
+    assert results[0][1]["checks"] > 1
     # The critical path is reduced over the ranks: the same everywhere, the busiest decode.
     for a, b in zip(*results, strict=True):
         assert a["critical"] == b["critical"] and a["critical"][0] > 0

@@ -29,6 +29,7 @@ to their replicas).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ import numpy as np
 import torch.distributed as dist
 
 from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
+from patrl.lenpredict.planner import NEVER
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
@@ -47,6 +49,8 @@ from patrl.tpreshard.comm import broadcast_obj, gather_objects
 
 if TYPE_CHECKING:
     from patrl.rollout.engine import Engine
+
+logger = logging.getLogger(__name__)
 
 
 class Planner(Protocol):
@@ -227,6 +231,7 @@ class TPController:
         # waiting for a busier replica) and a moving average of this rank's decode steps
         self._check_cost_s: float | None = None
         self._step_s: float | None = None
+        self._static_at: dict[tuple[int, int], bool] = {}  # (dp, tp) -> never_switches_from
 
     # ------------------------------------------------------------------ rollout
 
@@ -257,6 +262,10 @@ class TPController:
         switching_before = self.stats.reconfig_s
         steps_left = 0
         opened = False
+        if rollout.quota is None and self._never_switches(engine):
+            # no check could ever switch from here: none until this rank is done (the last
+            # one, which ends the rollout everywhere and feeds the length model, stays)
+            steps_left, opened = NEVER, True
         while True:
             if steps_left <= 0 or not engine.has_unfinished():
                 verdict = self._check(engine, rollout, had_work=engine.has_unfinished())
@@ -363,6 +372,26 @@ class TPController:
             verdict.record.t = time.perf_counter() - rollout.start  # this rank's clock
             rollout.records.append(verdict.record)
         return verdict
+
+    def _never_switches(self, engine: Engine) -> bool:
+        """Whether the planner proves, from the profile alone, that no rollout opened at the
+        engine's layout can switch (`ReconfigPlanner.never_switches_from`): the same answer on
+        every rank, without a collective. A planner that cannot tell (a test's) is asked."""
+        prove = getattr(self.planner, "never_switches_from", None)
+        if prove is None:
+            return False
+        layout = engine.layout
+        key = (layout.dp_size, layout.tp_size)
+        if key not in self._static_at:
+            static = bool(prove(Layout(*key), engine.config.max_model_len))
+            self._static_at[key] = static
+            if static:
+                logger.info(
+                    "adaptive TP: no candidate layout is faster than dp%dxtp%d at any batch or "
+                    "context on this profile; rollouts opened there run without checks",
+                    *key,
+                )
+        return self._static_at[key]
 
     def check_interval(self) -> int:
         """Decode steps to the next check: `check_every`, or more where one check would cost
