@@ -361,11 +361,12 @@ class ReconfigPlanner:
 
     def never_switches_from(self, current: Layout, max_context: int) -> bool:
         """True when no rollout opened at `current` can ever switch: no candidate is faster
-        than it at any batch its replicas can hold (max_num_seqs each) with sequences of 1 to
-        `max_context` tokens. Every rank of an engine answers alike from the same profile, so
-        the engine can skip its checks without asking the others (a tiny model, for which
-        TP=2 never pays: each check cost 1-2% of a 0.08 s rollout on the CPU box)."""
-        n = current.dp * self.config.max_num_seqs
+        than it at any batch a replica can hold (max_num_seqs, on either side of a switch)
+        with sequences of 1 to `max_context` tokens. Every rank of an engine answers alike
+        from the same profile, so the engine can skip its checks without asking the others (a
+        tiny model, for which TP=2 never pays: its opening check cost 1-3% of a 0.08 s
+        rollout on the CPU box)."""
+        n = self.config.max_num_seqs
         targets = [t for t in self.candidates if t != current and nested(t, current)]
         return all(self._no_faster_step(current, t, n, (1.0, float(max_context))) for t in targets)
 
