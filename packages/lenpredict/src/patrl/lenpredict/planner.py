@@ -137,7 +137,8 @@ class _SwitchCosts:
     of target j, row r start at `group_start[j, r]`, one per replica)."""
 
     migrate_per_token: np.ndarray  # seconds to move one token's KV heads that change rank
-    prefill_s: np.ndarray  # (targets, 1, 1) recompute: per sequence, per token, per token²
+    # (targets, 1, 1) each: a recompute's seconds per sequence, per token and per token²
+    prefill_s: np.ndarray
     prefill_b: np.ndarray
     prefill_c: np.ndarray
     fixed: np.ndarray  # (targets, 1): barrier + weight reshard
@@ -363,9 +364,9 @@ class ReconfigPlanner:
         """True when no rollout opened at `current` can ever switch: no candidate is faster
         than it at any batch a replica can hold (max_num_seqs, on either side of a switch)
         with sequences of 1 to `max_context` tokens. Every rank of an engine answers alike
-        from the same profile, so the engine can skip its checks without asking the others (a
-        tiny model, for which TP=2 never pays: its opening check cost 1-3% of a 0.08 s
-        rollout on the CPU box)."""
+        from the same profile, so the engine can skip its checks without asking the others:
+        for a model too small for TP to pay, an opening check alone costs 1-3% of a 0.08 s
+        rollout on the CPU box."""
         n = self.config.max_num_seqs
         targets = [t for t in self.candidates if t != current and nested(t, current)]
         return all(self._no_faster_step(current, t, n, (1.0, float(max_context))) for t in targets)

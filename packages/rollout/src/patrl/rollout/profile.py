@@ -7,10 +7,11 @@ lenpredict `Profile` (JSON) that the latency model is fitted from.
 A decode row is the median time of `engine.step()` calls (scheduling and sampling included:
 that is what a rollout pays per step) of a batch of B sequences holding C tokens in total,
 forced with `ignore_eos` and `max_tokens`. A prefill row is one `step()` that prefills N
-distinct sequences of T tokens each (N from `prefill_seqs`: one alone prices the tokens, several
-price what each sequence adds, its LM head row and its sampler draw). Every cell is measured once per pass and the passes are interleaved, so a
-burst of load from another process on a shared machine hits one sample of a row, not all of
-them; a row is the median over passes.
+distinct sequences of T tokens each (N from `prefill_seqs`: one alone prices the tokens,
+several price what each sequence adds, its LM head row and its sampler draw). Every cell is
+measured once per pass and the passes are interleaved, so a burst of load from another
+process on a shared machine hits one sample of a row, not all of them; a row is the median
+over passes.
 
 Under torchrun every rank builds the groups of every candidate TP size up front
 (`tpreshard.GroupCache`); rows of TP size tp are measured by every TP group of that size at
