@@ -193,6 +193,32 @@ def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s, prefi
         assert 0 < slow_migrate.sum() < len(slow_migrate)
 
 
+def crosses_at_20(tp: int, batch: int, context: int) -> float:
+    """TP=2 pays a fixed 4 ms more a step and 0.2 ms less per sequence: one tp-2 replica beats
+    one tp-1 replica holding the same batch past 20 sequences."""
+    return (0.005 + 0.0008 * batch if tp > 1 else 0.001 + 0.001 * batch) + 1e-9 * context
+
+
+def test_the_shortcut_bounds_the_batch_by_the_busiest_replica():
+    """Two tp-1 replicas of 16 can never be beaten by merging them: whatever finishes first,
+    a merged step of x + y sequences costs more than the slower replica's step of max(x, y)
+    (checked over every x, y <= 16, step by step); with 24 on one replica it can (a tp-2
+    step of 24 beats a tp-1 step of 24), so the planner prices the switch."""
+    model = LatencyModel.fit(profile_from(crosses_at_20, tp_sizes=(1, 2), num_devices=2))
+    step = lambda tp, b: float(model.step_time(tp, b, b * 60))  # noqa: E731
+    assert all(
+        step(2, x + y) >= max(step(1, x), step(1, y)) for x in range(17) for y in range(17) if x + y
+    )
+    assert step(2, 24) < step(1, 24)
+    planner = ReconfigPlanner(model, 2, PlannerConfig(candidate_tp=(1, 2)))
+    for split, never in (((16, 16), True), ((24, 8), False)):
+        replica = np.repeat([0, 1], split)
+        rs = RunningSet(np.arange(32), replica, np.full(32, 50), np.full((32, 1), 10.0))
+        planner.new_rollout()
+        decision = planner.decide(rs, Layout(2, 1))
+        assert (decision.recheck_steps == NEVER) is never, (split, decision.reason)
+
+
 def test_never_switches_from_a_layout_no_candidate_beats_at_any_batch_or_context():
     # gloo_like: TP=2+ dearer than TP=1 at every batch, and splitting the batch over more
     # replicas always pays; compute_bound crosses over

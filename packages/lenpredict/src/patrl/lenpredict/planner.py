@@ -334,22 +334,26 @@ class ReconfigPlanner:
         return np.array(sorted(d for d in delays if d > 0))
 
     def _never_pays(self, current: Layout, target: Layout, running: RunningSet) -> bool:
-        """True when no moment of this rollout can make `target` faster than `current`: the
-        running set only shrinks, and at every batch size it can still have, a step of the
-        target is no faster than one of the current layout's replicas in its best case
-        (`_no_faster_step`), at the shortest and the longest context a sequence can have."""
+        """True when no moment of this rollout can make `target` faster than `current`: each
+        replica's sequences only shrink, and at every batch size the busiest replica can
+        still have, a step of the target is no faster than one of the current layout's
+        replicas in its best case (`_no_faster_step`), at the shortest and the longest
+        context a sequence can have."""
         longest = float(running.context.max() + running.remaining.max())
         contexts = (float(running.context.min()), longest)
-        return self._no_faster_step(current, target, len(running), contexts)
+        busiest = int(np.bincount(running.replica).max())
+        return self._no_faster_step(current, target, busiest, contexts)
 
     def _no_faster_step(
         self, current: Layout, target: Layout, n: int, contexts: tuple[float, ...]
     ) -> bool:
-        """Growing merges replicas whose busiest holds at most all B sequences: it never pays
-        if step(target, B) >= step(current, B) for every B <= n. Shrinking splits B over k
-        replicas, at best ceil(B / k) each: it never pays if step(target, ceil(B / k)) >=
-        step(current, B). Every sequence at each of `contexts` tokens, all must agree (the
-        context term may favour either side; a step is linear in it between two)."""
+        """With at most n sequences on any replica of `current`. Growing merges replicas into
+        one that holds their sum, and is slowed by their busiest, of B <= n: the merge is
+        fastest against it when the others are empty, so it never pays if step(target, B) >=
+        step(current, B) for every B <= n. Shrinking splits a replica's B over k, at best
+        ceil(B / k) each: it never pays if step(target, ceil(B / k)) >= step(current, B).
+        Every sequence at each of `contexts` tokens, all must agree (the context term may
+        favour either side; a step is linear in it between two)."""
         batch = np.arange(1, n + 1, dtype=float)
         grow = target.tp > current.tp
         mine = batch if grow else np.ceil(batch / (current.tp // target.tp))
