@@ -181,3 +181,54 @@ def test_batched_prediction_equals_one_at_a_time(max_length, history):
     assert fast_report["coverage"] == slow_report["coverage"]
     with pytest.raises(ValueError, match="2 seq ids, 1 group ids, 2 current lengths"):
         many.predict_remaining_many(["x", "y"], ["a"], np.array([1, 2]))
+
+
+def test_cached_predictions_equal_a_fresh_replay():
+    """Asked at every event (its caches warm: global mean, shape, group scales) a predictor
+    predicts what one fed the same events and asked only at the end predicts. Covers groups of
+    one (no shape ratio: the global spread stands in and moves with every length), an aborted
+    group closed from outside, and two open groups of one prompt."""
+    rng = np.random.default_rng(5)
+    events = [("start", f"g{i}", f"p{i % 3}", int(rng.integers(1, 4))) for i in range(9)]
+    finishes = [
+        ("finish", f"g{i}", f"g{i}/{k}", int(rng.integers(5, 400)))
+        for i in range(9)
+        for k in range(events[i][3])
+    ]
+    events += [finishes[i] for i in rng.permutation(len(finishes))]  # groups interleaved
+    events.insert(12, ("end", "g7", "", 0))  # g7 aborted before any of its samples finished
+    events = [e for e in events if not (e[0] == "finish" and e[1] == "g7")]
+    # g4 (prompt p1, beside g1 and g7) aborted after its first sample: its prompt's history
+    # moves while g1 is open
+    first = next(i for i, e in enumerate(events) if e[0] == "finish" and e[1] == "g4")
+    events = [e for i, e in enumerate(events) if not (i > first and e[1] == "g4")]
+    events.insert(first + 1, ("end", "g4", "", 0))
+    open_groups = {f"g{i}" for i in range(9)}
+    warm = LengthPredictor()
+    for n, event in enumerate(events):
+        kind, group, arg, value = event
+        if kind == "start":
+            warm.start_group(group, arg, value)
+        elif kind == "finish":
+            warm.observe_finished(arg, group, value)
+        else:
+            warm.end_group(group)
+        live = sorted(g for g in open_groups if g in warm._groups)
+        if not live:
+            continue
+        fresh = LengthPredictor()
+        for kind2, group2, arg2, value2 in events[: n + 1]:
+            if kind2 == "start":
+                fresh.start_group(group2, arg2, value2)
+            elif kind2 == "finish":
+                fresh.observe_finished(arg2, group2, value2)
+            else:
+                fresh.end_group(group2)
+        current = np.full(len(live), 30)
+        ids = [f"{g}/probe{n}" for g in live]
+        np.testing.assert_allclose(
+            warm.predict_remaining_many(ids, live, current),
+            fresh.predict_remaining_many(ids, live, current),
+            rtol=1e-12,
+        )
+        assert warm.global_mean() == pytest.approx(fresh.global_mean(), rel=1e-12)

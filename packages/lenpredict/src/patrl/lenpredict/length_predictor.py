@@ -71,6 +71,7 @@ class LengthPredictor:
         self._scored = 0
         self._shape_cache: np.ndarray | None = None
         self._version = 0  # bumped by every observation: invalidates cached group scales
+        self._mean_cache: tuple[int, float] | None = None  # (version, global mean)
 
     # --- learning -----------------------------------------------------------------------
 
@@ -94,6 +95,8 @@ class LengthPredictor:
         group.finished.append(length)
         self._lengths.append(length)
         self._version += 1
+        if not self._ratios:
+            self._shape_cache = None  # the global spread stands in for the shape: it moved
         self._score(seq_id, length)
         if len(group.finished) == group.size:
             self.end_group(group_id)
@@ -103,6 +106,7 @@ class LengthPredictor:
         group = self._groups.pop(group_id)
         if not group.finished:
             return
+        self._version += 1  # the prompt's history moves: its other groups' scales with it
         mean = float(np.mean(group.finished))
         old = self._prompts.get(group.prompt_id)
         alpha = self.config.ewma_alpha
@@ -121,7 +125,12 @@ class LengthPredictor:
     # --- prediction ---------------------------------------------------------------------
 
     def global_mean(self) -> float:
-        return float(np.mean(self._lengths)) if self._lengths else self.config.default_length
+        """Mean of the finished lengths in the window (cached per observation: every group's
+        scale asks for it, and at every check)."""
+        if self._mean_cache is None or self._mean_cache[0] != self._version:
+            mean = float(np.mean(self._lengths)) if self._lengths else self.config.default_length
+            self._mean_cache = (self._version, mean)
+        return self._mean_cache[1]
 
     def survival(self, length: int, k: int) -> float:
         """Global P(L > length + k | L > length) over the finished lengths seen."""
