@@ -146,6 +146,79 @@ def test_state_dict_round_trip():
     assert restored.expected_length("p3") == predictor.expected_length("p3")
     with pytest.raises(ValueError, match="config"):
         LengthPredictor(PredictorConfig(max_length=8)).load_state_dict(state)
+    # a checkpoint written before prompts kept their own samples still loads
+    del state["prompt_lengths"]
+    older = LengthPredictor(PredictorConfig(max_length=16384))
+    older.load_state_dict(state)
+    assert np.isfinite(older.predict_remaining("x", "open", 500)).all()
+
+
+def _prompt_history(config: PredictorConfig) -> LengthPredictor:
+    """Prompt "fail" answers 16, 16, 16 and once 60 (a failure mode, 3.75x its siblings);
+    twenty other prompts always answer 16 (their shape ratios are all 1)."""
+    predictor = LengthPredictor(config)
+    for epoch in range(3):
+        for prompt in ["fail", *(f"same{i}" for i in range(20))]:
+            group = f"{prompt}@{epoch}"
+            predictor.start_group(group, prompt, 4)
+            lengths = (16, 16, 16, 60) if prompt == "fail" else (16, 16, 16, 16)
+            for k, length in enumerate(lengths):
+                predictor.observe_finished(f"{group}/{k}", group, length)
+    return predictor
+
+
+def test_a_prompts_own_past_samples_predict_its_long_ones():
+    """Once its three short siblings have finished, the long sample of "fail" is predicted
+    from what this prompt did before (44 more tokens), not from the pooled shape alone, in
+    which every other prompt's samples are alike (a few tokens more)."""
+    config = PredictorConfig(quantiles=(0.1, 0.5, 0.9))
+    pooled_only = _prompt_history(config.model_copy(update={"prompt_samples": 0}))
+    own = _prompt_history(config)
+    for p in (pooled_only, own):
+        p.start_group("now", "fail", 4)
+        for k in range(3):
+            p.observe_finished(f"now/{k}", "now", 16)
+    pooled_median = pooled_only.predict_remaining("a", "now", 20)[1]
+    own_median = own.predict_remaining("b", "now", 20)[1]
+    assert pooled_median < 10
+    # 3 past samples longer than 20 (all 60): weight 3 / (3 + 2) on 40 remaining
+    assert own_median == pytest.approx(pooled_median + 0.6 * (40 - pooled_median))
+
+
+@pytest.mark.parametrize("max_length", [None, 50])
+def test_prompt_blend_matches_a_per_sample_recount(max_length):
+    """The prompt blend against a recount with np.quantile, sample by sample: the pooled
+    prediction (a twin predictor that keeps no prompt samples), each prompt's past samples
+    longer than the current length, weight m / (m + prompt_weight). With a cap, the one-sample
+    path (predict_remaining) against the batched one."""
+    config = PredictorConfig(quantiles=(0.1, 0.25, 0.5, 0.9), max_length=max_length)
+    own = _prompt_history(config)
+    pooled = _prompt_history(config.model_copy(update={"prompt_samples": 0}))
+    past = {"fail": np.array([16, 16, 16, 60] * 3, dtype=float), "same0": np.full(12, 16.0)}
+    levels = np.asarray(config.quantiles)
+    for p in (own, pooled):
+        for prompt in past:
+            p.start_group(f"{prompt}@now", prompt, 4)
+    rng = np.random.default_rng(0)
+    prompts = rng.choice(list(past), 40).tolist()
+    current = rng.integers(0, 70, 40).astype(float)
+    groups = [f"{prompt}@now" for prompt in prompts]
+    fast = own.predict_remaining_many([f"s{i}" for i in range(40)], groups, current)
+    base = pooled.predict_remaining_many([f"s{i}" for i in range(40)], groups, current)
+    blended = 0
+    for i, (prompt, t) in enumerate(zip(prompts, current, strict=True)):
+        slow = own.predict_remaining(f"slow{i}", groups[i], int(t))
+        np.testing.assert_allclose(slow, fast[i], rtol=1e-12, atol=1e-12)
+        if max_length is not None:
+            continue
+        longer = past[prompt][past[prompt] > t]
+        expected = base[i]
+        if longer.size:
+            w = longer.size / (longer.size + config.prompt_weight)
+            expected = base[i] + w * (np.quantile(longer, levels) - t - base[i])
+            blended += 1
+        np.testing.assert_allclose(fast[i], np.maximum(expected, 1.0), rtol=1e-12)
+    assert max_length is not None or 0 < blended < 40
 
 
 @pytest.mark.parametrize("max_length", [None, 16384])

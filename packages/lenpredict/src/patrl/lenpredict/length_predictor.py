@@ -11,13 +11,18 @@ prompt's scale. μ_p is estimated from
 
 shrunk towards the global mean with fixed pseudo-counts. A running sequence at length l then
 has remaining-length quantiles from the survival model P(μ_p·R > l + k | μ_p·R > l), read off
-the sorted shape samples. Every prediction made for a sequence is scored when it finishes, so
-the predictor reports its own MAE and quantile coverage online.
+the sorted shape samples. Where the prompt's own past samples (the last `prompt_samples` of
+its completed groups) include m longer than l, their conditional quantiles are averaged in
+with weight m / (m + prompt_weight): the shape is pooled over every prompt, so a prompt whose
+samples split into short answers and a few 3x longer ones (a failure mode) looks, to it, like
+the many prompts whose samples are all alike, and its long samples were predicted 3-10x too
+short once their short siblings had finished. Every prediction made for a sequence is scored
+when it finishes, so the predictor reports its own MAE and quantile coverage online.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +42,10 @@ class PredictorConfig(BaseModel):
     window: int = Field(default=8192, gt=0)  # finished lengths / shape ratios kept
     max_length: int | None = Field(default=None, gt=0)  # max_response_length, caps every prediction
     default_length: float = Field(default=1024.0, gt=0)  # before anything has finished
+    # a prompt's own past sample lengths kept (0: none), and the pseudo-count of the pooled
+    # shape against those of them longer than a running sample
+    prompt_samples: int = Field(default=64, ge=0)
+    prompt_weight: float = Field(default=2.0, gt=0)
 
 
 @dataclass(slots=True)
@@ -72,6 +81,8 @@ class LengthPredictor:
         self._shape_cache: np.ndarray | None = None
         self._version = 0  # bumped by every observation: invalidates cached group scales
         self._mean_cache: tuple[int, float] | None = None  # (version, global mean)
+        self._prompt_lengths: dict[str, deque[int]] = {}  # of completed groups, newest last
+        self._prompt_sorted: dict[str, np.ndarray] = {}  # cache of the above, sorted
 
     # --- learning -----------------------------------------------------------------------
 
@@ -112,8 +123,15 @@ class LengthPredictor:
         alpha = self.config.ewma_alpha
         ewma = mean if old is None else alpha * mean + (1 - alpha) * old[0]
         self._prompts[group.prompt_id] = (ewma, 1 if old is None else old[1] + 1)
+        complete = len(group.finished) == group.size
+        if complete and self.config.prompt_samples:  # a cut-short group's are the short ones
+            kept = self._prompt_lengths.setdefault(
+                group.prompt_id, deque(maxlen=self.config.prompt_samples)
+            )
+            kept.extend(group.finished)
+            self._prompt_sorted.pop(group.prompt_id, None)
         # a group of one, or one cut short, says nothing about the spread inside a prompt
-        if group.size > 1 and len(group.finished) == group.size:
+        if group.size > 1 and complete:
             self._ratios.extend(length / mean for length in group.finished)
             self._shape_cache = None
 
@@ -180,7 +198,11 @@ class LengthPredictor:
 
     def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
         """Quantiles (at `config.quantiles`) of the remaining tokens of a running sample."""
-        quantiles = self._remaining(self.group_scale(group_id), current_length)
+        levels = np.asarray(self.config.quantiles)
+        pooled = self._conditional_quantiles(self.group_scale(group_id), current_length, levels)
+        current = np.array([float(current_length)])
+        prompt = [self._group(group_id).prompt_id]
+        quantiles = self._finish(pooled[None, :], prompt, current)[0]
         self._pending.setdefault(seq_id, []).append((current_length, quantiles.tolist()))
         return quantiles
 
@@ -216,19 +238,46 @@ class LengthPredictor:
             else:
                 beyond = 2 * levels[None, :] * current[:, None]
             remaining = np.where(inside[:, None], remaining, beyond)
-        if self.config.max_length is not None:
-            remaining = np.minimum(remaining, (self.config.max_length - current)[:, None])
-        remaining = np.maximum(remaining, 1.0)
+        prompts = [self._groups[g].prompt_id for g in group_ids]
+        remaining = self._finish(remaining, prompts, current)
         for seq_id, c, row in zip(seq_ids, current.tolist(), remaining.tolist(), strict=True):
             self._pending.setdefault(seq_id, []).append((int(c), row))
         return remaining
 
-    def _remaining(self, mu: float, current: int) -> np.ndarray:
-        levels = np.asarray(self.config.quantiles)
-        remaining = self._conditional_quantiles(mu, current, levels)
+    def _finish(self, pooled: np.ndarray, prompts: list[str], current: np.ndarray) -> np.ndarray:
+        """The pooled-shape quantiles (n, Q) with each prompt's own averaged in, capped."""
+        own, weight = self._prompt_tail(prompts, current)
+        remaining = pooled + weight[:, None] * (own - pooled)
         if self.config.max_length is not None:
-            remaining = np.minimum(remaining, self.config.max_length - current)
+            remaining = np.minimum(remaining, (self.config.max_length - current)[:, None])
         return np.maximum(remaining, 1.0)
+
+    def _prompt_tail(self, prompts: list[str], current: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Quantiles (n, Q) of the remaining length read off each prompt's own past samples
+        longer than its `current` (np.quantile "linear" of them, less current), and each row's
+        weight m / (m + prompt_weight), m those samples (0 where there are none)."""
+        levels = np.asarray(self.config.quantiles)
+        own, weight = np.zeros((len(current), len(levels))), np.zeros(len(current))
+        rows: dict[str, list[int]] = defaultdict(list)
+        for i, prompt in enumerate(prompts):
+            if prompt in self._prompt_lengths:
+                rows[prompt].append(i)
+        for prompt, idx in rows.items():
+            past = self._prompt_sorted.get(prompt)
+            if past is None:
+                past = self._prompt_sorted[prompt] = np.sort(
+                    np.asarray(self._prompt_lengths[prompt], dtype=float)
+                )
+            t = current[idx]
+            start = np.searchsorted(past, t, side="right")
+            longer = past.size - start
+            first = np.minimum(start, past.size - 1)
+            virtual = first[:, None] + levels[None, :] * (past.size - 1 - first)[:, None]
+            lo = np.floor(virtual).astype(int)
+            hi = np.minimum(lo + 1, past.size - 1)
+            own[idx] = _lerp(past[lo], past[hi], virtual - lo) - t[:, None]
+            weight[idx] = np.where(longer > 0, longer / (longer + self.config.prompt_weight), 0.0)
+        return own, weight
 
     def _conditional_quantiles(self, mu: float, current: int, levels: np.ndarray) -> np.ndarray:
         shape = self._shape()
@@ -273,6 +322,7 @@ class LengthPredictor:
             "lengths": list(self._lengths),
             "ratios": list(self._ratios),
             "prompts": {p: list(v) for p, v in self._prompts.items()},
+            "prompt_lengths": {p: list(v) for p, v in self._prompt_lengths.items()},
             "groups": {
                 g: {"prompt_id": s.prompt_id, "size": s.size, "finished": list(s.finished)}
                 for g, s in self._groups.items()
@@ -290,6 +340,12 @@ class LengthPredictor:
         self._lengths = deque(state["lengths"], maxlen=config.window)
         self._ratios = deque(state["ratios"], maxlen=config.window)
         self._prompts = {p: (float(v[0]), int(v[1])) for p, v in state["prompts"].items()}
+        # absent from checkpoints written before it existed: the prompts' samples start anew
+        self._prompt_lengths = {
+            p: deque(v, maxlen=config.prompt_samples)
+            for p, v in state.get("prompt_lengths", {}).items()
+        }
+        self._prompt_sorted = {}
         self._groups = {g: _Group(**s) for g, s in state["groups"].items()}
         self._version += 1
         self._pending = {s: [(int(c), list(q)) for c, q in v] for s, v in state["pending"].items()}
