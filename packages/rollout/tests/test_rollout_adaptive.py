@@ -376,9 +376,12 @@ def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
     assert [r["actions"] for r in results[0]] == [r["actions"] for r in results[1]]
     assert results[0][1]["checks"] > 1
     # The critical path is reduced over the ranks: the same everywhere, the busiest decode.
+    # Control on it is positive where there were checks with work ("always"); without any
+    # ("never") it may round to nothing, and is never negative.
     for a, b in zip(*results, strict=True):
-        assert a["critical"] == b["critical"] and a["critical"][0] > 0
+        assert a["critical"] == b["critical"] and a["critical"][0] >= 0
         assert a["critical"][1] == max(a["own"][1], b["own"][1])
+    assert results[0][1]["critical"][0] > 0
 
 
 def test_checks_are_spaced_to_cost_at_most_their_budget() -> None:
