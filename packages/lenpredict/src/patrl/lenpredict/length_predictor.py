@@ -67,6 +67,17 @@ def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
 
 
+def _tail_quantiles(values: np.ndarray, start: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """(n, Q): np.quantile(values[start[i]:], levels) ("linear") for each row of `start`, from
+    sorted `values`, in one pass (virtual index q·(m - 1) past start); a start past the end
+    reads the last value."""
+    first = np.minimum(start, values.size - 1)
+    virtual = first[:, None] + levels[None, :] * (values.size - 1 - first)[:, None]
+    lo = np.floor(virtual).astype(int)
+    hi = np.minimum(lo + 1, values.size - 1)
+    return _lerp(values[lo], values[hi], virtual - lo)
+
+
 class LengthPredictor:
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
@@ -226,13 +237,8 @@ class LengthPredictor:
         else:
             start = np.searchsorted(shape, current / mu, side="right")
             inside = start < shape.size
-            # np.quantile of shape[start:] * mu ("linear"): virtual index q·(m - 1) past start
-            first = np.minimum(start, shape.size - 1)
-            virtual = first[:, None] + levels[None, :] * (shape.size - 1 - first)[:, None]
-            lo = np.floor(virtual).astype(int)
-            hi = np.minimum(lo + 1, shape.size - 1)
-            a, b = shape[lo] * mu[:, None], shape[hi] * mu[:, None]
-            remaining = _lerp(a, b, virtual - lo) - current[:, None]
+            # np.quantile of shape[start:] * mu
+            remaining = _tail_quantiles(shape, start, levels) * mu[:, None] - current[:, None]
             if self.config.max_length is not None:
                 beyond = levels[None, :] * (self.config.max_length - current)[:, None]
             else:
@@ -271,11 +277,7 @@ class LengthPredictor:
             t = current[idx]
             start = np.searchsorted(past, t, side="right")
             longer = past.size - start
-            first = np.minimum(start, past.size - 1)
-            virtual = first[:, None] + levels[None, :] * (past.size - 1 - first)[:, None]
-            lo = np.floor(virtual).astype(int)
-            hi = np.minimum(lo + 1, past.size - 1)
-            own[idx] = _lerp(past[lo], past[hi], virtual - lo) - t[:, None]
+            own[idx] = _tail_quantiles(past, start, levels) - t[:, None]
             weight[idx] = np.where(longer > 0, longer / (longer + self.config.prompt_weight), 0.0)
         return own, weight
 
