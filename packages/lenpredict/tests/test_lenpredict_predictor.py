@@ -256,6 +256,17 @@ def test_batched_prediction_equals_one_at_a_time(max_length, history):
         many.predict_remaining_many(["x", "y"], ["a"], np.array([1, 2]))
 
 
+def _apply(predictor: LengthPredictor, event: tuple[str, str, str, int]) -> None:
+    """One (kind, group, prompt or sample id, size or length) event of a replay."""
+    kind, group, arg, value = event
+    if kind == "start":
+        predictor.start_group(group, arg, value)
+    elif kind == "finish":
+        predictor.observe_finished(arg, group, value)
+    else:
+        predictor.end_group(group)
+
+
 def test_cached_predictions_equal_a_fresh_replay():
     """Asked at every event (its caches warm: global mean, shape, group scales) a predictor
     predicts what one fed the same events and asked only at the end predicts. Covers groups of
@@ -276,27 +287,15 @@ def test_cached_predictions_equal_a_fresh_replay():
     first = next(i for i, e in enumerate(events) if e[0] == "finish" and e[1] == "g4")
     events = [e for i, e in enumerate(events) if not (i > first and e[1] == "g4")]
     events.insert(first + 1, ("end", "g4", "", 0))
-    open_groups = {f"g{i}" for i in range(9)}
     warm = LengthPredictor()
     for n, event in enumerate(events):
-        kind, group, arg, value = event
-        if kind == "start":
-            warm.start_group(group, arg, value)
-        elif kind == "finish":
-            warm.observe_finished(arg, group, value)
-        else:
-            warm.end_group(group)
-        live = sorted(g for g in open_groups if g in warm._groups)
+        _apply(warm, event)
+        live = sorted(warm._groups)  # the open groups
         if not live:
             continue
         fresh = LengthPredictor()
-        for kind2, group2, arg2, value2 in events[: n + 1]:
-            if kind2 == "start":
-                fresh.start_group(group2, arg2, value2)
-            elif kind2 == "finish":
-                fresh.observe_finished(arg2, group2, value2)
-            else:
-                fresh.end_group(group2)
+        for earlier in events[: n + 1]:
+            _apply(fresh, earlier)
         current = np.full(len(live), 30)
         ids = [f"{g}/probe{n}" for g in live]
         np.testing.assert_allclose(
