@@ -116,6 +116,7 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
         lengths=predictor,
     )
     assert engine.layout.tp_size == 1
+    storage = [p.untyped_storage().data_ptr() for p in engine.model.parameters()]
     got = engine.generate(prompts, params, prompt_keys=[f"p{rank}-{i}" for i in range(4)])
     stats = engine.stats()
     names = [f"p{r}-{i}" for r in range(2) for i in range(4)]
@@ -124,10 +125,12 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
     # ...to the start of the next rollout (a reconfigure: weights gathered), which starts wide
     # again and switches again,
     again = engine.generate(prompts, params)
-    # ...or to a full weight sync, which rebuilds the model at tp=1 with no collective
+    # ...or to a weight sync, which loads into the full tensors the fold kept, with no
+    # collective: the parameters are back in the storage they had at tp 1
     created = groups.num_created
     engine.load_weights(iter_checkpoint(model_dir), version=1)
     reloaded = engine.layout.tp_size
+    kept = storage == [p.untyped_storage().data_ptr() for p in engine.model.parameters()]
     assert groups.num_created == created
     third = engine.generate(prompts, params)
     # no seed: under a TP>1 opening the submitting rank draws one for the whole group (else the
@@ -147,6 +150,7 @@ def _forced(rank: int, world_size: int, model_dir: str, at_call: int, kv: str) -
         "decisions": stats["tp_decisions"],
         "timeline_tp": [r["tp_size"] for r in stats["timeline"]],
         "tp_after": (owed, reloaded),
+        "kept_storage": kept,
         "third": _tokens(third),
         "learnt": learnt,
     }
@@ -170,6 +174,7 @@ def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str) 
             # once per full rollout; the short unseeded one ends before the forced 3rd check
             assert r["switches"] == (1, 3)
             assert r["tp_after"] == (2, 1)  # owed after a rollout, paid by the weight sync
+            assert r["kept_storage"]  # ...from the full tensors the folds kept
         assert r["third"] == r["expected"]
         assert r["unseeded"] == 7
         tps = r["timeline_tp"]

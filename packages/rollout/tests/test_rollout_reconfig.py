@@ -17,6 +17,7 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.sampler import SamplingParams
 from patrl.tpreshard import GroupCache
+from patrl.tpreshard import reshard as reshard_module
 
 pytestmark = pytest.mark.multirank
 
@@ -105,6 +106,15 @@ def _sharded_storages(engine: Engine) -> dict[str, int]:
     }
 
 
+def _kept_storages(engine: Engine) -> dict[str, int]:
+    """The storage of the full tensor a fold kept beside each sharded weight."""
+    return {
+        n: getattr(p, reshard_module._FULL).untyped_storage().data_ptr()
+        for n, p in engine.model.named_parameters()
+        if getattr(p, "shard_spec", None) is not None and p.shard_spec.dim is not None
+    }
+
+
 def _live(
     rank: int,
     world_size: int,
@@ -131,14 +141,14 @@ def _live(
         _add(engine)
         checks = []
         reports = []
-        in_place = []  # per move from tp 1: every sharded weight was cut in its own storage
+        kept = []  # per move from tp 1: every sharded weight's full tensor kept where it was
         for tp in path[1:]:
             _drain(engine, live, steps=at_step)
             storages = _sharded_storages(engine)
             from_tp1 = engine.layout.tp_size == 1
             reports.append(engine.reconfigure(tp, policy))
             if from_tp1:
-                in_place.append(_sharded_storages(engine) == storages)
+                kept.append(_kept_storages(engine) == storages)
             assert engine.layout.tp_size == tp
             if policy == "migrate" and engine.scheduler.running:
                 checks.append(_fresh_prefill_diff(engine, model_dir))
@@ -152,7 +162,7 @@ def _live(
         "live": _everyone(live),
         "checks": checks,
         "synced": synced,
-        "in_place": in_place,
+        "kept": kept,
         "migrated": [r.num_migrated for r in reports],
         "recomputed": [r.tokens_recomputed for r in reports],
     }
@@ -172,7 +182,7 @@ def test_merge_dp2_tp1_to_tp2_with_migrate(llama_dir: Path) -> None:
     assert all(r["synced"] is True for r in results)
     assert len(results[0]["reference"]) == 6  # 3 requests on each of the 2 replicas
     for r in results:
-        assert r["in_place"] == [True]  # the grow cut every weight inside its own storage
+        assert r["kept"] == [True]  # the fold kept every full weight, for a free way back
         assert r["migrated"][0] > 0
         for diff, same_weights in r["checks"]:
             assert diff <= 1e-5
@@ -202,7 +212,7 @@ def test_dp4_tp1_to_dp2_tp2_to_dp1_tp4_with_migrate(llama_dir: Path) -> None:
     _assert_same_tokens(results)
     assert len(results[0]["reference"]) == 12
     for r in results:
-        assert r["in_place"] == [True]
+        assert r["kept"] == [True]
         assert len(r["checks"]) == 2
         for diff, same_weights in r["checks"]:
             assert diff <= 1e-5

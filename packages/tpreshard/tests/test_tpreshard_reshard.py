@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from patrl.tpreshard import (
 )
 from patrl.tpreshard import reshard as reshard_module
 from patrl.tpreshard.reshard import copy_plan
-from patrl.tpreshard.shard import ShardPart
+from patrl.tpreshard.shard import ShardPart, is_input_major
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 7, 8, 4, 2, 2
 
@@ -293,3 +294,81 @@ def test_growing_in_place_returns_the_dropped_half_to_the_os(name: str) -> None:
     freed = before - _rss_bytes()
     assert torch.equal(module.w.data, want)
     assert freed > 0.45 * 64 * 2**20, f"only {freed} bytes returned"
+
+
+def test_keeping_the_full_tensors_cuts_views_where_it_can() -> None:
+    # keep_full from tp 1: the same bits as a fresh cut, every spec and rank (padding too);
+    # a shard that is one contiguous block of its full tensor's storage is a view of it, which
+    # stays as it was; the others (fused parts, padding, a column block) are copies beside it,
+    # and the bytes after the move count them.
+    src = ParallelLayout(tp_size=1, tp_rank=0, tp_group=None)
+    for dst_tp in (2, 4):
+        for rank in range(dst_tp):
+            toy = _Toy(src)
+            fulls = {n: p.data for n, p in toy.named_parameters()}
+            copies = {n: p.data.clone() for n, p in toy.named_parameters()}
+            dst = ParallelLayout(tp_size=dst_tp, tp_rank=rank, tp_group=object())  # type: ignore[arg-type]
+            stats = reshard_(toy, src, dst, keep_full=True)
+            want = _expected(dst)
+            copied = []
+            for n, p in toy.named_parameters():
+                assert torch.equal(p.data, want[n]), (n, dst_tp, rank)
+                assert torch.equal(fulls[n], copies[n]), f"{n}'s full tensor changed"
+                if p.untyped_storage().data_ptr() != fulls[n].untyped_storage().data_ptr():
+                    copied.append(n)
+            # contiguous: row_t (input-major: the input dimension is its storage's rows) and
+            # the embedding's rows on a rank without padding; strided: row (columns of its
+            # storage), head_t (the vocabulary is its storage's columns)
+            padded = rank == dst_tp - 1
+            want_copied = {"qkv", "gate_up", "gate_up_t", "row", "head_t"} | (
+                {"embed"} if padded else set()
+            )
+            assert set(copied) == want_copied, (copied, dst_tp, rank)
+            assert stats.bytes_received == 0
+            held = stats.bytes_before + sum(dict(toy.named_parameters())[n].nbytes for n in copied)
+            assert stats.bytes_after == held
+            assert reshard_module.has_full(toy)
+            assert all(is_input_major(p) for n, p in toy.named_parameters() if n.endswith("_t"))
+    with pytest.raises(ValueError, match="keep_full needs a move out of TP 1"):
+        two = ParallelLayout(tp_size=2, tp_rank=0, tp_group=object())  # type: ignore[arg-type]
+        reshard_(_Toy(two), two, src, keep_full=True)
+
+
+def _fold_and_back(rank: int, world_size: int, forget: bool) -> list[Any]:
+    """tp 1 -> 2 keeping the full tensors, then back (twice): the way back is free and gives
+    every parameter its old storage, unless the full tensors were forgotten in between (a
+    write into the shards), when it gathers, exactly as without them."""
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    one, two = groups.layout(1), groups.layout(2)
+    toy = _Toy(one)
+    storages = {n: p.untyped_storage().data_ptr() for n, p in toy.named_parameters()}
+    out: list[Any] = []
+    shards: list[dict[str, int]] = []
+    for _ in range(2):
+        reshard_(toy, one, two, keep_full=True)
+        assert all(torch.equal(p.data, _expected(two)[n]) for n, p in toy.named_parameters())
+        shards.append({n: p.untyped_storage().data_ptr() for n, p in toy.named_parameters()})
+        if forget:
+            reshard_module.forget_full(toy)
+        stats = reshard_(toy, two, one)
+        want = _expected(one)
+        exact = all(torch.equal(p.data, want[n]) for n, p in toy.named_parameters())
+        same = {n: p.untyped_storage().data_ptr() == storages[n] for n, p in toy.named_parameters()}
+        out.append((exact, stats.restored, stats.bytes_received > 0, all(same.values())))
+        out.append(not reshard_module.has_full(toy) and _input_major_kept(toy))
+        storages = {n: p.untyped_storage().data_ptr() for n, p in toy.named_parameters()}
+    if not forget:  # the second fold copied into the first one's shards, kept at tp 1 for it
+        out.append(shards[0] == shards[1])
+    dist.barrier()
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("forget", [False, True])
+def test_the_way_back_to_tp1_is_free_while_the_full_tensors_are_kept(forget: bool) -> None:
+    per_rank = run_ranks(_fold_and_back, world_size=2, args=(forget,), timeout_s=120)
+    if forget:  # gathered: exact, new storage (the shards grew back into fresh tensors)
+        want = [(True, False, True, False), True] * 2
+    else:  # restored: exact, no bytes received, the very storage the parameters had at tp 1
+        want = [(True, True, False, True), True] * 2 + [True]
+    assert per_rank == [want, want]

@@ -41,6 +41,7 @@ from patrl.rollout.loader import (
 )
 from patrl.rollout.migrate import cut_and_migrate
 from patrl.rollout.models import build_model
+from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
 from patrl.rollout.reconfigure import KVPolicy, ReconfigReport, check_target, reconfigure
 from patrl.rollout.sampler import (
@@ -55,7 +56,13 @@ from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
 from patrl.rollout.tp_policy import AdaptiveTP
-from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
+from patrl.tpreshard import (
+    GroupCache,
+    ParallelLayout,
+    restore_full_,
+    single_process_layout,
+    tp_broadcast,
+)
 from patrl.tpreshard.comm import gather_objects
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -818,9 +825,11 @@ class Engine:
         """Load full tensors under their HF names (cut for this layout); cached prefixes are
         dropped because their KV came from the old weights.
 
-        After an adaptive rollout the engine owes a return to its starting layout; a load of
-        every weight pays it for free: the model is rebuilt at that layout from these tensors
-        (no gather, no collective). A partial load then raises and changes nothing."""
+        After an adaptive rollout the engine owes a return to its starting layout; the load
+        pays it for free (no gather, no collective): from the full tensors the fold kept when
+        there are some (then loaded in place, as at any layout), else by rebuilding the model
+        at that layout from these tensors, which must then be every weight (a partial load
+        raises and changes nothing)."""
         if self._return_to is not None and not self.has_unfinished():
             self._load_at(self._return_to, named_tensors)
         else:
@@ -846,6 +855,19 @@ class Engine:
         self, layout: ParallelLayout, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         start = time.perf_counter()
+        if layout.tp_size == 1 and restore_full_(self.model, layout) is not None:
+            load_weights(self.model, named_tensors)  # into the kept full tensors, in place
+        else:
+            self.model = self._built_at(layout, named_tensors)
+        self.rebuild(layout, self.next_seq_id(), self.next_request_number())
+        self._return_to = None
+        if self.controller is not None:
+            self.controller.stats.reset_s += time.perf_counter() - start
+
+    def _built_at(
+        self, layout: ParallelLayout, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> CausalLM:
+        """A new model at `layout` from every weight; raises, the engine unchanged, on fewer."""
         current = self.model
         model = build_model(
             current.config,
@@ -861,12 +883,7 @@ class Engine:
                 f"{sorted(missing)[:3]}); after an adaptive rollout it must bring all of them, "
                 f"as it rebuilds the model at tp={layout.tp_size}; the engine is unchanged"
             )
-        del current
-        self.model = model
-        self.rebuild(layout, self.next_seq_id(), self.next_request_number())
-        self._return_to = None
-        if self.controller is not None:
-            self.controller.stats.reset_s += time.perf_counter() - start
+        return model
 
     # ----------------------------------------------------------------- stats
 

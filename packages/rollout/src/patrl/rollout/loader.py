@@ -23,7 +23,7 @@ from patrl.rollout.layers.attention.backend import AttentionBackend
 from patrl.rollout.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from patrl.rollout.models import build_model
 from patrl.rollout.models.causal_lm import CausalLM
-from patrl.tpreshard import ParallelLayout
+from patrl.tpreshard import ParallelLayout, forget_full
 
 # Checkpoint entries that are derived, not learned (old Llama checkpoints carry these).
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,6 +75,7 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Load full tensors under their HF names; return the keys loaded (see `weight_keys`)."""
+    forget_full(model)  # full tensors kept by a fold would go stale as the shards change
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, full in named_tensors:

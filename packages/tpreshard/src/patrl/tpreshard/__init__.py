@@ -11,7 +11,14 @@ from patrl.tpreshard.comm import (
 )
 from patrl.tpreshard.groups import GroupCache
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
-from patrl.tpreshard.reshard import ReshardStats, index_map, reshard_
+from patrl.tpreshard.reshard import (
+    ReshardStats,
+    forget_full,
+    has_full,
+    index_map,
+    reshard_,
+    restore_full_,
+)
 from patrl.tpreshard.shard import (
     ShardKind,
     ShardPart,
@@ -32,10 +39,13 @@ __all__ = [
     "ShardPart",
     "ShardSpec",
     "ShmComm",
+    "forget_full",
+    "has_full",
     "head_range",
     "index_map",
     "load_full",
     "reshard_",
+    "restore_full_",
     "shard_part",
     "shard_tensor",
     "shm_supported",

@@ -20,6 +20,16 @@ cutting `arange(full)` with the spec itself. Then
   on another rank of its old group (tp 2 -> 4: rank 1 needs rows that rank 0 holds), so the
   gather runs in the old group in both cases.
 Copies only, so the result equals a fresh load bit for bit.
+
+With `keep_full=True` a move out of TP 1 keeps each rank's full tensors: a shard that is one
+contiguous block of its full tensor's storage is a view of it, the others (fused parts, padding,
+a column block) are copies beside it. The way back to TP 1 is then free, without communication,
+while the weights stay as they were: this is how an engine folds replicas for a rollout's tail
+and, at the next weight sync, loads into the full tensors again in place. Anything that writes
+into the shards must `forget_full` first (the loader does). The price is memory: the full
+tensors plus the copied shards, which stay at TP 1 too, for the next fold to fill without
+fresh pages (on a model with a 152k vocabulary, its untied head half of the weights, the
+copies are about half the model again).
 """
 
 from __future__ import annotations
@@ -31,13 +41,28 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from patrl.tpreshard.comm import tp_all_gather_into
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import ShardSpec, is_input_major, shard_tensor
 
-__all__ = ["ReshardStats", "copy_plan", "index_map", "reshard_"]
+__all__ = [
+    "ReshardStats",
+    "copy_plan",
+    "forget_full",
+    "has_full",
+    "index_map",
+    "reshard_",
+    "restore_full_",
+]
+
+_FULL = "_patrl_full"  # on a parameter: its full (TP 1) tensor, kept by reshard_(keep_full=True)
+# On a parameter back at TP 1: the copied shard of its last fold, reused by the next one (a
+# fresh 150 MB shard cost 50 ms in page faults, the copy into a touched one 8 ms, on this
+# project's 2-core box)
+_SHARD = "_patrl_shard"
 
 
 @dataclass(slots=True)
@@ -50,6 +75,8 @@ class ReshardStats:
     bytes_before: int = 0  # parameter bytes at the source layout
     bytes_after: int = 0  # parameter bytes at the destination layout
     peak_bytes: int = 0  # max over the move of live parameter bytes + temporaries, accounted
+    bytes_kept: int = 0  # bytes of the full tensors kept (keep_full) beyond the shards' own
+    restored: bool = False  # back to TP 1 from the kept full tensors, with no communication
 
 
 def index_map(spec: ShardSpec, full_rows: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -61,12 +88,18 @@ def index_map(spec: ShardSpec, full_rows: int, tp_rank: int, tp_size: int) -> to
 
 
 @torch.no_grad()
-def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> ReshardStats:
+def reshard_(
+    module: nn.Module, src: ParallelLayout, dst: ParallelLayout, *, keep_full: bool = False
+) -> ReshardStats:
     """Re-cut every sharded parameter of `module` from `src` to `dst`, in place.
 
     Every rank of the source TP group must call this (it may all-gather there). A destination
-    TP size that a spec cannot split raises before anything changes.
+    TP size that a spec cannot split raises before anything changes. `keep_full` (from TP 1
+    only) keeps the full tensors for a free way back (see the module's docstring); a move to
+    TP 1 takes them back whenever every rank of the source group still has them.
     """
+    if keep_full and src.tp_size != 1:
+        raise ValueError(f"keep_full needs a move out of TP 1, not out of tp_size={src.tp_size}")
     params = _sharded_params(module)
     plans = [(p, owner, _full_rows(p, owner, src.tp_size)) for p, owner in params]
     for p, _, rows in plans:  # validate every cut first: a failure leaves the module untouched
@@ -76,22 +109,162 @@ def reshard_(module: nn.Module, src: ParallelLayout, dst: ParallelLayout) -> Res
     stats = ReshardStats(num_params=len(plans))
     live = stats.bytes_before = sum(p.nbytes for p, _, _ in plans)
     stats.peak_bytes = live
+    if dst.tp_size == 1 and src.tp_size > 1 and _all_kept(plans, src):
+        stats.bytes_kept = restore_full_(module, dst) or 0
+        stats.bytes_after = stats.peak_bytes = sum(p.nbytes for p, _, _ in plans)
+        stats.restored = True
+        return stats
+    forget_full(module)  # a move other than the way back: the weights' history ends here
+    if not keep_full:
+        _drop_spares(module)
     for p, _, rows in plans:
         spec = p.shard_spec  # type: ignore[attr-defined]
         if spec.dim is None:
             continue
         old_bytes = p.nbytes
-        new, extra, received = _recut(p, spec, rows, src, dst)
+        if keep_full:
+            new = _shard_of_full(p.data, spec, rows, dst, getattr(p, _SHARD, None))
+            if hasattr(p, _SHARD):
+                delattr(p, _SHARD)
+            setattr(p, _FULL, p.data)
+            copied = not _same_storage(new, p.data)
+            stats.bytes_kept += old_bytes - (0 if copied else new.nbytes)
+            extra, received = (new.nbytes if copied else 0), 0
+        else:
+            new, extra, received = _recut(p, spec, rows, src, dst)
         stats.peak_bytes = max(stats.peak_bytes, live + extra)
         stats.bytes_received += received
         stats.num_gathered += received > 0
         p.data = new
         live += new.nbytes - old_bytes
-    stats.bytes_after = live
+    stats.bytes_after = live + stats.bytes_kept
+    _set_layout(module, dst)
+    return stats
+
+
+def has_full(module: nn.Module) -> bool:
+    """Whether `module`'s sharded parameters all still have the full tensors that
+    `reshard_(keep_full=True)` kept (on this rank)."""
+    params = [p for p, _ in _sharded_params(module) if _split(p)]
+    return bool(params) and all(hasattr(p, _FULL) for p in params)
+
+
+def _split(p: torch.Tensor) -> bool:
+    spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
+    return spec.dim is not None
+
+
+def restore_full_(module: nn.Module, dst: ParallelLayout) -> int | None:
+    """Back to TP 1 (`dst`) from the full tensors kept on this rank, with no communication;
+    None, and nothing changed, where some are missing. For a caller that decides alone (a
+    rank about to load every weight anyway); `reshard_` makes the ranks agree first. The
+    copied shards stay for the next fold to fill; returns their bytes."""
+    if dst.tp_size != 1:
+        raise ValueError(f"the kept full tensors are a TP 1 layout, not tp_size={dst.tp_size}")
+    if not has_full(module):
+        return None
+    kept = 0
+    for p, _ in _sharded_params(module):
+        full = getattr(p, _FULL, None)
+        if full is None:
+            continue
+        if not _same_storage(p.data, full):
+            setattr(p, _SHARD, p.data)
+            kept += p.nbytes
+        p.data = full
+        delattr(p, _FULL)
+    _set_layout(module, dst)
+    return kept
+
+
+def forget_full(module: nn.Module) -> int:
+    """Drop the full tensors kept beside `module`'s shards (call it before writing into the
+    shards: the full tensors would go stale); returns the bytes no longer referenced there."""
+    freed = 0
+    for p, _ in _sharded_params(module):
+        full = getattr(p, _FULL, None)
+        if full is not None:
+            delattr(p, _FULL)
+            freed += 0 if _same_storage(full, p) else full.nbytes
+    return freed
+
+
+def _drop_spares(module: nn.Module) -> None:
+    for p, _ in _sharded_params(module):
+        if hasattr(p, _SHARD):
+            delattr(p, _SHARD)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _all_kept(plans: list[tuple[nn.Parameter, nn.Module, int]], src: ParallelLayout) -> bool:
+    """Every rank of the source group still holds every full tensor, of the right shape (one
+    small all-reduce: the ranks must agree, or one would gather while another would not)."""
+    ok = True
+    for p, _, rows in plans:
+        spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
+        if spec.dim is None:
+            continue
+        full = getattr(p, _FULL, None)
+        if full is None or full.shape[spec.dim] != _dst_rows(spec, rows, 0, 1)[0]:
+            ok = False
+            break
+    if src.tp_group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=src.tp_group)
+    return bool(flag.item())
+
+
+def _shard_of_full(
+    full: torch.Tensor,
+    spec: ShardSpec,
+    rows: int,
+    dst: ParallelLayout,
+    spare: torch.Tensor | None,
+) -> torch.Tensor:
+    """This rank's shard of a full tensor that stays: a view where it is one contiguous block
+    of the storage, else a copy (into `spare`, the last fold's copy, when it fits). A strided
+    view would cost no copy but slow every step: the vocabulary half of an input-major LM
+    head, a column block, ran its matmul 10-25% slower than a contiguous copy at 8-32 rows."""
+    dim = spec.dim
+    assert dim is not None
+    transposed = is_input_major(full)
+    new_shape = list(full.shape)
+    new_shape[dim], zeros = _dst_rows(spec, rows, dst.tp_rank, dst.tp_size)
+    runs = copy_plan(spec, rows, 1, dst.tp_rank, dst.tp_size)
+    if len(runs) == 1 and not zeros:
+        i, _, w, n = runs[0]
+        view = full.narrow(dim, w, n)
+        if i == 0 and n == new_shape[dim] and _storage(view, transposed).is_contiguous():
+            return view
+    if spare is not None and _fits(spare, full, new_shape, transposed):
+        new = spare
+        if zeros:  # padding rows: zeros, as in a fresh load
+            new.zero_()
+    else:
+        new = _alloc(full, new_shape, zeros, transposed)
+    _copy_runs(new, full, dim, runs)
+    return new
+
+
+def _fits(spare: torch.Tensor, like: torch.Tensor, shape: list[int], transposed: bool) -> bool:
+    """Whether `spare` can be the new shard: its shape, dtype, device and memory order."""
+    return (
+        list(spare.shape) == shape
+        and spare.dtype == like.dtype
+        and spare.device == like.device
+        and is_input_major(spare) == transposed
+        and _storage(spare, transposed).is_contiguous()
+    )
+
+
+def _set_layout(module: nn.Module, layout: ParallelLayout) -> None:
     for m in module.modules():
         if isinstance(getattr(m, "layout", None), ParallelLayout):
-            setattr(m, "layout", dst)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
-    return stats
+            setattr(m, "layout", layout)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
 
 
 def _recut(
