@@ -855,12 +855,15 @@ class Engine:
         self, layout: ParallelLayout, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         start = time.perf_counter()
-        if layout.tp_size == 1 and restore_full_(self.model, layout) is not None:
-            load_weights(self.model, named_tensors)  # into the kept full tensors, in place
-        else:
+        restored = layout.tp_size == 1 and restore_full_(self.model, layout) is not None
+        if not restored:
             self.model = self._built_at(layout, named_tensors)
+        # at `layout` from here on, whatever the load below does (as a load at any layout, one
+        # that raises midway leaves the weights it loaded)
         self.rebuild(layout, self.next_seq_id(), self.next_request_number())
         self._return_to = None
+        if restored:
+            load_weights(self.model, named_tensors)  # into the kept full tensors, in place
         if self.controller is not None:
             self.controller.stats.reset_s += time.perf_counter() - start
 
