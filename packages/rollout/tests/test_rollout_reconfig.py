@@ -16,7 +16,7 @@ from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.sampler import SamplingParams
-from patrl.tpreshard import GroupCache
+from patrl.tpreshard import GroupCache, has_full
 from patrl.tpreshard import reshard as reshard_module
 
 pytestmark = pytest.mark.multirank
@@ -123,6 +123,7 @@ def _live(
     policy: str,
     at_step: int,
     sync_check: bool = False,
+    keep_full: bool = True,
 ) -> dict[str, Any]:
     groups = GroupCache(path, world_size=world_size, rank=rank)
     created = groups.num_created
@@ -131,7 +132,8 @@ def _live(
     def no_new_groups(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a process group was created after start-up")
 
-    engine = Engine(_config(model_dir), groups.layout(path[0]), groups)
+    config = _config(model_dir).model_copy(update={"keep_full_weights": keep_full})
+    engine = Engine(config, groups.layout(path[0]), groups)
     dist.new_group = no_new_groups  # type: ignore[assignment]
     try:
         reference: dict[str, Any] = {}
@@ -147,8 +149,10 @@ def _live(
             storages = _sharded_storages(engine)
             from_tp1 = engine.layout.tp_size == 1
             reports.append(engine.reconfigure(tp, policy))
-            if from_tp1:
+            if from_tp1 and keep_full:
                 kept.append(_kept_storages(engine) == storages)
+            elif from_tp1:  # cut inside each weight's own storage, nothing kept beside it
+                kept.append(_sharded_storages(engine) == storages and not has_full(engine.model))
             assert engine.layout.tp_size == tp
             if policy == "migrate" and engine.scheduler.running:
                 checks.append(_fresh_prefill_diff(engine, model_dir))
@@ -199,6 +203,16 @@ def test_merge_dp2_tp1_to_tp2_with_migrate(llama_dir: Path) -> None:
         for diff, same_weights in r["checks"]:
             assert diff <= 1e-5
             assert same_weights
+
+
+def test_merge_without_keeping_the_full_weights_cuts_them_in_place(llama_dir: Path) -> None:
+    # EngineConfig.keep_full_weights=False: less memory while folded; the same tokens, and the
+    # sync and the way back still right (by a gather)
+    args = (str(llama_dir), [1, 2], "migrate", 4, True, False)
+    results = run_ranks(_live, 2, args=args, timeout_s=300)
+    _assert_same_tokens(results)
+    for r in results:
+        assert r["kept"] == [True] and r["synced"] is True and r["unfolded"] is True
 
 
 def test_merge_dp2_tp1_to_tp2_with_recompute(llama_dir: Path) -> None:

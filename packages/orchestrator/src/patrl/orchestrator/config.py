@@ -84,6 +84,11 @@ class AdaptiveTPConfig(_Section):
     profile: str | None = Field(
         None, description="latency profile JSON; None = measure this machine once, cached"
     )
+    keep_full_weights: bool = Field(
+        True,
+        description="a fold keeps each rank's full weights, so the weight sync after it is "
+        "free (off: less memory while folded, and the sync rebuilds the model)",
+    )
 
 
 class RolloutConfig(_Section):

@@ -700,6 +700,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         max_num_batched_tokens=r.max_num_batched_tokens,
         max_model_len=d.max_prompt_length + d.max_response_length,
         enable_prefix_caching=r.enable_prefix_caching,
+        keep_full_weights=r.adaptive_tp.keep_full_weights,
     )
     a = r.adaptive_tp
     candidates = usable_candidates(a.candidates, world.size)

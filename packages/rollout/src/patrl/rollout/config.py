@@ -37,6 +37,13 @@ class EngineConfig(BaseModel):
         description="the TP group's per-step collectives: shm = shared memory (gloo groups on "
         "one host, x86-64), process_group = the group's backend, auto = shm where it can",
     )
+    keep_full_weights: bool = Field(
+        True,
+        description="a fold out of tp 1 keeps each rank's full weights (plus copies of the "
+        "shards that are not one contiguous block), so the way back and the next weight sync "
+        "need no gather and no rebuild; off: the weights are cut in place and the rest "
+        "handed back (less memory; the sync after a folded rollout rebuilds the model)",
+    )
     tune_host_malloc: bool = Field(
         True,
         description="on CPU under glibc, keep freed memory for reuse instead of faulting in "

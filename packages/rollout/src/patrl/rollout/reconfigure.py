@@ -11,7 +11,8 @@ The steps, on every rank of the world at once:
    the old replicas' first ranks all-gather the states (without KV) in the exchange group, so
    every rank derives the same plan;
 2. weights are re-cut in place (`patrl.tpreshard.reshard_`; out of TP 1 the full tensors are
-   kept, so the way back is free), the KV cache and scheduler are rebuilt for the new layout;
+   kept unless `EngineConfig.keep_full_weights` is off, so the way back is free), the KV cache
+   and scheduler are rebuilt for the new layout;
 3. per sample, the policy picks *migrate* (KV heads sent to the ranks that will own them, paired
    send/recv in bounded chunks) or *recompute* (KV dropped, prompt + generated tokens prefilled
    again at the new layout);
@@ -132,9 +133,10 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     report.groups_s = t1 - t0
 
     # 2. weights, then a fresh cache and scheduler at the new layout.
-    # Out of TP 1 (a fold) each rank keeps its full weights: it held them a moment ago, and
-    # the way back (at the next weight sync, or an unfold) is then free.
-    stats: ReshardStats = reshard_(engine.model, src, dst, keep_full=src.tp_size == 1)
+    # Out of TP 1 (a fold) each rank keeps its full weights unless told not to: it held them
+    # a moment ago, and the way back (at the next weight sync, or an unfold) is then free.
+    keep_full = src.tp_size == 1 and engine.config.keep_full_weights
+    stats: ReshardStats = reshard_(engine.model, src, dst, keep_full=keep_full)
     t_weights = time.perf_counter()
     engine.rebuild(
         dst,

@@ -25,8 +25,9 @@ class AdaptiveTP(BaseModel):
     the profile prices fastest for a full batch). Every `check_every` decode steps the
     replicas share a summary of their unfinished samples (one all-gather), rank 0 runs the
     planner, the decision is broadcast and all ranks apply it together. After a rollout the
-    engine returns to the opening layout: at the next full weight sync (free, the new weights
-    are cut for it), else by a reconfigure when the next rollout starts.
+    engine returns to the opening layout: at the next weight sync (free: from the full weights
+    the fold kept, see `EngineConfig.keep_full_weights`, or the model rebuilt from the new
+    ones), else by a reconfigure when the next rollout starts.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
