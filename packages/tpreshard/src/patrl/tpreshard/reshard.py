@@ -109,7 +109,7 @@ def reshard_(
     stats = ReshardStats(num_params=len(plans))
     live = stats.bytes_before = sum(p.nbytes for p, _, _ in plans)
     stats.peak_bytes = live
-    if dst.tp_size == 1 and src.tp_size > 1 and _all_kept(plans, src):
+    if dst.tp_size == 1 and src.tp_size > 1 and _all_kept(module, src):
         stats.bytes_kept = restore_full_(module, dst) or 0
         stats.bytes_after = stats.peak_bytes = sum(p.nbytes for p, _, _ in plans)
         stats.restored = True
@@ -177,16 +177,12 @@ def restore_full_(module: nn.Module, dst: ParallelLayout) -> int | None:
     return kept
 
 
-def forget_full(module: nn.Module) -> int:
+def forget_full(module: nn.Module) -> None:
     """Drop the full tensors kept beside `module`'s shards (call it before writing into the
-    shards: the full tensors would go stale); returns the bytes no longer referenced there."""
-    freed = 0
+    shards: the full tensors would go stale)."""
     for p, _ in _sharded_params(module):
-        full = getattr(p, _FULL, None)
-        if full is not None:
+        if hasattr(p, _FULL):
             delattr(p, _FULL)
-            freed += 0 if _same_storage(full, p) else full.nbytes
-    return freed
 
 
 def _drop_spares(module: nn.Module) -> None:
@@ -199,18 +195,10 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _all_kept(plans: list[tuple[nn.Parameter, nn.Module, int]], src: ParallelLayout) -> bool:
-    """Every rank of the source group still holds every full tensor, of the right shape (one
-    small all-reduce: the ranks must agree, or one would gather while another would not)."""
-    ok = True
-    for p, _, rows in plans:
-        spec: ShardSpec = p.shard_spec  # type: ignore[attr-defined]
-        if spec.dim is None:
-            continue
-        full = getattr(p, _FULL, None)
-        if full is None or full.shape[spec.dim] != _dst_rows(spec, rows, 0, 1)[0]:
-            ok = False
-            break
+def _all_kept(module: nn.Module, src: ParallelLayout) -> bool:
+    """`has_full` on every rank of the source group (one small all-reduce: the ranks must
+    agree, or one would gather while another would not)."""
+    ok = has_full(module)
     if src.tp_group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
