@@ -194,14 +194,21 @@ def test_prompt_blend_matches_a_per_sample_recount(max_length):
     config = PredictorConfig(quantiles=(0.1, 0.25, 0.5, 0.9), max_length=max_length)
     own = _prompt_history(config)
     pooled = _prompt_history(config.model_copy(update={"prompt_samples": 0}))
-    past = {"fail": np.array([16, 16, 16, 60] * 3, dtype=float), "same0": np.full(12, 16.0)}
+    past = {
+        "fail": np.array([16, 16, 16, 60] * 3, dtype=float),
+        "same0": np.full(12, 16.0),
+        "mixed": np.array([5.0, 30.0, 90.0]),  # fewer samples, and longer than any other's
+    }
     levels = np.asarray(config.quantiles)
     for p in (own, pooled):
+        p.start_group("mixed@0", "mixed", 3)
+        for k, length in enumerate(past["mixed"]):
+            p.observe_finished(f"mixed@0/{k}", "mixed@0", int(length))
         for prompt in past:
             p.start_group(f"{prompt}@now", prompt, 4)
     rng = np.random.default_rng(0)
     prompts = rng.choice(list(past), 40).tolist()
-    current = rng.integers(0, 70, 40).astype(float)
+    current = rng.integers(0, 100, 40).astype(float)
     groups = [f"{prompt}@now" for prompt in prompts]
     fast = own.predict_remaining_many([f"s{i}" for i in range(40)], groups, current)
     base = pooled.predict_remaining_many([f"s{i}" for i in range(40)], groups, current)

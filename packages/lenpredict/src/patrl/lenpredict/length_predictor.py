@@ -22,7 +22,7 @@ when it finishes, so the predictor reports its own MAE and quantile coverage onl
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,20 +67,26 @@ def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
 
 
-def _tail_quantiles(values: np.ndarray, start: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """(n, Q): np.quantile(values[start[i]:], levels) ("linear") for each row of `start`, from
-    sorted `values`, in one pass (virtual index q·(m - 1) past start); a start past the end
-    reads the last value."""
-    first = np.minimum(start, values.size - 1)
-    virtual = first[:, None] + levels[None, :] * (values.size - 1 - first)[:, None]
+def _tail_quantiles(
+    values: np.ndarray, start: np.ndarray, levels: np.ndarray, end: np.ndarray | None = None
+) -> np.ndarray:
+    """(n, Q): np.quantile(values[start[i]:end[i]], levels) ("linear") for each row, from
+    `values` sorted within each row's [.., end) (`end` defaults to the whole array), in one
+    pass (virtual index q·(m - 1) past start); a start at or past its end reads the last
+    value before the end."""
+    stop = np.full(start.shape, values.size) if end is None else end
+    first = np.minimum(start, stop - 1)
+    virtual = first[:, None] + levels[None, :] * (stop - 1 - first)[:, None]
     lo = np.floor(virtual).astype(int)
-    hi = np.minimum(lo + 1, values.size - 1)
+    hi = np.minimum(lo + 1, (stop - 1)[:, None])
     return _lerp(values[lo], values[hi], virtual - lo)
 
 
 class LengthPredictor:
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
+        self._levels = np.asarray(self.config.quantiles, dtype=float)
+        self._median_at = int(np.argmin(np.abs(self._levels - 0.5)))  # the quantile scored
         self._lengths: deque[int] = deque(maxlen=self.config.window)
         self._ratios: deque[float] = deque(maxlen=self.config.window)
         self._prompts: dict[str, tuple[float, int]] = {}  # prompt -> (ewma of group means, groups)
@@ -129,7 +135,7 @@ class LengthPredictor:
         if not group.finished:
             return
         self._version += 1  # the prompt's history moves: its other groups' scales with it
-        mean = float(np.mean(group.finished))
+        mean = sum(group.finished) / len(group.finished)
         old = self._prompts.get(group.prompt_id)
         alpha = self.config.ewma_alpha
         ewma = mean if old is None else alpha * mean + (1 - alpha) * old[0]
@@ -209,7 +215,7 @@ class LengthPredictor:
 
     def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
         """Quantiles (at `config.quantiles`) of the remaining tokens of a running sample."""
-        levels = np.asarray(self.config.quantiles)
+        levels = self._levels
         pooled = self._conditional_quantiles(self.group_scale(group_id), current_length, levels)
         current = np.array([float(current_length)])
         prompt = [self._group(group_id).prompt_id]
@@ -224,7 +230,7 @@ class LengthPredictor:
         over the shape samples instead of a quantile call per sample (the planner's check
         asks for every running sample; per sample it cost ~0.1 ms)."""
         current = np.asarray(current_lengths, dtype=float)
-        n, levels = len(current), np.asarray(self.config.quantiles)
+        n, levels = len(current), self._levels
         if len(seq_ids) != n or len(group_ids) != n:
             raise ValueError(
                 f"{len(seq_ids)} seq ids, {len(group_ids)} group ids, {n} current lengths"
@@ -261,25 +267,41 @@ class LengthPredictor:
     def _prompt_tail(self, prompts: list[str], current: np.ndarray) -> tuple[np.ndarray, ...]:
         """Quantiles (n, Q) of the remaining length read off each prompt's own past samples
         longer than its `current` (np.quantile "linear" of them, less current), and each row's
-        weight m / (m + prompt_weight), m those samples (0 where there are none)."""
-        levels = np.asarray(self.config.quantiles)
+        weight m / (m + prompt_weight), m those samples (0 where there are none). One pass
+        over every prompt's samples at once: they are laid end to end, each prompt's shifted
+        past the one before, so one sorted search finds every row's start in its prompt's."""
+        levels = self._levels
         own, weight = np.zeros((len(current), len(levels))), np.zeros(len(current))
-        rows: dict[str, list[int]] = defaultdict(list)
+        rows_of: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
             if prompt in self._prompt_lengths:
-                rows[prompt].append(i)
-        for prompt, idx in rows.items():
-            past = self._prompt_sorted.get(prompt)
-            if past is None:
-                past = self._prompt_sorted[prompt] = np.sort(
-                    np.asarray(self._prompt_lengths[prompt], dtype=float)
-                )
-            t = current[idx]
-            start = np.searchsorted(past, t, side="right")
-            longer = past.size - start
-            own[idx] = _tail_quantiles(past, start, levels) - t[:, None]
-            weight[idx] = np.where(longer > 0, longer / (longer + self.config.prompt_weight), 0.0)
+                rows_of.setdefault(prompt, []).append(i)
+        if not rows_of:
+            return own, weight
+        pasts = [self._sorted_past(prompt) for prompt in rows_of]
+        sizes = np.array([past.size for past in pasts])
+        counts = [len(rows) for rows in rows_of.values()]
+        rows = np.fromiter((i for r in rows_of.values() for i in r), int, sum(counts))
+        segment = np.repeat(np.arange(len(pasts)), counts)
+        end = np.cumsum(sizes)[segment]
+        t = current[rows]
+        values = np.concatenate(pasts)
+        # lengths are >= 0: shifting prompt j's by j·span keeps them all sorted end to end
+        span = max(float(values.max()), float(t.max())) + 1.0
+        shifted = values + np.repeat(np.arange(len(pasts)) * span, sizes)
+        start = np.searchsorted(shifted, t + segment * span, side="right")
+        longer = end - start
+        own[rows] = _tail_quantiles(values, start, levels, end) - t[:, None]
+        weight[rows] = np.where(longer > 0, longer / (longer + self.config.prompt_weight), 0.0)
         return own, weight
+
+    def _sorted_past(self, prompt: str) -> np.ndarray:
+        past = self._prompt_sorted.get(prompt)
+        if past is None:
+            past = self._prompt_sorted[prompt] = np.sort(
+                np.asarray(self._prompt_lengths[prompt], dtype=float)
+            )
+        return past
 
     def _conditional_quantiles(self, mu: float, current: int, levels: np.ndarray) -> np.ndarray:
         shape = self._shape()
@@ -296,11 +318,14 @@ class LengthPredictor:
     # --- self-assessment ----------------------------------------------------------------
 
     def _score(self, seq_id: str, length: int) -> None:
-        median_at = int(np.argmin(np.abs(np.asarray(self.config.quantiles) - 0.5)))
-        for current, quantiles in self._pending.pop(seq_id, []):
+        # plain Python: one or two predictions per sample, scored at every finished sample
+        hits, median_at = self._hits, self._median_at
+        for current, quantiles in self._pending.pop(seq_id, ()):
             actual = length - current
             self._abs_err += abs(actual - quantiles[median_at])
-            self._hits += actual <= np.asarray(quantiles)
+            for j, q in enumerate(quantiles):
+                if actual <= q:
+                    hits[j] += 1
             self._scored += 1
 
     def error_report(self) -> dict[str, Any]:

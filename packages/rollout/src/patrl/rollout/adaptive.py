@@ -11,7 +11,8 @@ group sends a compact summary of its replica (each unfinished sample's context, 
 whether it holds KV; the groups it started and the samples that finished since the last round),
 gathered by all ranks, so every rank's length predictor learns the same lengths in the same
 order; rank 0 runs the planner and broadcasts its decision; on "switch" every rank calls
-`Engine.reconfigure` at once. A rank whose replica has run dry skips straight to the next check
+`Engine.reconfigure` at once. Whether the rollout is over every rank tells from the summaries
+alone (the same counts everywhere), so the last check needs no broadcast. A rank whose replica has run dry skips straight to the next check
 (waiting in the collective, not spinning). The first check comes before the first step, so the
 planner can already move a small batch to a larger TP. When no rank has anything unfinished,
 the rollout ends and the engine returns to the layout the first check found best for the
@@ -361,8 +362,13 @@ class TPController:
         for s in summaries:
             if s is not None:
                 self._learn(s)
-        verdict = self._decide(summaries, tp, rollout) if self._rank() == 0 else None
-        verdict = self._broadcast(verdict)
+        first = rollout.first_check
+        if self._over(summaries, rollout):
+            # every rank saw the same summaries, so every rank knows: no broadcast
+            verdict = _Verdict(None)
+        else:
+            decided = self._decide(summaries, tp, rollout, first) if self._rank() == 0 else None
+            verdict = self._broadcast(decided)
         self.stats.checks += 1
         spent = time.perf_counter() - t0
         if had_work:
@@ -438,19 +444,25 @@ class TPController:
                     # one closed itself at its last sample)
                     self.lengths.end_group(gid)
 
-    def _decide(self, summaries: list[_Summary | None], tp: int, rollout: _Rollout) -> _Verdict:
-        replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
-        rows = [(dp, row) for dp, s in replicas for row in s.rows]
-        first = rollout.first_check
-        if first:
-            quotas = [s.quota for _, s in replicas if s.quota is not None]
+    def _over(self, summaries: list[_Summary | None], rollout: _Rollout) -> bool:
+        """Whether the rollout is over everywhere: no replica has anything unfinished, or the
+        partial rollout's quota is met (the rest waits). Counted on every rank from the same
+        summaries (integers and flags only), so all ranks agree without a broadcast."""
+        replicas = [s for s in summaries if s is not None]
+        if rollout.first_check:
+            quotas = [s.quota for s in replicas if s.quota is not None]
             rollout.total_quota = sum(quotas) if quotas else None
             rollout.first_check = False
-        rollout.total_done += sum(s.num_done for _, s in replicas)
-        if not any(s.has_work for _, s in replicas) and not rows:
-            return _Verdict(None)
-        if rollout.total_quota is not None and rollout.total_done >= rollout.total_quota:
-            return _Verdict(None)  # partial rollout: enough finished, the rest waits
+        rollout.total_done += sum(s.num_done for s in replicas)
+        if not any(s.has_work or s.rows for s in replicas):
+            return True
+        return rollout.total_quota is not None and rollout.total_done >= rollout.total_quota
+
+    def _decide(
+        self, summaries: list[_Summary | None], tp: int, rollout: _Rollout, first: bool
+    ) -> _Verdict:
+        replicas = [(rank // tp, s) for rank, s in enumerate(summaries) if s is not None]
+        rows = [(dp, row) for dp, s in replicas for row in s.rows]
         if not rows:
             return _Verdict(tp)  # only rejected requests left to collect: nothing to plan
         t0 = time.perf_counter()
@@ -493,29 +505,26 @@ class TPController:
     def _running_set(
         self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]]
     ) -> RunningSet:
-        generated = np.array([row[3] for _, row in rows], dtype=int)
-        room = np.maximum(np.array([row[4] for _, row in rows], dtype=int) - generated, 1)
-        remaining = (
-            np.clip(
-                self.lengths.predict_remaining_many(
-                    [f"{row[0]}#{row[1]}" for _, row in rows],
-                    [self._group_of[row[0]][0] for _, row in rows],
-                    generated,
-                ),
-                1.0,
-                room[:, None],
-            )
-            if rows
-            else np.zeros((0, 1))
+        """The planner's view of `rows` (not empty): one row per unfinished sample."""
+        replica = np.array([dp for dp, _ in rows], dtype=int)
+        request_ids, index, context, generated, max_tokens, has_kv = zip(
+            *(row for _, row in rows), strict=True
         )
-        requests = np.unique(np.array([row[0] for _, row in rows]), return_inverse=True)[1]
+        generated_arr = np.array(generated, dtype=int)
+        room = np.maximum(np.array(max_tokens, dtype=int) - generated_arr, 1)
+        remaining = self.lengths.predict_remaining_many(
+            [f"{r}#{i}" for r, i in zip(request_ids, index, strict=True)],
+            [self._group_of[r][0] for r in request_ids],
+            generated_arr,
+        )
+        number = {r: k for k, r in enumerate(sorted(set(request_ids)))}
         return RunningSet(
             seq_ids=np.arange(len(rows)),
-            replica=np.array([dp for dp, _ in rows], dtype=int),
-            context=np.array([row[2] for _, row in rows], dtype=int),
-            remaining=remaining,
-            has_kv=np.array([row[5] for _, row in rows], dtype=bool),
-            group=requests.reshape(-1).astype(int),
+            replica=replica,
+            context=np.array(context, dtype=int),
+            remaining=np.clip(remaining, 1.0, room[:, None]),
+            has_kv=np.array(has_kv, dtype=bool),
+            group=np.array([number[r] for r in request_ids], dtype=int),
         )
 
     def _switch(self, engine: Engine, verdict: _Verdict) -> None:
