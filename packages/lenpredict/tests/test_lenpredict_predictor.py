@@ -311,3 +311,30 @@ def test_cached_predictions_equal_a_fresh_replay():
             rtol=1e-12,
         )
         assert warm.global_mean() == pytest.approx(fresh.global_mean(), rel=1e-12)
+
+
+def test_window_sorted_shape_and_mean_kept_in_step_with_a_recount():
+    """The sorted shape samples and the global mean are kept as samples enter and leave the
+    window, not recomputed: against a sort and a mean of the window after every group, with
+    repeated ratios (equal lengths), a group as big as the window (the sorted copy is rebuilt)
+    and a checkpoint round trip on the way."""
+    config = PredictorConfig(window=24)
+    p = LengthPredictor(config)
+    rng = np.random.default_rng(3)
+    sizes = [4, 2, 8, 5, 3, 30, 6, 4, 7, 1, 5, 8, 4]
+    for i, size in enumerate(sizes * 3):
+        gid = f"g{i}"
+        p.start_group(gid, f"p{i % 5}", size)
+        # few distinct lengths: equal ratios enter and leave the window together
+        for k, length in enumerate(rng.choice([10, 20, 20, 40, 80], size)):
+            p.observe_finished(f"{gid}/{k}", gid, int(length))
+        np.testing.assert_array_equal(p._shape(), np.sort(np.asarray(p._ratios)))
+        assert len(p._ratios) <= 24
+        assert p.global_mean() == np.mean(np.asarray(p._lengths, dtype=float))
+        if i == len(sizes):
+            restored = LengthPredictor(config)
+            restored.load_state_dict(json.loads(json.dumps(p.state_dict())))
+            assert restored.global_mean() == p.global_mean()
+            np.testing.assert_array_equal(restored._shape(), p._shape())
+            p = restored
+    assert len(p._ratios) == 24
