@@ -11,10 +11,11 @@ group sends a compact summary of its replica (each unfinished sample's context, 
 whether it holds KV; the groups it started and the samples that finished since the last round),
 gathered by all ranks, so every rank's length predictor learns the same lengths in the same
 order; rank 0 runs the planner and broadcasts its decision; on "switch" every rank calls
-`Engine.reconfigure` at once. Whether the rollout is over every rank tells from the summaries
-alone (the same counts everywhere), so the last check needs no broadcast. A rank whose replica has run dry skips straight to the next check
-(waiting in the collective, not spinning). The first check comes before the first step, so the
-planner can already move a small batch to a larger TP. When no rank has anything unfinished,
+`Engine.reconfigure` at once. Whether the rollout is over, every rank tells from the summaries
+alone (the same counts everywhere), so the last check needs no broadcast. A rank whose replica
+has run dry skips straight to the next check (waiting in the collective, not spinning). The
+first check comes before the first step, so the planner can already move a small batch to a
+larger TP. When no rank has anything unfinished,
 the rollout ends and the engine returns to the layout the first check found best for the
 whole batch (`opening_tp`: where it switched at once or, if that did not pay for its own
 switch, where the best plan predicted starts, the switch cost aside, a plan with a fold for
@@ -150,8 +151,9 @@ class _Summary:
 
 @dataclass(slots=True)
 class _Verdict:
-    """Rank 0's decision, broadcast: None target means the rollout is over everywhere (all
-    done, or the partial-rollout quota is met and the rest is to be exported)."""
+    """Rank 0's decision, broadcast. A None target means the rollout is over everywhere (all
+    done, or the partial-rollout quota is met and the rest is to be exported): every rank
+    finds that out itself from the gathered summaries (`TPController._over`)."""
 
     target_tp: int | None
     recompute: frozenset[tuple[str, int]] = frozenset()
