@@ -15,8 +15,10 @@ from patrl.lenpredict import (
 )
 
 
-def synthetic_profile(model_dir: str, tp2_speedup: float) -> Profile:
-    """Step time = (1 ms + 0.1 ms x batch) / speedup at tp=2; switches cost ~1 ms of sends."""
+def synthetic_profile(model_dir: str, tp2_speedup: float, crossover: int = 0) -> Profile:
+    """Step time = (1 ms + 0.1 ms x batch) / speedup at tp=2; switches cost ~1 ms of sends.
+    With a `crossover` batch, tp=2 instead costs 1 ms more a step and 0.05 ms less per
+    sequence: faster than tp=1 only past `crossover` sequences."""
     info = ModelInfo(
         name=model_dir,
         num_layers=2,
@@ -30,6 +32,8 @@ def synthetic_profile(model_dir: str, tp2_speedup: float) -> Profile:
     )
 
     def step(tp: int, batch: int) -> float:
+        if crossover and tp == 2:
+            return 1e-3 + 1e-4 * batch + 5e-5 * (crossover - batch)
         return (1e-3 + 1e-4 * batch) / (tp2_speedup if tp == 2 else 1.0)
 
     return Profile(
@@ -46,7 +50,7 @@ def synthetic_profile(model_dir: str, tp2_speedup: float) -> Profile:
         decode=[
             DecodeRow(tp=tp, batch=b, context_tokens=b * c, seconds=step(tp, b))
             for tp in (1, 2)
-            for b in (1, 2, 4, 8, 16, 32)
+            for b in (1, 2, 4, 8, 16, 32, 64)
             for c in (8, 32, 96)
         ],
         prefill=[

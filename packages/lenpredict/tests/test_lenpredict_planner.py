@@ -219,6 +219,36 @@ def test_the_shortcut_bounds_the_batch_by_the_busiest_replica():
         assert (decision.recheck_steps == NEVER) is never, (split, decision.reason)
 
 
+def long_contexts_pay(tp: int, batch: int, context: int) -> float:
+    """TP=2 pays a fixed 4 ms more a step and half the per-token cost: it wins past 4000
+    context tokens in the batch."""
+    return (0.005 + 1e-6 * context if tp > 1 else 0.001 + 2e-6 * context) + 0.001 * batch
+
+
+def test_may_switch_from_hard_bounds_agrees_with_decide_on_any_lengths_within_them():
+    """Bounded by max_tokens: where even the longest possible sequences leave TP=2 slower at
+    every batch the busiest replica can have, `decide` stays to the end for every prediction
+    within the bounds (so the controller need not predict); where they do not, may_switch
+    says so."""
+    model = LatencyModel.fit(profile_from(long_contexts_pay, tp_sizes=(1, 2), num_devices=2))
+    planner = ReconfigPlanner(model, 2, PlannerConfig(candidate_tp=(1, 2)))
+    rng = np.random.default_rng(4)
+    replica = np.repeat([0, 1], 16)
+    for room, may in ((10.0, False), (1000.0, True)):
+        bound = RunningSet(np.arange(32), replica, np.full(32, 50), np.full((32, 1), room))
+        assert planner.may_switch(bound, Layout(2, 1)) is may
+        planner.new_rollout()
+        at_bound = planner.decide(bound, Layout(2, 1))
+        assert (at_bound.recheck_steps == NEVER) is not may, at_bound.reason
+        for _ in range(5):
+            remaining = np.sort(rng.uniform(1, room, (32, 3)), axis=1)
+            planner.new_rollout()
+            rs = RunningSet(np.arange(32), replica, np.full(32, 50), remaining)
+            decision = planner.decide(rs, Layout(2, 1))
+            if not may:
+                assert decision.action == "stay" and decision.recheck_steps == NEVER
+
+
 def test_never_switches_from_a_layout_no_candidate_beats_at_any_batch_or_context():
     # gloo_like: TP=2+ dearer than TP=1 at every batch, and splitting the batch over more
     # replicas always pays; compute_bound crosses over

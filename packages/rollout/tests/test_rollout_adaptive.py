@@ -20,12 +20,13 @@ from patrl.lenpredict import (
     LengthPredictor,
     RunningSet,
 )
-from patrl.lenpredict.planner import Option
+from patrl.lenpredict.planner import NEVER, Option
 from patrl.rollout.adaptive import (
     OracleLengths,
     TPController,
     _Summary,
     critical_path,
+    make_planner,
     opening_layout,
 )
 from patrl.rollout.config import EngineConfig
@@ -425,7 +426,7 @@ def test_requests_of_one_prompt_key_in_a_rollout_are_one_length_group() -> None:
     assert groups["other@2"]["size"] == 2
     # the running siblings are predicted from k's group (a KeyError if they were not)
     rows = [(0, ("b", 0, 20, 5, 60, True)), (1, ("c", 1, 20, 5, 60, True))]
-    assert controller._running_set(rows).remaining.shape == (2, 3)
+    assert controller._predict(rows, np.full((2, 1), 60.0)).shape == (2, 3)
     finished = [("b", 0, 10, "length"), ("d", 0, 20, "stop"), ("c", 1, 90, "length")]
     controller._learn(_Summary(True, [], [], finished))
     groups = predictor.state_dict()["groups"]
@@ -458,6 +459,46 @@ def _spaced(rank: int, world_size: int, model_dir: str) -> list[int]:
         engine.generate(prompts, params)
         checks.append(engine.stats()["tp_checks"])
     return checks
+
+
+class CountingPredictor(LengthPredictor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def predict_remaining_many(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        self.asked += 1
+        return super().predict_remaining_many(*args, **kwargs)
+
+
+def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> None:
+    """TP=2 is faster only past 20 sequences a replica (so the profile alone proves nothing
+    for max_num_seqs 64): with 4 a replica, bounded by their max_tokens, no switch can pay
+    and rank 0 decides without predicting lengths; with 24 on one replica it predicts and
+    prices the switch."""
+    path = tmp_path / "profile.json"
+    synthetic_profile("m", 1.0, crossover=20).save(str(path))
+    policy = AdaptiveTP(candidates=(1, 2), profile=str(path))
+    planner = make_planner(policy, 2, max_num_seqs=64)
+    assert not planner.never_switches_from(Layout(2, 1), max_context=256)
+    for per_replica, predicted in ((4, False), (24, True)):
+        predictor = CountingPredictor()
+        controller = TPController(policy, planner, predictor, None)
+        controller.begin()
+        summaries: list[_Summary | None] = []
+        for rank, size in enumerate((per_replica, 2)):
+            ids = [f"r{rank}-{i}" for i in range(size)]
+            rows = [(rid, 0, 16, 0, 200, False) for rid in ids]
+            summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
+        rollout = controller._rollout
+        assert rollout is not None
+        for s in summaries:
+            controller._learn(s)
+        verdict = controller._decide(summaries, 1, rollout, True)
+        assert predictor.asked == int(predicted)
+        assert verdict.record is not None
+        assert ("max_tokens" in verdict.record.reason) is not predicted, verdict.record.reason
+        assert (verdict.recheck_steps == NEVER) is not predicted
 
 
 def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:

@@ -375,6 +375,13 @@ class ReconfigPlanner:
         targets = [t for t in self.candidates if t != current and nested(t, current)]
         return all(self._no_faster_step(current, t, n, (1.0, float(max_context))) for t in targets)
 
+    def may_switch(self, running: RunningSet, current: Layout) -> bool:
+        """Whether a switch from `current` could pay before the rollout ends with no sequence
+        running longer than `running.remaining.max()` more tokens (`_never_pays`). Given
+        every sequence's hard bound (its max_tokens), False spares the caller predicting the
+        lengths: whatever they turn out to be, `decide` stays until the rollout ends."""
+        return any(not self._never_pays(current, t, running) for t in self._admissible(current))
+
     def _admissible(self, current: Layout) -> list[Layout]:
         result = []
         for layout in self.candidates:

@@ -468,11 +468,16 @@ class TPController:
         if not rows:
             return _Verdict(tp)  # only rejected requests left to collect: nothing to plan
         t0 = time.perf_counter()
-        running = self._running_set(rows)
         current = Layout(dp=len(summaries) // tp, tp=tp)
+        running = self._running_set(rows)
+        bounded = not self._may_switch(running, current)
+        if not bounded:
+            running.remaining = self._predict(rows, running.remaining)
         decision = self.planner.decide(running, current)
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
+        if bounded:
+            record.reason += " (even if every sequence ran to its max_tokens: none predicted)"
         # Within a rollout TP only grows, with one exception: a split at the first check, before
         # anything was decoded, corrects where a full rollout opened (at TP>1, named by an
         # earlier batch, where this one is faster on more replicas); its requests may then
@@ -504,30 +509,45 @@ class TPController:
         record.num_migrated = len(rows) - record.num_recomputed
         return _Verdict(decision.target.tp, recompute, record)
 
+    def _may_switch(self, bound: RunningSet, current: Layout) -> bool:
+        """Whether the planner could switch with every sequence running to its max_tokens
+        (`ReconfigPlanner.may_switch`). Where it cannot, no length needs predicting: on a model
+        too small for TP to pay, that was half of a rollout's opening check. A planner that
+        cannot tell (a test's) is asked with predicted lengths."""
+        may_switch = getattr(self.planner, "may_switch", None)
+        return may_switch is None or bool(may_switch(bound, current))
+
     def _running_set(
         self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]]
     ) -> RunningSet:
-        """The planner's view of `rows` (not empty): one row per unfinished sample."""
+        """The planner's view of `rows` (not empty): one row per unfinished sample, its
+        remaining length bounded by its max_tokens (one column; `_predict` replaces it)."""
         replica = np.array([dp for dp, _ in rows], dtype=int)
-        request_ids, index, context, generated, max_tokens, has_kv = zip(
+        request_ids, _, context, generated, max_tokens, has_kv = zip(
             *(row for _, row in rows), strict=True
         )
-        generated_arr = np.array(generated, dtype=int)
-        room = np.maximum(np.array(max_tokens, dtype=int) - generated_arr, 1)
-        remaining = self.lengths.predict_remaining_many(
-            [f"{r}#{i}" for r, i in zip(request_ids, index, strict=True)],
-            [self._group_of[r][0] for r in request_ids],
-            generated_arr,
-        )
+        room = np.maximum(np.array(max_tokens, dtype=int) - np.array(generated, dtype=int), 1)
         number = {r: k for k, r in enumerate(sorted(set(request_ids)))}
         return RunningSet(
             seq_ids=np.arange(len(rows)),
             replica=replica,
             context=np.array(context, dtype=int),
-            remaining=np.clip(remaining, 1.0, room[:, None]),
+            remaining=room[:, None].astype(float),
             has_kv=np.array(has_kv, dtype=bool),
             group=np.array([number[r] for r in request_ids], dtype=int),
         )
+
+    def _predict(
+        self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]], bound: np.ndarray
+    ) -> np.ndarray:
+        """Remaining-length quantiles of `rows` (n, Q), within their bounds (n, 1)."""
+        request_ids = [row[0] for _, row in rows]
+        remaining = self.lengths.predict_remaining_many(
+            [f"{row[0]}#{row[1]}" for _, row in rows],
+            [self._group_of[r][0] for r in request_ids],
+            np.array([row[3] for _, row in rows], dtype=int),
+        )
+        return np.clip(remaining, 1.0, bound)
 
     def _switch(self, engine: Engine, verdict: _Verdict) -> None:
         assert verdict.target_tp is not None
