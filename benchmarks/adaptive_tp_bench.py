@@ -77,8 +77,10 @@ overhead and finish (the measured gain is taken against the static (dp2, tp1) ru
 repeat, which runs the same schedule up to the switch); the control overhead on the critical
 path (each rollout's wall time less its switches and its busiest rank's decode time: the
 checks, and the waits their synchronisation imposes) as a fraction of the busiest rank's decode
-time; and the simulator fed
-the measured lengths and the fitted latency model, simulated vs measured for every policy.
+time; the simulator fed
+the measured lengths and the fitted latency model, simulated vs measured for every policy; and
+what switching for free at every step would take on each workload (`free_switch_bound`, decode
+only, on the latency model): a target row NOT MET says so where no policy could meet it.
 Writes benchmarks/results/adaptive_tp_bench.json and a PNG timeline of a cold adaptive long-tail
 rollout; prints the tables. --quick: the tiny shape and tiny workloads, to check the script.
 """
@@ -117,6 +119,7 @@ from patrl.lenpredict import (
     SimConfig,
     StaticPolicy,
     adaptive_ceiling,
+    free_switch_bound,
     group_by_step,
     long_tail_trace,
     longest_processing_time,
@@ -842,6 +845,20 @@ def simulate(
                 ReconfigPlanner(latency, 2, planner_config), start=Layout(dp=2, tp=1)
             ),
         }
+        bound = free_switch_bound(
+            latency,
+            Layout(dp=2, tp=1),
+            Layout(dp=1, tp=2),
+            np.repeat(workload.lengths, workload.n),
+            np.repeat([len(p) for p in workload.prompts], workload.n),
+            np.repeat(workload.replica_split(), workload.n),
+        )
+        entry["free_switch_bound"] = {
+            "dp2_s": bound.wide_s,
+            "tp2_s": bound.narrow_s,
+            "free_s": bound.free_s,
+            "ratio": bound.ratio,
+        }
         for name, policy in policies.items():
             result = sim.run(groups, policy)  # split on the true lengths, as measured
             measured = entry["policies"][name]["median_s"]
@@ -886,7 +903,11 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                     target, ok = f"<= {TARGET_LONG_TAIL}", ratio <= TARGET_LONG_TAIL
                 else:
                     target, ok = f"<= {TARGET_ELSEWHERE}", ratio <= TARGET_ELSEWHERE
-                out.append(verdict(shape, wname, p, "adaptive / best static", ratio, target, ok))
+                line = verdict(shape, wname, p, "adaptive / best static", ratio, target, ok)
+                bound = w.get("free_switch_bound", {}).get("ratio")
+                if bound is not None and not ok and bound > float(target.split()[-1]):
+                    line["note"] = f"free switching at every step: x{bound:.3f} (latency model)"
+                out.append(line)
                 frac = w["policies"][p]["control_fraction"]
                 ok = frac is not None and frac < TARGET_CONTROL
                 out.append(
@@ -951,6 +972,17 @@ def print_report(results: dict[str, Any]) -> None:
                 f"  {wname:20s} "
                 + "  ".join(f"{p}={v:.2f}" for p, v in sims.items() if v is not None)
             )
+        if all("free_switch_bound" in w for w in res["workloads"].values()):
+            print(
+                "switching for free at every step, decode only, on the latency model (no "
+                "policy does better): dp2 / tp2 / free s, free / best"
+            )
+            for wname, w in res["workloads"].items():
+                b = w["free_switch_bound"]
+                print(
+                    f"  {wname:20s} {b['dp2_s']:.2f} / {b['tp2_s']:.2f} / {b['free_s']:.2f} s"
+                    f"  x{b['ratio']:.3f}"
+                )
         print(
             "control overhead on the critical path (rollout wall time less switches and the "
             "busiest rank's decode time, summed / the busiest rank's decode time):"
@@ -984,6 +1016,7 @@ def print_report(results: dict[str, Any]) -> None:
         print(
             f"  {v['shape']:5s} {v['workload']:20s} {v['policy']:18s} {v['metric']:24s} "
             f"{value:>8s} target {v['target']:8s} {'MET' if v['met'] else 'NOT MET'}"
+            + (f"  ({v['note']})" if v.get("note") else "")
         )
 
 

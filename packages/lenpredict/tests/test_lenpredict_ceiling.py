@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from lenpredict_cases import compute_bound, flat, profile_from, tp_speeds_up
 
-from patrl.lenpredict import LatencyModel, Layout, adaptive_ceiling
+from patrl.lenpredict import LatencyModel, Layout, adaptive_ceiling, free_switch_bound
 from patrl.lenpredict.ceiling import step_times
 
 WIDE, NARROW = Layout(2, 1), Layout(1, 2)
@@ -69,3 +69,66 @@ def test_bad_arguments():
         adaptive_ceiling(latency, WIDE, NARROW, 0, CONTEXT)
     with pytest.raises(ValueError, match="different numbers of ranks"):
         adaptive_ceiling(latency, WIDE, Layout(1, 1), 8, CONTEXT)
+
+
+def naive_free_switch(latency, wide, narrow, lengths, prompts, replica):
+    """Slow twin of `free_switch_bound`: step by step, replica by replica, sample by sample."""
+    merge = wide.dp // narrow.dp
+    totals = {"wide": 0.0, "narrow": 0.0, "free": 0.0}
+    for s in range(1, max(lengths)):
+        per_layout = []
+        for layout, of in ((wide, list(replica)), (narrow, [r // merge for r in replica])):
+            worst = 0.0
+            for r in range(layout.dp):
+                alive = [i for i in range(len(lengths)) if of[i] == r and lengths[i] > s]
+                if alive:
+                    context = sum(prompts[i] + s for i in alive)
+                    longest = max(prompts[i] + s for i in alive)
+                    t = float(latency.step_time(layout.tp, len(alive), context, longest))
+                    worst = max(worst, t)
+            per_layout.append(worst)
+        totals["wide"] += per_layout[0]
+        totals["narrow"] += per_layout[1]
+        totals["free"] += min(per_layout)
+    return totals
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_free_switch_bound_matches_a_step_by_step_count(padded):
+    step = compute_bound
+    profile = profile_from(
+        step,
+        padded=(lambda tp, b, c, m: step(tp, b, c) + 2e-7 * b * m / tp) if padded else None,
+        tp_sizes=(1, 2, 4),
+        num_devices=4,
+    )
+    latency = LatencyModel.fit(profile)
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(20, 60, 160), rng.integers(100, 200, 3), [1]])
+    prompts = rng.integers(8, 200, len(lengths))
+    for wide, narrow in ((Layout(4, 1), Layout(2, 2)), (Layout(4, 1), Layout(1, 4))):
+        replica = rng.integers(0, wide.dp, len(lengths))
+        fast = free_switch_bound(latency, wide, narrow, lengths, prompts, replica)
+        slow = naive_free_switch(latency, wide, narrow, lengths, prompts, replica)
+        assert fast.wide_s == pytest.approx(slow["wide"], rel=1e-9)
+        assert fast.narrow_s == pytest.approx(slow["narrow"], rel=1e-9)
+        assert fast.free_s == pytest.approx(slow["free"], rel=1e-9)
+        # a long tail on a crossover: the bulk wide, the tail narrow, both beaten
+        assert fast.free_s < min(fast.wide_s, fast.narrow_s) and fast.ratio < 0.99
+
+
+@pytest.mark.parametrize("step", [flat, tp_speeds_up])
+def test_free_switching_gains_nothing_without_a_crossover(step):
+    lengths = np.array([5, 9, 40, 200])
+    bound = free_switch_bound(model(step), WIDE, NARROW, lengths, np.full(4, 16), [0, 1, 0, 1])
+    assert bound.ratio == pytest.approx(1.0)
+
+
+def test_free_switch_bound_bad_arguments():
+    latency = model(compute_bound)
+    with pytest.raises(ValueError, match="does not merge"):
+        free_switch_bound(latency, NARROW, WIDE, [3], [4], [0])
+    with pytest.raises(ValueError, match="one entry per sample"):
+        free_switch_bound(latency, WIDE, NARROW, [3, 4], [4], [0, 1])
+    with pytest.raises(ValueError, match=r"replica indices must lie in \[0, 2\)"):
+        free_switch_bound(latency, WIDE, NARROW, [3], [4], [2])

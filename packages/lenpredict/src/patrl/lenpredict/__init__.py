@@ -2,7 +2,7 @@
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
 from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
-from patrl.lenpredict.ceiling import Ceiling, adaptive_ceiling
+from patrl.lenpredict.ceiling import Ceiling, FreeSwitch, adaptive_ceiling, free_switch_bound
 from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
 from patrl.lenpredict.layout import Layout, layouts_for
@@ -52,6 +52,7 @@ __all__ = [
     "CollectiveRow",
     "Decision",
     "DecodeRow",
+    "FreeSwitch",
     "HardwareInfo",
     "LatencyModel",
     "Layout",
@@ -75,6 +76,7 @@ __all__ = [
     "SwitchRow",
     "adaptive_ceiling",
     "assign_prompts",
+    "free_switch_bound",
     "group_by_step",
     "held_out_error",
     "layouts_for",

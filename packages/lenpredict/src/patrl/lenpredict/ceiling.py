@@ -18,6 +18,9 @@ faster and the rest at one where the narrow layout is faster, in the proportion 
 both static layouts tie. Every pair is tried (max_batch² of them). Real policies pay their
 switches, balance replicas imperfectly and predict lengths, so a measured ratio below the
 ceiling means the latency model is wrong, not that the policy is good.
+
+`free_switch_bound` asks the same of one workload (its samples' lengths and replicas): "can
+any policy reach the target on this one?".
 """
 
 from __future__ import annotations
@@ -87,3 +90,72 @@ def adaptive_ceiling(
         share = float(x[k] / (x[k] + y[k]))
         ceiling = Ceiling(float(ratio[k]), int(batches[i[k]]), int(batches[j[k]]), share)
     return ceiling
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSwitch:
+    """Decode seconds of one workload at two layouts, and switching between them for free."""
+
+    wide_s: float  # at `wide` throughout
+    narrow_s: float  # at `narrow` throughout
+    free_s: float  # at whichever is faster, step by step, switches free
+
+    @property
+    def ratio(self) -> float:
+        """Free switching over the better static layout: no schedule of the two layouts does
+        better on this latency model (1.0: neither layout ever beats the other's total)."""
+        return self.free_s / min(self.wide_s, self.narrow_s)
+
+
+def free_switch_bound(
+    latency: LatencyModel,
+    wide: Layout,
+    narrow: Layout,
+    lengths: np.ndarray,
+    prompt_tokens: np.ndarray,
+    replica: np.ndarray,
+) -> FreeSwitch:
+    """The ceiling of one workload, where `adaptive_ceiling` takes the worst of all: every
+    sample admitted at once and decoding in lockstep, sample i for lengths[i] - 1 steps (its
+    first token comes from the prefill) at a context of prompt_tokens[i] + the steps so far,
+    on replica[i] of `wide` and, merged, on replica[i] // (wide.dp // narrow.dp) of `narrow`.
+    A layout's step takes its slowest replica's. Prefills and switches are left out, so no
+    real policy reaches `free_s`; a target below `ratio` cannot be met on this workload."""
+    if wide.world_size != narrow.world_size or wide.dp % narrow.dp or narrow.tp % wide.tp:
+        raise ValueError(f"{narrow} does not merge replicas of {wide}")
+    lengths = np.asarray(lengths, dtype=int)
+    prompt_tokens = np.asarray(prompt_tokens, dtype=int)
+    replica = np.asarray(replica, dtype=int)
+    if not (len(lengths) == len(prompt_tokens) == len(replica)) or not len(lengths):
+        raise ValueError(
+            f"lengths, prompt_tokens and replica: one entry per sample, got "
+            f"{len(lengths)}, {len(prompt_tokens)}, {len(replica)}"
+        )
+    if replica.min() < 0 or replica.max() >= wide.dp:
+        raise ValueError(f"replica indices must lie in [0, {wide.dp}), got {sorted(set(replica))}")
+    steps = np.arange(1, max(int(lengths.max()), 2))  # decode step s: samples with length > s
+    totals = []
+    for layout, of in ((wide, replica), (narrow, replica // (wide.dp // narrow.dp))):
+        worst = np.zeros(len(steps))
+        for r in range(layout.dp):
+            mine = of == r
+            if not mine.any():
+                continue
+            # this replica's samples, longest first: those alive at step s are a prefix
+            order = np.argsort(-lengths[mine], kind="stable")
+            length, prompt = lengths[mine][order], prompt_tokens[mine][order]
+            alive = np.searchsorted(-length, -steps, side="left")  # count with length > s
+            prompts_sum = np.r_[0, np.cumsum(prompt)][alive]
+            longest_prompt = np.r_[0, np.maximum.accumulate(prompt)][alive]
+            busy = alive > 0
+            t = latency.step_time(
+                layout.tp,
+                alive[busy],
+                prompts_sum[busy] + alive[busy] * steps[busy],
+                longest_prompt[busy] + steps[busy],
+            )
+            worst[busy] = np.maximum(worst[busy], t)
+        totals.append(worst)
+    return FreeSwitch(
+        float(totals[0].sum()), float(totals[1].sum()), float(np.minimum(*totals).sum())
+    )
