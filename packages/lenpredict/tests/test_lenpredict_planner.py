@@ -249,6 +249,62 @@ def test_may_switch_from_hard_bounds_agrees_with_decide_on_any_lengths_within_th
                 assert decision.action == "stay" and decision.recheck_steps == NEVER
 
 
+def folds_below_20(tp: int, batch: int, context: int) -> float:
+    """One tp-2 group of T sequences beats two tp-1 replicas of T/2 below T = 20 (2 ms + 1.1
+    ms a sequence against 4 ms + 2 ms a sequence of half as many)."""
+    return (0.002 + 0.0011 * batch if tp > 1 else 0.004 + 0.002 * batch) + 1e-9 * context
+
+
+def naive_quiet(model, current, target, running, assignment) -> float:
+    """Slow twin of ReconfigPlanner._quiet: step by step, in the lowest-quantile scenario,
+    the first step at which a target group's step beats its busiest replica's."""
+    contexts = (running.context.min(), running.context.max() + running.remaining.max())
+    earliest = running.remaining[:, 0]
+    for step in range(int(earliest.max()) + 1):
+        for group in set(assignment.tolist()):
+            alive = (assignment == group) & (earliest > step)
+            if not alive.any():
+                continue
+            total = int(alive.sum())
+            busiest = max(int((alive & (running.replica == r)).sum()) for r in range(current.dp))
+            for c in contexts:
+                then = float(model.step_time(target.tp, total, total * c))
+                if then < float(model.step_time(current.tp, busiest, busiest * c)):
+                    return step
+    return 0  # never faster: nothing to wait for
+
+
+def test_a_stay_is_quiet_until_a_target_group_could_run_faster():
+    """Two replicas of 16 on a profile where folding pays below 20 sequences: a stay says
+    how many steps pass before (if every sequence finished at its lowest quantile) the
+    merged group could first step faster than its busiest replica; the same as a step-by-step
+    count, over random remaining lengths. The engine does not ask again before then."""
+    model = LatencyModel.fit(profile_from(folds_below_20, tp_sizes=(1, 2), num_devices=2))
+    # a switch must gain 100 s: every decision stays, its quiet steps are what is tested
+    config = PlannerConfig(candidate_tp=(1, 2), max_num_seqs=64, min_gain_s=100.0)
+    planner = ReconfigPlanner(model, 2, config)
+    rng = np.random.default_rng(6)
+    quiet = []
+    for _ in range(6):
+        remaining = np.sort(rng.integers(20, 400, (32, 3)), axis=1).astype(float)
+        rs = RunningSet(np.arange(32), np.repeat([0, 1], 16), rng.integers(10, 50, 32), remaining)
+        planner.new_rollout()
+        decision = planner.decide(rs, Layout(2, 1))
+        assert decision.action == "stay" and decision.recheck_steps is None, decision.reason
+        expected = naive_quiet(model, Layout(2, 1), Layout(1, 2), rs, np.zeros(32, dtype=int))
+        assert decision.quiet_steps == expected > 0
+        quiet.append(decision.quiet_steps)
+        # never later than the step where the merged group holds fewer than 20: from there
+        # it beats even two balanced replicas, whichever one is the busier
+        under_20 = np.sort(remaining[:, 0])[32 - 20]
+        assert expected <= under_20
+    assert len(set(quiet)) > 1
+    # the batch already small enough: nothing to wait for
+    rs = RunningSet(np.arange(8), np.repeat([0, 1], 4), np.full(8, 20), np.full((8, 3), 300.0))
+    planner.new_rollout()
+    assert planner.decide(rs, Layout(2, 1)).quiet_steps == 0
+
+
 def test_never_switches_from_a_layout_no_candidate_beats_at_any_batch_or_context():
     # gloo_like: TP=2+ dearer than TP=1 at every batch, and splitting the batch over more
     # replicas always pays; compute_bound crosses over

@@ -501,6 +501,41 @@ def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> No
         assert (verdict.recheck_steps == NEVER) is not predicted
 
 
+class QuietPlanner:
+    """Stays, with `quiet` steps in which no switch can gain."""
+
+    def __init__(self, quiet: int) -> None:
+        self.quiet = quiet
+
+    def new_rollout(self) -> None:
+        pass
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        none = np.zeros(len(running), dtype=bool)
+        stay = Option(current, 1.0, 0.0, np.inf, 0, running.replica, none)
+        return Decision(
+            "stay", current, current, 0.0, 0.0, "", [stay], running.seq_ids, quiet_steps=self.quiet
+        )
+
+
+def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
+    """A stay's quiet steps (no switch can gain before them) push the next check past
+    `check_every`, never before it."""
+    policy = AdaptiveTP(candidates=(1, 2), check_every=8)
+    for quiet, expected in ((0, 8), (5, 8), (40, 40)):
+        controller = TPController(policy, QuietPlanner(quiet), LengthPredictor(), None)
+        controller.begin()
+        rows = [(f"r{rank}", 0, 16, 0, 200, False) for rank in range(2)]
+        summaries: list[_Summary | None] = [
+            _Summary(True, [row], [(row[0], row[0], 1)], []) for row in rows
+        ]
+        for summary in summaries:
+            controller._learn(summary)
+        assert controller._rollout is not None
+        verdict = controller._decide(summaries, 1, controller._rollout, True)
+        assert verdict.target_tp == 1 and verdict.recheck_steps == expected
+
+
 def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:
     results = run_ranks(_spaced, 2, args=(str(llama_dir),), timeout_s=300)
     assert results[0] == results[1]

@@ -97,6 +97,10 @@ class Decision:
     # ask again after this many decode steps, when a delayed switch is the plan (None: the
     # caller's usual interval)
     recheck_steps: int | None = None
+    # a stay's decode steps during which no target can run a step faster than `current`, even
+    # if the sequences finish at their lowest predicted quantile (`ReconfigPlanner._quiet`):
+    # the caller need not ask again before then
+    quiet_steps: int = 0
 
     @property
     def chosen(self) -> Option:
@@ -127,6 +131,7 @@ class Decision:
             "migrate": int(self.chosen.migrate.sum()) if switching else 0,
             "recompute": int((~self.chosen.migrate).sum()) if switching else 0,
             "recheck_steps": self.recheck_steps,
+            "quiet_steps": self.quiet_steps,
         }
 
 
@@ -503,8 +508,72 @@ class ReconfigPlanner:
                     options, trips, trip_rows, delays, context[1:], alive[1:], now, med
                 )
         decision = self._choose(options, current, running.seq_ids)
+        if decision.action == "stay" and decision.recheck_steps is None and targets:
+            decision.quiet_steps = self._quiet(running, current, targets, assignments)
         self.decisions.append(decision)
         return decision
+
+    def _quiet(
+        self,
+        running: RunningSet,
+        current: Layout,
+        targets: list[Layout],
+        assignments: list[np.ndarray],
+    ) -> int:
+        """Decode steps before any target group could run a step faster than the replicas it
+        merges, were every sequence to finish at its lowest predicted quantile (the scenario
+        that shrinks the batch soonest), with every sequence at the shortest or at the longest
+        context one can reach. A switch at a step before then gains no more than one at it
+        (the steps between are no faster on the target) and can cost less only by the KV of
+        the shorter contexts it moves, which this check priced in its delayed switches: the
+        caller need not ask again before then. 0 with a split among the targets (more
+        replicas win large batches: nothing to wait for) or a target faster already."""
+        if any(t.tp < current.tp for t in targets):
+            return 0
+        earliest = running.remaining[:, 0]
+        contexts = (
+            float(running.context.min()),
+            float(running.context.max() + running.remaining.max()),
+        )
+        wait = np.inf
+        for target, assignment in zip(targets, assignments, strict=True):
+            for group in np.unique(assignment):
+                mine = assignment == group
+                wait = min(
+                    wait,
+                    self._first_faster_step(
+                        current, target, running.replica[mine], earliest[mine], contexts
+                    ),
+                )
+                if wait == 0:
+                    return 0
+        return int(wait) if np.isfinite(wait) else 0
+
+    def _first_faster_step(
+        self,
+        current: Layout,
+        target: Layout,
+        replica: np.ndarray,
+        remaining: np.ndarray,
+        contexts: tuple[float, float],
+    ) -> float:
+        """The first step (0: now) at which one `target` group holding these sequences (each
+        alive for `remaining` more steps, on `replica` of `current`) runs a step faster than
+        the busiest of those replicas; inf if it never does. The counts change only when a
+        sequence finishes, so only those steps are priced."""
+        steps = np.r_[0.0, np.unique(remaining)]
+        alive = remaining[None, :] > steps[:, None]  # (steps, seqs)
+        members = np.unique(replica)
+        counts = np.stack([alive[:, replica == r].sum(axis=1) for r in members])  # (r, steps)
+        total = counts.sum(axis=0).astype(float)
+        busiest = counts.max(axis=0).astype(float)
+        faster = np.zeros(len(steps), dtype=bool)
+        for per_seq in contexts:
+            then = self.latency.step_time(target.tp, total, total * per_seq)
+            now = self.latency.step_time(current.tp, busiest, busiest * per_seq)
+            faster |= (then < now) & (total > 0)
+        hit = np.flatnonzero(faster)
+        return float(steps[hit[0]]) if len(hit) else np.inf
 
     def _price_round_trips(
         self,

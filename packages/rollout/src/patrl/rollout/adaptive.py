@@ -492,7 +492,8 @@ class TPController:
             record.reason = f"split to tp {decision.target.tp} deferred to the next rollout"
         if decision.action != "switch" or split:
             opening = (decision.target.tp if split else opening_layout(decision)) if first else None
-            recheck = decision.recheck_steps or self.check_interval()
+            # not before the planner's quiet steps: until then no switch can gain
+            recheck = decision.recheck_steps or max(decision.quiet_steps, self.check_interval())
             if rollout.total_quota is not None:
                 recheck = min(recheck, self.policy.check_every)  # the quota is met at checks
             return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening)
