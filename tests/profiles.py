@@ -17,8 +17,8 @@ from patrl.lenpredict import (
 
 def synthetic_profile(model_dir: str, tp2_speedup: float, crossover: int = 0) -> Profile:
     """Step time = (1 ms + 0.1 ms x batch) / speedup at tp=2; switches cost ~1 ms of sends.
-    With a `crossover` batch, tp=2 instead costs 1 ms more a step and 0.05 ms less per
-    sequence: faster than tp=1 only past `crossover` sequences."""
+    With a `crossover` batch, tp=2 instead costs 0.05 x crossover ms more a step and 0.05 ms
+    less per sequence: faster than tp=1 at the same batch only past `crossover` sequences."""
     info = ModelInfo(
         name=model_dir,
         num_layers=2,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from lenpredict_cases import compute_bound, flat, profile_from, tp_speeds_up
 
-from patrl.lenpredict import LatencyModel, Layout, adaptive_ceiling, free_switch_bound
+from patrl.lenpredict import LatencyModel, Layout, adaptive_ceiling, lockstep_free_switch
 from patrl.lenpredict.ceiling import step_times
 
 WIDE, NARROW = Layout(2, 1), Layout(1, 2)
@@ -72,7 +72,7 @@ def test_bad_arguments():
 
 
 def naive_free_switch(latency, wide, narrow, lengths, prompts, replica):
-    """Slow twin of `free_switch_bound`: step by step, replica by replica, sample by sample."""
+    """Slow twin of `lockstep_free_switch`: step by step, replica by replica, sample by sample."""
     merge = wide.dp // narrow.dp
     totals = {"wide": 0.0, "narrow": 0.0, "free": 0.0}
     for s in range(1, max(lengths)):
@@ -94,7 +94,7 @@ def naive_free_switch(latency, wide, narrow, lengths, prompts, replica):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_free_switch_bound_matches_a_step_by_step_count(padded):
+def test_lockstep_free_switch_matches_a_step_by_step_count(padded):
     step = compute_bound
     profile = profile_from(
         step,
@@ -108,7 +108,7 @@ def test_free_switch_bound_matches_a_step_by_step_count(padded):
     prompts = rng.integers(8, 200, len(lengths))
     for wide, narrow in ((Layout(4, 1), Layout(2, 2)), (Layout(4, 1), Layout(1, 4))):
         replica = rng.integers(0, wide.dp, len(lengths))
-        fast = free_switch_bound(latency, wide, narrow, lengths, prompts, replica)
+        fast = lockstep_free_switch(latency, wide, narrow, lengths, prompts, replica)
         slow = naive_free_switch(latency, wide, narrow, lengths, prompts, replica)
         assert fast.wide_s == pytest.approx(slow["wide"], rel=1e-9)
         assert fast.narrow_s == pytest.approx(slow["narrow"], rel=1e-9)
@@ -120,15 +120,20 @@ def test_free_switch_bound_matches_a_step_by_step_count(padded):
 @pytest.mark.parametrize("step", [flat, tp_speeds_up])
 def test_free_switching_gains_nothing_without_a_crossover(step):
     lengths = np.array([5, 9, 40, 200])
-    bound = free_switch_bound(model(step), WIDE, NARROW, lengths, np.full(4, 16), [0, 1, 0, 1])
+    bound = lockstep_free_switch(model(step), WIDE, NARROW, lengths, np.full(4, 16), [0, 1, 0, 1])
     assert bound.ratio == pytest.approx(1.0)
 
 
-def test_free_switch_bound_bad_arguments():
+def test_nothing_to_decode_gains_nothing():
+    ones = lockstep_free_switch(model(compute_bound), WIDE, NARROW, [1, 1], [4, 4], [0, 1])
+    assert (ones.wide_s, ones.narrow_s, ones.free_s, ones.ratio) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_lockstep_free_switch_bad_arguments():
     latency = model(compute_bound)
     with pytest.raises(ValueError, match="does not merge"):
-        free_switch_bound(latency, NARROW, WIDE, [3], [4], [0])
+        lockstep_free_switch(latency, NARROW, WIDE, [3], [4], [0])
     with pytest.raises(ValueError, match="one entry per sample"):
-        free_switch_bound(latency, WIDE, NARROW, [3, 4], [4], [0, 1])
+        lockstep_free_switch(latency, WIDE, NARROW, [3, 4], [4], [0, 1])
     with pytest.raises(ValueError, match=r"replica indices must lie in \[0, 2\)"):
-        free_switch_bound(latency, WIDE, NARROW, [3], [4], [2])
+        lockstep_free_switch(latency, WIDE, NARROW, [3], [4], [2])

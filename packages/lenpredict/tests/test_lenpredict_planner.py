@@ -319,6 +319,33 @@ def test_never_switches_from_a_layout_no_candidate_beats_at_any_batch_or_context
     assert all(flat_planner.never_switches_from(layout, 8192) for layout in LAYOUTS)
 
 
+def padded_at_tp1(tp: int, batch: int, context: int, longest: int) -> float:
+    """tp 1 pads every sequence to the longest (batch x longest), tp 2 reads the total
+    context and pays 1 ms more a step: equal at equal contexts, tp 2 faster when one long
+    sequence sits among short ones."""
+    read = batch * longest if tp == 1 else context
+    return 0.002 + 0.0005 * batch + 4e-6 * read + (0.001 if tp > 1 else 0.0)
+
+
+def test_the_proof_checks_one_long_sequence_among_short_ones():
+    """All short or all long, tp 2 is slower at every batch; one long sequence among short
+    ones makes it faster (tp 1 pads them all): the profile proves nothing, and a running
+    set of such a mix can switch."""
+    profile = profile_from(flat, padded=padded_at_tp1, tp_sizes=(1, 2), num_devices=2)
+    model = LatencyModel.fit(profile)
+    for b in (4, 16):
+        for c in (64.0, 2048.0):
+            assert model.step_time(2, b, b * c, c) > model.step_time(1, b, b * c, c)
+    assert model.step_time(2, 16, 15 * 64 + 2048, 2048) < model.step_time(
+        1, 16, 15 * 64 + 2048, 2048
+    )
+    planner = ReconfigPlanner(model, 2, PlannerConfig(candidate_tp=(1, 2), max_num_seqs=16))
+    assert not planner.never_switches_from(Layout(2, 1), max_context=2048)
+    context = np.r_[np.full(15, 64), 2048]
+    rs = RunningSet(np.arange(16), np.zeros(16, dtype=int), context, np.full((16, 1), 50.0))
+    assert planner.may_switch(rs, Layout(2, 1))
+
+
 def test_flat_latency_model_never_switches():
     planner = ReconfigPlanner(latency(flat), 8)
     rng = np.random.default_rng(2)

@@ -502,10 +502,10 @@ def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> No
 
 
 class QuietPlanner:
-    """Stays, with `quiet` steps in which no switch can gain."""
+    """Stays, with `quiet` steps in which no switch can gain, or `recheck` steps."""
 
-    def __init__(self, quiet: int) -> None:
-        self.quiet = quiet
+    def __init__(self, quiet: int, recheck: int | None = None) -> None:
+        self.quiet, self.recheck = quiet, recheck
 
     def new_rollout(self) -> None:
         pass
@@ -513,17 +513,19 @@ class QuietPlanner:
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         none = np.zeros(len(running), dtype=bool)
         stay = Option(current, 1.0, 0.0, np.inf, 0, running.replica, none)
-        return Decision(
-            "stay", current, current, 0.0, 0.0, "", [stay], running.seq_ids, quiet_steps=self.quiet
-        )
+        decision = Decision("stay", current, current, 0.0, 0.0, "", [stay], running.seq_ids)
+        decision.quiet_steps, decision.recheck_steps = self.quiet, self.recheck
+        return decision
 
 
 def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
     """A stay's quiet steps (no switch can gain before them) push the next check past
-    `check_every`, never before it."""
+    `check_every`, never before it. A "never" proved on predicted lengths (not on the hard
+    bounds) asks again once they say the rollout is over: at most max_tokens (200) steps."""
     policy = AdaptiveTP(candidates=(1, 2), check_every=8)
-    for quiet, expected in ((0, 8), (5, 8), (40, 40)):
-        controller = TPController(policy, QuietPlanner(quiet), LengthPredictor(), None)
+    for quiet, recheck, expected in ((0, None, 8), (5, None, 8), (40, None, 40), (0, NEVER, 0)):
+        planner = QuietPlanner(quiet, recheck)
+        controller = TPController(policy, planner, LengthPredictor(), None)
         controller.begin()
         rows = [(f"r{rank}", 0, 16, 0, 200, False) for rank in range(2)]
         summaries: list[_Summary | None] = [
@@ -533,7 +535,11 @@ def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
             controller._learn(summary)
         assert controller._rollout is not None
         verdict = controller._decide(summaries, 1, controller._rollout, True)
-        assert verdict.target_tp == 1 and verdict.recheck_steps == expected
+        assert verdict.target_tp == 1 and verdict.recheck_steps is not None
+        if recheck == NEVER:
+            assert 8 <= verdict.recheck_steps <= 200
+        else:
+            assert verdict.recheck_steps == expected
 
 
 def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:

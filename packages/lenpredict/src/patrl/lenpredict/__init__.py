@@ -2,7 +2,12 @@
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
 from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
-from patrl.lenpredict.ceiling import Ceiling, FreeSwitch, adaptive_ceiling, free_switch_bound
+from patrl.lenpredict.ceiling import (
+    Ceiling,
+    LockstepFreeSwitch,
+    adaptive_ceiling,
+    lockstep_free_switch,
+)
 from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
 from patrl.lenpredict.layout import Layout, layouts_for
@@ -52,12 +57,12 @@ __all__ = [
     "CollectiveRow",
     "Decision",
     "DecodeRow",
-    "FreeSwitch",
     "HardwareInfo",
     "LatencyModel",
     "Layout",
     "LengthPredictor",
     "LengthRecord",
+    "LockstepFreeSwitch",
     "LongTailSpec",
     "ModelInfo",
     "NodeSpec",
@@ -76,10 +81,10 @@ __all__ = [
     "SwitchRow",
     "adaptive_ceiling",
     "assign_prompts",
-    "free_switch_bound",
     "group_by_step",
     "held_out_error",
     "layouts_for",
+    "lockstep_free_switch",
     "long_tail_trace",
     "longest_processing_time",
     "oracle_remaining",

@@ -19,8 +19,9 @@ both static layouts tie. Every pair is tried (max_batch² of them). Real policie
 switches, balance replicas imperfectly and predict lengths, so a measured ratio below the
 ceiling means the latency model is wrong, not that the policy is good.
 
-`free_switch_bound` asks the same of one workload (its samples' lengths and replicas): "can
-any policy reach the target on this one?".
+`lockstep_free_switch` estimates the same for one workload (its samples' lengths and
+replicas), its replicas stepping in lockstep. An estimate, not a bound: a static layout's
+replicas run apart, each at its own pace, which lockstep overprices.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def adaptive_ceiling(
 
 
 @dataclass(frozen=True, slots=True)
-class FreeSwitch:
-    """Decode seconds of one workload at two layouts, and switching between them for free."""
+class LockstepFreeSwitch:
+    """Decode seconds of one workload, its replicas in lockstep, at two layouts and switching
+    between them for free."""
 
     wide_s: float  # at `wide` throughout
     narrow_s: float  # at `narrow` throughout
@@ -102,25 +104,29 @@ class FreeSwitch:
 
     @property
     def ratio(self) -> float:
-        """Free switching over the better static layout: no schedule of the two layouts does
-        better on this latency model (1.0: neither layout ever beats the other's total)."""
-        return self.free_s / min(self.wide_s, self.narrow_s)
+        """Free switching over the better static layout (1.0: nothing gained, or nothing to
+        decode)."""
+        best = min(self.wide_s, self.narrow_s)
+        return self.free_s / best if best > 0 else 1.0
 
 
-def free_switch_bound(
+def lockstep_free_switch(
     latency: LatencyModel,
     wide: Layout,
     narrow: Layout,
     lengths: np.ndarray,
     prompt_tokens: np.ndarray,
     replica: np.ndarray,
-) -> FreeSwitch:
-    """The ceiling of one workload, where `adaptive_ceiling` takes the worst of all: every
-    sample admitted at once and decoding in lockstep, sample i for lengths[i] - 1 steps (its
-    first token comes from the prefill) at a context of prompt_tokens[i] + the steps so far,
-    on replica[i] of `wide` and, merged, on replica[i] // (wide.dp // narrow.dp) of `narrow`.
-    A layout's step takes its slowest replica's. Prefills and switches are left out, so no
-    real policy reaches `free_s`; a target below `ratio` cannot be met on this workload."""
+) -> LockstepFreeSwitch:
+    """What switching for free at every step would take on one workload, on the latency
+    model, where `adaptive_ceiling` takes the worst workload of all: every sample admitted at
+    once and decoding in lockstep, sample i for lengths[i] - 1 steps (its first token comes
+    from the prefill) at a context of prompt_tokens[i] + the steps so far, on replica[i] of
+    `wide` and, merged, on replica[i] // (wide.dp // narrow.dp) of `narrow`. A layout's step
+    takes its slowest replica's; prefills and switches are left out. Not a bound on what a
+    policy can measure: a static layout's replica runs at its own pace, never waiting for the
+    slowest one at every step. Where the estimate sits far above a target, though, the
+    workload leaves any policy little room."""
     if wide.world_size != narrow.world_size or wide.dp % narrow.dp or narrow.tp % wide.tp:
         raise ValueError(f"{narrow} does not merge replicas of {wide}")
     lengths = np.asarray(lengths, dtype=int)
@@ -156,6 +162,6 @@ def free_switch_bound(
             )
             worst[busy] = np.maximum(worst[busy], t)
         totals.append(worst)
-    return FreeSwitch(
+    return LockstepFreeSwitch(
         float(totals[0].sum()), float(totals[1].sum()), float(np.minimum(*totals).sum())
     )

@@ -62,7 +62,8 @@ def _blom(i: np.ndarray, n: int) -> np.ndarray:
 
 
 def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """a + (b - a)·t as numpy's quantile computes it (from the nearer end), bit for bit."""
+    """a + (b - a)·t as numpy's quantile computes it (from the nearer end); the offset
+    virtual index can differ from numpy's by rounding (~1e-13)."""
     diff = b - a
     return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
 

@@ -350,21 +350,24 @@ class ReconfigPlanner:
         return self._no_faster_step(current, target, busiest, contexts)
 
     def _no_faster_step(
-        self, current: Layout, target: Layout, n: int, contexts: tuple[float, ...]
+        self, current: Layout, target: Layout, n: int, contexts: tuple[float, float]
     ) -> bool:
         """With at most n sequences on any replica of `current`. Growing merges replicas into
         one that holds their sum, and is slowed by their busiest, of B <= n: the merge is
         fastest against it when the others are empty, so it never pays if step(target, B) >=
         step(current, B) for every B <= n. Shrinking splits a replica's B over k, at best
         ceil(B / k) each: it never pays if step(target, ceil(B / k)) >= step(current, B).
-        Every sequence at each of `contexts` tokens, all must agree (the context term may
-        favour either side; a step is linear in it between two)."""
+        Every sequence of `contexts` = (shortest, longest) tokens: a step is linear in the
+        total and the longest context, so it is checked at the corners of what B sequences
+        can hold (all shortest, all longest, one longest among the shortest)."""
         batch = np.arange(1, n + 1, dtype=float)
         grow = target.tp > current.tp
         mine = batch if grow else np.ceil(batch / (current.tp // target.tp))
-        for per_seq in contexts:
-            now = self.latency.step_time(current.tp, batch, batch * per_seq)
-            then = self.latency.step_time(target.tp, mine, mine * per_seq)
+        for now, then in zip(
+            _at_corners(self.latency, current.tp, batch, contexts),
+            _at_corners(self.latency, target.tp, mine, contexts),
+            strict=True,
+        ):
             if (then < now).any():
                 return False
         return True
@@ -530,7 +533,7 @@ class ReconfigPlanner:
         replicas win large batches: nothing to wait for) or a target faster already."""
         if any(t.tp < current.tp for t in targets):
             return 0
-        earliest = running.remaining[:, 0]
+        earliest = running.remaining.min(axis=1)
         contexts = (
             float(running.context.min()),
             float(running.context.max() + running.remaining.max()),
@@ -559,18 +562,20 @@ class ReconfigPlanner:
     ) -> float:
         """The first step (0: now) at which one `target` group holding these sequences (each
         alive for `remaining` more steps, on `replica` of `current`) runs a step faster than
-        the busiest of those replicas; inf if it never does. The counts change only when a
-        sequence finishes, so only those steps are priced."""
+        the busiest of those replicas, at any corner of `contexts` (`_at_corners`); inf if it
+        never does. The counts change only when a sequence finishes, so only those steps are
+        priced."""
         steps = np.r_[0.0, np.unique(remaining)]
         alive = remaining[None, :] > steps[:, None]  # (steps, seqs)
-        members = np.unique(replica)
-        counts = np.stack([alive[:, replica == r].sum(axis=1) for r in members])  # (r, steps)
+        counts = np.stack([alive[:, replica == r].sum(axis=1) for r in np.unique(replica)])
         total = counts.sum(axis=0).astype(float)
         busiest = counts.max(axis=0).astype(float)
         faster = np.zeros(len(steps), dtype=bool)
-        for per_seq in contexts:
-            then = self.latency.step_time(target.tp, total, total * per_seq)
-            now = self.latency.step_time(current.tp, busiest, busiest * per_seq)
+        for now, then in zip(
+            _at_corners(self.latency, current.tp, busiest, contexts),
+            _at_corners(self.latency, target.tp, total, contexts),
+            strict=True,
+        ):
             faster |= (then < now) & (total > 0)
         hit = np.flatnonzero(faster)
         return float(steps[hit[0]]) if len(hit) else np.inf
@@ -655,3 +660,18 @@ class ReconfigPlanner:
         return Decision(
             "switch", current, best.layout, gain, best.overhead_s, reason, options, seq_ids
         )
+
+
+def _at_corners(
+    latency: LatencyModel, tp: int, batch: np.ndarray, contexts: tuple[float, float]
+) -> list[np.ndarray]:
+    """Step times of `batch` sequences of `contexts` = (shortest, longest) tokens at the
+    corners of their (total, longest) contexts: all shortest, all longest, one longest among
+    the shortest. A step is linear in both, so a difference of two layouts' steps is least at
+    one of them."""
+    low, high = contexts
+    rest = np.maximum(batch - 1, 0)
+    return [
+        latency.step_time(tp, batch, rest * others + longest, np.full_like(batch, longest))
+        for others, longest in ((low, low), (high, high), (low, high))
+    ]

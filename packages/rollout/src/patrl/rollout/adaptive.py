@@ -190,8 +190,8 @@ class _Rollout:
     finished: list[tuple[str, int, int, str]] = field(default_factory=list)
     records: list[TPDecisionRecord] = field(default_factory=list)
     num_done: int = 0  # requests finished here since the last check
-    # rank 0: the world's quota (summed at the first check, when every replica still reports
-    # for itself) and requests finished so far
+    # every rank, from the gathered summaries (`_over`): the world's quota (summed at the first
+    # check, when every replica still reports for itself) and requests finished so far
     total_quota: int | None = None
     total_done: int = 0
     first_check: bool = True
@@ -477,7 +477,7 @@ class TPController:
         self.stats.planner_s += time.perf_counter() - t0
         record = _record(decision, time.perf_counter() - rollout.start)
         if bounded:
-            record.reason += " (even if every sequence ran to its max_tokens: none predicted)"
+            record.reason += " (no length predicted: every sequence priced at its max_tokens)"
         # Within a rollout TP only grows, with one exception: a split at the first check, before
         # anything was decoded, corrects where a full rollout opened (at TP>1, named by an
         # earlier batch, where this one is faster on more replicas); its requests may then
@@ -494,6 +494,9 @@ class TPController:
             opening = (decision.target.tp if split else opening_layout(decision)) if first else None
             # not before the planner's quiet steps: until then no switch can gain
             recheck = decision.recheck_steps or max(decision.quiet_steps, self.check_interval())
+            if recheck == NEVER and not bounded:
+                # proved on predicted lengths only: ask again when they say it is over
+                recheck = max(int(running.remaining.max()), self.check_interval())
             if rollout.total_quota is not None:
                 recheck = min(recheck, self.policy.check_every)  # the quota is met at checks
             return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening)
