@@ -525,8 +525,8 @@ class ReconfigPlanner:
     ) -> int:
         """Decode steps before any target group could run a step faster than the replicas it
         merges, were every sequence to finish at its lowest predicted quantile (the scenario
-        that shrinks the batch soonest), with every sequence at the shortest or at the longest
-        context one can reach. A switch at a step before then gains no more than one at it
+        that shrinks the batch soonest), at any corner of the contexts the sequences can reach
+        (`_at_corners`). A switch at a step before then gains no more than one at it
         (the steps between are no faster on the target) and can cost less only by the KV of
         the shorter contexts it moves, which this check priced in its delayed switches: the
         caller need not ask again before then. 0 with a split among the targets (more
