@@ -113,6 +113,40 @@ def test_finish_time_matches_step_by_step_twin(step, padded):
             assert fast == pytest.approx(slow, rel=1e-9)
 
 
+def test_decide_prices_its_plans_as_their_step_by_step_twins():
+    """Staying and switching now, averaged over the quantile scenarios; a delayed switch in
+    the median scenario, carried over to all scenarios by what switching now takes there
+    beyond the median one."""
+    model = latency(tp_speeds_up)
+    rng = np.random.default_rng(5)
+    current = Layout(4, 1)
+    planner = ReconfigPlanner(model, 4, PlannerConfig(candidate_tp=(1, 2, 4)))
+    rs = running_set(rng, 24, current.dp, max_remaining=120)
+    decision = planner.decide(rs, current)
+    median = rs.remaining[:, 1:2]
+    for option in decision.options:
+        assert option.run_s == pytest.approx(
+            naive_finish(model, option.layout, option.assignment, rs.context, rs.remaining),
+            rel=1e-9,
+        )
+    delayed = [o for o in decision.options[1:] if np.isfinite(o.later_s)]
+    assert delayed  # the twin below has something to check
+    for option in delayed:
+        d = option.later_steps
+        alive = median[:, 0] > d
+        before = naive_finish(model, current, rs.replica, rs.context, np.minimum(median, d))
+        overhead, _ = naive_overhead(
+            model, 4, current, option.layout, option.assignment[alive], rs.context[alive] + d
+        )
+        after = naive_finish(
+            model, option.layout, option.assignment, rs.context + d, np.maximum(median - d, 0)
+        )
+        now = naive_finish(model, option.layout, option.assignment, rs.context, median)
+        assert option.later_s == pytest.approx(
+            before + overhead + after + option.run_s - now, rel=1e-9
+        )
+
+
 def test_padded_attention_prices_a_long_sequence_beside_short_ones():
     """One long sequence among short ones: a padded backend pays batch x longest per step, so
     the same tokens take longer than with a ragged one, and the twin agrees."""
