@@ -134,6 +134,30 @@ def test_step_fit_follows_a_slope_that_drops_then_rises(monkeypatch):
     assert np.max(np.abs(one.predict(batch, context) / seconds - 1)) > 0.10
 
 
+def test_step_fit_is_scored_as_used_when_batch_3_is_slower_than_batch_4():
+    # this box's vocab_2l_h512 profile (tp 1, 2026-11-24, two contexts): single-threaded
+    # sgemm makes batch 3 slower than batch 4. The best least-squares fit put knees at 3 and
+    # 4 with a falling slope between them; cut at flat (a step never gets cheaper with more
+    # work) its line past 4 rose 4x too steeply and priced batch 64 at 3.6x its measure.
+    measured = {1: 0.0188, 2: 0.0362, 3: 0.0501, 4: 0.0434, 8: 0.0523, 16: 0.0697, 32: 0.1081}
+    measured[64] = 0.2184
+    rows = [
+        DecodeRow(tp=1, batch=b, context_tokens=b * c, seconds=t * (1 + 0.02 * (c > 50)))
+        for b, t in measured.items()
+        for c in (18, 114)
+    ]
+    fit = fit_step(rows)
+    slope = fit.coef[1]
+    for change in fit.slope_changes:
+        slope += change
+        assert slope >= 0  # flat at worst
+    batch, context, _, seconds = latency_model._row_arrays(rows)
+    error = np.abs(fit.predict(batch, context) / seconds - 1)
+    assert error.max() < 0.2  # batch 3 (above its neighbours) is the worst row
+    assert np.median(error) < 0.06
+    assert fit.cv_mape < 0.2
+
+
 def test_a_second_knee_must_cut_the_held_out_error_by_a_tenth(monkeypatch):
     # the roofline bends once (compute-bound past ~256 sequences); a second knee improves its
     # noiseless fit by 1-2%, not worth an ordered pass in every planner call

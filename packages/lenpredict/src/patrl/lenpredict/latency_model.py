@@ -21,7 +21,8 @@ predicts held-out rows better, or when the caller knows its backend pads
 knees help, where, and which way each bends, on the *mean* held-out error (a median would let
 a whole batch regime, a fifth of a profile's rows, be mispriced unseen): one more knee must
 cut it by 10% of the fit it replaces, and ties go to the simpler context form. The slope never
-drops below zero (a step never gets cheaper with more work), the other coefficients are
+drops below zero (a step never gets cheaper with more work; a fit that would have to be cut
+flat somewhere is scored as cut, and not chosen if its fit of all rows must be), the others are
 non-negative, and all are fitted on *relative* error, because the planner compares ratios of
 times that span three orders of magnitude.
 
@@ -141,14 +142,35 @@ def _folds(n: int, k: int) -> list[np.ndarray]:
     return [order[i::k] for i in range(k)]
 
 
-def _cv_error(x: np.ndarray, y: np.ndarray) -> float:
+def _slope_changes(coef: np.ndarray, bends: tuple[float, ...]) -> list[float]:
+    """The knees' signed slope changes d_k of a fit's coefficients [a, b, c, e, |d_k|...],
+    each cut so that the slope past it stays >= 0 (a step never gets cheaper with more work)."""
+    changes, slope = [], coef[1]
+    for bend, size in zip(bends, coef[4:], strict=True):
+        changes.append(max(bend * size, -slope))
+        slope += changes[-1]
+    return changes
+
+
+def _as_used(coef: np.ndarray, bends: tuple[float, ...]) -> tuple[np.ndarray, bool]:
+    """The coefficients of the model as `StepFit` uses it (its slope changes cut at flat), for
+    the same feature columns, and whether a cut changed them."""
+    used = coef.copy()
+    used[4:] = np.array(bends) * np.array(_slope_changes(coef, bends))
+    return used, not np.allclose(used[4:], coef[4:], rtol=1e-9, atol=0.0)
+
+
+def _cv_error(x: np.ndarray, y: np.ndarray, bends: tuple[float, ...]) -> float:
+    """Mean held-out relative error of the model as used: a fit whose slope turns negative
+    past a knee (a step at batch 4 measured faster than one at batch 3) is cut at flat, and
+    the rest of its line no longer fits, so it is scored cut."""
     n = len(y)
     if n < 6:
         return float("nan")
     errors = []
     for test in _folds(n, min(5, n)):
         train = np.setdiff1d(np.arange(n), test)
-        coef = _nonneg_relative_lstsq(x[train], y[train])
+        coef, _ = _as_used(_nonneg_relative_lstsq(x[train], y[train]), bends)
         errors.append(np.abs(x[test] @ coef - y[test]) / y[test])
     return float(np.mean(np.concatenate(errors)))
 
@@ -182,18 +204,20 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
         for knees in knee_sets
         for bends in itertools.product((1.0, -1.0), repeat=len(knees))
     ]
-    errors = [
-        _cv_error(_decode_features(batch, context, padded, k, f, s), y) for f, k, s in candidates
-    ]
+    errors = []
+    for form, knees, bends in candidates:
+        x = _decode_features(batch, context, padded, knees, form, bends)
+        _, cut = _as_used(_nonneg_relative_lstsq(x, y), bends)
+        # a fit of all rows that must be cut is not the fit its held-out error scored: the
+        # 2026-11-24 vocab_2l_h512 profile (batch 3 slower than batch 4) took knees at 3 and
+        # 4, fitted a falling slope between them, and cut flat it priced batch 64 at 3.6x
+        errors.append(np.inf if cut else _cv_error(x, y, bends))
     err, (form, knees, bends) = float("nan"), candidates[0]
     if np.isfinite(errors).any():
         err, (form, knees, bends) = _simplest_good_enough(errors, candidates)
     coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knees, form, bends), y)
     # signed from here on: past each knee the slope is b + the changes so far, never below 0
-    changes, slope = [], coef[1]
-    for bend, size in zip(bends, coef[4:], strict=True):
-        changes.append(max(bend * size, -slope))
-        slope += changes[-1]
+    changes = _slope_changes(coef, bends)
     kept = [(k, d) for k, d in zip(knees, changes, strict=True) if d != 0.0]
     return StepFit(
         coef=coef[:4],
