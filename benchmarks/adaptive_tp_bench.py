@@ -272,6 +272,11 @@ def scale_for(shape: str, quick: bool) -> Scale:
     # tp 2 past batch 16 and priced (dp 1, tp 2) slower than the measured static runs.
     # Batch 16 at the long context too: a full replica's per-context-token cost, which the
     # model took from batches 1 and 4 alone and got wrong by 30% at the rollouts' contexts.
+    # Batches 2 and 3 (8 at the short context): single-threaded sgemm runs 2-3 rows of the
+    # 152k-row head at a row's cost each (batch 3 slower than batch 4), and a tail of 1-3
+    # sequences a replica is where the fold pays; without them the model priced those steps
+    # 30-40% low and a stay's finish 25% early (predicted gain of the fold 0.30-0.47 s with
+    # true lengths, measured 0.61-0.76 s; with them 0.66 s, measured 0.67-0.79 s).
     if shape.startswith("vocab_2l"):
         # 64 sequences: 32 per tp-1 replica, where two replicas beat one tp-2 group
         return Scale(
@@ -279,7 +284,7 @@ def scale_for(shape: str, quick: bool) -> Scale:
             4,
             96,
             (16, 24),
-            (_grid((1, 4, 16, 32, 64), (16,)), _grid((1, 4, 16, 32), (112,))),
+            (_grid((1, 2, 3, 4, 8, 16, 32, 64), (16,)), _grid((1, 2, 3, 4, 16, 32), (112,))),
             check_every=8,
         )
     return Scale(4, 4, 96, (16, 24), (_grid((1, 4, 16, 32), (16,)), _grid((1, 4, 16), (112,))))
