@@ -275,7 +275,7 @@ def scale_for(shape: str, quick: bool) -> Scale:
     # Batches 2 and 3 (8 at the short context): single-threaded sgemm runs 2-3 rows of the
     # 152k-row head at a row's cost each (batch 3 slower than batch 4), and a tail of 1-3
     # sequences a replica is where the fold pays; without them the model priced those steps
-    # 30-40% low and a stay's finish 25% early (predicted gain of the fold 0.30-0.47 s with
+    # 15-45% low and a stay's finish about 25% early (predicted gain of the fold 0.30-0.47 s with
     # true lengths, measured 0.61-0.76 s; with them 0.66 s, measured 0.67-0.79 s).
     if shape.startswith("vocab_2l"):
         # 64 sequences: 32 per tp-1 replica, where two replicas beat one tp-2 group
