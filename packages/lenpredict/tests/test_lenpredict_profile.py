@@ -147,10 +147,6 @@ def test_step_fit_is_scored_as_used_when_batch_3_is_slower_than_batch_4():
         for c in (18, 114)
     ]
     fit = fit_step(rows)
-    slope = fit.coef[1]
-    for change in fit.slope_changes:
-        slope += change
-        assert slope >= 0  # flat at worst
     batch, context, _, seconds = latency_model._row_arrays(rows)
     error = np.abs(fit.predict(batch, context) / seconds - 1)
     assert error.max() < 0.2  # batch 3 (above its neighbours) is the worst row
