@@ -204,10 +204,11 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
         for knees in knee_sets
         for bends in itertools.product((1.0, -1.0), repeat=len(knees))
     ]
-    errors = []
+    errors, fits = [], []  # per candidate: held-out error, fit of all rows
     for form, knees, bends in candidates:
         x = _decode_features(batch, context, padded, knees, form, bends)
-        _, cut = _as_used(_nonneg_relative_lstsq(x, y), bends)
+        fits.append(_nonneg_relative_lstsq(x, y))
+        _, cut = _as_used(fits[-1], bends)
         # a fit of all rows that must be cut is not the fit its held-out error scored: the
         # 2026-11-24 vocab_2l_h512 profile (batch 3 slower than batch 4) took knees at 3 and
         # 4, fitted a falling slope between them, and cut flat it priced batch 64 at 3.6x
@@ -215,7 +216,7 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
     err, (form, knees, bends) = float("nan"), candidates[0]
     if np.isfinite(errors).any():
         err, (form, knees, bends) = _simplest_good_enough(errors, candidates)
-    coef = _nonneg_relative_lstsq(_decode_features(batch, context, padded, knees, form, bends), y)
+    coef = fits[candidates.index((form, knees, bends))]
     # signed from here on: past each knee the slope is b + the changes so far, never below 0
     changes = _slope_changes(coef, bends)
     kept = [(k, d) for k, d in zip(knees, changes, strict=True) if d != 0.0]
