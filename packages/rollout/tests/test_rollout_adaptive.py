@@ -372,19 +372,25 @@ def test_real_planner_never_or_once(llama_dir: Path, tmp_path: Path) -> None:
     """Switching never pays (tp=2 5x slower at every batch): no switch, and no check but the
     closing one (the planner proves from the profile that nothing can change, so no rank asks
     the others). Always pays (20x faster): one switch, at the first check, before any step (a
-    full batch is already better off at tp=2)."""
+    full batch is already better off at tp=2). TP=2 faster only past 20 sequences a replica
+    (the profile alone proves nothing): with a few a replica every rank reads at the opening
+    check that no switch can pay before their max_tokens, and stays with no verdict sent."""
     paths = []
-    for speedup in (0.2, 20.0):
-        paths.append(str(tmp_path / f"profile-{speedup}.json"))
-        synthetic_profile(str(llama_dir), speedup).save(paths[-1])
+    for speedup, crossover in ((0.2, 0), (20.0, 0), (1.0, 20)):
+        paths.append(str(tmp_path / f"profile-{speedup}-{crossover}.json"))
+        synthetic_profile(str(llama_dir), speedup, crossover).save(paths[-1])
     results = run_ranks(_planned, 2, args=(str(llama_dir), paths), timeout_s=300)
-    for never, always in results:
+    for never, always, bounded in results:
+        assert bounded["switches"] == 0 and bounded["checks"] == 2 and set(bounded["tps"]) == {1}
+        assert bounded["actions"] == ["stay"]
+        assert bounded["tokens"] == never["tokens"]
         assert never["switches"] == 0 and never["actions"].count("switch") == 0
         assert never["checks"] == 1 and set(never["tps"]) == {1} and never["actions"] == []
         assert always["switches"] == 1 and always["actions"][0] == "switch"
         assert always["actions"].count("switch") == 1  # and never back: no oscillation
         assert set(always["tps"]) == {2}
         assert never["tokens"] == always["tokens"]
+    assert "decided on every rank" in results[0][2]["reasons"][0]
     assert [r["actions"] for r in results[0]] == [r["actions"] for r in results[1]]
     assert results[0][1]["checks"] > 1
     # The critical path is reduced over the ranks: the same everywhere, the busiest decode.
@@ -499,6 +505,64 @@ def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> No
         assert verdict.record is not None
         assert ("max_tokens" in verdict.record.reason) is not predicted, verdict.record.reason
         assert (verdict.recheck_steps == NEVER) is not predicted
+
+
+def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path) -> None:
+    """The first check's stay that every rank reads itself, where no switch could pay before
+    every sequence's max_tokens, is the verdict rank 0's planner would broadcast (its twin):
+    the same layout, no recheck, the same opening. Where a switch could pay it is left to rank
+    0, which then predicts lengths; partial rollouts are always left to rank 0."""
+    path = tmp_path / "profile.json"
+    synthetic_profile("m", 1.0, crossover=20).save(str(path))
+    policy = AdaptiveTP(candidates=(1, 2), profile=str(path))
+    rng = np.random.default_rng(0)
+    local = 0
+    for case in range(60):
+        tp = int(rng.choice([1, 2]))
+        sizes = rng.integers(1, 30, size=2 // tp)
+        summaries: list[_Summary | None] = []
+        for rank in range(2):
+            if rank % tp:
+                summaries.append(None)
+                continue
+            ids = [f"c{case}-r{rank}-{i}" for i in range(sizes[rank // tp])]
+            rows = [
+                (rid, 0, int(rng.integers(4, 200)), 0, int(rng.integers(8, 400)), False)
+                for rid in ids
+            ]
+            summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
+        verdicts = []
+        for _ in range(2):  # every rank's, and rank 0's twin
+            predictor = CountingPredictor()
+            controller = TPController(policy, make_planner(policy, 2, 64), predictor, None)
+            controller.begin()
+            for s in summaries:
+                assert s is not None or tp == 2
+                if s is not None:
+                    controller._learn(s)
+            assert controller._rollout is not None
+            verdicts.append((controller, predictor))
+        (mine, mine_asked), (twin, twin_asked) = verdicts
+        assert mine._rollout is not None and twin._rollout is not None
+        read = mine._bounded_opening(summaries, tp, mine._rollout)
+        decided = twin._decide(summaries, tp, twin._rollout, True)
+        assert decided.record is not None
+        assert mine_asked.asked == 0
+        if read is None:
+            assert twin_asked.asked == 1 and "no length predicted" not in decided.record.reason
+            continue
+        local += 1
+        assert twin_asked.asked == 0 and "no length predicted" in decided.record.reason
+        assert (read.target_tp, read.recheck_steps, read.opening_tp, read.recompute) == (
+            decided.target_tp,
+            decided.recheck_steps,
+            decided.opening_tp,
+            decided.recompute,
+        )
+        assert read.record is not None and read.record.action == decided.record.action
+        mine._rollout.total_quota = 10  # a partial rollout: rank 0 decides
+        assert mine._bounded_opening(summaries, tp, mine._rollout) is None
+    assert 5 < local < 55, local  # both ways taken
 
 
 class QuietPlanner:
