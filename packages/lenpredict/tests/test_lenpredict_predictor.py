@@ -315,7 +315,8 @@ def test_cached_predictions_equal_a_fresh_replay():
 
 def test_window_sorted_shape_and_mean_kept_in_step_with_a_recount():
     """The sorted shape samples and the global mean are kept as samples enter and leave the
-    window, not recomputed: against a sort and a mean of the window after every group, with
+    window, not recomputed: against a sort and a mean of the window, read after one to four
+    groups closed (the sorted copy takes what entered and left since in one merge), with
     repeated ratios (equal lengths), a group as big as the window (the sorted copy is rebuilt)
     and a checkpoint round trip on the way."""
     config = PredictorConfig(window=24)
@@ -328,7 +329,8 @@ def test_window_sorted_shape_and_mean_kept_in_step_with_a_recount():
         # few distinct lengths: equal ratios enter and leave the window together
         for k, length in enumerate(rng.choice([10, 20, 20, 40, 80], size)):
             p.observe_finished(f"{gid}/{k}", gid, int(length))
-        np.testing.assert_array_equal(p._shape(), np.sort(np.asarray(p._ratios)))
+        if rng.random() < 0.4:
+            np.testing.assert_array_equal(p._shape(), np.sort(np.asarray(p._ratios)))
         assert len(p._ratios) <= 24
         assert p.global_mean() == np.mean(np.asarray(p._lengths, dtype=float))
         if i == len(sizes):
