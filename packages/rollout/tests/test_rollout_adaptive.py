@@ -531,7 +531,7 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
                 for rid in ids
             ]
             summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
-        verdicts = []
+        controllers = []
         for _ in range(2):  # every rank's, and rank 0's twin
             predictor = CountingPredictor()
             controller = TPController(policy, make_planner(policy, 2, 64), predictor, None)
@@ -541,8 +541,8 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
                 if s is not None:
                     controller._learn(s)
             assert controller._rollout is not None
-            verdicts.append((controller, predictor))
-        (mine, mine_asked), (twin, twin_asked) = verdicts
+            controllers.append((controller, predictor))
+        (mine, mine_asked), (twin, twin_asked) = controllers
         assert mine._rollout is not None and twin._rollout is not None
         read = mine._bounded_opening(summaries, tp, mine._rollout)
         decided = twin._decide(summaries, tp, twin._rollout, True)
