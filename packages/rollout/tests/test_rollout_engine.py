@@ -13,6 +13,7 @@ from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
+from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES
 from patrl.rollout.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -90,6 +91,50 @@ def test_sampled_request_is_the_same_alone_and_in_a_batch_of_16(llama_dir: Path)
     torch.testing.assert_close(
         torch.tensor(batch.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5
     )
+
+
+def test_logits_sampled_in_chunks_of_rows_give_what_one_pass_gives(llama_dir: Path) -> None:
+    """On CPU a step's full-vocabulary logits go through the sampler in chunks of rows that
+    keep their temporaries under glibc's mmap ceiling (`Engine.sample_chunk_bytes`, on by
+    default there), from one matmul into a buffer kept across steps. Chunks of 3 rows,
+    splitting prompts' forked samples and mixing greedy, sampled, truncated and top-logprob
+    requests of different K, give the tokens and logprobs of one pass."""
+    requests = prompts(8, seed=8)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=5),
+        SamplingParams(temperature=1.2, top_k=20, seed=5, n=2, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=24, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.7, seed=7, max_tokens=7, ignore_eos=True),
+    ]
+    whole = engine(llama_dir)
+    assert whole.sample_chunk_bytes == MMAP_THRESHOLD_BYTES  # a CPU engine chunks by default
+    whole.sample_chunk_bytes = None
+    chunked = engine(llama_dir)
+    chunked.sample_chunk_bytes = 4 * 4 * whole.model.config.vocab_size  # 3 rows a chunk
+    chunks: list[int] = []
+    gather = chunked.model.lm_head.gather
+    chunked.model.lm_head.gather = lambda local: chunks.append(len(local)) or gather(local)  # type: ignore[method-assign]
+    ones, parts = whole.generate(requests, params), chunked.generate(requests, params)
+    assert max(chunks) <= 3 and len(chunks) > chunked.counters.steps  # steps were split
+    for one, part in zip(ones, parts, strict=True):
+        for a, b in zip(one.outputs, part.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5
+            )
+            assert (a.top_logprobs is None) == (b.top_logprobs is None)
+            for x, y in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
+                assert list(x) == list(y)
+                torch.testing.assert_close(
+                    torch.tensor(list(x.values())),
+                    torch.tensor(list(y.values())),
+                    rtol=0,
+                    atol=1e-5,
+                )
 
 
 def test_n_samples_prefill_the_prompt_once_and_equal_separate_requests(llama_dir: Path) -> None:
@@ -306,6 +351,8 @@ def _tp_generate(
     eng = Engine(
         EngineConfig(model=model_dir, block_size=4, num_kv_blocks=128, max_model_len=128), layout
     )
+    if comm == "shm":  # and the logits gathered and sampled in chunks of 3 rows
+        eng.sample_chunk_bytes = 4 * 4 * eng.model.config.vocab_size
     batch = prompts(4, seed=3)
     out = eng.generate(batch, GREEDY) + eng.generate(
         batch, SamplingParams(seed=1, n=2, max_tokens=16)

@@ -30,7 +30,7 @@ from patrl.rollout.adaptive import (
     usable_candidates,
 )
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.host_memory import keep_freed_memory
+from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.loader import (
     load_model,
@@ -47,6 +47,7 @@ from patrl.rollout.reconfigure import KVPolicy, ReconfigReport, check_target, re
 from patrl.rollout.sampler import (
     SampleOutput,
     SamplingParams,
+    concat_samples,
     export_generator,
     import_generator,
     make_generator,
@@ -131,8 +132,13 @@ class Engine:
         self.reconfiguring = False
         self._return_to: ParallelLayout | None = None  # see return_later
         self.device = config.torch_device()
+        # On CPU the full-vocabulary logits go through the sampler in chunks of rows small
+        # enough to stay under glibc's mmap ceiling (`_logits_and_samples`)
+        self.sample_chunk_bytes: int | None = None
+        self._logits_buffer = torch.empty(0)
         if self.device.type == "cpu" and config.tune_host_malloc:
             keep_freed_memory()
+            self.sample_chunk_bytes = MMAP_THRESHOLD_BYTES
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = load_model(
             config.model,
@@ -383,15 +389,13 @@ class Engine:
         if not ready:
             return  # a prefill chunk that did not reach the end of its sequence
         last = ctx.last_token_indices()[ready]
-        logits = self.model.compute_logits(hidden[last])
         rows: list[int] = []
         samplers: list[Seq] = []
         for row, i in enumerate(ready):
             for seq in (batch.seqs[i], *batch.seqs[i].fork_children):
                 rows.append(row)
                 samplers.append(seq)
-        out = sample(logits[rows], [s.params for s in samplers], [s.generator for s in samplers])
-        out = self._agree_across_tp(out)
+        out = self._agree_across_tp(self._logits_and_samples(hidden[last], rows, samplers))
 
         if batch.is_prefill:
             for i in ready:
@@ -400,6 +404,50 @@ class Engine:
                     blocks.fork(leader.seq_id, [c.seq_id for c in leader.fork_children])
                 self.scheduler.finish_prefill(leader)
         self._postprocess(samplers, out)
+
+    @torch.inference_mode()
+    def _logits_and_samples(
+        self, hidden: torch.Tensor, rows: list[int], samplers: list[Seq]
+    ) -> SampleOutput:
+        """One token for each of `samplers`, from the logits of its row of `hidden` (`rows`,
+        in order; a prompt's forked samples share their leader's row).
+
+        With `sample_chunk_bytes` (CPU) and more rows than fit under it, the head's matmul
+        writes this rank's logit columns into a buffer kept across steps, and the gather
+        across TP and the sampler take them in chunks of rows, so no full-vocabulary
+        temporary reaches glibc's mmap threshold. Above it glibc maps every allocation afresh
+        and unmaps it on free, 32 MB is the most the threshold can be (host_memory), and a step
+        of 64 rows of a 152k vocabulary (39 MB for each of the logits, their gather, the
+        log-softmax, the CDF) paid page faults on fresh memory for all of them: a TP=2 step of
+        64 sequences of vocab_2l_h512 took 139-187 ms, and 98 ms with mmap off. One matmul,
+        not one a chunk: each streams the whole head weight, and a few rows cost nearly a
+        row's time each. Every row is sampled on its own (`sample`): chunks change no token."""
+        params = [s.params for s in samplers]
+        generators = [s.generator for s in samplers]
+        head = self.model.lm_head
+        limit = len(samplers)
+        if self.sample_chunk_bytes is not None:
+            limit = max(1, self.sample_chunk_bytes // (4 * head.vocab_size) - 1)
+        if len(samplers) <= limit:
+            return sample(self.model.compute_logits(hidden)[rows], params, generators)
+        local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
+        size = -(-len(samplers) // -(-len(samplers) // limit))  # equal chunks
+        parts = []
+        for lo in range(0, len(samplers), size):
+            hi = min(lo + size, len(samplers))
+            first, end = rows[lo], rows[hi - 1] + 1  # rows only grow
+            logits = head.gather(local[first:end])
+            chunk = [r - first for r in rows[lo:hi]]
+            parts.append(sample(logits[chunk], params[lo:hi], generators[lo:hi]))
+        return concat_samples(parts)
+
+    def _buffer(self, n: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+        """[n, columns] of a buffer kept across steps (grown, or remade after a switch)."""
+        buf = self._logits_buffer
+        if buf.shape[0] < n or buf.shape[1:] != (columns,) or buf.dtype != like.dtype:
+            rows = max(n, self.config.max_num_seqs)
+            buf = self._logits_buffer = like.new_empty((rows, columns))
+        return buf[:n]
 
     def _postprocess(self, seqs: list[Seq], out: SampleOutput) -> None:
         tokens = out.tokens.tolist()

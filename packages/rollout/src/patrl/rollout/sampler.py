@@ -28,6 +28,7 @@ import torch
 __all__ = [
     "SampleOutput",
     "SamplingParams",
+    "concat_samples",
     "export_generator",
     "import_generator",
     "make_generator",
@@ -85,6 +86,29 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
+
+
+def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
+    """The outputs of consecutive chunks of one batch as one; top-logprob columns padded to
+    the widest chunk's K (a row reads only the first K it asked for)."""
+    tokens = torch.cat([p.tokens for p in parts])
+    logprobs = torch.cat([p.logprobs for p in parts])
+    k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
+    if k == 0:
+        return SampleOutput(tokens, logprobs)
+    ids, values = [], []
+    for p in parts:
+        n = len(p.tokens)
+        have = 0 if p.top_ids is None or p.top_logprobs is None else p.top_ids.shape[1]
+        pad_ids = torch.zeros(n, k - have, dtype=torch.long, device=tokens.device)
+        pad = torch.full((n, k - have), -torch.inf, device=tokens.device)
+        if p.top_ids is None or p.top_logprobs is None:
+            ids.append(pad_ids)
+            values.append(pad)
+        else:
+            ids.append(torch.cat([p.top_ids, pad_ids], dim=1))
+            values.append(torch.cat([p.top_logprobs, pad], dim=1))
+    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values))
 
 
 def make_generator(seed: int | None = None) -> torch.Generator:

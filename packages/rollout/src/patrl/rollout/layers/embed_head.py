@@ -61,7 +61,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     is_head = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        logits = tp_all_gather(self.layout, logits, dim=-1)
+        return self.gather(F.linear(hidden, self.weight))
+
+    def local(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """This rank's logit columns of `hidden` [N, hidden], written into `out` [N, columns]
+        (a buffer kept across steps: `Engine._logits_and_samples`)."""
+        return torch.mm(hidden, self.weight.t(), out=out)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's logit columns side by side: the full-vocabulary logits."""
+        logits = tp_all_gather(self.layout, local, dim=-1)
         # Drop the padding rows of the last rank's vocabulary block.
         return logits[..., : self.vocab_size]
