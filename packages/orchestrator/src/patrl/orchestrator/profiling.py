@@ -56,7 +56,9 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
 # 3: every TP group of a size measured at once, as replicas run side by side.
 # 4: switches also timed with sequences in flight (their per-sequence and per-token price).
 # 5: prefill rows of several sequences (what each adds: its LM head row, its sampler draw).
-PROFILER_VERSION = 5
+# 6: the engine samples large batches of a large vocabulary in chunks of rows on CPU (TP=2 at
+#    64 sequences of a 152k vocabulary 30-45% faster): profiles of the old engine overprice it.
+PROFILER_VERSION = 6
 
 
 def profile_key(model_dir: str, engine: EngineConfig, world_size: int, grid: ProfileGrid) -> str:
