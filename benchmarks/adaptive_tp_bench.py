@@ -18,7 +18,11 @@ benchmarks/results/models or $PATRL_CACHE_DIR):
   workload the simulator put the planner (true lengths) at 0.87x the best static at width 512,
   0.88 at 640, 0.90 at 384, 448 and 576, and 0.92-0.94 at 896. A narrower model makes two
   replicas win the full batch by more (the replicated sampling weighs more beside the head)
-  and TP win the tail by less; 512 balances the two.
+  and TP win the tail by less; 512 balances the two. Most of that full-batch cost was glibc
+  mapping each 39 MB temporary of the sampling afresh every step; since the engine samples in
+  chunks of rows under its 32 MB mmap ceiling (e27477f), two replicas win the full batch by
+  only 1.08x (fitted 0.094 vs 0.101 s a step), and this shape's crossover is too slight for
+  the long-tail target: a shape with a real one is still to be found.
 - "vocab_2l" (width 896, 302M parameters, Qwen2.5-0.5B's width and heads): the crossover shape
   until 2026-11-24. Two tp-1 replicas beat one tp-2 group at 64 sequences by only 1.17-1.2x,
   so even switching for free at every step adaptive could not beat 0.85x the best static on
