@@ -22,12 +22,12 @@ engine returns to the layout the first check found best for the whole batch (`op
 where it switched at once or, if that did not pay for its own switch, where the best plan
 predicted starts, the switch cost aside, a plan with a fold for the tail included; see
 `opening_layout`), so the next `generate` opens there with no switch to pay. Opening at a
-larger TP merges the replicas' submissions (`Engine._add_replica_requests`). Within a rollout TP only grows, except at the first check:
-a rollout that opened at TP>1 where its full batch is faster on more replicas (the opening
-was named by an earlier, different batch) splits before decoding anything, and its requests,
-which may then finish on another replica, are handed back to their submitters at the end
-(`hand_back`). Partial rollouts return to the starting layout (their resumed samples belong
-to their replicas).
+larger TP merges the replicas' submissions (`Engine._add_replica_requests`). Within a rollout
+TP only grows, except at the first check: a rollout that opened at TP>1 where its full batch
+is faster on more replicas (the opening was named by an earlier, different batch) splits
+before decoding anything, and its requests, which may then finish on another replica, are
+handed back to their submitters at the end (`hand_back`). Partial rollouts return to the
+starting layout (their resumed samples belong to their replicas).
 """
 
 from __future__ import annotations
@@ -478,7 +478,7 @@ class TPController:
         from 0.75 to 0.52 ms, beside 0.65 ms decode steps). Partial rollouts, whose later
         checks rank 0 decides with the planner's state from the first, are left to rank 0."""
         rows = _rows_of(summaries, tp)
-        if not rows or rollout.total_quota is not None or not hasattr(self.planner, "may_switch"):
+        if not rows or rollout.total_quota is not None:
             return None
         t0 = time.perf_counter()
         if self._may_switch(self._running_set(rows), Layout(dp=len(summaries) // tp, tp=tp)):

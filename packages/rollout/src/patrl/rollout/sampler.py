@@ -98,16 +98,11 @@ def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
         return SampleOutput(tokens, logprobs)
     ids, values = [], []
     for p in parts:
-        n = len(p.tokens)
-        have = 0 if p.top_ids is None or p.top_logprobs is None else p.top_ids.shape[1]
+        n, have = len(p.tokens), 0 if p.top_ids is None else p.top_ids.shape[1]
         pad_ids = torch.zeros(n, k - have, dtype=torch.long, device=tokens.device)
         pad = torch.full((n, k - have), -torch.inf, device=tokens.device)
-        if p.top_ids is None or p.top_logprobs is None:
-            ids.append(pad_ids)
-            values.append(pad)
-        else:
-            ids.append(torch.cat([p.top_ids, pad_ids], dim=1))
-            values.append(torch.cat([p.top_logprobs, pad], dim=1))
+        ids.append(pad_ids if p.top_ids is None else torch.cat([p.top_ids, pad_ids], dim=1))
+        values.append(pad if p.top_logprobs is None else torch.cat([p.top_logprobs, pad], dim=1))
     return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values))
 
 
