@@ -39,6 +39,26 @@ def test_write_then_gather_and_padded_gather_agree() -> None:
     assert torch.equal(vp[0, :10], vs[0]) and torch.equal(vp[1, :3], vs[1])
 
 
+def test_padded_gathers_reuse_one_buffer_and_each_is_right_when_made() -> None:
+    """On CPU gather_padded writes into buffers kept across calls: a larger batch grows them,
+    a smaller one reuses them, and every result equals a fresh gather when it is returned."""
+    cache = make_cache()
+    for seq, n in enumerate((10, 3, 7)):
+        fill(cache, seq, list(range(100 * seq, 100 * seq + n)))
+    tables = [cache.blocks.block_table(s) for s in range(3)]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    heads, dim = cache.spec.num_kv_heads, cache.spec.head_dim
+    for layer, rows in [(0, [1]), (1, [0, 1, 2]), (0, [2, 0]), (1, [0])]:
+        k, v = cache.gather_padded(layer, padded[rows])
+        want = cache.k[layer][padded[rows]].reshape(len(rows), -1, heads, dim)
+        assert torch.equal(k, want)
+        assert torch.equal(v, cache.v[layer][padded[rows]].reshape(len(rows), -1, heads, dim))
+    buffer = k.untyped_storage().data_ptr()
+    k2, _ = cache.gather_padded(0, padded[[2]])
+    assert k2.untyped_storage().data_ptr() == buffer  # kept, not made again
+
+
 def test_slot_minus_one_is_skipped_and_past_capacity_is_an_error() -> None:
     cache = make_cache(num_blocks=2)
     k = torch.ones(2, 4, 8)
