@@ -154,7 +154,7 @@ ADAPTIVE = POLICIES[2:]
 STATIC = POLICIES[:2]
 BLOCK = 16
 CHECK_EVERY = AdaptiveTP().check_every  # the engine's default (--check-every overrides)
-MAX_POSITIONS = 512  # the profiler's prefill rows reach 256 tokens
+MAX_POSITIONS = 1024  # mqa_20l's contexts reach 641 tokens
 MARGIN = 0.2
 TARGET_LONG_TAIL = 0.85  # adaptive / best static on long-tail, shape with a crossover
 TARGET_ELSEWHERE = 1.03
@@ -180,8 +180,26 @@ def vocab_2l(hidden: int) -> dict[str, Any]:
 
 # what a shape is for: "crossover" shapes are held to the long-tail speed-up target, "none"
 # shapes to no switching. The vocab_2l family at any width is "vocab_2l_h<width>".
-SHAPE_ROLE = {"vocab_2l_h512": "crossover", "wide_2l": "none", "wide_6l": "none", "tiny": "none"}
+SHAPE_ROLE = {
+    "mqa_20l": "crossover",
+    "vocab_2l_h512": "crossover",
+    "wide_2l": "none",
+    "wide_6l": "none",
+    "tiny": "none",
+}
 SHAPES: dict[str, dict[str, Any]] = {
+    # Gemma-2B's attention (one KV head of 256) on 20 layers of width 512, Llama-2's 32k
+    # vocabulary: 102M parameters
+    "mqa_20l": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=20,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
     "wide_6l": dict(
         hidden_size=1024,
         intermediate_size=4096,
@@ -239,6 +257,8 @@ class Scale:
     # decode steps between planner checks; None: --check-every (the engine's default, 64).
     # A rollout of at most 96 tokens gets its tail seen within 8 steps of it starting.
     check_every: int | None = None
+    # tokens a sequence holds, for the profile summary's step times and ceiling
+    context_per_seq: int = 32
 
     @property
     def num_prompts(self) -> int:
@@ -249,12 +269,19 @@ class Scale:
         return self.prompt_len[1] + self.max_len + 1
 
 
-def _grid(batches: tuple[int, ...], contexts: tuple[int, ...], passes: int = 3) -> ProfileGrid:
+def _grid(
+    batches: tuple[int, ...],
+    contexts: tuple[int, ...],
+    passes: int = 3,
+    prefill: tuple[int, ...] = (16, 64, 256),
+    samples_per_prompt: int = 1,
+) -> ProfileGrid:
     return ProfileGrid(
         tp_sizes=(1, 2),
         batch_sizes=batches,
         contexts=contexts,
-        prefill_tokens=(16, 64, 256),
+        prefill_tokens=prefill,
+        samples_per_prompt=samples_per_prompt,
         collective_bytes=(4, 4096, 65536, 1 << 20, 4 << 20),
         decode_steps=4,
         passes=passes,
@@ -281,6 +308,15 @@ def scale_for(shape: str, quick: bool) -> Scale:
     # sequences a replica is where the fold pays; without them the model priced those steps
     # 15-45% low and a stay's finish about 25% early (predicted gain of the fold 0.30-0.47 s with
     # true lengths, measured 0.61-0.76 s; with them 0.66 s, measured 0.67-0.79 s).
+    if shape == "mqa_20l":
+        # 8 prompts of ~480 tokens x 8 samples, responses up to 128 tokens: contexts of
+        # 450-640 tokens, where the replicated KV head weighs (module docstring). Decode cells
+        # fork 8 samples a prompt, as the rollouts do: a distinct 576-token prompt for each of
+        # 64 sequences would take minutes a cell to prefill here.
+        grid = _grid(
+            (1, 2, 3, 4, 8, 16, 32, 64), (256, 576), prefill=(16, 128, 512), samples_per_prompt=8
+        )
+        return Scale(4, 8, 128, (448, 512), (grid,), check_every=8, context_per_seq=544)
     if shape.startswith("vocab_2l"):
         # 64 sequences: 32 per tp-1 replica, where two replicas beat one tp-2 group
         return Scale(
@@ -460,14 +496,17 @@ def build_model(shape: str) -> Path:
 
 
 def base_config(model: Path, scale: Scale) -> EngineConfig:
-    # every sample of the rollout on one replica (after a switch to tp 2), plus fork slack
-    per_seq = -(-scale.max_model_len // BLOCK) + 1
+    # every sample of the rollout on one replica (after a switch to tp 2): each prompt's
+    # blocks once (its samples share them), each sample's response and its copy of the
+    # prompt's last, partly filled block, plus slack
+    prompt_blocks = scale.num_prompts * -(-scale.prompt_len[1] // BLOCK)
+    sample_blocks = scale.num_prompts * scale.n * (-(-scale.max_len // BLOCK) + 2)
     return EngineConfig(
         model=str(model),
         dtype="float32",
         device="cpu",
         block_size=BLOCK,
-        num_kv_blocks=scale.num_prompts * scale.n * per_seq + 16,
+        num_kv_blocks=prompt_blocks + sample_blocks + 16,
         max_num_seqs=scale.num_prompts * scale.n,
         max_num_batched_tokens=max(2048, scale.max_model_len),
         max_model_len=scale.max_model_len,
@@ -494,7 +533,7 @@ def profile_shape(base: EngineConfig, scale: Scale, path: Path, world: Any) -> f
     return time.perf_counter() - start
 
 
-def profile_summary(profile: Profile, rollout_batch: int) -> dict[str, Any]:
+def profile_summary(profile: Profile, rollout_batch: int, ctx: int = 32) -> dict[str, Any]:
     """Measured step times at tp 1 and 2 for batch 1 and the largest batch (shortest context),
     and whether the fitted model has a crossover where the rollouts can use it: TP=2 faster
     for one sequence, two tp-1 replicas faster for the rollouts' full batch (`rollout_batch`
@@ -506,7 +545,7 @@ def profile_summary(profile: Profile, rollout_batch: int) -> dict[str, Any]:
             cells = [r for r in profile.decode if r.tp == tp and r.batch == b]
             rows[f"tp{tp}_b{b}_s"] = min(cells, key=lambda r: r.context_tokens).seconds
     lm = LatencyModel.fit(profile)
-    big, ctx = -(-rollout_batch // 2), 32
+    big = -(-rollout_batch // 2)
 
     def step(tp: int, b: int) -> float:
         return float(lm.step_time(tp, b, b * ctx))
@@ -685,7 +724,7 @@ def run_shape(
     log(rank, f"[{shape}] profiling ...")
     profile_s = profile_shape(base, scale, profile_path, world)
     profile = Profile.load(profile_path)
-    summary = profile_summary(profile, scale.num_prompts * scale.n)
+    summary = profile_summary(profile, scale.num_prompts * scale.n, scale.context_per_seq)
     log(rank, f"[{shape}] profile in {profile_s:.0f} s: {json.dumps(summary)}")
     if profile_only:
         return {"profile_path": str(profile_path), "profile_s": profile_s, "profile": summary}

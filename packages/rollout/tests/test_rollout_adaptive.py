@@ -4,6 +4,7 @@ switches once and never back; the engine ends every rollout at its starting layo
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -604,6 +605,72 @@ def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
             assert 8 <= verdict.recheck_steps <= 200
         else:
             assert verdict.recheck_steps == expected
+
+
+class FlatLatency:
+    """A profile's prices: every decode step `step_s`, every prefill 0.5 s a request."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def step_time(self, tp: int, batch: Any, context: Any) -> float:
+        return self.step_s
+
+    def prefill_time(self, tp: int, lengths: list[int]) -> float:
+        return 0.5 * len(lengths)
+
+
+def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
+    """Time windows: the slowest replica's recheck steps at its measured pace (the profile's
+    before it has one), plus its prefills, one per request; counted steps where there is one
+    replica, no latency model, or no check before the end."""
+    planner = QuietPlanner(0, 3)
+    planner.latency = FlatLatency(0.1)  # type: ignore[attr-defined]
+    controller = TPController(AdaptiveTP(candidates=(1, 2)), planner, LengthPredictor(), None)
+
+    def replica(rows: int, step_s: float | None, waiting: int = 0) -> _Summary:
+        running = [(f"a{i}", 0, 500, 5, 128, True) for i in range(rows)]
+        queued = [(f"w{i // 2}", i % 2, 480, 0, 128, False) for i in range(2 * waiting)]
+        return _Summary(True, running + queued, [], [], step_s=step_s)
+
+    fast, slow = replica(8, 0.045), replica(56, 0.2)
+    assert controller._window_s([fast, slow], 1, 3) == pytest.approx(0.6)
+    assert controller._window_s([fast, slow], 1, 8) == pytest.approx(1.6)
+    # no step measured yet: the profile's price; two requests of two samples to prefill
+    assert controller._window_s([fast, replica(4, None, waiting=2)], 1, 3) == pytest.approx(1.3)
+    assert controller._window_s([fast, _Summary(False, [], [], [])], 1, 3) == pytest.approx(0.135)
+    assert controller._window_s([fast, None], 2, 3) is None  # one TP=2 replica
+    assert controller._window_s([fast, slow], 1, NEVER) is None
+    planner.latency = None  # type: ignore[attr-defined]
+    assert controller._window_s([fast, slow], 1, 3) is None
+
+
+def _windows(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    planner = QuietPlanner(0, 3)  # stays, checks again 3 steps on
+    planner.latency = FlatLatency(0.01)  # type: ignore[attr-defined]
+    engine = Engine(_config(model_dir, check_every=3), groups=groups, planner=planner)
+    if rank == 1:  # a replica 30 ms a step slower, as one with a far larger batch would be
+        run = engine._run
+
+        def slow(batch: Any) -> None:
+            time.sleep(0.03)
+            run(batch)
+
+        engine._run = slow  # type: ignore[method-assignment]
+    length = 60 if rank == 0 else 12
+    params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+    outs = engine.generate([[3, 1, 4, 1, 5]], [params])
+    return {"tokens": len(outs[0].outputs[0].token_ids), "checks": engine.stats()["tp_checks"]}
+
+
+def test_a_fast_replica_steps_at_its_own_pace_between_checks(llama_dir: Path) -> None:
+    """Rank 0 has 60 fast steps to run, rank 1 12 slow ones, checks 3 steps apart. Counted in
+    steps every rank would run 3 between two checks, rank 0 at rank 1's pace: 20 checks or
+    more. In time, rank 0 runs its steps while rank 1 runs 3: a handful of checks."""
+    results = run_ranks(_windows, 2, args=(str(llama_dir),), timeout_s=300)
+    assert [r["tokens"] for r in results] == [60, 12]
+    assert results[0]["checks"] == results[1]["checks"] <= 12, results
 
 
 def test_rank_zero_spaces_the_checks_for_every_rank(llama_dir: Path) -> None:

@@ -19,6 +19,7 @@ from patrl.rollout.profile import (
     decode_context_tokens,
     engine_dtype,
     main,
+    measure_decode,
     model_info,
     profile_distributed,
     quick_grid,
@@ -128,6 +129,20 @@ def test_grid_errors_name_the_value() -> None:
     assert max(fitted.contexts) + fitted.decode_steps + 1 <= 128 and fitted.max_model_len <= 128
     with pytest.raises(ValueError, match="no grid cell fits max_position_embeddings=16"):
         grid.fit_to(16)
+
+
+@pytest.mark.parametrize("n, prefilled", [(1, 7 * 20), (3, 3 * 20)])
+def test_decode_cells_of_shared_prompts_prefill_each_prompt_once(
+    models: dict[str, Any], n: int, prefilled: int
+) -> None:
+    """7 sequences at 3 samples a prompt: 3 prompts (3, 3, 1) prefilled, 7 decoded a step."""
+    engine = Engine(EngineConfig(model=str(models["tiny"]), dtype="float32", device="cpu"))
+    assert measure_decode(engine, 7, 20, 3, seed=0, samples_per_prompt=n) > 0
+    prefills = [r for r in engine.timeline if r.is_prefill]
+    assert sum(r.num_tokens for r in prefills) == prefilled
+    assert [r.num_tokens for r in engine.timeline if not r.is_prefill] == [7, 7, 7]
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 1, got 0"):
+        ProfileGrid(samples_per_prompt=0)
 
 
 def _profile_body(rank: int, world_size: int, model: str) -> str | None:

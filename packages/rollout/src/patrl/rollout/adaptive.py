@@ -4,7 +4,12 @@ larger TP groups (PAT), and all ranks apply the decision together.
 A rollout under `AdaptiveTP` is a world collective: every rank calls `generate` (or `rollout`),
 including ranks with nothing to do. The loop on every rank:
 
-    check -> up to `check_every` decode steps -> check -> ...
+    check -> a window of decode steps -> check -> ...
+
+A window is `check_every` decode steps (or the planner's recheck steps) of the slowest
+replica, timed: each replica runs as many of its own steps as fit in it (`_window_s`), so a
+replica of a few long samples is not held to the pace of one with many; with one replica or
+no latency model, every rank counts the steps instead.
 
 A *check* is one round of control traffic over the world group: the first rank of every TP
 group sends a compact summary of its replica (each unfinished sample's context, tokens so far,
@@ -150,6 +155,7 @@ class _Summary:
     finished: list[tuple[str, int, int, str]]  # (request id, sample index, length, reason)
     num_done: int = 0  # requests finished since the last check
     quota: int | None = None  # partial rollouts: requests this replica was asked to finish
+    step_s: float | None = None  # its mean decode step since the last check (None: none ran)
 
 
 @dataclass(slots=True)
@@ -199,6 +205,11 @@ class _Rollout:
     total_done: int = 0
     first_check: bool = True
     split: bool = False  # a switch to a smaller TP (at the first check) happened
+    # this rank's decode steps since the last check, and their seconds (its summary's step_s)
+    window_steps: int = 0
+    window_decode_s: float = 0.0
+    # seconds from the last check to the next, the same on every rank; None: count steps
+    window_s: float | None = None
 
 
 class TPController:
@@ -267,13 +278,19 @@ class TPController:
         stepping = 0.0  # in engine.step (scheduling included: a static rollout pays it too)
         switching_before = self.stats.reconfig_s
         steps_left = 0
+        deadline = math.inf  # of a time window (`_window_s`)
+        stepped = False  # a decode step since the last check
         opened = False
         if rollout.quota is None and self._never_switches(engine):
             # no check could ever switch from here: none until this rank is done (the last
             # one, which ends the rollout everywhere and feeds the length model, stays)
             steps_left, opened = NEVER, True
         while True:
-            if steps_left <= 0 or not engine.has_unfinished():
+            due = steps_left <= 0 or not engine.has_unfinished()
+            if not due and stepped and deadline < math.inf:
+                # the window is over when the next step would end more than half of it late
+                due = time.perf_counter() + 0.5 * (self._step_s or 0.0) >= deadline
+            if due:
                 verdict = self._check(engine, rollout, had_work=engine.has_unfinished())
                 if verdict.target_tp is None:
                     break
@@ -284,6 +301,9 @@ class TPController:
                     opened = True
                     self.opening_tp = verdict.opening_tp or engine.layout.tp_size
                 steps_left = verdict.recheck_steps or self.policy.check_every
+                deadline, stepped = math.inf, False
+                if rollout.window_s is not None:
+                    deadline, steps_left = time.perf_counter() + rollout.window_s, NEVER
                 if not engine.has_unfinished():
                     continue
             t0 = time.perf_counter()
@@ -296,7 +316,10 @@ class TPController:
                     on_finished(out)
             if engine.timeline and not engine.timeline[-1].is_prefill:
                 steps_left -= 1
+                stepped = True
                 step_s = engine.timeline[-1].duration_s
+                rollout.window_steps += 1
+                rollout.window_decode_s += step_s
                 self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
         end = time.perf_counter()
         self.stats.decode_s += stepping
@@ -356,12 +379,14 @@ class TPController:
                 rollout.finished,
                 rollout.num_done,
                 rollout.quota,
+                rollout.window_decode_s / rollout.window_steps if rollout.window_steps else None,
             )
         # Every rank forgets what this check reported: the group's first rank sent it for the
         # whole group, and a rank that did not send it (tp rank > 0 of a group that opened at
         # TP>1 and noted every merged request) would report it again once a split made it the
         # first rank of its own replica.
         rollout.started, rollout.finished, rollout.num_done = [], [], 0
+        rollout.window_steps, rollout.window_decode_s = 0, 0.0
         summaries = self._all_gather(mine)
         tp = engine.layout.tp_size
         for s in summaries:
@@ -377,6 +402,11 @@ class TPController:
         if verdict is None:
             decided = self._decide(summaries, tp, rollout, first) if self._rank() == 0 else None
             verdict = self._broadcast(decided)
+        rollout.window_s = None
+        if verdict.target_tp == tp and verdict.target_tp is not None:
+            rollout.window_s = self._window_s(
+                summaries, tp, verdict.recheck_steps or self.policy.check_every
+            )
         self.stats.checks += 1
         spent = time.perf_counter() - t0
         if had_work:
@@ -406,6 +436,37 @@ class TPController:
                     *key,
                 )
         return self._static_at[key]
+
+    def _window_s(self, summaries: list[_Summary | None], tp: int, steps: int) -> float | None:
+        """Seconds to the next check when the replicas step at their own pace; None to count
+        `steps` decode steps on every rank instead (one replica, no latency model, or no
+        check planned before the end).
+
+        Counted in steps, a check made every replica wait for the slowest one's `steps`
+        steps: a replica of 8 long samples beside one of 56 short ones (45 against 200 ms a
+        step) decoded at the busy one's pace and finished 3-4 s after a static rollout would
+        have. In time, each replica runs as many steps as fit in the window, the slowest
+        replica's `steps` steps (its mean step since the last check, or the profile's price
+        before it has one) plus what it has to prefill, and the wait at a check shrinks to
+        part of a step. Every rank computes the window from the same summaries and profile,
+        and times it from the end of the same collective: no clocks are compared."""
+        latency = getattr(self.planner, "latency", None)
+        replicas = [s for s in summaries if s is not None]
+        if latency is None or len(replicas) < 2 or steps >= NEVER:
+            return None
+        longest = 0.0
+        for s in replicas:
+            if not s.rows:
+                continue
+            step = s.step_s
+            if step is None:
+                context = sum(row[2] for row in s.rows)
+                step = float(latency.step_time(tp, len(s.rows), context))
+            # its requests not yet running, once each (a request's samples share a prefill)
+            waiting = {row[0]: row[2] for row in s.rows if not row[5]}
+            prefill = latency.prefill_time(tp, list(waiting.values()))
+            longest = max(longest, prefill + steps * step)
+        return longest or None
 
     def check_interval(self) -> int:
         """Decode steps to the next check: `check_every`, or more where one check would cost

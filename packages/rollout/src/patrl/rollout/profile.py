@@ -88,6 +88,10 @@ class ProfileGrid:
     clock: str = "wall"
     # RL rollouts sample; greedy rows skip the per-row draw and would price steps too low
     temperature: float = 1.0
+    # a decode cell's sequences are this many samples of each of its prompts (GRPO's n), the
+    # prompt's KV blocks shared as in a rollout; 1: every sequence its own prompt. Also what
+    # makes a long context affordable to profile: a cell prefills ceil(batch / n) prompts.
+    samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:
         names = ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "prefill_seqs")
@@ -95,7 +99,7 @@ class ProfileGrid:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be non-empty positive integers, got {values}")
-        for name in ("decode_steps", "passes"):
+        for name in ("decode_steps", "passes", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.clock not in CLOCKS:
@@ -268,12 +272,16 @@ def measure_decode(
     seed: int,
     clock: Callable[[], float] = time.perf_counter,
     temperature: float = 1.0,
+    samples_per_prompt: int = 1,
 ) -> float:
-    """Median seconds of a decode step of `batch` sequences of `context` prompt tokens."""
-    params = SamplingParams(
-        temperature=temperature, seed=seed, ignore_eos=True, max_tokens=steps + 1
-    )
-    for prompt in _prompts(engine, batch, context, seed):
+    """Median seconds of a decode step of `batch` sequences of `context` prompt tokens,
+    `samples_per_prompt` samples of each prompt (the last prompt may have fewer)."""
+    prompts = _prompts(engine, -(-batch // samples_per_prompt), context, seed)
+    for i, prompt in enumerate(prompts):
+        n = min(samples_per_prompt, batch - i * samples_per_prompt)
+        params = SamplingParams(
+            temperature=temperature, seed=seed + i, ignore_eos=True, max_tokens=steps + 1, n=n
+        )
         engine.add_request(prompt, params)
     decode = [s for s, is_prefill, n in timed_steps(engine, clock) if not is_prefill and n == batch]
     if len(decode) != steps:
@@ -315,13 +323,17 @@ def measure_engine(
 ) -> tuple[list[DecodeRow], list[PrefillRow]]:
     """Decode and prefill rows of one engine (every rank of its TP group calls this)."""
     tp, clock = engine.layout.tp_size, CLOCKS[grid.clock]
-    measure_decode(engine, max(grid.batch_sizes), max(grid.contexts), grid.warmup_steps, 1 << 30)
+    n = grid.samples_per_prompt
+    measure_decode(
+        engine, max(grid.batch_sizes), max(grid.contexts), grid.warmup_steps, 1 << 30, clock,
+        grid.temperature, n,
+    )  # fmt: skip
     samples = _Samples()
     seed = 0
     for _ in range(grid.passes):
         for batch, context in grid.decode_cells():
             seconds = measure_decode(
-                engine, batch, context, grid.decode_steps, seed, clock, grid.temperature
+                engine, batch, context, grid.decode_steps, seed, clock, grid.temperature, n
             )
             samples.decode.setdefault((batch, context), []).append(seconds)
             seed += 1
