@@ -181,3 +181,34 @@ def test_a_smaller_pool_fits_in_a_taken_over_one_and_a_larger_is_fresh_zeros() -
     # A fresh pool of exactly its size (the freed one's address may well be reused), zeroed.
     assert big.pool.numel() == 2 * numel and small.pool.numel() == 0
     assert all(t.eq(0).all() for t in (*big.k, *big.v))
+
+
+def test_kv_sent_without_its_prompt_imports_only_onto_a_cache_holding_the_prompt() -> None:
+    """A SequenceKV whose first 8 rows were not sent (`first=8`) imports where the prefix
+    cache holds those 8 tokens (another sample of the prompt, imported first), reading only
+    the rows it has; elsewhere can_import is False and import_ names the shortfall."""
+    src = make_cache()
+    prompt = list(range(10))
+    fill(src, 0, [*prompt, 50, 51])
+    fill(src, 1, [*prompt, 60, 61])
+    base, other = src.export(0), src.export(1)
+    hole = SequenceKV(
+        other.token_ids,
+        torch.cat([torch.full_like(other.k[:, :8], float("nan")), other.k[:, 8:]], 1),
+        torch.cat([torch.full_like(other.v[:, :8], float("nan")), other.v[:, 8:]], 1),
+        other.head_start,
+        other.num_total_kv_heads,
+        first=8,
+    )
+    empty = make_cache()
+    assert not empty.can_import(hole)
+    with pytest.raises(ValueError, match="starts at token 8 and this cache holds only 0"):
+        empty.import_("x", hole)
+    dst = make_cache()
+    dst.import_("a", base)
+    assert dst.can_import(hole)
+    dst.import_("b", hole)
+    got = dst.export("b")
+    assert torch.equal(got.k, other.k) and torch.equal(got.v, other.v)
+    with pytest.raises(ValueError, match="first=13 is not within its 12 computed tokens"):
+        SequenceKV(other.token_ids, other.k, other.v, 0, other.num_total_kv_heads, first=13)

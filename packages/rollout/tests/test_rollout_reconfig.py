@@ -274,3 +274,51 @@ def test_a_bad_weight_sync_after_a_fold_leaves_a_working_engine_at_tp1(llama_dir
     for r in run_ranks(_bad_sync_after_fold, 2, args=(str(llama_dir),), timeout_s=300):
         assert "(64,)" in r["message"] and "(65,)" in r["message"]
         assert r["tp"] == 1 and r["version"] == 0 and r["same"]
+
+
+def _shared_prompt_fold(
+    rank: int, world_size: int, model_dir: str, prefix_caching: bool
+) -> dict[str, Any]:
+    """Each replica: 4 samples of one 24-token prompt, folded into TP=2 after 3 steps."""
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    config = _config(model_dir).model_copy(update={"enable_prefix_caching": prefix_caching})
+    engine = Engine(config, groups.layout(1), groups)
+    g = torch.Generator().manual_seed(300 + rank)
+    prompt = torch.randint(0, 250, (24,), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, seed=7 + rank, n=4, max_tokens=12, ignore_eos=True)
+    reference: dict[str, Any] = {}
+    engine.add_request(prompt, params, request_id=f"p{rank}")
+    _drain(engine, reference)
+    live: dict[str, Any] = {}
+    engine.add_request(prompt, params, request_id=f"p{rank}")
+    _drain(engine, live, steps=3)
+    report = engine.reconfigure(2, "migrate")
+    _drain(engine, live)
+    sent: list[int] = [0] * world_size
+    dist.all_gather_object(sent, report.kv_bytes_sent)
+    return {
+        "reference": _everyone(reference),
+        "live": _everyone(live),
+        "sent": sum(sent),
+        "full": sum(c.migrate_bytes for c in report.costs),  # every sample's whole KV
+        "migrated": report.num_migrated,
+    }
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_samples_of_one_prompt_send_its_kv_once(llama_dir: Path, prefix_caching: bool) -> None:
+    """Of a prompt's 4 samples crossing ranks, the first sends its whole KV and the others
+    only what follows the prompt's 24 tokens (6 full blocks), which the receiver's prefix
+    cache holds by the time it imports them; without a prefix cache all of it is sent. The
+    tokens are those of the uninterrupted run either way."""
+    results = run_ranks(
+        _shared_prompt_fold, 2, args=(str(llama_dir), prefix_caching), timeout_s=300
+    )
+    _assert_same_tokens(results)
+    r = results[0]
+    assert r["migrated"] == 8 and r["full"] > 0
+    if prefix_caching:
+        # per crossing: one sample's 26 tokens, three samples' 2 tokens each
+        assert r["sent"] == r["full"] * (26 + 3 * 2) // (4 * 26)
+    else:
+        assert r["sent"] == r["full"]

@@ -143,6 +143,10 @@ class BlockManager:
 
     # --------------------------------------------------------------- allocation
 
+    def num_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of the first tokens `allocate` would find computed in the prefix cache."""
+        return len(self._match_prefix(token_ids)) * self.block_size
+
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether `allocate` would succeed now (counting prefix-cache hits)."""
         hits = self._match_prefix(token_ids)

@@ -174,6 +174,10 @@ class PagedKVCache:
         )
 
     def can_import(self, kv: SequenceKV) -> bool:
+        """Whether `import_` would succeed now: blocks enough, and for KV sent without its
+        first `kv.first` tokens, those tokens in the prefix cache."""
+        if kv.first and self.blocks.num_cached_prefix(kv.token_ids) < kv.first:
+            return False
         return self.blocks.can_allocate(kv.token_ids)
 
     def import_(self, seq_id: Hashable, kv: SequenceKV) -> None:
@@ -183,7 +187,13 @@ class PagedKVCache:
         `kv.heads(...)` first when moving between TP layouts.
         """
         self._check_importable(kv)
-        if not self.can_import(kv):
+        if kv.first and self.blocks.num_cached_prefix(kv.token_ids) < kv.first:
+            raise ValueError(
+                f"sequence {seq_id!r}: its KV starts at token {kv.first} and this cache holds "
+                f"only {self.blocks.num_cached_prefix(kv.token_ids)} of its first tokens; "
+                "check can_import first"
+            )
+        if not self.blocks.can_allocate(kv.token_ids):
             raise RuntimeError(
                 f"not enough free KV blocks to import sequence {seq_id!r} "
                 f"({len(kv.token_ids)} tokens, {self.blocks.num_free_blocks} blocks free); "

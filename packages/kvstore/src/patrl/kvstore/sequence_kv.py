@@ -16,6 +16,10 @@ class SequenceKV:
     through the model); an importer gives them slots and leaves them to be computed.
     `head_start`/`num_total_kv_heads` say which of the model's KV heads this holds, so a
     resharder can check it is importing the slice it expects.
+
+    `first` > 0: rows `[0, first)` of k and v were not filled in (a migration sent them once
+    for several samples of one prompt); an importer takes them from its prefix cache, and
+    `PagedKVCache.can_import` is False where that cache does not hold them.
     """
 
     token_ids: tuple[int, ...]
@@ -23,6 +27,7 @@ class SequenceKV:
     v: torch.Tensor
     head_start: int
     num_total_kv_heads: int
+    first: int = 0
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
@@ -41,6 +46,11 @@ class SequenceKV:
             raise ValueError(
                 f"SequenceKV heads [{self.head_start}, {self.head_start + self.num_heads}) do not "
                 f"fit in {self.num_total_kv_heads} KV heads"
+            )
+        if not 0 <= self.first <= self.num_computed:
+            raise ValueError(
+                f"SequenceKV first={self.first} is not within its {self.num_computed} computed "
+                "tokens"
             )
 
     @property
@@ -77,6 +87,7 @@ class SequenceKV:
             self.v[:, :, lo:hi].contiguous(),
             start,
             self.num_total_kv_heads,
+            self.first,
         )
 
     @staticmethod
@@ -100,4 +111,5 @@ class SequenceKV:
             torch.cat([p.v for p in parts], dim=2),
             first.head_start,
             first.num_total_kv_heads,
+            max(p.first for p in parts),
         )

@@ -15,7 +15,9 @@ The steps, on every rank of the world at once:
    and scheduler are rebuilt for the new layout;
 3. per sample, the policy picks *migrate* (KV heads sent to the ranks that will own them, paired
    send/recv in bounded chunks) or *recompute* (KV dropped, prompt + generated tokens prefilled
-   again at the new layout);
+   again at the new layout); of the samples of one prompt going from one replica to another,
+   the first sends its whole KV and the others only what follows the prompt's full blocks,
+   which the receiver's prefix cache then holds;
 4. the samples are imported, merged in a fixed order (old replica, then export order), or split
    between new replicas by whole requests, most remaining tokens first.
 """
@@ -85,6 +87,7 @@ class _Move:
     dst: int
     lo: int
     hi: int
+    skip: int = 0  # leading tokens not sent: an earlier sample of the prompt sent them
 
 
 def check_target(engine: Engine, dst: ParallelLayout) -> None:
@@ -156,6 +159,9 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     per_token = 2 * config.num_layers * config.head_dim * engine.cache.spec.dtype.itemsize
     moves: list[_Move] = []
     keep: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # migrated: (computed, ids)
+    # (old replica, new replica, prompt) -> tokens of KV the prompt's first migrated sample sent
+    sent: dict[tuple[int, int, tuple[int, ...]], int] = {}
+    block = engine.cache.spec.block_size if engine.config.enable_prefix_caching else 0
     for j_old, states in enumerate(old):
         for st, n in states:
             key = (st.request_id, st.sample_index)
@@ -168,7 +174,8 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
             if choice not in ("migrate", "recompute"):
                 raise ValueError(f"kv_policy returned {choice!r}; expected migrate or recompute")
             if n > 0 and choice == "migrate":
-                moves += plan
+                prompt = (j_old, assign[key], tuple(st.prompt_token_ids))
+                moves += _skip_shared(plan, sent, prompt, n, block)
                 keep[key] = (n, tuple(st.prompt_token_ids + st.output_token_ids[:-1]))
                 report.num_migrated += 1
             else:
@@ -195,6 +202,25 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     engine.import_requests(incoming)
     report.total_s = time.perf_counter() - t0
     return report
+
+
+def _skip_shared(
+    plan: list[_Move],
+    sent: dict[tuple[int, int, tuple[int, ...]], int],
+    prompt: tuple[int, int, tuple[int, ...]],
+    n: int,
+    block: int,
+) -> list[_Move]:
+    """A sample's moves, the crossing ones without the prompt's full blocks when an earlier
+    sample of the same prompt, old replica and new replica sent them (`sent`, updated): the
+    receiver imports that one first, so its prefix cache holds them (`block` 0: no prefix
+    cache, everything is sent). GRPO's n samples of a prompt share it: at 8 samples of a
+    500-token prompt and 5-100 tokens each, all but one sample's KV was the prompt's."""
+    if not block or prompt not in sent:
+        sent.setdefault(prompt, n)
+        return plan
+    skip = min(len(prompt[2]), sent[prompt], n - 1) // block * block
+    return [dataclasses.replace(m, skip=skip) if m.src != m.dst else m for m in plan]
 
 
 def _kv_len(st: SequenceState) -> int:
@@ -293,7 +319,7 @@ def _exchange(
     total = engine.model.config.num_kv_heads
     received: dict[tuple[str, int], list[SequenceKV]] = {}
     works = []
-    pending: list[tuple[tuple[str, int], int, torch.Tensor]] = []
+    pending: list[tuple[tuple[str, int], int, torch.Tensor, int]] = []
     for index, m in enumerate(moves):
         if me not in (m.src, m.dst):
             continue
@@ -306,27 +332,29 @@ def _exchange(
             lo, hi = m.lo - kv.head_start, m.hi - kv.head_start
             # One strided copy each of k and v into the message (heads() + stack + permute
             # made three).
-            shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
-            buf = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
-            buf[:, 0].copy_(kv.k[:, :, lo:hi].transpose(0, 1))
-            buf[:, 1].copy_(kv.v[:, :, lo:hi].transpose(0, 1))
-            report.kv_bytes_sent += buf.nbytes
+            shape = (n - m.skip, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
+            msg = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
+            msg[:, 0].copy_(kv.k[:, m.skip : n, lo:hi].transpose(0, 1))
+            msg[:, 1].copy_(kv.v[:, m.skip : n, lo:hi].transpose(0, 1))
+            report.kv_bytes_sent += msg.nbytes
         else:
+            # all n tokens' rows, the skipped ones left unfilled (`SequenceKV.first`)
             shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
             buf = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-            report.kv_bytes_received += buf.nbytes
-            pending.append((m.key, m.lo, buf))
-        step = max(1, _CHUNK_BYTES // max(1, buf[:1].nbytes))
-        for c, s in enumerate(range(0, n, step)):
+            msg = buf[m.skip :]
+            report.kv_bytes_received += msg.nbytes
+            pending.append((m.key, m.lo, buf, m.skip))
+        step = max(1, _CHUNK_BYTES // max(1, msg[:1].nbytes))
+        for c, s in enumerate(range(0, len(msg), step)):
             tag = (index << 16) | c  # unique per message of a pair; both sides derive it
             if m.src == me:
-                works.append(dist.isend(buf[s : s + step], group=group, group_dst=m.dst, tag=tag))
+                works.append(dist.isend(msg[s : s + step], group=group, group_dst=m.dst, tag=tag))
             else:
-                works.append(dist.irecv(buf[s : s + step], group=group, group_src=m.src, tag=tag))
+                works.append(dist.irecv(msg[s : s + step], group=group, group_src=m.src, tag=tag))
     for w in works:
         if w is not None:
             w.wait()
-    for key, lo, buf in pending:
+    for key, lo, buf, skip in pending:
         k, v = buf.permute(1, 2, 0, 3, 4).unbind(0)  # -> [layers, tokens, heads, head_dim] each
-        received.setdefault(key, []).append(SequenceKV(keep[key][1], k, v, lo, total))
+        received.setdefault(key, []).append(SequenceKV(keep[key][1], k, v, lo, total, skip))
     return received
