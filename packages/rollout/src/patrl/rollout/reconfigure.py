@@ -214,8 +214,8 @@ def _skip_shared(
     """A sample's moves, the crossing ones without the prompt's full blocks when an earlier
     sample of the same prompt, old replica and new replica sent them (`sent`, updated): the
     receiver imports that one first, so its prefix cache holds them (`block` 0: no prefix
-    cache, everything is sent). GRPO's n samples of a prompt share it: at 8 samples of a
-    500-token prompt and 5-100 tokens each, all but one sample's KV was the prompt's."""
+    cache, everything is sent). GRPO's n samples of a prompt share it: with a 500-token
+    prompt and 5-100 generated tokens a sample, the prompt was most of every sample's KV."""
     if not block or prompt not in sent:
         sent.setdefault(prompt, n)
         return plan
