@@ -403,7 +403,7 @@ class TPController:
             decided = self._decide(summaries, tp, rollout, first) if self._rank() == 0 else None
             verdict = self._broadcast(decided)
         rollout.window_s = None
-        if verdict.target_tp == tp and verdict.target_tp is not None:
+        if verdict.target_tp == tp:  # no switch: the summaries' replicas stand
             rollout.window_s = self._window_s(
                 summaries, tp, verdict.recheck_steps or self.policy.check_every
             )
