@@ -15,11 +15,11 @@ benchmarks/results/models or $PATRL_CACHE_DIR):
   step 1.4-1.5x faster than one TP=2 group of 64 (profile, 544 tokens a sequence: 0.19-0.20 vs
   0.27-0.28 s), while TP=2 runs one sequence 1.4-1.5x faster (0.014 vs 0.021 s).
   `adaptive_ceiling` 0.82-0.83 (three profiles). Decode cells fork 8 samples a prompt
-  (`ProfileGrid.samples_per_prompt`), as the rollouts do. A rollout takes 11-15 s.
-- "vocab_2l_h512" (the crossover shape until 2026-11-25, 166M parameters: Qwen2.5-0.5B's 151,936-token
-  vocabulary and untied head, 94% of the weights, on 2 layers of width 512, intermediate 2816,
-  8 heads, 2 KV heads). At batch 1 TP=2 halves the head each rank reads (2026-11-24: tp2
-  0.010-0.012 vs tp1 0.016-0.018 s a step); at 64 sequences the ranks of a TP group each
+  (`ProfileGrid.samples_per_prompt`), as the rollouts do. A rollout takes 10-18 s.
+- "vocab_2l_h512" (the crossover shape until 2026-11-25, 166M parameters: Qwen2.5-0.5B's
+  151,936-token vocabulary and untied head, 94% of the weights, on 2 layers of width 512,
+  intermediate 2816, 8 heads, 2 KV heads). At batch 1 TP=2 halves the head each rank reads
+  (2026-11-24: tp2 0.010-0.012 vs tp1 0.016-0.018 s a step); at 64 sequences the ranks of a TP group each
   gather and sample all 64 rows of 152k logits (the engine samples replicated, as vLLM's TP
   workers do), which at this width costs more than the half head they save, so two tp-1
   replicas of 32 win (fitted 0.10-0.12 vs 0.14-0.16 s a step). Rollouts of 64 sequences,
