@@ -293,6 +293,7 @@ def _shared_prompt_fold(
     engine.add_request(prompt, params, request_id=f"p{rank}")
     _drain(engine, live, steps=3)
     report = engine.reconfigure(2, "migrate")
+    running = len(engine.scheduler.running)  # imported with their KV, none left to recompute
     _drain(engine, live)
     sent: list[int] = [0] * world_size
     dist.all_gather_object(sent, report.kv_bytes_sent)
@@ -302,6 +303,7 @@ def _shared_prompt_fold(
         "sent": sum(sent),
         "full": sum(c.migrate_bytes for c in report.costs),  # every sample's whole KV
         "migrated": report.num_migrated,
+        "running": running,
     }
 
 
@@ -317,6 +319,7 @@ def test_samples_of_one_prompt_send_its_kv_once(llama_dir: Path, prefix_caching:
     _assert_same_tokens(results)
     r = results[0]
     assert r["migrated"] == 8 and r["full"] > 0
+    assert all(x["running"] == 8 for x in results)
     if prefix_caching:
         # per crossing: one sample's 26 tokens, three samples' 2 tokens each
         assert r["sent"] == r["full"] * (26 + 3 * 2) // (4 * 26)

@@ -220,18 +220,20 @@ def _skip_shared(
         sent.setdefault(prompt, n)
         return plan
     skip = min(len(prompt[2]), sent[prompt], n - 1) // block * block
-    return [dataclasses.replace(m, skip=skip) if m.src != m.dst else m for m in plan]
+    # local slices too, though nothing is sent: every rank of the new group then holds the
+    # same `first` for the sample, and so decides alike whether to import it or recompute
+    return [dataclasses.replace(m, skip=skip) for m in plan]
 
 
 def _kv_len(st: SequenceState) -> int:
     return 0 if st.kv is None else st.kv.num_computed
 
 
-def _head_view(kv: SequenceKV, start: int, end: int) -> SequenceKV:
+def _head_view(kv: SequenceKV, start: int, end: int, first: int) -> SequenceKV:
     """Heads [start, end) of `kv` without the copy `SequenceKV.heads` makes."""
     lo, hi = start - kv.head_start, end - kv.head_start
     return SequenceKV(
-        kv.token_ids, kv.k[:, :, lo:hi], kv.v[:, :, lo:hi], start, kv.num_total_kv_heads
+        kv.token_ids, kv.k[:, :, lo:hi], kv.v[:, :, lo:hi], start, kv.num_total_kv_heads, first
     )
 
 
@@ -324,7 +326,7 @@ def _exchange(
         if me not in (m.src, m.dst):
             continue
         if m.src == m.dst:  # a view: the import copies it into the cache, once
-            received.setdefault(m.key, []).append(_head_view(mine[m.key], m.lo, m.hi))
+            received.setdefault(m.key, []).append(_head_view(mine[m.key], m.lo, m.hi, m.skip))
             continue
         n = keep[m.key][0]
         if m.src == me:
