@@ -233,6 +233,9 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
 # replaces: on a noiseless roofline a second knee "helps" by 1-2% with slope changes of 1e-6,
 # and every knee inside the batches the planner prices costs it an ordered pass per call
 KNEE_GAIN = 0.10
+# ... and by this much (a held-out relative error): on noiseless rows every form fits to
+# rounding, ~1e-15, where a 10% cut is noise (numpy 2.4.6's lstsq gave a knee on a line)
+KNEE_FLOOR = 1e-9
 
 
 def _simplest_good_enough(
@@ -247,7 +250,7 @@ def _simplest_good_enough(
     levels = sorted(best)
     chosen = levels[0]
     for n in levels[1:]:
-        if best[n] < (1 - KNEE_GAIN) * best[chosen]:
+        if best[n] < (1 - KNEE_GAIN) * best[chosen] - KNEE_FLOOR:
             chosen = n
     pairs = zip(errors, candidates, strict=True)
     return next((e, c) for e, c in pairs if len(c[1]) == chosen and e <= best[chosen] + 1e-9)
