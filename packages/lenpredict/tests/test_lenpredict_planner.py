@@ -29,6 +29,7 @@ from patrl.lenpredict import (
     SimConfig,
     StaticPolicy,
     SwitchRow,
+    shared_prefix,
 )
 from patrl.lenpredict.planner import NEVER
 
@@ -66,14 +67,19 @@ def naive_finish(model: LatencyModel, layout: Layout, replica, context, remainin
     return float(np.mean(per_scenario))
 
 
-def naive_overhead(model: LatencyModel, world: int, src: Layout, dst: Layout, assignment, context):
-    """Slow twin of ReconfigPlanner.switch_overhead: a loop over sequences."""
+def naive_overhead(
+    model: LatencyModel, world: int, src: Layout, dst: Layout, assignment, context, shared=None
+):
+    """Slow twin of ReconfigPlanner.switch_overhead: a loop over sequences. A fold sends each
+    sequence's context less its `shared` tokens; a split all of it."""
     lo, hi = sorted((src.tp, dst.tp))
     per_replica = [0.0] * dst.dp
     kinds: list[set[str]] = [set() for _ in range(dst.dp)]
     migrate = []
-    for r, c in zip(assignment, context, strict=True):
-        move = float(model.send_marginal(model.kv_bytes(c) * (1 - lo / hi))) / hi
+    if shared is None or dst.tp < src.tp:
+        shared = np.zeros(len(context), dtype=int)
+    for r, c, sh in zip(assignment, context, shared, strict=True):
+        move = float(model.send_marginal(model.kv_bytes(c - min(sh, c)) * (1 - lo / hi))) / hi
         redo = float(model.prefill_marginal(dst.tp, c))
         migrate.append(move <= redo)
         per_replica[r] += min(move, redo)
@@ -225,6 +231,33 @@ def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s, prefi
         assert fast == pytest.approx(slow, rel=1e-9)
         np.testing.assert_array_equal(fast_migrate, slow_migrate)
         assert 0 < slow_migrate.sum() < len(slow_migrate)
+        # samples of 6 prompts of up to 4000 tokens (contexts 50..20000): a fold sends each
+        # prompt's full blocks once a replica
+        prompt = rng.integers(0, 6, len(rs))
+        rs.shared = shared_prefix(rs.replica, prompt, np.minimum(rs.context, 4000), 16)
+        assert rs.shared.any()
+        fast_shared, migrate_shared = planner.switch_overhead(rs, src, dst, assignment)
+        slow_shared, slow_migrate_shared = naive_overhead(
+            model, 8, src, dst, assignment, rs.context, rs.shared
+        )
+        assert fast_shared == pytest.approx(slow_shared, rel=1e-9)
+        np.testing.assert_array_equal(migrate_shared, slow_migrate_shared)
+        if dst.tp > src.tp:
+            assert fast_shared < fast
+        else:
+            assert fast_shared == fast
+        rs.shared = None
+
+
+def test_the_first_sample_of_a_prompt_on_a_replica_shares_nothing():
+    """`shared_prefix`: per (replica, prompt) the first sequence holds its prompt alone, each
+    later one shares the prompt's full blocks; no prefix cache (block 0), nothing shared."""
+    replica = np.array([0, 0, 1, 0, 1, 1])
+    prompt = np.array([7, 7, 7, 9, 7, 9])
+    tokens = np.array([40, 40, 40, 15, 40, 33])
+    np.testing.assert_array_equal(shared_prefix(replica, prompt, tokens, 16), [0, 32, 0, 0, 32, 0])
+    np.testing.assert_array_equal(shared_prefix(replica, prompt, tokens, 0), np.zeros(6))
+    assert len(shared_prefix(np.zeros(0, int), np.zeros(0, int), np.zeros(0, int), 16)) == 0
 
 
 def crosses_at_20(tp: int, batch: int, context: int) -> float:

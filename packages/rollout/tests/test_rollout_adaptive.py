@@ -495,7 +495,7 @@ def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> No
         summaries: list[_Summary | None] = []
         for rank, size in enumerate((per_replica, 2)):
             ids = [f"r{rank}-{i}" for i in range(size)]
-            rows = [(rid, 0, 16, 0, 200, False) for rid in ids]
+            rows = [(rid, 0, 16, 0, 200, False, 0) for rid in ids]
             summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
         rollout = controller._rollout
         assert rollout is not None
@@ -528,7 +528,7 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
                 continue
             ids = [f"c{case}-r{rank}-{i}" for i in range(sizes[rank // tp])]
             rows = [
-                (rid, 0, int(rng.integers(4, 200)), 0, int(rng.integers(8, 400)), False)
+                (rid, 0, int(rng.integers(4, 200)), 0, int(rng.integers(8, 400)), False, 0)
                 for rid in ids
             ]
             summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
@@ -592,7 +592,7 @@ def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
         planner = QuietPlanner(quiet, recheck)
         controller = TPController(policy, planner, LengthPredictor(), None)
         controller.begin()
-        rows = [(f"r{rank}", 0, 16, 0, 200, False) for rank in range(2)]
+        rows = [(f"r{rank}", 0, 16, 0, 200, False, 0) for rank in range(2)]
         summaries: list[_Summary | None] = [
             _Summary(True, [row], [(row[0], row[0], 1)], []) for row in rows
         ]
@@ -629,8 +629,8 @@ def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
     controller = TPController(AdaptiveTP(candidates=(1, 2)), planner, LengthPredictor(), None)
 
     def replica(rows: int, step_s: float | None, waiting: int = 0) -> _Summary:
-        running = [(f"a{i}", 0, 500, 5, 128, True) for i in range(rows)]
-        queued = [(f"w{i // 2}", i % 2, 480, 0, 128, False) for i in range(2 * waiting)]
+        running = [(f"a{i}", 0, 500, 5, 128, True, 0) for i in range(rows)]
+        queued = [(f"w{i // 2}", i % 2, 480, 0, 128, False, 0) for i in range(2 * waiting)]
         return _Summary(True, running + queued, [], [], step_s=step_s)
 
     fast, slow = replica(8, 0.045), replica(56, 0.2)
@@ -745,3 +745,24 @@ def test_adaptive_config_errors(llama_dir: Path) -> None:
     # one process: nothing to adapt, the engine runs as tp=1 without a planner
     engine = Engine(_config(str(llama_dir), profile=None))
     assert engine.controller is None and engine.layout.tp_size == 1
+
+
+def test_the_planner_sees_which_samples_share_a_prompt_on_their_replica() -> None:
+    """Rows of one prompt (its hash) on one replica: the first holds the prompt alone, the
+    others share its full blocks, whether they are samples of one request or requests of one
+    sample each (TRL's groups); on another replica, or without a prefix cache, nothing."""
+    rows = [
+        (0, ("a", 0, 43, 3, 64, True, 5)),
+        (0, ("a", 1, 45, 5, 64, True, 5)),
+        (0, ("b", 0, 41, 1, 64, True, 5)),
+        (0, ("c", 0, 20, 2, 64, True, 6)),
+        (1, ("d", 0, 42, 2, 64, True, 5)),
+    ]
+    for block, expected in ((16, [0, 32, 32, 0, 0]), (0, [0, 0, 0, 0, 0])):
+        controller = TPController(
+            AdaptiveTP(candidates=(1, 2)), QuietPlanner(0, None), LengthPredictor(), None,
+            prefix_block=block,
+        )  # fmt: skip
+        running = controller._running_set(rows)
+        assert running.shared is not None
+        np.testing.assert_array_equal(running.shared, expected)

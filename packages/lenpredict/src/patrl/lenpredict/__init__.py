@@ -8,7 +8,7 @@ from patrl.lenpredict.ceiling import (
     adaptive_ceiling,
     lockstep_free_switch,
 )
-from patrl.lenpredict.finish_time import RunningSet
+from patrl.lenpredict.finish_time import RunningSet, shared_prefix
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
 from patrl.lenpredict.layout import Layout, layouts_for
 from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
@@ -91,5 +91,6 @@ __all__ = [
     "read_lengths",
     "roofline_profile",
     "round_robin",
+    "shared_prefix",
     "write_lengths",
 ]

@@ -40,6 +40,10 @@ class RunningSet:
     # int, the request of each sequence: a split moves requests whole, as the engine does
     # (None: every sequence on its own)
     group: np.ndarray | None = None
+    # int, tokens at the start of each sequence's context that an earlier sequence of its
+    # replica also holds (its prompt's full KV blocks, `shared_prefix`): merging replicas
+    # sends them once for the lot, as the engine's reconfigure does (None: nothing shared)
+    shared: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.seq_ids)
@@ -51,6 +55,8 @@ class RunningSet:
             )
         if self.group is not None and len(self.group) != n:
             raise ValueError(f"group has {len(self.group)} entries for {n} sequences")
+        if self.shared is not None and len(self.shared) != n:
+            raise ValueError(f"shared has {len(self.shared)} entries for {n} sequences")
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -58,6 +64,23 @@ class RunningSet:
     @property
     def holds_kv(self) -> np.ndarray:
         return np.ones(len(self), dtype=bool) if self.has_kv is None else self.has_kv
+
+
+def shared_prefix(
+    replica: np.ndarray, prompt: np.ndarray, prompt_tokens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """`RunningSet.shared` of sequences on `replica` whose prompts are `prompt` (any id, equal
+    for equal prompts) of `prompt_tokens` tokens: the first sequence of each (replica, prompt)
+    shares nothing, every later one its prompt's full blocks (`block_size` 0: no prefix
+    cache, nothing shared)."""
+    replica, prompt = np.asarray(replica), np.asarray(prompt)
+    if not block_size or not len(replica):
+        return np.zeros(len(replica), dtype=int)
+    pairs = np.stack([replica, prompt], axis=1)
+    _, first = np.unique(pairs, axis=0, return_index=True)
+    shared = np.asarray(prompt_tokens, dtype=int) // block_size * block_size
+    shared[first] = 0
+    return shared
 
 
 @dataclass(slots=True)

@@ -284,15 +284,23 @@ class ReconfigPlanner:
         context: np.ndarray,
         alive: np.ndarray,
         holds_kv: np.ndarray,
+        shared: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Switch overheads (targets, rows) for rows of (rows, n) contexts, moving the KV of the
         alive sequences that hold some; inf where a replica would exceed max_num_seqs or its
         KV memory with all its alive sequences, queued ones included. Also whether each
-        sequence migrates (True) or recomputes its KV, (targets, rows, n)."""
+        sequence migrates (True) or recomputes its KV, (targets, rows, n). Merging replicas
+        (a larger TP) sends the `shared` tokens of each sequence (`RunningSet.shared`) once,
+        with the first of them; a split prices them all (its halves may part samples of a
+        prompt)."""
         m, (rows, n) = len(targets), context.shape
         k = self._switch_constants(src.tp, tuple(t.tp for t in targets), rows)
         ctx = context.astype(float)
-        migrate_cost = ctx * k.migrate_per_token  # (m, rows, n)
+        sent = np.broadcast_to(ctx, (m, rows, n))
+        if shared is not None:
+            grows = np.array([t.tp > src.tp for t in targets])[:, None, None]
+            sent = ctx - np.where(grows, np.minimum(shared, ctx), 0)
+        migrate_cost = sent * k.migrate_per_token  # (m, rows, n)
         recompute_cost = k.prefill_s + (k.prefill_b + k.prefill_c * ctx) * ctx
         migrate = migrate_cost <= recompute_cost
         moves = alive & holds_kv
@@ -323,7 +331,7 @@ class ReconfigPlanner:
         alive = np.ones((1, len(running)), dtype=bool)
         context = running.context[None, :]
         overhead, migrate = self._overheads(
-            src, [dst], [assignment], context, alive, running.holds_kv
+            src, [dst], [assignment], context, alive, running.holds_kv, running.shared
         )
         return float(overhead[0, 0]), migrate[0, 0]
 
@@ -481,7 +489,7 @@ class ReconfigPlanner:
             context = running.context[None, :] + np.minimum(median[None, :], steps)
             alive = (median[None, :] > steps) | (steps == 0)
             overheads, migrate = self._overheads(
-                current, targets, assignments, context, alive, running.holds_kv
+                current, targets, assignments, context, alive, running.holds_kv, running.shared
             )
             run = now[1:].mean(axis=1)
             later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)

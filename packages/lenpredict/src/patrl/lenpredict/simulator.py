@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from patrl.lenpredict.assignment import AssignmentPolicy, assign_prompts
-from patrl.lenpredict.finish_time import RunningSet
+from patrl.lenpredict.finish_time import RunningSet, shared_prefix
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout
 from patrl.lenpredict.length_trace import PromptGroup
@@ -418,6 +418,13 @@ class RolloutSimulator:
             remaining=policy.remaining(seqs),
             has_kv=has_kv,
             group=np.array([s.group for s in seqs], dtype=int),
+            # a group's prompt blocks, where its samples share them, move once a replica
+            shared=shared_prefix(
+                where,
+                np.array([s.group if s.shares_prompt else -1 - s.seq_id for s in seqs]),
+                np.array([s.prompt for s in seqs]),
+                self.config.block_size,
+            ),
         )
         return policy.planner.decide(running, layout)
 

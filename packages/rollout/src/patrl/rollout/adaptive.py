@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch.distributed as dist
 
-from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet
+from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet, shared_prefix
 from patrl.lenpredict.planner import NEVER
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.reconfigure import KVChoice, KVCost
@@ -144,13 +144,17 @@ class TPDecisionRecord:
         return asdict(self)
 
 
+# One unfinished sample at a check: (request id, sample index, context tokens, generated
+# tokens, max_tokens, holds KV, hash of its prompt's tokens)
+_Row = tuple[str, int, int, int, int, bool, int]
+
+
 @dataclass(slots=True)
 class _Summary:
     """What one replica tells the others at a check (sent by its TP group's first rank)."""
 
     has_work: bool
-    # (request id, sample index, context tokens, generated tokens, max_tokens, holds KV)
-    rows: list[tuple[str, int, int, int, int, bool]]
+    rows: list[_Row]
     started: list[tuple[str, str, int]]  # (request id, prompt key, n)
     finished: list[tuple[str, int, int, str]]  # (request id, sample index, length, reason)
     num_done: int = 0  # requests finished since the last check
@@ -220,6 +224,7 @@ class TPController:
         lengths: Lengths,
         world_group: Any,
         world_comm: ShmComm | None = None,
+        prefix_block: int = 0,
     ) -> None:
         self.policy = policy
         self.planner = planner
@@ -233,6 +238,10 @@ class TPController:
         # one host (GroupCache.world_comm): over gloo each costs milliseconds, which on a
         # small model is several decode steps
         self.comm = world_comm
+        # the engine's KV block size where it caches prompt prefixes (0: it does not): a fold
+        # then sends the full blocks of a prompt once for all its samples on a replica, and
+        # the planner prices it so
+        self.prefix_block = prefix_block
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
         self.split = False  # the latest rollout split (its outputs need `hand_back`)
         self.stats = ControlStats()
@@ -620,29 +629,30 @@ class TPController:
         may_switch = getattr(self.planner, "may_switch", None)
         return may_switch is None or bool(may_switch(bound, current))
 
-    def _running_set(
-        self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]]
-    ) -> RunningSet:
+    def _running_set(self, rows: list[tuple[int, _Row]]) -> RunningSet:
         """The planner's view of `rows` (not empty): one row per unfinished sample, its
         remaining length bounded by its max_tokens (one column; `_predict` replaces it)."""
         replica = np.array([dp for dp, _ in rows], dtype=int)
-        request_ids, _, context, generated, max_tokens, has_kv = zip(
+        request_ids, _, context, generated, max_tokens, has_kv, prompt = zip(
             *(row for _, row in rows), strict=True
         )
-        room = np.maximum(np.array(max_tokens, dtype=int) - np.array(generated, dtype=int), 1)
+        context_, generated_ = np.array(context, dtype=int), np.array(generated, dtype=int)
+        room = np.maximum(np.array(max_tokens, dtype=int) - generated_, 1)
         number = {r: k for k, r in enumerate(sorted(set(request_ids)))}
         return RunningSet(
             seq_ids=np.arange(len(rows)),
             replica=replica,
-            context=np.array(context, dtype=int),
+            context=context_,
             remaining=room[:, None].astype(float),
             has_kv=np.array(has_kv, dtype=bool),
             group=np.array([number[r] for r in request_ids], dtype=int),
+            # samples of one prompt on a replica: a fold sends its full blocks once
+            shared=shared_prefix(
+                replica, np.array(prompt, dtype=np.int64), context_ - generated_, self.prefix_block
+            ),
         )
 
-    def _predict(
-        self, rows: list[tuple[int, tuple[str, int, int, int, int, bool]]], bound: np.ndarray
-    ) -> np.ndarray:
+    def _predict(self, rows: list[tuple[int, _Row]], bound: np.ndarray) -> np.ndarray:
         """Remaining-length quantiles of `rows` (n, Q), within their bounds (n, 1)."""
         request_ids = [row[0] for _, row in rows]
         remaining = self.lengths.predict_remaining_many(
@@ -707,16 +717,14 @@ def critical_path(ranks: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, min(w for _, w in ranks) - decode), decode
 
 
-def _rows_of(
-    summaries: list[_Summary | None], tp: int
-) -> list[tuple[int, tuple[str, int, int, int, int, bool]]]:
+def _rows_of(summaries: list[_Summary | None], tp: int) -> list[tuple[int, _Row]]:
     """Every replica's unfinished samples, each with its replica's index, in rank order."""
     return [
         (rank // tp, row) for rank, s in enumerate(summaries) if s is not None for row in s.rows
     ]
 
 
-def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
+def _rows(engine: Engine) -> list[_Row]:
     from patrl.rollout.sequence import SequenceStatus
 
     return [
@@ -727,6 +735,7 @@ def _rows(engine: Engine) -> list[tuple[str, int, int, int, int, bool]]:
             len(s.output_token_ids),
             s.params.max_tokens,
             s.status is SequenceStatus.RUNNING,
+            s.prompt_hash,
         )
         for s in engine.unfinished_seqs()
     ]

@@ -210,6 +210,7 @@ class Engine:
             lengths or default_lengths(),
             self.groups.world_group(),
             self.groups.world_comm(),
+            self.config.block_size if self.config.enable_prefix_caching else 0,
         )
         return start
 
