@@ -748,17 +748,19 @@ def test_adaptive_config_errors(llama_dir: Path) -> None:
 
 
 def test_the_planner_sees_which_samples_share_a_prompt_on_their_replica() -> None:
-    """Rows of one prompt (its hash) on one replica: the first holds the prompt alone, the
-    others share its full blocks, whether they are samples of one request or requests of one
-    sample each (TRL's groups); on another replica, or without a prefix cache, nothing."""
+    """Rows of one prompt (its hash) on one replica: the first holding KV sends the prompt,
+    the others share its full blocks, whether they are samples of one request or requests of
+    one sample each (TRL's groups); queued, on another replica, or without a prefix cache:
+    nothing shared."""
     rows = [
+        (0, ("q", 0, 40, 0, 64, False, 5)),
         (0, ("a", 0, 43, 3, 64, True, 5)),
         (0, ("a", 1, 45, 5, 64, True, 5)),
         (0, ("b", 0, 41, 1, 64, True, 5)),
         (0, ("c", 0, 20, 2, 64, True, 6)),
         (1, ("d", 0, 42, 2, 64, True, 5)),
     ]
-    for block, expected in ((16, [0, 32, 32, 0, 0]), (0, [0, 0, 0, 0, 0])):
+    for block, expected in ((16, [0, 0, 32, 32, 0, 0]), (0, [0] * 6)):
         controller = TPController(
             AdaptiveTP(candidates=(1, 2)), QuietPlanner(0, None), LengthPredictor(), None,
             prefix_block=block,

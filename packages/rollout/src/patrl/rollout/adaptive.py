@@ -639,17 +639,24 @@ class TPController:
         context_, generated_ = np.array(context, dtype=int), np.array(generated, dtype=int)
         room = np.maximum(np.array(max_tokens, dtype=int) - generated_, 1)
         number = {r: k for k, r in enumerate(sorted(set(request_ids)))}
+        holds = np.array(has_kv, dtype=bool)
+        # samples of one prompt on a replica: a fold sends its full blocks once, with the
+        # first of them that holds KV (queued ones send nothing)
+        shared = np.zeros(len(rows), dtype=int)
+        shared[holds] = shared_prefix(
+            replica[holds],
+            np.array(prompt, dtype=np.int64)[holds],
+            (context_ - generated_)[holds],
+            self.prefix_block,
+        )
         return RunningSet(
             seq_ids=np.arange(len(rows)),
             replica=replica,
             context=context_,
             remaining=room[:, None].astype(float),
-            has_kv=np.array(has_kv, dtype=bool),
+            has_kv=holds,
             group=np.array([number[r] for r in request_ids], dtype=int),
-            # samples of one prompt on a replica: a fold sends its full blocks once
-            shared=shared_prefix(
-                replica, np.array(prompt, dtype=np.int64), context_ - generated_, self.prefix_block
-            ),
+            shared=shared,
         )
 
     def _predict(self, rows: list[tuple[int, _Row]], bound: np.ndarray) -> np.ndarray:
