@@ -84,7 +84,8 @@ Latency of a rollout: barrier, then `generate`; the max over ranks of its wall t
 repeat runs every policy once, in turn (interleaved, so load drifts on this shared machine hit
 all policies alike); reported: the median over repeats and its ratio to the best static one
 (the targets' measure), and the median of per-repeat ratios to the best static run of the same
-repeat (paired: a slow stretch of this shared box hits both, so it is less noisy).
+repeat (paired: a slow stretch of this shared box hits both, so it is less noisy). Each repeat
+starts the order one policy later: a policy's place in it moved its time by up to 6%.
 
 Also reported: every switch decision's predicted gain / overhead / finish against the measured
 overhead and finish (the measured gain is taken against the static (dp2, tp1) run of the same
@@ -720,8 +721,22 @@ def check_lengths(outs: Sequence[RequestOutput], lengths: list[int], policy: str
             raise RuntimeError(f"{policy}: request {out.request_id} generated {got}, not {want}")
 
 
+def profiled_with(path: Path, scale: Scale) -> bool:
+    """Whether `path` holds a profile of these grids (`profile_shape` notes them)."""
+    if not path.is_file():
+        return False
+    grid = " + ".join(repr(g) for g in scale.grids)
+    return Profile.load(path).notes.get("grid") == grid
+
+
 def run_shape(
-    shape: str, scale: Scale, repeats: int, world: Any, suffix: str, profile_only: bool = False
+    shape: str,
+    scale: Scale,
+    repeats: int,
+    world: Any,
+    suffix: str,
+    profile_only: bool = False,
+    reuse_profile: bool = False,
 ) -> dict[str, Any]:
     rank = dist.get_rank(world)
     if rank == 0:
@@ -731,8 +746,12 @@ def run_shape(
     base = base_config(model, scale)
     profile_path = RESULTS / f"adaptive_tp_profile_{shape}{suffix}.json"
     timeline_png = RESULTS / f"adaptive_tp_timeline_{shape}{suffix}.png"
-    log(rank, f"[{shape}] profiling ...")
-    profile_s = profile_shape(base, scale, profile_path, world)
+    if reuse_profile and profiled_with(profile_path, scale):
+        log(rank, f"[{shape}] reusing {profile_path}")
+        profile_s = 0.0
+    else:
+        log(rank, f"[{shape}] profiling ...")
+        profile_s = profile_shape(base, scale, profile_path, world)
     profile = Profile.load(profile_path)
     summary = profile_summary(profile, scale.num_prompts * scale.n, scale.context_per_seq)
     log(rank, f"[{shape}] profile in {profile_s:.0f} s: {json.dumps(summary)}")
@@ -761,7 +780,11 @@ def run_shape(
             rollout(engines, policy, workload, replica_of, world)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rep in range(repeats):
-            for policy in POLICIES:
+            # one policy later each repeat: a policy's place in the order moved its time
+            # (static (dp2, tp1) run after the adaptive engines took 17.3-17.8 s, after one
+            # static and one adaptive engine 16.4-16.6 s; 2026-11-25, uniform, mqa_20l)
+            shift = rep % len(POLICIES)
+            for policy in POLICIES[shift:] + POLICIES[:shift]:
                 runs[policy].append(rollout(engines, policy, workload, replica_of, world))
                 log(
                     rank,
@@ -1114,6 +1137,11 @@ def main() -> None:
         "--report", metavar="JSON", help="re-derive the verdicts of a results file and print it"
     )
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="decode steps per check")
+    ap.add_argument(
+        "--reuse-profile",
+        action="store_true",
+        help="keep a shape's profile from an earlier run when it measured the same grids",
+    )
     args = ap.parse_args()
     set_check_every(args.check_every)
     if args.report:
@@ -1148,7 +1176,9 @@ def main() -> None:
         for shape in shapes:
             scale = scale_for(shape, args.quick)
             repeats = max(args.repeats, scale.min_repeats)
-            res = run_shape(shape, scale, repeats, world, suffix, args.profile_only)
+            res = run_shape(
+                shape, scale, repeats, world, suffix, args.profile_only, args.reuse_profile
+            )
             results["shapes"][shape] = {**res, "repeats": repeats}
         if args.profile_only:
             return
