@@ -119,6 +119,39 @@ def test_finish_time_matches_step_by_step_twin(step, padded):
             assert fast == pytest.approx(slow, rel=1e-9)
 
 
+def test_the_steps_to_a_check_cost_their_share_as_the_batch_drains():
+    """`shrinking_share`: the next k steps, sequences finishing at their median remaining
+    length, stepped one at a time (slowest replica), over k steps at today's batch and
+    context (slowest replica); 1 where nothing finishes within k steps."""
+    model = latency(tp_speeds_up)
+    planner = ReconfigPlanner(model, 8)
+    rng = np.random.default_rng(3)
+    for layout in LAYOUTS:
+        rs = running_set(rng, 40, layout.dp, max_remaining=60)
+        for k in (1, 10, 50):
+            med = rs.remaining[:, rs.remaining.shape[1] // 2]
+            drained, full = 0.0, 0.0
+            for r in range(layout.dp):
+                mine = rs.replica == r
+                ctx, rem = rs.context[mine].astype(float), med[mine]
+                t = 0.0
+                for step in range(k):
+                    alive = rem > step
+                    if alive.any():
+                        now = ctx[alive] + step
+                        t += float(model.step_time(layout.tp, alive.sum(), now.sum(), now.max()))
+                drained = max(drained, t)
+                if mine.any():
+                    step_s = float(model.step_time(layout.tp, mine.sum(), ctx.sum()))
+                    full = max(full, k * step_s)
+            expected = min(1.0, drained / full)
+            assert planner.shrinking_share(rs, layout, k) == pytest.approx(expected, rel=1e-9)
+        rs.remaining[:] = 1000.0  # nothing finishes: the contexts grow, the share stays 1
+        assert planner.shrinking_share(rs, layout, 50) == 1.0
+        rs.remaining[:] = 1.0  # everything finishes after one step
+        assert planner.shrinking_share(rs, layout, 50) == pytest.approx(1 / 50, rel=0.05)
+
+
 def test_decide_prices_its_plans_as_their_step_by_step_twins():
     """Staying and switching now, averaged over the quantile scenarios; a delayed switch in
     the median scenario, carried over to all scenarios by what switching now takes there

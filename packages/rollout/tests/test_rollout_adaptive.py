@@ -622,22 +622,30 @@ class FlatLatency:
 
 def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
     """Time windows: the slowest replica's recheck steps at its measured pace (the profile's
-    before it has one), plus its prefills, one per request; counted steps where there is one
-    replica, no latency model, or no check before the end."""
+    before it has one), times the share the planner expects them to cost as the batch drains,
+    plus its prefills, one per prompt; counted steps where there is one replica, no latency
+    model, or no check before the end."""
     planner = QuietPlanner(0, 3)
     planner.latency = FlatLatency(0.1)  # type: ignore[attr-defined]
     controller = TPController(AdaptiveTP(candidates=(1, 2)), planner, LengthPredictor(), None)
 
-    def replica(rows: int, step_s: float | None, waiting: int = 0) -> _Summary:
+    def replica(rows: int, step_s: float | None, waiting: int = 0, prompts: int = 0) -> _Summary:
         running = [(f"a{i}", 0, 500, 5, 128, True, 0) for i in range(rows)]
-        queued = [(f"w{i // 2}", i % 2, 480, 0, 128, False, 0) for i in range(2 * waiting)]
+        queued = [
+            (f"w{i // 2}", i % 2, 480, 0, 128, False, (i // 2) % (prompts or waiting))
+            for i in range(2 * waiting)
+        ]
         return _Summary(True, running + queued, [], [], step_s=step_s)
 
     fast, slow = replica(8, 0.045), replica(56, 0.2)
     assert controller._window_s([fast, slow], 1, 3) == pytest.approx(0.6)
     assert controller._window_s([fast, slow], 1, 8) == pytest.approx(1.6)
+    assert controller._window_s([fast, slow], 1, 8, share=0.25) == pytest.approx(0.4)
     # no step measured yet: the profile's price; two requests of two samples to prefill
     assert controller._window_s([fast, replica(4, None, waiting=2)], 1, 3) == pytest.approx(1.3)
+    # four requests of two samples, two of each of two prompts: each prompt prefilled once
+    twice = replica(4, None, waiting=4, prompts=2)
+    assert controller._window_s([fast, twice], 1, 3) == pytest.approx(1.3)
     assert controller._window_s([fast, _Summary(False, [], [], [])], 1, 3) == pytest.approx(0.135)
     assert controller._window_s([fast, None], 2, 3) is None  # one TP=2 replica
     assert controller._window_s([fast, slow], 1, NEVER) is None

@@ -247,6 +247,22 @@ class ReconfigPlanner:
             rows.add(0, q, False, np.inf, layout)
         return float(self._times(rows, replica[None, :], running).mean())
 
+    def shrinking_share(self, running: RunningSet, current: Layout, steps: int) -> float:
+        """What the next `steps` decode steps cost, sequences finishing as predicted (median
+        scenario), over what they would at today's batch: in (0, 1], slowest replica each.
+        A check `steps` away is that much nearer in time than the batch's pace says."""
+        if steps <= 0 or len(running) == 0:
+            return 1.0
+        rows = Questions()
+        rows.add(0, running.remaining.shape[1] // 2, False, float(steps), current)
+        shrinking = float(self._times(rows, running.replica[None, :], running)[0])
+        full = 0.0
+        for r in np.unique(running.replica):
+            mine = running.replica == r
+            step = self.latency.step_time(current.tp, int(mine.sum()), running.context[mine].sum())
+            full = max(full, steps * float(step))
+        return min(1.0, shrinking / full) if full > 0 else 1.0
+
     # --- switching ----------------------------------------------------------------------
 
     def _assign(self, running: RunningSet, src: Layout, dst: Layout) -> np.ndarray:

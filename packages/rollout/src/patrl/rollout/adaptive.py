@@ -173,6 +173,9 @@ class _Verdict:
     record: TPDecisionRecord | None = None
     recheck_steps: int | None = None
     opening_tp: int | None = None  # first check: where the next rollouts open (None: here)
+    # the share of the steps to the next check that the batch's pace at this check prices
+    # (`ReconfigPlanner.shrinking_share`): sequences finish on the way, steps get cheaper
+    window_share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -414,8 +417,9 @@ class TPController:
         rollout.window_s = None
         if verdict.target_tp == tp:  # no switch: the summaries' replicas stand
             rollout.window_s = self._window_s(
-                summaries, tp, verdict.recheck_steps or self.policy.check_every
-            )
+                summaries, tp, verdict.recheck_steps or self.policy.check_every,
+                verdict.window_share,
+            )  # fmt: skip
         self.stats.checks += 1
         spent = time.perf_counter() - t0
         if had_work:
@@ -446,7 +450,9 @@ class TPController:
                 )
         return self._static_at[key]
 
-    def _window_s(self, summaries: list[_Summary | None], tp: int, steps: int) -> float | None:
+    def _window_s(
+        self, summaries: list[_Summary | None], tp: int, steps: int, share: float = 1.0
+    ) -> float | None:
         """Seconds to the next check when the replicas step at their own pace; None to count
         `steps` decode steps on every rank instead (one replica, no latency model, or no
         check planned before the end).
@@ -458,7 +464,11 @@ class TPController:
         replica's `steps` steps (its mean step since the last check, or the profile's price
         before it has one) plus what it has to prefill, and the wait at a check shrinks to
         part of a step. Every rank computes the window from the same summaries and profile,
-        and times it from the end of the same collective: no clocks are compared."""
+        and times it from the end of the same collective: no clocks are compared. `share`
+        (rank 0's, broadcast) scales the steps for the sequences predicted to finish on the
+        way: priced at the full batch's pace, 40 steps of a long tail that drains from 64
+        sequences to 6 lasted longer than the rollout, and the check that would fold never
+        came."""
         latency = getattr(self.planner, "latency", None)
         replicas = [s for s in summaries if s is not None]
         if latency is None or len(replicas) < 2 or steps >= NEVER:
@@ -471,10 +481,11 @@ class TPController:
             if step is None:
                 context = sum(row[2] for row in s.rows)
                 step = float(latency.step_time(tp, len(s.rows), context))
-            # its requests not yet running, once each (a request's samples share a prefill)
-            waiting = {row[0]: row[2] for row in s.rows if not row[5]}
+            # its prompts not yet running, once each: a request's samples share a prefill, as
+            # do requests of one prompt (the engine computes a repeated prompt once)
+            waiting = {row[6]: row[2] for row in s.rows if not row[5]}
             prefill = latency.prefill_time(tp, list(waiting.values()))
-            longest = max(longest, prefill + steps * step)
+            longest = max(longest, prefill + steps * step * share)
         return longest or None
 
     def check_interval(self) -> int:
@@ -607,7 +618,12 @@ class TPController:
                 recheck = max(int(running.remaining.max()), self.check_interval())
             if rollout.total_quota is not None:
                 recheck = min(recheck, self.policy.check_every)  # the quota is met at checks
-            return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening)
+            share = getattr(self.planner, "shrinking_share", None)
+            window_share = (
+                1.0 if share is None or recheck >= NEVER else share(running, current, recheck)
+            )
+            return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening,
+                            window_share=window_share)  # fmt: skip
         recompute: frozenset[tuple[str, int]] = frozenset()
         if self.policy.kv_policy == "auto":
             migrate = decision.chosen.migrate
