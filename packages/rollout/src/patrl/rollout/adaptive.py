@@ -417,9 +417,11 @@ class TPController:
         rollout.window_s = None
         if verdict.target_tp == tp:  # no switch: the summaries' replicas stand
             rollout.window_s = self._window_s(
-                summaries, tp, verdict.recheck_steps or self.policy.check_every,
+                summaries,
+                tp,
+                verdict.recheck_steps or self.policy.check_every,
                 verdict.window_share,
-            )  # fmt: skip
+            )
         self.stats.checks += 1
         spent = time.perf_counter() - t0
         if had_work:
@@ -622,8 +624,13 @@ class TPController:
             window_share = (
                 1.0 if share is None or recheck >= NEVER else share(running, current, recheck)
             )
-            return _Verdict(tp, record=record, recheck_steps=recheck, opening_tp=opening,
-                            window_share=window_share)  # fmt: skip
+            return _Verdict(
+                tp,
+                record=record,
+                recheck_steps=recheck,
+                opening_tp=opening,
+                window_share=window_share,
+            )
         recompute: frozenset[tuple[str, int]] = frozenset()
         if self.policy.kv_policy == "auto":
             migrate = decision.chosen.migrate
