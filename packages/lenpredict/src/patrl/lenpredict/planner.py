@@ -312,7 +312,7 @@ class ReconfigPlanner:
         m, (rows, n) = len(targets), context.shape
         k = self._switch_constants(src.tp, tuple(t.tp for t in targets), rows)
         ctx = context.astype(float)
-        sent = np.broadcast_to(ctx, (m, rows, n))
+        sent = ctx
         if shared is not None:
             grows = np.array([t.tp > src.tp for t in targets])[:, None, None]
             sent = ctx - np.where(grows, np.minimum(shared, ctx), 0)
