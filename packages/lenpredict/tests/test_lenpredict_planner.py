@@ -754,3 +754,11 @@ def test_a_target_slower_at_every_batch_is_never_priced_and_never_rechecked():
     mixed = ReconfigPlanner(latency(compute_bound), 8, PlannerConfig(candidate_tp=(1, 2)))
     decision = mixed.decide(rs, Layout(8, 1))
     assert decision.recheck_steps != NEVER and len(decision.options) == 2
+
+
+def test_usable_tp_sizes_keeps_the_sizes_that_divide_the_world() -> None:
+    from patrl.lenpredict import usable_tp_sizes
+
+    assert usable_tp_sizes([4, 1, 2, 3, 2, 8], 4) == (1, 2, 4)
+    assert usable_tp_sizes([3], 4) == ()
+    assert usable_tp_sizes([1, 2], 1) == (1,)

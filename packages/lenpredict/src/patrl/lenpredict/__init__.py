@@ -10,7 +10,7 @@ from patrl.lenpredict.ceiling import (
 )
 from patrl.lenpredict.finish_time import RunningSet, shared_prefix
 from patrl.lenpredict.latency_model import LatencyModel, held_out_error
-from patrl.lenpredict.layout import Layout, layouts_for
+from patrl.lenpredict.layout import Layout, layouts_for, usable_tp_sizes
 from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
 from patrl.lenpredict.length_trace import (
     LengthRecord,
@@ -21,7 +21,7 @@ from patrl.lenpredict.length_trace import (
     read_lengths,
     write_lengths,
 )
-from patrl.lenpredict.planner import Decision, PlannerConfig, ReconfigPlanner
+from patrl.lenpredict.planner import NEVER, Decision, PlannerConfig, ReconfigPlanner
 from patrl.lenpredict.profile import (
     CollectiveRow,
     DecodeRow,
@@ -51,6 +51,7 @@ from patrl.lenpredict.simulator import (
 __all__ = [
     "H100_SXM_NODE",
     "LLAMA31_8B",
+    "NEVER",
     "QWEN3_14B",
     "AdaptivePolicy",
     "Ceiling",
@@ -92,5 +93,6 @@ __all__ = [
     "roofline_profile",
     "round_robin",
     "shared_prefix",
+    "usable_tp_sizes",
     "write_lengths",
 ]

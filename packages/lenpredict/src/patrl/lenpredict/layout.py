@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -29,6 +30,14 @@ class Layout:
             return cls(dp=int(dp_part.removeprefix("dp")), tp=int(tp_part.removeprefix("tp")))
         except ValueError as err:
             raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp4xtp2'") from err
+
+
+def usable_tp_sizes(candidates: Iterable[int], world_size: int) -> tuple[int, ...]:
+    """The candidate TP sizes that divide `world_size`, sorted and unique.
+
+    The one place that derives which layouts a world can form: a size that does not divide the
+    world cannot cut it into whole TP groups."""
+    return tuple(sorted(tp for tp in set(candidates) if tp >= 1 and world_size % tp == 0))
 
 
 def layouts_for(world_size: int, tp_sizes: list[int]) -> list[Layout]:

@@ -3,6 +3,8 @@
 from patrl.tpreshard.comm import (
     CollectiveTimeout,
     ShmComm,
+    broadcast_obj,
+    gather_objects,
     shm_supported,
     tp_all_gather,
     tp_all_gather_into,
@@ -39,7 +41,9 @@ __all__ = [
     "ShardPart",
     "ShardSpec",
     "ShmComm",
+    "broadcast_obj",
     "forget_full",
+    "gather_objects",
     "has_full",
     "head_range",
     "index_map",
