@@ -43,29 +43,32 @@ from patrl.lenpredict import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import adaptive_tp_bench as bench  # sibling scripts, not packages
-import simulate_cluster as cluster
+import simulate_cluster as cluster  # sibling scripts and packages, not installed
+from adaptive_tp import shapes, simulation, workloads
+
+from patrl.rollout import AdaptiveTP
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = ((8, 4), (8, 8), (16, 4))  # (prompts per replica, samples per prompt)
 VOCAB = 151_936  # the vocab_2l family's; only the prompts' token ids depend on it
-SCALE = bench.scale_for("vocab_2l_h512", quick=False)
+SCALE = shapes.scale_for("vocab_2l_h512", quick=False)
+CHECK_EVERY = SCALE.check_every or AdaptiveTP().check_every
 
 
 def bench_groups(prompts_per_replica: int, n: int) -> dict[str, list[PromptGroup]]:
     scale = dataclasses.replace(SCALE, prompts_per_replica=prompts_per_replica, n=n)
-    return {w.name: w.prompt_groups() for w in bench.make_workloads(scale, VOCAB)}
+    return {w.name: w.prompt_groups() for w in workloads.make_workloads(scale, VOCAB)}
 
 
 def deepscaler_groups(prompts: int, n: int, median: float) -> list[PromptGroup]:
-    lengths = bench.long_tail_lengths(prompts, n, median, SCALE.max_len, seed=0)
+    lengths = workloads.long_tail_lengths(prompts, n, median, SCALE.max_len, seed=0)
     # prompts of the bench's length
     return [PromptGroup(f"p{i}", 20, tuple(g)) for i, g in enumerate(lengths)]
 
 
 def run(latency: LatencyModel, groups: list[PromptGroup]) -> dict[str, Any]:
     seqs = sum(len(g.response_tokens) for g in groups)
-    simulator, planner_config = bench.simulator_for(latency, SCALE, seqs)
+    simulator, planner_config = simulation.simulator_for(latency, SCALE, seqs, CHECK_EVERY)
     planner = ReconfigPlanner(latency, 2, planner_config)
     times = {
         "static_dp2_tp1": simulator.run(groups, StaticPolicy(Layout(2, 1))).total_s,
