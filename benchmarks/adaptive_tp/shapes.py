@@ -26,7 +26,7 @@ MAX_POSITIONS = 1024  # above the longest context any shape's runs reach
 
 def vocab_2l(hidden: int) -> dict[str, Any]:
     """Qwen2.5-0.5B's 151,936-token vocabulary and untied head on 2 layers of width `hidden`
-    (intermediate 5.5x, heads of 64, or 32 where that gives an odd count, 2 KV heads)."""
+    (intermediate 5.5 times the width, heads of 64, or 32 where that gives an odd count, 2 KV heads)."""
     head_dim = 64 if (hidden // 64) % 2 == 0 else 32
     return dict(
         hidden_size=hidden,
