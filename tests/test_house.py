@@ -155,7 +155,7 @@ class _ImportVisitor(ast.NodeVisitor):
         self.generic_visit(node)
         self.context.pop()
 
-    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+    visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -634,3 +634,27 @@ def test_engine_checks(tmp_path: Path) -> None:
         "via patrl.rollout.engine -> patrl.rollout.runner -> patrl.rollout.adaptive" in problems[1]
     )
     assert "patrl.rollout.adaptive.driver" in problems[2]
+
+
+def test_relative_and_literal_dynamic_imports_resolve(tmp_path: Path) -> None:
+    packages = make_tree(
+        tmp_path,
+        {
+            "rollout/__init__.py": "from . import engine\n",
+            "rollout/layers/__init__.py": "from ..sampler import sample\nfrom . import _impl\n",
+            "rollout/layers/_impl.py": "",
+            "rollout/sampler.py": "def sample(): ...\n",
+            "rollout/engine.py": "import importlib\n"
+            "def load():\n    return importlib.import_module('patrl.rollout.layers._impl')\n",
+        },
+    )
+    graph = build_graph(packages)
+    edges = {(e.source, e.target) for e in graph.edges if not e.implicit}
+    assert ("patrl.rollout.layers", "patrl.rollout.sampler") in edges
+    assert ("patrl.rollout.layers", "patrl.rollout.layers._impl") in edges
+    assert ("patrl.rollout.engine", "patrl.rollout.layers._impl") in edges
+    assert ("patrl.rollout.engine", "patrl.rollout.layers") in {
+        (e.source, e.target) for e in graph.edges if e.implicit
+    }
+    assert private_imports(graph) == []  # a private submodule is a module, not a name
+    assert find_cycles(graph) == []
