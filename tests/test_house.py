@@ -359,13 +359,14 @@ def lab_notes(packages_dir: Path) -> list[str]:
     (docstrings) of every module under packages/*/src."""
     out = []
     for _, path, _ in module_files(packages_dir):
-        source = path.read_text()
-        for line, text in _comments_and_docstrings(source):
+        found = []
+        for line, text in _comments_and_docstrings(path.read_text()):
             for offset, row in enumerate(text.splitlines()):
                 for kind, pattern in LAB_NOTE_PATTERNS.items():
                     for match in pattern.finditer(row):
-                        where = f"{path.relative_to(packages_dir.parent)}:{line + offset}"
-                        out.append(f"{where}: {kind} {match.group()!r}: {row.strip()}")
+                        found.append((line + offset, f"{kind} {match.group()!r}: {row.strip()}"))
+        shown = path.relative_to(packages_dir.parent)
+        out += [f"{shown}:{line}: {note}" for line, note in sorted(found)]
     return out
 
 
