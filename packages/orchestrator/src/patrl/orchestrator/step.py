@@ -13,7 +13,7 @@ import torch
 
 from patrl.orchestrator.advantages import compute_advantages
 from patrl.orchestrator.config import JobConfig
-from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.rewards import RewardManager
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import PolicyBatch, Trainer
@@ -276,6 +276,12 @@ def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> d
         "training/rollout_probs_diff_max": float(d.max()),
         "training/rollout_probs_diff_std": float(d.std()) if d.numel() > 1 else 0.0,
     }
+
+
+def validation_prompts(config: JobConfig, val_set: PromptDataset) -> list[PromptItem]:
+    """The prompts a validation runs: the first `data.val_batch_size` (0: all)."""
+    items = val_set.items
+    return items[: config.data.val_batch_size] if config.data.val_batch_size else list(items)
 
 
 def validation_metrics(samples: list[Sample], start: float) -> dict[str, float]:

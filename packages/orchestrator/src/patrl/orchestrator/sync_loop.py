@@ -41,6 +41,7 @@ from patrl.orchestrator.step import (
     training_seed_key,
     update_policy,
     validation_metrics,
+    validation_prompts,
 )
 from patrl.rollout import SequenceState
 from patrl.trainer import Trainer
@@ -57,6 +58,9 @@ class Partial:
 
 
 class SyncGRPO(RunLoop):
+    """The colocated job: every rank holds a rollout engine (one TP group of the world's
+    layout) and a shard of the FSDP2 trainer, and takes part in every phase of a step."""
+
     def __init__(
         self, config: JobConfig, world: World, model_dir: str, train_files: Any, val_files: Any
     ) -> None:
@@ -288,10 +292,14 @@ class SyncGRPO(RunLoop):
         }
         if dp_size == 1:
             return [0] * len(entries)
+        return self._replicas(predicted, self.config.rollout.n)
+
+    def _replicas(self, predicted: list[float], n: int) -> list[int]:
+        """The replica of each prompt of `n` samples each: round robin, or longest predicted
+        work first onto the least loaded replica."""
         lpt = self.config.rollout.prompt_assignment == "length_aware"
-        n = self.config.rollout.n
         return assign_prompts(
-            predicted, [n] * len(entries), dp_size, "lpt" if lpt else "round_robin"
+            predicted, [n] * len(predicted), self._dp[1], "lpt" if lpt else "round_robin"
         )
 
     def _generate(
@@ -319,17 +327,14 @@ class SyncGRPO(RunLoop):
         return list(zip(mine, outputs, strict=True))
 
     def _my_share(self, items: Sequence[PromptItem], n: int) -> list[PromptItem]:
-        """This replica's prompts: round robin, or longest predicted work first onto the least
-        loaded replica. A prompt's n samples stay together (their prefill is shared)."""
+        """This replica's prompts (see `_replicas`). A prompt's n samples stay together (their
+        prefill is shared)."""
         dp_rank, dp_size = self._dp
         if dp_size == 1:
             return list(items)
         predicted = [self.predictor.expected_length(f"train/{item.index}") for item in items]
         self._predicted = {item.index: p for item, p in zip(items, predicted, strict=True)}
-        lpt = self.config.rollout.prompt_assignment == "length_aware"
-        replica = assign_prompts(
-            predicted, [n] * len(items), dp_size, "lpt" if lpt else "round_robin"
-        )
+        replica = self._replicas(predicted, n)
         return [item for item, r in zip(items, replica, strict=True) if r == dp_rank]
 
     def _learn_lengths(self, samples: list[Sample], round_: int) -> dict[str, float]:
@@ -371,11 +376,12 @@ class SyncGRPO(RunLoop):
         """pass@1 on the validation set at rollout.val_temperature (greedy by default)."""
         assert self.val_set is not None
         start = time.perf_counter()
-        items = self.val_set.items
-        if self.config.data.val_batch_size:
-            items = items[: self.config.data.val_batch_size]
         local = self._generate(
-            items, self.config.rollout.val_temperature, VALIDATION_SEED_KEY, n=1, split="validation"
+            validation_prompts(self.config, self.val_set),
+            self.config.rollout.val_temperature,
+            VALIDATION_SEED_KEY,
+            n=1,
+            split="validation",
         )
         samples, _ = self._score(local)
         return validation_metrics(samples, start)

@@ -25,17 +25,12 @@ from patrl.orchestrator.async_rl.tickets import (
     ticket_params,
     token_versions,
 )
+from patrl.orchestrator.async_rl.validation import Validation
 from patrl.orchestrator.build import build_engine
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
-from patrl.orchestrator.step import (
-    VALIDATION_SEED_KEY,
-    Sample,
-    sampling_params,
-    score_outputs,
-    validation_metrics,
-)
+from patrl.orchestrator.step import score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
 
 # Seconds an idle rollout rank sleeps between polls.
@@ -69,10 +64,11 @@ class RolloutWorker:
         self.batches: dict[int, list[PromptItem]] = {}  # loader batches that may still be needed
         self.idle_s = 0.0
         self.validator = job.val_set is not None and self.world.rank == 0
-        self.validating: dict[str, PromptItem] = {}  # request id -> item, of version val_version
-        self.val_results: list[Sample] = []
-        self.val_version = 0
-        self.val_start = 0.0
+        self.validation = (
+            Validation(self.config, job.val_set, self.rewards, self.control)
+            if self.validator and job.val_set is not None
+            else None
+        )
         self.joined_at = 0  # the step the run (re)started at: validated before, if due
         self.life = 0  # this rank's current life: 1 at the start, one more at every rejoin
         self.watched: dict[int, int] = {r: 1 for r in job.rollout_ranks}  # first life to watch
@@ -106,8 +102,11 @@ class RolloutWorker:
                 if self.engine.has_unfinished():
                     self.control.progress()
                     for out in self.engine.step():
-                        if out.request_id in self.validating:
-                            self._validated(out)
+                        if (
+                            self.validation is not None
+                            and out.request_id in self.validation.pending
+                        ):
+                            self.validation.finish(out)
                         else:
                             self._hand_over(out)
                     self.steps_since_report += 1
@@ -150,7 +149,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights
 
     def _pull_newest(self) -> None:
-        if self.validating:
+        if self.validation is not None and self.validation.pending:
             return  # validation of the held version first: its tokens must all come from it
         latest = self.control.counter("weights/latest")
         if latest <= self.engine.weight_version:
@@ -209,32 +208,9 @@ class RolloutWorker:
             del self.batches[trained]
         return self.batches[b][ticket % self.batch_size]
 
-    # --------------------------------------------------------------- validation
-
     def _start_validation(self) -> None:
-        """The sync loop's validation requests (same prompts, seeds, temperature), added
-        beside the training tickets. Only rank 0 validates."""
-        if not self.validator:
-            return
-        assert self.job.val_set is not None
-        items = self.job.val_set.items
-        if self.config.data.val_batch_size:
-            items = items[: self.config.data.val_batch_size]
-        temperature, version = self.config.rollout.val_temperature, self.engine.weight_version
-        for item in items:
-            params = sampling_params(self.config, item, 1, temperature, VALIDATION_SEED_KEY)
-            rid = f"val-{version}-{item.index}"
-            self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
-            self.validating[rid] = item
-        self.val_version, self.val_start, self.val_results = version, time.perf_counter(), []
-
-    def _validated(self, out: RequestOutput) -> None:
-        item = self.validating.pop(out.request_id)
-        self.val_results += score_outputs(self.rewards, [(item, out)])[0]
-        if self.validating:
-            return
-        metrics = validation_metrics(self.val_results, self.val_start)
-        self.control.put(f"val/{self.val_version}", pickle.dumps(metrics))
+        if self.validation is not None:
+            self.validation.begin(self.engine)
 
     # ---------------------------------------------------------------- hand over
 
