@@ -67,7 +67,7 @@ def test_partial_rollouts_buffer_resume_and_checkpoint(assets: Path, tmp_path: P
     resumed = make_loop(
         assets, tmp_path / "b", world, **PARTIAL, **{"trainer.total_training_steps": 4}
     )
-    resumed._maybe_resume()
+    resumed.resume()
     assert sorted(resumed.partials) == buffered
     tail = _history(resumed)
 

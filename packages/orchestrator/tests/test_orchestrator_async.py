@@ -13,7 +13,9 @@ import torch.distributed as dist
 from multirank import run_ranks
 from test_e2e_grpo import build_assets
 
-from patrl.orchestrator.async_loop import AsyncGRPO, TrainerWorker, token_versions
+from patrl.orchestrator.async_loop import AsyncGRPO
+from patrl.orchestrator.async_rl.tickets import token_versions
+from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World

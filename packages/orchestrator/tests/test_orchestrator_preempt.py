@@ -1,4 +1,4 @@
-"""Preemption and token-level migration in async mode (async_loop.py, RLBoost): a rollout rank
+"""Preemption and token-level migration in async mode (async_rl/, RLBoost): a rollout rank
 that is preempted, or stalls past the peer timeout, loses its requests to the other rollout
 rank, which continues them from their last report; the lost rank rejoins with the newest
 weights; the run completes and trains every ticket once within the staleness bound."""
@@ -16,23 +16,20 @@ from multirank import run_ranks
 from test_e2e_grpo import build_assets
 from test_orchestrator_async import job_config
 
-from patrl.orchestrator.async_loop import (
-    AsyncGRPO,
-    GroupRecord,
-    RolloutWorker,
-    TrainerWorker,
-    token_versions,
-)
-from patrl.orchestrator.config import ConfigError, load_config
-from patrl.orchestrator.control import ControlPlane, PeerFailed
-from patrl.orchestrator.distributed import World
-from patrl.orchestrator.migration import (
+from patrl.orchestrator.async_loop import AsyncGRPO
+from patrl.orchestrator.async_rl.flight_reports import (
     FlightReport,
     TicketReport,
     claim_orphans,
     continued_switches,
     read_report,
 )
+from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
+from patrl.orchestrator.async_rl.tickets import GroupRecord, token_versions
+from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
+from patrl.orchestrator.config import ConfigError, load_config
+from patrl.orchestrator.control import ControlPlane, PeerFailed
+from patrl.orchestrator.distributed import World
 from patrl.rollout import Engine, EngineConfig, SamplingParams, SequenceState
 
 BATCH = 4  # data.train_batch_size of job_config

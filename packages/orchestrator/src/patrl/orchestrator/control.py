@@ -1,23 +1,10 @@
-"""The async loop's control plane: small keys in the job's store, never a collective.
+"""The async schedule's control plane: small keys in the job's store, never a collective.
 
-Rollout and trainer ranks of the async loop run at their own pace, so they must not meet in
-collectives over the whole world: one slow or dead peer would stall everybody until the
-collective timeout, with nobody named. Instead they poll keys of the `torch.distributed`
-store (the TCPStore the process group was made with): counters by `add`, values by
-`set`/`get`, presence by `check`. Every wait has a deadline and names the rank it waited on.
-
-Liveness is a heartbeat *counter* per rank, not a timestamp: an observer notes on its own clock
-when a peer's counter last moved, so clocks of different machines never need to agree. Being
-alive is not enough: a peer that beats but never produces what is waited for (its state says
-there is nothing to do: a bug, or keys left by an earlier attempt in a shared store) would
-hang the job as surely as a dead one, so a waiter can also require *progress*, a second
-counter that peers bump only when they did work.
-
-Some peers may be lost without losing the job: rollout ranks are interchangeable (a lost one's
-work migrates, see async_loop.py), so a wait on them fails only when *all* are silent
-(`wait_until(..., any_peer=True)`). Who continues a lost rank's work is decided by the store's
-atomic operations, never by agreement: `claim` (the first `add` to a key wins) and `put_first`
-(compare-and-set on an absent key: the first writer's value stays).
+Rollout and trainer ranks run at their own pace, so they poll store keys (counters, values,
+presence) instead of meeting in collectives; every wait has a deadline and names the rank it
+waited on. Liveness is a heartbeat counter per rank watched on the observer's own clock, and a
+waiter may also require progress (a second counter bumped only for work done). Lost rollout
+ranks' work is handed on by the store's atomic `claim` and `put_first`. See docs/async.md.
 """
 
 from __future__ import annotations
@@ -153,8 +140,7 @@ class ControlPlane:
         """Raise PeerFailed when every one of `peers` (interchangeable ones: some may be lost)
         has not beaten for timeout_s."""
         peers = list(peers)
-        stale = self._stale("beat", peers)
-        if peers and stale == peers:
+        if self._all_stale("beat", peers):
             raise PeerFailed(
                 f"rank {self.rank}: all of ranks {peers} sent no heartbeat for "
                 f"{self.timeout_s:.0f} s (dead, stalled or preempted): nobody is left to wait on"
@@ -168,13 +154,16 @@ class ControlPlane:
     def check_progress(self, peers: Iterable[int], what: str) -> None:
         """Raise PeerFailed if none of `peers` reported progress for timeout_s."""
         peers = list(peers)
-        stale = self._stale("progress", peers)
-        if peers and stale == peers:
+        if self._all_stale("progress", peers):
             raise PeerFailed(
                 f"rank {self.rank}: ranks {peers} are alive but did no work for "
                 f"{self.timeout_s:.0f} s while this rank waits for {what}: their control state "
                 "says there is nothing to do (a bug, or keys of an earlier attempt in the store)"
             )
+
+    def _all_stale(self, name: str, peers: list[int]) -> bool:
+        """Whether `peers` is not empty and none of them moved counter `name` for timeout_s."""
+        return bool(peers) and self._stale(name, peers) == peers
 
     def _stale(self, name: str, peers: Iterable[int]) -> list[int]:
         """Peers whose counter `name` has not moved for timeout_s (clock starts at first look)."""

@@ -2,7 +2,7 @@
 
 Bad input (configuration, model directory, data, layout, resume checkpoint; see preflight.py)
 is found on every rank before any process group is joined or anything is written, so a typo
-fails in seconds with the culprit named, not after minutes of start-up. `--dry-run` runs the
+fails at once with the culprit named, before any start-up work. `--dry-run` runs the
 same checks, then prints the resolved config.
 
 A rank that dies (even by SIGKILL) takes the job down: torchrun's agent stops the others and its
@@ -86,15 +86,10 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
 def restart_hazard(env: Mapping[str, str]) -> str | None:
     """Why torchrun's worker restarts may fail to rejoin in this environment, or None.
 
-    torch 2.13's c10d rendezvous hands every attempt the same store (hosted by the agent), and
-    the process group's keys in it carry no attempt number: a restarted worker can read the
-    dead attempt's gloo addresses (seen on CPU: "Gloo connectFullMesh failed ... Connection
-    refused", or a hang in init_process_group, when the new rank 0 is slow to start; NCCL's
-    unique id likewise, pytorch#135712), and the async loop reads the dead attempt's control
-    keys (seen: a restarted 2-rank async job hung silently after resuming). A store per
-    attempt avoids both: on one node `init_world` prefixes the store's keys with the attempt
-    number; across nodes the attempt numbers can differ, so there this warning stands.
-    """
+    torch's c10d rendezvous hands every attempt the same store, and the process group's keys in
+    it carry no attempt number: a restarted worker can read the dead attempt's addresses (and
+    the async schedule its control keys) and fail to connect or hang. On one node `init_world`
+    prefixes the keys with the attempt number; across nodes the attempt numbers can differ."""
     restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel
 from safetensors import SafetensorError
 
+from patrl.lenpredict import usable_tp_sizes
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, JobConfig, load_config
 from patrl.orchestrator.data import PromptDataset, dataset_for
@@ -166,7 +167,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             f"world of {world_size}: use 1..{world_size - 1} (or trainer.mode=sync)"
         )
     adaptive = config.rollout.adaptive_tp
-    usable = [t for t in adaptive.candidates if world_size % t == 0]
+    usable = usable_tp_sizes(adaptive.candidates, world_size)
     if adaptive.enable and len(usable) >= 2:  # else the job runs static TP
         for t in usable:
             problems += layout_problems(

@@ -1,15 +1,15 @@
 """patrl.trainer: FSDP2 policy trainer, RL losses, logprobs, weight export, checkpoints."""
 
-from patrl.trainer.batch import PolicyBatch
-from patrl.trainer.batching import (
+from patrl.trainer.config import OptimConfig, TrainerConfig
+from patrl.trainer.logprobs import effective_temperature, logprobs_and_entropy, token_logprobs
+from patrl.trainer.losses import PolicyLossStats, aggregate, kl_penalty, masked_mean, policy_loss
+from patrl.trainer.micro_batches import (
     bin_by_token_budget,
     padded_fraction,
     plan_micro_batches,
     split_across_ranks,
 )
-from patrl.trainer.config import OptimConfig, TrainerConfig
-from patrl.trainer.logprobs import effective_temperature, logprobs_and_entropy, token_logprobs
-from patrl.trainer.losses import PolicyLossStats, aggregate, kl_penalty, masked_mean, policy_loss
+from patrl.trainer.policy_batch import PolicyBatch
 from patrl.trainer.trainer import NonFiniteError, Trainer
 from patrl.trainer.weights import iter_full_weights
 

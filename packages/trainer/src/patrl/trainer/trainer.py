@@ -1,7 +1,7 @@
 """The policy trainer: PPO/GRPO steps on an FSDP2-sharded Hugging Face causal LM.
 
 SPMD contract: every rank of the trainer's mesh calls the same methods in the same order with
-the same *global* `PolicyBatch`; each rank takes its own token-balanced share (batching.py).
+the same *global* `PolicyBatch`; each rank takes its own token-balanced share (micro_batches.py).
 Losses are normalised by the global token / sequence counts of the whole step, and each rank's
 loss is scaled by the data-parallel size to undo FSDP's gradient averaging, so the update
 equals the one a single process would make on the whole batch.
@@ -24,13 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
-from patrl.trainer.batch import PolicyBatch, pad_field
-from patrl.trainer.batching import padded_fraction, plan_micro_batches
 from patrl.trainer.checkpoint import Group, export_hf, load_checkpoint, save_checkpoint
 from patrl.trainer.config import TrainerConfig
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
+from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
 from patrl.trainer.model import ModelSource, build_model, freeze, parallelize
+from patrl.trainer.policy_batch import PolicyBatch, pad_field
 from patrl.trainer.schedule import build_scheduler
 from patrl.trainer.weights import Bucket, iter_full_weights
 

@@ -133,11 +133,9 @@ def ensure_demo_assets(
     """The demo under `cache_dir/demo-<recipe hash>`, built on the first call.
 
     `cache_dir` defaults to $PATRL_CACHE_DIR, else ~/.cache/patrl. `recipe` overrides
-    `seed`/`quick` with a fully custom recipe. `threads`: torch threads while building. One by
-    default: on the shared 2-core box two threads ran an SFT step at 0.14 s against one
-    thread's 0.21 s while it was quiet, but at ~4 s against ~0.6 s while other jobs loaded it
-    (intra-op threads spin against each other), and a first run must not hang on that. The
-    weights come out bit-identical either way.
+    `seed`/`quick` with a fully custom recipe. `threads`: torch threads while building; one by
+    default, since intra-op threads spin against each other on a loaded machine. The weights
+    come out bit-identical either way.
     """
     recipe = recipe or DemoRecipe.default(seed, quick)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()

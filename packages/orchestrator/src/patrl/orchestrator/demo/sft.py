@@ -1,21 +1,13 @@
 """Warm-start the demo model by supervised fine-tuning on gold solutions (plain torch).
 
-A share of the demonstrations (`direct_fraction`) box the total without the worked lines, as
-a teacher who skips the work would. The warm-started model then starts most answers that way
-(measured on the default build, 2026-11-24: 61% at temperature 1, all of them greedy), though
-its worked lines are right far more often (70% against 37% at temperature 1; on three-number
-sums, the bulk of the task, 98% against 52%; on four numbers 43% against 30%): room for RL to
-show that it learns which way pays.
+A share of the demonstrations (`direct_fraction`) box the total without the worked lines, as a
+teacher who skips the work would. The warm-started model then starts most answers that way,
+though its worked lines are right far more often: room for RL to show that it learns which way
+pays. Enough steps are taken for the worked lines to be learned past three numbers, else
+writing them pays too little for a short RL run to find.
 
-2000 steps, not fewer: at 1000 the worked lines were barely learned past three numbers and
-how well depended on the machine's float rounding (67% of three-number sums on one CPU, 57%
-on another, 3-13% past three on both), so writing the lines paid too little for 40 RL steps to
-find (validation pass@1 +0.02 to +0.04 on 3 seeds, against +0.21 from the 2000-step start).
-
-Problems are drawn fresh for every batch, so the model never sees the same stream twice and
-there is nothing to overfit. Batches are cut by a padded-token budget from length-sorted
-pools: with long-tailed lengths, padding a random batch to its longest row would waste most of
-the compute on pad tokens.
+Problems are drawn fresh for every batch, so there is nothing to overfit. Batches are cut by a
+padded-token budget from length-sorted pools, so long-tailed lengths waste little on padding.
 """
 
 from __future__ import annotations

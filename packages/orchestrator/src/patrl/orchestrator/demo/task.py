@@ -1,20 +1,12 @@
 """The demo's verifiable task: add a list of labelled numbers, writing every running sum.
 
-Each number follows its letter label (`a7 b1 c5`), and each line of the solution restates
-the labelled number it adds, then the new running sum (`c5: 8+5=13`). Without labels a small
-model would have to count its way along a list of repeating digits to find the next addend;
-with them the next addend is the token after the line's label in the prompt. (The demo's
-model learns that lookup label by label: after its warm start, at temperature 1, its worked
-lines are right for 98% of three-number problems, 43% of four-number ones and under 20% of
-longer ones, whose later labels it has seen least.)
-
-The warm start also sees problems answered by the boxed total alone (a bare answer). Every
-problem has at least three numbers, whose sum in one go a model this small mostly gets wrong,
-while the worked lines only need one small addition each: RL has to find out that writing
-the lines pays.
-
-The number of addends is drawn from a log-normal, so most solutions are a couple of lines and
-a few are ten times longer: the long tail that adaptive TP exists for. The last line is
+Each number follows its letter label (`a7 b1 c5`), and each line of the solution restates the
+labelled number it adds, then the new running sum (`c5: 8+5=13`): with labels the next addend
+is the token after the line's label in the prompt, so a small model need not count its way
+along a list of repeating digits. The warm start also sees problems answered by the boxed
+total alone; every problem has at least three numbers, which a model this small mostly sums
+wrong in one go, so RL has to find out that writing the lines pays. The number of addends is
+log-normal: a long tail of long solutions, what adaptive TP exists for. The last line is
 `\\boxed{N}` so that math-verify extracts it; gold answers are plain numbers.
 """
 

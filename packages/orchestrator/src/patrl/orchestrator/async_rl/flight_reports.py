@@ -1,14 +1,12 @@
 """Token-level migration of an async rollout rank's work (RLBoost): what a rank reports of its
 tickets in flight, and how a peer claims and continues those of a lost rank.
 
-A rollout rank reports what it holds under `flight/<rank>.<life>` (every async_rl.report_every
-engine steps, and at once when it takes a ticket): per ticket, its samples so far (tokens,
-logprobs, finish state, sampler RNG state: `Engine.snapshot_requests`, no KV) and their policy
-version switch points. When the rank is lost (preempted, or silent past the heartbeat timeout),
-its peers `claim_orphans` from its last report, one winner per ticket over the whole job, and
-continue them by recompute (`Engine.import_requests`): reported tokens are kept, and the RNG
-state makes the tokens sampled after the report the same ones if the adopter holds the same
-weights. async_loop.py drives this; its module docstring tells the whole protocol.
+A rank reports under `flight/<rank>.<life>` each ticket's samples so far (tokens, logprobs,
+finish state, sampler RNG state: `Engine.snapshot_requests`, no KV) and their policy version
+switch points. When the rank is lost, its peers `claim_orphans` from its last report, one
+winner per ticket over the whole job, and continue them by recompute (`Engine.import_requests`):
+reported tokens are kept, and the RNG state resamples the rest alike under the same weights.
+`rollout_worker.RolloutWorker` drives this; the protocol is in docs/async.md.
 """
 
 from __future__ import annotations
@@ -53,8 +51,8 @@ class FlightReport:
         return sum(t.tokens() for t in self.tickets.values())
 
     def to_bytes(self) -> bytes:
-        """Pickled, with the samples' generator states (uint8 tensors) as plain bytes: torch's
-        own tensor pickling took ~0.4 ms each, 50 ms for a report of 128 samples, 0.6 ms so."""
+        """Pickled, with the samples' generator states (uint8 tensors) as plain bytes, which
+        pickle far faster than torch's own tensor pickling (a report is written often)."""
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}

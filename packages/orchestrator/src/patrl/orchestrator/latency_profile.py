@@ -31,9 +31,8 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
     """A grid that spans the rollout's batch sizes and lengths, small enough for start-up.
 
     Batches 2 and 3 are where a replica's tail runs, and where the planner prices staying
-    against a fold: a CPU's single-threaded matmul pays about one row's cost per row there
-    (measured on a 152k-vocabulary head: 1, 2, 3 and 4 rows took 11, 22, 34 and 33 ms), so a
-    fit that only saw batches 1 and 4 priced those steps 15-45% low."""
+    against a fold; on a CPU each row there costs about as much as one more row, which a fit
+    from batches 1 and 4 alone would misprice."""
     batches = sorted(
         {1, 2, 3, 4, 8, 16, *(b for b in (64, 256) if b <= max_batch), max(1, max_batch)}
     )
@@ -52,12 +51,6 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
 
 
 # Bumped when the profiler measures something new, so cached profiles are measured again.
-# 2: measured switch prices (SwitchRow), which the planner uses in place of a traffic estimate.
-# 3: every TP group of a size measured at once, as replicas run side by side.
-# 4: switches also timed with sequences in flight (their per-sequence and per-token price).
-# 5: prefill rows of several sequences (what each adds: its LM head row, its sampler draw).
-# 6: the engine samples large batches of a large vocabulary in chunks of rows on CPU (TP=2 at
-#    64 sequences of a 152k vocabulary 30-45% faster): profiles of the old engine overprice it.
 PROFILER_VERSION = 6
 
 

@@ -1,0 +1,222 @@
+"""An async trainer rank: takes each step's tickets from the store in ticket order, trains on
+them with decoupled PPO and publishes the new weights; the first trainer rank logs (rollout
+rank 0's validations too), checkpoints and ends the run (docs/async.md)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+from patrl.lenpredict import LengthPredictor
+from patrl.orchestrator.async_rl.job import AsyncJob
+from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
+from patrl.orchestrator.build import trainer_config
+from patrl.orchestrator.metrics import MetricsLogger
+from patrl.orchestrator.run import RunLoop, validates
+from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
+from patrl.trainer import Trainer
+
+
+class TrainerWorker(RunLoop):
+    """Trains step s on tickets [(s-1)B, sB) once all are in, then publishes version s."""
+
+    def __init__(self, job: AsyncJob, group: dist.ProcessGroup) -> None:
+        self.job = job
+        self.config = job.config
+        self.world = job.world
+        self.control = job.control
+        self.run_dir = job.run_dir
+        self.loader = job.loader
+        self.predictor = LengthPredictor()  # checkpointed as the sync schedule's, never fed
+        self.batch_size = job.config.data.train_batch_size
+        self.is_first = job.world.rank == job.trainer_ranks[0]
+        mesh = None
+        if len(job.trainer_ranks) > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(group, job.world.device.type)
+        config = trainer_config(self.config)
+        config.behav_imp_weight_cap = self.config.async_rl.behaviour_weight_cap
+        self.trainer = Trainer(config, job.model_dir, mesh=mesh, device=job.world.device)
+        self.step = 0
+        # (step, ticket, oldest, newest token version) of every trained sample.
+        self.trained_versions: list[tuple[int, int, int, int]] = []
+        # (step, ticket, rank, life, migrated_from, migrated_tokens) of every trained group.
+        self.trained_groups: list[tuple[int, int, int, int, int | None, int]] = []
+        self.published: list[tuple[int, float]] = []  # (version, when announced: time.time())
+        self.all_lengths: list[int] = []
+        self._waited_us = 0
+        self._val_logged = -1  # the newest validated version logged
+
+    # ------------------------------------------------------------- run hooks
+
+    def started(self) -> None:
+        """Weights of a resumed step, the ticket counter and the loader, then "start"."""
+        if self.step > 0:
+            self._publish(self.step)
+        if self.is_first:
+            self.control.bump("tickets", self.step * self.batch_size)
+            start = {"step": self.step, "loader": self.loader.state_dict()}
+            self.control.put("start", pickle.dumps(start))
+
+    def before_steps(self, logger: MetricsLogger | None) -> None:
+        self._val_logged = self.step if self.step > 0 else -1
+
+    def log_step(self, logger: MetricsLogger | None, metrics: dict[str, float]) -> None:
+        if logger is not None:
+            logger.log(self.step, metrics)
+            self._log_validation(logger, wait=False)
+
+    def after_steps(self, logger: MetricsLogger | None) -> None:
+        if logger is not None:
+            self._log_validation(logger, wait=True)
+        if self.is_first:
+            self.control.finish()
+
+    def _log_validation(self, logger: MetricsLogger, wait: bool) -> None:
+        """Log the validations rank 0 finished, in version order; with `wait`, all that are
+        due up to the current step (the run's end)."""
+        due = [
+            v
+            for v in range(self._val_logged + 1, self.step + 1)
+            if self.job.val_set is not None and validates(self.config, v)
+        ]
+        for v in due:
+            key = f"val/{v}"
+
+            def arrived(key: str = key) -> bool:
+                return self.control.has([key])
+
+            if wait:
+                self.control.wait_until(arrived, f"validation {v}", [0])
+            elif not arrived():
+                return
+            logger.log(v, pickle.loads(self.control.get(key)))
+            self._val_logged = v
+
+    # ------------------------------------------------------------------ step
+
+    def train_one_step(self) -> dict[str, float]:
+        cfg = self.config
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        self.control.beat()  # a step may take a while: the rollout ranks watch this beat
+        records = self._take_batch(timings)
+        samples = [s for r in records for s in r.samples]
+        update = update_policy(cfg, self.trainer, samples, self.step, timings, decoupled=True)
+        self.control.beat()
+        last = self.step == cfg.trainer.total_training_steps
+        # After the last step nobody generates; only a validation would read the weights.
+        if not last or (self.job.val_set is not None and validates(cfg, self.step)):
+            with timed(timings, "update_weights"):
+                self._publish(self.step)
+        timings["step"] = time.perf_counter() - start
+        self.loader.next_batch()  # kept in step with the tickets, for checkpoints
+        waits = {
+            "time/wait_for_batch": timings["wait_for_batch"],
+            "time/wait_for_weights": self._rollout_wait_s(),
+        }
+        merge_reward_metrics(waits, [r.reward_metrics for r in records if r.reward_metrics])
+        metrics = step_metrics(cfg, timings, samples, update, self.world.size, waits)
+        metrics.update(self._staleness(records))
+        metrics.update(self._migrations(records))
+        self.all_lengths += [len(s.token_ids) for s in samples]
+        return metrics
+
+    def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
+        """This step's groups, in ticket order; waits (idle) until all of them are in."""
+        tickets = step_tickets(self.step, self.batch_size)
+        keys = [sample_key(t) for t in tickets]
+        with timed(timings, "wait_for_batch"):
+            # A lost rollout rank's tickets migrate: only all of them lost fails the wait.
+            self.control.wait_until(
+                lambda: self.control.has(keys),
+                f"the samples of step {self.step}",
+                self.job.rollout_ranks,
+                need_progress=True,
+                any_peer=True,
+            )
+        records = [pickle.loads(self.control.get(k)) for k in keys]
+        # The last trainer rank to read a step's samples replaces them by a tombstone: the
+        # store's memory is freed, and a late duplicate (see put_first) cannot come back.
+        readers = len(self.job.trainer_ranks)
+        if self.control.bump(f"read/{self.step}") == readers:
+            for t in tickets:
+                self.control.put(sample_key(t), TRAINED)
+        return records
+
+    def _staleness(self, records: list[GroupRecord]) -> dict[str, float]:
+        """How many versions behind the trainer each trained sample's oldest token was."""
+        version = self.step - 1  # the weights this step's update starts from
+        eta = self.config.async_rl.max_staleness
+        per_sample, per_token = [], []
+        for r in records:
+            for vs in r.versions:
+                oldest, newest = (min(vs), max(vs)) if vs else (version, version)
+                self.trained_versions.append((self.step, r.ticket, oldest, newest))
+                per_sample.append(version - oldest)
+                per_token += [version - v for v in vs]
+        worst = max(per_sample)
+        if worst > eta:  # the admission rule makes this impossible: a bug, not a condition
+            raise RuntimeError(
+                f"step {self.step}: a sample is {worst} versions stale, above "
+                f"async_rl.max_staleness={eta}"
+            )
+        out = {
+            "async/staleness_mean": float(np.mean(per_sample)),
+            "async/staleness_max": float(worst),
+            "async/token_staleness_mean": float(np.mean(per_token)) if per_token else 0.0,
+            "async/mixed_version_samples": float(
+                sum(1 for r in records for vs in r.versions if vs and min(vs) != max(vs))
+            ),
+        }
+        for s in range(eta + 1):
+            out[f"async/staleness_count/{s}"] = float(per_sample.count(s))
+        return out
+
+    def _migrations(self, records: list[GroupRecord]) -> dict[str, float]:
+        """This step's groups finished by another rank than the one that lost them, and the
+        tokens kept from the lost rank's reports; lost ranks so far (counters of the run)."""
+        migrated = [r for r in records if r.migrated_from is not None]
+        for r in records:
+            self.trained_groups.append(
+                (self.step, r.ticket, r.rank, r.life, r.migrated_from, r.migrated_tokens)
+            )
+        return {
+            "async/migrated_requests": float(len(migrated)),
+            "async/migrated_tokens": float(sum(r.migrated_tokens for r in migrated)),
+            "async/preemptions": float(self.control.counter("preemptions")),
+            "async/stalls": float(self.control.counter("stalls")),
+            "async/rejoins": float(self.control.counter("rejoins")),
+            "async/duplicate_groups": float(self.control.counter("duplicates")),
+        }
+
+    def _rollout_wait_s(self) -> float:
+        """Rollout ranks' idle time since the last step, per rank (they wait for weights)."""
+        total = sum(self.control.counter(f"wait_weights_us/{r}") for r in self.job.rollout_ranks)
+        delta, self._waited_us = total - self._waited_us, total
+        return delta / 1e6 / len(self.job.rollout_ranks)
+
+    # ------------------------------------------------------------------ weights
+
+    def _publish(self, version: int) -> None:
+        """Full weights to disk as `version` (every trainer rank gathers, the first writes),
+        then announce it; versions no rollout rank still holds are deleted."""
+        bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
+        buckets = self.trainer.iter_full_weights(bucket_bytes)
+        if not self.is_first:
+            for _ in buckets:  # the gathers are collectives of the trainer group
+                pass
+            return
+        self.job.weights.publish(version, buckets)
+        self.control.bump("weights/latest", version - self.control.counter("weights/latest"))
+        self.published.append((version, time.time()))
+        held = [self._loaded(r) for r in self.job.rollout_ranks]
+        self.job.weights.prune(min([*held, version]))
+
+    def _loaded(self, rank: int) -> int:
+        key = f"loaded/{rank}"
+        return int(self.control.get(key)) if self.control.has([key]) else 0

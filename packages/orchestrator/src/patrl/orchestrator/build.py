@@ -1,0 +1,144 @@
+"""Building a job's parts, the same for both schedules: seeds, data, the rollout engine and the
+trainer's config."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from patrl.lenpredict import LengthPredictor, usable_tp_sizes
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
+from patrl.orchestrator.distributed import World
+from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_grid
+from patrl.rollout import AdaptiveTP, Engine, EngineConfig
+from patrl.tpreshard.groups import GroupCache
+from patrl.trainer import TrainerConfig
+
+
+@dataclass(slots=True)
+class JobData:
+    """The tokenizer, the prompt sets and the loader that draws each step's prompts."""
+
+    tokenizer: Any
+    train_set: PromptDataset
+    val_set: PromptDataset | None
+    loader: PromptLoader
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_data(
+    config: JobConfig, model_dir: str, train_files: Any, val_files: Any, announce: bool = False
+) -> JobData:
+    """The job's prompts, tokenized with the model's tokenizer (no validation set without
+    `val_files`); `announce` prints each set's size and what was filtered."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    train_set = dataset_for(config, tokenizer, train_files)
+    val_set = dataset_for(config, tokenizer, val_files) if val_files else None
+    if announce:
+        for name, ds in (("train", train_set), ("validation", val_set)):
+            if ds is not None:
+                print(
+                    f"{name}: {len(ds)} prompts, {ds.num_filtered_overlong} of {ds.num_rows} "
+                    f"filtered as longer than data.max_prompt_length={config.data.max_prompt_length}"
+                )
+    loader = PromptLoader(
+        train_set.items,
+        config.data.train_batch_size,
+        shuffle=config.data.shuffle,
+        seed=config.data.seed,
+    )
+    return JobData(tokenizer, train_set, val_set, loader)
+
+
+def trainer_config(config: JobConfig) -> TrainerConfig:
+    """The trainer's settings: the `actor.*` keys it knows, and the run's seed."""
+    fields = TrainerConfig.model_fields
+    values = {k: v for k, v in config.actor.model_dump().items() if k in fields}
+    values["seed"] = config.trainer.seed
+    return TrainerConfig(**values)
+
+
+def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
+    """The rollout engine of this job; under adaptive TP with its latency profile (measured
+    now, every rank taking part, unless cached or given)."""
+    r, d = config.rollout, config.data
+    base = EngineConfig(
+        model=model_dir,
+        dtype=r.dtype,
+        device=str(world.device),
+        attention_backend=r.attention_backend,
+        tp_comm=r.tp_comm,
+        block_size=r.block_size,
+        num_kv_blocks=r.num_kv_blocks,
+        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_model_len=d.max_prompt_length + d.max_response_length,
+        enable_prefix_caching=r.enable_prefix_caching,
+        keep_full_weights=r.adaptive_tp.keep_full_weights,
+    )
+    a = r.adaptive_tp
+    candidates = usable_tp_sizes(a.candidates, world.size)
+    if not a.enable or len(candidates) < 2:
+        if a.enable and world.is_first and world.distributed:
+            print(
+                f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
+                f"dividing the world size {world.size}; running static TP"
+            )
+        return base
+    profile = a.profile
+    if profile is None:
+        per_replica = -(-d.train_batch_size // world.size) * r.n
+        grid = job_grid(candidates, per_replica, d.max_prompt_length + d.max_response_length)
+        profile = str(ensure_profile(model_dir, base, world, grid, cache_root()))
+    policy = AdaptiveTP(
+        candidates=candidates,
+        check_every=a.check_every,
+        check_budget=a.check_budget,
+        margin=a.margin,
+        kv_policy=a.kv_policy,
+        profile=profile,
+    )
+    return base.model_copy(update={"tp_policy": policy})
+
+
+def build_engine(
+    config: JobConfig,
+    model_dir: str,
+    world: World,
+    lengths: LengthPredictor | None = None,
+    span_world: bool = True,
+) -> Engine:
+    """This rank's rollout engine. With `span_world` (the sync schedule) its TP groups are cut
+    from the whole world, every rank making every group at once; without (an async rollout
+    rank) it runs on this rank alone. `lengths` feeds adaptive TP's planner."""
+    engine = engine_config(config, model_dir, world)
+    adaptive = isinstance(engine.tp_policy, AdaptiveTP)
+    tp_sizes = (
+        list(engine.tp_policy.candidates)
+        if isinstance(engine.tp_policy, AdaptiveTP)
+        else [config.rollout.tensor_model_parallel_size]
+    )
+    groups = (
+        GroupCache(tp_sizes, world_size=world.size, rank=world.rank, tp_comm=config.rollout.tp_comm)
+        if span_world and world.distributed
+        else None
+    )
+    return Engine(
+        engine,
+        None if adaptive or groups is None else groups.layout(tp_sizes[0]),
+        groups,
+        lengths=lengths if adaptive else None,
+    )

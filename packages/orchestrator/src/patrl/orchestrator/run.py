@@ -1,0 +1,162 @@
+"""The run loop both schedules share: steps, logging, validation cadence, checkpoints, resume.
+
+A schedule subclasses `RunLoop`, gives it a trainer, a loader and a length predictor, and
+fills in `train_one_step` and the hooks it needs. Checkpoints hold the trainer's state, the
+loader's position and the length history (`checkpointing` writes them atomically)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patrl.lenpredict import LengthPredictor
+from patrl.orchestrator import checkpointing
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptLoader
+from patrl.orchestrator.metrics import MetricsLogger, plot_run
+from patrl.trainer import Trainer
+
+
+@dataclass(slots=True)
+class RunResult:
+    steps: int
+    history: list[dict[str, float]]
+    run_dir: Path
+
+
+def validates(config: JobConfig, step: int) -> bool:
+    """Whether the weights after step `step` are validated (`step` 0: before training)."""
+    t = config.trainer
+    if not t.test_freq:
+        return False
+    if step == 0:
+        return t.val_before_train
+    return step % t.test_freq == 0
+
+
+def saves(config: JobConfig, step: int) -> bool:
+    """Whether step `step` ends with a checkpoint: every `save_freq` steps, and the last."""
+    t = config.trainer
+    return bool(t.save_freq and step % t.save_freq == 0) or step == t.total_training_steps
+
+
+class RunLoop:
+    """Runs steps until `trainer.total_training_steps`, resuming first from a checkpoint; the
+    first rank (`is_first`) logs, plots and commits checkpoints, every rank trains and saves."""
+
+    config: JobConfig
+    run_dir: Path
+    trainer: Trainer
+    loader: PromptLoader
+    predictor: LengthPredictor
+    step: int
+    all_lengths: list[int]  # every trained response's length, for the plots
+    is_first: bool
+
+    def train_one_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def run(self) -> RunResult:
+        cfg = self.config.trainer
+        self.resume()
+        self.started()
+        logger = (
+            MetricsLogger(self.run_dir, cfg.logger, cfg.total_training_steps, self.step)
+            if self.is_first
+            else None
+        )
+        try:
+            self.before_steps(logger)
+            while self.step < cfg.total_training_steps:
+                self.step += 1
+                self.log_step(logger, self.train_one_step())
+                if saves(self.config, self.step):
+                    self.save()
+            self.after_steps(logger)
+        finally:
+            if logger is not None:
+                logger.close()
+            self.close()
+        if logger is None:
+            return RunResult(self.step, [], self.run_dir)
+        print("\n" + logger.summary())
+        if cfg.plots:
+            written = plot_run(logger.history, self.all_lengths, self.timelines(), self.run_dir)
+            print("plots: " + ", ".join(str(p) for p in written))
+        return RunResult(self.step, logger.history, self.run_dir)
+
+    # ------------------------------------------------------------------- hooks
+
+    def started(self) -> None:
+        """After resume, before the logger opens."""
+
+    def before_steps(self, logger: MetricsLogger | None) -> None:
+        """Before the first step of this run."""
+
+    def log_step(self, logger: MetricsLogger | None, metrics: dict[str, float]) -> None:
+        """Log the row of the step just taken."""
+        if logger is not None:
+            logger.log(self.step, metrics)
+
+    def after_steps(self, logger: MetricsLogger | None) -> None:
+        """After the last step, before the logger closes."""
+
+    def close(self) -> None:
+        """Release what the schedule holds, however the run ended."""
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """Generation timelines for the plots."""
+        return []
+
+    def find_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from (the `trainer.resume_*` settings), or None."""
+        t = self.config.trainer
+        return checkpointing.resume_target(self.run_dir, t.resume_mode, t.resume_from_path)
+
+    def save_extra(self, staging: Path) -> None:
+        """Write the schedule's own files into a checkpoint being staged (first rank)."""
+
+    def restored(self, checkpoint: Path) -> None:
+        """Read the schedule's own files back after a resume to `self.step`."""
+
+    # ------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path:
+        """Checkpoint this step: every trainer rank writes its shards, the first commits."""
+        staging = checkpointing.staging_dir(self.run_dir, self.step)
+        if self.is_first:
+            checkpointing.prepare_staging(self.run_dir, self.step)
+        self.trainer.group.barrier()
+        self.trainer.save(staging / checkpointing.TRAINER_DIR)
+        self.trainer.group.barrier()
+        if self.is_first:
+            self.save_extra(staging)
+            state = {
+                "step": self.step,
+                "loader": self.loader.state_dict(),
+                "length_predictor": self.predictor.state_dict(),
+            }
+            checkpointing.commit(
+                self.run_dir, self.step, state, self.config.trainer.max_checkpoints_to_keep
+            )
+        self.trainer.group.barrier()
+        return checkpointing.step_dir(self.run_dir, self.step)
+
+    def resume(self) -> None:
+        """Continue from the checkpoint `find_checkpoint` names, if any."""
+        found = self.find_checkpoint()
+        if found is None:
+            return
+        if not (found / checkpointing.STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{found} is not a complete patrl checkpoint (no {checkpointing.STATE_FILE})"
+            )
+        state = checkpointing.read_state(found)
+        self.trainer.load(found / checkpointing.TRAINER_DIR)
+        self.loader.load_state_dict(state["loader"])
+        self.predictor.load_state_dict(state["length_predictor"])
+        self.step = int(state["step"])
+        self.restored(found)
+        if self.is_first:
+            print(f"resumed from {found} at step {self.step}")

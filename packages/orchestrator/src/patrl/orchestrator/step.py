@@ -1,0 +1,296 @@
+"""The pieces of one GRPO step, shared by the sync and async schedules: sampling parameters,
+scoring, group-relative advantages, the trainer's batch, the PPO update and the step's metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from patrl.orchestrator.advantages import compute_advantages
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptDataset, PromptItem
+from patrl.orchestrator.rewards import RewardManager
+from patrl.rollout import RequestOutput, SamplingParams
+from patrl.trainer import PolicyBatch, Trainer
+
+
+@dataclass(slots=True)
+class Sample:
+    """One scored response, as gathered on every rank."""
+
+    prompt_index: int  # PromptItem.index: the group id
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    reward: float
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class PolicyUpdate:
+    """What one update left for the step's metrics: the batch's rewards and advantages, the
+    actor's metrics, and the trainer's logprobs of the batch before the update."""
+
+    rewards: np.ndarray
+    advantages: np.ndarray
+    actor_metrics: dict[str, float]
+    old_logprobs: list[torch.Tensor]
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's wall time to `timings[key]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def sampling_params(
+    config: JobConfig, item: PromptItem, n: int, temperature: float, seed_key: tuple[int, ...]
+) -> SamplingParams:
+    """How `item` is sampled; the seed depends on `seed_key` and the prompt only, so a resumed
+    run, or the other schedule, samples the same tokens."""
+    r = config.rollout
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=r.top_p if temperature > 0 else 1.0,
+        top_k=r.top_k if temperature > 0 else 0,
+        max_tokens=config.data.max_response_length,
+        # Python's hash of a tuple of ints is the same in every process and run.
+        seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
+    )
+
+
+def training_seed_key(config: JobConfig, step: int, round_: int = 1) -> tuple[int, ...]:
+    """The seed key of step `step`'s prompts in generation round `round_`."""
+    return (config.trainer.seed, step, round_)
+
+
+VALIDATION_SEED_KEY = (-1,)
+
+
+def score_outputs(
+    rewards: RewardManager, local: Sequence[tuple[PromptItem, RequestOutput]]
+) -> tuple[list[Sample], dict[str, float]]:
+    """Every completion of `local` scored by the reward functions, and the reward metrics."""
+    if not local:
+        return [], {}
+    flat = [(item, out, c) for item, out in local for c in out.outputs]
+    result = rewards.score(
+        [c.text if c.text is not None else "" for _, _, c in flat],
+        [item.answer for item, _, _ in flat],
+        [dict(item.extra) for item, _, _ in flat],
+    )
+    samples = [
+        Sample(
+            item.index,
+            item.prompt_token_ids,
+            c.token_ids,
+            c.logprobs,
+            c.finish_reason,
+            reward,
+            out.request_id,
+        )
+        for (item, out, c), reward in zip(flat, result.rewards, strict=True)
+    ]
+    return samples, result.metrics()
+
+
+def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
+    """Add up counters across replicas (and rounds); average means; the slowest replica's time."""
+    for key in {k for share in shares for k in share}:
+        values = [share[key] for share in shares if key in share]
+        if key.endswith("/mean"):
+            into[key] = float(np.mean(values))
+        elif key.startswith("timing_s/"):
+            into[key] = into.get(key, 0.0) + max(values)
+        else:
+            into[key] = into.get(key, 0.0) + sum(values)
+
+
+def policy_batch(
+    config: JobConfig, samples: list[Sample], behaviour: bool = False
+) -> tuple[PolicyBatch, np.ndarray, np.ndarray]:
+    """Group-relative advantages of scored samples, and the trainer's batch (with the
+    samples' own logprobs as behaviour logprobs, for decoupled PPO, when `behaviour`)."""
+    groups = np.array([s.prompt_index for s in samples])
+    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    advantages = compute_advantages(
+        config.algorithm.adv_estimator,
+        rewards,
+        groups,
+        norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+    )
+    batch = PolicyBatch.from_responses(
+        [s.prompt_token_ids for s in samples],
+        [s.token_ids for s in samples],
+        [float(a) for a in advantages],
+        behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
+    )
+    return batch, rewards, advantages
+
+
+def single_update(config: JobConfig, samples: list[Sample]) -> bool:
+    """Whether `ppo_update` makes exactly one optimizer step over the whole batch."""
+    prompts = len({s.prompt_index for s in samples})
+    return config.actor.ppo_epochs == 1 and prompts_per_mini_batch(config, prompts) >= prompts
+
+
+def prompts_per_mini_batch(config: JobConfig, prompts: int) -> int:
+    """A mini-batch's prompts: its share of the batch, which may hold more or fewer prompts
+    than train_batch_size (dynamic sampling, over-sampling)."""
+    mini = config.actor.ppo_mini_batch_size
+    return max(1, prompts * mini // max(1, config.data.train_batch_size))
+
+
+def ppo_update(
+    config: JobConfig, trainer: Trainer, batch: PolicyBatch, samples: list[Sample], step: int
+) -> dict[str, float]:
+    """`ppo_epochs` passes over mini-batches of whole prompt groups; the mean of each metric."""
+    actor = config.actor
+    prompts = sorted({s.prompt_index for s in samples})
+    per_mini = prompts_per_mini_batch(config, len(prompts))
+    rng = np.random.default_rng(config.trainer.seed * 7919 + step)
+    sums: dict[str, list[float]] = {}
+    for _ in range(actor.ppo_epochs):
+        order = rng.permutation(len(prompts)) if actor.ppo_epochs > 1 else np.arange(len(prompts))
+        for start in range(0, len(prompts), per_mini):
+            chosen = {prompts[i] for i in order[start : start + per_mini]}
+            rows = [i for i, s in enumerate(samples) if s.prompt_index in chosen]
+            metrics = trainer.train_step(batch_rows(batch, rows))
+            for k, v in metrics.items():
+                sums.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in sums.items()}
+
+
+def batch_rows(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
+    """The rows `rows` of `batch`, every field alike."""
+
+    def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        return None if values is None else [values[i] for i in rows]
+
+    return PolicyBatch(
+        input_ids=[batch.input_ids[i] for i in rows],
+        loss_mask=[batch.loss_mask[i] for i in rows],
+        advantages=[batch.advantages[i] for i in rows],
+        old_logprobs=pick(batch.old_logprobs),
+        ref_logprobs=pick(batch.ref_logprobs),
+        behaviour_logprobs=pick(batch.behaviour_logprobs),
+    )
+
+
+def update_policy(
+    config: JobConfig,
+    trainer: Trainer,
+    samples: list[Sample],
+    step: int,
+    timings: dict[str, float],
+    decoupled: bool = False,
+) -> PolicyUpdate:
+    """Advantages, the batch, and the PPO update of one step (timed into `timings`).
+
+    The PPO "old" logprobs come from a scoring pass before the first update, or, when the batch
+    makes a single on-policy optimizer step, from that update's own forward (as TRL does with
+    num_iterations=1). `decoupled` (async data) always scores: those are the proximal logprobs,
+    and the samples' own logprobs are the behaviour policy's."""
+    batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
+    fused = not decoupled and single_update(config, samples)
+    if not fused:
+        with timed(timings, "old_log_prob"):
+            batch.old_logprobs = trainer.compute_logprobs(batch)
+    with timed(timings, "update_actor"):
+        actor_metrics = ppo_update(config, trainer, batch, samples, step)
+    old = trainer.scored_logprobs() if fused else batch.old_logprobs
+    assert old is not None
+    return PolicyUpdate(rewards, advantages, actor_metrics, old)
+
+
+def step_metrics(
+    config: JobConfig,
+    timings: dict[str, float],
+    samples: list[Sample],
+    update: PolicyUpdate,
+    world_size: int,
+    *parts: dict[str, float],
+) -> dict[str, float]:
+    """The metrics row of a step (verl's names): timings, the schedule's own `parts`, the
+    actor's, the batch's, the rollout/trainer probability gap and the throughput."""
+    metrics = {f"timing_s/{k}": v for k, v in timings.items()}
+    for part in parts:
+        metrics.update(part)
+    metrics.update(update.actor_metrics)
+    metrics.update(
+        batch_metrics(samples, update.rewards, update.advantages, config.data.max_response_length)
+    )
+    metrics.update(probs_diff(samples, update.old_logprobs))
+    tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
+    metrics["perf/total_num_tokens"] = float(tokens)
+    metrics["perf/throughput"] = tokens / timings["step"] / world_size
+    return metrics
+
+
+def batch_metrics(
+    samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray, max_len: int
+) -> dict[str, float]:
+    """Scores, advantages and lengths of the trained batch."""
+    lengths = np.array([len(s.token_ids) for s in samples], dtype=np.float64)
+    prompts = np.array([len(s.prompt_token_ids) for s in samples], dtype=np.float64)
+    return {
+        "critic/score/mean": float(rewards.mean()),
+        "critic/score/max": float(rewards.max()),
+        "critic/score/min": float(rewards.min()),
+        "critic/advantages/mean": float(advantages.mean()),
+        "critic/advantages/max": float(advantages.max()),
+        "critic/advantages/min": float(advantages.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/p90": float(np.percentile(lengths, 90)),
+        "response_length/clip_ratio": float(
+            np.mean([s.finish_reason == "length" for s in samples])
+        ),
+        "prompt_length/mean": float(prompts.mean()),
+    }
+
+
+def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """How far the engine's token probabilities are from the trainer's (verl's names)."""
+    diffs = []
+    for s, lp in zip(samples, trainer_logprobs, strict=True):
+        n = len(s.token_ids)
+        trainer = lp[-n:].double().exp()
+        engine = torch.tensor(s.logprobs, dtype=torch.float64).exp()
+        diffs.append((trainer - engine).abs())
+    d = torch.cat(diffs)
+    return {
+        "training/rollout_probs_diff_mean": float(d.mean()),
+        "training/rollout_probs_diff_max": float(d.max()),
+        "training/rollout_probs_diff_std": float(d.std()) if d.numel() > 1 else 0.0,
+    }
+
+
+def validation_prompts(config: JobConfig, val_set: PromptDataset) -> list[PromptItem]:
+    """The prompts a validation runs: the first `data.val_batch_size` (0: all)."""
+    items = val_set.items
+    return items[: config.data.val_batch_size] if config.data.val_batch_size else list(items)
+
+
+def validation_metrics(samples: list[Sample], start: float) -> dict[str, float]:
+    """pass@1 and mean length of a validation run that began at `start` (perf_counter)."""
+    scores = [s.reward for s in samples]
+    return {
+        "val-core/acc/mean@1": float(np.mean(scores)) if scores else 0.0,
+        "val/response_length/mean": float(np.mean([len(s.token_ids) for s in samples]))
+        if samples
+        else 0.0,
+        "timing_s/testing": time.perf_counter() - start,
+    }
