@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig, padded_fraction
-from patrl.trainer.batching import plan_micro_batches
+from patrl.trainer import plan_micro_batches
 
 VOCAB = 2048
 
