@@ -1,11 +1,8 @@
 """patrl.tpreshard: parallel layouts as data, and how parameters are cut across TP ranks."""
 
 from patrl.tpreshard.comm import (
-    CollectiveTimeout,
-    ShmComm,
     broadcast_obj,
     gather_objects,
-    shm_supported,
     tp_all_gather,
     tp_all_gather_into,
     tp_all_reduce,
@@ -31,6 +28,7 @@ from patrl.tpreshard.shard import (
     shard_tensor,
     vocab_range,
 )
+from patrl.tpreshard.shm import CollectiveTimeout, ShmComm, shm_supported
 
 __all__ = [
     "CollectiveTimeout",
