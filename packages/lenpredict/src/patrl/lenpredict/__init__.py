@@ -1,7 +1,12 @@
 """patrl.lenpredict: response-length and step-latency models, the reconfiguration planner and
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
-from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
+from patrl.lenpredict.assignment import (
+    assign_prompts,
+    longest_processing_time,
+    round_robin,
+    split_replicas,
+)
 from patrl.lenpredict.ceiling import (
     Ceiling,
     LockstepFreeSwitch,
@@ -93,6 +98,7 @@ __all__ = [
     "roofline_profile",
     "round_robin",
     "shared_prefix",
+    "split_replicas",
     "usable_tp_sizes",
     "write_lengths",
 ]
