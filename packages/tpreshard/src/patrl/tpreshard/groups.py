@@ -1,18 +1,11 @@
 """Every process group a run may use, created once, up front, in the same order on every rank.
 
-A rank that skips a `new_group` call makes a *later* group creation hang forever (the group
-names come from a per-process counter; research/feasibility.md §2). So groups are never made
-lazily: `GroupCache` builds the TP and DP groups of every candidate layout at start-up, and
-`layout(tp)` afterwards only looks them up.
-
-TP groups are consecutive ranks (`[0..tp)`, `[tp..2tp)`, ...), which keeps a TP group inside a
-node whenever `tp` divides the node's size (`LOCAL_WORLD_SIZE`); DP groups join the ranks with
-the same TP rank.
-
-A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`, the default): its
-per-step collectives then go through shared memory instead of gloo (patrl.tpreshard.shm). So
-does the whole world when it is one gloo host (`world_comm()`, for the adaptive controller's
-control traffic).
+A rank that skips a `new_group` call makes a *later* group creation hang (group names come from
+a per-process counter; research/feasibility.md §2), so `GroupCache` builds the TP and DP groups
+of every candidate layout at start-up and `layout(tp)` only looks them up. TP groups are
+consecutive ranks (inside a node when `tp` divides LOCAL_WORLD_SIZE); DP groups join the ranks
+with the same TP rank. A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`),
+and so does the whole world when it is one gloo host (`world_comm()`).
 """
 
 from __future__ import annotations
