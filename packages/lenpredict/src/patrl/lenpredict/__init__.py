@@ -27,7 +27,7 @@ from patrl.lenpredict.length_trace import (
     write_lengths,
 )
 from patrl.lenpredict.planner import NEVER, Decision, PlannerConfig, ReconfigPlanner
-from patrl.lenpredict.profile import (
+from patrl.lenpredict.profile_schema import (
     CollectiveRow,
     DecodeRow,
     HardwareInfo,
@@ -37,20 +37,20 @@ from patrl.lenpredict.profile import (
     ProfileMismatchError,
     SwitchRow,
 )
-from patrl.lenpredict.roofline import (
-    H100_SXM_NODE,
-    LLAMA31_8B,
-    QWEN3_14B,
-    NodeSpec,
-    roofline_profile,
-)
-from patrl.lenpredict.simulator import (
+from patrl.lenpredict.rollout_sim import (
     AdaptivePolicy,
     RolloutSimulator,
     SimConfig,
     SimResult,
     StaticPolicy,
     oracle_remaining,
+)
+from patrl.lenpredict.roofline import (
+    H100_SXM_NODE,
+    LLAMA31_8B,
+    QWEN3_14B,
+    NodeSpec,
+    roofline_profile,
 )
 
 __all__ = [

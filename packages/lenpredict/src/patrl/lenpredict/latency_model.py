@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from patrl.lenpredict.profile import (
+from patrl.lenpredict.profile_schema import (
     CollectiveRow,
     DecodeRow,
     ModelInfo,

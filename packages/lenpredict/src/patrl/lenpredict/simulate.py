@@ -26,8 +26,8 @@ from patrl.lenpredict.layout import Layout, usable_tp_sizes
 from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
 from patrl.lenpredict.length_trace import PromptGroup, group_by_step, read_lengths
 from patrl.lenpredict.planner import PlannerConfig, ReconfigPlanner
-from patrl.lenpredict.profile import Profile
-from patrl.lenpredict.simulator import (
+from patrl.lenpredict.profile_schema import Profile
+from patrl.lenpredict.rollout_sim import (
     AdaptivePolicy,
     RemainingFn,
     RolloutSimulator,
