@@ -9,6 +9,7 @@ from patrl.tpreshard.comm import (
     tp_broadcast,
 )
 from patrl.tpreshard.groups import GroupCache
+from patrl.tpreshard.kv_reshard import KVShape, SequenceMove, reshard_kv
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.reshard import (
     ReshardStats,
@@ -33,8 +34,10 @@ from patrl.tpreshard.shm import CollectiveTimeout, ShmComm, shm_supported
 __all__ = [
     "CollectiveTimeout",
     "GroupCache",
+    "KVShape",
     "ParallelLayout",
     "ReshardStats",
+    "SequenceMove",
     "ShardKind",
     "ShardPart",
     "ShardSpec",
@@ -47,6 +50,7 @@ __all__ = [
     "index_map",
     "load_full",
     "reshard_",
+    "reshard_kv",
     "restore_full_",
     "shard_part",
     "shard_tensor",
