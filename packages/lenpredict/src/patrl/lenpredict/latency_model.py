@@ -168,10 +168,9 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
     forms: tuple[ContextForm, ...] = ("total", "padded", "both") if skewed else ("total",)
     if context_form is not None:
         forms = (context_form,)
-    # A knee either steepens the slope (compute-bound past it) or flattens it: on the CPU box
-    # single-threaded sgemm runs batches 2-8 at a few GFLOP/s, so a step at batch 4 costs ~2.6x
-    # one at batch 1 and batch 16 little more than batch 4, then the slope rises again: a
-    # shape that takes two knees. Knees sit at profiled batch sizes, inside the grid.
+    # A knee either steepens the slope (compute-bound past it) or flattens it (a CPU's small
+    # batches can be slow per sequence, then cheap, then linear again: two knees). Knees sit
+    # at profiled batch sizes, inside the grid.
     inner = np.unique(batch)[1:-1].tolist()
     knee_sets = [tuple(ks) for n in range(MAX_KNEES + 1) for ks in itertools.combinations(inner, n)]
     candidates = [

@@ -191,8 +191,7 @@ def _shard_of_full(
 ) -> torch.Tensor:
     """This rank's shard of a full tensor that stays: a view where it is one contiguous block
     of the storage, else a copy (into `spare`, the last fold's copy, when it fits). A strided
-    view would cost no copy but slow every step: the vocabulary half of an input-major LM
-    head, a column block, ran its matmul 10-25% slower than a contiguous copy at 8-32 rows."""
+    view would cost no copy but slow every matmul that reads it."""
     dim = spec.dim
     assert dim is not None
     transposed = is_input_major(full)
