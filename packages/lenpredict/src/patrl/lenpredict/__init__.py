@@ -27,6 +27,7 @@ from patrl.lenpredict.length_trace import (
     write_lengths,
 )
 from patrl.lenpredict.planner import NEVER, Decision, PlannerConfig, ReconfigPlanner
+from patrl.lenpredict.plans import Option, assign_replicas
 from patrl.lenpredict.profile_schema import (
     CollectiveRow,
     DecodeRow,
@@ -72,6 +73,7 @@ __all__ = [
     "LongTailSpec",
     "ModelInfo",
     "NodeSpec",
+    "Option",
     "PlannerConfig",
     "PredictorConfig",
     "PrefillRow",
@@ -87,6 +89,7 @@ __all__ = [
     "SwitchRow",
     "adaptive_ceiling",
     "assign_prompts",
+    "assign_replicas",
     "group_by_step",
     "held_out_error",
     "layouts_for",
