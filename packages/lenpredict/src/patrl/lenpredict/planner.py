@@ -19,10 +19,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from patrl.lenpredict.finish_time import Questions, RunningSet
+from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
-from patrl.lenpredict.plans import Option, assign_replicas, delay_steps
+from patrl.lenpredict.plans import Option, assign_replicas, delay_steps, plan_questions
 from patrl.lenpredict.pricing import PlanPricer
 
 __all__ = ["NEVER", "Decision", "Option", "PlannerConfig", "ReconfigPlanner"]
@@ -199,38 +199,17 @@ class ReconfigPlanner:
         if admissible and not targets:
             return self._stay_for_good(running, current, admissible)
         assignments = [assign_replicas(running, current, t) for t in targets]
-        med = q // 2
-        median = running.remaining[:, med]
+        median = running.remaining[:, q // 2]
         delays = delay_steps(median, self.config.delay_levels) if targets else np.zeros(0)
-        m, k = len(targets), len(delays)
-        rows = Questions()
-        for col in range(q):
-            rows.add(0, col, False, np.inf, current)  # stay to the end
-        for j, target in enumerate(targets, start=1):
-            for col in range(q):
-                rows.add(j, col, True, 0.0, target)  # switch now
-        for delay in delays:
-            rows.add(0, med, False, delay, current)  # the steps before a delayed switch
-        for j, target in enumerate(targets, start=1):
-            for delay in delays:
-                rows.add(j, med, True, delay, target)  # the steps after it
         # At a rollout's first call a split may pay only with a fold back for the tail (it
         # opened at a TP that suits the tail, where this batch's bulk runs faster on more
         # replicas): "split now, fold back after `delay` steps", median scenario.
         trips = [j for j, t in enumerate(targets) if t.tp < current.tp] if self._calls == 1 else []
-        for j in trips:
-            for delay in delays:
-                rows.add(j + 1, med, False, delay, targets[j])  # split: the steps before
-        if trips:
-            for delay in delays:
-                rows.add(0, med, True, delay, current)  # folded back: the steps after
-        all_assignments = np.stack([running.replica, *assignments])
-        times = self.pricer.times(rows, all_assignments, running)
+        rows = plan_questions(current, targets, q, delays, trips)
+        times = self.pricer.times(rows, np.stack([running.replica, *assignments]), running)
+        m, k = len(targets), len(delays)
         split = (m + 1) * q
         now = times[:split].reshape(m + 1, q)
-        before = times[split : split + k]
-        after = times[split + k : split + k + m * k].reshape(m, k)
-        trip_rows = times[split + k + m * k :]
         never = np.zeros(n, dtype=bool)
         options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
@@ -241,32 +220,15 @@ class ReconfigPlanner:
             overheads, migrate = self.pricer.overheads(
                 current, targets, assignments, context, alive, running.holds_kv, running.shared
             )
-            run = now[1:].mean(axis=1)
-            later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
-            if k:
-                later = before + overheads[:, 1:] + after  # (targets, delays), median scenario
-                best = np.argmin(later, axis=1)
-                # carry the all-scenario view of switching now over to the delayed plan
-                later_s = later[np.arange(m), best] + run - now[1:, med]
-                later_steps = delays[best].astype(int)
-            for j, (run_s, overhead_s, delayed_s, steps_later) in enumerate(
-                zip(
-                    run.tolist(),
-                    overheads[:, 0].tolist(),
-                    later_s.tolist(),
-                    later_steps.tolist(),
-                    strict=True,
-                )
-            ):
-                options.append(
-                    Option(
-                        targets[j], run_s, overhead_s, delayed_s, steps_later, assignments[j],
-                        migrate[j, 0],
-                    )
-                )  # fmt: skip
+            before = times[split : split + k]
+            after = times[split + k : split + k + m * k].reshape(m, k)
+            options += _switch_options(
+                targets, assignments, now, before, after, overheads, migrate, delays
+            )
             if trips and k:
+                trip_rows = times[split + k + m * k :]
                 self._price_round_trips(
-                    options, trips, trip_rows, delays, context[1:], alive[1:], now, med
+                    options, trips, trip_rows, delays, context[1:], alive[1:], now, q // 2
                 )
         decision = self._choose(options, current, running.seq_ids)
         if decision.action == "stay" and decision.recheck_steps is None and targets:
@@ -385,3 +347,33 @@ class ReconfigPlanner:
         return Decision(
             "switch", current, best.layout, gain, best.overhead_s, reason, options, seq_ids
         )
+
+
+def _switch_options(
+    targets: list[Layout],
+    assignments: list[np.ndarray],
+    now: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    overheads: np.ndarray,
+    migrate: np.ndarray,
+    delays: np.ndarray,
+) -> list[Option]:
+    """One option per target from its priced rows: run and overhead of switching now (all
+    scenarios), and its best delayed switch (median scenario, carried over to all as
+    switching now is)."""
+    m, k, med = len(targets), len(delays), now.shape[1] // 2
+    run = now[1:].mean(axis=1)
+    later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
+    if k:
+        later = before + overheads[:, 1:] + after  # (targets, delays), median scenario
+        best = np.argmin(later, axis=1)
+        later_s = later[np.arange(m), best] + run - now[1:, med]
+        later_steps = delays[best].astype(int)
+    return [
+        Option(
+            targets[j], float(run[j]), float(overheads[j, 0]), float(later_s[j]),
+            int(later_steps[j]), assignments[j], migrate[j, 0],
+        )
+        for j in range(m)
+    ]  # fmt: skip

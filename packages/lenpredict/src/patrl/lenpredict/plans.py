@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from patrl.lenpredict.assignment import split_replicas
-from patrl.lenpredict.finish_time import RunningSet
+from patrl.lenpredict.finish_time import Questions, RunningSet
 from patrl.lenpredict.layout import Layout
 
-__all__ = ["Option", "assign_replicas", "delay_steps"]
+__all__ = ["Option", "assign_replicas", "delay_steps", "plan_questions"]
 
 
 @dataclass(slots=True)
@@ -65,3 +65,31 @@ def delay_steps(median: np.ndarray, levels: tuple[float, ...]) -> np.ndarray:
         return np.zeros(0)
     delays = {float(d) for d in np.floor(np.partition(median, at)[at])}
     return np.array(sorted(d for d in delays if d > 0))
+
+
+def plan_questions(
+    current: Layout, targets: list[Layout], scenarios: int, delays: np.ndarray, trips: list[int]
+) -> Questions:
+    """The finish times `decide` prices, in this order: staying (every scenario); switching
+    now to each target (every scenario); the steps before a delayed switch, then each
+    target's steps after it (median scenario); for the splits `trips` (indices into
+    `targets`), their steps before folding back, then the current layout's after."""
+    med = scenarios // 2
+    rows = Questions()
+    for col in range(scenarios):
+        rows.add(0, col, False, np.inf, current)
+    for j, target in enumerate(targets, start=1):
+        for col in range(scenarios):
+            rows.add(j, col, True, 0.0, target)
+    for delay in delays:
+        rows.add(0, med, False, delay, current)
+    for j, target in enumerate(targets, start=1):
+        for delay in delays:
+            rows.add(j, med, True, delay, target)
+    for j in trips:
+        for delay in delays:
+            rows.add(j + 1, med, False, delay, targets[j])
+    if trips:
+        for delay in delays:
+            rows.add(0, med, True, delay, current)
+    return rows
