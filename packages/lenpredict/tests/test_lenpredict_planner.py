@@ -32,6 +32,7 @@ from patrl.lenpredict import (
     shared_prefix,
 )
 from patrl.lenpredict.planner import NEVER
+from patrl.lenpredict.plans import assign_replicas
 
 LAYOUTS = [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
 
@@ -258,7 +259,7 @@ def test_switch_overhead_matches_per_sequence_twin(per_seq_s, per_token_s, prefi
     ]:
         rs = running_set(rng, 40, src.dp)
         rs.context[:20] = rng.integers(8000, 20000, 20)
-        assignment = planner._assign(rs, src, dst)
+        assignment = assign_replicas(rs, src, dst)
         fast, fast_migrate = planner.switch_overhead(rs, src, dst, assignment)
         slow, slow_migrate = naive_overhead(model, 8, src, dst, assignment, rs.context)
         assert fast == pytest.approx(slow, rel=1e-9)
@@ -356,7 +357,7 @@ def folds_below_20(tp: int, batch: int, context: int) -> float:
 
 
 def naive_quiet(model, current, target, running, assignment) -> float:
-    """Slow twin of ReconfigPlanner._quiet: step by step, in the lowest-quantile scenario,
+    """Slow twin of PlanPricer.quiet_steps: step by step, in the lowest-quantile scenario,
     the first step at which a target group's step beats its busiest replica's."""
     contexts = (running.context.min(), running.context.max() + running.remaining.max())
     earliest = running.remaining[:, 0]
@@ -550,7 +551,7 @@ def test_loaded_switch_rows_price_each_sequence_in_flight():
     rng = np.random.default_rng(3)
     crowd = running_set(rng, 40, 8)
     src, dst = Layout(8, 1), Layout(1, 8)
-    assignment = ReconfigPlanner(model, 8)._assign(crowd, src, dst)
+    assignment = assign_replicas(crowd, src, dst)
     empty_only = LatencyModel.fit(profile.model_copy(update={"switches": rows[:2]}))
     loaded_s, _ = ReconfigPlanner(model, 8).switch_overhead(crowd, src, dst, assignment)
     empty_s, _ = ReconfigPlanner(empty_only, 8).switch_overhead(crowd, src, dst, assignment)
@@ -668,8 +669,7 @@ def test_a_split_moves_requests_whole_and_balances_their_work():
     replica = (group % 2).astype(int)
     work = np.repeat(rng.integers(10, 400, 24), 4).astype(float) + rng.integers(0, 5, n)
     rs = RunningSet(np.arange(n), replica, np.full(n, 50), work[:, None], group=group)
-    planner = ReconfigPlanner(latency(compute_bound), 8)
-    child = planner._assign(rs, Layout(2, 4), Layout(4, 2))
+    child = assign_replicas(rs, Layout(2, 4), Layout(4, 2))
     assert (child // 2 == replica).all()  # children of the replica that held them
     for g in range(24):
         assert len(set(child[group == g].tolist())) == 1
@@ -678,7 +678,7 @@ def test_a_split_moves_requests_whole_and_balances_their_work():
         pair = loads[2 * r : 2 * r + 2]
         assert abs(pair[0] - pair[1]) <= work.max() * 4  # within one request's work
     # without groups, sequences are split one by one (the old, finer split)
-    alone = planner._assign(dataclasses.replace(rs, group=None), Layout(2, 4), Layout(4, 2))
+    alone = assign_replicas(dataclasses.replace(rs, group=None), Layout(2, 4), Layout(4, 2))
     assert any(len(set(alone[group == g].tolist())) > 1 for g in range(24))
     with pytest.raises(ValueError, match="group has 3 entries for 96 sequences"):
         dataclasses.replace(rs, group=np.arange(3))

@@ -27,7 +27,7 @@ from patrl.lenpredict import (
     roofline_profile,
 )
 from patrl.lenpredict.latency_model import fit_step
-from patrl.lenpredict.profile import DecodeRow
+from patrl.lenpredict.profile_schema import DecodeRow
 
 
 def test_profile_json_round_trip(tmp_path):

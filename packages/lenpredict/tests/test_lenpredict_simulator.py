@@ -21,7 +21,7 @@ from patrl.lenpredict import (
     long_tail_trace,
     round_robin,
 )
-from patrl.lenpredict.simulator import SimSeq
+from patrl.lenpredict.rollout_sim import SimSeq
 
 
 def model(step=tp_speeds_up) -> LatencyModel:

@@ -1,23 +1,12 @@
 """Which KV blocks hold which tokens: allocation, reference counts, prefix cache, fork.
 
-A sequence's tokens live in a block table: token `i` is in block `table[i // block_size]` at
-offset `i % block_size`. The manager tracks, per sequence, the tokens that have a slot and how
-many of them already have their KV written (`num_computed`); everything in between is what the
-engine still has to run through the model.
-
-Prefix cache. A *full* block whose KV has been written is registered under a chained hash of
-its tokens and of the hash of the block before it. A later sequence whose prompt starts with
-the same tokens reuses those blocks instead of recomputing them. A hit is accepted only if the
-block's own tokens are equal *and* its recorded parent is exactly the block matched just before
-(same id, same epoch), so a hash collision can never hand out the wrong KV. A registered block
-whose last reference is freed stays findable ("cached-free") until the space is needed; then
-the least recently freed one is evicted first.
-
-Invariants (`check_integrity`):
-- free-uncached + cached-free + in-use == num_blocks, each block in exactly one of them;
-- a block's ref_count equals the number of block-table entries that point at it;
-- every token that still needs computing sits in a block owned by that sequence alone, so a
-  write can never change KV that another sequence reads.
+Token `i` of a sequence is in block `table[i // block_size]` at offset `i % block_size`. A full,
+written block is registered under a chained hash of its tokens and its parent's hash; a hit
+needs equal tokens and the exact parent block (id and epoch), so a collision never hands out
+wrong KV. A registered block whose last reference is freed stays findable until evicted,
+least recently freed first. Invariants (`check_integrity`): free + cached-free + in-use ==
+num_blocks; a block's ref_count equals the table entries pointing at it; every token still to
+be computed sits in a block its sequence owns alone.
 """
 
 from __future__ import annotations

@@ -123,16 +123,11 @@ class PagedKVCache:
         caller masks positions past each sequence's context length.
 
         On CPU the result is a view of buffers this cache keeps (grown when a batch needs
-        more), valid until the next call: a decode step gathers every layer's context into
-        the same memory. Fresh tensors of a large batch's context pass glibc's mmap threshold
-        (32 MB at most, patrl.rollout.host_memory) and were mapped afresh, page faults and
-        all, twice a layer: a decode step of 64 sequences of 500 tokens of one 256-wide KV
-        head (65 MB each of K and V) spent 37 ms a layer gathering and attending, 8.5 ms with
-        kept buffers.
-        """
+        more), valid until the next call: fresh tensors that large would be mapped afresh by
+        glibc, page faults and all, twice a layer."""
         b = block_tables.shape[0]
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        # index_select on the flat table is 3-6x faster than advanced indexing on CPU.
+        # index_select on the flat table: cheaper than advanced indexing on CPU
         flat = block_tables.reshape(-1).long()
         if self.k[layer].device.type != "cpu":
             k = self.k[layer].index_select(0, flat)

@@ -1,7 +1,12 @@
 """patrl.lenpredict: response-length and step-latency models, the reconfiguration planner and
 the rollout simulator. Pure numpy + pydantic (no torch)."""
 
-from patrl.lenpredict.assignment import assign_prompts, longest_processing_time, round_robin
+from patrl.lenpredict.assignment import (
+    assign_prompts,
+    longest_processing_time,
+    round_robin,
+    split_replicas,
+)
 from patrl.lenpredict.ceiling import (
     Ceiling,
     LockstepFreeSwitch,
@@ -22,7 +27,8 @@ from patrl.lenpredict.length_trace import (
     write_lengths,
 )
 from patrl.lenpredict.planner import NEVER, Decision, PlannerConfig, ReconfigPlanner
-from patrl.lenpredict.profile import (
+from patrl.lenpredict.plans import Option, assign_replicas
+from patrl.lenpredict.profile_schema import (
     CollectiveRow,
     DecodeRow,
     HardwareInfo,
@@ -32,20 +38,20 @@ from patrl.lenpredict.profile import (
     ProfileMismatchError,
     SwitchRow,
 )
-from patrl.lenpredict.roofline import (
-    H100_SXM_NODE,
-    LLAMA31_8B,
-    QWEN3_14B,
-    NodeSpec,
-    roofline_profile,
-)
-from patrl.lenpredict.simulator import (
+from patrl.lenpredict.rollout_sim import (
     AdaptivePolicy,
     RolloutSimulator,
     SimConfig,
     SimResult,
     StaticPolicy,
     oracle_remaining,
+)
+from patrl.lenpredict.roofline import (
+    H100_SXM_NODE,
+    LLAMA31_8B,
+    QWEN3_14B,
+    NodeSpec,
+    roofline_profile,
 )
 
 __all__ = [
@@ -67,6 +73,7 @@ __all__ = [
     "LongTailSpec",
     "ModelInfo",
     "NodeSpec",
+    "Option",
     "PlannerConfig",
     "PredictorConfig",
     "PrefillRow",
@@ -82,6 +89,7 @@ __all__ = [
     "SwitchRow",
     "adaptive_ceiling",
     "assign_prompts",
+    "assign_replicas",
     "group_by_step",
     "held_out_error",
     "layouts_for",
@@ -93,6 +101,7 @@ __all__ = [
     "roofline_profile",
     "round_robin",
     "shared_prefix",
+    "split_replicas",
     "usable_tp_sizes",
     "write_lengths",
 ]

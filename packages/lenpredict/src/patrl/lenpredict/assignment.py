@@ -35,6 +35,24 @@ def longest_processing_time(work: Sequence[float], num_replicas: int) -> list[in
     return replica_of
 
 
+def split_replicas(replica: np.ndarray, work: np.ndarray, split: int) -> np.ndarray:
+    """Child (0 .. split-1) of each item within its replica: per replica, items by most work
+    first (ties in index order) dealt in snake order 0, 1, .., split-1, split-1, .., 0.
+
+    The one split of replicas into smaller ones: the planner prices it, so a reconfigure must
+    run it. Dealing keeps the children's batch sizes within one of each other (decode steps
+    cost by batch size) while spreading the longest items."""
+    replica, work = np.asarray(replica), np.asarray(work, dtype=float)
+    order = np.argsort(replica * (work.max(initial=0.0) + 1.0) - work, kind="stable")
+    sorted_replica = replica[order]
+    starts = np.flatnonzero(np.r_[True, sorted_replica[1:] != sorted_replica[:-1]])
+    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    lap = rank % (2 * split)
+    child = np.empty(len(order), dtype=int)
+    child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
+    return child
+
+
 def assign_prompts(
     predicted_lengths: Sequence[float],
     samples_per_prompt: Sequence[int],

@@ -1,27 +1,12 @@
 """The most adaptive TP can ever gain over the better of two static layouts, on a latency
-model, whatever the workload: "is there a crossover here worth folding for?".
+model, whatever the workload (`adaptive_ceiling`).
 
-A rollout is a sequence of decode steps; each step runs some number of sequences, so a
-workload is, for this question, how many steps it spends at each batch size (its context
-per sequence held fixed). Static layout L costs S_L = Σ_b w_b·s_L(b), with w_b the steps at
-batch b and s_L the model's step time (`dp` replicas of ⌈b/dp⌉ sequences each, in parallel:
-the balance every static layout would wish for). An ideal adaptive policy, switching for
-free at every step, costs A = Σ_b w_b·min_L s_L(b). The ceiling is
-
-    min over workloads w ≥ 0 of  A(w) / min(S_wide(w), S_narrow(w)).
-
-The ratio does not change when w is scaled, so fix min(S_wide, S_narrow) = 1: minimise the
-linear A subject to S_wide ≥ 1 and S_narrow ≥ 1, a linear programme with two constraints.
-Its optimum sits on a vertex, where at most two batch sizes have steps: the workload that
-most favours adaptive spends part of its steps at one batch size where the wide layout is
-faster and the rest at one where the narrow layout is faster, in the proportion that makes
-both static layouts tie. Every pair is tried (max_batch² of them). Real policies pay their
-switches, balance replicas imperfectly and predict lengths, so a measured ratio below the
-ceiling means the latency model is wrong, not that the policy is good.
-
-`lockstep_free_switch` estimates the same for one workload (its samples' lengths and
-replicas), its replicas stepping in lockstep. An estimate, not a bound: a static layout's
-replicas run apart, each at its own pace, which lockstep overprices.
+A workload is the steps it spends at each batch size: static layout L costs Σ_b w_b·s_L(b), a
+free-switching adaptive policy Σ_b w_b·min_L s_L(b). Minimising their ratio over w is a linear
+programme whose optimum uses at most two batch sizes, so every pair is tried. A measured ratio
+below this ceiling means the latency model is wrong, not that the policy is good.
+`lockstep_free_switch` estimates the same for one workload, its replicas in lockstep (an
+estimate, not a bound). See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Time to finish: how long the running sequences take to complete in a layout.
 
-A replica's time is the sum of its decode steps until its last sequence finishes, each step
-priced by the latency model, `a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)` with B the
-alive sequences, C their total context and M the longest one (see latency_model.py). A
-layout's time is that of its slowest replica.
-
-Why it needs no step loop: a sequence with r steps left is alive for exactly r steps, and its
-context grows by one per step, so the terms linear in B and C are sums over sequences:
-Σ_steps a = a·max r, Σ_steps B = Σ r, Σ_steps C = Σ r·(context + (r − 1)/2). Only the knees'
-and padded-context terms depend on *which* sequences are alive together; they are summed over
-the segments between consecutive finishes, in each replica's order of remaining length, and
-only when the latency model has them (a GPU profile with flash attention has no padded term,
-and its knee lies past max_num_seqs).
-
-Many such questions (layouts, quantile scenarios, delays) are answered in one vectorised pass,
-because the planner asks them on the engine's hot path.
+A replica's time is the sum of its decode steps until its last sequence finishes (each priced by
+the latency model); a layout's is its slowest replica's. No step loop: a sequence with r steps
+left is alive exactly r steps and its context grows one a step, so the terms linear in batch
+and context are closed-form sums; only the knees' and padded-context terms depend on which
+sequences are alive together, summed over the segments between finishes, and only when the
+latency model has them. Many questions (layouts, scenarios, delays) go in one vectorised pass.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """Step, prefill, collective and reconfiguration costs, fitted from a `Profile`.
 
-Decode step time, per TP size, is fitted as
-
-    t(B, C, M) = a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k)    (at most two knees)
-
-with B the batch (running sequences), C their total context tokens and M the longest one's.
-Why this form: a decode step reads every weight once (a, independent of B), computes per
-sequence (b), reads the KV cache it attends over, and turns compute-bound past a batch size
-(the roofline knee, d > 0). A knee may also flatten the slope (d < 0), and a measured CPU
-profile needs both: single-threaded sgemm on this box runs batches 2-8 slowly, so a step
-costs ~2.6x batch 1 at batch 4, little more at 16, and grows linearly again past it (the
-vocab_2l profile, 2026-11-24); one knee missed batch 4 by 30%, which is where long tails
-run. What attention reads depends on the backend: a ragged kernel (flash
-attention's varlen/paged decode) reads each sequence's own context, C in total (c); our sdpa
-backend gathers every sequence's blocks padded to the longest, B·M tokens (e). On a batch of
-equal lengths B·M = C and no profile can tell them apart, so the padded term is fitted only
-when the profile has rows of skewed batches (`DecodeRow.max_context`), and kept only when it
-predicts held-out rows better, or when the caller knows its backend pads
-(`LatencyModel.fit(profile, context_form="padded")`). Cross-validation also decides how many
-knees help, where, and which way each bends, on the *mean* held-out error (a median would let
-a whole batch regime, a fifth of a profile's rows, be mispriced unseen): one more knee must
-cut it by 10% of the fit it replaces, and ties go to the simpler context form. The slope never
-drops below zero (a step never gets cheaper with more work; a fit that would have to be cut
-flat somewhere is scored as cut, and not chosen if its fit of all rows must be), the others are
-non-negative, and all are fitted on *relative* error, because the planner compares ratios of
-times that span three orders of magnitude.
-
-Prefill of a batch of sequences of T_i tokens: a + Σ_i (s + b·T_i + c·T_i²): `a` once a step,
-`s` per sequence (the LM head on its last position and the sampler's draw, which a 152k
-vocabulary makes dear), attention quadratic in T. `s` is fitted only from a profile with rows
-of several sequences; from rows of one sequence alone it cannot be told from `a` and is 0.
-Collectives: α + bytes/β per (op, group size).
+Decode step, per TP size: t(B, C, M) = a + b·B + c·C + e·B·M + Σ_k d_k·max(0, B − knee_k), B
+running sequences, C their total context, M the longest one's; the padded term e (a backend that
+gathers blocks padded to the longest) and up to two knees are kept only when cross-validation
+says they predict held-out rows better. Coefficients are fitted on relative error (the planner
+compares ratios of times) and the slope never drops below zero. Prefill of sequences of T_i
+tokens: a + Σ_i (s + b·T_i + c·T_i²). Collectives: α + bytes/β per (op, group size).
+See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
@@ -42,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from patrl.lenpredict.profile import (
+from patrl.lenpredict.profile_schema import (
     CollectiveRow,
     DecodeRow,
     ModelInfo,
@@ -192,10 +168,9 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
     forms: tuple[ContextForm, ...] = ("total", "padded", "both") if skewed else ("total",)
     if context_form is not None:
         forms = (context_form,)
-    # A knee either steepens the slope (compute-bound past it) or flattens it: on the CPU box
-    # single-threaded sgemm runs batches 2-8 at a few GFLOP/s, so a step at batch 4 costs ~2.6x
-    # one at batch 1 and batch 16 little more than batch 4, then the slope rises again: a
-    # shape that takes two knees. Knees sit at profiled batch sizes, inside the grid.
+    # A knee either steepens the slope (compute-bound past it) or flattens it (a CPU's small
+    # batches can be slow per sequence, then cheap, then linear again: two knees). Knees sit
+    # at profiled batch sizes, inside the grid.
     inner = np.unique(batch)[1:-1].tolist()
     knee_sets = [tuple(ks) for n in range(MAX_KNEES + 1) for ks in itertools.combinations(inner, n)]
     candidates = [
@@ -209,9 +184,7 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
         x = _decode_features(batch, context, padded, knees, form, bends)
         fits.append(_nonneg_relative_lstsq(x, y))
         _, cut = _as_used(fits[-1], bends)
-        # a fit of all rows that must be cut is not the fit its held-out error scored: the
-        # 2026-11-24 vocab_2l_h512 profile (batch 3 slower than batch 4) took knees at 3 and
-        # 4, fitted a falling slope between them, and cut flat it priced batch 64 at 3.6x
+        # a fit of all rows that must be cut is not the fit its held-out error scored
         errors.append(np.inf if cut else _cv_error(x, y, bends))
     err, (form, knees, bends) = float("nan"), candidates[0]
     if np.isfinite(errors).any():
@@ -230,11 +203,10 @@ def fit_step(rows: Sequence[DecodeRow], context_form: ContextForm | None = None)
 
 
 # a fit with one more knee must cut the held-out error by this fraction of the fit it
-# replaces: on a noiseless roofline a second knee "helps" by 1-2% with slope changes of 1e-6,
-# and every knee inside the batches the planner prices costs it an ordered pass per call
+# replaces: a knee that barely helps still costs the planner an ordered pass per call
 KNEE_GAIN = 0.10
 # ... and by this much (a held-out relative error): on noiseless rows every form fits to
-# rounding, ~1e-15, where a 10% cut is noise (numpy 2.4.6's lstsq gave a knee on a line)
+# rounding, where a relative cut is noise
 KNEE_FLOOR = 1e-9
 
 
@@ -335,15 +307,11 @@ class LatencyModel:
         """(fixed seconds, seconds per sequence in flight, seconds per context token in flight)
         of one (src, dst) pair's switches, each term non-negative.
 
-        A planner only prices switches with sequences in flight, so rows with some in flight
-        decide: a relative least-squares plane through what each took beyond the KV transfer
-        the planner prices separately, over as many of (sequences, tokens) as the rows tell
-        apart (tokens need two context lengths among them, sequences two counts); at one
-        load, the empty switches' median plus a slope through it (their own median, if none
-        ran empty). Without such rows, the empty switches' median alone. On the 2-core CPU box
-        a fold of 64 sequences of 50 tokens took 0.11 s and one of 16 took 0.09 s, against
-        0.07 s empty, and the 1.6 MB of KV of the 64 is priced at 0.5 ms: their states cross
-        in pickled collectives and their KV is copied in and out of the caches."""
+        Rows with sequences in flight decide: a relative least-squares plane through what each
+        took beyond the separately priced KV transfer, over as many of (sequences, tokens) as
+        the rows tell apart; at one load, the empty switches' median plus a slope through it.
+        Without such rows, the empty switches' median alone. Why per sequence: states cross in
+        pickled collectives and KV is copied in and out of the caches."""
         empty = [r.seconds for r in rows if r.num_seqs == 0]
         loaded = [r for r in rows if r.num_seqs]
         fixed = float(np.median(empty)) if empty else 0.0
@@ -507,8 +475,8 @@ class LatencyModel:
     def switch_time(self, src_tp: int, dst_tp: int, world_size: int) -> float:
         """The fixed price of switching from src_tp to dst_tp, before any KV moves: measured
         when the profile has it (a narrowing "in place" still copies what it keeps and
-        re-makes the KV cache: 0.35-1 s for a 159M-parameter model on a 2-core CPU, which a
-        traffic-only estimate prices at 0), else the barrier plus the weight gather."""
+        re-makes the KV cache, which a traffic-only estimate prices at 0), else the barrier
+        plus the weight gather."""
         measured = self.switch_s.get((src_tp, dst_tp))
         if measured is not None:
             return measured

@@ -42,10 +42,11 @@ def usable_tp_sizes(candidates: Iterable[int], world_size: int) -> tuple[int, ..
 
 def layouts_for(world_size: int, tp_sizes: list[int]) -> list[Layout]:
     """Every layout of `world_size` ranks with a TP size from `tp_sizes`, smallest TP first."""
-    bad = [tp for tp in tp_sizes if tp < 1 or world_size % tp]
+    usable = usable_tp_sizes(tp_sizes, world_size)
+    bad = [tp for tp in tp_sizes if tp not in usable]
     if bad:
         raise ValueError(f"tp sizes {bad} do not divide world_size={world_size}")
-    return [Layout(dp=world_size // tp, tp=tp) for tp in sorted(set(tp_sizes))]
+    return [Layout(dp=world_size // tp, tp=tp) for tp in usable]
 
 
 def nested(a: Layout, b: Layout) -> bool:

@@ -1,23 +1,13 @@
-"""Online response-length prediction for GRPO rollouts.
+"""Online response-length prediction for GRPO rollouts (`LengthPredictor`).
 
-Model: a sample of prompt p has length L = μ_p · R, where R is a prompt-independent *shape*
-(lengths divided by their group's mean, learned from every completed group) and μ_p is the
-prompt's scale. μ_p is estimated from
-
-- the prompt's history: an EWMA of its past group means (prompts recur across epochs);
-- the finished siblings in the current group: the first k of n samples to finish are the k
-  shortest, so each is compared with the expected order statistic of the shape, not its mean
-  (comparing with the mean would predict every group far too short);
-
-shrunk towards the global mean with fixed pseudo-counts. A running sequence at length l then
-has remaining-length quantiles from the survival model P(μ_p·R > l + k | μ_p·R > l), read off
-the sorted shape samples. Where the prompt's own past samples (the last `prompt_samples` of
-its completed groups) include m longer than l, their conditional quantiles are averaged in
-with weight m / (m + prompt_weight): the shape is pooled over every prompt, so a prompt whose
-samples split into short answers and a few 3x longer ones (a failure mode) looks, to it, like
-the many prompts whose samples are all alike, and its long samples were predicted 3-10x too
-short once their short siblings had finished. Every prediction made for a sequence is scored
-when it finishes, so the predictor reports its own MAE and quantile coverage online.
+A sample of prompt p has length L = μ_p · R: R a prompt-independent *shape* (lengths over their
+group's mean, from every completed group), μ_p the prompt's scale, estimated from an EWMA of its
+past group means and from the current group's finished siblings (the first k of n to finish are
+the k shortest, so each is compared with the shape's expected order statistic), shrunk towards
+the global mean. A running sequence at length l gets remaining-length quantiles from the
+survival model P(μ_p·R > l + k | μ_p·R > l), blended with the prompt's own past samples longer
+than l (a pooled shape cannot see a prompt whose samples split into short and long answers).
+Every prediction is scored when its sequence finishes (online MAE and quantile coverage).
 """
 
 from __future__ import annotations
@@ -181,10 +171,8 @@ class LengthPredictor:
     def _add_ratios(self, ratios: list[float]) -> None:
         """Extend the shape samples, noting what enters and leaves the window for their sorted
         copy, which the next read brings up to date in one merge (`_shape`) in place of a
-        fresh sort: a check after a group closed re-sorted the whole window (0.3 ms at 8192
-        samples), and merging at every close cost a rollout's last check 0.25 ms for 8
-        groups. The window's oldest values are the sorted copy's, as long as fewer have left
-        than it holds."""
+        fresh sort of the whole window. The window's oldest values are the sorted copy's, as
+        long as fewer have left than it holds."""
         maxlen = self._ratios.maxlen
         assert maxlen is not None
         leaving = max(0, len(self._ratios) + len(ratios) - maxlen)
@@ -272,7 +260,7 @@ class LengthPredictor:
     ) -> np.ndarray:
         """`predict_remaining` for many running samples at once, (n, Q): one vectorised pass
         over the shape samples instead of a quantile call per sample (the planner's check
-        asks for every running sample; per sample it cost ~0.1 ms)."""
+        asks for every running sample)."""
         current = np.asarray(current_lengths, dtype=float)
         n, levels = len(current), self._levels
         if len(seq_ids) != n or len(group_ids) != n:

@@ -86,19 +86,12 @@ def group_by_step(records: list[LengthRecord]) -> dict[int, list[PromptGroup]]:
 
 @dataclass(frozen=True, slots=True)
 class LongTailSpec:
-    """A DeepScaleR-like response-length law, stated exactly (the distribution PAT's setting
-    needs and nobody published; see benchmarks/simulate_cluster.py for why these numbers).
-
-    Per prompt p: prompt_tokens ~ U{64..512}; scale m_p = exp(N(ln median, prompt_sigma²));
-    failure rate f_p ~ U(0, max_failure_rate). Per sample: with probability f_p it is a failed
-    (wrong) answer, failure_factor times longer (DeepScaleR's authors report wrong answers about
-    3× longer than right ones); length = m_p · factor · exp(N(0, sample_sigma²)), rounded,
-    clipped to [16, max_length] (the cap is max_response_length: truncation). With probability
-    runaway_rate a sample never stops on its own (a repetition loop, which slime counts as
-    `rollout/repetition_frac`) and runs to max_length: PAT's "a few long responses remain
-    unfinished". The rate is an ASSUMPTION, 0 by default; it draws from a stream of its own,
-    so a zero rate leaves the trace as it was.
-    """
+    """A DeepScaleR-like response-length law, stated exactly (benchmarks/simulate_cluster.py
+    says why these numbers). Per prompt p: prompt_tokens ~ U{64..512}, scale m_p =
+    exp(N(ln median, prompt_sigma²)), failure rate f_p ~ U(0, max_failure_rate). Per sample:
+    failed with probability f_p (failure_factor times longer); length = m_p · factor ·
+    exp(N(0, sample_sigma²)), rounded, clipped to [16, max_length]; with probability
+    runaway_rate (an ASSUMPTION, 0 by default, its own random stream) it runs to max_length."""
 
     median: float = 2000.0
     prompt_sigma: float = 0.5

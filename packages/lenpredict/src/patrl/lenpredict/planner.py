@@ -1,33 +1,13 @@
 """The reconfiguration planner: stay, or switch the rollout to another (dp, tp) layout now?
 
-Time model (finish_time.py): per layout, the time until the slowest replica has finished its
-sequences; each remaining-length quantile is one scenario and scenarios are averaged.
-
-Plans. Besides staying and switching now, the planner prices "stay s more steps, then switch
-to the same target" for a few s (by default when half and when 90% of the sequences are
-predicted done), because PAT picks the reconfiguration *point* as well as the target: a switch
-that pays off now may pay off more later, once more sequences have finished. Every target's
-delayed switches are priced (`Option.later_s`), but a switch now is weighed only against
-delaying the same target, since switching now does not rule out a further switch later. It
-switches when the predicted gain of switching now over staying exceeds the overhead by the
-margin, no delayed switch to that target is predicted better, the cooldown has passed, and the
-target continues the rollout's direction (TP only grows or only shrinks within one rollout),
-so it cannot oscillate. A split at a rollout's first call, before anything was decoded, sets
-no direction: it corrects where the rollout opened, and the tail may still fold later. So at
-that call a split is also priced as a round trip, "split now, fold back to the current layout
-after s steps" (`Option.round_trip_s`): a rollout that opened at a TP that suits its tail, where
-its bulk runs faster on more replicas, would otherwise compare staying only with splitting for
-good, and stay.
-
-Overhead. A barrier, the weight reshard, and per sequence either migrating the KV heads it
-must move or recomputing its KV by prefill, whichever the latency model prices lower.
-
-Shortcut. When the latency model says no admissible target is faster than the current layout
-at any batch size the shrinking running set can still have, no switch can pay before the
-rollout ends: the planner stays without pricing anything and asks not to be called again
-(`recheck_steps=NEVER`), which spares the engine its checks on a shape where TP never helps.
-
-Every decision is kept as a record with the predictions it was made from, for audit.
+It prices staying, switching now, and switching to the same target after a few steps (when
+given fractions of the sequences are predicted done), each remaining-length quantile one
+scenario (plans.py, pricing.py). It switches when the predicted gain over staying exceeds the
+overhead by the margin, no delayed switch to that target is better, the cooldown has passed,
+and TP keeps the rollout's direction (it only grows or only shrinks), so it cannot oscillate.
+At a rollout's first call a split sets no direction and is also priced as a round trip (split
+now, fold back later). Every decision is kept with its predictions, for audit.
+See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
@@ -39,15 +19,21 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from patrl.lenpredict.finish_time import Questions, RunningSet, slowest_replica_times
+from patrl.lenpredict.finish_time import RunningSet
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
+from patrl.lenpredict.plans import Option, assign_replicas, delay_steps, plan_questions
+from patrl.lenpredict.pricing import PlanPricer
+
+__all__ = ["NEVER", "Decision", "Option", "PlannerConfig", "ReconfigPlanner"]
 
 # `Decision.recheck_steps` when nothing can change the decision before the rollout ends
 NEVER = 1 << 62
 
 
 class PlannerConfig(BaseModel):
+    """The planner's knobs: candidate TP sizes, the margin a switch must clear, pacing."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     candidate_tp: tuple[int, ...] = (1, 2, 4, 8)
@@ -65,27 +51,9 @@ class PlannerConfig(BaseModel):
 
 
 @dataclass(slots=True)
-class Option:
-    layout: Layout
-    run_s: float  # predicted time to finish in this layout after switching now
-    overhead_s: float  # predicted cost of switching to it now (0 for the current layout)
-    later_s: float  # best predicted total when switching to it after some steps (inf: none)
-    later_steps: int  # after how many steps that best delayed switch happens
-    assignment: np.ndarray  # replica of each sequence in this layout
-    migrate: np.ndarray  # bool per sequence: migrate its KV (True) or recompute it (False)
-    # a split at the rollout's first call: the best predicted total when splitting now and
-    # folding back to the current layout after `round_trip_steps` steps, both switches'
-    # overheads included (inf: not priced)
-    round_trip_s: float = np.inf
-    round_trip_steps: int = 0
-
-    @property
-    def now_s(self) -> float:
-        return self.run_s + self.overhead_s
-
-
-@dataclass(slots=True)
 class Decision:
+    """What the planner decided, why, and every option it priced (`record()` for the log)."""
+
     action: Literal["stay", "switch"]
     current: Layout
     target: Layout
@@ -98,7 +66,7 @@ class Decision:
     # caller's usual interval)
     recheck_steps: int | None = None
     # a stay's decode steps during which no target can run a step faster than `current`, even
-    # if the sequences finish at their lowest predicted quantile (`ReconfigPlanner._quiet`):
+    # if the sequences finish at their lowest predicted quantile (`PlanPricer.quiet_steps`):
     # the caller need not ask again before then
     quiet_steps: int = 0
 
@@ -135,70 +103,10 @@ class Decision:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class _SwitchCosts:
-    """What pricing the switches from one TP size to some targets, in rows of scenarios,
-    needs besides the sequences: per target (targets, 1, 1) and per replica slot (the slots
-    of target j, row r start at `group_start[j, r]`, one per replica)."""
-
-    migrate_per_token: np.ndarray  # seconds to move one token's KV heads that change rank
-    # (targets, 1, 1) each: a recompute's seconds per sequence, per token and per token²
-    prefill_s: np.ndarray
-    prefill_b: np.ndarray
-    prefill_c: np.ndarray
-    fixed: np.ndarray  # (targets, 1): barrier + weight reshard
-    per_seq: np.ndarray  # (targets, 1): what each sequence in flight adds
-    per_token: np.ndarray  # (targets, 1): what each context token in flight adds
-    group_start: np.ndarray  # (targets, rows)
-    size: int  # slots in all
-    sum_start: np.ndarray  # (5, targets, rows, 1): group_start of each of five sums
-    send_alpha: float
-    prefill_a: np.ndarray  # (size,)
-    capacity: np.ndarray  # (size,) KV tokens a replica holds
-
-    @classmethod
-    def build(
-        cls, planner: ReconfigPlanner, src: int, targets: tuple[int, ...], rows: int
-    ) -> _SwitchCosts:
-        world = planner.world_size
-        dp = np.array([world // t for t in targets])
-        latency = planner.latency
-        send_alpha = planner._send_coef[0]
-        migrate = np.array([latency.switch_migrate_per_token(src, t) for t in targets])
-        prefill = np.array([planner._prefill_coef[t] for t in targets])
-        slots = np.repeat(dp, rows)
-        start = np.r_[0, np.cumsum(slots)[:-1]].reshape(len(targets), rows)
-        capacity = [planner._capacity[t] for t in targets]
-        return cls(
-            migrate_per_token=migrate[:, None, None],
-            prefill_s=prefill[:, 1, None, None],
-            prefill_b=prefill[:, 2, None, None],
-            prefill_c=prefill[:, 3, None, None],
-            fixed=np.array([planner._fixed[(src, t)] for t in targets])[:, None],
-            per_seq=np.array([latency.switch_per_seq_time(src, t) for t in targets])[:, None],
-            per_token=np.array([latency.switch_per_token_time(src, t) for t in targets])[:, None],
-            group_start=start,
-            size=int(slots.sum()),
-            sum_start=(start + int(slots.sum()) * np.arange(5)[:, None, None])[..., None],
-            send_alpha=send_alpha,
-            prefill_a=np.repeat(prefill[:, 0], slots.reshape(len(targets), rows).sum(axis=1)),
-            capacity=np.repeat(np.array(capacity, dtype=float), dp * rows),
-        )
-
-
-def _snake(replica: np.ndarray, work: np.ndarray, split: int) -> np.ndarray:
-    """Child (0 .. split-1) of each item within its replica: most work first, in snake order."""
-    order = np.argsort(replica * (work.max(initial=0.0) + 1.0) - work)
-    sorted_replica = replica[order]
-    starts = np.flatnonzero(np.r_[True, sorted_replica[1:] != sorted_replica[:-1]])
-    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-    lap = rank % (2 * split)
-    child = np.empty(len(order), dtype=int)
-    child[order] = np.where(lap < split, lap, 2 * split - 1 - lap)
-    return child
-
-
 class ReconfigPlanner:
+    """Decides stay or switch for the running set of one rollout (`decide`), and answers the
+    cheaper questions a caller asks between decisions (`may_switch`, `shrinking_share`)."""
+
     def __init__(self, latency: LatencyModel, world_size: int, config: PlannerConfig | None = None):
         self.latency = latency
         self.world_size = world_size
@@ -210,16 +118,13 @@ class ReconfigPlanner:
             )
         self.candidates = layouts_for(world_size, list(self.config.candidate_tp))
         self.decisions: deque[Decision] = deque(maxlen=self.config.history)
-        # per-TP constants, looked up once: decide() is on the engine's hot path
-        tps = sorted(set(self.config.candidate_tp))
-        self._step_coef = {tp: latency.step_coefficients(tp) for tp in tps}
-        self._prefill_coef = {tp: latency.prefill_coefficients(tp) for tp in tps}
-        self._send_coef = latency.send_coefficients()
-        self._capacity = {
-            tp: latency.kv_capacity_tokens(tp, self.config.memory_utilization) for tp in tps
-        }
-        self._fixed = {(a, b): latency.switch_time(a, b, world_size) for a in tps for b in tps}
-        self._switch_costs: dict[tuple[int, tuple[int, ...], int], _SwitchCosts] = {}
+        self.pricer = PlanPricer(
+            latency,
+            world_size,
+            self.config.candidate_tp,
+            memory_utilization=self.config.memory_utilization,
+            max_num_seqs=self.config.max_num_seqs,
+        )
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
         self._calls = 0  # decide() calls in this rollout
@@ -230,189 +135,44 @@ class ReconfigPlanner:
         self._since_switch = self.config.cooldown_calls
         self._calls = 0
 
-    # --- time model ---------------------------------------------------------------------
-
-    def _times(self, rows: Questions, assignments: np.ndarray, running: RunningSet) -> np.ndarray:
-        return slowest_replica_times(rows, assignments, running, self._step_coef)
+    # --- questions between decisions ----------------------------------------------------
 
     def finish_time(
         self, tp: int, num_replicas: int, replica: np.ndarray, running: RunningSet
     ) -> float:
         """Predicted seconds until every sequence has finished in this layout, from now."""
-        if len(running) == 0:
-            return 0.0
-        rows = Questions()
-        layout = Layout(dp=num_replicas, tp=tp)
-        for q in range(running.remaining.shape[1]):
-            rows.add(0, q, False, np.inf, layout)
-        return float(self._times(rows, replica[None, :], running).mean())
+        return self.pricer.finish_time(tp, num_replicas, replica, running)
 
     def shrinking_share(self, running: RunningSet, current: Layout, steps: int) -> float:
-        """What the next `steps` decode steps cost, sequences finishing as predicted (median
-        scenario), over what they would at today's batch: in (0, 1], slowest replica each.
-        A check `steps` away is that much nearer in time than the batch's pace says."""
-        if steps <= 0 or len(running) == 0:
-            return 1.0
-        rows = Questions()
-        rows.add(0, running.remaining.shape[1] // 2, False, float(steps), current)
-        shrinking = float(self._times(rows, running.replica[None, :], running)[0])
-        full = 0.0
-        for r in np.unique(running.replica):
-            mine = running.replica == r
-            step = self.latency.step_time(current.tp, int(mine.sum()), running.context[mine].sum())
-            full = max(full, steps * float(step))
-        return min(1.0, shrinking / full) if full > 0 else 1.0
-
-    # --- switching ----------------------------------------------------------------------
-
-    def _assign(self, running: RunningSet, src: Layout, dst: Layout) -> np.ndarray:
-        """Growing TP merges whole replicas (sequences stay on the ranks that hold them);
-        shrinking splits each replica's requests (`RunningSet.group`; else its sequences)
-        over its children, whole, most predicted work first in snake order (0, 1, .., s-1,
-        s-1, .., 0): a vectorised near-LPT split, as the engine splits (LPT)."""
-        if dst.tp >= src.tp:
-            return running.replica // (dst.tp // src.tp)
-        split = src.tp // dst.tp
-        work = running.remaining.mean(axis=1)
-        if running.group is None:
-            return running.replica * split + _snake(running.replica, work, split)
-        # a unit per (replica, request), its work the sum of its sequences'
-        stride = int(running.group.max()) + 1
-        units, unit_of = np.unique(
-            running.replica.astype(np.int64) * stride + running.group, return_inverse=True
-        )
-        unit_work = np.bincount(unit_of, weights=work, minlength=len(units))
-        unit_replica = units // stride
-        child = _snake(unit_replica, unit_work, split)[unit_of]
-        return running.replica * split + child
-
-    def _switch_constants(self, src: int, targets: tuple[int, ...], rows: int) -> _SwitchCosts:
-        key = (src, targets, rows)
-        if key not in self._switch_costs:
-            self._switch_costs[key] = _SwitchCosts.build(self, src, targets, rows)
-        return self._switch_costs[key]
-
-    def _overheads(
-        self,
-        src: Layout,
-        targets: list[Layout],
-        assignments: list[np.ndarray],
-        context: np.ndarray,
-        alive: np.ndarray,
-        holds_kv: np.ndarray,
-        shared: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Switch overheads (targets, rows) for rows of (rows, n) contexts, moving the KV of the
-        alive sequences that hold some; inf where a replica would exceed max_num_seqs or its
-        KV memory with all its alive sequences, queued ones included. Also whether each
-        sequence migrates (True) or recomputes its KV, (targets, rows, n). Merging replicas
-        (a larger TP) sends the `shared` tokens of each sequence (`RunningSet.shared`) once,
-        with the first of them; a split prices them all (its halves may part samples of a
-        prompt)."""
-        m, (rows, n) = len(targets), context.shape
-        k = self._switch_constants(src.tp, tuple(t.tp for t in targets), rows)
-        ctx = context.astype(float)
-        sent = ctx
-        if shared is not None:
-            grows = np.array([t.tp > src.tp for t in targets])[:, None, None]
-            sent = ctx - np.where(grows, np.minimum(shared, ctx), 0)
-        migrate_cost = sent * k.migrate_per_token  # (m, rows, n)
-        recompute_cost = k.prefill_s + (k.prefill_b + k.prefill_c * ctx) * ctx
-        migrate = migrate_cost <= recompute_cost
-        moves = alive & holds_kv
-        # five per-replica sums in one bincount: weights stacked, keys offset by `size` each
-        weights = np.empty((5, m, rows, n))
-        np.multiply(np.minimum(migrate_cost, recompute_cost), moves, out=weights[0])
-        np.logical_and(migrate, moves, out=weights[1], casting="unsafe")
-        weights[2] = moves
-        weights[3] = alive
-        np.multiply(alive, ctx, out=weights[4])
-        keys = (k.sum_start + np.stack(assignments)[None, :, None, :]).ravel()
-        cost, migrating, moving, count, tokens = np.bincount(
-            keys, weights=weights.ravel(), minlength=5 * k.size
-        ).reshape(5, k.size)
-        total = cost + (migrating > 0) * k.send_alpha + (moving > migrating) * k.prefill_a
-        fits = (count <= self.config.max_num_seqs) & (tokens <= k.capacity)
-        starts = k.group_start.ravel()
-        worst = np.maximum.reduceat(total, starts).reshape(m, rows) + k.fixed
-        # (m, 1) * (rows,): every rank takes part in exchanging all the sequences in flight
-        worst += k.per_seq * alive.sum(axis=-1) + k.per_token * (alive * ctx).sum(axis=-1)
-        ok = np.minimum.reduceat(fits, starts).reshape(m, rows)
-        return np.where(ok, worst, np.inf), migrate
+        """`PlanPricer.shrinking_share`: a check `steps` away is that much nearer in time than
+        the batch's pace says."""
+        return self.pricer.shrinking_share(running, current, steps)
 
     def switch_overhead(
         self, running: RunningSet, src: Layout, dst: Layout, assignment: np.ndarray
     ) -> tuple[float, np.ndarray]:
         """Predicted seconds of switching now, and per sequence whether its KV is migrated."""
-        alive = np.ones((1, len(running)), dtype=bool)
-        context = running.context[None, :]
-        overhead, migrate = self._overheads(
-            src, [dst], [assignment], context, alive, running.holds_kv, running.shared
-        )
-        return float(overhead[0, 0]), migrate[0, 0]
-
-    # --- decision -----------------------------------------------------------------------
-
-    def _delays(self, median: np.ndarray) -> np.ndarray:
-        """Steps after which a delayed switch is priced: when the given fractions of the
-        sequences are predicted finished (median scenario)."""
-        at = [int(level * (len(median) - 1)) for level in self.config.delay_levels]
-        if not at:
-            return np.zeros(0)
-        delays = {float(d) for d in np.floor(np.partition(median, at)[at])}
-        return np.array(sorted(d for d in delays if d > 0))
-
-    def _never_pays(self, current: Layout, target: Layout, running: RunningSet) -> bool:
-        """True when no moment of this rollout can make `target` faster than `current`: each
-        replica's sequences only shrink, and at every batch size the busiest replica can
-        still have, a step of the target is no faster than one of the current layout's
-        replicas in its best case (`_no_faster_step`), at the shortest and the longest
-        context a sequence can have."""
-        longest = float(running.context.max() + running.remaining.max())
-        contexts = (float(running.context.min()), longest)
-        busiest = int(np.bincount(running.replica).max())
-        return self._no_faster_step(current, target, busiest, contexts)
-
-    def _no_faster_step(
-        self, current: Layout, target: Layout, n: int, contexts: tuple[float, float]
-    ) -> bool:
-        """With at most n sequences on any replica of `current`. Growing merges replicas into
-        one that holds their sum, and is slowed by their busiest, of B <= n: the merge is
-        fastest against it when the others are empty, so it never pays if step(target, B) >=
-        step(current, B) for every B <= n. Shrinking splits a replica's B over k, at best
-        ceil(B / k) each: it never pays if step(target, ceil(B / k)) >= step(current, B).
-        Every sequence of `contexts` = (shortest, longest) tokens: a step is linear in the
-        total and the longest context, so it is checked at the corners of what B sequences
-        can hold (all shortest, all longest, one longest among the shortest)."""
-        batch = np.arange(1, n + 1, dtype=float)
-        grow = target.tp > current.tp
-        mine = batch if grow else np.ceil(batch / (current.tp // target.tp))
-        for now, then in zip(
-            _at_corners(self.latency, current.tp, batch, contexts),
-            _at_corners(self.latency, target.tp, mine, contexts),
-            strict=True,
-        ):
-            if (then < now).any():
-                return False
-        return True
+        return self.pricer.switch_overhead(running, src, dst, assignment)
 
     def never_switches_from(self, current: Layout, max_context: int) -> bool:
-        """True when no rollout opened at `current` can ever switch: no candidate is faster
-        than it at any batch a replica can hold (max_num_seqs, on either side of a switch)
-        with sequences of 1 to `max_context` tokens. Every rank of an engine answers alike
-        from the same profile, so the engine can skip its checks without asking the others:
-        for a model too small for TP to pay, an opening check alone costs 1-3% of a 0.08 s
-        rollout on the CPU box."""
+        """True when no rollout opened at `current` can ever switch: no candidate is faster at
+        any batch a replica can hold (max_num_seqs) with sequences of 1 to `max_context`
+        tokens. Every rank answers alike from the same profile, so an engine can skip its
+        checks without asking the others."""
         n = self.config.max_num_seqs
         targets = [t for t in self.candidates if t != current and nested(t, current)]
-        return all(self._no_faster_step(current, t, n, (1.0, float(max_context))) for t in targets)
+        contexts = (1.0, float(max_context))
+        return all(self.pricer.no_faster_step(current, t, n, contexts) for t in targets)
 
     def may_switch(self, running: RunningSet, current: Layout) -> bool:
         """Whether a switch from `current` could pay before the rollout ends with no sequence
-        running longer than `running.remaining.max()` more tokens (`_never_pays`). Given
-        every sequence's hard bound (its max_tokens), False spares the caller predicting the
-        lengths: whatever they turn out to be, `decide` stays until the rollout ends."""
-        return any(not self._never_pays(current, t, running) for t in self._admissible(current))
+        running longer than `running.remaining.max()` more tokens. Given every sequence's hard
+        bound (its max_tokens), False spares the caller predicting the lengths."""
+        return any(
+            not self.pricer.never_pays(current, t, running) for t in self._admissible(current)
+        )
+
+    # --- the decision -------------------------------------------------------------------
 
     def _admissible(self, current: Layout) -> list[Layout]:
         result = []
@@ -427,76 +187,29 @@ class ReconfigPlanner:
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         """Stay or switch, with the predicted time of every option considered.
 
-        Staying and switching now are priced in every quantile scenario; delaying each switch
-        by the `_delays` steps in the median scenario, where a delayed total is the
-        switch-now total shifted by what delaying changes in that scenario. All of it in one
-        vectorised pass of finish times and one of overheads: a second round of calls for
-        the delays alone would cost more than their rows."""
+        Staying and switching now are priced in every quantile scenario; each delayed switch
+        in the median scenario, carried over to all as switching now is. All of it in one
+        vectorised pass of finish times and one of overheads."""
         n, q = running.remaining.shape
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
         self._calls += 1
         admissible = self._admissible(current)
-        targets = [t for t in admissible if not self._never_pays(current, t, running)]
+        targets = [t for t in admissible if not self.pricer.never_pays(current, t, running)]
         if admissible and not targets:
-            # no switch can pay before the rollout ends: ask again only when it has
-            stay = Option(
-                current,
-                self.finish_time(current.tp, current.dp, running.replica, running),
-                0.0,
-                np.inf,
-                0,
-                running.replica,
-                np.zeros(n, dtype=bool),
-            )
-            self._since_switch += 1
-            decision = Decision(
-                "stay",
-                current,
-                current,
-                0.0,
-                0.0,
-                f"no switch can pay: {', '.join(map(str, admissible))} no faster than "
-                f"{current} at any batch of <= {n} sequences",
-                [stay],
-                running.seq_ids,
-                recheck_steps=NEVER,
-            )
-            self.decisions.append(decision)
-            return decision
-        assignments = [self._assign(running, current, t) for t in targets]
-        med = q // 2
-        median = running.remaining[:, med]
-        delays = self._delays(median) if targets else np.zeros(0)
-        m, k = len(targets), len(delays)
-        rows = Questions()
-        for col in range(q):
-            rows.add(0, col, False, np.inf, current)  # stay to the end
-        for j, target in enumerate(targets, start=1):
-            for col in range(q):
-                rows.add(j, col, True, 0.0, target)  # switch now
-        for delay in delays:
-            rows.add(0, med, False, delay, current)  # the steps before a delayed switch
-        for j, target in enumerate(targets, start=1):
-            for delay in delays:
-                rows.add(j, med, True, delay, target)  # the steps after it
+            return self._stay_for_good(running, current, admissible)
+        assignments = [assign_replicas(running, current, t) for t in targets]
+        median = running.remaining[:, q // 2]
+        delays = delay_steps(median, self.config.delay_levels) if targets else np.zeros(0)
         # At a rollout's first call a split may pay only with a fold back for the tail (it
         # opened at a TP that suits the tail, where this batch's bulk runs faster on more
         # replicas): "split now, fold back after `delay` steps", median scenario.
         trips = [j for j, t in enumerate(targets) if t.tp < current.tp] if self._calls == 1 else []
-        for j in trips:
-            for delay in delays:
-                rows.add(j + 1, med, False, delay, targets[j])  # split: the steps before
-        if trips:
-            for delay in delays:
-                rows.add(0, med, True, delay, current)  # folded back: the steps after
-        all_assignments = np.stack([running.replica, *assignments])
-        times = self._times(rows, all_assignments, running)
+        rows = plan_questions(current, targets, q, delays, trips)
+        times = self.pricer.times(rows, np.stack([running.replica, *assignments]), running)
+        m, k = len(targets), len(delays)
         split = (m + 1) * q
         now = times[:split].reshape(m + 1, q)
-        before = times[split : split + k]
-        after = times[split + k : split + k + m * k].reshape(m, k)
-        trip_rows = times[split + k + m * k :]
         never = np.zeros(n, dtype=bool)
         options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
         if targets:
@@ -504,105 +217,55 @@ class ReconfigPlanner:
             steps = np.r_[0.0, delays][:, None]
             context = running.context[None, :] + np.minimum(median[None, :], steps)
             alive = (median[None, :] > steps) | (steps == 0)
-            overheads, migrate = self._overheads(
+            overheads, migrate = self.pricer.overheads(
                 current, targets, assignments, context, alive, running.holds_kv, running.shared
             )
-            run = now[1:].mean(axis=1)
-            later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
-            if k:
-                later = before + overheads[:, 1:] + after  # (targets, delays), median scenario
-                best = np.argmin(later, axis=1)
-                # carry the all-scenario view of switching now over to the delayed plan
-                later_s = later[np.arange(m), best] + run - now[1:, med]
-                later_steps = delays[best].astype(int)
-            for j, (run_s, overhead_s, delayed_s, steps_later) in enumerate(
-                zip(
-                    run.tolist(),
-                    overheads[:, 0].tolist(),
-                    later_s.tolist(),
-                    later_steps.tolist(),
-                    strict=True,
-                )
-            ):
-                options.append(
-                    Option(
-                        targets[j], run_s, overhead_s, delayed_s, steps_later, assignments[j],
-                        migrate[j, 0],
-                    )
-                )  # fmt: skip
+            before = times[split : split + k]
+            after = times[split + k : split + k + m * k].reshape(m, k)
+            options += _switch_options(
+                targets, assignments, now, before, after, overheads, migrate, delays
+            )
             if trips and k:
+                trip_rows = times[split + k + m * k :]
                 self._price_round_trips(
-                    options, trips, trip_rows, delays, context[1:], alive[1:], now, med
+                    options, trips, trip_rows, delays, context[1:], alive[1:], now, q // 2
                 )
         decision = self._choose(options, current, running.seq_ids)
         if decision.action == "stay" and decision.recheck_steps is None and targets:
-            decision.quiet_steps = self._quiet(running, current, targets, assignments)
+            decision.quiet_steps = self.pricer.quiet_steps(running, current, targets, assignments)
         self.decisions.append(decision)
         return decision
 
-    def _quiet(
-        self,
-        running: RunningSet,
-        current: Layout,
-        targets: list[Layout],
-        assignments: list[np.ndarray],
-    ) -> int:
-        """Decode steps before any target group could run a step faster than the replicas it
-        merges, were every sequence to finish at its lowest predicted quantile (the scenario
-        that shrinks the batch soonest), at any corner of the contexts the sequences can reach
-        (`_at_corners`). A switch at a step before then gains no more than one at it
-        (the steps between are no faster on the target) and can cost less only by the KV of
-        the shorter contexts it moves, which this check priced in its delayed switches: the
-        caller need not ask again before then. 0 with a split among the targets (more
-        replicas win large batches: nothing to wait for) or a target faster already."""
-        if any(t.tp < current.tp for t in targets):
-            return 0
-        earliest = running.remaining.min(axis=1)
-        contexts = (
-            float(running.context.min()),
-            float(running.context.max() + running.remaining.max()),
+    def _stay_for_good(
+        self, running: RunningSet, current: Layout, admissible: list[Layout]
+    ) -> Decision:
+        """No admissible switch can pay before the rollout ends: stay, and ask not to be
+        called again (`recheck_steps=NEVER`)."""
+        n = len(running)
+        stay = Option(
+            current,
+            self.finish_time(current.tp, current.dp, running.replica, running),
+            0.0,
+            np.inf,
+            0,
+            running.replica,
+            np.zeros(n, dtype=bool),
         )
-        wait = np.inf
-        for target, assignment in zip(targets, assignments, strict=True):
-            for group in np.unique(assignment):
-                mine = assignment == group
-                wait = min(
-                    wait,
-                    self._first_faster_step(
-                        current, target, running.replica[mine], earliest[mine], contexts
-                    ),
-                )
-                if wait == 0:
-                    return 0
-        return int(wait) if np.isfinite(wait) else 0
-
-    def _first_faster_step(
-        self,
-        current: Layout,
-        target: Layout,
-        replica: np.ndarray,
-        remaining: np.ndarray,
-        contexts: tuple[float, float],
-    ) -> float:
-        """The first step (0: now) at which one `target` group holding these sequences (each
-        alive for `remaining` more steps, on `replica` of `current`) runs a step faster than
-        the busiest of those replicas, at any corner of `contexts` (`_at_corners`); inf if it
-        never does. The counts change only when a sequence finishes, so only those steps are
-        priced."""
-        steps = np.r_[0.0, np.unique(remaining)]
-        alive = remaining[None, :] > steps[:, None]  # (steps, seqs)
-        counts = np.stack([alive[:, replica == r].sum(axis=1) for r in np.unique(replica)])
-        total = counts.sum(axis=0).astype(float)
-        busiest = counts.max(axis=0).astype(float)
-        faster = np.zeros(len(steps), dtype=bool)
-        for now, then in zip(
-            _at_corners(self.latency, current.tp, busiest, contexts),
-            _at_corners(self.latency, target.tp, total, contexts),
-            strict=True,
-        ):
-            faster |= (then < now) & (total > 0)
-        hit = np.flatnonzero(faster)
-        return float(steps[hit[0]]) if len(hit) else np.inf
+        self._since_switch += 1
+        decision = Decision(
+            "stay",
+            current,
+            current,
+            0.0,
+            0.0,
+            f"no switch can pay: {', '.join(map(str, admissible))} no faster than "
+            f"{current} at any batch of <= {n} sequences",
+            [stay],
+            running.seq_ids,
+            recheck_steps=NEVER,
+        )
+        self.decisions.append(decision)
+        return decision
 
     def _price_round_trips(
         self,
@@ -626,7 +289,7 @@ class ReconfigPlanner:
         holds = np.ones(context.shape[1], dtype=bool)
         for i, j in enumerate(trips):
             split = options[j + 1]
-            back, _ = self._overheads(
+            back, _ = self.pricer.overheads(
                 split.layout, [current.layout], [current.assignment], context, alive, holds
             )
             total = split.overhead_s + before[i] + back[0] + after
@@ -686,16 +349,31 @@ class ReconfigPlanner:
         )
 
 
-def _at_corners(
-    latency: LatencyModel, tp: int, batch: np.ndarray, contexts: tuple[float, float]
-) -> list[np.ndarray]:
-    """Step times of `batch` sequences of `contexts` = (shortest, longest) tokens at the
-    corners of their (total, longest) contexts: all shortest, all longest, one longest among
-    the shortest. A step is linear in both, so a difference of two layouts' steps is least at
-    one of them."""
-    low, high = contexts
-    rest = np.maximum(batch - 1, 0)
+def _switch_options(
+    targets: list[Layout],
+    assignments: list[np.ndarray],
+    now: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    overheads: np.ndarray,
+    migrate: np.ndarray,
+    delays: np.ndarray,
+) -> list[Option]:
+    """One option per target from its priced rows: run and overhead of switching now (all
+    scenarios), and its best delayed switch (median scenario, carried over to all as
+    switching now is)."""
+    m, k, med = len(targets), len(delays), now.shape[1] // 2
+    run = now[1:].mean(axis=1)
+    later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
+    if k:
+        later = before + overheads[:, 1:] + after  # (targets, delays), median scenario
+        best = np.argmin(later, axis=1)
+        later_s = later[np.arange(m), best] + run - now[1:, med]
+        later_steps = delays[best].astype(int)
     return [
-        latency.step_time(tp, batch, rest * others + longest, np.full_like(batch, longest))
-        for others, longest in ((low, low), (high, high), (low, high))
-    ]
+        Option(
+            targets[j], float(run[j]), float(overheads[j, 0]), float(later_s[j]),
+            int(later_steps[j]), assignments[j], migrate[j, 0],
+        )
+        for j in range(m)
+    ]  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from patrl.lenpredict.profile import (
+from patrl.lenpredict.profile_schema import (
     DTYPE_BYTES,
     CollectiveRow,
     DecodeRow,

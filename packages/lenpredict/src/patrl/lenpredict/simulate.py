@@ -22,12 +22,12 @@ from typing import Any, Literal
 import numpy as np
 
 from patrl.lenpredict.latency_model import LatencyModel
-from patrl.lenpredict.layout import Layout
+from patrl.lenpredict.layout import Layout, usable_tp_sizes
 from patrl.lenpredict.length_predictor import LengthPredictor, PredictorConfig
 from patrl.lenpredict.length_trace import PromptGroup, group_by_step, read_lengths
 from patrl.lenpredict.planner import PlannerConfig, ReconfigPlanner
-from patrl.lenpredict.profile import Profile
-from patrl.lenpredict.simulator import (
+from patrl.lenpredict.profile_schema import Profile
+from patrl.lenpredict.rollout_sim import (
     AdaptivePolicy,
     RemainingFn,
     RolloutSimulator,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         plan_interval_steps=args.plan_interval_steps,
         assignment=args.assignment,
     )
-    tp_sizes = [tp for tp in profile.tp_sizes if world % tp == 0]
+    tp_sizes = list(usable_tp_sizes(profile.tp_sizes, world))
     planner_config = PlannerConfig(
         candidate_tp=tuple(tp_sizes),
         max_num_seqs=args.max_num_seqs,

@@ -1,17 +1,15 @@
 """patrl.tpreshard: parallel layouts as data, and how parameters are cut across TP ranks."""
 
 from patrl.tpreshard.comm import (
-    CollectiveTimeout,
-    ShmComm,
     broadcast_obj,
     gather_objects,
-    shm_supported,
     tp_all_gather,
     tp_all_gather_into,
     tp_all_reduce,
     tp_broadcast,
 )
 from patrl.tpreshard.groups import GroupCache
+from patrl.tpreshard.kv_reshard import KVShape, SequenceMove, reshard_kv
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.reshard import (
     ReshardStats,
@@ -31,12 +29,15 @@ from patrl.tpreshard.shard import (
     shard_tensor,
     vocab_range,
 )
+from patrl.tpreshard.shm import CollectiveTimeout, ShmComm, shm_supported
 
 __all__ = [
     "CollectiveTimeout",
     "GroupCache",
+    "KVShape",
     "ParallelLayout",
     "ReshardStats",
+    "SequenceMove",
     "ShardKind",
     "ShardPart",
     "ShardSpec",
@@ -49,6 +50,7 @@ __all__ = [
     "index_map",
     "load_full",
     "reshard_",
+    "reshard_kv",
     "restore_full_",
     "shard_part",
     "shard_tensor",

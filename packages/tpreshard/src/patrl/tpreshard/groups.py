@@ -1,18 +1,11 @@
 """Every process group a run may use, created once, up front, in the same order on every rank.
 
-A rank that skips a `new_group` call makes a *later* group creation hang forever (the group
-names come from a per-process counter; research/feasibility.md §2). So groups are never made
-lazily: `GroupCache` builds the TP and DP groups of every candidate layout at start-up, and
-`layout(tp)` afterwards only looks them up.
-
-TP groups are consecutive ranks (`[0..tp)`, `[tp..2tp)`, ...), which keeps a TP group inside a
-node whenever `tp` divides the node's size (`LOCAL_WORLD_SIZE`); DP groups join the ranks with
-the same TP rank.
-
-A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`, the default): its
-per-step collectives then go through shared memory instead of gloo (patrl.tpreshard.comm). So
-does the whole world when it is one gloo host (`world_comm()`, for the adaptive controller's
-control traffic).
+A rank that skips a `new_group` call makes a *later* group creation hang (group names come from
+a per-process counter; research/feasibility.md §2), so `GroupCache` builds the TP and DP groups
+of every candidate layout at start-up and `layout(tp)` only looks them up. TP groups are
+consecutive ranks (inside a node when `tp` divides LOCAL_WORLD_SIZE); DP groups join the ranks
+with the same TP rank. A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`),
+and so does the whole world when it is one gloo host (`world_comm()`).
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from patrl.tpreshard.comm import ShmComm, shm_supported
 from patrl.tpreshard.layout import ParallelLayout
+from patrl.tpreshard.shm import ShmComm, shm_supported
 
 TP_COMM_CHOICES = ("auto", "shm", "process_group")
 
@@ -97,10 +90,9 @@ class GroupCache:
         return comms
 
     def _create_world_comm(self, mode: str, local: int) -> ShmComm | None:
-        """A ShmComm over every rank when the whole world is one gloo host: the adaptive
-        controller's checks (a summary all-gather and a decision broadcast) then cost tens of
-        microseconds instead of gloo's milliseconds. The TP group of the world's size is the
-        world: its comm serves."""
+        """A ShmComm over every rank when the whole world is one gloo host, for the adaptive
+        controller's control traffic (a summary all-gather and a decision broadcast); the TP
+        group of the world's size, when a candidate, is the world and its comm serves."""
         world = tuple(range(self.world_size))
         if world in self._comms:
             return self._comms[world]
@@ -112,7 +104,7 @@ class GroupCache:
         # a rank whose replica ran dry waits here while the others decode: as long as the
         # world group itself would wait (torch's default when no timeout was given)
         timeout = self._timeout or dist.default_pg_timeout
-        # pickled summaries of a few hundred samples: 1 MB slots, larger ones go in rounds
+        # pickled per-check summaries are small: 1 MB slots, larger ones go in rounds
         return ShmComm(group, slot_bytes=1 << 20, timeout_s=timeout.total_seconds(), name="world")
 
     def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:

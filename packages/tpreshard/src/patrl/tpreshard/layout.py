@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import ProcessGroup
 
 if TYPE_CHECKING:
-    from patrl.tpreshard.comm import ShmComm
+    from patrl.tpreshard.shm import ShmComm
 
 __all__ = ["ParallelLayout", "single_process_layout"]
 
@@ -28,7 +28,7 @@ class ParallelLayout:
     dp_rank: int = 0
     dp_group: ProcessGroup | None = None
     # The TP group's per-step collectives through shared memory (ranks on one host); None:
-    # they go through `tp_group`. See patrl.tpreshard.comm.
+    # they go through `tp_group`. See patrl.tpreshard.shm.
     tp_comm: ShmComm | None = None
 
     def __post_init__(self) -> None:

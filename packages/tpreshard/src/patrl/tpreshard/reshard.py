@@ -1,35 +1,12 @@
-"""In-place weight resharding of a module between two TP layouts.
+"""In-place weight resharding of a module between two TP layouts (`reshard_`).
 
-Every parameter with a `shard_spec` is re-cut for the destination layout, and every module's
-`layout` attribute is swapped, so layers that derive their head counts and vocabulary range from
-`self.layout` run at the new layout straight away.
-
-One rule serves every spec (replicated, column, row, vocab, fused parts, replicated KV heads):
-an *index map* says which rows (along the split dimension) of the full tensor a rank holds, by
-cutting `arange(full)` with the spec itself. Then
-- from TP 1 a rank holds every row, so the new shard is a selection of the old one: no
-  communication. On CPU it is cut *inside the old storage* (`_narrow_in_place`): the kept
-  rows are moved to its front (or, when they are one run, left where they are) and the pages
-  no longer needed are handed back to the OS. Allocating the new shard instead cost more in
-  page faults than the copy itself (a 600 MB narrowing: 0.22 s into fresh memory, 0.09 s
-  into touched memory, the first time in a process 1.8 s, on this project's 2-core box);
-- from TP > 1 the old shards are all-gathered inside the *source* TP group (which holds every row)
-  and the new shard is picked from the gathered pieces (through shared memory, a block of rows
-  at a time, straight into the new shard). With consecutive-rank TP groups the
-  source group of a shrink is the larger one, and in a grow from tp > 1 a rank's new rows can sit
-  on another rank of its old group (tp 2 -> 4: rank 1 needs rows that rank 0 holds), so the
-  gather runs in the old group in both cases.
-Copies only, so the result equals a fresh load bit for bit.
-
-With `keep_full=True` a move out of TP 1 keeps each rank's full tensors: a shard that is one
-contiguous block of its full tensor's storage is a view of it, the others (fused parts, padding,
-a column block) are copies beside it. The way back to TP 1 is then free, without communication,
-while the weights stay as they were: this is how an engine folds replicas for a rollout's tail
-and, at the next weight sync, loads into the full tensors again in place. Anything that writes
-into the shards must `forget_full` first (the loader does). The price is memory: the full
-tensors plus the copied shards, which stay at TP 1 too, for the next fold to fill without
-fresh pages (on a model with a 152k vocabulary, its untied head half of the weights, the
-copies are about half the model again).
+Every parameter with a `shard_spec` is re-cut for the destination layout and every module's
+`layout` attribute is swapped. One rule serves every spec: an *index map* says which rows of
+the full tensor a rank holds. From TP 1 the new shard is a selection of the old one, cut inside
+the old storage on CPU (fresh pages would cost more than the copy); from TP > 1 the shards are
+all-gathered in the source TP group and each rank picks its rows. Copies only, so the result
+equals a fresh load bit for bit. `keep_full=True` keeps a rank's full tensors on a move out of
+TP 1, so the way back is free; anything that writes into the shards must `forget_full` first.
 """
 
 from __future__ import annotations
@@ -59,9 +36,8 @@ __all__ = [
 ]
 
 _FULL = "_patrl_full"  # on a parameter: its full (TP 1) tensor, kept by reshard_(keep_full=True)
-# On a parameter back at TP 1: the copied shard of its last fold, reused by the next one (a
-# fresh 150 MB shard cost 50 ms in page faults, the copy into a touched one 8 ms, on this
-# project's 2-core box)
+# On a parameter back at TP 1: the copied shard of its last fold, reused by the next one
+# (touched pages: no page faults to pay again)
 _SHARD = "_patrl_shard"
 
 
@@ -215,8 +191,7 @@ def _shard_of_full(
 ) -> torch.Tensor:
     """This rank's shard of a full tensor that stays: a view where it is one contiguous block
     of the storage, else a copy (into `spare`, the last fold's copy, when it fits). A strided
-    view would cost no copy but slow every step: the vocabulary half of an input-major LM
-    head, a column block, ran its matmul 10-25% slower than a contiguous copy at 8-32 rows."""
+    view would cost no copy but slow every matmul that reads it."""
     dim = spec.dim
     assert dim is not None
     transposed = is_input_major(full)
@@ -325,11 +300,9 @@ def _gather_runs(
 ) -> None:
     """new = the runs of the source group's shards, placed block by block as the shards arrive
     through shared memory: two copies of each byte (into the slot, out to its place) where a
-    whole gather and a re-cut make four, and no gathered buffer (a tp 2 -> 1 shrink moved its
-    weights 1.5-1.8x faster on a 2-layer 160M model, 3.6-4.5x on a 12-layer 124M one). In
-    storage order a run lies along rows (the split
-    dimension is the storage's first) or along columns (its second: every block of rows holds
-    a piece of every run)."""
+    whole gather and a re-cut make four, and no gathered buffer. In storage order a run lies
+    along rows (the split dimension is the storage's first) or along columns (its second:
+    every block of rows holds a piece of every run)."""
     assert src.tp_comm is not None
     target = _storage(new, transposed)
     along_rows = (dim == 0) != transposed or new.dim() == 1

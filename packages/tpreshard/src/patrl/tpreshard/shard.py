@@ -1,19 +1,11 @@
-"""How one parameter is cut across the ranks of a tensor-parallel group.
+"""How one parameter is cut across the ranks of a tensor-parallel group (`ShardSpec`).
 
-A `ShardSpec` describes the *full* tensor and how it is split; the local shape on any rank is
-derived from it, so the same spec serves every TP size (loading a checkpoint, weight sync from
-the trainer, resharding between layouts).
-
-Fused parameters (qkv, gate_up) are described by their parts and every part is split on its
-own, then the local pieces are concatenated (gpt-fast's split-then-shard): cutting the fused
-tensor in equal chunks would hand rank 0 all of q and rank 1 all of k and v.
-
-Head-structured parts (k and v of a GQA model) are *replicated* when the group has more ranks
-than the part has heads: rank r then takes the kv head its own q heads attend with, which is
-head `r * num_heads // tp_size` (this needs `tp_size % num_heads == 0`).
-
-The vocabulary dimension of embeddings and LM heads is split in equal blocks of
-`ceil(vocab / tp_size)` rows; the last rank's block is zero-padded past the real vocabulary.
+A spec describes the *full* tensor and its split; local shapes derive from it, so one spec
+serves every TP size. Fused parameters (qkv, gate_up) are split part by part and re-fused
+(cutting the fused tensor would hand rank 0 all of q). KV heads are *replicated* when the group
+has more ranks than heads: rank r takes head `r * num_heads // tp_size` (needs
+`tp_size % num_heads == 0`). Vocabulary dimensions split in blocks of `ceil(vocab / tp_size)`
+rows, the last zero-padded past the real vocabulary.
 """
 
 from __future__ import annotations
@@ -278,9 +270,8 @@ def is_input_major(t: torch.Tensor) -> bool:
 
 def copy_rows_(target: torch.Tensor, source: torch.Tensor) -> None:
     """target.copy_(source), in tiles of rows when `target` is stored transposed (the engine's
-    input-major CPU weights). Transposing is dearer than a plain copy either way: loading a
-    134M-parameter fp32 Llama took 0.07-0.11 s row-major, 0.65-0.75 s transposed by one copy_
-    per tensor and 0.38 s in tiles of 32 rows (8: 0.75 s, 128: 0.47 s), on a 2-core x86 box."""
+    input-major CPU weights): a transposing copy in tiles stays in cache, one whole-tensor
+    copy_ does not."""
     if not is_input_major(target):
         target.copy_(source)
         return

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from patrl.lenpredict.layout import usable_tp_sizes
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 Dtype = Literal["float32", "bfloat16", "float16"]
 CollectiveOp = Literal["all_reduce", "all_gather", "broadcast", "send"]
@@ -91,8 +93,7 @@ class DecodeRow(_Strict):
 class PrefillRow(_Strict):
     """One prefill step of `num_seqs` sequences of `tokens` tokens each. Rows of several
     sequences are what price the work a prefill does per sequence rather than per token: the
-    LM head on its last position and the sampler's draw (on a 152k vocabulary, 2 layers of
-    width 512, 7 ms at tp 1: 34 prompt tokens' worth, 2026-11-24)."""
+    LM head on its last position and the sampler's draw, dear on a large vocabulary."""
 
     tp: int = Field(gt=0)
     tokens: int = Field(gt=0)
@@ -140,9 +141,10 @@ class Profile(_Strict):
     def _tp_fits_hardware(self) -> Profile:
         n = self.hardware.num_devices
         switch_tps = {r.src_tp for r in self.switches} | {r.dst_tp for r in self.switches}
-        for tp in {r.tp for r in self.decode} | {r.tp for r in self.prefill} | switch_tps:
-            if n % tp:
-                raise ValueError(f"rows with tp={tp}: it does not divide num_devices={n}")
+        tps = {r.tp for r in self.decode} | {r.tp for r in self.prefill} | switch_tps
+        bad = sorted(tps - set(usable_tp_sizes(tps, n)))
+        if bad:
+            raise ValueError(f"rows with tp={bad[0]}: it does not divide num_devices={n}")
         return self
 
     @property

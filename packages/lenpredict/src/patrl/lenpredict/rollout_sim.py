@@ -1,26 +1,13 @@
 """A step-level simulation of a rollout: continuous batching on DP replicas, TP switches.
 
-Each replica runs the engine's scheduler rules (nano-vllm's, which ours follows):
-- a step is either a prefill of newly admitted work or one decode step of every running
-  sequence; prefill goes first whenever the head of the waiting queue can be admitted;
-- admission, in queue order, while running + new <= `max_num_seqs`, the step's prefill tokens
-  <= `max_num_batched_tokens`, and the KV blocks fit in the replica's block budget;
-- a fresh prompt group is admitted whole: its prompt is prefilled once and its n samples share
-  the prompt's full blocks; each sample gets its first token from the prefill;
-- when a decode step needs a block that is not free, the most recently admitted sequence is
-  preempted: its blocks are freed and it is re-queued first, to be recomputed by a prefill of
-  its prompt plus what it had generated.
-Between events (a finish, a block shortage, the next planner call) every decode step of a
-replica has the same batch, so they are advanced together; the step time is linear in the
-total and the longest context, both growing by a fixed amount a step, so k steps cost
-k · step_time(middle step) exactly. The timeline keeps one segment per such
-run of identical steps.
-
-Replicas advance independently; the planner sees all unfinished sequences before the first
-prefill (the starting layout is its choice too) and then every `plan_interval_steps` steps of
-each replica, or sooner when it asked to be asked again. A switch is collective: every replica
-waits for the slowest, pays the predicted overhead, and the sequences move to the replicas the
-planner assigned.
+Each replica follows the engine's scheduler rules: a step prefills newly admitted work (first,
+whenever the queue's head fits `max_num_seqs`, `max_num_batched_tokens` and the KV blocks) or
+decodes every running sequence; a prompt group is admitted whole and its samples share the
+prompt's full blocks; a block shortage preempts the latest admitted sequence for recompute.
+Identical decode steps between events are advanced together (a step is linear in the total
+and longest context, so k steps cost k · step_time(middle step)). The planner is asked before
+the first prefill and every `plan_interval_steps`; a switch waits for the slowest replica,
+pays the predicted overhead and moves sequences to the replicas the planner assigned.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""Redistribute sequences' KV heads between two nested TP layouts (`reshard_kv`), on plain tensors.
+
+Everything moves inside the *exchange group*, the TP group of the larger layout: TP groups are
+consecutive ranks, so it holds every old replica that merges into a new one, or every new
+replica an old one splits into. Position `i` in it is old TP rank `i % src_tp` of old replica
+`i // src_tp` and new TP rank `i % dst_tp` of new replica `i // dst_tp`. A head a receiver
+already holds stays; the rest go by paired isend/irecv in bounded chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from patrl.tpreshard.layout import ParallelLayout
+from patrl.tpreshard.shard import head_range
+
+__all__ = ["KVShape", "SequenceMove", "reshard_kv"]
+
+_CHUNK_BYTES = 4 << 20  # bound on one message, so no transfer needs a second whole copy
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What every sequence's KV has in common: layers, KV heads in all, head size, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceMove:
+    """One sequence's way through a reshard, the same on every rank of the exchange group:
+    from old replica `src_replica` to new replica `dst_replica` (both counted inside the
+    group), `num_tokens` of KV. The first `skip` tokens of heads that cross ranks are not
+    sent (the receiver already holds them elsewhere); their rows come back unfilled."""
+
+    key: Hashable
+    src_replica: int
+    dst_replica: int
+    num_tokens: int
+    skip: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Heads [lo, hi) of sequence `move` go from exchange position `src` to `dst`."""
+
+    move: SequenceMove
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+def reshard_kv(
+    local: Mapping[Hashable, tuple[torch.Tensor, torch.Tensor]],
+    moves: Sequence[SequenceMove],
+    src: ParallelLayout,
+    dst: ParallelLayout,
+    shape: KVShape,
+) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (k, v) under `dst` of every sequence its new replica takes, each
+    [layers, tokens, local heads, head_dim] with the heads `head_range(num_kv_heads, dst)`.
+
+    `local` holds this rank's (k, v) under `src` of each sequence of its old replica (heads
+    `head_range(num_kv_heads, src)`, at least `num_tokens` tokens). Collective over the exchange
+    group: every rank passes the same `moves`, in the same order."""
+    big = _check_layouts(src, dst)
+    routes = [r for m in moves for r in _routes(m, src.tp_size, dst.tp_size, shape.num_kv_heads)]
+    me = big.tp_rank
+    out = {
+        m.key: _empty_pair(shape, m.num_tokens, dst)
+        for m in moves
+        if m.dst_replica == me // dst.tp_size
+    }
+    src_start = head_range(shape.num_kv_heads, src.tp_rank, src.tp_size)[0]
+    dst_start = head_range(shape.num_kv_heads, dst.tp_rank, dst.tp_size)[0]
+    works, pending = [], []
+    for index, route in enumerate(routes):
+        if me not in (route.src, route.dst):
+            continue
+        m = route.move
+        if route.src == route.dst:
+            _place(out[m.key], local[m.key], route, src_start, dst_start, m.num_tokens)
+            continue
+        if route.src == me:
+            msg = _message(local[m.key], route, src_start)
+        else:
+            buf = _buffer(shape, m.num_tokens, route.hi - route.lo)
+            pending.append((route, buf))
+            msg = buf[m.skip :]
+        works += _post(msg, index, route, me, big.tp_group)
+    for work in works:
+        if work is not None:
+            work.wait()
+    for route, buf in pending:
+        k, v = buf.permute(1, 2, 0, 3, 4).unbind(0)  # -> [layers, tokens, heads, head_dim] each
+        lo, hi = route.lo - dst_start, route.hi - dst_start
+        out_k, out_v = out[route.move.key]
+        skip = route.move.skip
+        out_k[:, skip:, lo:hi].copy_(k[:, skip:])
+        out_v[:, skip:, lo:hi].copy_(v[:, skip:])
+    return out
+
+
+def _check_layouts(src: ParallelLayout, dst: ParallelLayout) -> ParallelLayout:
+    """The larger layout, whose TP group is the exchange group; raise unless nested."""
+    big, small = (dst, src) if dst.tp_size > src.tp_size else (src, dst)
+    if big.tp_size == small.tp_size or big.tp_size % small.tp_size:
+        raise ValueError(
+            f"reshard_kv needs one TP size to be a multiple of the other, and different: "
+            f"got src tp_size={src.tp_size}, dst tp_size={dst.tp_size}"
+        )
+    if big.tp_group is None:
+        raise ValueError(f"the larger layout (tp_size={big.tp_size}) has no TP group")
+    return big
+
+
+def _routes(move: SequenceMove, src_tp: int, dst_tp: int, num_kv: int) -> list[_Route]:
+    """Which exchange position sends which heads to each rank of the sequence's new replica."""
+    old_ranks = [move.src_replica * src_tp + t for t in range(src_tp)]
+    routes: list[_Route] = []
+    for t in range(dst_tp):
+        dst = move.dst_replica * dst_tp + t
+        lo, n = head_range(num_kv, t, dst_tp)
+        for h in range(lo, lo + n):
+            src = _holder(h, dst, old_ranks, src_tp, num_kv)
+            last = routes[-1] if routes else None
+            if last is not None and (last.src, last.dst, last.hi) == (src, dst, h):
+                routes[-1] = _Route(move, src, dst, last.lo, h + 1)
+            else:
+                routes.append(_Route(move, src, dst, h, h + 1))
+    return routes
+
+
+def _holder(head: int, dst: int, old_ranks: list[int], src_tp: int, num_kv: int) -> int:
+    """The old rank that sends `head`: the receiver itself when it already holds it."""
+
+    def holds(pos: int) -> bool:
+        lo, n = head_range(num_kv, pos % src_tp, src_tp)
+        return lo <= head < lo + n
+
+    if dst in old_ranks and holds(dst):
+        return dst
+    return next(p for p in old_ranks if holds(p))
+
+
+def _empty_pair(
+    shape: KVShape, tokens: int, dst: ParallelLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    heads = head_range(shape.num_kv_heads, dst.tp_rank, dst.tp_size)[1]
+    size = (shape.num_layers, tokens, heads, shape.head_dim)
+    return (
+        torch.empty(size, dtype=shape.dtype, device=shape.device),
+        torch.empty(size, dtype=shape.dtype, device=shape.device),
+    )
+
+
+def _place(
+    out: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    route: _Route,
+    src_start: int,
+    dst_start: int,
+    tokens: int,
+) -> None:
+    """Heads this rank keeps, copied from its old slice into its new one."""
+    a, b = route.lo - src_start, route.hi - src_start
+    c, d = route.lo - dst_start, route.hi - dst_start
+    out[0][:, :, c:d].copy_(kv[0][:, :tokens, a:b])
+    out[1][:, :, c:d].copy_(kv[1][:, :tokens, a:b])
+
+
+def _message(kv: tuple[torch.Tensor, torch.Tensor], route: _Route, src_start: int) -> torch.Tensor:
+    """[tokens - skip, 2 (k|v), layers, heads, head_dim]: a chunk of tokens is contiguous."""
+    k, v = kv
+    m = route.move
+    lo, hi = route.lo - src_start, route.hi - src_start
+    shape = (m.num_tokens - m.skip, 2, k.shape[0], hi - lo, k.shape[3])
+    msg = torch.empty(shape, dtype=k.dtype, device=k.device)
+    msg[:, 0].copy_(k[:, m.skip : m.num_tokens, lo:hi].transpose(0, 1))
+    msg[:, 1].copy_(v[:, m.skip : m.num_tokens, lo:hi].transpose(0, 1))
+    return msg
+
+
+def _buffer(shape: KVShape, tokens: int, heads: int) -> torch.Tensor:
+    size = (tokens, 2, shape.num_layers, heads, shape.head_dim)
+    return torch.empty(size, dtype=shape.dtype, device=shape.device)
+
+
+def _post(
+    msg: torch.Tensor, index: int, route: _Route, me: int, group: dist.ProcessGroup | None
+) -> list[dist.Work | None]:
+    """Send or receive `msg` in chunks of at most `_CHUNK_BYTES`; tags both sides derive."""
+    step = max(1, _CHUNK_BYTES // max(1, msg[:1].nbytes))
+    works = []
+    for c, s in enumerate(range(0, len(msg), step)):
+        tag = (index << 16) | c
+        if route.src == me:
+            works.append(dist.isend(msg[s : s + step], group=group, group_dst=route.dst, tag=tag))
+        else:
+            works.append(dist.irecv(msg[s : s + step], group=group, group_src=route.src, tag=tag))
+    return works
