@@ -46,8 +46,7 @@ class NodeSpec:
     # NVIDIA/nccl-tests#212)
     allreduce_bus_bytes_per_s: float
     p2p_bytes_per_s: float
-    # small-message all-reduce latency ~6 µs on 2 H100 with NVLS + CUDA graphs (NVIDIA/nccl#1259,
-    # which also reports it grows with the GPU count). ASSUMPTION: 8 µs at 4, 10 µs at 8.
+    # small-message all-reduce latency by TP size; it grows with the GPU count (H100_SOURCES)
     collective_latency_s: tuple[tuple[int, float], ...]
     # ASSUMPTION: scheduler + sampling + launch overhead per decode step with CUDA graphs
     step_overhead_s: float
