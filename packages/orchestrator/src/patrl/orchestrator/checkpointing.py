@@ -1,13 +1,10 @@
 """Run checkpoints: trainer state + loop state, written whole or not at all.
 
-Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, state.json}`. A checkpoint is built
-in `global_step_<N>.tmp/` and renamed when complete, so `latest_checkpoint` (what
-`trainer.resume_mode=auto` uses) never sees a half-written one: a crash leaves only a `.tmp`
-directory, which is ignored and cleared on the next save.
-
-Before a run resumes, `check_resumable` compares a checkpoint with the model and world at hand
-from metadata alone (DCP's `.metadata` and the trainer's marker), so a checkpoint of another
-model or another world size is rejected before anything is built.
+Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, state.json}`, built in
+`global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint` (`resume_mode=auto`) never
+sees a half-written one, and a crash's `.tmp` is ignored and cleared on the next save.
+`check_resumable` compares a checkpoint with the model and world at hand from metadata alone
+(DCP's `.metadata`, the trainer's marker), before anything is built.
 """
 
 from __future__ import annotations

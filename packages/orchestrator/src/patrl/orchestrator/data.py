@@ -120,7 +120,7 @@ def read_rows(
     files: list[str] | str, *, split: str = "train", cache_dir: str | None = None
 ) -> list[dict[str, Any]]:
     """All rows of the files, in order, as plain dicts."""
-    # Imported here: it takes seconds, and processes that import this package without reading
+    # Imported here: it is slow to import, and processes that import this package without reading
     # data (reward workers) should not pay for it.
     import datasets
 

@@ -1,13 +1,10 @@
 """`python -m patrl.orchestrator [--config FILE] [--dry-run] [key=value ...]`, also under torchrun.
 
-Bad input (configuration, model directory, data, layout, resume checkpoint; see preflight.py)
-is found on every rank before any process group is joined or anything is written, so a typo
-fails at once with the culprit named, before any start-up work. `--dry-run` runs the
-same checks, then prints the resolved config.
-
-A rank that dies (even by SIGKILL) takes the job down: torchrun's agent stops the others and its
-summary names the rank that failed first. With `torchrun --max-restarts N` the agent starts the
-workers again and the run resumes from its newest complete checkpoint
+Bad input (configuration, model, data, layout, resume checkpoint: preflight.py) fails on every
+rank, naming the culprit, before any process group is joined or anything is written;
+`--dry-run` runs the same checks and prints the resolved config. A rank that dies (even by
+SIGKILL) takes the job down, and torchrun names the rank that failed first; with
+`--max-restarts N` the workers restart and resume from the newest complete checkpoint
 (`trainer.resume_mode=auto`), losing at most the step in progress.
 """
 

@@ -1,15 +1,12 @@
 """Everything about a job's inputs that can be checked before any work starts.
 
-`load` reads the configuration: malformed YAML is reported with its file and line, unknown keys
-with their line and the close matches, wrong types with the dotted key, the value and the type
-expected. `check` validates what the configuration points at against the world it will run in:
-the model directory, the data files, the tensor-parallel layout and the checkpoint a run would
-resume from. Both run on every rank before a process group is joined; they build no engine or
-trainer, write nothing of the run (no run dir, checkpoint or metrics; `datasets` may fill its
-own cache as it reads the files), and report every problem they find at once:
+`load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
+matches) and the dotted key of wrong types. `check` validates the model directory, data files,
+TP layout and resume checkpoint against the world the job will run in. Both run on every rank
+before a process group is joined, write nothing of the run (`datasets` may fill its own cache),
+and raise one PreflightError listing every problem:
 
-    config = preflight.load("job.yaml", ["rollout.n=8"])
-    preflight.check(config, world_size=2)
+    preflight.check(preflight.load("job.yaml", ["rollout.n=8"]), world_size=2)
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Reward functions and the manager that runs them without letting one take the run down.
 
-Every reward function has one signature, `fn(response: str, answer: str, **meta) -> float | dict`
-(a dict carries the score under "score"; its other numeric entries are reported as extras).
-`meta` is the prompt's extra metadata; a function that does not take `**kwargs` is passed only
-the meta keys it names. A spec is a built-in name (`math_verify`, `format`) or `module:function`.
+A reward function is `fn(response: str, answer: str, **meta) -> float | dict` (a dict holds the
+score under "score", other numeric entries are extras); without `**kwargs` it gets only the meta
+keys it names. A spec is a built-in name (`math_verify`, `format`) or `module:function`.
 
-`RewardManager` scores a batch in spawned worker processes. A worker is handed a chunk of
-calls (one function on one sample each) per message, runs them in order and answers each as it
-finishes; every call has its own deadline. A call that raises, outlives the deadline,
-returns something that is not a finite number, or kills its worker is recorded per sample as an
-error of kind exception / timeout / invalid / crash: the sample's reward is 0.0, the rest of the
-batch is scored normally, and a timed-out or dead worker is replaced. `num_workers=0` runs calls
-in this process: errors are contained the same way, but the timeout is best effort (SIGALRM,
-only on the main thread, only between Python bytecodes; a call stuck in C code is not cut) and a
-function that kills its process takes the run with it.
+`RewardManager` runs the calls in spawned worker processes, each call with its own deadline. A
+call that raises, times out, returns a non-finite value or kills its worker scores 0.0 for its
+sample only (a `RewardError` of that kind) and a dead worker is replaced. `num_workers=0` runs
+in process, with a best-effort timeout. See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -244,8 +238,8 @@ _MAX_CHUNK = 16
 
 
 class RewardManager:
-    """Scores batches with weighted reward functions; see the module docstring for the
-    containment rules. Use as a context manager, or call `close()`."""
+    """Scores batches with weighted reward functions, containing their failures (docs/rewards.md).
+    Use as a context manager, or call `close()`."""
 
     def __init__(
         self,
@@ -379,8 +373,8 @@ class RewardManager:
         samples: tuple[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]],
         outcomes: dict[tuple[int, int], _Outcome | RewardError],
     ) -> None:
-        # Chunks amortise a message round trip over several calls (a math-verify call is about
-        # a millisecond); a few chunks per worker keep the workers evenly busy to the end.
+        # Chunks amortise a message round trip over several cheap calls; a few chunks per
+        # worker keep the workers evenly busy to the end.
         size = min(self._chunk_limit, max(1, len(pending) // (4 * len(self._workers))))
         chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
         responses, answers, metas = samples

@@ -5,6 +5,7 @@ then renamed to `<dir>`, so a crash leaves either the previous checkpoint or non
 partial one that `load_checkpoint` would accept. Model and optimizer go through DCP (each rank
 writes its shards); the small per-rank rest (LR scheduler, step, RNG, counters) is a torch file
 per rank, so a checkpoint is resumed on the same number of trainer ranks it was saved on.
+See docs/training.md.
 """
 
 from __future__ import annotations

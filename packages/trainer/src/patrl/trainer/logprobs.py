@@ -1,19 +1,10 @@
 """Per-token logprobs and entropy from logits, computed in chunks of tokens.
 
-THE SHARED CONVENTION (the rollout engine computes the very same quantity, and a cross-package
-test compares the two): the logprob of token t is
-
-    log_softmax(logits.float() / T)[t]
-
-over the FULL vocabulary, before any top-k / top-p truncation, where T is the sampling
-temperature, and T is taken as 1.0 when the temperature is 0 (greedy). Entropy is that of the
-same tempered full-vocabulary distribution.
-
-Why chunks and a hand-written backward: the model hands us logits `[tokens, vocab]` once; an
-autograd `log_softmax(logits.float() / T)` would keep a second full fp32 `[tokens, vocab]`
-(the tempered copy, and softmax saved for backward). Here forward and backward walk the tokens
-`chunk_tokens` at a time and only the logits plus one float per token (the log-normaliser) are
-saved, so the extra memory is one fp32 chunk, whatever the sequence length.
+The convention shared with the rollout engine: the logprob of token t is
+`log_softmax(logits.float() / T)[t]` over the full vocabulary, before top-k / top-p, with T the
+sampling temperature (1.0 when it is 0, greedy); entropy is that of the same distribution.
+Forward and backward walk `chunk_tokens` tokens at a time and save only the logits and one
+log-normaliser per token, so the extra memory is one fp32 chunk. See docs/training.md.
 """
 
 from __future__ import annotations

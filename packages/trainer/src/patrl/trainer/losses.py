@@ -1,11 +1,10 @@
 """RL losses as pure functions of per-token tensors: PPO/GRPO surrogate, KL, aggregation.
 
 Every function takes `[batch, tokens]` tensors plus a boolean `mask` of the tokens that count,
-and follows verl's definitions (`verl/trainer/ppo/core_algos.py`) so that configurations and
-metrics carry over. Aggregation can be told the *global* number of tokens / sequences of the
-whole optimizer step: then the loss of a micro-batch is its exact share of the full-batch loss,
-and summing micro-batch gradients (and averaging them over data-parallel ranks after scaling)
-reproduces the full-batch gradient.
+and follows verl's definitions (`verl/trainer/ppo/core_algos.py`). Given the *global* token /
+sequence counts of the optimizer step, a micro-batch's loss is its exact share of the
+full-batch loss, so summed micro-batch gradients reproduce the full-batch gradient.
+See docs/training.md.
 """
 
 from __future__ import annotations
@@ -35,12 +34,9 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce per-token `values` to a scalar over the `mask`ed tokens.
 
-    token-mean:           sum of all masked values / number of masked tokens
-    seq-mean-token-mean:  mean over sequences of (each sequence's masked mean)
-    seq-mean-token-sum:   mean over sequences of (each sequence's masked sum)
-
-    `num_tokens` / `num_seqs` replace the local counts by the global ones of the optimizer
-    step; sequences without a masked token never count as a sequence.
+    token-mean: masked sum / masked tokens; seq-mean-token-mean / seq-mean-token-sum: mean over
+    sequences of each one's masked mean / sum. `num_tokens` / `num_seqs` replace the local
+    counts by the optimizer step's global ones; a sequence without a masked token never counts.
     """
     check_agg_mode(mode)
     mask_f = mask.to(values.dtype)
@@ -111,17 +107,12 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """PPO/GRPO clipped surrogate, with dual clip and decoupled (off-policy) PPO.
+    """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`); the loss and its stats.
 
-    ratio = exp(logprobs - old_logprobs); per token
-        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
-    and, for A < 0 and `clip_ratio_c` set (dual clip), loss = min(loss, -A * clip_ratio_c).
-
-    Decoupled PPO (AReaL): `old_logprobs` are then the *proximal* policy's logprobs and
-    `behaviour_logprobs` those the sample was generated with; each token's loss is weighted by
-    w = exp(old - behaviour). Tokens with w > `behaviour_weight_cap` are masked out of the loss
-    (they still count in the denominator, so dropping a token never re-weights the others) and
-    their fraction is reported as `behav_capped`.
+    With `behaviour_logprobs` (decoupled PPO) `old_logprobs` are the proximal policy's and each
+    token's loss is weighted by w = exp(old - behaviour); tokens with w > `behaviour_weight_cap`
+    are masked out but stay in the denominator (reported as `behav_capped`). Formulas:
+    docs/training.md. Raises ValueError for `clip_ratio_c <= 1` or a cap without behaviour.
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (or None to disable), got {clip_ratio_c}")

@@ -1,14 +1,10 @@
 """Token-budget micro-batching: which samples go to which rank and into which micro-batch.
 
-A micro-batch is right-padded to its longest sample, so what it costs in memory is
-`samples * longest` padded tokens; that product is what `max_tokens`
-(`ppo_max_token_len_per_gpu`) bounds. Samples are sorted longest first and cut into bins of
-neighbours, at the cut points that minimise padding plus a per-micro-batch overhead, so each
-bin holds samples of similar length and padding stays small even on a long-tail batch.
-
-Data-parallel ranks run FSDP collectives in every forward and backward, so every rank must run
-the same number of micro-batches: ranks with fewer bins split their fullest ones, and a rank
-with too few samples gets empty micro-batches (the trainer runs them with zero loss weight).
+A right-padded micro-batch costs `samples * longest` tokens; `max_tokens`
+(`ppo_max_token_len_per_gpu`) bounds that product. Samples are cut longest first into bins of
+similar length. Every rank runs the same number of micro-batches (FSDP's collectives run in
+each forward and backward): ranks with fewer bins split their fullest ones, and a rank with too
+few samples gets empty micro-batches (run with zero loss weight). See docs/training.md.
 """
 
 from __future__ import annotations
@@ -24,12 +20,10 @@ def bin_by_token_budget(
 ) -> list[list[int]]:
     """Indices of `lengths` grouped so that `len(bin) * max(bin lengths) <= max_tokens`.
 
-    Among the ways to cut the longest-first order into such bins, returns the one that
-    minimises `padded tokens + overhead_tokens * bins` (dynamic programming over cut points).
-    `overhead_tokens` prices the fixed cost of one more micro-batch (re-reading the weights,
-    FSDP's per-layer all-gathers and reduce-scatters, launch and Python time) in tokens of
-    padding; it defaults to `max_tokens // 8`. At 0 every sample would get its own bin; very
-    large, it packs as few bins as possible.
+    Of the cuts of the longest-first order into such bins, the one minimising
+    `padded tokens + overhead_tokens * bins`. `overhead_tokens` prices one more micro-batch's
+    fixed cost in tokens of padding (default `max_tokens // 8`): 0 gives every sample its own
+    bin, a very large value packs as few bins as possible.
     """
     check_fits(lengths, max_tokens)
     if max_samples is not None and max_samples < 1:

@@ -3,8 +3,8 @@
 Order: build (every rank the same weights) -> activation checkpointing -> `fully_shard` each
 decoder layer -> `fully_shard` the root. The model stays a plain Hugging Face
 `PreTrainedModel`: parameter names are the checkpoint's names, so weight export needs no
-renaming. Each rank materialises the full model once before sharding; that is fine for the
-model sizes this trainer targets and keeps loading a plain `from_pretrained`.
+renaming. Each rank materialises the full model once before sharding: loading stays a plain
+`from_pretrained`, at the price of one full copy per rank while building. See docs/training.md.
 """
 
 from __future__ import annotations

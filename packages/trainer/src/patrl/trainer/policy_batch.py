@@ -18,16 +18,12 @@ _FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "behaviour_logpro
 
 @dataclass(slots=True)
 class PolicyBatch:
-    """One optimizer step's samples. Optional logprob fields are computed by the trainer.
+    """One optimizer step's samples; a logprob field left None is computed by the trainer.
 
-    old_logprobs: the logprobs the ratio is taken against. None means on-policy: the policy
-        before the update, which the trainer takes from the update's own forward (detached;
-        the ratio is 1 with the policy gradient's gradient), so it costs no scoring pass. Give
-        them (verl's `old_log_prob`) when one batch feeds several optimizer steps; in decoupled
-        PPO this is the *proximal* policy.
-    ref_logprobs: reference-policy logprobs for the KL loss; None lets the trainer's frozen
-        reference compute them.
-    behaviour_logprobs: the logprobs the sample was generated with (decoupled PPO only).
+    `old_logprobs`: what the ratio is taken against (decoupled PPO: the proximal policy); None
+    is on-policy, taken from the update's own forward. `ref_logprobs`: the KL reference's; None
+    lets the trainer's frozen reference score them. `behaviour_logprobs`: what the sample was
+    generated with (decoupled PPO only).
     """
 
     input_ids: list[torch.Tensor]

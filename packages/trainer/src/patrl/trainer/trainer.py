@@ -2,9 +2,9 @@
 
 SPMD contract: every rank of the trainer's mesh calls the same methods in the same order with
 the same *global* `PolicyBatch`; each rank takes its own token-balanced share (micro_batches.py).
-Losses are normalised by the global token / sequence counts of the whole step, and each rank's
-loss is scaled by the data-parallel size to undo FSDP's gradient averaging, so the update
-equals the one a single process would make on the whole batch.
+Losses are normalised by the step's global token / sequence counts and scaled by the
+data-parallel size against FSDP's gradient averaging, so the update equals a single process's
+on the whole batch. See docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Build the demo's model and data once, cache them, and hand out their paths.
 
-Layout of a built directory:
-    model/            Hugging Face Llama directory: config, safetensors, generation config,
-                      tokenizer files with a chat template
-    data/train.jsonl  {"prompt", "answer", "num_steps"} rows for RL
-    data/val.jsonl    the same, held out
-    demo.json         the manifest, written last: its presence marks a complete build
-
-A build happens in a temporary sibling directory that is renamed into place at the end, so an
-interrupted build is never mistaken for a finished one. Concurrent callers on one machine are
-serialised by a file lock next to the directory: the first builds, the others wait and load.
-Under torchrun every rank may call `ensure_demo_assets` before its first collective; a rank
-that already waits in a collective could time out while another builds, so callers that have
-started collectives should call it on rank 0 and then barrier.
+A built directory: `model/` (a Hugging Face Llama directory, tokenizer with chat template),
+`data/train.jsonl` and `data/val.jsonl` (`{"prompt", "answer", "num_steps"}` rows for RL), and
+`demo.json`, the manifest, written last: its presence marks a complete build. A build runs in a
+temporary sibling renamed into place at the end; callers on one machine are serialised by a file
+lock (the first builds, the others wait and load). Under torchrun call it before the first
+collective, or on rank 0 then barrier: a rank waiting in a collective could time out meanwhile.
 """
 
 from __future__ import annotations
@@ -72,7 +65,7 @@ class DemoRecipe(BaseModel):
 
     @classmethod
     def default(cls, seed: int = 0, quick: bool = False) -> DemoRecipe:
-        """The real recipe, or a seconds-long one (a barely trained model) for tests."""
+        """The real recipe, or a quick one (a barely trained model) for tests."""
         if not quick:
             return cls(seed=seed)
         sft = SFTConfig(steps=4, tokens_per_batch=512, pool_size=64, warmup_steps=1)
@@ -177,7 +170,7 @@ def build_demo(
     """
     log = log or (lambda _: None)
     if target.exists():
-        _check_replaceable(target)  # before, not after, minutes of building
+        _check_replaceable(target)  # fail before the build, not after it
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build_into(tmp, recipe, log)

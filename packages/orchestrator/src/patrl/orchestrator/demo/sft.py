@@ -1,10 +1,9 @@
 """Warm-start the demo model by supervised fine-tuning on gold solutions (plain torch).
 
-A share of the demonstrations (`direct_fraction`) box the total without the worked lines, as a
-teacher who skips the work would. The warm-started model then starts most answers that way,
-though its worked lines are right far more often: room for RL to show that it learns which way
-pays. Enough steps are taken for the worked lines to be learned past three numbers, else
-writing them pays too little for a short RL run to find.
+A share of the demonstrations (`direct_fraction`) box the total without the worked lines, so
+the warm start answers many prompts that way though its worked lines are more often right: RL
+has to learn which way pays. Training runs long enough for the worked lines to be learned past
+three numbers, or writing them would pay too little for a short RL run to find.
 
 Problems are drawn fresh for every batch, so there is nothing to overfit. Batches are cut by a
 padded-token budget from length-sorted pools, so long-tailed lengths waste little on padding.
