@@ -141,6 +141,7 @@ from patrl.lenpredict import (
     longest_processing_time,
 )
 from patrl.rollout import (
+    AdaptiveEngine,
     AdaptiveTP,
     Engine,
     EngineConfig,
@@ -589,19 +590,20 @@ def profile_summary(profile: Profile, rollout_batch: int, ctx: int = 32) -> dict
 class Engines:
     static_dp: Engine
     static_tp: Engine
-    predicted: Engine
-    oracle: Engine
+    predicted: AdaptiveEngine
+    oracle: AdaptiveEngine
     oracle_lengths: OracleLengths
-    cold: Engine
+    cold: AdaptiveEngine
 
-    def of(self, policy: str) -> Engine:
-        return {
+    def of(self, policy: str) -> Engine | AdaptiveEngine:
+        engines: dict[str, Engine | AdaptiveEngine] = {
             "static_dp2_tp1": self.static_dp,
             "static_dp1_tp2": self.static_tp,
             "adaptive_predicted": self.predicted,
             "adaptive_oracle": self.oracle,
             "adaptive_cold": self.cold,
-        }[policy]
+        }
+        return engines[policy]
 
 
 def set_check_every(steps: int) -> None:
@@ -627,10 +629,10 @@ def make_engines(
     return Engines(
         static_dp=Engine(base, groups.layout(1), groups),
         static_tp=Engine(base, groups.layout(2), groups),
-        predicted=Engine(adaptive, groups=groups),
-        oracle=Engine(adaptive, groups=groups, lengths=oracle),
+        predicted=AdaptiveEngine(adaptive, groups=groups),
+        oracle=AdaptiveEngine(adaptive, groups=groups, lengths=oracle),
         oracle_lengths=oracle,
-        cold=Engine(adaptive, groups=groups),
+        cold=AdaptiveEngine(adaptive, groups=groups),
     )
 
 
@@ -674,10 +676,11 @@ def rollout(
     if policy == "adaptive_cold":
         # PAT's setting: every rollout opens wide (tp 1) and only the mid-rollout planner
         # moves it
-        controller = engine.controller
-        assert controller is not None and engine.groups is not None
+        cold = engines.cold
+        controller = cold.controller
+        assert controller is not None and cold.groups is not None
         controller.opening_tp = controller.policy.start_tp
-        engine.return_later(engine.groups.layout(controller.policy.start_tp))
+        cold.return_later(cold.groups.layout(controller.policy.start_tp))
     # the RL step's weight sync, untimed: an adaptive engine goes back to its opening layout
     # in it (the model rebuilt there from the full tensors), as it does in the RL loop
     dist.barrier(group=world)

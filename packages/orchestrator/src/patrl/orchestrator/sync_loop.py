@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from patrl.lenpredict import LengthPredictor, assign_prompts
+from patrl.lenpredict import LengthPredictor, assign_prompts, usable_tp_sizes
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.advantages import compute_advantages, filter_zero_variance_groups, refill
 from patrl.orchestrator.config import JobConfig
@@ -39,8 +39,14 @@ from patrl.orchestrator.distributed import World, all_gather_objects, barrier, b
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
 from patrl.orchestrator.profiling import cache_root, ensure_profile, job_grid
 from patrl.orchestrator.rewards import RewardManager
-from patrl.rollout import AdaptiveTP, Engine, EngineConfig, SamplingParams, SequenceState
-from patrl.rollout.adaptive import usable_candidates
+from patrl.rollout import (
+    AdaptiveEngine,
+    AdaptiveTP,
+    EngineConfig,
+    SamplingParams,
+    SequenceState,
+    make_engine,
+)
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
 
@@ -118,14 +124,16 @@ class SyncGRPO:
             if world.distributed
             else None
         )
-        self.engine = Engine(
+        self.engine = make_engine(
             engine,
             None if adaptive or self.groups is None else self.groups.layout(tp_sizes[0]),
             self.groups,
             lengths=self.predictor if adaptive else None,
         )
         self.layout = self.engine.layout if world.distributed else None
-        self._online_lengths = self.engine.controller is not None
+        self._online_lengths = (
+            isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
+        )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
             trainer_config(config), model_dir, mesh=self._mesh(), device=world.device
@@ -703,7 +711,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         keep_full_weights=r.adaptive_tp.keep_full_weights,
     )
     a = r.adaptive_tp
-    candidates = usable_candidates(a.candidates, world.size)
+    candidates = usable_tp_sizes(a.candidates, world.size)
     if not a.enable or len(candidates) < 2:
         if a.enable and world.is_first and world.distributed:
             print(

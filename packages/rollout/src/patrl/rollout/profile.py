@@ -49,6 +49,7 @@ from patrl.lenpredict import (
     Profile,
     SwitchRow,
 )
+from patrl.rollout.adaptive.reconfig import reconfigure
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
@@ -484,10 +485,8 @@ def profile_distributed(
     identity: Engine | None = None
     for tp in grid.tp_sizes:
         # Every TP group of this size measures at once, as a rollout runs its replicas: they
-        # share the host's cores, memory bandwidth and links. (On the 2-core CPU box this
-        # changed little: tp-1 steps measured within 5% of a lone group's, and the model still
-        # predicts two tp-1 replicas 1.3-1.5x faster than the static runs measure; the cause
-        # of that gap is not found yet.) The rows of rank 0's group are kept.
+        # share the host's cores, memory bandwidth and links. The rows of rank 0's group are
+        # kept.
         layout = cache.layout(tp)
         engine = Engine(profile_engine_config(base, grid), layout)
         rows = measure_engine(engine, grid, tick)
@@ -514,10 +513,9 @@ def profile_distributed(
 def measure_switches(
     base: EngineConfig, grid: ProfileGrid, cache: GroupCache, world: Any, repeats: int = 2
 ) -> list[SwitchRow]:
-    """Seconds of `Engine.reconfigure` between every two TP sizes of the grid, on every rank
-    at once (the slowest rank's time: a barrier closes each), after one untimed round trip
-    (the first switch of a process pays one-time costs: 0.11 s against 0.07 s for vocab_2l
-    here). With nothing in flight it is the fixed price of a switch: growing TP has no
+    """Seconds of `reconfigure` between every two TP sizes of the grid, on every rank at once
+    (the slowest rank's time: a barrier closes each), after one untimed round trip (the
+    first switch of a process pays one-time costs). With nothing in flight it is the fixed price of a switch: growing TP has no
     traffic but is not free, it copies the weights it keeps and re-makes the KV cache. Then
     with sequences in flight across the world (split over the source replicas, two tokens
     each past their prompt): a quarter of the grid's largest batch and all of it at its
@@ -528,7 +526,7 @@ def measure_switches(
         return []
     engine = Engine(profile_engine_config(base, grid), cache.layout(tps[0]), groups=cache)
     for tp in [*tps[1:], tps[0]]:
-        engine.reconfigure(tp)
+        reconfigure(engine, tp)
     world_size = dist.get_world_size(world)
     largest, short, long = max(grid.batch_sizes), min(grid.contexts), max(grid.contexts)
     quarter = max(1, largest // 4)
@@ -537,13 +535,13 @@ def measure_switches(
     for src, dst in itertools.permutations(tps, 2):
         for load, prompt in [load for load in loads for _ in range(repeats)]:
             if engine.layout.tp_size != src:
-                engine.reconfigure(src)
+                reconfigure(engine, src)
             num_seqs = context = 0
             if load:
                 num_seqs, context = _fill(engine, load, prompt, world_size, seed=len(rows))
             dist.barrier(group=world)
             start = time.perf_counter()
-            engine.reconfigure(dst)
+            reconfigure(engine, dst)
             dist.barrier(group=world)
             seconds = time.perf_counter() - start
             rows.append(

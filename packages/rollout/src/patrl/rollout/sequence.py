@@ -95,3 +95,17 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+
+@dataclass(slots=True)
+class Request:
+    """The samples of one request in an engine, by sample index; `error` is why it was
+    rejected (its samples then finish as "rejected")."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: dict[int, Sequence] = field(default_factory=dict)
+    error: str | None = None
+
+    def done(self) -> bool:
+        return all(s.is_finished for s in self.seqs.values())

@@ -1,38 +1,13 @@
-"""Adaptive TP: the planner decides, while the engine generates, when to fold replicas into
-larger TP groups (PAT), and all ranks apply the decision together.
+"""The adaptive-TP controller: turns the replicas' summaries at a check into one verdict.
 
-A rollout under `AdaptiveTP` is a world collective: every rank calls `generate` (or `rollout`),
-including ranks with nothing to do. The loop on every rank:
-
-    check -> a window of decode steps -> check -> ...
-
-A window is `check_every` decode steps (or the planner's recheck steps) of the slowest
-replica, timed: each replica runs as many of its own steps as fit in it (`_window_s`), so a
-replica of a few long samples is not held to the pace of one with many; with one replica or
-no latency model, every rank counts the steps instead.
-
-A *check* is one round of control traffic over the world group: the first rank of every TP
-group sends a compact summary of its replica (each unfinished sample's context, tokens so far,
-whether it holds KV; the groups it started and the samples that finished since the last round),
-gathered by all ranks, so every rank's length predictor learns the same lengths in the same
-order; rank 0 runs the planner and broadcasts its decision; on "switch" every rank calls
-`Engine.reconfigure` at once. Whether the rollout is over, every rank tells from the summaries
-alone (the same counts everywhere), so the last check needs no broadcast; nor does a first
-check where no switch could pay even with every sequence running to its max_tokens
-(`_bounded_opening`: the same profile and summaries everywhere, no planner state yet). A rank
-whose replica has run dry skips straight to the next check (waiting in the collective, not
-spinning). The first check comes before the first step, so the planner can already move a
-small batch to a larger TP. When no rank has anything unfinished, the rollout ends and the
-engine returns to the layout the first check found best for the whole batch (`opening_tp`:
-where it switched at once or, if that did not pay for its own switch, where the best plan
-predicted starts, the switch cost aside, a plan with a fold for the tail included; see
-`opening_layout`), so the next `generate` opens there with no switch to pay. Opening at a
-larger TP merges the replicas' submissions (`Engine._add_replica_requests`). Within a rollout
-TP only grows, except at the first check: a rollout that opened at TP>1 where its full batch
-is faster on more replicas (the opening was named by an earlier, different batch) splits
-before decoding anything, and its requests, which may then finish on another replica, are
-handed back to their submitters at the end (`hand_back`). Partial rollouts return to the
-starting layout (their resumed samples belong to their replicas).
+At a check the first rank of every TP group sends a summary of its replica (each unfinished
+sample's context, tokens so far, whether it holds KV; the requests it started and the samples
+that finished since the last check). Every rank gathers them, so every rank's length model
+learns the same lengths in the same order; rank 0 runs the planner and broadcasts the verdict
+(stay, or switch to a TP size, with each sample's migrate-or-recompute choice and when to check
+again). Whether the rollout is over, and a first check where no switch could pay, every rank
+reads from the summaries alone, with no broadcast. The loop that runs the checks and applies
+the verdicts is `patrl.rollout.adaptive.driver`; see docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
@@ -40,84 +15,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
-from patrl.lenpredict import Decision, Layout, LengthPredictor, RunningSet, shared_prefix
-from patrl.lenpredict.planner import NEVER
+from patrl.lenpredict import NEVER, Decision, Layout, RunningSet, shared_prefix
+from patrl.rollout.adaptive.protocols import Lengths, Planner
 from patrl.rollout.outputs import RequestOutput
-from patrl.rollout.reconfigure import KVChoice, KVCost
 from patrl.rollout.tp_policy import AdaptiveTP
-from patrl.tpreshard import ShmComm
-from patrl.tpreshard.comm import broadcast_obj, gather_objects
-
-if TYPE_CHECKING:
-    from patrl.rollout.engine import Engine
+from patrl.tpreshard import ShmComm, broadcast_obj, gather_objects
 
 logger = logging.getLogger(__name__)
-
-
-class Planner(Protocol):
-    """What the controller needs of a planner (patrl.lenpredict.ReconfigPlanner, or a test's)."""
-
-    def new_rollout(self) -> None: ...
-
-    def decide(self, running: RunningSet, current: Layout) -> Decision: ...
-
-
-class Lengths(Protocol):
-    """Remaining-length quantiles of running samples (LengthPredictor, or an oracle)."""
-
-    def start_group(self, group_id: str, prompt_id: str, size: int) -> None: ...
-
-    def extend_group(self, group_id: str, extra: int) -> None: ...
-
-    def observe_finished(self, seq_id: str, group_id: str, length: int) -> None: ...
-
-    def end_group(self, group_id: str) -> None: ...
-
-    def predict_remaining_many(
-        self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
-    ) -> np.ndarray: ...
-
-
-class OracleLengths:
-    """Knows every sample's final response length (from an earlier identical run): the upper
-    bound on what a length predictor can give the planner."""
-
-    def __init__(self, final_lengths: dict[tuple[str, int], int], num_quantiles: int = 5) -> None:
-        self.final = final_lengths
-        self.num_quantiles = num_quantiles
-
-    def start_group(self, group_id: str, prompt_id: str, size: int) -> None:
-        pass
-
-    def extend_group(self, group_id: str, extra: int) -> None:
-        pass
-
-    def observe_finished(self, seq_id: str, group_id: str, length: int) -> None:
-        pass
-
-    def end_group(self, group_id: str) -> None:
-        pass
-
-    def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
-        rid, index = seq_id.rsplit("#", 1)
-        left = self.final[(rid, int(index))] - current_length
-        return np.full(self.num_quantiles, float(max(left, 1)))
-
-    def predict_remaining_many(
-        self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
-    ) -> np.ndarray:
-        rows = [
-            self.predict_remaining(s, g, int(c))
-            for s, g, c in zip(seq_ids, group_ids, current_lengths, strict=True)
-        ]
-        return np.stack(rows) if rows else np.zeros((0, self.num_quantiles))
 
 
 @dataclass(slots=True)
@@ -146,7 +56,7 @@ class TPDecisionRecord:
 
 # One unfinished sample at a check: (request id, sample index, context tokens, generated
 # tokens, max_tokens, holds KV, hash of its prompt's tokens)
-_Row = tuple[str, int, int, int, int, bool, int]
+Row = tuple[str, int, int, int, int, bool, int]
 
 
 @dataclass(slots=True)
@@ -154,7 +64,7 @@ class _Summary:
     """What one replica tells the others at a check (sent by its TP group's first rank)."""
 
     has_work: bool
-    rows: list[_Row]
+    rows: list[Row]
     started: list[tuple[str, str, int]]  # (request id, prompt key, n)
     finished: list[tuple[str, int, int, str]]  # (request id, sample index, length, reason)
     num_done: int = 0  # requests finished since the last check
@@ -163,7 +73,7 @@ class _Summary:
 
 
 @dataclass(slots=True)
-class _Verdict:
+class Verdict:
     """Rank 0's decision, broadcast. A None target means the rollout is over everywhere (all
     done, or the partial-rollout quota is met and the rest is to be exported): every rank
     finds that out itself from the gathered summaries (`TPController._over`)."""
@@ -174,8 +84,12 @@ class _Verdict:
     recheck_steps: int | None = None
     opening_tp: int | None = None  # first check: where the next rollouts open (None: here)
     # the share of the steps to the next check that the batch's pace at this check prices
-    # (`ReconfigPlanner.shrinking_share`): sequences finish on the way, steps get cheaper
+    # (`Planner.shrinking_share`): sequences finish on the way, steps get cheaper
     window_share: float = 1.0
+    # set on every rank after the broadcast: the TP size checked at, and the seconds to the
+    # next check when the replicas step at their own pace (None: count steps)
+    from_tp: int = 0
+    window_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -215,8 +129,6 @@ class _Rollout:
     # this rank's decode steps since the last check, and their seconds (its summary's step_s)
     window_steps: int = 0
     window_decode_s: float = 0.0
-    # seconds from the last check to the next, the same on every rank; None: count steps
-    window_s: float | None = None
 
 
 class TPController:
@@ -279,114 +191,69 @@ class TPController:
         assert self._rollout is not None, "begin() first"
         self._rollout.started.append((request_id, prompt_key, n))
 
-    def run(self, engine: Engine, on_finished: Any = None) -> dict[str, RequestOutput]:
-        """Drive `engine` until no rank has unfinished work, or the quota is met; returns what
-        finished here. Call `end` afterwards (after exporting what is left, if anything)."""
+    @property
+    def partial(self) -> bool:
+        """Whether the rollout under way has a quota (a partial rollout)."""
+        return self._rollout is not None and self._rollout.quota is not None
+
+    @property
+    def step_s(self) -> float | None:
+        """A moving average of this rank's decode steps (None before the first)."""
+        return self._step_s
+
+    def note_finished(self, out: RequestOutput) -> None:
+        """A request finished on this replica (told by its TP group's first rank only)."""
+        assert self._rollout is not None, "begin() first"
+        self._rollout.num_done += 1
+        for c in out.outputs:
+            self._rollout.finished.append(
+                (out.request_id, c.index, len(c.token_ids), c.finish_reason)
+            )
+
+    def note_decode_step(self, step_s: float) -> None:
+        """A decode step of this rank took `step_s` seconds."""
+        assert self._rollout is not None, "begin() first"
+        self._rollout.window_steps += 1
+        self._rollout.window_decode_s += step_s
+        self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
+
+    def note_switch(self, verdict: Verdict, spent_s: float) -> None:
+        """The world applied `verdict`'s switch, in `spent_s` seconds on this rank."""
+        assert self._rollout is not None, "begin() first"
+        self._rollout.split |= verdict.target_tp is not None and verdict.target_tp < verdict.from_tp
+        self.stats.switches += 1
+        self.stats.reconfig_s += spent_s
+        if verdict.record is not None:
+            verdict.record.measured_overhead_s = spent_s
+
+    def end_rollout(self, decode_s: float, wall_s: float) -> None:
+        """The rollout is over: `decode_s` of stepping, `wall_s` of wall time less switches on
+        this rank. One small collective (the critical path); the decisions become `decisions`."""
         rollout = self._rollout
         assert rollout is not None, "begin() first"
-        results: dict[str, RequestOutput] = {}
-        # from here on (queuing the requests, which a static rollout does too, is behind us)
-        started = time.perf_counter()
-        stepping = 0.0  # in engine.step (scheduling included: a static rollout pays it too)
-        switching_before = self.stats.reconfig_s
-        steps_left = 0
-        deadline = math.inf  # of a time window (`_window_s`)
-        stepped = False  # a decode step since the last check
-        opened = False
-        if rollout.quota is None and self._never_switches(engine):
-            # no check could ever switch from here: none until this rank is done (the last
-            # one, which ends the rollout everywhere and feeds the length model, stays)
-            steps_left, opened = NEVER, True
-        while True:
-            due = steps_left <= 0 or not engine.has_unfinished()
-            if not due and stepped and deadline < math.inf:
-                # the window is over when the next step would end more than half of it late
-                due = time.perf_counter() + 0.5 * (self._step_s or 0.0) >= deadline
-            if due:
-                verdict = self._check(engine, rollout, had_work=engine.has_unfinished())
-                if verdict.target_tp is None:
-                    break
-                if verdict.target_tp != engine.layout.tp_size:
-                    rollout.split |= verdict.target_tp < engine.layout.tp_size
-                    self._switch(engine, verdict)
-                if not opened:  # the first check saw the whole batch
-                    opened = True
-                    self.opening_tp = verdict.opening_tp or engine.layout.tp_size
-                steps_left = verdict.recheck_steps or self.policy.check_every
-                deadline, stepped = math.inf, False
-                if rollout.window_s is not None:
-                    deadline, steps_left = time.perf_counter() + rollout.window_s, NEVER
-                if not engine.has_unfinished():
-                    continue
-            t0 = time.perf_counter()
-            finished = engine.step()
-            stepping += time.perf_counter() - t0
-            for out in finished:
-                results[out.request_id] = out
-                self._note_finished(rollout, engine, out)
-                if on_finished is not None:
-                    on_finished(out)
-            if engine.timeline and not engine.timeline[-1].is_prefill:
-                steps_left -= 1
-                stepped = True
-                step_s = engine.timeline[-1].duration_s
-                rollout.window_steps += 1
-                rollout.window_decode_s += step_s
-                self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
         end = time.perf_counter()
-        self.stats.decode_s += stepping
-        switching = self.stats.reconfig_s - switching_before
-        self._add_critical_path(stepping, end - started - switching)
+        self.stats.decode_s += decode_s
+        self._add_critical_path(decode_s, wall_s)
         for rec in rollout.records:
             rec.measured_finish_s = end - rollout.start - rec.t
         self.decisions = rollout.records
         self.split = rollout.split
         self._rollout = None
-        return results
-
-    def hand_back(
-        self, results: dict[str, RequestOutput], ids: list[str]
-    ) -> dict[str, RequestOutput]:
-        """After a rollout that split (`split`), a request may have finished on another replica
-        than its submitter's: every rank sends the outputs it holds of requests it did not
-        submit, and keeps those of its own `ids` it lacked (one world all-gather; every rank
-        calls it, as every rank applied the split)."""
-        if self.world is None:
-            return results
-        mine = set(ids)
-        offer = {i: out for i, out in results.items() if i not in mine}
-        for part in gather_objects(self.comm, self.world, offer):
-            for i in mine.intersection(part):
-                results.setdefault(i, part[i])
-        return results
-
-    def end(self, engine: Engine, reopen: bool = False) -> None:
-        """The next rollout starts wide again: the engine returns to the starting layout at the
-        next full weight sync (free: the new weights are cut for it) or, failing that, at the
-        start of the next rollout (a reconfigure that gathers the weights). With `reopen`
-        (`Engine.generate`, which can merge replicas' submissions) it returns to the layout this
-        rollout's first check chose instead (`opening_tp`); a partial rollout, whose resumed
-        samples belong to their replicas, always returns to the starting layout."""
-        if engine.groups is not None:
-            tp = self.opening_tp if reopen else self.policy.start_tp
-            engine.return_later(engine.groups.layout(tp))
-
-    def _note_finished(self, rollout: _Rollout, engine: Engine, out: RequestOutput) -> None:
-        if engine.layout.tp_rank != 0:
-            return  # the group's first rank reports for it
-        rollout.num_done += 1
-        for c in out.outputs:
-            rollout.finished.append((out.request_id, c.index, len(c.token_ids), c.finish_reason))
 
     # -------------------------------------------------------------------- check
 
-    def _check(self, engine: Engine, rollout: _Rollout, had_work: bool) -> _Verdict:
+    def check(self, rows: list[Row] | None, tp: int, had_work: bool) -> Verdict:
+        """One check, every rank of the world at once: `rows` are this replica's unfinished
+        samples (None on ranks other than its TP group's first), `tp` the current TP size.
+        The verdict's `target_tp` is None when the rollout is over everywhere."""
+        rollout = self._rollout
+        assert rollout is not None, "begin() first"
         t0 = time.perf_counter()
         mine = None
-        if engine.layout.tp_rank == 0:
+        if rows is not None:
             mine = _Summary(
                 had_work,
-                _rows(engine),
+                rows,
                 rollout.started,
                 rollout.finished,
                 rollout.num_done,
@@ -400,23 +267,22 @@ class TPController:
         rollout.started, rollout.finished, rollout.num_done = [], [], 0
         rollout.window_steps, rollout.window_decode_s = 0, 0.0
         summaries = self._all_gather(mine)
-        tp = engine.layout.tp_size
         for s in summaries:
             if s is not None:
                 self._learn(s)
         first = rollout.first_check
-        verdict: _Verdict | None = None
+        verdict: Verdict | None = None
         if self._over(summaries, rollout):
             # every rank saw the same summaries, so every rank knows: no broadcast
-            verdict = _Verdict(None)
+            verdict = Verdict(None)
         elif first:
             verdict = self._bounded_opening(summaries, tp, rollout)
         if verdict is None:
             decided = self._decide(summaries, tp, rollout, first) if self._rank() == 0 else None
             verdict = self._broadcast(decided)
-        rollout.window_s = None
+        verdict.from_tp = tp
         if verdict.target_tp == tp:  # no switch: the summaries' replicas stand
-            rollout.window_s = self._window_s(
+            verdict.window_s = self._window_s(
                 summaries,
                 tp,
                 verdict.recheck_steps or self.policy.check_every,
@@ -432,17 +298,13 @@ class TPController:
             rollout.records.append(verdict.record)
         return verdict
 
-    def _never_switches(self, engine: Engine) -> bool:
-        """Whether the planner proves, from the profile alone, that no rollout opened at the
-        engine's layout can switch (`ReconfigPlanner.never_switches_from`): the same answer on
-        every rank, without a collective. A planner that cannot tell (a test's) is asked."""
-        prove = getattr(self.planner, "never_switches_from", None)
-        if prove is None:
-            return False
-        layout = engine.layout
-        key = (layout.dp_size, layout.tp_size)
+    def never_switches(self, current: Layout, max_context: int) -> bool:
+        """Whether the planner proves, from the profile alone, that no rollout opened at
+        `current` can switch (`Planner.never_switches_from`): the same answer on every rank,
+        without a collective."""
+        key = (current.dp, current.tp)
         if key not in self._static_at:
-            static = bool(prove(Layout(*key), engine.config.max_model_len))
+            static = bool(self.planner.never_switches_from(current, max_context))
             self._static_at[key] = static
             if static:
                 logger.info(
@@ -471,7 +333,7 @@ class TPController:
         way: priced at the full batch's pace, 40 steps of a long tail that drains from 64
         sequences to 6 lasted longer than the rollout, and the check that would fold never
         came."""
-        latency = getattr(self.planner, "latency", None)
+        latency = self.planner.latency
         replicas = [s for s in summaries if s is not None]
         if latency is None or len(replicas) < 2 or steps >= NEVER:
             return None
@@ -551,7 +413,7 @@ class TPController:
 
     def _bounded_opening(
         self, summaries: list[_Summary | None], tp: int, rollout: _Rollout
-    ) -> _Verdict | None:
+    ) -> Verdict | None:
         """A full rollout's first check where no switch could pay even with every sequence
         running to its max_tokens (`_may_switch`), decided on every rank alike; None where it
         may pay, for rank 0 to decide. At a rollout's first check every rank's planner is as
@@ -580,14 +442,14 @@ class TPController:
             reason="no switch can pay even with every sequence running to its max_tokens "
             "(no length predicted; decided on every rank)",
         )
-        return _Verdict(tp, record=record, recheck_steps=NEVER, opening_tp=tp)
+        return Verdict(tp, record=record, recheck_steps=NEVER, opening_tp=tp)
 
     def _decide(
         self, summaries: list[_Summary | None], tp: int, rollout: _Rollout, first: bool
-    ) -> _Verdict:
+    ) -> Verdict:
         rows = _rows_of(summaries, tp)
         if not rows:
-            return _Verdict(tp)  # only rejected requests left to collect: nothing to plan
+            return Verdict(tp)  # only rejected requests left to collect: nothing to plan
         t0 = time.perf_counter()
         current = Layout(dp=len(summaries) // tp, tp=tp)
         running = self._running_set(rows)
@@ -620,11 +482,10 @@ class TPController:
                 recheck = max(int(running.remaining.max()), self.check_interval())
             if rollout.total_quota is not None:
                 recheck = min(recheck, self.policy.check_every)  # the quota is met at checks
-            share = getattr(self.planner, "shrinking_share", None)
             window_share = (
-                1.0 if share is None or recheck >= NEVER else share(running, current, recheck)
+                1.0 if recheck >= NEVER else self.planner.shrinking_share(running, current, recheck)
             )
-            return _Verdict(
+            return Verdict(
                 tp,
                 record=record,
                 recheck_steps=recheck,
@@ -642,17 +503,14 @@ class TPController:
             else len(rows) * (self.policy.kv_policy == "recompute")
         )
         record.num_migrated = len(rows) - record.num_recomputed
-        return _Verdict(decision.target.tp, recompute, record)
+        return Verdict(decision.target.tp, recompute, record)
 
     def _may_switch(self, bound: RunningSet, current: Layout) -> bool:
         """Whether the planner could switch with every sequence running to its max_tokens
-        (`ReconfigPlanner.may_switch`). Where it cannot, no length needs predicting: on a model
-        too small for TP to pay, that was half of a rollout's opening check. A planner that
-        cannot tell (a test's) is asked with predicted lengths."""
-        may_switch = getattr(self.planner, "may_switch", None)
-        return may_switch is None or bool(may_switch(bound, current))
+        (`Planner.may_switch`). Where it cannot, no length needs predicting."""
+        return bool(self.planner.may_switch(bound, current))
 
-    def _running_set(self, rows: list[tuple[int, _Row]]) -> RunningSet:
+    def _running_set(self, rows: list[tuple[int, Row]]) -> RunningSet:
         """The planner's view of `rows` (not empty): one row per unfinished sample, its
         remaining length bounded by its max_tokens (one column; `_predict` replaces it)."""
         replica = np.array([dp for dp, _ in rows], dtype=int)
@@ -682,7 +540,7 @@ class TPController:
             shared=shared,
         )
 
-    def _predict(self, rows: list[tuple[int, _Row]], bound: np.ndarray) -> np.ndarray:
+    def _predict(self, rows: list[tuple[int, Row]], bound: np.ndarray) -> np.ndarray:
         """Remaining-length quantiles of `rows` (n, Q), within their bounds (n, 1)."""
         request_ids = [row[0] for _, row in rows]
         remaining = self.lengths.predict_remaining_many(
@@ -691,22 +549,6 @@ class TPController:
             np.array([row[3] for _, row in rows], dtype=int),
         )
         return np.clip(remaining, 1.0, bound)
-
-    def _switch(self, engine: Engine, verdict: _Verdict) -> None:
-        assert verdict.target_tp is not None
-        policy = self.policy.kv_policy
-        recompute = verdict.recompute
-
-        def choose(cost: KVCost) -> KVChoice:
-            return "recompute" if (cost.request_id, cost.sample_index) in recompute else "migrate"
-
-        t0 = time.perf_counter()
-        engine.reconfigure(verdict.target_tp, choose if policy == "auto" else policy)
-        spent = time.perf_counter() - t0
-        self.stats.switches += 1
-        self.stats.reconfig_s += spent
-        if verdict.record is not None:
-            verdict.record.measured_overhead_s = spent
 
     def _add_critical_path(self, decode_s: float, wall_s: float) -> None:
         """One small collective at the end of a rollout."""
@@ -727,7 +569,7 @@ class TPController:
             return [mine]
         return gather_objects(self.comm, self.world, mine)
 
-    def _broadcast(self, verdict: _Verdict | None) -> _Verdict:
+    def _broadcast(self, verdict: Verdict | None) -> Verdict:
         if self.world is not None:
             verdict = broadcast_obj(self.comm, self.world, verdict, src=0)
         assert verdict is not None
@@ -747,27 +589,10 @@ def critical_path(ranks: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, min(w for _, w in ranks) - decode), decode
 
 
-def _rows_of(summaries: list[_Summary | None], tp: int) -> list[tuple[int, _Row]]:
+def _rows_of(summaries: list[_Summary | None], tp: int) -> list[tuple[int, Row]]:
     """Every replica's unfinished samples, each with its replica's index, in rank order."""
     return [
         (rank // tp, row) for rank, s in enumerate(summaries) if s is not None for row in s.rows
-    ]
-
-
-def _rows(engine: Engine) -> list[_Row]:
-    from patrl.rollout.sequence import SequenceStatus
-
-    return [
-        (
-            s.request_id,
-            s.sample_index,
-            s.num_tokens,
-            len(s.output_token_ids),
-            s.params.max_tokens,
-            s.status is SequenceStatus.RUNNING,
-            s.prompt_hash,
-        )
-        for s in engine.unfinished_seqs()
     ]
 
 
@@ -818,31 +643,3 @@ def _record(decision: Decision, t: float) -> TPDecisionRecord:
         predicted_finish_s=float(finish),
         reason=decision.reason,
     )
-
-
-def make_planner(policy: AdaptiveTP, world_size: int, max_num_seqs: int) -> Planner:
-    """The lenpredict planner, on the latency model fitted from `policy.profile`."""
-    from patrl.lenpredict import LatencyModel, PlannerConfig, Profile, ReconfigPlanner
-
-    if policy.profile is None:
-        raise ValueError(
-            "tp_policy adaptive needs tp_policy.profile: a latency profile JSON of this machine "
-            "and model (write one with `torchrun --nproc_per_node N -m patrl.rollout.profile "
-            "--model DIR --out PROFILE.json`), or pass a planner to Engine(planner=...)"
-        )
-    profile = Profile.load(policy.profile)
-    config = PlannerConfig(
-        candidate_tp=tuple(sorted(policy.candidates)),
-        margin=policy.margin,
-        max_num_seqs=max_num_seqs,
-    )
-    return ReconfigPlanner(LatencyModel.fit(profile), world_size, config)
-
-
-def usable_candidates(candidates: Iterable[int], world_size: int) -> tuple[int, ...]:
-    """The candidate TP sizes that divide the world: the rest cannot form groups here."""
-    return tuple(sorted(tp for tp in set(candidates) if world_size % tp == 0))
-
-
-def default_lengths() -> Lengths:
-    return LengthPredictor()
