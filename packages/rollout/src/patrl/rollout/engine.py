@@ -13,17 +13,18 @@ import itertools
 import secrets
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.loader import load_weights, read_eos_token_ids, read_tokenizer
+from patrl.rollout.loader import load_weights, read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState, request_output
+from patrl.rollout.records import EngineCounters, StepRecord
+from patrl.rollout.request_input import check_batch, encode, progress_bar, reject_reason
 from patrl.rollout.sampler import SampleOutput, SamplingParams, make_generator
 from patrl.rollout.scheduler import Scheduler
 from patrl.rollout.sequence import Request
@@ -31,29 +32,6 @@ from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.rollout.transfer import export_requests, import_requests, snapshot_requests
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One engine step, for the generation timeline."""
-
-    t: float  # seconds since the timeline started
-    duration_s: float
-    running: int  # samples running after the step
-    num_tokens: int  # tokens run through the model
-    is_prefill: bool
-    tp_size: int
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0  # tokens run through the model in prefill steps
-    decode_tokens: int = 0
-    generated_tokens: int = 0
-    busy_s: float = 0.0
 
 
 class Engine:
@@ -80,7 +58,7 @@ class Engine:
         self.groups = groups
         self.runner = ModelRunner(config, layout or single_process_layout())
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = _maybe_tokenizer(config.model)
+        self.tokenizer = read_tokenizer_if_any(config.model)
         self.eos_token_ids = frozenset(read_eos_token_ids(config.model))
         self.scheduler = self._new_scheduler()
         self.weight_version = 0
@@ -140,11 +118,12 @@ class Engine:
             params = dataclasses.replace(
                 params, seed=int(tp_broadcast(self.layout, drawn, src=0).item())
             )
-        token_ids = self._encode(prompt)
+        token_ids = encode(prompt, self.tokenizer, self.config.model)
         request = self._requests[request_id] = Request(request_id, token_ids)
         seqs = [self._new_seq(request_id, i, token_ids, params) for i in range(params.n)]
         request.seqs = {s.sample_index: s for s in seqs}
-        request.error = self._reject_reason(token_ids)
+        vocab = self.model.config.vocab_size
+        request.error = reject_reason(token_ids, self.max_model_len, vocab)
         if request.error is not None:
             for s in seqs:
                 s.finish("rejected")
@@ -165,27 +144,6 @@ class Engine:
         return Seq(
             next(self._seq_ids), request_id, index, list(tokens), params, make_generator(seed)
         )
-
-    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.config.model} has no tokenizer: pass token ids, not text")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return [int(t) for t in prompt]
-
-    def _reject_reason(self, token_ids: list[int]) -> str | None:
-        if not token_ids:
-            return "empty prompt"
-        if len(token_ids) >= self.max_model_len:
-            return (
-                f"prompt of {len(token_ids)} tokens leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        return None
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it is returned by the next `step` with finish_reason "abort"."""
@@ -437,32 +395,3 @@ class Engine:
             "tokens_per_s": self.tokens_per_s(),
             "weight_version": self.weight_version,
         }
-
-
-def check_batch(
-    prompts: Sequence[Sequence[int] | str],
-    params: SamplingParams | Sequence[SamplingParams] | None,
-    prompt_keys: Sequence[str] | None,
-) -> tuple[Sequence[SamplingParams], Sequence[str | None]]:
-    """`generate`'s arguments as one params and one key per prompt (checked lengths)."""
-    if params is None or isinstance(params, SamplingParams):
-        params = [params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-    keys: Sequence[str | None] = prompt_keys if prompt_keys is not None else [None] * len(prompts)
-    if len(keys) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(keys)} prompt keys")
-    return params, keys
-
-
-def _maybe_tokenizer(model_dir: str) -> Any:
-    try:
-        return read_tokenizer(model_dir)
-    except (OSError, ValueError, TypeError):
-        return None  # a weights-only directory (tests, exported checkpoints): ids in, ids out
-
-
-def progress_bar(total: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req")

@@ -148,14 +148,11 @@ class ModelRunner:
         self, hidden: torch.Tensor, rows: list[int], samplers: list[Seq]
     ) -> SampleOutput:
         """One token for each of `samplers`, from the logits of its row of `hidden` (`rows`,
-        in order; a prompt's forked samples share their leader's row).
-
-        With `sample_chunk_bytes` (CPU) and more rows than fit under it, the head writes this
-        rank's logit columns into a buffer kept across steps, and the TP gather and the
-        sampler take them in chunks of rows, so no full-vocabulary temporary crosses glibc's
-        mmap threshold (freshly mapped pages fault on every step). One matmul, not one per
-        chunk: each would stream the whole head weight. Chunks change no token: every row is
-        sampled on its own."""
+        in order; a prompt's forked samples share their leader's row). With
+        `sample_chunk_bytes` (CPU), the head writes this rank's logit columns into a buffer
+        kept across steps and the TP gather and the sampler take them in chunks of rows, so
+        no full-vocabulary temporary crosses glibc's mmap threshold (see host_memory). Every
+        row is sampled on its own: chunks change no token."""
         params = [s.params for s in samplers]
         generators = [s.generator for s in samplers]
         head = self.model.lm_head

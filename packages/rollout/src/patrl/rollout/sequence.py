@@ -19,14 +19,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A request has `n` sequences; each samples with its own generator.
-
-    `fork_children` holds the other samples of a fresh request while this one (the leader)
-    prefills the shared prompt: when the prefill ends, all of them sample their first token
-    from the same logits and the children take over the leader's blocks by `fork`. With
-    prefix caching on, the scheduler also adopts fresh samples of other requests of the
-    same prompt for the step in which the leader's prompt prefills in full.
-    """
+    """One of a request's `n` samples, with its own generator. `fork_children`: the other
+    samples of a fresh request while this one (the leader) prefills the shared prompt; they
+    then sample their first token from the same logits and take over its blocks by `fork`
+    (with prefix caching, also fresh samples of other requests of the same prompt)."""
 
     seq_id: int
     request_id: str

@@ -150,8 +150,7 @@ class TPController:
         self.opening_tp = policy.start_tp
         self.world = world_group
         # the checks' all-gather and broadcast go through shared memory when the world is
-        # one host (GroupCache.world_comm): over gloo each costs milliseconds, which on a
-        # small model is several decode steps
+        # one host (GroupCache.world_comm): over gloo each may cost several decode steps
         self.comm = world_comm
         # the engine's KV block size where it caches prompt prefixes (0: it does not): a fold
         # then sends the full blocks of a prompt once for all its samples on a replica, and
@@ -317,22 +316,12 @@ class TPController:
     def _window_s(
         self, summaries: list[_Summary | None], tp: int, steps: int, share: float = 1.0
     ) -> float | None:
-        """Seconds to the next check when the replicas step at their own pace; None to count
-        `steps` decode steps on every rank instead (one replica, no latency model, or no
-        check planned before the end).
-
-        Counted in steps, a check made every replica wait for the slowest one's `steps`
-        steps: a replica of 8 long samples beside one of 56 short ones (45 against 200 ms a
-        step) decoded at the busy one's pace and finished 3-4 s after a static rollout would
-        have. In time, each replica runs as many steps as fit in the window, the slowest
-        replica's `steps` steps (its mean step since the last check, or the profile's price
-        before it has one) plus what it has to prefill, and the wait at a check shrinks to
-        part of a step. Every rank computes the window from the same summaries and profile,
-        and times it from the end of the same collective: no clocks are compared. `share`
-        (rank 0's, broadcast) scales the steps for the sequences predicted to finish on the
-        way: priced at the full batch's pace, 40 steps of a long tail that drains from 64
-        sequences to 6 lasted longer than the rollout, and the check that would fold never
-        came."""
+        """Seconds to the next check when the replicas step at their own pace: the slowest
+        replica's `steps` steps (its mean step since the last check, or the profile's price)
+        times `share` (rank 0's, for sequences finishing on the way), plus its prefills. None
+        to count steps instead (one replica, no latency model, no check before the end).
+        Counted steps would hold a small replica to a busy one's pace. Every rank derives the
+        window from the same summaries and times it from the same collective."""
         latency = self.planner.latency
         replicas = [s for s in summaries if s is not None]
         if latency is None or len(replicas) < 2 or steps >= NEVER:
@@ -354,9 +343,9 @@ class TPController:
 
     def check_interval(self) -> int:
         """Decode steps to the next check: `check_every`, or more where one check would cost
-        more than `check_budget` of the decode time between two (a small model on a CPU: a
-        ~1 ms check beside ~0.6 ms steps, where 64 steps apart the checks took 3%). Rank 0
-        decides it from its own timings and broadcasts it with the verdict."""
+        more than `check_budget` of the decode time between two (a small model, whose steps
+        cost about what a check does). Rank 0 decides it from its own timings and broadcasts
+        it with the verdict."""
         every, budget = self.policy.check_every, self.policy.check_budget
         if budget == 0 or self._check_cost_s is None or not self._step_s:
             return every
@@ -416,12 +405,10 @@ class TPController:
     ) -> Verdict | None:
         """A full rollout's first check where no switch could pay even with every sequence
         running to its max_tokens (`_may_switch`), decided on every rank alike; None where it
-        may pay, for rank 0 to decide. At a rollout's first check every rank's planner is as
-        `new_rollout` left it, and every rank holds the same summaries and the same profile,
-        so each reads the stay itself: no broadcast, and rank 0 does not price the stay for
-        the others to wait on (on a model too small for TP to pay, rank 0's opening check went
-        from 0.75 to 0.52 ms, beside 0.65 ms decode steps). Partial rollouts, whose later
-        checks rank 0 decides with the planner's state from the first, are left to rank 0."""
+        may pay, for rank 0 to decide. At a first check every rank's planner is as
+        `new_rollout` left it and every rank holds the same summaries and profile, so each
+        reads the stay itself, with no broadcast. Partial rollouts (whose later checks use
+        the planner's state from the first) are left to rank 0."""
         rows = _rows_of(summaries, tp)
         if not rows or rollout.total_quota is not None:
             return None
@@ -578,13 +565,9 @@ class TPController:
 
 def critical_path(ranks: list[tuple[float, float]]) -> tuple[float, float]:
     """(control, decode) seconds of a rollout on its critical path, from each rank's (decode
-    time, rollout wall time less its switches). The busiest rank's decode time is what the
-    rollout would take with no checks; the rest of the wall time, switches aside, is what
-    control cost it: the checks themselves and the waits they impose. Every check is a
-    synchronisation, so the rollout takes, interval by interval, the slowest replica's time:
-    more than the slowest replica's total whenever the slowest one changes between intervals
-    (run-to-run noise, batches that shrink at different times). The least wall time of the
-    ranks is taken (a rank that started later counts less)."""
+    time, wall time less its switches): the busiest rank's decode time is the rollout with no
+    checks; the rest of the least wall time is what control cost (the checks and the waits
+    they impose, as every check synchronises the replicas)."""
     decode = max(d for d, _ in ranks)
     return max(0.0, min(w for _, w in ranks) - decode), decode
 
@@ -602,19 +585,12 @@ OPENING_MIN_GAIN = 0.02
 
 
 def opening_layout(decision: Decision) -> int:
-    """The TP size the next rollouts should open at, from a first check that stays: where the
-    best plan for this whole batch starts, switch cost aside, since the next rollout pays
-    none (the way there is cut at the next weight sync, or at worst once, at the next
-    `generate`; the gain recurs every rollout). A switch now may not pay for itself in this
-    rollout and still be the right place to start the next ones.
-
-    The plans, simplest first: staying here throughout; another layout throughout; here, then
-    a switch (`later_s`: opening at tp 1 and folding for the tail can beat tp 2 throughout,
-    which beats tp 1 throughout); another layout and back (`round_trip_s`, less the switch
-    there). A plan replaces a simpler one only when predicted `OPENING_MIN_GAIN` faster:
-    against flip-flopping on noise, and for a plan with a switch in the middle, whose price
-    the model tends to underestimate, against a near tie with one without. Layouts that
-    could not hold the batch (infinite overhead) are not candidates."""
+    """The TP size the next rollouts open at, from a first check that stays: where the best
+    plan for this whole batch starts, switch cost aside (the next rollout pays none; the gain
+    recurs). Plans, simplest first: stay; another layout throughout; here, then a switch
+    (`later_s`); another layout and back (`round_trip_s` less the switch there). A plan
+    replaces a simpler one only when `OPENING_MIN_GAIN` faster, against noise and switch
+    prices the model underestimates; layouts that cannot hold the batch are no candidates."""
     options = [o for o in decision.options if math.isfinite(o.now_s)]
     stay = next(o for o in options if o.layout == decision.current)
     others = [o for o in options if o is not stay]

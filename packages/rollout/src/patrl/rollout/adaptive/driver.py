@@ -27,9 +27,11 @@ from patrl.rollout.adaptive.reconfig import KVChoice, KVCost, reconfigure
 from patrl.rollout.adaptive.setup import open_controller
 from patrl.rollout.adaptive.way_back import WayBack
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.engine import Engine, StepRecord, check_batch, progress_bar
+from patrl.rollout.engine import Engine
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState
+from patrl.rollout.records import EngineCounters, StepRecord
+from patrl.rollout.request_input import check_batch, progress_bar
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
@@ -99,7 +101,7 @@ class AdaptiveEngine:
         return self.engine.timeline
 
     @property
-    def counters(self) -> Any:
+    def counters(self) -> EngineCounters:
         return self.engine.counters
 
     @property
@@ -261,13 +263,11 @@ class AdaptiveEngine:
         params: Sequence[SamplingParams],
         keys: Sequence[str | None],
     ) -> list[str]:
-        """Queue this rank's requests at the start of a rollout; returns their ids.
-
-        At tp 1 every rank is its own replica. Opened at a larger TP, the group is one
-        replica: every rank's requests are gathered, in TP-rank order, and queued on every
-        rank of the group, as a switch at the first check would have merged them. Ids come
-        from the submitting rank's counter and global rank, and a missing seed is drawn by
-        the submitting rank, so the group's ranks hold the same requests and streams."""
+        """Queue this rank's requests at the start of a rollout; returns their ids. Opened at
+        TP>1 the group is one replica: every rank's requests are gathered in TP-rank order
+        and queued on every rank of it, as a switch at the first check would have merged
+        them; ids and missing seeds come from the submitting rank, so the group's ranks hold
+        the same requests and generator streams."""
         layout = self.layout
         if layout.tp_size == 1:
             return [

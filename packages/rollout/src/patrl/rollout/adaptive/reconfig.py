@@ -1,25 +1,13 @@
 """Live TP reconfiguration of an engine: (dp, tp) -> (dp', tp') in the middle of generation.
 
-All the movement happens inside the *exchange group*: the TP group of the larger of the two
-layouts. TP groups are consecutive ranks, so it holds every old replica that merges into a new
-one (growing TP) or every new replica that an old one splits into (shrinking). Position `i` in
-it is old TP rank `i % src_tp` of old replica `i // src_tp`, and new TP rank `i % dst_tp` of new
-replica `i // dst_tp`.
-
-The steps, on every rank of the world at once:
-1. the engine's unfinished samples are exported (tokens, logprobs, generator state, local KV);
-   the old replicas' first ranks all-gather the states (without KV) in the exchange group, so
-   every rank derives the same plan;
-2. weights are re-cut in place (`patrl.tpreshard.reshard_`; out of TP 1 the full tensors are
-   kept unless `EngineConfig.keep_full_weights` is off, so the way back is free), the KV cache
-   and scheduler are rebuilt for the new layout;
-3. per sample, the policy picks *migrate* (KV heads sent to the ranks that will own them, paired
-   send/recv in bounded chunks) or *recompute* (KV dropped, prompt + generated tokens prefilled
-   again at the new layout); of the samples of one prompt going from one replica to another,
-   the first sends its whole KV and the others only what follows the prompt's full blocks,
-   which the receiver's prefix cache then holds;
-4. the samples are imported, merged in a fixed order (old replica, then export order), or split
-   between new replicas by whole requests, most remaining tokens first.
+All movement happens inside the *exchange group*, the TP group of the larger layout: it holds
+every old replica that merges into a new one, or every new replica an old one splits into.
+Every rank of the world, at once: (1) exports its unfinished samples, the old first ranks
+sharing the states so every rank derives the same plan; (2) re-cuts the weights in place
+(`tpreshard.reshard_`, full tensors kept out of TP 1 so the way back is free) and rebuilds
+cache and scheduler; (3) per sample, migrates KV heads (paired send/recv in bounded chunks; a
+prompt's full blocks sent once per replica pair) or drops them for a recompute; (4) imports
+the samples, split between new replicas by whole requests. See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
