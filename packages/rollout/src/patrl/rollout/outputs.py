@@ -14,11 +14,10 @@ from patrl.rollout.sequence import Request
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample of a request. `logprobs[i]` is the logprob of `token_ids[i]` under the sampler's shared convention
-    (log_softmax(logits / T) over the full vocabulary; T = 1 for greedy).
-    `finish_reason`: "stop" (EOS or a stop id), "length" (max_tokens or max_model_len),
-    "abort", or "rejected" (the request could not be run; see RequestOutput.error).
-    """
+    """One sample of a request. `logprobs[i]` is the logprob of `token_ids[i]` under the
+    sampler's shared convention (log_softmax(logits / T) over the full vocabulary; T = 1 for
+    greedy). `finish_reason`: "stop" (EOS or a stop id), "length" (max_tokens or
+    max_model_len), "abort", or "rejected" (it could not run; see RequestOutput.error)."""
 
     index: int
     token_ids: list[int]

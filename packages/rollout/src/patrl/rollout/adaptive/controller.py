@@ -157,7 +157,7 @@ class TPController:
         # the planner prices it so
         self.prefix_block = prefix_block
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
-        self.split = False  # the latest rollout split (its outputs need `hand_back`)
+        self.split = False  # the latest rollout split: its outputs are to be handed back
         self.stats = ControlStats()
         # The length groups (GRPO groups) of the requests: the requests of one prompt key in
         # one rollout form one group, so n requests of one sample each (TRL's way of asking
@@ -451,9 +451,9 @@ class TPController:
         # Within a rollout TP only grows, with one exception: a split at the first check, before
         # anything was decoded, corrects where a full rollout opened (at TP>1, named by an
         # earlier batch, where this one is faster on more replicas); its requests may then
-        # finish on another replica than their submitter's (`hand_back`). A split asked for
-        # later, or in a partial rollout (whose samples stay with their replicas), becomes
-        # where the next rollouts open; this one stays.
+        # finish on another replica than their submitter's (the driver hands them back). A
+        # split asked for later, or in a partial rollout (whose samples stay with their
+        # replicas), becomes where the next rollouts open; this one stays.
         split = decision.action == "switch" and decision.target.tp < tp
         if split and first and rollout.total_quota is None:
             split = False
