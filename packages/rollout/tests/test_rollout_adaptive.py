@@ -460,7 +460,7 @@ def test_requests_of_one_prompt_key_in_a_rollout_are_one_length_group() -> None:
     # k's history is its group's mean, 20, shrunk towards the global mean (30+10+20+90)/4
     assert predictor.expected_length("k") == pytest.approx((4 * 20 + 1 * 37.5) / 5)
     controller._learn(_Summary(True, [], [], [("c", 0, 7, "abort")]))
-    assert controller._open_groups == {} and controller._group_of == {}
+    assert controller.length_groups.open == {} and controller.length_groups.of_request == {}
     assert predictor.state_dict()["groups"] == {}
     # the same key in the next rollout is a new group
     controller.begin()

@@ -1,13 +1,9 @@
 """Adaptive TP: a driver that changes an engine's layout while it generates (PAT)."""
 
-from patrl.rollout.adaptive.controller import (
-    ControlStats,
-    TPController,
-    TPDecisionRecord,
-    critical_path,
-    opening_layout,
-)
+from patrl.rollout.adaptive.control_stats import ControlStats, TPDecisionRecord, critical_path
+from patrl.rollout.adaptive.controller import TPController, opening_layout
 from patrl.rollout.adaptive.driver import AdaptiveEngine, make_engine
+from patrl.rollout.adaptive.length_groups import LengthGroups
 from patrl.rollout.adaptive.migrate import cut_and_migrate
 from patrl.rollout.adaptive.oracle import OracleLengths
 from patrl.rollout.adaptive.protocols import Lengths, Planner, StepPrices
@@ -21,6 +17,7 @@ __all__ = [
     "KVChoice",
     "KVCost",
     "KVPolicy",
+    "LengthGroups",
     "Lengths",
     "OracleLengths",
     "Planner",

@@ -15,43 +15,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from patrl.lenpredict import NEVER, Decision, Layout, RunningSet, shared_prefix
+from patrl.rollout.adaptive.control_stats import (
+    ControlStats,
+    TPDecisionRecord,
+    critical_path,
+    record_of,
+)
+from patrl.rollout.adaptive.length_groups import LengthGroups
 from patrl.rollout.adaptive.protocols import Lengths, Planner
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import ShmComm, broadcast_obj, gather_objects
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TPDecisionRecord:
-    """One planner check, with its prediction and, once the rollout ended, what happened."""
-
-    t: float  # seconds since the rollout started, when the decision arrived (this rank's clock)
-    action: str  # "stay" | "switch"
-    current_tp: int
-    target_tp: int
-    num_seqs: int
-    predicted_gain_s: float  # time saved by the best switch, before its overhead
-    predicted_overhead_s: float
-    # to the end of the rollout along the chosen path, overhead included (None: no length
-    # was predicted, as no switch could pay even with every sequence at its max_tokens)
-    predicted_finish_s: float | None
-    reason: str
-    num_migrated: int = 0
-    num_recomputed: int = 0
-    measured_overhead_s: float | None = None  # the reconfigure, as this rank timed it
-    measured_finish_s: float | None = None  # from the check to the end of the rollout
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # One unfinished sample at a check: (request id, sample index, context tokens, generated
@@ -90,24 +73,6 @@ class Verdict:
     # next check when the replicas step at their own pace (None: count steps)
     from_tp: int = 0
     window_s: float | None = None
-
-
-@dataclass(slots=True)
-class ControlStats:
-    checks: int = 0
-    switches: int = 0
-    control_s: float = 0.0  # checks made with work pending: summary, planner, broadcast
-    # What control cost the rollouts, summed (see `critical_path`): each rollout's time less
-    # its switches and its busiest rank's decode time; the same on every rank.
-    critical_control_s: float = 0.0
-    planner_s: float = 0.0  # rank 0's planner calls (RunningSet building included)
-    reconfig_s: float = 0.0
-    reset_s: float = 0.0  # returning to the starting layout after a rollout
-    decode_s: float = 0.0  # time in Engine.step during adaptive rollouts
-    critical_decode_s: float = 0.0  # per rollout, the busiest rank's decode_s, summed
-
-    def as_dict(self) -> dict[str, float]:
-        return {f"tp_{k}": float(getattr(self, k)) for k in self.__slots__}
 
 
 @dataclass(slots=True)
@@ -159,13 +124,7 @@ class TPController:
         self.decisions: list[TPDecisionRecord] = []  # of the latest rollout
         self.split = False  # the latest rollout split: its outputs are to be handed back
         self.stats = ControlStats()
-        # The length groups (GRPO groups) of the requests: the requests of one prompt key in
-        # one rollout form one group, so n requests of one sample each (TRL's way of asking
-        # for a group, or a per-sample replay) are siblings as n samples of one request are.
-        self._open_groups: dict[str, list[int]] = {}  # id -> size, unreported, observed
-        self._group_of: dict[str, list[Any]] = {}  # request id -> [group id, unreported]
-        self._groups_by_key: dict[str, str] = {}  # prompt key -> its group in this rollout
-        self._num_groups = 0
+        self.length_groups = LengthGroups(lengths)
         self._rollout: _Rollout | None = None
         # what spacing the checks needs: the fastest check with work seen (the others include
         # waiting for a busier replica) and a moving average of this rank's decode steps
@@ -180,7 +139,7 @@ class TPController:
         replicas' quotas (partial rollouts), the rest to be exported by the engine."""
         self.planner.new_rollout()
         self._rollout = _Rollout(start=time.perf_counter(), quota=quota)
-        self._groups_by_key = {}
+        self.length_groups.new_rollout()
 
     @property
     def in_rollout(self) -> bool:
@@ -353,38 +312,7 @@ class TPController:
 
     def _learn(self, s: _Summary) -> None:
         """Feed the length model; every rank sees the same summaries in the same order."""
-        for rid, key, n in s.started:
-            gid = self._groups_by_key.get(key)
-            if gid is not None and gid in self._open_groups:
-                self.lengths.extend_group(gid, n)
-                self._open_groups[gid][0] += n
-                self._open_groups[gid][1] += n
-            else:
-                self._num_groups += 1
-                gid = f"{key}@{self._num_groups}"
-                self.lengths.start_group(gid, key, n)
-                self._open_groups[gid] = [n, n, 0]
-                self._groups_by_key[key] = gid
-            self._group_of[rid] = [gid, n]
-        for rid, index, length, reason in s.finished:
-            request = self._group_of.get(rid)
-            if request is None:
-                continue
-            gid = request[0]
-            entry = self._open_groups[gid]
-            if reason in ("stop", "length"):
-                self.lengths.observe_finished(f"{rid}#{index}", gid, length)
-                entry[2] += 1
-            entry[1] -= 1
-            request[1] -= 1
-            if request[1] == 0:
-                del self._group_of[rid]
-            if entry[1] == 0:
-                del self._open_groups[gid]
-                if entry[2] < entry[0]:
-                    # aborted or rejected samples: close the group here (a fully observed
-                    # one closed itself at its last sample)
-                    self.lengths.end_group(gid)
+        self.length_groups.learn(s.started, s.finished)
 
     def _over(self, summaries: list[_Summary | None], rollout: _Rollout) -> bool:
         """Whether the rollout is over everywhere: no replica has anything unfinished, or the
@@ -445,7 +373,7 @@ class TPController:
             running.remaining = self._predict(rows, running.remaining)
         decision = self.planner.decide(running, current)
         self.stats.planner_s += time.perf_counter() - t0
-        record = _record(decision, time.perf_counter() - rollout.start)
+        record = record_of(decision, time.perf_counter() - rollout.start)
         if bounded:
             record.reason += " (no length predicted: every sequence priced at its max_tokens)"
         # Within a rollout TP only grows, with one exception: a split at the first check, before
@@ -532,7 +460,7 @@ class TPController:
         request_ids = [row[0] for _, row in rows]
         remaining = self.lengths.predict_remaining_many(
             [f"{row[0]}#{row[1]}" for _, row in rows],
-            [self._group_of[r][0] for r in request_ids],
+            [self.length_groups.group_of(r) for r in request_ids],
             np.array([row[3] for _, row in rows], dtype=int),
         )
         return np.clip(remaining, 1.0, bound)
@@ -561,15 +489,6 @@ class TPController:
             verdict = broadcast_obj(self.comm, self.world, verdict, src=0)
         assert verdict is not None
         return verdict
-
-
-def critical_path(ranks: list[tuple[float, float]]) -> tuple[float, float]:
-    """(control, decode) seconds of a rollout on its critical path, from each rank's (decode
-    time, wall time less its switches): the busiest rank's decode time is the rollout with no
-    checks; the rest of the least wall time is what control cost (the checks and the waits
-    they impose, as every check synchronises the replicas)."""
-    decode = max(d for d, _ in ranks)
-    return max(0.0, min(w for _, w in ranks) - decode), decode
 
 
 def _rows_of(summaries: list[_Summary | None], tp: int) -> list[tuple[int, Row]]:
@@ -603,19 +522,3 @@ def opening_layout(decision: Decision) -> int:
         if plan_s < best_s * (1 - OPENING_MIN_GAIN):
             best_s, best_tp = plan_s, tp
     return best_tp
-
-
-def _record(decision: Decision, t: float) -> TPDecisionRecord:
-    chosen = decision.chosen
-    finish = chosen.run_s + (chosen.overhead_s if decision.action == "switch" else 0.0)
-    return TPDecisionRecord(
-        t=t,
-        action=decision.action,
-        current_tp=decision.current.tp,
-        target_tp=decision.target.tp,
-        num_seqs=len(decision.seq_ids),
-        predicted_gain_s=float(decision.gain_s),
-        predicted_overhead_s=float(decision.overhead_s),
-        predicted_finish_s=float(finish),
-        reason=decision.reason,
-    )
