@@ -7,11 +7,11 @@ intermediate 2048, vocab 32000, untied head), fp32, saved once under --model-dir
 For each cell (unfinished sequences N; context C tokens each), the two replicas (one rank each)
 are given N sequences in total, imported with C tokens of random KV (the content does not change
 the cost of moving it), then:
-- migrate, median of --repeats: `Engine.reconfigure(2, "migrate")`, its report split into
+- migrate, median of --repeats: `reconfigure(engine, 2, "migrate")`, its report split into
   weights / cache (the new layout's KV pool) / kv (the head exchange) / other (the export, the
   state exchange and the import); then the reverse, (dp1, tp2) -> (dp2, tp1) with migrate,
   which gathers weights and KV heads;
-- recompute: `reconfigure(2, "recompute")` plus the engine steps until every sequence is
+- recompute: `reconfigure(engine, 2, "recompute")` plus the engine steps until every sequence is
   running again (the prefill of prompt + generated tokens at tp 2), median of --repeats, or of
   1 run where the first prefill took more than --slow-prefill-s; a cell whose prefill would take
   more than --max-prefill-s (by the per-sequence prefill time measured at the same context
@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from multirank import run_ranks
 
 from patrl.kvstore import SequenceKV
+from patrl.rollout.adaptive import ReconfigReport, reconfigure
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import SequenceState
-from patrl.rollout.reconfigure import ReconfigReport
 from patrl.rollout.sampler import SamplingParams, export_generator, make_generator
 from patrl.tpreshard import GroupCache
 
@@ -151,8 +151,8 @@ def _migrate_runs(
     info: dict[str, Any] = {}
     for rep in range(repeats):
         engine.import_requests(_states(engine, mine, context, f"{tag}.{rep}"))
-        report = engine.reconfigure(2, "migrate")
-        back = engine.reconfigure(1, "migrate")
+        report = reconfigure(engine, 2, "migrate")
+        back = reconfigure(engine, 1, "migrate")
         _clear(engine)
         for part, value in _parts(report).items():
             runs.setdefault(f"migrate_{part}_s", []).append(value)
@@ -177,10 +177,10 @@ def _recompute_runs(
     out: dict[str, Any] = {}
     for rep in range(repeats):
         engine.import_requests(_states(engine, mine, context, f"{tag}.rc{rep}"))
-        report = engine.reconfigure(2, "recompute")
+        report = reconfigure(engine, 2, "recompute")
         prefill = _world_max(_until_running(engine), world)
         _clear(engine)
-        engine.reconfigure(1, "migrate")
+        reconfigure(engine, 1, "migrate")
         for part, value in _parts(report, prefill).items():
             runs.setdefault(f"recompute_{part}_s", []).append(value)
         runs.setdefault("recompute_prefill_s", []).append(prefill)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from patrl.lenpredict import Profile
 from patrl.rollout import (
+    AdaptiveEngine,
     AdaptiveTP,
     Engine,
     EngineConfig,
@@ -25,7 +26,7 @@ from patrl.rollout import (
     plot_timeline,
 )
 from patrl.rollout.loader import iter_checkpoint
-from patrl.tpreshard import GroupCache, ParallelLayout
+from patrl.tpreshard import GroupCache
 
 from .config import ADAPTIVE, POLICIES, STATIC, BenchConfig
 from .profiles import profile_shape, profile_summary, profiled_with
@@ -40,30 +41,20 @@ class Engines:
 
     static_dp: Engine
     static_tp: Engine
-    predicted: Engine
-    oracle: Engine
+    predicted: AdaptiveEngine
+    oracle: AdaptiveEngine
     oracle_lengths: OracleLengths
-    cold: Engine
+    cold: AdaptiveEngine
 
-    def of(self, policy: str) -> Engine:
-        return {
+    def of(self, policy: str) -> Engine | AdaptiveEngine:
+        engines: dict[str, Engine | AdaptiveEngine] = {
             "static_dp2_tp1": self.static_dp,
             "static_dp1_tp2": self.static_tp,
             "adaptive_predicted": self.predicted,
             "adaptive_oracle": self.oracle,
             "adaptive_cold": self.cold,
-        }[policy]
-
-
-def make_engine(
-    config: EngineConfig,
-    layout: ParallelLayout | None = None,
-    groups: GroupCache | None = None,
-    lengths: OracleLengths | None = None,
-) -> Engine:
-    """An engine of `config`: at `layout` (static), or adaptive over `groups` when the config's
-    `tp_policy` is AdaptiveTP, with `lengths` in place of its online predictor."""
-    return Engine(config, layout, groups, lengths=lengths)
+        }
+        return engines[policy]
 
 
 def adaptive_config(
@@ -87,16 +78,16 @@ def make_engines(
     adaptive = adaptive_config(base, profile, check_every, margin)
     oracle = OracleLengths({})
     return Engines(
-        static_dp=make_engine(base, groups.layout(1), groups),
-        static_tp=make_engine(base, groups.layout(2), groups),
-        predicted=make_engine(adaptive, groups=groups),
-        oracle=make_engine(adaptive, groups=groups, lengths=oracle),
+        static_dp=Engine(base, groups.layout(1), groups),
+        static_tp=Engine(base, groups.layout(2), groups),
+        predicted=AdaptiveEngine(adaptive, groups=groups),
+        oracle=AdaptiveEngine(adaptive, groups=groups, lengths=oracle),
         oracle_lengths=oracle,
-        cold=make_engine(adaptive, groups=groups),
+        cold=AdaptiveEngine(adaptive, groups=groups),
     )
 
 
-def reopen_wide(engine: Engine) -> None:
+def reopen_wide(engine: AdaptiveEngine) -> None:
     """Make an adaptive engine open its next rollout at its policy's start_tp (tp 1), so only
     the mid-rollout planner moves it (PAT's setting)."""
     controller = engine.controller
@@ -147,7 +138,7 @@ def rollout(
         tell_oracle(engines, workload, mine, world)
     params = workload.params()
     if policy == "adaptive_cold":
-        reopen_wide(engine)
+        reopen_wide(engines.cold)
     # the RL step's weight sync, untimed: an adaptive engine goes back to its opening layout
     # in it (the model rebuilt there from the full tensors), as it does in the RL loop
     dist.barrier(group=world)

@@ -23,13 +23,15 @@ from patrl.lenpredict import (
 )
 from patrl.lenpredict.planner import NEVER, Option
 from patrl.rollout.adaptive import (
+    AdaptiveEngine,
     OracleLengths,
     TPController,
-    _Summary,
     critical_path,
+    make_engine,
     make_planner,
     opening_layout,
 )
+from patrl.rollout.adaptive.controller import _Summary
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
@@ -79,7 +81,24 @@ def _logprobs(outputs: list[Any]) -> list[float]:
     return [lp for o in outputs for c in o.outputs for lp in c.logprobs]
 
 
-class ForcedPlanner:
+class _TestPlanner:
+    """The planner protocol's questions, answered as a planner without a profile would: a
+    switch may always pay, no layout is proved static, steps do not get cheaper, and no
+    latency model (checks counted in steps)."""
+
+    latency: Any = None
+
+    def may_switch(self, running: RunningSet, current: Layout) -> bool:
+        return True
+
+    def never_switches_from(self, current: Layout, max_context: int) -> bool:
+        return False
+
+    def shrinking_share(self, running: RunningSet, current: Layout, steps: int) -> float:
+        return 1.0
+
+
+class ForcedPlanner(_TestPlanner):
     """Switches to `target_tp` at its `at_call`-th check (counted from 1), else stays."""
 
     def __init__(self, at_call: int, target_tp: int, world_size: int) -> None:
@@ -114,7 +133,7 @@ def _forced(
     planner = ForcedPlanner(at_call, 2, world_size)
     predictor = LengthPredictor()
     config = _config(model_dir, check_every=3, kv_policy=kv)
-    engine = Engine(
+    engine = AdaptiveEngine(
         config.model_copy(update={"keep_full_weights": keep}),
         groups=groups,
         planner=planner,
@@ -208,7 +227,7 @@ def test_forced_switch_changes_no_token(llama_dir: Path, at_call: int, kv: str, 
     assert expected["p1-3"] > mean  # one 25-token group: above the mean, shrunk towards it
 
 
-class DearSwitchPlanner:
+class DearSwitchPlanner(_TestPlanner):
     """Always stays, but prices tp 2 faster for the batch, with a switch too dear to pay off
     in one rollout: the next rollouts should open at tp 2."""
 
@@ -231,7 +250,7 @@ def _opening(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     prompts, params = _prompts(rank)
     expected = Engine(_config(model_dir)).generate(prompts, params)
-    engine = Engine(
+    engine = AdaptiveEngine(
         _config(model_dir, check_every=3), groups=groups, planner=DearSwitchPlanner(world_size)
     )
     out: dict[str, Any] = {"expected": _tokens(expected)}
@@ -291,7 +310,7 @@ def _open_then_split(
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     prompts, params = _prompts(rank)
     expected = Engine(_config(model_dir)).generate(prompts, params)
-    engine = Engine(
+    engine = AdaptiveEngine(
         _config(model_dir, check_every=2, kv_policy="migrate"),
         groups=groups,
         planner=OpenWideThenSplitPlanner(world_size, split_at, grow_at),
@@ -351,7 +370,7 @@ def _planned(rank: int, world_size: int, model_dir: str, paths: list[str]) -> li
     prompts, params = _prompts(rank)
     out = []
     for path in paths:
-        engine = Engine(_config(model_dir, check_every=2, profile=path, margin=0.2))
+        engine = AdaptiveEngine(_config(model_dir, check_every=2, profile=path, margin=0.2))
         outs = engine.generate(prompts, params)
         stats = engine.stats()
         out.append(
@@ -441,7 +460,7 @@ def test_requests_of_one_prompt_key_in_a_rollout_are_one_length_group() -> None:
     # k's history is its group's mean, 20, shrunk towards the global mean (30+10+20+90)/4
     assert predictor.expected_length("k") == pytest.approx((4 * 20 + 1 * 37.5) / 5)
     controller._learn(_Summary(True, [], [], [("c", 0, 7, "abort")]))
-    assert controller._open_groups == {} and controller._group_of == {}
+    assert controller.length_groups.open == {} and controller.length_groups.of_request == {}
     assert predictor.state_dict()["groups"] == {}
     # the same key in the next rollout is a new group
     controller.begin()
@@ -454,7 +473,7 @@ def _spaced(rank: int, world_size: int, model_dir: str) -> list[int]:
     prompts, params = _prompts(rank)
     checks = []
     for budget in (0.0, 0.005):
-        engine = Engine(
+        engine = AdaptiveEngine(
             _config(model_dir, check_every=2, check_budget=budget),
             groups=groups,
             planner=ForcedPlanner(0, 2, world_size),  # always stays, asks for no recheck
@@ -566,7 +585,7 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
     assert 5 < local < 55, local  # both ways taken
 
 
-class QuietPlanner:
+class QuietPlanner(_TestPlanner):
     """Stays, with `quiet` steps in which no switch can gain, or `recheck` steps."""
 
     def __init__(self, quiet: int, recheck: int | None = None) -> None:
@@ -626,7 +645,7 @@ def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
     plus its prefills, one per prompt; counted steps where there is one replica, no latency
     model, or no check before the end."""
     planner = QuietPlanner(0, 3)
-    planner.latency = FlatLatency(0.1)  # type: ignore[attr-defined]
+    planner.latency = FlatLatency(0.1)
     controller = TPController(AdaptiveTP(candidates=(1, 2)), planner, LengthPredictor(), None)
 
     def replica(rows: int, step_s: float | None, waiting: int = 0, prompts: int = 0) -> _Summary:
@@ -649,23 +668,24 @@ def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
     assert controller._window_s([fast, _Summary(False, [], [], [])], 1, 3) == pytest.approx(0.135)
     assert controller._window_s([fast, None], 2, 3) is None  # one TP=2 replica
     assert controller._window_s([fast, slow], 1, NEVER) is None
-    planner.latency = None  # type: ignore[attr-defined]
+    planner.latency = None
     assert controller._window_s([fast, slow], 1, 3) is None
 
 
 def _windows(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     planner = QuietPlanner(0, 3)  # stays, checks again 3 steps on
-    planner.latency = FlatLatency(0.01)  # type: ignore[attr-defined]
-    engine = Engine(_config(model_dir, check_every=3), groups=groups, planner=planner)
+    planner.latency = FlatLatency(0.01)
+    engine = AdaptiveEngine(_config(model_dir, check_every=3), groups=groups, planner=planner)
     if rank == 1:  # a replica 30 ms a step slower, as one with a far larger batch would be
-        run = engine._run
+        runner = engine.engine.runner
+        run = runner.run
 
-        def slow(batch: Any) -> None:
+        def slow(batch: Any) -> Any:
             time.sleep(0.03)
-            run(batch)
+            return run(batch)
 
-        engine._run = slow  # type: ignore[method-assignment]
+        runner.run = slow  # type: ignore[method-assign]
     length = 60 if rank == 0 else 12
     params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
     outs = engine.generate([[3, 1, 4, 1, 5]], [params])
@@ -751,8 +771,12 @@ def test_adaptive_config_errors(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="at least two candidate"):
         EngineConfig(model=str(llama_dir), tp_policy={"kind": "adaptive", "candidates": (2,)})
     # one process: nothing to adapt, the engine runs as tp=1 without a planner
-    engine = Engine(_config(str(llama_dir), profile=None))
+    engine = make_engine(_config(str(llama_dir), profile=None))
+    assert isinstance(engine, AdaptiveEngine)
     assert engine.controller is None and engine.layout.tp_size == 1
+    # the one-layout engine refuses an adaptive policy, naming where to go instead
+    with pytest.raises(ValueError, match="make_engine"):
+        Engine(_config(str(llama_dir), profile=None))
 
 
 def test_the_planner_sees_which_samples_share_a_prompt_on_their_replica() -> None:

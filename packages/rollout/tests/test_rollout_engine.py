@@ -95,7 +95,7 @@ def test_sampled_request_is_the_same_alone_and_in_a_batch_of_16(llama_dir: Path)
 
 def test_logits_sampled_in_chunks_of_rows_give_what_one_pass_gives(llama_dir: Path) -> None:
     """On CPU a step's full-vocabulary logits go through the sampler in chunks of rows that
-    keep their temporaries under glibc's mmap ceiling (`Engine.sample_chunk_bytes`, on by
+    keep their temporaries under glibc's mmap ceiling (`ModelRunner.sample_chunk_bytes`, on by
     default there), from one matmul into a buffer kept across steps. Chunks of 3 rows,
     splitting prompts' forked samples and mixing greedy, sampled, truncated and top-logprob
     requests of different K, give the tokens and logprobs of one pass."""
@@ -111,10 +111,10 @@ def test_logits_sampled_in_chunks_of_rows_give_what_one_pass_gives(llama_dir: Pa
         SamplingParams(temperature=0.7, seed=7, max_tokens=7, ignore_eos=True),
     ]
     whole = engine(llama_dir)
-    assert whole.sample_chunk_bytes == MMAP_THRESHOLD_BYTES  # a CPU engine chunks by default
-    whole.sample_chunk_bytes = None
+    assert whole.runner.sample_chunk_bytes == MMAP_THRESHOLD_BYTES  # a CPU engine chunks by default
+    whole.runner.sample_chunk_bytes = None
     chunked = engine(llama_dir)
-    chunked.sample_chunk_bytes = 4 * 4 * whole.model.config.vocab_size  # 3 rows a chunk
+    chunked.runner.sample_chunk_bytes = 4 * 4 * whole.model.config.vocab_size  # 3 rows a chunk
     chunks: list[int] = []
     gather = chunked.model.lm_head.gather
     chunked.model.lm_head.gather = lambda local: chunks.append(len(local)) or gather(local)  # type: ignore[method-assign]
@@ -352,7 +352,7 @@ def _tp_generate(
         EngineConfig(model=model_dir, block_size=4, num_kv_blocks=128, max_model_len=128), layout
     )
     if comm == "shm":  # and the logits gathered and sampled in chunks of 3 rows
-        eng.sample_chunk_bytes = 4 * 4 * eng.model.config.vocab_size
+        eng.runner.sample_chunk_bytes = 4 * 4 * eng.model.config.vocab_size
     batch = prompts(4, seed=3)
     out = eng.generate(batch, GREEDY) + eng.generate(
         batch, SamplingParams(seed=1, n=2, max_tokens=16)

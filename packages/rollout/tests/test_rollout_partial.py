@@ -11,6 +11,7 @@ import torch
 from multirank import run_ranks
 from rollout_testkit import save_hf_model, tiny_hf_model
 
+from patrl.rollout.adaptive import AdaptiveEngine
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
@@ -90,6 +91,17 @@ class _NeverSwitch:
     def new_rollout(self) -> None:
         pass
 
+    latency = None
+
+    def may_switch(self, running: Any, current: Any) -> bool:
+        return True
+
+    def never_switches_from(self, current: Any, max_context: int) -> bool:
+        return False
+
+    def shrinking_share(self, running: Any, current: Any, steps: int) -> float:
+        return 1.0
+
     def decide(self, running: Any, current: Any) -> Any:
         import numpy as np
 
@@ -105,7 +117,7 @@ def _adaptive_partial(rank: int, world_size: int, model_dir: str) -> dict[str, A
     prompts, params = _workload(10 + rank)
     ids = [f"rank{rank}-{i}" for i in range(len(prompts))]
     expected = _reference(model_dir, prompts, params, ids)
-    engine = Engine(_config(model_dir, check_every=2), planner=_NeverSwitch())
+    engine = AdaptiveEngine(_config(model_dir, check_every=2), planner=_NeverSwitch())
     done, rest = engine.generate_partial(prompts, params, quota=1, request_ids=ids)
     later, left = engine.generate_partial([], [], quota=4, resume=rest)
     return {

@@ -12,10 +12,12 @@ import torch.distributed as dist
 from multirank import run_ranks
 from rollout_testkit import save_hf_model, tiny_hf_model
 
+from patrl.rollout.adaptive import WayBack, reconfigure
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.transfer import state_of
 from patrl.tpreshard import GroupCache, has_full
 from patrl.tpreshard import reshard as reshard_module
 
@@ -71,7 +73,7 @@ def _fresh_prefill_diff(engine: Engine, model_dir: str) -> tuple[float, bool]:
         for a, b in zip(engine.model.parameters(), fresh.model.parameters(), strict=True)
     )
     running = list(engine.scheduler.running)
-    fresh.import_requests([engine._state(s, None) for s in running])
+    fresh.import_requests([state_of(s, None) for s in running])
     while fresh.scheduler.waiting:  # prefill every imported sample (siblings a step later,
         fresh.step()  # sharing their prompt's cached blocks)
     worst = 0.0
@@ -148,7 +150,7 @@ def _live(
             _drain(engine, live, steps=at_step)
             storages = _sharded_storages(engine)
             from_tp1 = engine.layout.tp_size == 1
-            reports.append(engine.reconfigure(tp, policy))
+            reports.append(reconfigure(engine, tp, policy))
             if from_tp1 and keep_full:
                 kept.append(_kept_storages(engine) == storages)
             elif from_tp1:  # cut inside each weight's own storage, nothing kept beside it
@@ -162,7 +164,7 @@ def _live(
         if sync_check and path[0] == 1:
             # the sync wrote into the shards: the full weights a fold kept are stale, so the
             # way back gathers the synced ones instead of taking those
-            engine.reconfigure(1)
+            reconfigure(engine, 1)
             fresh = Engine(_config(model_dir), engine.layout)
             fresh.load_weights([(n, t * 0.5) for n, t in iter_checkpoint(model_dir)], version=2)
             unfolded = all(
@@ -248,10 +250,11 @@ def test_dp4_tp1_to_dp2_tp2_to_dp1_tp4_with_migrate(llama_dir: Path) -> None:
 def _bad_sync_after_fold(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     engine = Engine(_config(model_dir), groups.layout(1), groups)
-    engine.reconfigure(2)  # a fold: the full weights are kept
-    engine.return_later(groups.layout(1))  # as after an adaptive rollout
+    reconfigure(engine, 2)  # a fold: the full weights are kept
+    way_back = WayBack(engine)
+    way_back.later(groups.layout(1))  # as after an adaptive rollout
     try:
-        engine.load_weights([("model.norm.weight", torch.zeros(65))], version=1)
+        way_back.load_weights([("model.norm.weight", torch.zeros(65))], version=1)
         message = ""
     except ValueError as e:
         message = str(e)
@@ -292,7 +295,7 @@ def _shared_prompt_fold(
     live: dict[str, Any] = {}
     engine.add_request(prompt, params, request_id=f"p{rank}")
     _drain(engine, live, steps=3)
-    report = engine.reconfigure(2, "migrate")
+    report = reconfigure(engine, 2, "migrate")
     running = len(engine.scheduler.running)  # imported with their KV, none left to recompute
     _drain(engine, live)
     sent: list[int] = [0] * world_size

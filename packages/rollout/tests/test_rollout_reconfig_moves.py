@@ -11,6 +11,8 @@ from multirank import run_ranks
 from rollout_testkit import save_hf_model, tiny_hf_model
 from test_rollout_reconfig import _add, _config, _drain, _everyone, _workload
 
+from patrl.rollout.adaptive import cut_and_migrate, reconfigure
+from patrl.rollout.adaptive.reconfig import _moving
 from patrl.rollout.engine import Engine
 from patrl.tpreshard import GroupCache, ParallelLayout
 
@@ -30,7 +32,7 @@ def _cut(rank: int, world_size: int, model_dir: str, with_kv: bool) -> dict[str,
     _add(engine)
     _drain(engine, live, steps=5)
     ids = [rid for rid, _, _ in _workload(0)]
-    moved = engine.migrate_requests(ids, src_dp=0, dst_dp=1, with_kv=with_kv)
+    moved = cut_and_migrate(engine, ids, src_dp=0, dst_dp=1, with_kv=with_kv)
     left = engine.request_ids()
     _drain(engine, live)
     return {
@@ -87,16 +89,16 @@ def test_bad_reconfigure_targets_fail_clearly_and_change_nothing(llama_dir: Path
     _drain(engine, live, steps=4)
     before = _snapshot(engine)
     with pytest.raises(ValueError, match=r"TP size 2 is not a candidate of this GroupCache: \[1\]"):
-        engine.reconfigure(2)
+        reconfigure(engine, 2)
     three = ParallelLayout(tp_size=3, tp_rank=0, tp_group=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tp_size=3 must divide num_attention_heads=4"):
-        engine.reconfigure(three)
-    engine.reconfiguring = True  # as if another reconfigure were running
+        reconfigure(engine, three)
+    _moving.add(engine)  # as if another reconfigure were running
     with pytest.raises(RuntimeError, match="already in progress"):
-        engine.reconfigure(groups.layout(1))
-    engine.reconfiguring = False
+        reconfigure(engine, groups.layout(1))
+    _moving.discard(engine)
     with pytest.raises(ValueError, match="already at tp_size=1"):
-        engine.reconfigure(1)
+        reconfigure(engine, 1)
     assert _unchanged(engine, before)
     _drain(engine, live)
     assert live == reference
@@ -110,7 +112,7 @@ def test_a_weight_of_the_wrong_shape_names_both_shapes(llama_dir: Path) -> None:
 
 
 def _moves(j_old: int, j_new: int, src_tp: int, dst_tp: int, kv: int) -> list[tuple[int, ...]]:
-    from patrl.rollout.reconfigure import _plan
+    from patrl.rollout.adaptive.reconfig import _plan
 
     return [(m.src, m.dst, m.lo, m.hi) for m in _plan(("r", 0), j_old, j_new, src_tp, dst_tp, kv)]
 
@@ -127,8 +129,8 @@ def test_kv_plans_keep_what_a_rank_holds_and_send_the_rest() -> None:
 
 
 def test_a_split_keeps_samples_of_a_request_together_and_balances_remaining_tokens() -> None:
+    from patrl.rollout.adaptive.reconfig import _assign
     from patrl.rollout.outputs import SequenceState
-    from patrl.rollout.reconfigure import _assign
     from patrl.rollout.sampler import SamplingParams
 
     def state(rid: str, index: int, left: int) -> tuple[SequenceState, int]:

@@ -15,7 +15,7 @@ from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_grid
-from patrl.rollout import AdaptiveTP, Engine, EngineConfig
+from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import TrainerConfig
 
@@ -120,7 +120,7 @@ def build_engine(
     world: World,
     lengths: LengthPredictor | None = None,
     span_world: bool = True,
-) -> Engine:
+) -> Engine | AdaptiveEngine:
     """This rank's rollout engine. With `span_world` (the sync schedule) its TP groups are cut
     from the whole world, every rank making every group at once; without (an async rollout
     rank) it runs on this rank alone. `lengths` feeds adaptive TP's planner."""
@@ -136,7 +136,7 @@ def build_engine(
         if span_world and world.distributed
         else None
     )
-    return Engine(
+    return make_engine(
         engine,
         None if adaptive or groups is None else groups.layout(tp_sizes[0]),
         groups,

@@ -43,7 +43,7 @@ from patrl.orchestrator.step import (
     validation_metrics,
     validation_prompts,
 )
-from patrl.rollout import SequenceState
+from patrl.rollout import AdaptiveEngine, SequenceState
 from patrl.trainer import Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
@@ -79,7 +79,9 @@ class SyncGRPO(RunLoop):
         self.predictor = LengthPredictor()
         self.engine = build_engine(config, model_dir, world, lengths=self.predictor)
         self.layout = self.engine.layout if world.distributed else None
-        self._online_lengths = self.engine.controller is not None
+        self._online_lengths = (
+            isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
+        )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
             trainer_config(config), model_dir, mesh=self._mesh(), device=world.device

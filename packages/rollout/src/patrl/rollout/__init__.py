@@ -1,17 +1,28 @@
-"""patrl.rollout: the generation engine (continuous batching on paged KV, TP layers, sampler)."""
+"""patrl.rollout: the generation engine (continuous batching on paged KV, TP layers, sampler)
+and adaptive TP, which drives an engine from outside."""
 
-from patrl.rollout.adaptive import OracleLengths, TPController, TPDecisionRecord
+from patrl.rollout.adaptive import (
+    AdaptiveEngine,
+    KVCost,
+    OracleLengths,
+    ReconfigReport,
+    TPController,
+    TPDecisionRecord,
+    cut_and_migrate,
+    make_engine,
+    reconfigure,
+)
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.models import build_model
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
 from patrl.rollout.plot import plot_timeline
-from patrl.rollout.reconfigure import KVCost, ReconfigReport
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import AdaptiveTP, StaticTP
 
 __all__ = [
+    "AdaptiveEngine",
     "AdaptiveTP",
     "CompletionOutput",
     "Engine",
@@ -26,7 +37,10 @@ __all__ = [
     "TPController",
     "TPDecisionRecord",
     "build_model",
+    "cut_and_migrate",
     "load_model",
     "load_weights",
+    "make_engine",
     "plot_timeline",
+    "reconfigure",
 ]

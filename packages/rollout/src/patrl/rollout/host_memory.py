@@ -1,19 +1,10 @@
 """Keep freed host memory for reuse: glibc malloc tuned for a CPU decode loop.
 
-A decode step on CPU allocates and frees the same large temporaries every step: the logits
-of a 152k-token vocabulary are 0.6 MB a sequence, 10 MB for 16 sequences, and sampling copies
-them. glibc serves an allocation above its mmap threshold (128 KB at start, raised to the
-size of the largest mmapped chunk freed so far, at most 32 MB) with fresh pages from the
-kernel and unmaps them on free, and trims the top of its heap once 2x that threshold is
-free; so until a larger free has raised the threshold past them, a step pays a page fault
-for every 4 KB of its temporaries. On this
-project's 2-core box a page fault of fresh memory costs more than the copy into it (see
-tpreshard's in-place grow), and a TP=2 decode step of 16 sequences of vocab_2l (302M
-parameters, 152k vocabulary) measured 0.081 s by default against 0.061-0.063 s with the
-threshold pinned at 32 MB and 256 MB kept before trimming (2026-11-24). Worse, the default's
-step time depended on what ran before: after a batch of 64 had raised the threshold, the
-same 16-sequence step ran at 0.061 s inside a rollout while the profiler, measuring the cell
-on its own, saw 0.087 s, and the planner priced every fold at that batch on the wrong number.
+A CPU decode step allocates and frees the same large temporaries (full-vocabulary logits and
+their sampling copies) every step. Above glibc's mmap threshold each is served with fresh pages
+and unmapped on free, so a step pays a page fault per page of its temporaries, and the
+threshold's drift made step times depend on what ran before (which misled the profiler).
+Pinning the threshold at its ceiling and trimming late keeps the pages.
 
 Process-wide and irreversible (malloc has no per-caller settings); applied once, by the first
 CPU engine of the process, unless `EngineConfig.tune_host_malloc` is off. A no-op off glibc.

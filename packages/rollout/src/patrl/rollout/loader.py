@@ -41,6 +41,14 @@ def read_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def read_tokenizer_if_any(model_dir: str | Path) -> Any:
+    """The tokenizer, or None for a weights-only directory (tests, exported checkpoints)."""
+    try:
+        return read_tokenizer(model_dir)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def read_eos_token_ids(model_dir: str | Path) -> list[int]:
     """Stop ids: generation_config.json's eos_token_id if present, else config.json's."""
     for name in ("generation_config.json", "config.json"):

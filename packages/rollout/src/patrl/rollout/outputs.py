@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from patrl.kvstore import SequenceKV
 from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.sequence import Request
 
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample of a request.
-
-    `logprobs[i]` is the logprob of `token_ids[i]` under the sampler's shared convention
-    (log_softmax(logits / T) over the full vocabulary; T = 1 for greedy).
-    `finish_reason`: "stop" (EOS or a stop id), "length" (max_tokens or max_model_len),
-    "abort", or "rejected" (the request could not be run; see RequestOutput.error).
-    """
+    """One sample of a request. `logprobs[i]` is the logprob of `token_ids[i]` under the
+    sampler's shared convention (log_softmax(logits / T) over the full vocabulary; T = 1 for
+    greedy). `finish_reason`: "stop" (EOS or a stop id), "length" (max_tokens or
+    max_model_len), "abort", or "rejected" (it could not run; see RequestOutput.error)."""
 
     index: int
     token_ids: list[int]
@@ -59,3 +58,26 @@ class SequenceState:
     kv: SequenceKV | None = None
     num_preemptions: int = 0
     finish_reason: str | None = None  # set: this sample is done, only carried along
+
+
+def request_output(request: Request, decode: Callable[[list[int]], str | None]) -> RequestOutput:
+    """The output of a finished `request`, its samples in index order (`decode`: text)."""
+    completions = []
+    for index in sorted(request.seqs):
+        s = request.seqs[index]
+        completions.append(
+            CompletionOutput(
+                index=index,
+                token_ids=list(s.output_token_ids),
+                logprobs=list(s.output_logprobs),
+                finish_reason=s.finish_reason or "abort",
+                text=decode(s.output_token_ids),
+                top_logprobs=list(s.output_top_logprobs) if s.params.logprobs else None,
+                num_preemptions=s.num_preemptions,
+                time_to_first_token_s=None
+                if s.first_token_time is None
+                else s.first_token_time - s.arrival_time,
+                latency_s=None if s.finish_time is None else s.finish_time - s.arrival_time,
+            )
+        )
+    return RequestOutput(request.request_id, request.prompt_token_ids, completions, request.error)

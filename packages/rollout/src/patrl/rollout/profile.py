@@ -1,22 +1,13 @@
-"""The engine profiler: measure this machine's step, prefill and collective times into a
-lenpredict `Profile` (JSON) that the latency model is fitted from.
+"""The engine profiler: this machine's step, prefill and collective times as a lenpredict
+`Profile` (JSON), which the latency model is fitted from.
 
     python -m patrl.rollout.profile --model DIR --out profile.json [--quick]
     torchrun --nproc-per-node 2 -m patrl.rollout.profile --model DIR --out p.json --tp-sizes 1 2
 
-A decode row is the median time of `engine.step()` calls (scheduling and sampling included:
-that is what a rollout pays per step) of a batch of B sequences holding C tokens in total,
-forced with `ignore_eos` and `max_tokens`. A prefill row is one `step()` that prefills N
-distinct sequences of T tokens each (N from `prefill_seqs`: one alone prices the tokens,
-several price what each sequence adds, its LM head row and its sampler draw). Every cell is
-measured once per pass and the passes are interleaved, so a burst of load from another
-process on a shared machine hits one sample of a row, not all of them; a row is the median
-over passes.
-
-Under torchrun every rank builds the groups of every candidate TP size up front
-(`tpreshard.GroupCache`); rows of TP size tp are measured by every TP group of that size at
-once, as a rollout runs its data-parallel replicas side by side (they share cores, memory
-bandwidth and links), and rank 0's group's rows are kept. Collective rows come the same way.
+A decode row: the median `engine.step()` of B sequences holding C tokens (scheduling and
+sampling included). A prefill row: one `step()` prefilling N sequences of T tokens. Passes are
+interleaved so a burst of load hits one sample of a row. Under torchrun every TP group of a
+size measures at once, as a rollout's replicas run; rank 0's group's rows are kept.
 """
 
 from __future__ import annotations
@@ -49,6 +40,7 @@ from patrl.lenpredict import (
     Profile,
     SwitchRow,
 )
+from patrl.rollout.adaptive.reconfig import reconfigure
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
@@ -484,10 +476,8 @@ def profile_distributed(
     identity: Engine | None = None
     for tp in grid.tp_sizes:
         # Every TP group of this size measures at once, as a rollout runs its replicas: they
-        # share the host's cores, memory bandwidth and links. (On the 2-core CPU box this
-        # changed little: tp-1 steps measured within 5% of a lone group's, and the model still
-        # predicts two tp-1 replicas 1.3-1.5x faster than the static runs measure; the cause
-        # of that gap is not found yet.) The rows of rank 0's group are kept.
+        # share the host's cores, memory bandwidth and links. The rows of rank 0's group are
+        # kept.
         layout = cache.layout(tp)
         engine = Engine(profile_engine_config(base, grid), layout)
         rows = measure_engine(engine, grid, tick)
@@ -514,21 +504,17 @@ def profile_distributed(
 def measure_switches(
     base: EngineConfig, grid: ProfileGrid, cache: GroupCache, world: Any, repeats: int = 2
 ) -> list[SwitchRow]:
-    """Seconds of `Engine.reconfigure` between every two TP sizes of the grid, on every rank
-    at once (the slowest rank's time: a barrier closes each), after one untimed round trip
-    (the first switch of a process pays one-time costs: 0.11 s against 0.07 s for vocab_2l
-    here). With nothing in flight it is the fixed price of a switch: growing TP has no
-    traffic but is not free, it copies the weights it keeps and re-makes the KV cache. Then
-    with sequences in flight across the world (split over the source replicas, two tokens
-    each past their prompt): a quarter of the grid's largest batch and all of it at its
-    shortest context, a quarter at its longest, so that the latency model can tell a price
-    per sequence from one per context token. Every rank of `world` must call this."""
+    """Seconds of `reconfigure` between every two TP sizes of the grid, the slowest rank's,
+    after one untimed round trip (a process's first switch pays one-time costs): empty (the
+    fixed price of a switch), then with sequences in flight at the grid's shortest and
+    longest contexts, so the latency model can tell a price per sequence from one per
+    context token. Every rank of `world` calls it at once."""
     tps = sorted(grid.tp_sizes)
     if len(tps) < 2:
         return []
     engine = Engine(profile_engine_config(base, grid), cache.layout(tps[0]), groups=cache)
     for tp in [*tps[1:], tps[0]]:
-        engine.reconfigure(tp)
+        reconfigure(engine, tp)
     world_size = dist.get_world_size(world)
     largest, short, long = max(grid.batch_sizes), min(grid.contexts), max(grid.contexts)
     quarter = max(1, largest // 4)
@@ -537,13 +523,13 @@ def measure_switches(
     for src, dst in itertools.permutations(tps, 2):
         for load, prompt in [load for load in loads for _ in range(repeats)]:
             if engine.layout.tp_size != src:
-                engine.reconfigure(src)
+                reconfigure(engine, src)
             num_seqs = context = 0
             if load:
                 num_seqs, context = _fill(engine, load, prompt, world_size, seed=len(rows))
             dist.barrier(group=world)
             start = time.perf_counter()
-            engine.reconfigure(dst)
+            reconfigure(engine, dst)
             dist.barrier(group=world)
             seconds = time.perf_counter() - start
             rows.append(

@@ -208,8 +208,8 @@ def truncated_candidates(
 
     The kept set is a prefix of that order, so only a superset prefix is sorted: the tokens at
     least as likely as the k-th (top-k), or likelier than (1 - top_p) / 4V (top-p: the rest hold
-    under (1 - top_p) / 4 of the mass, so the top_p mass is reached before them). A full sort of
-    the vocabulary would cost ~50 ms per row at 150k tokens on a CPU core.
+    under (1 - top_p) / 4 of the mass, so the top_p mass is reached before them): a full sort
+    of a large vocabulary is slow on a CPU core.
     """
     v = probs.shape[0]
     k = p.top_k if 0 < p.top_k < v else v

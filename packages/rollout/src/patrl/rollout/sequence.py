@@ -19,14 +19,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A request has `n` sequences; each samples with its own generator.
-
-    `fork_children` holds the other samples of a fresh request while this one (the leader)
-    prefills the shared prompt: when the prefill ends, all of them sample their first token
-    from the same logits and the children take over the leader's blocks by `fork`. With
-    prefix caching on, the scheduler also adopts fresh samples of other requests of the
-    same prompt for the step in which the leader's prompt prefills in full.
-    """
+    """One of a request's `n` samples, with its own generator. `fork_children`: the other
+    samples of a fresh request while this one (the leader) prefills the shared prompt; they
+    then sample their first token from the same logits and take over its blocks by `fork`
+    (with prefix caching, also fresh samples of other requests of the same prompt)."""
 
     seq_id: int
     request_id: str
@@ -95,3 +91,17 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+
+@dataclass(slots=True)
+class Request:
+    """The samples of one request in an engine, by sample index; `error` is why it was
+    rejected (its samples then finish as "rejected")."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: dict[int, Sequence] = field(default_factory=dict)
+    error: str | None = None
+
+    def done(self) -> bool:
+        return all(s.is_finished for s in self.seqs.values())

@@ -85,7 +85,9 @@ class RolloutWorker:
         self.duplicates = 0
 
     def _new_engine(self) -> Engine:
-        return build_engine(self.config, self.model_dir, self.world, span_world=False)
+        engine = build_engine(self.config, self.model_dir, self.world, span_world=False)
+        assert isinstance(engine, Engine), "async rollout ranks run a static layout"
+        return engine
 
     def run(self) -> RunResult:
         try:

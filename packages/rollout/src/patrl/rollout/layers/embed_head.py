@@ -65,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """This rank's logit columns of `hidden` [N, hidden], written into `out` [N, columns]
-        (a buffer kept across steps: `Engine._logits_and_samples`)."""
+        (a buffer kept across steps: `ModelRunner._logits_and_samples`)."""
         return torch.mm(hidden, self.weight.t(), out=out)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,12 @@
 """A module whose parameters know how they are cut across the TP group.
 
-Every parameter carries `shard_spec` (a tpreshard `ShardSpec` describing its full tensor) and
-`weight_loader(param, full_tensor, shard_id=None)`, so loading a checkpoint at any TP size is one
-loop over the checkpoint's tensors, and weight sync from the trainer is the same loop. The loader
-is bound to a weak proxy of its module: a bound method would make module -> parameter -> method
--> module a reference cycle, and a dropped model (the engine rebuilds one at every weight sync
-after an adaptive rollout) would then hold its memory until Python's cyclic collector happened
-to run (measured: 0.6-1.2 GB more per sync of a 302M model).
-
-Linear weights on the CPU are stored input-major: the parameter has its usual [out, in] shape,
-but as the transposed view of a contiguous [in, out] tensor. MKL's fp32 matmul streams such a
-weight 1.5-1.7x faster at 1-2 rows (the decode of a shrinking batch, measured on a 2-core
-x86 box: 12 GB/s [out, in] vs 17-19 GB/s [in, out] for a 4096x768 and a 32000x768 weight;
-batch-1 decode of a 134M Llama 54 -> 42 ms) and about as fast from 4 rows on. The price is
-paid at weight sync: copying a row-major tensor in transposes it (0.1 -> 0.4 s for the 134M
-model). Loading, resharding and weight sync see only the [out, in] view.
+Every parameter carries `shard_spec` (a tpreshard `ShardSpec` of its full tensor) and
+`weight_loader(param, full_tensor, shard_id=None)`, so loading a checkpoint at any TP size, and
+weight sync, is one loop over full tensors. The loader is bound to a weak proxy of its module:
+a bound method would make a reference cycle, and a dropped model would hold its memory until
+the cyclic collector ran. Linear weights on the CPU are stored input-major (the [out, in]
+parameter is a transposed view of a contiguous [in, out] tensor), which MKL streams faster at
+the few rows of a shrinking decode batch; loading, resharding and sync see only the view.
 """
 
 from __future__ import annotations

@@ -9,14 +9,11 @@ group carries the states (tokens, logprobs, generator state, KV).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import SequenceState
-
-if TYPE_CHECKING:
-    from patrl.rollout.engine import Engine
 
 
 def cut_and_migrate(

@@ -1,47 +1,36 @@
-"""Live TP reconfiguration of running engines: (dp, tp) -> (dp', tp') in the middle of generation.
+"""Live TP reconfiguration of an engine: (dp, tp) -> (dp', tp') in the middle of generation.
 
-All the movement happens inside the *exchange group*: the TP group of the larger of the two
-layouts. TP groups are consecutive ranks, so it holds every old replica that merges into a new
-one (growing TP) or every new replica that an old one splits into (shrinking). Position `i` in
-it is old TP rank `i % src_tp` of old replica `i // src_tp`, and new TP rank `i % dst_tp` of new
-replica `i // dst_tp`.
-
-The steps, on every rank of the world at once:
-1. the engine's unfinished samples are exported (tokens, logprobs, generator state, local KV);
-   the old replicas' first ranks all-gather the states (without KV) in the exchange group, so
-   every rank derives the same plan;
-2. weights are re-cut in place (`patrl.tpreshard.reshard_`; out of TP 1 the full tensors are
-   kept unless `EngineConfig.keep_full_weights` is off, so the way back is free), the KV cache
-   and scheduler are rebuilt for the new layout;
-3. per sample, the policy picks *migrate* (KV heads sent to the ranks that will own them, paired
-   send/recv in bounded chunks) or *recompute* (KV dropped, prompt + generated tokens prefilled
-   again at the new layout); of the samples of one prompt going from one replica to another,
-   the first sends its whole KV and the others only what follows the prompt's full blocks,
-   which the receiver's prefix cache then holds;
-4. the samples are imported, merged in a fixed order (old replica, then export order), or split
-   between new replicas by whole requests, most remaining tokens first.
+All movement happens inside the *exchange group*, the TP group of the larger layout: it holds
+every old replica that merges into a new one, or every new replica an old one splits into.
+Every rank of the world, at once: (1) exports its unfinished samples, the old first ranks
+sharing the states so every rank derives the same plan; (2) re-cuts the weights in place
+(`tpreshard.reshard_`, full tensors kept out of TP 1 so the way back is free) and rebuilds
+cache and scheduler; (3) per sample, migrates KV heads (paired send/recv in bounded chunks; a
+prompt's full blocks sent once per replica pair) or drops them for a recompute; (4) imports
+the samples, split between new replicas by whole requests. See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from patrl.kvstore import SequenceKV
+from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import SequenceState
 from patrl.tpreshard import ParallelLayout, ReshardStats, head_range, reshard_
 
-if TYPE_CHECKING:
-    from patrl.rollout.engine import Engine
-
 KVChoice = Literal["migrate", "recompute"]
 _CHUNK_BYTES = 4 << 20  # bound on one KV message, so no transfer needs a second whole copy
+# the engines a reconfigure is moving now: a second one (from a kv_policy callback) refuses
+_moving: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +79,43 @@ class _Move:
     skip: int = 0  # leading tokens not sent: an earlier sample of the prompt sent them
 
 
+def reconfigure(
+    engine: Engine, target: int | ParallelLayout, kv_policy: KVPolicy = "migrate"
+) -> ReconfigReport:
+    """Move `engine` to another TP layout mid-generation; every rank of the world calls it at
+    once. `target` is a TP size looked up in the engine's GroupCache, or a layout from it.
+    Unfinished samples keep their tokens, logprobs and generator states; their KV is migrated
+    or recomputed as `kv_policy` says. Bad targets raise before anything changes."""
+    dst = target_layout(engine, target)
+    check_target(engine, dst)
+    _moving.add(engine)
+    try:
+        return _reconfigure(engine, dst, kv_policy)
+    finally:
+        _moving.discard(engine)
+
+
+def target_layout(engine: Engine, target: int | ParallelLayout) -> ParallelLayout:
+    """The layout `target` names for `engine` (raises when it cannot be one of its group's)."""
+    engine.model.config.check_tp(target.tp_size if isinstance(target, ParallelLayout) else target)
+    if isinstance(target, ParallelLayout):
+        if engine.groups is not None and target != engine.groups.layout(target.tp_size):
+            raise ValueError(
+                f"layout with tp_size={target.tp_size} is not this engine's GroupCache "
+                "layout: pass a TP size or groups.layout(tp)"
+            )
+        return target
+    if engine.groups is None:
+        raise ValueError(
+            f"reconfigure({target}) needs the engine's GroupCache: Engine(..., groups=...)"
+        )
+    return engine.groups.layout(target)
+
+
 def check_target(engine: Engine, dst: ParallelLayout) -> None:
     """Raise, before anything changes, unless `engine` can move to `dst`."""
     src = engine.layout
-    if engine.reconfiguring:
+    if engine in _moving:
         raise RuntimeError("a reconfigure is already in progress on this engine")
     if dst.tp_size == src.tp_size:
         raise ValueError(f"the engine is already at tp_size={dst.tp_size}")
@@ -108,7 +130,7 @@ def check_target(engine: Engine, dst: ParallelLayout) -> None:
         raise ValueError(f"target layout tp_size={dst.tp_size} has no TP group")
 
 
-def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> ReconfigReport:
+def _reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> ReconfigReport:
     src = engine.layout
     t0 = time.perf_counter()
     report = ReconfigReport(src.tp_size, dst.tp_size)
@@ -141,11 +163,8 @@ def reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Rec
     keep_full = src.tp_size == 1 and engine.config.keep_full_weights
     stats: ReshardStats = reshard_(engine.model, src, dst, keep_full=keep_full)
     t_weights = time.perf_counter()
-    engine.rebuild(
-        dst,
-        next_seq_id=max(g[1] for g in gathered),
-        next_request=max(g[2] for g in gathered),
-    )
+    engine.rebuild(dst)
+    engine.advance_ids(max(g[1] for g in gathered), max(g[2] for g in gathered))
     t2 = time.perf_counter()
     report.weights_s = t_weights - t1
     report.cache_s = t2 - t_weights
@@ -214,8 +233,8 @@ def _skip_shared(
     """A sample's moves, the crossing ones without the prompt's full blocks when an earlier
     sample of the same prompt, old replica and new replica sent them (`sent`, updated): the
     receiver imports that one first, so its prefix cache holds them (`block` 0: no prefix
-    cache, everything is sent). GRPO's n samples of a prompt share it: with a 500-token
-    prompt and 5-100 generated tokens a sample, the prompt was most of every sample's KV."""
+    cache, everything is sent). GRPO's n samples of a prompt share it, and the prompt is
+    often most of every sample's KV."""
     if not block or prompt not in sent:
         sent.setdefault(prompt, n)
         return plan
@@ -332,8 +351,7 @@ def _exchange(
         if m.src == me:
             kv = mine[m.key]
             lo, hi = m.lo - kv.head_start, m.hi - kv.head_start
-            # One strided copy each of k and v into the message (heads() + stack + permute
-            # made three).
+            # one strided copy each of k and v into the message
             shape = (n - m.skip, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
             msg = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
             msg[:, 0].copy_(kv.k[:, m.skip : n, lo:hi].transpose(0, 1))

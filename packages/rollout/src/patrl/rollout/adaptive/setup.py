@@ -1,0 +1,86 @@
+"""What an adaptive engine is built from: the usable TP sizes, the groups, the planner."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from patrl.lenpredict import (
+    LatencyModel,
+    LengthPredictor,
+    PlannerConfig,
+    Profile,
+    ReconfigPlanner,
+    usable_tp_sizes,
+)
+from patrl.rollout.adaptive.controller import TPController
+from patrl.rollout.adaptive.protocols import Lengths, Planner
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.tp_policy import AdaptiveTP
+from patrl.tpreshard import GroupCache, ParallelLayout
+
+
+def make_planner(policy: AdaptiveTP, world_size: int, max_num_seqs: int) -> Planner:
+    """The lenpredict planner, on the latency model fitted from `policy.profile`."""
+    if policy.profile is None:
+        raise ValueError(
+            "tp_policy adaptive needs tp_policy.profile: a latency profile JSON of this machine "
+            "and model (write one with `torchrun --nproc_per_node N -m patrl.rollout.profile "
+            "--model DIR --out PROFILE.json`), or pass a planner to AdaptiveEngine(planner=...)"
+        )
+    profile = Profile.load(policy.profile)
+    config = PlannerConfig(
+        candidate_tp=tuple(sorted(policy.candidates)),
+        margin=policy.margin,
+        max_num_seqs=max_num_seqs,
+    )
+    return ReconfigPlanner(LatencyModel.fit(profile), world_size, config)
+
+
+def open_controller(
+    config: EngineConfig,
+    layout: ParallelLayout | None,
+    groups: GroupCache | None,
+    planner: Planner | None,
+    lengths: Lengths | None,
+) -> tuple[ParallelLayout | None, GroupCache | None, TPController | None]:
+    """(starting layout, groups, controller) of an adaptive engine; every rank of the world
+    calls it at once (the groups are made here when not given). One process with nothing to
+    adapt gets no controller: the engine runs as static tp=1."""
+    policy = config.tp_policy
+    assert isinstance(policy, AdaptiveTP)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if groups is not None:
+        world_size = groups.world_size
+    candidates = usable_tp_sizes(policy.candidates, world_size)
+    if len(candidates) < 2:
+        if world_size > 1 or (layout is not None and layout.tp_size > 1):
+            raise ValueError(
+                f"tp_policy adaptive: candidates {policy.candidates} leave fewer than two "
+                f"TP sizes that divide the world size {world_size}"
+            )
+        return layout, groups, None
+    policy = policy.model_copy(update={"candidates": candidates})
+    if groups is None:
+        groups = GroupCache(candidates, tp_comm=config.tp_comm)
+    missing = [tp for tp in candidates if tp not in groups.candidates]
+    if missing:
+        raise ValueError(
+            f"tp_policy adaptive: candidate TP sizes {missing} are not in the GroupCache's "
+            f"{groups.candidates}"
+        )
+    start = groups.layout(policy.start_tp)
+    if layout is not None and layout != start:
+        raise ValueError(
+            f"tp_policy adaptive starts at tp={policy.start_tp} (the smallest candidate), "
+            f"but the engine was given a layout with tp_size={layout.tp_size}: pass "
+            "groups.layout(min(candidates)) or no layout"
+        )
+    controller = TPController(
+        policy,
+        planner or make_planner(policy, world_size, config.max_num_seqs),
+        lengths or LengthPredictor(),
+        groups.world_group(),
+        groups.world_comm(),
+        config.block_size if config.enable_prefix_caching else 0,
+    )
+    return start, groups, controller

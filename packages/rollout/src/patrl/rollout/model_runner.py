@@ -1,0 +1,196 @@
+"""The model runner: turns a scheduled batch into sampled tokens on one TP rank.
+
+It owns the model, the KV cache and the layout they are cut for: it builds a batch's inputs
+and attention context, runs the forward, computes the logits, calls the sampler and checks
+that the TP group's ranks agree. Scheduling and request bookkeeping stay in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from patrl.kvstore import KVCacheSpec, PagedKVCache
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
+from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.loader import load_model
+from patrl.rollout.models.causal_lm import CausalLM
+from patrl.rollout.sampler import SampleOutput, concat_samples, sample
+from patrl.rollout.scheduler import ScheduledBatch
+from patrl.rollout.sequence import Sequence as Seq
+from patrl.tpreshard import ParallelLayout, tp_broadcast
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Sampled:
+    """The outcome of a batch whose `ready` entries (indices into the batch) reached their
+    last token: one sampled token per sequence of `samplers` (a leader, then its forks)."""
+
+    ready: list[int]
+    samplers: list[Seq]
+    out: SampleOutput
+
+
+class ModelRunner:
+    """Model, KV cache and layout of one rank; `run` is the forward of one batch."""
+
+    def __init__(self, config: EngineConfig, layout: ParallelLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.device = config.torch_device()
+        # On CPU the full-vocabulary logits go through the sampler in chunks of rows small
+        # enough to stay under glibc's mmap ceiling (`_logits_and_samples`)
+        self.sample_chunk_bytes: int | None = None
+        self._logits_buffer = torch.empty(0)
+        if self.device.type == "cpu" and config.tune_host_malloc:
+            keep_freed_memory()
+            self.sample_chunk_bytes = MMAP_THRESHOLD_BYTES
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model: CausalLM = load_model(
+            config.model,
+            layout,
+            attention=config.attention_backend,
+            dtype=dtype,
+            device=self.device,
+        )
+        mc = self.model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.cache = self._build_cache()
+
+    def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
+        """Move to `layout`: the model is already cut for it (or is `model`); the KV cache is
+        rebuilt empty, in the old one's storage (every sequence must have left it)."""
+        self.layout = layout
+        if model is not None:
+            self.model = model
+        self.cache = self._build_cache(reuse=self.cache)
+
+    def _build_cache(self, reuse: PagedKVCache | None = None) -> PagedKVCache:
+        """The KV cache at the current layout; `reuse`: a cache whose contents are dead, whose
+        storage the new one takes over when large enough (see PagedKVCache)."""
+        mc, tp, config = self.model.config, self.layout.tp_size, self.config
+        if mc.num_kv_heads >= tp:
+            local_heads = mc.num_kv_heads // tp
+            head_start = self.layout.tp_rank * local_heads
+        else:  # fewer KV heads than ranks: each head is replicated on tp / kv ranks
+            local_heads = 1
+            head_start = self.layout.tp_rank // (tp // mc.num_kv_heads)
+        dtype = next(self.model.parameters()).dtype
+        spec = KVCacheSpec(
+            mc.num_layers, local_heads, mc.head_dim, config.block_size, dtype, self.device
+        )
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks x block_size={config.block_size} = "
+                f"{num_blocks * config.block_size} tokens) cannot hold one max_model_len="
+                f"{self.max_model_len} sequence: raise num_kv_blocks or kv_cache_memory_bytes, "
+                "or lower max_model_len"
+            )
+        return PagedKVCache(
+            spec, num_blocks, config.enable_prefix_caching, head_start, mc.num_kv_heads, reuse
+        )
+
+    def run(self, batch: ScheduledBatch) -> Sampled | None:
+        """Forward `batch` (its KV written, its tokens marked computed) and sample for the
+        sequences it completes; None for a prefill chunk that completes none."""
+        blocks = self.cache.blocks
+        self.cache.copy_blocks(batch.block_copies)
+        ctx, input_ids = self._prepare(batch)
+        hidden = self.model(torch.tensor(input_ids, device=self.device), ctx)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            blocks.mark_computed(seq.seq_id, n)
+        ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]
+        if not ready:
+            return None
+        last = ctx.last_token_indices()[ready]
+        rows: list[int] = []
+        samplers: list[Seq] = []
+        for row, i in enumerate(ready):
+            for seq in (batch.seqs[i], *batch.seqs[i].fork_children):
+                rows.append(row)
+                samplers.append(seq)
+        out = self._agree_across_tp(self._logits_and_samples(hidden[last], rows, samplers))
+        return Sampled(ready, samplers, out)
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionContext, list[int]]:
+        """The batch's attention context and input token ids."""
+        blocks = self.cache.blocks
+        input_ids: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = blocks.num_computed(seq.seq_id)
+            input_ids += blocks.token_ids(seq.seq_id)[start : start + n]
+            slots += blocks.slot_mapping(seq.seq_id, start, start + n)
+            context_lens.append(start + n)
+        ctx = AttentionContext.build(
+            batch.num_new_tokens,
+            context_lens,
+            slot_mapping=slots,
+            block_tables=[blocks.block_table(s.seq_id) for s in batch.seqs],
+            kv_cache=self.cache,
+            device=self.device,
+        )
+        return ctx, input_ids
+
+    @torch.inference_mode()
+    def _logits_and_samples(
+        self, hidden: torch.Tensor, rows: list[int], samplers: list[Seq]
+    ) -> SampleOutput:
+        """One token for each of `samplers`, from the logits of its row of `hidden` (`rows`,
+        in order; a prompt's forked samples share their leader's row). With
+        `sample_chunk_bytes` (CPU), the head writes this rank's logit columns into a buffer
+        kept across steps and the TP gather and the sampler take them in chunks of rows, so
+        no full-vocabulary temporary crosses glibc's mmap threshold (see host_memory). Every
+        row is sampled on its own: chunks change no token."""
+        params = [s.params for s in samplers]
+        generators = [s.generator for s in samplers]
+        head = self.model.lm_head
+        limit = len(samplers)
+        if self.sample_chunk_bytes is not None:
+            limit = max(1, self.sample_chunk_bytes // (4 * head.vocab_size) - 1)
+        if len(samplers) <= limit:
+            return sample(self.model.compute_logits(hidden)[rows], params, generators)
+        local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
+        size = -(-len(samplers) // -(-len(samplers) // limit))  # equal chunks
+        parts = []
+        for lo in range(0, len(samplers), size):
+            hi = min(lo + size, len(samplers))
+            first, end = rows[lo], rows[hi - 1] + 1  # rows only grow
+            logits = head.gather(local[first:end])
+            chunk = [r - first for r in rows[lo:hi]]
+            parts.append(sample(logits[chunk], params[lo:hi], generators[lo:hi]))
+        return concat_samples(parts)
+
+    def _buffer(self, n: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+        """[n, columns] of a buffer kept across steps (grown, or remade after a switch)."""
+        buf = self._logits_buffer
+        if buf.shape[0] < n or buf.shape[1:] != (columns,) or buf.dtype != like.dtype:
+            rows = max(n, self.config.max_num_seqs)
+            buf = self._logits_buffer = like.new_empty((rows, columns))
+        return buf[:n]
+
+    def _agree_across_tp(self, out: SampleOutput) -> SampleOutput:
+        """`out`, after checking that the group's first rank sampled the same: a divergence
+        fails loudly instead of silently desynchronising the ranks."""
+        layout = self.layout
+        if layout.tp_size == 1:
+            return out
+        mine = torch.stack([out.tokens.double(), out.logprobs.double()]).cpu()
+        first = tp_broadcast(layout, mine.clone(), src=0)
+        if not torch.equal(first, mine):
+            raise RuntimeError(
+                f"TP rank {layout.tp_rank} sampled differently from its group's first rank: "
+                "the ranks' logits or generator states diverged"
+            )
+        return out
