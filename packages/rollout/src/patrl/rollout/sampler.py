@@ -1,21 +1,10 @@
 """Next-token sampling with one seeded generator per request, and the logprob of every token.
 
-THE SHARED CONVENTION (patrl.trainer computes the very same quantity): the logprob returned
-for a sampled token t is
-
-    log_softmax(logits.float() / T)[t]
-
-over the FULL vocabulary, before any top-k / top-p truncation, where T is the request's
-temperature and T is taken as 1.0 when the temperature is 0 (greedy). Top-k logprobs, when
-asked for, are the k largest entries of that same distribution.
-
-How a row is sampled: greedy rows take the argmax of the logits. Other rows form the tempered
-distribution, keep the top_k most likely tokens, then (renormalised) the smallest prefix whose
-mass reaches top_p, and pick a token by inverse CDF with ONE uniform number drawn from the
-request's own CPU `torch.Generator`. Every row is computed on its own, so a request's tokens do
-not depend on which other requests share the batch, on the TP layout (every rank holds the full
-logits and the same generator state) or on the device. Generator state can be exported and
-imported to move a request to another replica.
+The logprob of a sampled token t is `log_softmax(logits.float() / T)[t]` over the FULL
+vocabulary, before top-k / top-p (T = 1 when greedy): the convention the trainer shares (see
+docs/training.md). Greedy rows take the argmax; other rows keep top-k, then top-p, and draw by
+inverse CDF with one uniform number from the request's own CPU generator. Every row is computed
+on its own, so a request's tokens do not depend on its batch, the TP layout or the device.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-A step is either a prefill step (new, preempted or imported sequences, up to the token budget;
-the last one may be cut into chunks) or a decode step (one token for every running sequence).
-Prefill goes first, so the batch refills as soon as sequences finish. A prompt prefills once
-per step: fresh requests repeating a prompt whose prefill completes in the step join it as
-fork children, and a sample with tokens of its own waits a step for the prompt's cached blocks.
-
-When the KV blocks run out during decode, the most recently admitted sequence is preempted by
-recompute: its blocks are freed and it goes back to the front of the waiting queue, to be
-prefilled again later (prompt + tokens so far; the prefix cache usually still holds the prompt).
-With at least one `max_model_len` sequence worth of blocks this always makes progress.
-
-The scheduler is deterministic: given the same calls it makes the same decisions, so every
-rank of a TP group derives the same schedule.
+A step is a prefill step (new, preempted or imported sequences up to the token budget, the last
+one possibly chunked; a prompt prefills once and its other samples fork it) or a decode step (one
+token for every running sequence). Prefill goes first, so the batch refills as soon as sequences
+finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
+recompute. The scheduler is deterministic, so every rank of a TP group derives the same schedule.
 """
 
 from __future__ import annotations

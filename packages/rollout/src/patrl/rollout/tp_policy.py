@@ -18,16 +18,9 @@ class StaticTP(BaseModel):
 
 class AdaptiveTP(BaseModel):
     """Let the planner fold data-parallel replicas into larger TP groups as the batch drains
-    (PAT).
-
-    The first rollout starts at the smallest candidate TP (the most replicas); each rollout's
-    first check, which sees the whole batch, picks the layout the next ones open at (the one
-    the profile prices fastest for a full batch). Every `check_every` decode steps the
-    replicas share a summary of their unfinished samples (one all-gather), rank 0 runs the
-    planner, the decision is broadcast and all ranks apply it together. After a rollout the
-    engine returns to the opening layout: at the next weight sync (free: from the full weights
-    the fold kept, see `EngineConfig.keep_full_weights`, or the model rebuilt from the new
-    ones), else by a reconfigure when the next rollout starts.
+    (PAT). Rollouts open at the layout the last rollout's first check priced fastest for a full
+    batch (at first the smallest candidate); every `check_every` decode steps the planner may
+    fold; after a rollout the engine returns to the opening layout. See docs/adaptive_tp.md.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -5,9 +5,7 @@ concatenated into one [T, ...] tensor. Sequence i contributes `query_lens[i]` ne
 after this step, holds `context_lens[i]` tokens of KV in total (cached + new); its new tokens sit
 at positions `context_lens[i] - query_lens[i] ... context_lens[i] - 1`. That one convention
 covers prefill (cached 0), prefill after a prefix-cache hit or in chunks (cached > 0, many new
-tokens) and decode (one new token).
-
-With a KV cache, the new K/V go to `slot_mapping` (flat slot = block_id * block_size + offset;
+tokens) and decode (one new token). With a KV cache, the new K/V go to `slot_mapping` (flat slot = block_id * block_size + offset;
 -1 = do not store) and each sequence's whole context is read back through its block table.
 Without one, every sequence must be entirely new (context_len == query_len).
 """
