@@ -37,8 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from patrl.trainer import PolicyBatch, Trainer, TrainerConfig, padded_fraction
-from patrl.trainer import plan_micro_batches
+from patrl.trainer import PolicyBatch, Trainer, TrainerConfig, padded_fraction, plan_micro_batches
 
 VOCAB = 2048
 
