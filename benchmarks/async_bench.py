@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -43,7 +42,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from multirank import run_ranks
+from patrl_testkit.jobs import save_demo_llama, write_addition_task
+from patrl_testkit.multirank import run_ranks
 
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
@@ -63,33 +63,11 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 
 
 def build_assets(root: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
-
-    if (root / "model" / "config.json").is_file():
-        return root
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with (root / "train.jsonl").open("w") as f:
-        for _ in range(256):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
+    """The kit's tiny Llama with the demo tokenizer, and 256 training sums of two operands
+    up to 99; kept once built."""
+    if not (root / "model" / "config.json").is_file():
+        save_demo_llama(root / "model")
+        write_addition_task(root, {"train": 256}, max_operand=99)
     return root
 
 

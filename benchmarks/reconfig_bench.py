@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from multirank import run_ranks
+from patrl_testkit.models import save_tiny_model
+from patrl_testkit.multirank import run_ranks
 
 from patrl.kvstore import SequenceKV
 from patrl.rollout.adaptive import ReconfigReport, reconfigure
@@ -59,25 +60,22 @@ SEQS = (1, 8, 32)
 CONTEXTS = (1, 4, 16, 32, 64, 256, 1024)
 BLOCK = 16
 PARTS = ("weights", "cache", "kv", "other")
+MODEL: dict[str, Any] = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def build_model(model_dir: Path) -> Path:
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    """The kit's plain Llama at MODEL's sizes (seed 0), kept once built."""
+    if not (model_dir / "config.json").is_file():
+        save_tiny_model(model_dir, "llama", "plain", **MODEL)
     return model_dir
 
 

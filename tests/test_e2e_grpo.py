@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
-from profiles import synthetic_profile
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
+from patrl_testkit.profiles import synthetic_profile
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, load_config
@@ -27,38 +26,11 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_assets(tmp_path_factory.mktemp("e2e"))
+    return addition_job(tmp_path_factory.mktemp("e2e"))
 
 
-def build_assets(root: Path) -> Path:
-    """A tiny random Llama with the demo's tokenizer, and an addition task."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(0)
-    for split, count in (("train", 32), ("val", 4)):
-        with (root / f"{split}.jsonl").open("w") as f:
-            for _ in range(count):
-                a, b = rng.randint(0, 9), rng.randint(0, 9)
-                f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n")
-    return root
+# test_e2e_partial and test_e2e_process_death import the assets under this name.
+build_assets = addition_job
 
 
 def overrides(assets: Path, run_dir: Path, **extra: Any) -> list[str]:

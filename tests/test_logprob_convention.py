@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from patrl_testkit.models import save_tiny_model
 
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
@@ -18,25 +19,15 @@ PROMPTS = [[3, 17, 42, 8, 99], [5, 6], [120, 4, 4, 4, 4, 4, 4, 4, 31]]
 
 
 def tiny(family: str, path: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    """The kit's plain tiny `family` model (128 positions, vocab 160), Qwen2's embeddings tied."""
+    return save_tiny_model(
+        path,
+        family,
+        "plain",
         max_position_embeddings=128,
         vocab_size=160,
+        tie_word_embeddings=family == "qwen2",
     )
-    model = (
-        LlamaForCausalLM(LlamaConfig(**common))
-        if family == "llama"
-        else Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-    )
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

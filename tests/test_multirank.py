@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import RankFailed, run_ranks
+from patrl_testkit.multirank import RankFailed, run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
-from test_e2e_grpo import build_assets
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
 
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.tickets import token_versions
@@ -31,7 +31,7 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return build_assets(tmp_path_factory.mktemp("async"))
+    return addition_job(tmp_path_factory.mktemp("async"))
 
 
 def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:

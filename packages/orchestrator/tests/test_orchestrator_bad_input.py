@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from patrl_testkit.models import save_tiny_model, tiny_config
 from safetensors.torch import load_file, save_file
 
 from patrl.orchestrator import preflight
@@ -30,14 +31,7 @@ from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
+POSITIONS = 128  # max_position_embeddings of every model here
 NUM_TRAIN = 16
 
 
@@ -51,15 +45,12 @@ class Assets:
 
 
 def _save_llama(path: Path, **changes: Any) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from patrl.orchestrator.demo.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), **{**TINY, **changes})
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_tiny_model(
+        path, "llama", "plain", tokenizer=tok, max_position_embeddings=POSITIONS, **changes
+    )
 
 
 def _save_run_checkpoint(model_dir: Path, checkpoint: Path) -> None:
@@ -449,8 +440,12 @@ def test_expected_shapes_match_transformers(family: str) -> None:
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
-    config = getattr(transformers, f"{name}Config")(
-        vocab_size=96, tie_word_embeddings=family == "qwen3", **TINY
+    config = tiny_config(
+        family,
+        "plain",
+        vocab_size=96,
+        tie_word_embeddings=family == "qwen3",
+        max_position_embeddings=POSITIONS,
     )
     with torch.device("meta"):
         hf = getattr(transformers, f"{name}ForCausalLM")(config)

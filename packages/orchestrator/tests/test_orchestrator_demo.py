@@ -350,7 +350,7 @@ def _build_on(rank: int, world_size: int, root: str) -> list[str]:
 
 @pytest.mark.multirank
 def test_a_rank_other_than_zero_builds_a_whole_demo(tmp_path: Path) -> None:
-    from multirank import run_ranks
+    from patrl_testkit.multirank import run_ranks
 
     files = run_ranks(_build_on, 2, args=(str(tmp_path),), timeout_s=300)[1]
     assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
-from test_e2e_grpo import build_assets
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
 from test_orchestrator_async import job_config
 
 from patrl.orchestrator.async_loop import AsyncGRPO
@@ -37,7 +37,7 @@ BATCH = 4  # data.train_batch_size of job_config
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_assets(tmp_path_factory.mktemp("preempt"))
+    return addition_job(tmp_path_factory.mktemp("preempt"))
 
 
 def _mid_generation(role: RolloutWorker) -> bool:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from patrl_testkit.models import save_tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from trainer_testing import VOCAB, config, full_weights, make_batch, tiny_llama, tiny_qwen2_tied
+from trainer_testkit import QWEN2_TIED, VOCAB, config, full_weights, make_batch, tiny_llama
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from patrl.trainer import Trainer
@@ -75,13 +76,11 @@ def test_save_over_an_existing_checkpoint_replaces_it(tmp_path: Path) -> None:
 
 
 def _model_dir_with_tokenizer(path: Path) -> Path:
-    model = AutoModelForCausalLM.from_config(tiny_qwen2_tied())
-    model.save_pretrained(path)
     vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
-    return path
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    return save_tiny_model(path, "qwen2", "plain", tokenizer=fast, **QWEN2_TIED)
 
 
 def test_export_hf_round_trip_from_directory_with_tokenizer(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
+from patrl_testkit.multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from trainer_testing import config, full_weights, make_batch, tiny_llama
+from trainer_testkit import config, full_weights, make_batch, tiny_llama
 from transformers import AutoModelForCausalLM
 
 from patrl.trainer import PolicyBatch, Trainer

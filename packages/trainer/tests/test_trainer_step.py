@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_testing import config, full_weights, make_batch, tiny_llama, tiny_qwen2_tied
+from trainer_testkit import config, full_weights, make_batch, tiny_llama, tiny_qwen2_tied
 
 from patrl.trainer import NonFiniteError, OptimConfig, PolicyBatch, Trainer, TrainerConfig
 from patrl.trainer.schedule import lr_factor

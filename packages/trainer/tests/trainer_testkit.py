@@ -1,39 +1,27 @@
-"""Shared helpers for the trainer tests: a tiny model config and deterministic batches."""
+"""Helpers for the trainer tests: the kit's tiny configs at this vocab, deterministic batches."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+from patrl_testkit.models import tiny_config
+from transformers import PretrainedConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
 
 VOCAB = 128
+# The kit's plain Llama and Qwen2 at VOCAB, one with its own lm_head and one tied.
+LLAMA: dict[str, Any] = {"vocab_size": VOCAB, "tie_word_embeddings": False}
+QWEN2_TIED: dict[str, Any] = {"vocab_size": VOCAB, "tie_word_embeddings": True}
 
 
 def tiny_llama() -> PretrainedConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    return tiny_config("llama", "plain", **LLAMA)
 
 
 def tiny_qwen2_tied() -> PretrainedConfig:
-    return Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
+    return tiny_config("qwen2", "plain", **QWEN2_TIED)
 
 
 def make_batch(
