@@ -42,11 +42,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from patrl_testkit.jobs import save_demo_llama, write_addition_task
-from patrl_testkit.multirank import run_ranks
-
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
+from patrl_testkit.jobs import save_demo_llama, write_addition_task
+from patrl_testkit.multirank import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # mode -> (max_staleness or None for sync, ranks or None for --world)

@@ -45,9 +45,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from patrl_testkit.models import save_tiny_model
-from patrl_testkit.multirank import run_ranks
-
 from patrl.kvstore import SequenceKV
 from patrl.rollout.adaptive import ReconfigReport, reconfigure
 from patrl.rollout.config import EngineConfig
@@ -55,6 +52,8 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import SequenceState
 from patrl.rollout.sampler import SamplingParams, export_generator, make_generator
 from patrl.tpreshard import GroupCache
+from patrl_testkit.models import save_tiny_model
+from patrl_testkit.multirank import run_ranks
 
 SEQS = (1, 8, 32)
 CONTEXTS = (1, 4, 16, 32, 64, 256, 1024)

@@ -7,9 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from patrl_testkit.jobs import addition_job
-from patrl_testkit.multirank import run_ranks
-from patrl_testkit.profiles import synthetic_profile
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, load_config
@@ -17,6 +14,9 @@ from patrl.orchestrator.distributed import World
 from patrl.orchestrator.main import main
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.rollout import SamplingParams
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
+from patrl_testkit.profiles import synthetic_profile
 
 
 def digit_reward(response: str, answer: str, **meta: Any) -> float:
@@ -27,10 +27,6 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return addition_job(tmp_path_factory.mktemp("e2e"))
-
-
-# test_e2e_partial and test_e2e_process_death import the assets under this name.
-build_assets = addition_job
 
 
 def overrides(assets: Path, run_dir: Path, **extra: Any) -> list[str]:

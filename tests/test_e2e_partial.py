@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_e2e_grpo import KEYS, build_assets, make_loop
+from test_e2e_grpo import KEYS, make_loop
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import PARTIALS_FILE
+from patrl_testkit.jobs import addition_job
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     zero except EOS's, which swings with the hidden state."""
     from transformers import LlamaForCausalLM
 
-    root = build_assets(tmp_path_factory.mktemp("e2e_partial"))
+    root = addition_job(tmp_path_factory.mktemp("e2e_partial"))
     model = LlamaForCausalLM.from_pretrained(root / "model")
     torch.manual_seed(1)
     with torch.no_grad():

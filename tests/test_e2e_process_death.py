@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import torch
 from procdeath_faults import fault_env
-from test_e2e_grpo import build_assets
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
+from patrl_testkit.jobs import addition_job
 
 pytestmark = pytest.mark.multirank
 
@@ -69,7 +69,7 @@ SURVIVOR_BOUND_S = 60.0
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return build_assets(tmp_path_factory.mktemp("procdeath"))
+    return addition_job(tmp_path_factory.mktemp("procdeath"))
 
 
 def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:

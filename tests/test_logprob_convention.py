@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from patrl_testkit.models import save_tiny_model
 
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+from patrl_testkit.models import save_tiny_model
 
 PROMPTS = [[3, 17, 42, 8, 99], [5, 6], [120, 4, 4, 4, 4, 4, 4, 4, 31]]
 

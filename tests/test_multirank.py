@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from patrl_testkit.multirank import RankFailed, run_ranks
 
 pytestmark = pytest.mark.multirank

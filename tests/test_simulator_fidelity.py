@@ -41,6 +41,7 @@ from patrl.lenpredict import (
 )
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl.rollout.profile import CLOCKS, ProfileGrid, profile_single, timed_steps
+from patrl_testkit.models import save_tiny_model
 
 MAX_NUM_SEQS = 8
 BUDGET = 512  # max_num_batched_tokens: >= max prompt + max response (the simulator's rule)
@@ -49,21 +50,9 @@ TOLERANCE = 0.15  # the issue's bound on simulated vs measured total time (the b
 
 def build_model(root: Path) -> Path:
     """The tiny random Llama both this test and benchmarks/simulator_fidelity.py run."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+    return save_tiny_model(
+        root / "model", "llama", "plain", vocab_size=256, max_position_embeddings=512
     )
-    path = root / "model"
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from patrl_testkit.models import FAMILIES, save_tiny_model, tiny_config, tiny_hf_model
 
 from patrl.rollout.model_config import ModelConfig
+from patrl_testkit.models import FAMILIES, save_tiny_model, tiny_config, tiny_hf_model
 
 
 def test_full_flavour_turns_on_each_family_feature() -> None:

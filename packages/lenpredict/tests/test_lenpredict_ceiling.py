@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from lenpredict_cases import compute_bound, flat, profile_from, tp_speeds_up
+from lenpredict_testkit import compute_bound, flat, tp_speeds_up
 
 from patrl.lenpredict import LatencyModel, Layout, adaptive_ceiling, lockstep_free_switch
 from patrl.lenpredict.ceiling import step_times
+from patrl_testkit.profiles import profile_from
 
 WIDE, NARROW = Layout(2, 1), Layout(1, 2)
 CONTEXT = 300.0

@@ -1,10 +1,11 @@
 import json
 
 import pytest
-from lenpredict_cases import profile_from, tp_speeds_up
+from lenpredict_testkit import tp_speeds_up
 
 from patrl.lenpredict import LongTailSpec, long_tail_trace, write_lengths
 from patrl.lenpredict.simulate import PolicySpec, main
+from patrl_testkit.profiles import profile_from
 
 
 def test_cli_prints_the_comparison_table(tmp_path, capsys):

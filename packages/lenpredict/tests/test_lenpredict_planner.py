@@ -4,14 +4,13 @@ import json
 
 import numpy as np
 import pytest
-from lenpredict_cases import (
+from lenpredict_testkit import (
     compute_bound,
     cpu_knee,
     cpu_two_knees,
     flat,
     gloo_like,
     padded_no_knee,
-    profile_from,
     ragged_like,
     sdpa_like,
     tp_speeds_up,
@@ -33,6 +32,7 @@ from patrl.lenpredict import (
 )
 from patrl.lenpredict.planner import NEVER
 from patrl.lenpredict.plans import assign_replicas
+from patrl_testkit.profiles import profile_from
 
 LAYOUTS = [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
 

@@ -3,12 +3,10 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-from lenpredict_cases import (
-    TINY,
+from lenpredict_testkit import (
     cpu_two_knees,
     flat,
     gloo_like,
-    profile_from,
     ragged_like,
     sdpa_like,
     tp_speeds_up,
@@ -28,6 +26,7 @@ from patrl.lenpredict import (
 )
 from patrl.lenpredict.latency_model import fit_step
 from patrl.lenpredict.profile_schema import DecodeRow
+from patrl_testkit.profiles import TINY, profile_from
 
 
 def test_profile_json_round_trip(tmp_path):

@@ -2,7 +2,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from lenpredict_cases import compute_bound, flat, profile_from, sdpa_like, tp_speeds_up
+from lenpredict_testkit import compute_bound, flat, sdpa_like, tp_speeds_up
 
 from patrl.lenpredict import (
     AdaptivePolicy,
@@ -22,6 +22,7 @@ from patrl.lenpredict import (
     round_robin,
 )
 from patrl.lenpredict.rollout_sim import SimSeq
+from patrl_testkit.profiles import profile_from
 
 
 def model(step=tp_speeds_up) -> LatencyModel:

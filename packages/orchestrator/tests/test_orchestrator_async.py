@@ -10,8 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from patrl_testkit.jobs import addition_job
-from patrl_testkit.multirank import run_ranks
 
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.tickets import token_versions
@@ -21,6 +19,8 @@ from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
 
 
 def digit_reward(response: str, answer: str, **meta: Any) -> float:

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from patrl_testkit.models import save_tiny_model, tiny_config
 from safetensors.torch import load_file, save_file
 
 from patrl.orchestrator import preflight
@@ -30,6 +29,7 @@ from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
+from patrl_testkit.models import save_tiny_model, tiny_config
 
 POSITIONS = 128  # max_position_embeddings of every model here
 NUM_TRAIN = 16

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from patrl_testkit.jobs import addition_job
-from patrl_testkit.multirank import run_ranks
 from test_orchestrator_async import job_config
 
 from patrl.orchestrator.async_loop import AsyncGRPO
@@ -31,6 +29,8 @@ from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
 from patrl.rollout import Engine, EngineConfig, SamplingParams, SequenceState
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.multirank import run_ranks
 
 BATCH = 4  # data.train_batch_size of job_config
 

@@ -1,4 +1,4 @@
-"""Test helpers for patrl.rollout: tiny HF configs, two slow KV caches, a step driver.
+"""Test helpers for patrl.rollout: two slow KV caches, a step driver, HF-parity checks.
 
 The caches implement the KVCache interface the attention backends use (the one
 patrl.kvstore.PagedKVCache provides), written for obviousness, not speed.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,62 +20,9 @@ from patrl.rollout.loader import load_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.tpreshard import ParallelLayout
 
-# transformers' model classes are imported inside the functions that need them: spawned ranks
-# import this module and should not pay seconds for modelling code they never run.
-
-FAMILIES = ("llama", "qwen2", "qwen3")
-_TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    attn_implementation="eager",
-)
-
-
-def tiny_config(family: str, **overrides: Any) -> Any:
-    """Llama: GQA + llama3 rope scaling; Qwen2: qkv bias + tied embeddings; Qwen3: q/k norm."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    if family == "llama":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        }
-        return LlamaConfig(**{**_TINY, "vocab_size": 250, "rope_scaling": rope, **overrides})
-    if family == "qwen2":
-        return Qwen2Config(**{**_TINY, "vocab_size": 256, "tie_word_embeddings": True, **overrides})
-    if family == "qwen3":
-        # head_dim 32 != hidden / heads, and biases everywhere (o_proj's exercises the row bias).
-        return Qwen3Config(
-            **{**_TINY, "vocab_size": 200, "head_dim": 32, "attention_bias": True, **overrides}
-        )
-    raise ValueError(family)
-
-
-def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
-    model = cls[family](tiny_config(family, **overrides)).eval()
-    # HF zero-initialises biases and sets norms to one; randomise them so they are tested.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def save_hf_model(model: Any, path: Path, **kwargs: Any) -> Path:
-    model.save_pretrained(path, safe_serialization=True, **kwargs)
-    return path
+# Re-exported until test_rollout_{reconfig,reconfig_moves,adaptive,partial} import patrl_testkit.
+from patrl_testkit.models import save_hf_model as save_hf_model
+from patrl_testkit.models import tiny_hf_model as tiny_hf_model
 
 
 class DenseKVCache:

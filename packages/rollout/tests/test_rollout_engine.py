@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
-from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES
 from patrl.rollout.sampler import SamplingParams
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 

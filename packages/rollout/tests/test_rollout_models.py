@@ -8,17 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multirank import run_ranks
-from rollout_testkit import (
-    FAMILIES,
-    hf_reference,
-    max_diff_prefill_and_decode,
-    save_hf_model,
-    tiny_config,
-    tiny_hf_model,
-    tp_parity_body,
-    workload,
-)
+from rollout_testkit import hf_reference, max_diff_prefill_and_decode, tp_parity_body, workload
 from transformers import GPT2Config, MistralConfig
 
 from patrl.rollout.loader import (
@@ -31,6 +21,8 @@ from patrl.rollout.loader import (
 )
 from patrl.rollout.model_config import ModelConfig
 from patrl.rollout.models import build_model
+from patrl_testkit.models import FAMILIES, save_hf_model, tiny_config, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 TOL = 1e-4
 

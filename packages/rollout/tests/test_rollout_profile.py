@@ -7,9 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-from multirank import run_ranks
 
 from patrl.lenpredict import LatencyModel, Profile, ProfileMismatchError
 from patrl.rollout import Engine, EngineConfig
@@ -24,24 +22,14 @@ from patrl.rollout.profile import (
     profile_distributed,
     quick_grid,
 )
-
-_TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 
 def _save_llama(path: Path, layers: int) -> int:
     """A tiny random Llama at `path`; returns its parameter count as HF counts it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **_TINY))
-    model.save_pretrained(path)
+    model = tiny_hf_model("llama", 0, "plain", num_hidden_layers=layers, vocab_size=256)
+    save_hf_model(model, path)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.sampler import SamplingParams
+from patrl_testkit.models import save_hf_model, tiny_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
 
 from patrl.tpreshard import CollectiveTimeout, GroupCache, ShmComm, shm_supported
 from patrl.tpreshard.comm import tp_all_gather, tp_all_reduce, tp_broadcast
+from patrl_testkit.multirank import run_ranks
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="ShmComm is x86-64 POSIX only")
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
 
 from patrl.tpreshard.groups import GroupCache
+from patrl_testkit.multirank import run_ranks
 
 
 def _layouts(rank: int, world_size: int) -> dict[str, object]:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
 from torch import nn
 
 from patrl.tpreshard import (
@@ -26,6 +25,7 @@ from patrl.tpreshard import (
 from patrl.tpreshard import reshard as reshard_module
 from patrl.tpreshard.reshard import copy_plan
 from patrl.tpreshard.shard import ShardPart, is_input_major
+from patrl_testkit.multirank import run_ranks
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 7, 8, 4, 2, 2
 

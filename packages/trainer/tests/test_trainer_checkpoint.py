@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from patrl_testkit.models import save_tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -15,6 +14,7 @@ from trainer_testkit import QWEN2_TIED, VOCAB, config, full_weights, make_batch,
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from patrl.trainer import Trainer
+from patrl_testkit.models import save_tiny_model
 
 
 def _batches() -> list:

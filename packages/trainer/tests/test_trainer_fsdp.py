@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-from patrl_testkit.multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from trainer_testkit import config, full_weights, make_batch, tiny_llama
 from transformers import AutoModelForCausalLM
 
 from patrl.trainer import PolicyBatch, Trainer
+from patrl_testkit.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 

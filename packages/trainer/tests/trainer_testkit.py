@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from patrl_testkit.models import tiny_config
 from transformers import PretrainedConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+from patrl_testkit.models import tiny_config
 
 VOCAB = 128
 # The kit's plain Llama and Qwen2 at VOCAB, one with its own lm_head and one tied.
