@@ -9,7 +9,7 @@ from patrl.tpreshard.comm import (
     tp_broadcast,
 )
 from patrl.tpreshard.groups import GroupCache
-from patrl.tpreshard.kv_reshard import KVShape, SequenceMove, reshard_kv
+from patrl.tpreshard.kv_reshard import KVReshardStats, KVShape, SequenceMove, reshard_kv
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.reshard import (
     ReshardStats,
@@ -34,6 +34,7 @@ from patrl.tpreshard.shm import CollectiveTimeout, ShmComm, shm_supported
 __all__ = [
     "CollectiveTimeout",
     "GroupCache",
+    "KVReshardStats",
     "KVShape",
     "ParallelLayout",
     "ReshardStats",
