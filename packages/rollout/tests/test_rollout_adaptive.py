@@ -20,6 +20,7 @@ from patrl.lenpredict import (
     Layout,
     LengthPredictor,
     RunningSet,
+    assign_replicas,
 )
 from patrl.lenpredict.planner import NEVER, Option
 from patrl.rollout.adaptive import (
@@ -119,7 +120,8 @@ class ForcedPlanner(_TestPlanner):
         target = Layout(dp=self.world_size // self.target_tp, tp=self.target_tp)
         # alternate migrate / recompute so kv_policy=auto exercises both
         migrate = np.arange(n) % 2 == 0
-        go = Option(target, 0.5, 0.1, np.inf, 0, np.zeros(n, dtype=int), migrate)
+        # where each sequence runs: the split a planner prices (a verdict's plan is run as is)
+        go = Option(target, 0.5, 0.1, np.inf, 0, assign_replicas(running, current, target), migrate)
         return Decision("switch", current, target, 0.5, 0.1, "forced", [stay, go], running.seq_ids)
 
 
@@ -573,11 +575,11 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
             continue
         local += 1
         assert twin_asked.asked == 0 and "no length predicted" in decided.record.reason
-        assert (read.target_tp, read.recheck_steps, read.opening_tp, read.recompute) == (
+        assert (read.target_tp, read.recheck_steps, read.opening_tp, read.plan) == (
             decided.target_tp,
             decided.recheck_steps,
             decided.opening_tp,
-            decided.recompute,
+            decided.plan,
         )
         assert read.record is not None and read.record.action == decided.record.action
         mine._rollout.total_quota = 10  # a partial rollout: rank 0 decides

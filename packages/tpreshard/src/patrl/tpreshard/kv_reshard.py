@@ -18,7 +18,7 @@ import torch.distributed as dist
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import head_range
 
-__all__ = ["KVReshardStats", "KVShape", "SequenceMove", "reshard_kv"]
+__all__ = ["KVReshardStats", "KVShape", "SequenceMove", "heads_sent", "reshard_kv"]
 
 _CHUNK_BYTES = 4 << 20  # bound on one message, so no transfer needs a second whole copy
 
@@ -108,6 +108,13 @@ def reshard_kv(
     return {key: _assemble(p, dst_start, heads) for key, p in parts.items()}
 
 
+def heads_sent(move: SequenceMove, src_tp: int, dst_tp: int, num_kv_heads: int) -> int:
+    """KV heads of `move`'s sequence that `reshard_kv` sends between ranks (summed over the
+    ranks of its new replica): what migrating it costs, per token and layer, in K and in V."""
+    routes = _routes(move, src_tp, dst_tp, num_kv_heads)
+    return sum(r.hi - r.lo for r in routes if r.src != r.dst)
+
+
 @dataclass(slots=True)
 class KVReshardStats:
     """What one `reshard_kv` sent and received on this rank (message bytes, skipped rows not
@@ -143,9 +150,7 @@ def _kept(kv: tuple[torch.Tensor, torch.Tensor], route: _Route, src_start: int) 
     return _Part(route.lo, route.hi, kv[0][:, :tokens, a:b], kv[1][:, :tokens, a:b])
 
 
-def _assemble(
-    parts: list[_Part], dst_start: int, heads: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _assemble(parts: list[_Part], dst_start: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's slice under `dst` from its parts: the part itself when it is the whole
     slice (no copy), else the parts copied side by side."""
     if len(parts) == 1 and parts[0].hi - parts[0].lo == heads:
