@@ -822,23 +822,17 @@ class PlacingPlanner(DearSwitchPlanner):
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         if self.rollouts != 2 or current.tp != 2:
             return super().decide(running, current)
-        n, target = len(running), Layout(dp=2, tp=1)
-        stay = Option(current, 1.0, 0.0, np.inf, 0, running.replica, np.zeros(n, dtype=bool))
-        placed = (running.context > 6).astype(int)
-        go = Option(target, 0.5, 0.1, np.inf, 0, placed, np.ones(n, dtype=bool))
-        return Decision("switch", current, target, 0.5, 0.1, "placed", [stay, go], running.seq_ids)
+        decision = ForcedPlanner(1, 1, self.world_size).decide(running, current)
+        decision.chosen.assignment = (running.context > 6).astype(int)
+        return decision
 
 
 def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
-    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     prompts, params = _prompts(rank)
-    expected = Engine(_config(model_dir)).generate(prompts, params)
-    engine = AdaptiveEngine(
-        _config(model_dir, check_every=2, kv_policy="migrate"),
-        groups=groups,
-        planner=PlacingPlanner(world_size),
-        lengths=LengthPredictor(),
-    )
+    expected = _tokens(Engine(_config(model_dir)).generate(prompts, params))
+    config = _config(model_dir, check_every=2, kv_policy="migrate")
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    engine = AdaptiveEngine(config, groups=groups, planner=PlacingPlanner(world_size))
     placed: list[list[tuple[str, int]]] = []
     switch = engine._switch
 
@@ -848,7 +842,7 @@ def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
 
     engine._switch = recording  # type: ignore[method-assign]
     got = [_tokens(engine.generate(prompts, params)) for _ in range(2)]
-    return {"expected": _tokens(expected), "got": got, "placed": placed}
+    return {"expected": expected, "got": got, "placed": placed}
 
 
 def test_a_split_places_each_request_where_the_verdicts_plan_says(llama_dir: Path) -> None:

@@ -334,7 +334,9 @@ def _reshard_kv(
     shape = KVShape(
         spec.num_layers, engine.model.config.num_kv_heads, spec.head_dim, spec.dtype, spec.device
     )
-    local = {key: (kv.k, kv.v) for key, kv in mine.items()}
+    local: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {
+        key: (kv.k, kv.v) for key, kv in mine.items()
+    }
     traffic = KVReshardStats()
     out = reshard_kv(local, moves, src, dst, shape, traffic)
     report.kv_bytes_sent, report.kv_bytes_received = traffic.bytes_sent, traffic.bytes_received
