@@ -65,7 +65,9 @@ def _reshard(rank: int, world_size: int, src_tp: int, dst_tp: int, num_kv: int, 
     # out of TP 1 a rank holds every head of its own sequences: what it keeps is a view
     kept = [key for key in out if src_tp == 1 and key in local]
     for key in kept:
-        assert out[key][0].untyped_storage().data_ptr() == local[key][0].untyped_storage().data_ptr()
+        assert (
+            out[key][0].untyped_storage().data_ptr() == local[key][0].untyped_storage().data_ptr()
+        )
     return sorted(out), (stats.bytes_sent, stats.bytes_received), len(kept)
 
 
