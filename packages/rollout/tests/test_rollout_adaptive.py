@@ -20,6 +20,7 @@ from patrl.lenpredict import (
     Layout,
     LengthPredictor,
     RunningSet,
+    assign_replicas,
 )
 from patrl.lenpredict.planner import NEVER, Option
 from patrl.rollout.adaptive import (
@@ -119,7 +120,8 @@ class ForcedPlanner(_TestPlanner):
         target = Layout(dp=self.world_size // self.target_tp, tp=self.target_tp)
         # alternate migrate / recompute so kv_policy=auto exercises both
         migrate = np.arange(n) % 2 == 0
-        go = Option(target, 0.5, 0.1, np.inf, 0, np.zeros(n, dtype=int), migrate)
+        # where each sequence runs: the split a planner prices (a verdict's plan is run as is)
+        go = Option(target, 0.5, 0.1, np.inf, 0, assign_replicas(running, current, target), migrate)
         return Decision("switch", current, target, 0.5, 0.1, "forced", [stay, go], running.seq_ids)
 
 
@@ -573,11 +575,11 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
             continue
         local += 1
         assert twin_asked.asked == 0 and "no length predicted" in decided.record.reason
-        assert (read.target_tp, read.recheck_steps, read.opening_tp, read.recompute) == (
+        assert (read.target_tp, read.recheck_steps, read.opening_tp, read.plan) == (
             decided.target_tp,
             decided.recheck_steps,
             decided.opening_tp,
-            decided.recompute,
+            decided.plan,
         )
         assert read.record is not None and read.record.action == decided.record.action
         mine._rollout.total_quota = 10  # a partial rollout: rank 0 decides
@@ -800,3 +802,91 @@ def test_the_planner_sees_which_samples_share_a_prompt_on_their_replica() -> Non
         running = controller._running_set(rows)
         assert running.shared is not None
         np.testing.assert_array_equal(running.shared, expected)
+
+
+# --- the plan that is priced is the plan that runs -------------------------------------------
+
+
+class PlacingPlanner(DearSwitchPlanner):
+    """First rollout: stays, naming tp 2 the opening (as DearSwitchPlanner). The second, opened
+    at tp 2, splits at its first check with a placement no balancing would pick: a request to
+    replica 1 when its prompt is longer than 6 tokens, else to replica 0. Then: stays."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.rollouts = 0
+
+    def new_rollout(self) -> None:
+        self.rollouts += 1
+
+    def decide(self, running: RunningSet, current: Layout) -> Decision:
+        if self.rollouts != 2 or current.tp != 2:
+            return super().decide(running, current)
+        decision = ForcedPlanner(1, 1, self.world_size).decide(running, current)
+        decision.chosen.assignment = (running.context > 6).astype(int)
+        return decision
+
+
+def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    prompts, params = _prompts(rank)
+    expected = _tokens(Engine(_config(model_dir)).generate(prompts, params))
+    config = _config(model_dir, check_every=2, kv_policy="migrate")
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    engine = AdaptiveEngine(config, groups=groups, planner=PlacingPlanner(world_size))
+    placed: list[list[tuple[str, int]]] = []
+    switch = engine._switch
+
+    def recording(verdict: Any) -> None:
+        switch(verdict)
+        placed.append(sorted({(s.request_id, s.num_tokens) for s in engine.unfinished_seqs()}))
+
+    engine._switch = recording  # type: ignore[method-assign]
+    got = [_tokens(engine.generate(prompts, params)) for _ in range(2)]
+    return {"expected": expected, "got": got, "placed": placed}
+
+
+def test_a_split_places_each_request_where_the_verdicts_plan_says(llama_dir: Path) -> None:
+    # The second rollout opens at tp 2 (both ranks' requests on one replica, nothing decoded)
+    # and splits: every request lands on the replica the planner's assignment named for its
+    # rows (prompts of 11 and 8 tokens on rank 1, of 5 and 3 on rank 0), whatever a balanced
+    # split would have done, and finishes with the tokens of an uninterrupted run.
+    results = run_ranks(_placed, 2, args=(str(llama_dir),), timeout_s=300)
+    requests = set()
+    for rank, r in enumerate(results):
+        assert r["got"] == [r["expected"]] * 2
+        assert len(r["placed"]) == 1, r["placed"]
+        here = r["placed"][0]
+        assert len({rid for rid, _ in here}) == 4, here  # four of the eight requests
+        assert all((tokens > 6) == (rank == 1) for _, tokens in here), here
+        requests |= {rid for rid, _ in here}
+    assert len(requests) == 8
+
+
+def test_a_split_verdict_carries_the_planners_assignment_request_by_request(
+    tmp_path: Path,
+) -> None:
+    """The real planner splits one tp-2 replica (tp 2 twice as slow on this profile) at the
+    first check; the verdict's plan puts each sample where the planner's assignment put its
+    row. The split is computed here by hand (requests whole, most predicted work first, ties
+    by request id, dealt 0, 1, 1, 0, 0, 1): a check that the rollout's sample -> row mapping
+    is the planner's. Every max_tokens is the same: only the predicted work orders them."""
+    path = tmp_path / "profile.json"
+    synthetic_profile("m", 0.5).save(str(path))
+    policy = AdaptiveTP(candidates=(1, 2), profile=str(path), kv_policy="auto")
+    final = {"q": 90, "b": 10, "z": 40, "a": 60, "m": 25, "c": 70}  # each sample's length
+    samples = {"q": 1, "b": 3, "z": 2, "a": 1, "m": 2, "c": 1}
+    lengths = {(rid, i): final[rid] for rid in final for i in range(samples[rid])}
+    rows = [(rid, i, 16, 0, 200, False, 0) for rid, i in lengths]  # not in request-id order
+    started = [(rid, rid, samples[rid]) for rid in final]
+    summaries: list[_Summary | None] = [_Summary(True, rows, started, []), None]
+    controller = TPController(policy, make_planner(policy, 2, 64), OracleLengths(lengths), None)
+    controller.begin()
+    controller._learn(_Summary(True, rows, started, []))
+    assert controller._rollout is not None
+    verdict = controller._decide(summaries, 2, controller._rollout, True)
+    assert verdict.target_tp == 1 and verdict.plan is not None, verdict.record
+    work = {rid: samples[rid] * final[rid] for rid in final}
+    order = sorted(final, key=lambda rid: (-work[rid], rid))
+    snake = [0, 1, 1, 0, 0, 1]
+    expected = {(rid, i): snake[k] for k, rid in enumerate(order) for i in range(samples[rid])}
+    assert verdict.plan.replica == expected

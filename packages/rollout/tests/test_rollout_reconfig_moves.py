@@ -111,36 +111,19 @@ def test_a_weight_of_the_wrong_shape_names_both_shapes(llama_dir: Path) -> None:
     assert engine.weight_version == 0
 
 
-def _moves(j_old: int, j_new: int, src_tp: int, dst_tp: int, kv: int) -> list[tuple[int, ...]]:
-    from patrl.rollout.adaptive.reconfig import _plan
-
-    return [(m.src, m.dst, m.lo, m.hi) for m in _plan(("r", 0), j_old, j_new, src_tp, dst_tp, kv)]
-
-
-def test_kv_plans_keep_what_a_rank_holds_and_send_the_rest() -> None:
-    # Merge tp1 -> tp2 (2 KV heads): the old replica at position 1 keeps head 1, sends head 0.
-    assert _moves(1, 0, 1, 2, 2) == [(1, 0, 0, 1), (1, 1, 1, 2)]
-    # Split tp2 -> tp1: the new replica at position 1 gathers head 0 from position 0.
-    assert _moves(0, 1, 2, 1, 2) == [(0, 1, 0, 1), (1, 1, 1, 2)]
-    # Grow tp2 -> tp4 with 2 KV heads: each head is replicated onto two ranks.
-    assert _moves(0, 0, 2, 4, 2) == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 2, 1, 2), (1, 3, 1, 2)]
-    # Grow tp1 -> tp4 with 8 heads, old replica at position 2: two heads each, all from 2.
-    assert _moves(2, 0, 1, 4, 8) == [(2, t, 2 * t, 2 * t + 2) for t in range(4)]
-
-
 def test_a_split_keeps_samples_of_a_request_together_and_balances_remaining_tokens() -> None:
-    from patrl.rollout.adaptive.reconfig import _assign
-    from patrl.rollout.outputs import SequenceState
-    from patrl.rollout.sampler import SamplingParams
+    # a switch without a plan runs the planner's split, each sample's work its remaining
+    # max_tokens (reconfigure's `derive_plan`)
+    from patrl.lenpredict import Layout
+    from patrl.rollout.adaptive.switch_plan import derive_plan
 
-    def state(rid: str, index: int, left: int) -> tuple[SequenceState, int]:
-        params = SamplingParams(max_tokens=20)
-        out = [1] * (20 - left)
-        return SequenceState(rid, index, [1], out, [0.0] * len(out), params, torch.zeros(1)), 0
+    def row(
+        rid: str, index: int, left: int
+    ) -> tuple[int, tuple[str, int, int, int, int, bool, int]]:
+        return 0, (rid, index, 1 + 20 - left, 20 - left, 20, False, 0)
 
-    old = [[state("a", 0, 10), state("b", 0, 4), state("b", 1, 4), state("c", 0, 3)]]
-    old[0].append(state("d", 0, 3))
-    got = _assign(old, 2)
+    rows = [row("a", 0, 10), row("b", 0, 4), row("b", 1, 4), row("c", 0, 3), row("d", 0, 3)]
+    got = derive_plan(rows, Layout(dp=1, tp=2), Layout(dp=2, tp=1)).replica
     assert got[("b", 0)] == got[("b", 1)]
     load = [0, 0]
     for (rid, _), j in got.items():

@@ -9,7 +9,13 @@ from patrl.tpreshard.comm import (
     tp_broadcast,
 )
 from patrl.tpreshard.groups import GroupCache
-from patrl.tpreshard.kv_reshard import KVShape, SequenceMove, reshard_kv
+from patrl.tpreshard.kv_reshard import (
+    KVReshardStats,
+    KVShape,
+    SequenceMove,
+    heads_sent,
+    reshard_kv,
+)
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
 from patrl.tpreshard.reshard import (
     ReshardStats,
@@ -34,6 +40,7 @@ from patrl.tpreshard.shm import CollectiveTimeout, ShmComm, shm_supported
 __all__ = [
     "CollectiveTimeout",
     "GroupCache",
+    "KVReshardStats",
     "KVShape",
     "ParallelLayout",
     "ReshardStats",
@@ -47,6 +54,7 @@ __all__ = [
     "gather_objects",
     "has_full",
     "head_range",
+    "heads_sent",
     "index_map",
     "load_full",
     "reshard_",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import head_range
 
-__all__ = ["KVShape", "SequenceMove", "reshard_kv"]
+__all__ = ["KVReshardStats", "KVShape", "SequenceMove", "heads_sent", "reshard_kv"]
 
 _CHUNK_BYTES = 4 << 20  # bound on one message, so no transfer needs a second whole copy
 
@@ -65,30 +65,30 @@ def reshard_kv(
     src: ParallelLayout,
     dst: ParallelLayout,
     shape: KVShape,
+    stats: KVReshardStats | None = None,
 ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (k, v) under `dst` of every sequence its new replica takes, each
     [layers, tokens, local heads, head_dim] with the heads `head_range(num_kv_heads, dst)`.
 
     `local` holds this rank's (k, v) under `src` of each sequence of its old replica (heads
     `head_range(num_kv_heads, src)`, at least `num_tokens` tokens). Collective over the exchange
-    group: every rank passes the same `moves`, in the same order."""
+    group: every rank passes the same `moves`, in the same order. A slice that comes whole
+    from one place is a view (of `local`, or of the received message); `stats` counts bytes."""
     big = _check_layouts(src, dst)
     routes = [r for m in moves for r in _routes(m, src.tp_size, dst.tp_size, shape.num_kv_heads)]
     me = big.tp_rank
-    out = {
-        m.key: _empty_pair(shape, m.num_tokens, dst)
-        for m in moves
-        if m.dst_replica == me // dst.tp_size
-    }
     src_start = head_range(shape.num_kv_heads, src.tp_rank, src.tp_size)[0]
     dst_start = head_range(shape.num_kv_heads, dst.tp_rank, dst.tp_size)[0]
+    parts: dict[Hashable, list[_Part]] = {
+        m.key: [] for m in moves if m.dst_replica == me // dst.tp_size
+    }
     works, pending = [], []
     for index, route in enumerate(routes):
         if me not in (route.src, route.dst):
             continue
         m = route.move
         if route.src == route.dst:
-            _place(out[m.key], local[m.key], route, src_start, dst_start, m.num_tokens)
+            parts[m.key].append(_kept(local[m.key], route, src_start))
             continue
         if route.src == me:
             msg = _message(local[m.key], route, src_start)
@@ -96,18 +96,74 @@ def reshard_kv(
             buf = _buffer(shape, m.num_tokens, route.hi - route.lo)
             pending.append((route, buf))
             msg = buf[m.skip :]
+        _count(stats, msg, sent=route.src == me)
         works += _post(msg, index, route, me, big.tp_group)
     for work in works:
         if work is not None:
             work.wait()
     for route, buf in pending:
         k, v = buf.permute(1, 2, 0, 3, 4).unbind(0)  # -> [layers, tokens, heads, head_dim] each
-        lo, hi = route.lo - dst_start, route.hi - dst_start
-        out_k, out_v = out[route.move.key]
-        skip = route.move.skip
-        out_k[:, skip:, lo:hi].copy_(k[:, skip:])
-        out_v[:, skip:, lo:hi].copy_(v[:, skip:])
-    return out
+        parts[route.move.key].append(_Part(route.lo, route.hi, k, v))
+    heads = head_range(shape.num_kv_heads, dst.tp_rank, dst.tp_size)[1]
+    return {key: _assemble(p, dst_start, heads) for key, p in parts.items()}
+
+
+def heads_sent(move: SequenceMove, src_tp: int, dst_tp: int, num_kv_heads: int) -> int:
+    """KV heads of `move`'s sequence that `reshard_kv` sends between ranks (summed over the
+    ranks of its new replica): what migrating it costs, per token and layer, in K and in V."""
+    routes = _routes(move, src_tp, dst_tp, num_kv_heads)
+    return sum(r.hi - r.lo for r in routes if r.src != r.dst)
+
+
+@dataclass(slots=True)
+class KVReshardStats:
+    """What one `reshard_kv` sent and received on this rank (message bytes, skipped rows not
+    counted)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Heads [lo, hi) of one sequence under `dst`: k and v [layers, tokens, hi - lo, head_dim]."""
+
+    lo: int
+    hi: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _count(stats: KVReshardStats | None, msg: torch.Tensor, sent: bool) -> None:
+    if stats is None:
+        return
+    if sent:
+        stats.bytes_sent += msg.nbytes
+    else:
+        stats.bytes_received += msg.nbytes
+
+
+def _kept(kv: tuple[torch.Tensor, torch.Tensor], route: _Route, src_start: int) -> _Part:
+    """Heads this rank keeps: a view of its old slice (the importer copies it, once)."""
+    a, b = route.lo - src_start, route.hi - src_start
+    tokens = route.move.num_tokens
+    return _Part(route.lo, route.hi, kv[0][:, :tokens, a:b], kv[1][:, :tokens, a:b])
+
+
+def _assemble(parts: list[_Part], dst_start: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's slice under `dst` from its parts: the part itself when it is the whole
+    slice (no copy), else the parts copied side by side."""
+    if len(parts) == 1 and parts[0].hi - parts[0].lo == heads:
+        return parts[0].k, parts[0].v
+    first = parts[0].k
+    size = (first.shape[0], first.shape[1], heads, first.shape[3])
+    k = torch.empty(size, dtype=first.dtype, device=first.device)
+    v = torch.empty_like(k)
+    for part in parts:
+        lo, hi = part.lo - dst_start, part.hi - dst_start
+        k[:, :, lo:hi].copy_(part.k)
+        v[:, :, lo:hi].copy_(part.v)
+    return k, v
 
 
 def _check_layouts(src: ParallelLayout, dst: ParallelLayout) -> ParallelLayout:
@@ -150,32 +206,6 @@ def _holder(head: int, dst: int, old_ranks: list[int], src_tp: int, num_kv: int)
     if dst in old_ranks and holds(dst):
         return dst
     return next(p for p in old_ranks if holds(p))
-
-
-def _empty_pair(
-    shape: KVShape, tokens: int, dst: ParallelLayout
-) -> tuple[torch.Tensor, torch.Tensor]:
-    heads = head_range(shape.num_kv_heads, dst.tp_rank, dst.tp_size)[1]
-    size = (shape.num_layers, tokens, heads, shape.head_dim)
-    return (
-        torch.empty(size, dtype=shape.dtype, device=shape.device),
-        torch.empty(size, dtype=shape.dtype, device=shape.device),
-    )
-
-
-def _place(
-    out: tuple[torch.Tensor, torch.Tensor],
-    kv: tuple[torch.Tensor, torch.Tensor],
-    route: _Route,
-    src_start: int,
-    dst_start: int,
-    tokens: int,
-) -> None:
-    """Heads this rank keeps, copied from its old slice into its new one."""
-    a, b = route.lo - src_start, route.hi - src_start
-    c, d = route.lo - dst_start, route.hi - dst_start
-    out[0][:, :, c:d].copy_(kv[0][:, :tokens, a:b])
-    out[1][:, :, c:d].copy_(kv[1][:, :tokens, a:b])
 
 
 def _message(kv: tuple[torch.Tensor, torch.Tensor], route: _Route, src_start: int) -> torch.Tensor:

@@ -4,10 +4,11 @@ At a check the first rank of every TP group sends a summary of its replica (each
 sample's context, tokens so far, whether it holds KV; the requests it started and the samples
 that finished since the last check). Every rank gathers them, so every rank's length model
 learns the same lengths in the same order; rank 0 runs the planner and broadcasts the verdict
-(stay, or switch to a TP size, with each sample's migrate-or-recompute choice and when to check
-again). Whether the rollout is over, and a first check where no switch could pay, every rank
-reads from the summaries alone, with no broadcast. The loop that runs the checks and applies
-the verdicts is `patrl.rollout.adaptive.driver`; see docs/adaptive_tp.md.
+(stay, or switch to a TP size with the plan the planner priced: each sample's replica and its
+migrate-or-recompute choice; when to check again). Whether the rollout is over, and a first
+check where no switch could pay, every rank reads from the summaries alone, with no broadcast.
+The loop that runs the checks and applies the verdicts is `patrl.rollout.adaptive.driver`; see
+docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from patrl.lenpredict import NEVER, Decision, Layout, RunningSet, shared_prefix
+from patrl.lenpredict import NEVER, Decision, Layout, RunningSet
 from patrl.rollout.adaptive.control_stats import (
     ControlStats,
     TPDecisionRecord,
@@ -30,16 +31,12 @@ from patrl.rollout.adaptive.control_stats import (
 )
 from patrl.rollout.adaptive.length_groups import LengthGroups
 from patrl.rollout.adaptive.protocols import Lengths, Planner
+from patrl.rollout.adaptive.switch_plan import Key, Row, SwitchPlan, plan_of, running_set
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import ShmComm, broadcast_obj, gather_objects
 
 logger = logging.getLogger(__name__)
-
-
-# One unfinished sample at a check: (request id, sample index, context tokens, generated
-# tokens, max_tokens, holds KV, hash of its prompt's tokens)
-Row = tuple[str, int, int, int, int, bool, int]
 
 
 @dataclass(slots=True)
@@ -62,7 +59,8 @@ class Verdict:
     finds that out itself from the gathered summaries (`TPController._over`)."""
 
     target_tp: int | None
-    recompute: frozenset[tuple[str, int]] = frozenset()
+    # a switch: the plan the planner priced, which `reconfigure` runs (None: no switch)
+    plan: SwitchPlan | None = None
     record: TPDecisionRecord | None = None
     recheck_steps: int | None = None
     opening_tp: int | None = None  # first check: where the next rollouts open (None: here)
@@ -407,18 +405,19 @@ class TPController:
                 opening_tp=opening,
                 window_share=window_share,
             )
-        recompute: frozenset[tuple[str, int]] = frozenset()
-        if self.policy.kv_policy == "auto":
-            migrate = decision.chosen.migrate
-            keys = [(row[0], row[1]) for _, row in rows]
-            recompute = frozenset(k for k, m in zip(keys, migrate, strict=True) if not m)
-        record.num_recomputed = (
-            len(recompute)
-            if self.policy.kv_policy == "auto"
-            else len(rows) * (self.policy.kv_policy == "recompute")
-        )
+        recompute = self._recompute(rows, decision.chosen.migrate)
+        record.num_recomputed = len(recompute)
         record.num_migrated = len(rows) - record.num_recomputed
-        return Verdict(decision.target.tp, recompute, record)
+        plan = plan_of(rows, decision.chosen.assignment, recompute)
+        return Verdict(decision.target.tp, plan, record)
+
+    def _recompute(self, rows: list[tuple[int, Row]], migrate: np.ndarray) -> frozenset[Key]:
+        """The samples of `rows` whose KV a switch recomputes: the planner's choice under
+        kv_policy "auto", else all or none as the policy says."""
+        keys = [(row[0], row[1]) for _, row in rows]
+        if self.policy.kv_policy == "auto":
+            return frozenset(k for k, m in zip(keys, migrate, strict=True) if not m)
+        return frozenset(keys) if self.policy.kv_policy == "recompute" else frozenset()
 
     def _may_switch(self, bound: RunningSet, current: Layout) -> bool:
         """Whether the planner could switch with every sequence running to its max_tokens
@@ -426,34 +425,8 @@ class TPController:
         return bool(self.planner.may_switch(bound, current))
 
     def _running_set(self, rows: list[tuple[int, Row]]) -> RunningSet:
-        """The planner's view of `rows` (not empty): one row per unfinished sample, its
-        remaining length bounded by its max_tokens (one column; `_predict` replaces it)."""
-        replica = np.array([dp for dp, _ in rows], dtype=int)
-        request_ids, _, context, generated, max_tokens, has_kv, prompt = zip(
-            *(row for _, row in rows), strict=True
-        )
-        context_, generated_ = np.array(context, dtype=int), np.array(generated, dtype=int)
-        room = np.maximum(np.array(max_tokens, dtype=int) - generated_, 1)
-        number = {r: k for k, r in enumerate(sorted(set(request_ids)))}
-        holds = np.array(has_kv, dtype=bool)
-        # samples of one prompt on a replica: a fold sends its full blocks once, with the
-        # first of them that holds KV (queued ones send nothing)
-        shared = np.zeros(len(rows), dtype=int)
-        shared[holds] = shared_prefix(
-            replica[holds],
-            np.array(prompt, dtype=np.int64)[holds],
-            (context_ - generated_)[holds],
-            self.prefix_block,
-        )
-        return RunningSet(
-            seq_ids=np.arange(len(rows)),
-            replica=replica,
-            context=context_,
-            remaining=room[:, None].astype(float),
-            has_kv=holds,
-            group=np.array([number[r] for r in request_ids], dtype=int),
-            shared=shared,
-        )
+        """The planner's view of `rows` (not empty; `switch_plan.running_set`)."""
+        return running_set(rows, self.prefix_block)
 
     def _predict(self, rows: list[tuple[int, Row]], bound: np.ndarray) -> np.ndarray:
         """Remaining-length quantiles of `rows` (n, Q), within their bounds (n, 1)."""

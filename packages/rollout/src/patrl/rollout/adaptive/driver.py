@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from patrl.lenpredict import NEVER, Layout
-from patrl.rollout.adaptive.controller import Row, Verdict
+from patrl.rollout.adaptive.controller import Verdict
 from patrl.rollout.adaptive.protocols import Lengths, Planner
-from patrl.rollout.adaptive.reconfig import KVChoice, KVCost, reconfigure
+from patrl.rollout.adaptive.reconfig import reconfigure
 from patrl.rollout.adaptive.setup import open_controller
+from patrl.rollout.adaptive.switch_plan import Row
 from patrl.rollout.adaptive.way_back import WayBack
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
@@ -346,17 +347,12 @@ class AdaptiveEngine:
         return results
 
     def _switch(self, verdict: Verdict) -> None:
-        """Apply a verdict's switch: `reconfigure`, each sample's KV as the verdict chose."""
+        """Apply a verdict's switch: `reconfigure` runs the plan the planner priced."""
         c = self.controller
         assert c is not None and verdict.target_tp is not None
-        policy, recompute = c.policy.kv_policy, verdict.recompute
-
-        def choose(cost: KVCost) -> KVChoice:
-            return "recompute" if (cost.request_id, cost.sample_index) in recompute else "migrate"
-
         self.way_back.owed = None  # an explicit move supersedes a deferred return
         t0 = time.perf_counter()
-        reconfigure(self.engine, verdict.target_tp, choose if policy == "auto" else policy)
+        reconfigure(self.engine, verdict.target_tp, plan=verdict.plan)
         c.note_switch(verdict, time.perf_counter() - t0)
 
     def _hand_back(

@@ -2,12 +2,11 @@
 
 All movement happens inside the *exchange group*, the TP group of the larger layout: it holds
 every old replica that merges into a new one, or every new replica an old one splits into.
-Every rank of the world, at once: (1) exports its unfinished samples, the old first ranks
-sharing the states so every rank derives the same plan; (2) re-cuts the weights in place
-(`tpreshard.reshard_`, full tensors kept out of TP 1 so the way back is free) and rebuilds
-cache and scheduler; (3) per sample, migrates KV heads (paired send/recv in bounded chunks; a
-prompt's full blocks sent once per replica pair) or drops them for a recompute; (4) imports
-the samples, split between new replicas by whole requests. See docs/adaptive_tp.md.
+Every rank of the world, at once: export the unfinished samples (the old first ranks share
+the states) -> reshard the weights in place (`tpreshard.reshard_`; full tensors kept out of
+TP 1 so the way back is free) -> rebuild cache and scheduler -> reshard the migrated samples'
+KV heads (`tpreshard.reshard_kv`; a prompt's full blocks sent once per replica pair) -> import
+each sample on the replica the plan names (`switch_plan`). See docs/adaptive_tp.md.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,12 +22,23 @@ import torch
 import torch.distributed as dist
 
 from patrl.kvstore import SequenceKV
+from patrl.lenpredict import Layout
+from patrl.rollout.adaptive.switch_plan import Key, Row, SwitchPlan, derive_plan
 from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import SequenceState
-from patrl.tpreshard import ParallelLayout, ReshardStats, head_range, reshard_
+from patrl.tpreshard import (
+    KVReshardStats,
+    KVShape,
+    ParallelLayout,
+    ReshardStats,
+    SequenceMove,
+    head_range,
+    heads_sent,
+    reshard_,
+    reshard_kv,
+)
 
 KVChoice = Literal["migrate", "recompute"]
-_CHUNK_BYTES = 4 << 20  # bound on one KV message, so no transfer needs a second whole copy
 # the engines a reconfigure is moving now: a second one (from a kv_policy callback) refuses
 _moving: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -67,30 +77,34 @@ class ReconfigReport:
     costs: list[KVCost] = dataclasses.field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class _Move:
-    """Heads [lo, hi) of sample `key`'s KV go from exchange position `src` to `dst`."""
+@dataclass(slots=True)
+class _Shared:
+    """The exchange group's samples after the export, the same on every rank of it: per old
+    replica (position in the group) its states and KV lengths; this rank's own KV."""
 
-    key: tuple[str, int]
-    src: int
-    dst: int
-    lo: int
-    hi: int
-    skip: int = 0  # leading tokens not sent: an earlier sample of the prompt sent them
+    old: list[list[tuple[SequenceState, int]]]
+    mine: dict[Key, SequenceKV]
+    next_seq_id: int
+    next_request: int
 
 
 def reconfigure(
-    engine: Engine, target: int | ParallelLayout, kv_policy: KVPolicy = "migrate"
+    engine: Engine,
+    target: int | ParallelLayout,
+    kv_policy: KVPolicy = "migrate",
+    plan: SwitchPlan | None = None,
 ) -> ReconfigReport:
     """Move `engine` to another TP layout mid-generation; every rank of the world calls it at
     once. `target` is a TP size looked up in the engine's GroupCache, or a layout from it.
-    Unfinished samples keep their tokens, logprobs and generator states; their KV is migrated
-    or recomputed as `kv_policy` says. Bad targets raise before anything changes."""
+    Unfinished samples keep their tokens, logprobs and generator states. With `plan` (a
+    verdict's) each goes to the replica it names and migrates or recomputes its KV as it says;
+    without, the planner's split places them (`derive_plan`) and `kv_policy` chooses. Bad
+    targets raise before anything changes."""
     dst = target_layout(engine, target)
     check_target(engine, dst)
     _moving.add(engine)
     try:
-        return _reconfigure(engine, dst, kv_policy)
+        return _reconfigure(engine, dst, kv_policy, plan)
     finally:
         _moving.discard(engine)
 
@@ -130,17 +144,38 @@ def check_target(engine: Engine, dst: ParallelLayout) -> None:
         raise ValueError(f"target layout tp_size={dst.tp_size} has no TP group")
 
 
-def _reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> ReconfigReport:
+def _reconfigure(
+    engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy, plan: SwitchPlan | None
+) -> ReconfigReport:
     src = engine.layout
     t0 = time.perf_counter()
     report = ReconfigReport(src.tp_size, dst.tp_size)
     big = dst if dst.tp_size > src.tp_size else src
+    shared = _export(engine, src, big)
+    t1 = time.perf_counter()
+    report.groups_s = t1 - t0
+    _reshard_weights(engine, src, dst, report)
+    t_weights = time.perf_counter()
+    engine.rebuild(dst)
+    engine.advance_ids(shared.next_seq_id, shared.next_request)
+    t2 = time.perf_counter()
+    report.weights_s, report.cache_s = t_weights - t1, t2 - t_weights
+    assign = _placement(shared.old, src, dst, big, plan)
+    choose = _chooser(kv_policy, plan)
+    moves, keep = _choose(engine, shared.old, assign, src, dst, choose, report)
+    received = _reshard_kv(engine, shared.mine, moves, src, dst, report)
+    report.kv_s = time.perf_counter() - t2
+    engine.import_requests(_incoming(engine, shared.old, assign, keep, received, big, dst))
+    report.total_s = time.perf_counter() - t0
+    return report
+
+
+def _export(engine: Engine, src: ParallelLayout, big: ParallelLayout) -> _Shared:
+    """Everything unfinished leaves the engine; the old first ranks share the states (and the
+    id counters) with every rank of the exchange group."""
     group = big.tp_group
     assert group is not None  # check_target
     size = dist.get_world_size(group)
-    me = big.tp_rank
-
-    # 1. everything unfinished leaves the engine; the old first ranks share the states.
     ids = list(engine.request_ids())
     gathered_ids: list[list[str]] = [[] for _ in range(size)]
     dist.all_gather_object(gathered_ids, ids if src.tp_rank == 0 else [], group=group)
@@ -154,30 +189,94 @@ def _reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Re
     ]
     dist.all_gather_object(gathered, offer, group=group)
     old = [gathered[j * src.tp_size][0] for j in range(size // src.tp_size)]
-    t1 = time.perf_counter()
-    report.groups_s = t1 - t0
+    return _Shared(old, mine, max(g[1] for g in gathered), max(g[2] for g in gathered))
 
-    # 2. weights, then a fresh cache and scheduler at the new layout.
-    # Out of TP 1 (a fold) each rank keeps its full weights unless told not to: it held them
-    # a moment ago, and the way back (at the next weight sync, or an unfold) is then free.
+
+def _reshard_weights(
+    engine: Engine, src: ParallelLayout, dst: ParallelLayout, report: ReconfigReport
+) -> None:
+    """Re-cut the weights in place. Out of TP 1 (a fold) each rank keeps its full weights
+    unless told not to: it held them a moment ago, and the way back is then free."""
     keep_full = src.tp_size == 1 and engine.config.keep_full_weights
     stats: ReshardStats = reshard_(engine.model, src, dst, keep_full=keep_full)
-    t_weights = time.perf_counter()
-    engine.rebuild(dst)
-    engine.advance_ids(max(g[1] for g in gathered), max(g[2] for g in gathered))
-    t2 = time.perf_counter()
-    report.weights_s = t_weights - t1
-    report.cache_s = t2 - t_weights
     report.weight_bytes_received = stats.bytes_received
     report.weight_peak_bytes = stats.peak_bytes
     report.weight_bytes_before, report.weight_bytes_after = stats.bytes_before, stats.bytes_after
 
-    # 3. plan (identically on every rank), then move KV heads.
-    assign = _assign(old, size // dst.tp_size)
+
+def _placement(
+    old: list[list[tuple[SequenceState, int]]],
+    src: ParallelLayout,
+    dst: ParallelLayout,
+    big: ParallelLayout,
+    plan: SwitchPlan | None,
+) -> dict[Key, int]:
+    """Each sample's new replica, counted inside the exchange group: the plan's, or the
+    planner's split of the group's samples (`derive_plan`). Raises where the plan misses a
+    sample or names a replica outside the group (samples cannot leave it)."""
+    size = big.tp_size
+    old_base, new_base = big.dp_rank * (size // src.tp_size), big.dp_rank * (size // dst.tp_size)
+    if plan is None:
+        rows = [(old_base + j, _row(st, n)) for j, states in enumerate(old) for st, n in states]
+        world = src.dp_size * src.tp_size
+        plan = derive_plan(rows, _planner_layout(src, world), _planner_layout(dst, world))
+    assign: dict[Key, int] = {}
+    for states in old:
+        for st, _ in states:
+            key = (st.request_id, st.sample_index)
+            if key not in plan.replica:
+                raise ValueError(f"the switch plan has no replica for sample {key}")
+            local = plan.replica[key] - new_base
+            if not 0 <= local < size // dst.tp_size:
+                raise ValueError(
+                    f"the switch plan puts sample {key} on replica {plan.replica[key]}, outside "
+                    f"the replicas [{new_base}, {new_base + size // dst.tp_size}) it can reach"
+                )
+            assign[key] = local
+    return assign
+
+
+def _planner_layout(layout: ParallelLayout, world: int) -> Layout:
+    return Layout(dp=world // layout.tp_size, tp=layout.tp_size)
+
+
+def _row(st: SequenceState, kv_len: int) -> Row:
+    """A sample as a check reports it (no prompt hash: a derived split shares no prefix)."""
+    generated = len(st.output_token_ids)
+    context = len(st.prompt_token_ids) + generated
+    return (st.request_id, st.sample_index, context, generated, st.params.max_tokens, kv_len > 0, 0)
+
+
+def _chooser(kv_policy: KVPolicy, plan: SwitchPlan | None) -> Callable[[KVCost], KVChoice]:
+    """Each sample's KV choice: the plan's, else `kv_policy`'s (checked)."""
+
+    def choose(cost: KVCost) -> KVChoice:
+        if plan is not None:
+            key = (cost.request_id, cost.sample_index)
+            return "recompute" if key in plan.recompute else "migrate"
+        choice = kv_policy(cost) if callable(kv_policy) else kv_policy
+        if choice not in ("migrate", "recompute"):
+            raise ValueError(f"kv_policy returned {choice!r}; expected migrate or recompute")
+        return choice
+
+    return choose
+
+
+def _choose(
+    engine: Engine,
+    old: list[list[tuple[SequenceState, int]]],
+    assign: dict[Key, int],
+    src: ParallelLayout,
+    dst: ParallelLayout,
+    choose: Callable[[KVCost], KVChoice],
+    report: ReconfigReport,
+) -> tuple[list[SequenceMove], dict[Key, tuple[tuple[int, ...], int]]]:
+    """Per sample, identically on every rank: its cost, its choice, and for a migrated one its
+    `SequenceMove` and (token ids, rows not sent) to import it with."""
     config = engine.model.config
     per_token = 2 * config.num_layers * config.head_dim * engine.cache.spec.dtype.itemsize
-    moves: list[_Move] = []
-    keep: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # migrated: (computed, ids)
+    moves: list[SequenceMove] = []
+    keep: dict[Key, tuple[tuple[int, ...], int]] = {}
     # (old replica, new replica, prompt) -> tokens of KV the prompt's first migrated sample sent
     sent: dict[tuple[int, int, tuple[int, ...]], int] = {}
     block = engine.cache.spec.block_size if engine.config.enable_prefix_caching else 0
@@ -185,27 +284,78 @@ def _reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Re
         for st, n in states:
             key = (st.request_id, st.sample_index)
             tokens = len(st.prompt_token_ids) + len(st.output_token_ids)
-            plan = _plan(key, j_old, assign[key], src.tp_size, dst.tp_size, config.num_kv_heads)
-            crossing = sum(m.hi - m.lo for m in plan if m.src != m.dst)
+            move = SequenceMove(key, j_old, assign[key], n)
+            crossing = heads_sent(move, src.tp_size, dst.tp_size, config.num_kv_heads)
             cost = KVCost(key[0], key[1], crossing * n * per_token, tokens)
             report.costs.append(cost)
-            choice = kv_policy(cost) if callable(kv_policy) else kv_policy
-            if choice not in ("migrate", "recompute"):
-                raise ValueError(f"kv_policy returned {choice!r}; expected migrate or recompute")
-            if n > 0 and choice == "migrate":
+            if n > 0 and choose(cost) == "migrate":
                 prompt = (j_old, assign[key], tuple(st.prompt_token_ids))
-                moves += _skip_shared(plan, sent, prompt, n, block)
-                keep[key] = (n, tuple(st.prompt_token_ids + st.output_token_ids[:-1]))
+                move = _skip_shared(move, sent, prompt, block)
+                moves.append(move)
+                keep[key] = (tuple(st.prompt_token_ids + st.output_token_ids[:-1]), move.skip)
                 report.num_migrated += 1
             else:
                 report.num_recomputed += 1
                 report.tokens_recomputed += tokens
-    received = _exchange(moves, mine, keep, group, me, engine, report)
-    report.kv_s = time.perf_counter() - t2
+    return moves, keep
 
-    # 4. this rank's new replica takes its samples, in plan order.
-    my_replica = me // dst.tp_size
-    start, count = head_range(config.num_kv_heads, dst.tp_rank, dst.tp_size)
+
+def _skip_shared(
+    move: SequenceMove,
+    sent: dict[tuple[int, int, tuple[int, ...]], int],
+    prompt: tuple[int, int, tuple[int, ...]],
+    block: int,
+) -> SequenceMove:
+    """A sample's move, without the prompt's full blocks when an earlier sample of the same
+    prompt, old replica and new replica sent them (`sent`, updated): the receiver imports
+    that one first, so its prefix cache holds them (`block` 0: no prefix cache, everything
+    is sent). GRPO's n samples of a prompt share it, and the prompt is often most of every
+    sample's KV. Local slices skip too, so every rank of the new group holds the same `first`
+    for the sample and decides alike whether to import it or recompute."""
+    n = move.num_tokens
+    if not block or prompt not in sent:
+        sent.setdefault(prompt, n)
+        return move
+    skip = min(len(prompt[2]), sent[prompt], n - 1) // block * block
+    return dataclasses.replace(move, skip=skip)
+
+
+def _reshard_kv(
+    engine: Engine,
+    mine: dict[Key, SequenceKV],
+    moves: list[SequenceMove],
+    src: ParallelLayout,
+    dst: ParallelLayout,
+    report: ReconfigReport,
+) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    """The migrated samples' KV heads under `dst` (`tpreshard.reshard_kv`) of those this
+    rank's new replica takes; the bytes moved go to `report`."""
+    spec = engine.cache.spec
+    shape = KVShape(
+        spec.num_layers, engine.model.config.num_kv_heads, spec.head_dim, spec.dtype, spec.device
+    )
+    local: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {
+        key: (kv.k, kv.v) for key, kv in mine.items()
+    }
+    traffic = KVReshardStats()
+    out = reshard_kv(local, moves, src, dst, shape, traffic)
+    report.kv_bytes_sent, report.kv_bytes_received = traffic.bytes_sent, traffic.bytes_received
+    return out
+
+
+def _incoming(
+    engine: Engine,
+    old: list[list[tuple[SequenceState, int]]],
+    assign: dict[Key, int],
+    keep: dict[Key, tuple[tuple[int, ...], int]],
+    received: dict[Hashable, tuple[torch.Tensor, torch.Tensor]],
+    big: ParallelLayout,
+    dst: ParallelLayout,
+) -> list[SequenceState]:
+    """This rank's new replica's samples, in plan order, each with its KV where migrated."""
+    total = engine.model.config.num_kv_heads
+    start = head_range(total, dst.tp_rank, dst.tp_size)[0]
+    my_replica = big.tp_rank // dst.tp_size
     incoming: list[SequenceState] = []
     for states in old:
         for st, _ in states:
@@ -214,46 +364,14 @@ def _reconfigure(engine: Engine, dst: ParallelLayout, kv_policy: KVPolicy) -> Re
                 continue
             kv = None
             if key in keep:
-                parts = received[key]
-                kv = SequenceKV.concat_heads(parts) if len(parts) > 1 else parts[0]
-                assert (kv.head_start, kv.num_heads) == (start, count)
+                (k, v), (token_ids, skip) = received[key], keep[key]
+                kv = SequenceKV(token_ids, k, v, start, total, skip)
             incoming.append(dataclasses.replace(st, kv=kv))
-    engine.import_requests(incoming)
-    report.total_s = time.perf_counter() - t0
-    return report
-
-
-def _skip_shared(
-    plan: list[_Move],
-    sent: dict[tuple[int, int, tuple[int, ...]], int],
-    prompt: tuple[int, int, tuple[int, ...]],
-    n: int,
-    block: int,
-) -> list[_Move]:
-    """A sample's moves, the crossing ones without the prompt's full blocks when an earlier
-    sample of the same prompt, old replica and new replica sent them (`sent`, updated): the
-    receiver imports that one first, so its prefix cache holds them (`block` 0: no prefix
-    cache, everything is sent). GRPO's n samples of a prompt share it, and the prompt is
-    often most of every sample's KV."""
-    if not block or prompt not in sent:
-        sent.setdefault(prompt, n)
-        return plan
-    skip = min(len(prompt[2]), sent[prompt], n - 1) // block * block
-    # local slices too, though nothing is sent: every rank of the new group then holds the
-    # same `first` for the sample, and so decides alike whether to import it or recompute
-    return [dataclasses.replace(m, skip=skip) for m in plan]
+    return incoming
 
 
 def _kv_len(st: SequenceState) -> int:
     return 0 if st.kv is None else st.kv.num_computed
-
-
-def _head_view(kv: SequenceKV, start: int, end: int, first: int) -> SequenceKV:
-    """Heads [start, end) of `kv` without the copy `SequenceKV.heads` makes."""
-    lo, hi = start - kv.head_start, end - kv.head_start
-    return SequenceKV(
-        kv.token_ids, kv.k[:, :, lo:hi], kv.v[:, :, lo:hi], start, kv.num_total_kv_heads, first
-    )
 
 
 def _check_unique(gathered: list[list[str]]) -> None:
@@ -266,115 +384,3 @@ def _check_unique(gathered: list[list[str]]) -> None:
                 "give requests world-unique ids (add_request(request_id=...))"
             )
         seen.update(ids)
-
-
-def _assign(old: list[list[tuple[SequenceState, int]]], num_new: int) -> dict[tuple[str, int], int]:
-    """New replica (within the exchange group) of every sample: whole requests, balanced."""
-    if num_new == 1:
-        return {(st.request_id, st.sample_index): 0 for states in old for st, _ in states}
-    requests: dict[str, list[SequenceState]] = {}
-    for states in old:
-        for st, _ in states:
-            requests.setdefault(st.request_id, []).append(st)
-
-    def remaining(sts: list[SequenceState]) -> int:
-        return sum(s.params.max_tokens - len(s.output_token_ids) for s in sts)
-
-    load = [0] * num_new
-    out: dict[tuple[str, int], int] = {}
-    order = sorted(requests, key=lambda r: -remaining(requests[r]))  # stable: ties keep order
-    for rid in order:
-        target = min(range(num_new), key=lambda j: (load[j], j))
-        load[target] += remaining(requests[rid])
-        for st in requests[rid]:
-            out[(rid, st.sample_index)] = target
-    return out
-
-
-def _plan(
-    key: tuple[str, int], j_old: int, j_new: int, src_tp: int, dst_tp: int, num_kv: int
-) -> list[_Move]:
-    """Which exchange position sends which KV heads to each rank of the new replica."""
-    old_ranks = [j_old * src_tp + t for t in range(src_tp)]
-    moves: list[_Move] = []
-    for t in range(dst_tp):
-        dst = j_new * dst_tp + t
-        lo, n = head_range(num_kv, t, dst_tp)
-        for h in range(lo, lo + n):
-            src = _holder(h, dst, old_ranks, src_tp, num_kv)
-            last = moves[-1] if moves else None
-            if last is not None and (last.src, last.dst, last.hi) == (src, dst, h):
-                moves[-1] = dataclasses.replace(last, hi=h + 1)
-            else:
-                moves.append(_Move(key, src, dst, h, h + 1))
-    return moves
-
-
-def _holder(head: int, dst: int, old_ranks: list[int], src_tp: int, num_kv: int) -> int:
-    """The old rank that sends `head`: the receiver itself when it already holds it."""
-
-    def holds(pos: int) -> bool:
-        lo, n = head_range(num_kv, pos % src_tp, src_tp)
-        return lo <= head < lo + n
-
-    if dst in old_ranks and holds(dst):
-        return dst
-    return next(p for p in old_ranks if holds(p))
-
-
-def _exchange(
-    moves: list[_Move],
-    mine: dict[tuple[str, int], SequenceKV],
-    keep: dict[tuple[str, int], tuple[int, tuple[int, ...]]],
-    group: dist.ProcessGroup,
-    me: int,
-    engine: Engine,
-    report: ReconfigReport,
-) -> dict[tuple[str, int], list[SequenceKV]]:
-    """Run the moves: local slices stay, the rest go by paired isend/irecv in bounded chunks.
-
-    A message is `[tokens, 2 (k|v), layers, heads, head_dim]`, so a chunk of tokens is a
-    contiguous view and the receiver needs no second copy.
-    """
-    spec = engine.cache.spec
-    total = engine.model.config.num_kv_heads
-    received: dict[tuple[str, int], list[SequenceKV]] = {}
-    works = []
-    pending: list[tuple[tuple[str, int], int, torch.Tensor, int]] = []
-    for index, m in enumerate(moves):
-        if me not in (m.src, m.dst):
-            continue
-        if m.src == m.dst:  # a view: the import copies it into the cache, once
-            received.setdefault(m.key, []).append(_head_view(mine[m.key], m.lo, m.hi, m.skip))
-            continue
-        n = keep[m.key][0]
-        if m.src == me:
-            kv = mine[m.key]
-            lo, hi = m.lo - kv.head_start, m.hi - kv.head_start
-            # one strided copy each of k and v into the message
-            shape = (n - m.skip, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
-            msg = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
-            msg[:, 0].copy_(kv.k[:, m.skip : n, lo:hi].transpose(0, 1))
-            msg[:, 1].copy_(kv.v[:, m.skip : n, lo:hi].transpose(0, 1))
-            report.kv_bytes_sent += msg.nbytes
-        else:
-            # all n tokens' rows, the skipped ones left unfilled (`SequenceKV.first`)
-            shape = (n, 2, spec.num_layers, m.hi - m.lo, spec.head_dim)
-            buf = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-            msg = buf[m.skip :]
-            report.kv_bytes_received += msg.nbytes
-            pending.append((m.key, m.lo, buf, m.skip))
-        step = max(1, _CHUNK_BYTES // max(1, msg[:1].nbytes))
-        for c, s in enumerate(range(0, len(msg), step)):
-            tag = (index << 16) | c  # unique per message of a pair; both sides derive it
-            if m.src == me:
-                works.append(dist.isend(msg[s : s + step], group=group, group_dst=m.dst, tag=tag))
-            else:
-                works.append(dist.irecv(msg[s : s + step], group=group, group_src=m.src, tag=tag))
-    for w in works:
-        if w is not None:
-            w.wait()
-    for key, lo, buf, skip in pending:
-        k, v = buf.permute(1, 2, 0, 3, 4).unbind(0)  # -> [layers, tokens, heads, head_dim] each
-        received.setdefault(key, []).append(SequenceKV(keep[key][1], k, v, lo, total, skip))
-    return received
