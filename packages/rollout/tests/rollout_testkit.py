@@ -20,10 +20,6 @@ from patrl.rollout.loader import load_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.tpreshard import ParallelLayout
 
-# Re-exported until test_rollout_{reconfig,reconfig_moves,adaptive,partial} import patrl_testkit.
-from patrl_testkit.models import save_hf_model as save_hf_model
-from patrl_testkit.models import tiny_hf_model as tiny_hf_model
-
 
 class DenseKVCache:
     """One contiguous [max_len] KV buffer per sequence: block table [[i]], slot = i*max_len + pos."""

@@ -11,9 +11,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from multirank import run_ranks
-from profiles import synthetic_profile
-from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.lenpredict import (
     Decision,
@@ -40,6 +37,9 @@ from patrl.rollout.plot import plot_timeline
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import GroupCache
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
+from patrl_testkit.profiles import synthetic_profile
 
 pytestmark = pytest.mark.multirank
 

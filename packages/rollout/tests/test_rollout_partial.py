@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
-from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.adaptive import AdaptiveEngine
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 
 @pytest.fixture(scope="module")

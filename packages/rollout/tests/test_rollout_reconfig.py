@@ -9,8 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
-from rollout_testkit import save_hf_model, tiny_hf_model
 
 from patrl.rollout.adaptive import WayBack, reconfigure
 from patrl.rollout.config import EngineConfig
@@ -20,6 +18,8 @@ from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.transfer import state_of
 from patrl.tpreshard import GroupCache, has_full
 from patrl.tpreshard import reshard as reshard_module
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 

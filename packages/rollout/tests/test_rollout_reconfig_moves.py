@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
-from rollout_testkit import save_hf_model, tiny_hf_model
 from test_rollout_reconfig import _add, _config, _drain, _everyone, _workload
 
 from patrl.rollout.adaptive import cut_and_migrate, reconfigure
 from patrl.rollout.adaptive.reconfig import _moving
 from patrl.rollout.engine import Engine
 from patrl.tpreshard import GroupCache, ParallelLayout
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multirank import run_ranks
 
 from patrl.tpreshard import (
     GroupCache,
@@ -14,6 +13,7 @@ from patrl.tpreshard import (
     head_range,
     reshard_kv,
 )
+from patrl_testkit.multirank import run_ranks
 
 LAYERS, TOKENS, HEAD_DIM = 2, 7, 3
 
