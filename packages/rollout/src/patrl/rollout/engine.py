@@ -35,6 +35,9 @@ from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, t
 
 
 class Engine:
+    """One rollout replica at one TP layout: `add_request` / `step` / `abort`, or `generate`;
+    every rank of the TP group makes the same calls in the same order (SPMD)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -64,8 +67,7 @@ class Engine:
         self.weight_version = 0
         self.counters = EngineCounters()
         self._requests: dict[str, Request] = {}
-        # Per-step records of the latest `generate` call (or since `reset_timeline`).
-        self.timeline: list[StepRecord] = []
+        self.timeline: list[StepRecord] = []  # steps of the latest `generate` call
         self._timeline_start = time.perf_counter()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
