@@ -28,7 +28,9 @@ class World:
 
 
 def init_world(timeout_s: float = 600.0) -> World:
-    """Join torchrun's group (gloo on CPU, nccl on CUDA) or run as one process.
+    """Join torchrun's group or run as one process. On CUDA the group is
+    `cpu:gloo,cuda:nccl`: device tensors go over NCCL, objects and host tensors (object
+    collectives, control traffic) over gloo; on CPU it is gloo.
 
     Every collective is bounded by `timeout_s`, so a rank that died makes the others fail
     with a timeout instead of hanging.
@@ -43,7 +45,7 @@ def init_world(timeout_s: float = 600.0) -> World:
     if size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            "nccl" if cuda else "gloo",
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
             timeout=timeout,
             store=_attempt_store(timeout),
             rank=rank,

@@ -1,5 +1,7 @@
-"""What layers and controllers call to communicate: through the layout's `ShmComm` when it
-has one (ranks on one gloo host), else through its process group (NCCL on GPUs, gloo elsewhere).
+"""Every tensor collective patrl issues (the trainer's aside): through the layout's `ShmComm`
+when it has one (ranks on one gloo host), else through its process group (NCCL on GPUs, gloo
+elsewhere). Tensors must be on the compute device, as NCCL requires; `device_check` proves it
+on CPU. Objects go over the group's CPU half (gloo, or the gloo side of `cpu:gloo,cuda:nccl`).
 """
 
 from __future__ import annotations
@@ -9,14 +11,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from patrl.tpreshard.device_check import check_tensors
 from patrl.tpreshard.shm import ShmComm
 
 if TYPE_CHECKING:
     from patrl.tpreshard.layout import ParallelLayout
 
 __all__ = [
+    "all_reduce",
     "broadcast_obj",
     "gather_objects",
+    "recv",
+    "send",
     "tp_all_gather",
     "tp_all_gather_into",
     "tp_all_reduce",
@@ -28,6 +34,7 @@ def tp_all_reduce(layout: ParallelLayout, t: torch.Tensor) -> torch.Tensor:
     """Sum `t` in place over the layout's TP group (a no-op at TP 1); returns `t`."""
     if layout.tp_size == 1:
         return t
+    check_tensors("tp_all_reduce", t)
     if layout.tp_comm is not None:
         return layout.tp_comm.all_reduce(t)
     dist.all_reduce(t, group=layout.tp_group)
@@ -38,6 +45,7 @@ def tp_all_gather(layout: ParallelLayout, t: torch.Tensor, dim: int = -1) -> tor
     """The TP group's tensors concatenated along `dim`, in TP-rank order."""
     if layout.tp_size == 1:
         return t
+    check_tensors("tp_all_gather", t)
     if layout.tp_comm is not None:
         return layout.tp_comm.all_gather(t, dim=dim)
     parts = [torch.empty_like(t) for _ in range(layout.tp_size)]
@@ -47,6 +55,7 @@ def tp_all_gather(layout: ParallelLayout, t: torch.Tensor, dim: int = -1) -> tor
 
 def tp_all_gather_into(layout: ParallelLayout, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The TP group's tensors stacked into `out` ([tp_size, *t.shape], contiguous)."""
+    check_tensors("tp_all_gather_into", out, t)
     if layout.tp_comm is not None:
         return layout.tp_comm.all_gather_into(out, t)
     dist.all_gather(list(out.unbind(0)), t.contiguous(), group=layout.tp_group)
@@ -77,7 +86,30 @@ def tp_broadcast(layout: ParallelLayout, t: torch.Tensor, src: int = 0) -> torch
     """TP rank `src`'s `t` into `t` on every TP rank, in place; returns `t`."""
     if layout.tp_size == 1:
         return t
+    check_tensors("tp_broadcast", t)
     if layout.tp_comm is not None:
         return layout.tp_comm.broadcast(t, src=src)
     dist.broadcast(t, group=layout.tp_group, group_src=src)
+    return t
+
+
+def all_reduce(group: Any, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `t` in place by `op` over the process group `group` (None: no peers); returns `t`."""
+    if group is None:
+        return t
+    check_tensors("all_reduce", t)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def send(group: Any, t: torch.Tensor, dst: int) -> None:
+    """Send `t` to group rank `dst` of the process group `group`."""
+    check_tensors("send", t)
+    dist.send(t, group=group, group_dst=dst)
+
+
+def recv(group: Any, t: torch.Tensor, src: int) -> torch.Tensor:
+    """Receive group rank `src`'s tensor into `t`; returns `t`."""
+    check_tensors("recv", t)
+    dist.recv(t, group=group, group_src=src)
     return t

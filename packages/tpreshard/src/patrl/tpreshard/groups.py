@@ -5,7 +5,8 @@ a per-process counter; research/feasibility.md §2), so `GroupCache` builds the 
 of every candidate layout at start-up and `layout(tp)` only looks them up. TP groups are
 consecutive ranks (inside a node when `tp` divides LOCAL_WORLD_SIZE); DP groups join the ranks
 with the same TP rank. A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`),
-and so does the whole world when it is one gloo host (`world_comm()`).
+and so does the whole world when it is one gloo host (`world_comm()`). On an NCCL world every
+group is `cpu:gloo,cuda:nccl`: device tensors over NCCL, objects over gloo.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class GroupCache:
                     f"candidate TP size {tp} spans a partial node (LOCAL_WORLD_SIZE={local})"
                 )
         self.num_created = 0
-        self._backend = backend
+        self._backend = _with_cpu_half(backend)
         # Every collective on these groups (reshards, KV moves) fails after `timeout` instead of
         # hanging on a dead peer; None keeps torch's default for new groups.
         self._timeout = timeout
@@ -151,3 +152,11 @@ class GroupCache:
     def tp_group_ranks(self, tp: int) -> list[tuple[int, ...]]:
         """The global ranks of every TP group at size `tp`, by DP rank."""
         return self._tp_ranks(tp)
+
+
+def _with_cpu_half(backend: str | None) -> str | None:
+    """`backend` (None: the world's) with a gloo half beside NCCL, so object collectives
+    (pickled on the host) work on every group; other backends as given."""
+    if backend is None and dist.is_initialized():
+        backend = str(dist.get_backend())
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
