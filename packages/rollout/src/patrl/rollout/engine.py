@@ -114,9 +114,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.seed is None and params.temperature > 0 and self.layout.tp_size > 1:
-            # The TP group samples as one replica: its ranks draw one stream, seeded by the
-            # first rank (an OS-random seed: torch's global generator belongs to the trainer)
-            drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+            # The TP group samples as one replica: its ranks draw one stream, seeded by the first
+            # rank (OS-random: torch's global generator is the trainer's; on the device for NCCL)
+            drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=self.device)
             params = dataclasses.replace(
                 params, seed=int(tp_broadcast(self.layout, drawn, src=0).item())
             )

@@ -182,11 +182,13 @@ class ModelRunner:
 
     def _agree_across_tp(self, out: SampleOutput) -> SampleOutput:
         """`out`, after checking that the group's first rank sampled the same: a divergence
-        fails loudly instead of silently desynchronising the ranks."""
+        fails loudly instead of silently desynchronising the ranks. The tokens and logprobs
+        cross the TP group as one device tensor (NCCL takes no host tensors); the comparison
+        runs on the device and reads back one bool."""
         layout = self.layout
         if layout.tp_size == 1:
             return out
-        mine = torch.stack([out.tokens.double(), out.logprobs.double()]).cpu()
+        mine = torch.stack([out.tokens.double(), out.logprobs.double()])
         first = tp_broadcast(layout, mine.clone(), src=0)
         if not torch.equal(first, mine):
             raise RuntimeError(

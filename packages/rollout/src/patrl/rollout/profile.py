@@ -53,6 +53,7 @@ from patrl.tpreshard import (
     tp_all_reduce,
     tp_broadcast,
 )
+from patrl.tpreshard.comm import recv, send
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "broadcast", "send")
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -356,20 +357,28 @@ def measure_engine(
 
 
 def measure_collective(
-    op: str, nbytes: int, layout: ParallelLayout, repeats: int, iters: int = 5
+    op: str,
+    nbytes: int,
+    layout: ParallelLayout,
+    repeats: int,
+    iters: int = 5,
+    *,
+    device: torch.device,
 ) -> tuple[float, int]:
     """Median seconds of one `op` whose result is about `nbytes` per rank, on the layout's TP
     group, and the exact bytes of that result (every rank of the group calls this; rank 0's
-    clock is the one reported)."""
+    clock is the one reported). The tensors live on `device`, the engine's (NCCL takes no
+    host tensors); on CUDA the device is synchronised around the timed region, so the clock
+    sees the collectives finish and not just their launches."""
     group, size, rank = layout.tp_group, layout.tp_size, layout.tp_rank
     if op not in COLLECTIVE_OPS:
         raise ValueError(f"unknown collective op {op!r}; choose one of {COLLECTIVE_OPS}")
     if op == "send" and size != 2:
         raise ValueError(f"send is measured between the 2 ranks of a TP group, not {size}")
     numel = max(1, nbytes // 4)
-    result = torch.zeros(numel)
-    shard = torch.zeros(max(1, numel // size))
-    gathered = torch.zeros(shard.numel() * size)
+    result = torch.zeros(numel, device=device)
+    shard = torch.zeros(max(1, numel // size), device=device)
+    gathered = torch.zeros(shard.numel() * size, device=device)
 
     def once() -> None:
         # the TP ops go the way the engine's layers send them (tp_comm when the layout has
@@ -381,17 +390,19 @@ def measure_collective(
         elif op == "broadcast":
             tp_broadcast(layout, result, src=0)
         elif rank == 0:
-            dist.send(result, group=group, group_dst=1)
+            send(group, result, dst=1)
         else:
-            dist.recv(result, group=group, group_src=0)
+            recv(group, result, src=0)
 
     once()  # warm-up: first use of a size allocates buffers
     samples = []
     for _ in range(repeats):
+        _synchronize(device)
         dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(iters):
             once()
+        _synchronize(device)
         if op == "send":  # a send returns when the data left; time until it arrived
             dist.barrier(group=group)
         samples.append((time.perf_counter() - start) / iters)
@@ -399,15 +410,25 @@ def measure_collective(
     return statistics.median(samples), held.numel() * held.element_size()
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op off CUDA, where ops run synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_collectives(
-    layout: ParallelLayout, grid: ProfileGrid, tick: Callable[[], None] = lambda: None
+    layout: ParallelLayout,
+    grid: ProfileGrid,
+    tick: Callable[[], None] = lambda: None,
+    *,
+    device: torch.device,
 ) -> list[CollectiveRow]:
     rows = []
     for op in COLLECTIVE_OPS:
         if op == "send" and layout.tp_size != 2:
             continue  # point-to-point is priced per link: one pair is enough
         for nbytes in grid.collective_bytes:
-            seconds, held = measure_collective(op, nbytes, layout, grid.passes)
+            seconds, held = measure_collective(op, nbytes, layout, grid.passes, device=device)
             rows.append(
                 CollectiveRow(
                     op=op,
@@ -481,7 +502,9 @@ def profile_distributed(
         layout = cache.layout(tp)
         engine = Engine(profile_engine_config(base, grid), layout)
         rows = measure_engine(engine, grid, tick)
-        group_collectives = measure_collectives(layout, grid, tick) if tp > 1 else []
+        group_collectives = (
+            measure_collectives(layout, grid, tick, device=engine.device) if tp > 1 else []
+        )
         if rank < tp:
             decode += rows[0]
             prefill += rows[1]
@@ -684,7 +707,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         device = base.torch_device()
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # CUDA tensors over NCCL, objects (and CPU tensors) over gloo
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         try:
             grid = grid_from_args(args, dist.get_world_size()).fit_to(max_positions(args.model))
             world = dist.group.WORLD

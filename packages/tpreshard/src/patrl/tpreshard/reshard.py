@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from patrl.tpreshard.comm import tp_all_gather_into
+from patrl.tpreshard.comm import all_reduce, tp_all_gather_into
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import ShardSpec, is_input_major, shard_tensor
 
@@ -173,12 +173,14 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _all_kept(module: nn.Module, src: ParallelLayout) -> bool:
     """`has_full` on every rank of the source group (one small all-reduce: the ranks must
-    agree, or one would gather while another would not)."""
+    agree, or one would gather while another would not). The flag lives on the weights'
+    device: the TP group may be NCCL."""
     ok = has_full(module)
     if src.tp_group is None:
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=src.tp_group)
+    device = next(module.parameters()).device
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    all_reduce(src.tp_group, flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 

@@ -221,8 +221,7 @@ class Trainer:
         if scored is not None:
             self._scored = (scored, len(batch))
         grad_norm = self._clip_grad_norm()
-        if self.group.pg is not None:
-            dist.all_reduce(sums, group=self.group.pg)
+        sums = self._sum_over_ranks(sums)
         finite = math.isfinite(grad_norm) and math.isfinite(float(sums[_SUMS.index("loss")]))
         lr = float(self.scheduler.get_last_lr()[0])
         self._apply_or_skip(finite)
@@ -333,6 +332,18 @@ class Trainer:
         # The behaviour weight is a mean over the tokens the cap kept, not over all of them.
         values["behav_weight"] = float(stats.behav_weight) * (n - values["behav_capped"])
         return loss, torch.tensor([values[k] for k in _SUMS], dtype=torch.float64)
+
+    def _sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        """`sums` (float64, on the host) summed over the trainer's ranks. The all-reduce runs on
+        the trainer's device, as NCCL requires (the trainer imports no patrl package, so this
+        is its one tensor collective, checked by patrl.tpreshard.device_check's patched
+        torch.distributed in tests), in float64 unless the device has none (MPS)."""
+        if self.group.pg is None:
+            return sums
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        reduced = sums.to(self.device, dtype)
+        dist.all_reduce(reduced, group=self.group.pg)
+        return reduced.to(sums.device, torch.float64)
 
     def _clip_grad_norm(self) -> float:
         """Global grad norm (over all ranks' shards), gradients clipped to `grad_clip`."""
