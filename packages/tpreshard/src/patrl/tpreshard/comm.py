@@ -21,6 +21,8 @@ __all__ = [
     "all_reduce",
     "broadcast_obj",
     "gather_objects",
+    "irecv",
+    "isend",
     "recv",
     "send",
     "tp_all_gather",
@@ -113,3 +115,15 @@ def recv(group: Any, t: torch.Tensor, src: int) -> torch.Tensor:
     check_tensors("recv", t)
     dist.recv(t, group=group, group_src=src)
     return t
+
+
+def isend(group: Any, t: torch.Tensor, dst: int, tag: int = 0) -> dist.Work | None:
+    """Start sending `t` to group rank `dst` of `group`; returns the work to wait on."""
+    check_tensors("isend", t)
+    return dist.isend(t, group=group, group_dst=dst, tag=tag)
+
+
+def irecv(group: Any, t: torch.Tensor, src: int, tag: int = 0) -> dist.Work | None:
+    """Start receiving group rank `src`'s tensor into `t`; returns the work to wait on."""
+    check_tensors("irecv", t)
+    return dist.irecv(t, group=group, group_src=src, tag=tag)

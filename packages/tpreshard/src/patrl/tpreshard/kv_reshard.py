@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from patrl.tpreshard.comm import irecv, isend
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import head_range
 
@@ -234,7 +235,7 @@ def _post(
     for c, s in enumerate(range(0, len(msg), step)):
         tag = (index << 16) | c
         if route.src == me:
-            works.append(dist.isend(msg[s : s + step], group=group, group_dst=route.dst, tag=tag))
+            works.append(isend(group, msg[s : s + step], route.dst, tag=tag))
         else:
-            works.append(dist.irecv(msg[s : s + step], group=group, group_src=route.src, tag=tag))
+            works.append(irecv(group, msg[s : s + step], route.src, tag=tag))
     return works
