@@ -83,7 +83,8 @@ def check_tensors(op: str, *tensors: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def check_collective_devices() -> Iterator[None]:
-    """Track host tensors and check every tensor collective while inside (one process)."""
+    """Track host tensors and check every tensor collective while inside, in this process
+    (enter it in each rank). Tensors made before entering count as device tensors."""
     global _active
     originals = {name: getattr(dist, name) for name in _TENSOR_COLLECTIVES}
     for name, fn in originals.items():
