@@ -82,7 +82,10 @@ class PagedKVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store K/V rows `[n, kv_heads, head_dim]` at slots `[n]`; slot -1 means skip."""
+        """Store K/V rows `[n, kv_heads, head_dim]` at slots `[n]`; slot -1 means skip.
+
+        Checks the slots, reading them on the host (a device sync); `write_slots` is its
+        unchecked twin for slots validated when they were built."""
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(
                 f"write: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
@@ -96,9 +99,17 @@ class PagedKVCache:
                 f"write to slot {int(slot_mapping.max())} is past the cache's "
                 f"{self.capacity_tokens} slots"
             )
+        self.write_slots(layer, slot_mapping, k, v)
+
+    def write_slots(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store K/V rows `[n, kv_heads, head_dim]` at `slots` `[n]`, each in
+        `[0, capacity_tokens)`: unchecked, so no host sync (the caller validated the slots
+        on the host when it built them; an out-of-range slot is undefined behaviour)."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        self.k[layer].view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
-        self.v[layer].view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(self.spec.dtype))
+        self.k[layer].view(-1, heads, dim).index_copy_(0, slots, k.to(self.spec.dtype))
+        self.v[layer].view(-1, heads, dim).index_copy_(0, slots, v.to(self.spec.dtype))
 
     def gather(
         self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]

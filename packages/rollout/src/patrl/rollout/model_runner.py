@@ -14,7 +14,7 @@ import torch
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
-from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.context import AttentionContext, upload
 from patrl.rollout.loader import load_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.sampler import SampleOutput, concat_samples, sample
@@ -106,7 +106,7 @@ class ModelRunner:
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
         ctx, input_ids = self._prepare(batch)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), ctx)
+        hidden = self.model(upload(torch.tensor(input_ids), self.device), ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
         ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from patrl.rollout.layers.attention.context import upload
+
 __all__ = [
+    "HostSamples",
     "SampleOutput",
     "SamplingParams",
     "concat_samples",
@@ -70,11 +73,42 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class HostSamples:
+    """A batch's samples as Python values, row i for the batch's i-th sampled sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+    def top(self, row: int, k: int) -> dict[int, float] | None:
+        """Row `row`'s first `k` top logprobs by token id; None when k is 0 or none were kept."""
+        if not k or self.top_ids is None or self.top_logprobs is None:
+            return None
+        return dict(zip(self.top_ids[row][:k], self.top_logprobs[row][:k], strict=True))
+
+
+@dataclass(slots=True)
 class SampleOutput:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
+
+    def to_host(self) -> HostSamples:
+        """Everything in ONE device-to-host copy, a step's one deliberate sync: the columns
+        packed as float64, exact for token ids (< 2**53) and for float32 logprobs."""
+        columns = [self.tokens[:, None].double(), self.logprobs[:, None].double()]
+        k = 0
+        if self.top_ids is not None and self.top_logprobs is not None:
+            k = self.top_ids.shape[1]
+            columns += [self.top_ids.double(), self.top_logprobs.double()]
+        rows = torch.cat(columns, dim=1).cpu().tolist()
+        host = HostSamples([int(r[0]) for r in rows], [r[1] for r in rows])
+        if k:
+            host.top_ids = [[int(i) for i in r[2 : 2 + k]] for r in rows]
+            host.top_logprobs = [r[2 + k :] for r in rows]
+        return host
 
 
 def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
@@ -164,7 +198,7 @@ def _truncates(p: SamplingParams, vocab_size: int) -> bool:
 
 def _draws(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
     """One uniform in [0, 1) per generator: a request consumes exactly one per token."""
-    return torch.stack([torch.rand((), generator=g) for g in generators]).to(device)
+    return upload(torch.stack([torch.rand((), generator=g) for g in generators]), device)
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -172,15 +206,13 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
     draw * total can round up to total, and then the search runs past the end: such a row
     takes its last entry with mass instead. Only past the end: the first index whose mass
-    sum exceeds a value always has mass itself, so the rows to fix are found without a pass
-    over the others."""
+    sum exceeds a value always has mass itself. Every row's fallback is computed and
+    selected on the device, so which rows ran past is never read on the host."""
     n = probs.shape[-1]
     cdf = probs.cumsum(dim=-1)
     pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    past = (pos >= n).nonzero()[:, 0]
-    if len(past):
-        pos[past] = (n - 1) - (probs[past] > 0).flip(-1).int().argmax(dim=-1)
-    return pos
+    last_with_mass = (n - 1) - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.where(pos >= n, last_with_mass, pos)
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:
