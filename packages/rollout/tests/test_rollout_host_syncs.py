@@ -2,8 +2,10 @@
 
 On a GPU each `.item()`, `.tolist()`, `bool(t)`, `nonzero()` or copy to the host blocks the host
 until the device drains. On CPU every tensor is a host tensor, so a TorchFunctionMode counts
-every such call inside `Engine.step`; the one deliberate copy-out of a step's samples
-(`SampleOutput.to_host`) counts as one, whatever it does inside.
+every such call inside `Engine.step`, except in the two functions that copy to the host on
+purpose, which count as one each whatever they do inside: the copy-out of a step's samples
+(`SampleOutput.to_host`) and the host sampling of top-k / top-p rows
+(`sampler._sample_truncated_rows`, one copy of all such rows, then host work only).
 """
 
 from __future__ import annotations
@@ -59,15 +61,17 @@ class CountSyncs(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not self.paused and (func in SYNCS or (func is torch.Tensor.to and _to_host(args, kwargs))):
+        if not self.paused and (
+            func in SYNCS or (func is torch.Tensor.to and _to_host(args, kwargs))
+        ):
             self.count += 1
             self.calls.append(getattr(func, "__name__", str(func)))
         return func(*args, **kwargs)
 
 
 def steady_decode_syncs(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Syncs of each of 4 decode steps with 6 running samples: greedy, plain sampling, some
-    asking for top logprobs."""
+    """Syncs of each of 4 decode steps with 8 running samples: greedy, plain, top-k and top-p
+    sampling, some asking for top logprobs."""
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
         tune_host_malloc=False,
@@ -78,24 +82,31 @@ def steady_decode_syncs(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> lis
         SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
+        SamplingParams(top_p=0.8, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
     ]
     for i, p in enumerate(params):
         engine.add_request([3 + i, 17, 42, 5 + i, 9], p)
     while engine.counters.decode_steps < 2:  # every prefill done, decoding in full
         engine.step()
-    assert engine.scheduler.num_running_samples() == 6
+    assert engine.scheduler.num_running_samples() == 8
     mode = CountSyncs()
-    copy_out = sampler.SampleOutput.to_host
 
-    def counted_once(self: sampler.SampleOutput) -> Any:
-        mode.count += 1
-        mode.paused = True
-        try:
-            return copy_out(self)
-        finally:
-            mode.paused = False
+    def counted_once(f: Callable[..., Any]) -> Callable[..., Any]:
+        def once(*args: Any) -> Any:
+            mode.count += 1
+            mode.paused = True
+            try:
+                return f(*args)
+            finally:
+                mode.paused = False
 
-    monkeypatch.setattr(sampler.SampleOutput, "to_host", counted_once)
+        return once
+
+    monkeypatch.setattr(sampler.SampleOutput, "to_host", counted_once(sampler.SampleOutput.to_host))
+    monkeypatch.setattr(
+        sampler, "_sample_truncated_rows", counted_once(sampler._sample_truncated_rows)
+    )
     counts = []
     for _ in range(4):
         mode.count, mode.calls = 0, []

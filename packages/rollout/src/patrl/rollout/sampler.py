@@ -180,10 +180,12 @@ def sample(
         draws = _draws([generators[i] for i in plain], logits.device)
         rows = logprobs if len(plain) == b else logprobs[plain]  # no copy when all are plain
         tokens[plain] = _inverse_cdf(rows.exp(), draws)
-    for i, p in enumerate(params):
-        if not p.greedy and _truncates(p, v):
-            draw = _draws([generators[i]], logits.device)
-            tokens[i] = _sample_truncated(logprobs[i].exp(), p, draw)
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
+    if truncated:
+        picks = _sample_truncated_rows(
+            logprobs[truncated], [params[i] for i in truncated], [generators[i] for i in truncated]
+        )
+        tokens[truncated] = upload(picks, logits.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     k = max(p.logprobs for p in params)
     if k == 0:
@@ -211,8 +213,23 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     n = probs.shape[-1]
     cdf = probs.cumsum(dim=-1)
     pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    last_with_mass = (n - 1) - (probs > 0).flip(-1).int().argmax(dim=-1)
+    last_with_mass = (n - 1) - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
     return torch.where(pos >= n, last_with_mass, pos)
+
+
+def _sample_truncated_rows(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host: one copy of
+    all R rows, where the candidate sets' data-dependent sizes cost syncs per row on a
+    device. Each row is exponentiated on its own, as a row [V] (vectorised kernels round a
+    row's tail by its position, so [R, V] at once could differ in the last bit)."""
+    rows = logprobs.cpu()
+    picks = [
+        _sample_truncated(row.exp(), p, _draws([g], rows.device))
+        for row, p, g in zip(rows, params, generators, strict=True)
+    ]
+    return torch.stack(picks)
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:
