@@ -120,7 +120,7 @@ class PagedKVCache:
         for table, n in zip(block_tables, context_lens, strict=True):
             if n > len(table) * self.spec.block_size:
                 raise IndexError(f"context of {n} tokens is longer than its {len(table)} blocks")
-            index = torch.as_tensor(table, dtype=torch.long, device=self.spec.device)
+            index = _upload(torch.as_tensor(table, dtype=torch.long), self.spec.device)
             ks.append(self.k[layer].index_select(0, index).reshape(-1, heads, dim)[:n])
             vs.append(self.v[layer].index_select(0, index).reshape(-1, heads, dim)[:n])
         return ks, vs
@@ -160,8 +160,8 @@ class PagedKVCache:
         """Perform the copy-on-write moves `(src, dst)` that `BlockManager.append` returned."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.spec.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.spec.device)
+        src = _upload(torch.tensor([s for s, _ in copies], dtype=torch.long), self.spec.device)
+        dst = _upload(torch.tensor([d for _, d in copies], dtype=torch.long), self.spec.device)
         for cache in (*self.k, *self.v):
             cache[dst] = cache[src]
 
@@ -240,6 +240,16 @@ class PagedKVCache:
                 f"cache holds heads [{self.head_start}, {self.head_start + spec.num_kv_heads}); "
                 "slice with SequenceKV.heads() first"
             )
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`: pinned and non-blocking on CUDA, where a copy from
+    pageable memory blocks the host."""
+    if device == t.device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _take_pool(reuse: PagedKVCache | None, numel: int, spec: KVCacheSpec) -> torch.Tensor:

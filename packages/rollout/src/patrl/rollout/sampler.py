@@ -167,31 +167,39 @@ def sample(
     # x / 1.0 is x exactly: skip the pass over [B, V] when no row is tempered
     scaled = logits
     if any(t != 1.0 for t in temperatures):
-        scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
+        scaled = logits / upload(torch.tensor(temperatures), logits.device)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     v = logits.shape[-1]
     tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     # Which path a row takes depends on its own params only, never on its batch neighbours.
+    # Row indices go up as tensors: a Python list index is a blocking copy on CUDA.
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        index = _rows(greedy, logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
     plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
     if plain:
         draws = _draws([generators[i] for i in plain], logits.device)
-        rows = logprobs if len(plain) == b else logprobs[plain]  # no copy when all are plain
-        tokens[plain] = _inverse_cdf(rows.exp(), draws)
+        index = _rows(plain, logits.device)
+        rows = logprobs if len(plain) == b else logprobs[index]  # no copy when all are plain
+        tokens[index] = _inverse_cdf(rows.exp(), draws)
     truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
     if truncated:
+        index = _rows(truncated, logits.device)
         picks = _sample_truncated_rows(
-            logprobs[truncated], [params[i] for i in truncated], [generators[i] for i in truncated]
+            logprobs[index], [params[i] for i in truncated], [generators[i] for i in truncated]
         )
-        tokens[truncated] = upload(picks, logits.device)
+        tokens[index] = upload(picks, logits.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     k = max(p.logprobs for p in params)
     if k == 0:
         return SampleOutput(tokens, chosen)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    return upload(torch.tensor(rows, dtype=torch.long), device)
 
 
 def _truncates(p: SamplingParams, vocab_size: int) -> bool:
