@@ -221,7 +221,7 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     n = probs.shape[-1]
     cdf = probs.cumsum(dim=-1)
     pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    last_with_mass = (n - 1) - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    last_with_mass = (n - 1) - (probs > 0).view(torch.uint8).flip(-1).argmax(dim=-1)
     return torch.where(pos >= n, last_with_mass, pos)
 
 
