@@ -68,6 +68,17 @@ def test_slot_minus_one_is_skipped_and_past_capacity_is_an_error() -> None:
         cache.write(0, torch.tensor([8]), k[:1], k[:1])
 
 
+def test_unchecked_write_slots_equals_the_checked_write() -> None:
+    checked, unchecked = make_cache(num_blocks=4), make_cache(num_blocks=4)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(5, 4, 8, generator=g), torch.randn(5, 4, 8, generator=g)
+    slots = torch.tensor([7, 0, 15, 3, 9])
+    for layer in range(3):
+        checked.write(layer, slots, k + layer, v)
+        unchecked.write_slots(layer, slots, k + layer, v)
+    assert torch.equal(checked.pool, unchecked.pool)
+
+
 def test_copy_on_write_moves_kv_with_the_block() -> None:
     cache = make_cache()
     fill(cache, 0, list(range(6)))

@@ -28,6 +28,7 @@ class DenseKVCache:
         self, layers: int, seqs: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         self.block_size = max_len
+        self.capacity_tokens = seqs * max_len
         self.k = torch.zeros(layers, seqs, max_len, kv_heads, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
@@ -39,6 +40,8 @@ class DenseKVCache:
                 seq, pos = divmod(slot, self.block_size)
                 self.k[layer, seq, pos] = k[row]
                 self.v[layer, seq, pos] = v[row]
+
+    write_slots = write  # the slow twin checks nothing either
 
     def gather(
         self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]
@@ -78,6 +81,7 @@ class PagedKVCache:
         dtype: torch.dtype,
     ) -> None:
         self.block_size = block_size
+        self.capacity_tokens = num_blocks * block_size
         shape = (num_blocks, block_size, kv_heads, head_dim)
         # NaN in unwritten slots: reading one would poison the logits, not pass silently.
         self.k = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(layers)]
@@ -91,6 +95,8 @@ class PagedKVCache:
                 block, offset = divmod(slot, self.block_size)
                 self.k[layer][block, offset] = k[row]
                 self.v[layer][block, offset] = v[row]
+
+    write_slots = write  # the slow twin checks nothing either
 
     def gather(
         self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]

@@ -10,6 +10,8 @@ from rollout_testkit import PagedKVCache
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+import patrl.kvstore as kvstore
+from patrl.kvstore import KVCacheSpec
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.layers.attention.registry import (
     attention_backend_names,
@@ -140,6 +142,26 @@ def test_context_rejects_inconsistent_metadata() -> None:
         AttentionContext.build([3], [3], kv_cache=cache)
     with pytest.raises(ValueError, match=r"2 block tables for 1 sequences"):
         AttentionContext.build([1], [1], slot_mapping=[0], block_tables=[[0], [1]], kv_cache=cache)
+
+
+def test_context_checks_slots_on_the_host_and_skips_minus_one() -> None:
+    """build() drops -1 slots and rejects one past the cache, so a layer's write is unchecked."""
+    cache = kvstore.PagedKVCache(KVCacheSpec(1, HK, D, block_size=4), num_blocks=2)
+    with pytest.raises(IndexError, match="slot 8 is past the cache's 8 slots"):
+        AttentionContext.build([2], [2], slot_mapping=[0, 8], block_tables=[[0]], kv_cache=cache)
+    with pytest.raises(IndexError, match="slot -2 is negative"):
+        AttentionContext.build([2], [2], slot_mapping=[0, -2], block_tables=[[0]], kv_cache=cache)
+    ctx = AttentionContext.build(
+        [3], [3], slot_mapping=[-1, 3, -1], block_tables=[[0]], kv_cache=cache
+    )
+    assert ctx.slot_mapping is not None and ctx.write_rows is not None
+    assert (ctx.slot_mapping.tolist(), ctx.write_rows.tolist()) == ([3], [1])
+    k = torch.arange(3.0)[:, None, None].expand(3, HK, D)
+    ctx.store_kv(0, k, -k)
+    twin = kvstore.PagedKVCache(KVCacheSpec(1, HK, D, block_size=4), num_blocks=2)
+    twin.write(0, torch.tensor([-1, 3, -1]), k, -k)  # the checked write, its slow twin
+    assert torch.equal(cache.k[0], twin.k[0]) and torch.equal(cache.v[0], twin.v[0])
+    assert cache.k[0].view(-1, HK, D)[3].eq(1).all() and cache.k[0].abs().sum() == HK * D
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,10 @@ class PagedKVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store K/V rows `[n, kv_heads, head_dim]` at slots `[n]`; slot -1 means skip."""
+        """Store K/V rows `[n, kv_heads, head_dim]` at slots `[n]`; slot -1 means skip.
+
+        Checks the slots, reading them on the host (a device sync); `write_slots` is its
+        unchecked twin for slots validated when they were built."""
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(
                 f"write: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
@@ -96,9 +99,17 @@ class PagedKVCache:
                 f"write to slot {int(slot_mapping.max())} is past the cache's "
                 f"{self.capacity_tokens} slots"
             )
+        self.write_slots(layer, slot_mapping, k, v)
+
+    def write_slots(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store K/V rows `[n, kv_heads, head_dim]` at `slots` `[n]`, each in
+        `[0, capacity_tokens)`: unchecked, so no host sync (the caller validated the slots
+        on the host when it built them; an out-of-range slot is undefined behaviour)."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        self.k[layer].view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
-        self.v[layer].view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(self.spec.dtype))
+        self.k[layer].view(-1, heads, dim).index_copy_(0, slots, k.to(self.spec.dtype))
+        self.v[layer].view(-1, heads, dim).index_copy_(0, slots, v.to(self.spec.dtype))
 
     def gather(
         self, layer: int, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]
@@ -109,7 +120,7 @@ class PagedKVCache:
         for table, n in zip(block_tables, context_lens, strict=True):
             if n > len(table) * self.spec.block_size:
                 raise IndexError(f"context of {n} tokens is longer than its {len(table)} blocks")
-            index = torch.as_tensor(table, dtype=torch.long, device=self.spec.device)
+            index = _upload(torch.as_tensor(table, dtype=torch.long), self.spec.device)
             ks.append(self.k[layer].index_select(0, index).reshape(-1, heads, dim)[:n])
             vs.append(self.v[layer].index_select(0, index).reshape(-1, heads, dim)[:n])
         return ks, vs
@@ -149,8 +160,8 @@ class PagedKVCache:
         """Perform the copy-on-write moves `(src, dst)` that `BlockManager.append` returned."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.spec.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.spec.device)
+        src = _upload(torch.tensor([s for s, _ in copies], dtype=torch.long), self.spec.device)
+        dst = _upload(torch.tensor([d for _, d in copies], dtype=torch.long), self.spec.device)
         for cache in (*self.k, *self.v):
             cache[dst] = cache[src]
 
@@ -229,6 +240,16 @@ class PagedKVCache:
                 f"cache holds heads [{self.head_start}, {self.head_start + spec.num_kv_heads}); "
                 "slice with SequenceKV.heads() first"
             )
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`: pinned and non-blocking on CUDA, where a copy from
+    pageable memory blocks the host."""
+    if device == t.device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _take_pool(reuse: PagedKVCache | None, numel: int, spec: KVCacheSpec) -> torch.Tensor:

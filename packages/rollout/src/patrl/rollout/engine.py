@@ -206,14 +206,10 @@ class Engine:
         self.scheduler.finish_prefill(leader)
 
     def _postprocess(self, seqs: list[Seq], out: SampleOutput) -> None:
-        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+        host = out.to_host()  # the step's one copy to the host
         for row, seq in enumerate(seqs):
-            top = None
-            if seq.params.logprobs and out.top_ids is not None and out.top_logprobs is not None:
-                k = seq.params.logprobs
-                ids, lps = out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
-                top = dict(zip(ids, lps, strict=True))
-            seq.append_token(tokens[row], logprobs[row], top)
+            top = host.top(row, seq.params.logprobs)
+            seq.append_token(host.tokens[row], host.logprobs[row], top)
             seq.weight_version = self.weight_version
             self.counters.generated_tokens += 1
             reason = seq.check_stop(self.eos_token_ids, self.max_model_len)

@@ -14,7 +14,7 @@ import torch
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
-from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.context import AttentionContext, upload
 from patrl.rollout.loader import load_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.sampler import SampleOutput, concat_samples, sample
@@ -106,13 +106,13 @@ class ModelRunner:
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
         ctx, input_ids = self._prepare(batch)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), ctx)
+        hidden = self.model(upload(torch.tensor(input_ids), self.device), ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
         ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]
         if not ready:
             return None
-        last = ctx.last_token_indices()[ready]
+        last = ctx.last_token_indices()[self._index(ready)]
         rows: list[int] = []
         samplers: list[Seq] = []
         for row, i in enumerate(ready):
@@ -160,7 +160,7 @@ class ModelRunner:
         if self.sample_chunk_bytes is not None:
             limit = max(1, self.sample_chunk_bytes // (4 * head.vocab_size) - 1)
         if len(samplers) <= limit:
-            return sample(self.model.compute_logits(hidden)[rows], params, generators)
+            return sample(self.model.compute_logits(hidden)[self._index(rows)], params, generators)
         local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
         size = -(-len(samplers) // -(-len(samplers) // limit))  # equal chunks
         parts = []
@@ -168,9 +168,14 @@ class ModelRunner:
             hi = min(lo + size, len(samplers))
             first, end = rows[lo], rows[hi - 1] + 1  # rows only grow
             logits = head.gather(local[first:end])
-            chunk = [r - first for r in rows[lo:hi]]
+            chunk = self._index([r - first for r in rows[lo:hi]])
             parts.append(sample(logits[chunk], params[lo:hi], generators[lo:hi]))
         return concat_samples(parts)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as an index tensor on the device (a Python list index would be a blocking
+        copy on CUDA)."""
+        return upload(torch.tensor(rows, dtype=torch.long), self.device)
 
     def _buffer(self, n: int, columns: int, like: torch.Tensor) -> torch.Tensor:
         """[n, columns] of a buffer kept across steps (grown, or remade after a switch)."""

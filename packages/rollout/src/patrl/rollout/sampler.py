@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from patrl.rollout.layers.attention.context import upload
+
 __all__ = [
+    "HostSamples",
     "SampleOutput",
     "SamplingParams",
     "concat_samples",
@@ -70,11 +73,42 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class HostSamples:
+    """A batch's samples as Python values, row i for the batch's i-th sampled sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+    def top(self, row: int, k: int) -> dict[int, float] | None:
+        """Row `row`'s first `k` top logprobs by token id; None when k is 0 or none were kept."""
+        if not k or self.top_ids is None or self.top_logprobs is None:
+            return None
+        return dict(zip(self.top_ids[row][:k], self.top_logprobs[row][:k], strict=True))
+
+
+@dataclass(slots=True)
 class SampleOutput:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
+
+    def to_host(self) -> HostSamples:
+        """Everything in ONE device-to-host copy, a step's one deliberate sync: the columns
+        packed as float64, exact for token ids (< 2**53) and for float32 logprobs."""
+        columns = [self.tokens[:, None].double(), self.logprobs[:, None].double()]
+        k = 0
+        if self.top_ids is not None and self.top_logprobs is not None:
+            k = self.top_ids.shape[1]
+            columns += [self.top_ids.double(), self.top_logprobs.double()]
+        rows = torch.cat(columns, dim=1).cpu().tolist()
+        host = HostSamples([int(r[0]) for r in rows], [r[1] for r in rows])
+        if k:
+            host.top_ids = [[int(i) for i in r[2 : 2 + k]] for r in rows]
+            host.top_logprobs = [r[2 + k :] for r in rows]
+        return host
 
 
 def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
@@ -133,23 +167,29 @@ def sample(
     # x / 1.0 is x exactly: skip the pass over [B, V] when no row is tempered
     scaled = logits
     if any(t != 1.0 for t in temperatures):
-        scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
+        scaled = logits / upload(torch.tensor(temperatures), logits.device)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     v = logits.shape[-1]
     tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     # Which path a row takes depends on its own params only, never on its batch neighbours.
+    # Row indices go up as tensors: a Python list index is a blocking copy on CUDA.
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        index = _rows(greedy, logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
     plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
     if plain:
         draws = _draws([generators[i] for i in plain], logits.device)
-        rows = logprobs if len(plain) == b else logprobs[plain]  # no copy when all are plain
-        tokens[plain] = _inverse_cdf(rows.exp(), draws)
-    for i, p in enumerate(params):
-        if not p.greedy and _truncates(p, v):
-            draw = _draws([generators[i]], logits.device)
-            tokens[i] = _sample_truncated(logprobs[i].exp(), p, draw)
+        index = _rows(plain, logits.device)
+        rows = logprobs if len(plain) == b else logprobs[index]  # no copy when all are plain
+        tokens[index] = _inverse_cdf(rows.exp(), draws)
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
+    if truncated:
+        index = _rows(truncated, logits.device)
+        picks = _sample_truncated_rows(
+            logprobs[index], [params[i] for i in truncated], [generators[i] for i in truncated]
+        )
+        tokens[index] = upload(picks, logits.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     k = max(p.logprobs for p in params)
     if k == 0:
@@ -158,13 +198,17 @@ def sample(
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
 
 
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    return upload(torch.tensor(rows, dtype=torch.long), device)
+
+
 def _truncates(p: SamplingParams, vocab_size: int) -> bool:
     return 0 < p.top_k < vocab_size or p.top_p < 1
 
 
 def _draws(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
     """One uniform in [0, 1) per generator: a request consumes exactly one per token."""
-    return torch.stack([torch.rand((), generator=g) for g in generators]).to(device)
+    return upload(torch.stack([torch.rand((), generator=g) for g in generators]), device)
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -172,15 +216,28 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
     draw * total can round up to total, and then the search runs past the end: such a row
     takes its last entry with mass instead. Only past the end: the first index whose mass
-    sum exceeds a value always has mass itself, so the rows to fix are found without a pass
-    over the others."""
+    sum exceeds a value always has mass itself. Every row's fallback is computed and
+    selected on the device, so which rows ran past is never read on the host."""
     n = probs.shape[-1]
     cdf = probs.cumsum(dim=-1)
     pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    past = (pos >= n).nonzero()[:, 0]
-    if len(past):
-        pos[past] = (n - 1) - (probs[past] > 0).flip(-1).int().argmax(dim=-1)
-    return pos
+    last_with_mass = (n - 1) - (probs > 0).view(torch.uint8).flip(-1).argmax(dim=-1)
+    return torch.where(pos >= n, last_with_mass, pos)
+
+
+def _sample_truncated_rows(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host: one copy of
+    all R rows, where the candidate sets' data-dependent sizes cost syncs per row on a
+    device. Each row is exponentiated on its own, as a row [V] (vectorised kernels round a
+    row's tail by its position, so [R, V] at once could differ in the last bit)."""
+    rows = logprobs.cpu()
+    picks = [
+        _sample_truncated(row.exp(), p, _draws([g], rows.device))
+        for row, p, g in zip(rows, params, generators, strict=True)
+    ]
+    return torch.stack(picks)
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:

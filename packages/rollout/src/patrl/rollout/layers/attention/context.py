@@ -5,9 +5,11 @@ concatenated into one [T, ...] tensor. Sequence i contributes `query_lens[i]` ne
 after this step, holds `context_lens[i]` tokens of KV in total (cached + new); its new tokens sit
 at positions `context_lens[i] - query_lens[i] ... context_lens[i] - 1`. That one convention
 covers prefill (cached 0), prefill after a prefix-cache hit or in chunks (cached > 0, many new
-tokens) and decode (one new token). With a KV cache, the new K/V go to `slot_mapping` (flat slot = block_id * block_size + offset;
--1 = do not store) and each sequence's whole context is read back through its block table.
-Without one, every sequence must be entirely new (context_len == query_len).
+tokens) and decode (one new token). With a KV cache, the new K/V go to `slot_mapping` (flat
+slot = block_id * block_size + offset; -1 = do not store) and each sequence's whole context is
+read back through its block table. Without one, every sequence must be entirely new
+(context_len == query_len). Every index is built and checked on the host, then uploaded once
+(`upload`): no layer reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ import torch
 class KVCache(Protocol):
     """The paged KV store as attention sees it (patrl.kvstore.PagedKVCache provides this)."""
 
+    @property
+    def capacity_tokens(self) -> int:
+        """How many slots the cache has: valid slots are [0, capacity_tokens)."""
+        ...
+
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store k, v [n, kv_heads, head_dim] of layer `layer` at flat slots [n]; skip slot -1."""
+        ...
+
+    def write_slots(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """`write` for slots all in [0, capacity_tokens), checked by the caller: no host sync."""
         ...
 
     def gather(
@@ -64,7 +77,8 @@ class AttentionContext:
     positions: torch.Tensor  # [T] int64: rotary position of every new token
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start in T
     cu_seqlens_k: torch.Tensor  # [B + 1] int32: the same over context lengths
-    slot_mapping: torch.Tensor | None = None  # [T] int64; -1 = skip
+    slot_mapping: torch.Tensor | None = None  # [W] int64: where the written rows go
+    write_rows: torch.Tensor | None = None  # [W] int64: rows of k/v to write; None = all T
     block_tables: list[list[int]] | None = None
     kv_cache: KVCache | None = None
     _block_table_tensor: torch.Tensor | None = field(default=None, repr=False)
@@ -80,21 +94,19 @@ class AttentionContext:
         kv_cache: KVCache | None = None,
         device: torch.device | str | None = None,
     ) -> AttentionContext:
-        """Derive positions and offsets; `context_lens` defaults to `query_lens` (no cache)."""
+        """Derive positions and offsets; `context_lens` defaults to `query_lens` (no cache).
+
+        `slot_mapping` (-1 = do not store) is checked against the cache's capacity here, on
+        the host, so the layers can write without checks."""
         q_lens = [int(n) for n in query_lens]
         ctx_lens = q_lens if context_lens is None else [int(n) for n in context_lens]
         _check_lengths(q_lens, ctx_lens)
         total = sum(q_lens)
-        slots = None
+        slots = rows = None
         if kv_cache is not None:
             if slot_mapping is None or block_tables is None:
                 raise ValueError("a kv_cache needs both slot_mapping and block_tables")
-            slots = torch.as_tensor(slot_mapping, dtype=torch.int64, device=device)
-            if slots.shape != (total,):
-                raise ValueError(
-                    f"slot_mapping has shape {tuple(slots.shape)}, expected ({total},) = "
-                    "one slot per new token"
-                )
+            slots, rows = _checked_slots(slot_mapping, total, kv_cache.capacity_tokens)
             if len(block_tables) != len(q_lens):
                 raise ValueError(f"{len(block_tables)} block tables for {len(q_lens)} sequences")
         elif ctx_lens != q_lens:
@@ -110,10 +122,11 @@ class AttentionContext:
         return cls(
             query_lens=q_lens,
             context_lens=ctx_lens,
-            positions=positions.to(device),
-            cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32),
-            cu_seqlens_k=_cumsum0(ctx).to(device=device, dtype=torch.int32),
-            slot_mapping=slots,
+            positions=upload(positions, device),
+            cu_seqlens_q=upload(cu_q.int(), device),
+            cu_seqlens_k=upload(_cumsum0(ctx).int(), device),
+            slot_mapping=None if slots is None else upload(slots, device),
+            write_rows=None if rows is None else upload(rows, device),
             block_tables=None if block_tables is None else [list(b) for b in block_tables],
             kv_cache=kv_cache,
         )
@@ -130,6 +143,18 @@ class AttentionContext:
     def max_context_len(self) -> int:
         return max(self.context_lens)
 
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' k, v [T, kv_heads, D] of `layer` to the cache, unchecked
+        (`build` checked the slots)."""
+        assert self.kv_cache is not None and self.slot_mapping is not None
+        if self.write_rows is not None:
+            k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
+        self.kv_cache.write_slots(layer, self.slot_mapping, k, v)
+
+    def context_lens_tensor(self) -> torch.Tensor:
+        """`context_lens` as a [B] int32 tensor on the device, from `cu_seqlens_k`."""
+        return self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]
+
     def last_token_indices(self) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened batch (the one to sample)."""
         return (self.cu_seqlens_q[1:] - 1).long()
@@ -143,8 +168,44 @@ class AttentionContext:
             table = torch.zeros(len(self.block_tables), width, dtype=torch.int32)
             for i, blocks in enumerate(self.block_tables):
                 table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            self._block_table_tensor = table.to(self.positions.device)
+            self._block_table_tensor = upload(table, self.positions.device)
         return self._block_table_tensor
+
+
+def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """Host tensor `t` on `device` (None = where it is): through pinned memory and a
+    non-blocking copy on CUDA, since a copy from pageable memory blocks the host."""
+    if device is None or torch.device(device) == t.device:
+        return t
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _checked_slots(
+    slot_mapping: Sequence[int] | torch.Tensor, total: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots to write, as a host tensor, and which of the `total` rows they take (None =
+    all): -1 entries dropped, the rest checked to lie in [0, capacity). Plain Python on a
+    list: nothing here touches a device."""
+    if isinstance(slot_mapping, torch.Tensor):
+        shape, slots = tuple(slot_mapping.shape), slot_mapping.reshape(-1).tolist()
+    else:
+        shape, slots = (len(slot_mapping),), [int(s) for s in slot_mapping]
+    if shape != (total,):
+        raise ValueError(
+            f"slot_mapping has shape {shape}, expected ({total},) = one slot per new token"
+        )
+    rows = None
+    if slots and min(slots) < 0:
+        if min(slots) < -1:
+            raise IndexError(f"slot {min(slots)} is negative (only -1 = skip is allowed)")
+        rows = [i for i, s in enumerate(slots) if s >= 0]
+        slots = [slots[i] for i in rows]
+    if slots and max(slots) >= capacity:
+        raise IndexError(f"write to slot {max(slots)} is past the cache's {capacity} slots")
+    as_tensor = torch.tensor(slots, dtype=torch.int64)
+    return as_tensor, None if rows is None else torch.tensor(rows, dtype=torch.int64)
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,7 @@ class FlashBackend(AttentionBackend):
                 q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q,
                 ctx.max_query_len, ctx.max_query_len, causal=True,
             )  # fmt: skip
-        assert ctx.slot_mapping is not None
-        ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
+        ctx.store_kv(layer_idx, k, v)
         if not (hasattr(ctx.kv_cache, "k") and hasattr(ctx.kv_cache, "v")):
             raise TypeError(
                 f"{type(ctx.kv_cache).__name__} has no per-layer block tensors k and v; the "

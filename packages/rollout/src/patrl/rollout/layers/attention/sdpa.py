@@ -8,11 +8,13 @@ where both alignments agree.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
-from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.context import AttentionContext, upload
 
 
 class SdpaBackend(AttentionBackend):
@@ -27,15 +29,14 @@ class SdpaBackend(AttentionBackend):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         if ctx.kv_cache is not None:
-            assert ctx.slot_mapping is not None  # build() checks
-            ctx.kv_cache.write(layer_idx, ctx.slot_mapping, k, v)
+            ctx.store_kv(layer_idx, k, v)
             if ctx.max_query_len == 1:  # a pure decode step, the common case
                 return self.decode(q, layer_idx, ctx, None)
         out = torch.empty_like(q)
-        starts = ctx.cu_seqlens_q.tolist()
+        starts = [0, *itertools.accumulate(ctx.query_lens)]  # host copy of cu_seqlens_q
         decodes = self.batched_decodes(ctx)
         if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+            rows = upload(torch.tensor([starts[i] for i in decodes]), q.device)
             out[rows] = self.decode(q[rows], layer_idx, ctx, decodes)
         skip = set(decodes)
         rest = [i for i in range(ctx.num_seqs) if i not in skip]
@@ -84,15 +85,12 @@ class SdpaBackend(AttentionBackend):
         """One query per sequence (`seqs`, None = all), q [B, Hq, D], against whole blocks
         masked to each context."""
         assert ctx.kv_cache is not None
-        tables = ctx.block_table_tensor()
-        lens = ctx.context_lens
+        tables, lens = ctx.block_table_tensor(), ctx.context_lens_tensor()
         if seqs is not None:
-            tables, lens = tables[seqs], [lens[i] for i in seqs]
+            index = upload(torch.tensor(seqs), q.device)
+            tables, lens = tables[index], lens[index]
         k, v = ctx.kv_cache.gather_padded(layer_idx, tables)
-        valid = (
-            torch.arange(k.shape[1], device=q.device)[None, :]
-            < torch.tensor(lens, device=q.device)[:, None]
-        )
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=valid[:, None, None, :], enable_gqa=True,
