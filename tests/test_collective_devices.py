@@ -147,3 +147,25 @@ def _trainer_step(rank: int, world_size: int) -> dict[str, float]:
 def test_trainer_step_reduces_device_tensors() -> None:
     per_rank = run_ranks(_trainer_step, 2, timeout_s=240)
     assert per_rank[0]["actor/pg_loss"] == per_rank[1]["actor/pg_loss"]
+
+
+def _sum_a_tensor_made_on(rank: int, world_size: int, device: torch.device | None) -> float:
+    t = torch.ones(1) if device is None else torch.ones(1, device=device)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+@pytest.mark.multirank
+def test_run_ranks_checks_collective_devices_when_the_environment_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PATRL_CHECK_COLLECTIVE_DEVICES=1 runs any multi-rank test under the check: a tensor made
+    without a device fails its collective, one made on the compute device passes."""
+    from patrl_testkit.multirank import CHECK_DEVICES_ENV, RankFailed
+
+    assert run_ranks(_sum_a_tensor_made_on, world_size=2, args=(None,)) == [2.0, 2.0]
+    monkeypatch.setenv(CHECK_DEVICES_ENV, "1")
+    on_device = (torch.device("cpu"),)
+    assert run_ranks(_sum_a_tensor_made_on, world_size=2, args=on_device) == [2.0, 2.0]
+    with pytest.raises(RankFailed, match="given a host tensor"):
+        run_ranks(_sum_a_tensor_made_on, world_size=2, args=(None,))

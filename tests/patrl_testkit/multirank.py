@@ -58,6 +58,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CHECK_DEVICES_ENV = "PATRL_CHECK_COLLECTIVE_DEVICES"
+
+
+def _run_checked(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[Any]) -> Any:
+    """`fn` on this rank; with PATRL_CHECK_COLLECTIVE_DEVICES=1 inside the collective-device
+    check (`patrl.tpreshard.device_check`), so any multi-rank test can prove its collectives
+    would take the tensors an NCCL world accepts."""
+    if os.environ.get(CHECK_DEVICES_ENV) != "1":
+        return fn(rank, world_size, *args)
+    from patrl.tpreshard.device_check import check_collective_devices
+
+    with check_collective_devices():
+        return fn(rank, world_size, *args)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -84,7 +99,7 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
-        value = fn(rank, world_size, *args)
+        value = _run_checked(fn, rank, world_size, args)
         dist.barrier()
         # Plain pickle, by value: through the queue torch would share a tensor by a file
         # descriptor that dies with this process before the test reads it.

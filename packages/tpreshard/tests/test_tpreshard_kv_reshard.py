@@ -48,7 +48,7 @@ def _reshard(rank: int, world_size: int, src_tp: int, dst_tp: int, num_kv: int, 
         for m in moves
         if m.src_replica == mine
     }
-    shape = KVShape(LAYERS, num_kv, HEAD_DIM, torch.float32)
+    shape = KVShape(LAYERS, num_kv, HEAD_DIM, torch.float32, torch.device("cpu"))
     stats = KVReshardStats()
     out = reshard_kv(local, moves, src, dst, shape, stats)
     expected = {
@@ -107,6 +107,6 @@ def test_reshard_kv_refuses_layouts_that_do_not_nest() -> None:
     from patrl.tpreshard import single_process_layout
 
     one = single_process_layout()
-    shape = KVShape(LAYERS, 4, HEAD_DIM, torch.float32)
+    shape = KVShape(LAYERS, 4, HEAD_DIM, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="src tp_size=1, dst tp_size=1"):
         reshard_kv({}, [], one, one, shape)

@@ -26,13 +26,14 @@ _CHUNK_BYTES = 4 << 20  # bound on one message, so no transfer needs a second wh
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
-    """What every sequence's KV has in common: layers, KV heads in all, head size, dtype."""
+    """What every sequence's KV has in common: layers, KV heads in all, head size, dtype, and
+    the device its tensors and receive buffers live on."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    device: torch.device | str = "cpu"
+    device: torch.device
 
 
 @dataclass(frozen=True, slots=True)
