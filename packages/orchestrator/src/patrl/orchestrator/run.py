@@ -55,7 +55,9 @@ class RunLoop:
     is_first: bool
 
     def train_one_step(self) -> dict[str, float]:
-        raise NotImplementedError
+        """One step of the schedule, returning its metrics: each schedule (SyncGRPO, the async
+        TrainerWorker) defines it; the base class has no step of its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not define train_one_step")
 
     def run(self) -> RunResult:
         cfg = self.config.trainer
