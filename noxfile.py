@@ -19,7 +19,10 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 # Order matters only for readability: pip resolves them together, the local ones first.
 PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"]
+# Triton runs the GPU paged-attention kernels' tests on CPU through its interpreter
+# (TRITON_INTERPRET=1); its wheels exist for Linux x86-64 only, elsewhere those tests skip.
+TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", TRITON]
 
 
 def install_patrl(session: nox.Session, *extra: str) -> None:
