@@ -31,6 +31,11 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, gt=0, description="tokens per forward at most")
     max_model_len: int | None = Field(None, gt=0, description="prompt + response; None = model's")
     enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(
+        False,
+        description="on CUDA, run decode steps eagerly instead of through CUDA graphs "
+        "captured per batch-size bucket (vLLM's switch); CPU is always eager",
+    )
     tp_policy: TPPolicy = Field(default_factory=StaticTP, description="static or adaptive TP")
     tp_comm: Literal["auto", "shm", "process_group"] = Field(
         "auto",

@@ -13,6 +13,7 @@ import torch
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.cuda_graphs import DecodeGraphs
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.layers.attention.context import AttentionContext, upload
 from patrl.rollout.loader import load_model
@@ -22,6 +23,7 @@ from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.tpreshard import ParallelLayout, tp_broadcast
 
+MAX_GRAPH_BATCH = 256  # largest captured decode batch (vLLM captures up to 512)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,6 +67,7 @@ class ModelRunner:
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
         self.cache = self._build_cache()
+        self.graphs = self._decode_graphs(capture=True)
 
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Move to `layout`: the model is already cut for it (or is `model`); the KV cache is
@@ -73,6 +76,16 @@ class ModelRunner:
         if model is not None:
             self.model = model
         self.cache = self._build_cache(reuse=self.cache)
+        if self.graphs is not None:
+            self.graphs = self._decode_graphs(capture=self.graphs.capture)
+
+    def _decode_graphs(self, capture: bool) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (`capture`), or, with `capture=False`, their eager twin
+        (tests); None on CPU or with `enforce_eager` (see cuda_graphs)."""
+        if capture and (self.device.type != "cuda" or self.config.enforce_eager):
+            return None
+        max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        return DecodeGraphs(self.model, self.cache, max_batch, self.max_model_len, capture=capture)
 
     def _build_cache(self, reuse: PagedKVCache | None = None) -> PagedKVCache:
         """The KV cache at the current layout; `reuse`: a cache whose contents are dead, whose
@@ -106,7 +119,12 @@ class ModelRunner:
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
         ctx, input_ids = self._prepare(batch)
-        hidden = self.model(upload(torch.tensor(input_ids), self.device), ctx)
+        ids = upload(torch.tensor(input_ids), self.device)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(ctx):
+            hidden = graphs.forward(ids, ctx)
+        else:
+            hidden = self.model(ids, ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
         ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]

@@ -1,0 +1,166 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with new inputs.
+
+At small batches (the long tail adaptive TP exists for) a decode step is bound by kernel
+launches, not by memory traffic; a graph replays the whole forward with one launch. As in vLLM
+and nano-vllm, graphs exist for a fixed list of batch sizes; a batch of n decodes runs in the
+smallest bucket >= n, its inputs copied into the bucket's static buffers. The padding rows
+repeat row 0 (same token, position, slot and context): they write the same K/V to the same slot
+and their outputs are dropped, so no scratch block is needed. A graph is captured lazily, the
+first time its bucket is used, with that real batch (writes are idempotent, so the warm-up run
+and the replay agree), and every graph is dropped when the weights' or the KV cache's storage
+moves (a reconfigure, a rebuild, a sleep): the graphs read those addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from patrl.kvstore import PagedKVCache
+from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.models.causal_lm import CausalLM
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The captured batch sizes for batches of at most `max_batch`: 1, 2, 4, then steps of 8
+    (vLLM's list), and `max_batch` itself as the last bucket."""
+    sizes = [n for n in (1, 2, 4) if n < max_batch] + list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: the CPU twin replays eagerly
+    out: torch.Tensor  # [bucket, hidden], overwritten by every replay
+
+
+class DecodeGraphs:
+    """Decode forwards of `model` over `cache` through per-bucket graphs (`capture=True`, CUDA)
+    or through the same static buffers eagerly (`capture=False`: the CPU twin of the padding
+    and buffer logic). `forward` returns the real rows' hidden states, a view valid until the
+    next call."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        max_batch: int,
+        max_model_len: int,
+        *,
+        capture: bool,
+    ) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.buckets = batch_buckets(max_batch)
+        self.max_blocks = -(-max_model_len // cache.spec.block_size)
+        device = cache.spec.device
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.cu_seqlens_k = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool: Any = None  # a CUDA graph memory pool handle shared by the buckets
+        self.signature = self._storage_signature()
+
+    def can_run(self, ctx: AttentionContext) -> bool:
+        """Whether `ctx` is a batch the graphs take: every sequence decodes one token, every
+        token is stored, and it fits the largest bucket and the block-table width."""
+        return (
+            ctx.kv_cache is self.cache
+            and ctx.max_query_len == 1
+            and ctx.write_rows is None
+            and ctx.num_seqs <= self.buckets[-1]
+            and ctx.block_table_tensor().shape[1] <= self.max_blocks
+        )
+
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states [n, hidden] of the n decodes of `ctx` (`can_run` must hold)."""
+        if self._storage_signature() != self.signature:
+            self.reset()
+        n = ctx.num_seqs
+        bucket = next(b for b in self.buckets if b >= n)
+        self._fill(input_ids, ctx, bucket)
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self.graphs[bucket] = self._capture(bucket)
+        elif entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.out.copy_(self.model(self.input_ids[:bucket], self._context(bucket)))
+        return entry.out[:n]
+
+    def reset(self) -> None:
+        """Drop every graph (and its memory pool); the next use of a bucket captures anew."""
+        self.graphs.clear()
+        self.pool = None
+        self.signature = self._storage_signature()
+
+    def _fill(self, input_ids: torch.Tensor, ctx: AttentionContext, bucket: int) -> None:
+        """Copy the batch into the static buffers; rows n .. bucket repeat row 0."""
+        n = ctx.num_seqs
+        assert ctx.slot_mapping is not None  # can_run: a cached batch
+        table = ctx.block_table_tensor()
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(ctx.positions)
+        self.slots[:n].copy_(ctx.slot_mapping)
+        lens = ctx.context_lens_tensor()
+        self.block_table[:n, : table.shape[1]].copy_(table)
+        self.block_table[:n, table.shape[1] :].zero_()
+        if bucket > n:
+            pad = slice(n, bucket)
+            self.input_ids[pad] = self.input_ids[0]
+            self.positions[pad] = self.positions[0]
+            self.slots[pad] = self.slots[0]
+            self.block_table[pad] = self.block_table[0]
+            lens = torch.cat([lens, lens[:1].expand(bucket - n)])
+        self.cu_seqlens_k[1 : bucket + 1].copy_(lens.cumsum(0))
+
+    def _context(self, bucket: int) -> AttentionContext:
+        """A fresh attention context over the static buffers of `bucket`. Its host-side lists
+        are placeholders of the right length (contexts at their upper bound): a decode layer
+        reads only the device tensors. Fresh views each time, since per-forward caches (the
+        rotary cos/sin) are keyed on the positions tensor's identity."""
+        longest = self.max_blocks * self.cache.spec.block_size
+        ctx = AttentionContext(
+            query_lens=[1] * bucket,
+            context_lens=[longest] * bucket,
+            positions=self.positions[:bucket],
+            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            cu_seqlens_k=self.cu_seqlens_k[: bucket + 1],
+            slot_mapping=self.slots[:bucket],
+            block_tables=[[0]] * bucket,
+            kv_cache=self.cache,
+        )
+        ctx._block_table_tensor = self.block_table[:bucket]
+        return ctx
+
+    def _capture(self, bucket: int) -> _Graph:
+        """Run `bucket` once eagerly (the real batch: its outputs are this step's), then, on
+        CUDA, capture the same forward into a graph for the next steps."""
+        ids = self.input_ids[:bucket]
+        if not self.capture:
+            return _Graph(None, self.model(ids, self._context(bucket)).clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            # also initialises lazy state (cuBLAS handles, NCCL communicators) off the graph
+            warm = self.model(ids, self._context(bucket))
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(ids, self._context(bucket))
+        out.copy_(warm)
+        return _Graph(graph, out)
+
+    def _storage_signature(self) -> tuple[int, ...]:
+        """Addresses a captured graph reads: every parameter's and every KV block tensor's."""
+        return (
+            *(p.data_ptr() for p in self.model.parameters()),
+            *(t.data_ptr() for t in (*self.cache.k, *self.cache.v)),
+        )

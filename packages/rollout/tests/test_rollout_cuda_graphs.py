@@ -1,0 +1,113 @@
+"""CUDA-graph decode: the bucket list, the eager twin of the static buffers and padding (CPU),
+and graphs against eager on CUDA (`gpu`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.cuda_graphs import batch_buckets
+from patrl.rollout.engine import Engine
+from patrl.rollout.sampler import SamplingParams
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(tiny_hf_model("qwen2"), tmp_path_factory.mktemp("qwen2"))
+
+
+def test_buckets_cover_every_batch_size_with_the_smallest_fitting_bucket() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256)[:6] == [1, 2, 4, 8, 16, 24]
+    assert batch_buckets(256)[-1] == 256
+    for m in (1, 3, 9, 40):
+        buckets = batch_buckets(m)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == m
+
+
+def run(engine: Engine) -> tuple[list[list[int]], torch.Tensor]:
+    """Tokens and logprobs of eleven requests of different lengths (greedy and seeded
+    sampling, n > 1), so the decode batch shrinks through several buckets and most steps are
+    padded. Logprobs are compared too: a tiny model's greedy tokens survive small errors."""
+    prompts = [[5 + i, 17, 42, 9 + i, 3][: 2 + i % 4] for i in range(11)]
+    params = [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.8,
+            seed=i,
+            n=2 if i == 3 else 1,
+            max_tokens=3 + 2 * i,
+            ignore_eos=True,
+        )
+        for i in range(11)
+    ]
+    samples = [c for out in engine.generate(prompts, params) for c in out.outputs]
+    logprobs = torch.tensor([lp for c in samples for lp in c.logprobs])
+    return [list(c.token_ids) for c in samples], logprobs
+
+
+def assert_same(got: tuple[list[list[int]], torch.Tensor], want: Any) -> None:
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def engine(model_dir: Path, **overrides: Any) -> Engine:
+    config = EngineConfig(
+        model=str(model_dir), block_size=4, num_kv_blocks=128, max_model_len=64,
+        max_num_seqs=12, tune_host_malloc=False, **overrides,
+    )  # fmt: skip
+    return Engine(config)
+
+
+def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(model_dir: Path) -> None:
+    expected = run(engine(model_dir))
+    twin = engine(model_dir)
+    graphs = twin.runner.graphs = twin.runner._decode_graphs(capture=False)
+    assert graphs is not None and not graphs.capture
+    calls: list[int] = []
+    forward = graphs.forward
+    graphs.forward = lambda ids, ctx: calls.append(ctx.num_seqs) or forward(ids, ctx)  # type: ignore[method-assign]
+    assert_same(run(twin), expected)
+    assert len(calls) >= 10 and {1, 12} <= set(calls)  # every decode step, full to one row
+    assert set(graphs.graphs) >= {1, 2, 4, 8, 12}  # shrinking batches padded into buckets
+
+
+def test_graphs_are_dropped_when_the_weights_move(model_dir: Path) -> None:
+    eng = engine(model_dir)
+    graphs = eng.runner.graphs = eng.runner._decode_graphs(capture=False)
+    assert graphs is not None
+    run(eng)
+    assert graphs.graphs
+    param = next(eng.model.parameters())
+    param.data = param.data.clone()  # what a reshard or a weight offload does
+    eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert set(graphs.graphs) == {1}  # the old graphs were dropped, bucket 1 captured anew
+
+
+def test_a_cpu_engine_runs_eagerly(model_dir: Path) -> None:
+    assert engine(model_dir).runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_cuda_graph_tokens_equal_eager_tokens_and_follow_new_weights(
+    tmp_path: Path, backend: str
+) -> None:
+    model_dir = save_hf_model(tiny_hf_model("qwen2"), tmp_path / "m")
+    eager = engine(model_dir, device="cuda", enforce_eager=True, attention_backend=backend)
+    graphed = engine(model_dir, device="cuda", attention_backend=backend)
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    assert_same(run(graphed), run(eager))
+    assert graphed.runner.graphs.graphs  # the graphs were used
+    other = tiny_hf_model("qwen2", seed=1).state_dict()
+    for e in (eager, graphed):
+        e.load_weights(other.items(), version=1)
+    assert_same(run(graphed), run(eager))
