@@ -116,10 +116,13 @@ def _bf16_step(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
         batch = make_batch(4, [5, 9, 3, 12, 7], with_old=True)
         logprobs = trainer.compute_logprobs(batch)
         metrics = trainer.train_step(batch)
+        trainer.compute_logprobs(batch)  # a forward without a backward leaves the shards
+        params = list(trainer.model.parameters())
         out[dtype] = {
             "logprobs": [t.numpy().copy() for t in logprobs],
             "metrics": metrics,
-            "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "sharded": all(isinstance(p, DTensor) for p in params),
             "dtype": str(trainer.param_dtype),
         }
     return out
@@ -132,6 +135,7 @@ def test_bf16_params_train_step_is_close_to_fp32_and_masters_stay_fp32(
     fp32, bf16 = got["float32"], got["bfloat16"]
     assert bf16["dtype"] == "torch.bfloat16"
     assert fp32["param_dtypes"] == bf16["param_dtypes"] == ["torch.float32"]
+    assert fp32["sharded"] and bf16["sharded"]
     diffs = [abs(a - b).max() for a, b in zip(fp32["logprobs"], bf16["logprobs"], strict=True)]
     assert 0 < max(diffs) < 5e-2  # bf16 compute is in effect, and within bf16's error
     for key in ("actor/pg_loss", "actor/entropy", "actor/loss"):

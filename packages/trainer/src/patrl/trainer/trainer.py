@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -170,6 +171,10 @@ class Trainer:
             logp, _ = self._forward(model, ids)
             for row, i in enumerate(mb):
                 out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu().clone()
+        if isinstance(model, FSDPModule):
+            # FSDP2 keeps the root gathered after a forward, for the backward; with no backward
+            # coming its full (param_dtype) weights would stay registered in place of the shards.
+            model.reshard()
         return out
 
     def compute_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
