@@ -5,7 +5,6 @@ same buffers, same ties, and the same train step; and FSDP2 mixed precision (bf1
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -141,10 +140,3 @@ def test_bf16_params_train_step_is_close_to_fp32_and_masters_stay_fp32(
     for key in ("actor/pg_loss", "actor/entropy", "actor/loss"):
         assert bf16["metrics"][key] == pytest.approx(fp32["metrics"][key], rel=2e-2, abs=2e-3)
     assert bf16["metrics"]["actor/nonfinite_skipped"] == 0.0
-
-
-def test_a_directory_without_safetensors_is_refused_by_name(tmp_path: Path) -> None:
-    from patrl.trainer.shard_loader import checkpoint_index
-
-    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
-        checkpoint_index(tmp_path)

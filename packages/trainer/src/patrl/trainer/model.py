@@ -64,12 +64,8 @@ def build_sharded(
     """
     path = model_dir(source)
     model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
+    materialize(model, device)
     load_shards(model, path)
     return model
 
@@ -83,6 +79,31 @@ def build_on_meta(config: PretrainedConfig, attn_implementation: str) -> PreTrai
         )
     model.config.use_cache = False
     return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give `model`'s meta parameters uninitialised storage on `device`, in place, keeping the
+    values of its buffers and the ties between its parameters (`to_empty` alone loses both)."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    ties = [names for names in _aliases(model).values() if len(names) > 1]
+    model.to_empty(device=device)
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            if model.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, first)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each distinct parameter, keyed by the parameter's id."""
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
 
 
 def model_dir(source: str | os.PathLike[str]) -> Path:

@@ -98,4 +98,4 @@ def _load_one(target: torch.Tensor, file: Path, name: str) -> None:
             start, stop = shard_rows(target)
             target.to_local().copy_(piece[start:stop])
         else:
-            target.copy_(piece[:] if shape else f.get_tensor(name))
+            target.copy_(f.get_tensor(name))
