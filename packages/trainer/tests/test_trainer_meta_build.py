@@ -67,6 +67,7 @@ def _state(trainer: Trainer) -> dict[str, Any]:
         "buffers": _numpy(dict(model.named_buffers())),
         "tied": model.lm_head.weight is model.get_input_embeddings().weight,
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "checkpointing": model.is_gradient_checkpointing,
     }
 
 
@@ -76,7 +77,8 @@ def _build_and_step(rank: int, world_size: int, model_dir: str) -> dict[str, Any
     for name in ("meta", "whole"):
         patch = mock.patch("patrl.trainer.trainer.build_sharded", _whole_model_path)
         with patch if name == "whole" else contextlib.nullcontext():
-            trainer = Trainer(config(**CFG, use_kl_loss=True), model_dir, mesh)
+            cfg = config(**CFG, use_kl_loss=True, enable_gradient_checkpointing=True)
+            trainer = Trainer(cfg, model_dir, mesh)
         built = _state(trainer)
         metrics = trainer.train_step(make_batch(0, [5, 9, 3, 12, 7], with_old=True))
         out[name] = {**built, "metrics": metrics, "stepped": _numpy(full_weights(trainer))}
@@ -90,6 +92,7 @@ def test_meta_build_equals_whole_model_build_bit_for_bit(
     for got in run_ranks(_build_and_step, 2, args=(checkpoints[kind],), timeout_s=240):
         meta, whole = got["meta"], got["whole"]
         assert meta["sharded"] and whole["sharded"]
+        assert meta["checkpointing"] and whole["checkpointing"]
         assert meta["tied"] == whole["tied"] == (kind != "untied")
         for key in ("weights", "buffers", "stepped"):
             assert meta[key].keys() == whole[key].keys(), key
