@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import PretrainedConfig, PreTrainedModel
 
 from patrl.trainer.model import build_model, build_on_meta, materialize
 from patrl.trainer.shard_loader import checkpoint_index, load_shards
 from patrl_testkit.models import save_hf_model, tiny_config, tiny_hf_model
 
 
-def _materialised(config: object) -> torch.nn.Module:
-    model = build_on_meta(config, "sdpa")  # type: ignore[arg-type]
+def _materialised(config: PretrainedConfig) -> PreTrainedModel:
+    model = build_on_meta(config, "sdpa")
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())
     materialize(model, torch.device("cpu"))
@@ -33,7 +34,7 @@ def test_unsharded_load_equals_from_pretrained(tmp_path: Path, family: str) -> N
         assert torch.equal(model.state_dict()[name], value), name
     for (name, buf), (_, ref) in zip(model.named_buffers(), want.named_buffers(), strict=True):
         assert torch.equal(buf, ref), name
-    tied = model.lm_head.weight is model.get_input_embeddings().weight  # type: ignore[union-attr]
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
     assert tied == (family == "qwen2")
 
 
