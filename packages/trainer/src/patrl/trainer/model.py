@@ -1,31 +1,38 @@
 """Build the policy and apply FSDP2 to it, in torchtitan's order.
 
-Order: build (every rank the same weights) -> activation checkpointing -> `fully_shard` each
-decoder layer -> `fully_shard` the root. The model stays a plain Hugging Face
-`PreTrainedModel`: parameter names are the checkpoint's names, so weight export needs no
-renaming. Each rank materialises the full model once before sharding: loading stays a plain
-`from_pretrained`, at the price of one full copy per rank while building. See docs/training.md.
+From a checkpoint directory over a mesh: build on the meta device -> activation checkpointing
+-> `fully_shard` each decoder layer -> `fully_shard` the root -> materialise on the device ->
+each rank loads its own shards (shard_loader.py), so no rank holds the full model. Without a
+mesh, or from a config (random init), every rank builds the full model first. The model stays
+a plain Hugging Face `PreTrainedModel`: parameter names are the checkpoint's names, so weight
+export needs no renaming. See docs/training.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from patrl.trainer.shard_loader import load_shards
 
 ModelSource = str | os.PathLike[str] | PretrainedConfig
 
 
 def build_model(source: ModelSource, attn_implementation: str, seed: int) -> PreTrainedModel:
-    """An fp32 causal LM from a local HF directory, or randomly initialised from a config.
+    """An fp32 causal LM, whole, from a local HF directory or randomly initialised from a config.
 
     Random init is seeded so that every rank builds the identical model (FSDP shards each
-    rank's own copy; they must agree).
+    rank's own copy; they must agree); it costs the full model's memory and init time on every
+    rank, which is why directories over a mesh go through `build_sharded` instead.
     """
     if isinstance(source, PretrainedConfig):
         with torch.random.fork_rng(devices=[]):
@@ -34,17 +41,98 @@ def build_model(source: ModelSource, attn_implementation: str, seed: int) -> Pre
                 source, dtype=torch.float32, attn_implementation=attn_implementation
             )
     else:
-        path = Path(source)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model directory {str(path)!r} has no config.json; pass a local Hugging Face "
-                "model directory or a transformers config"
-            )
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation
+            model_dir(source), dtype=torch.float32, attn_implementation=attn_implementation
         )
     model.config.use_cache = False
     return model
+
+
+def build_sharded(
+    source: str | os.PathLike[str],
+    attn_implementation: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    activation_checkpointing: bool,
+) -> PreTrainedModel:
+    """The fp32 causal LM of a local HF directory, FSDP2-sharded over `mesh` on `device`.
+
+    Each rank reads only its own shards, cast to fp32 whatever the checkpoint's dtype; buffers
+    (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
+    Same weights, bit for bit, as `parallelize(build_model(...))`, without the full copy.
+    """
+    path = model_dir(source)
+    model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation)
+    model = parallelize(model, mesh, param_dtype, activation_checkpointing)
+    materialize(model, device)
+    load_shards(model, path)
+    return model
+
+
+def build_on_meta(config: PretrainedConfig, attn_implementation: str) -> PreTrainedModel:
+    """The fp32 model of `config` with every parameter on the meta device; buffers are real
+    host tensors (only parameters are intercepted at registration)."""
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    model.config.use_cache = False
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give `model`'s meta parameters uninitialised storage on `device`, in place, keeping the
+    values of its buffers and the ties between its parameters (`to_empty` alone loses both)."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    ties = [names for names in _aliases(model).values() if len(names) > 1]
+    model.to_empty(device=device)
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            if model.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, first)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each distinct parameter, keyed by the parameter's id."""
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def model_dir(source: str | os.PathLike[str]) -> Path:
+    """`source` as a path, checked to be a local Hugging Face model directory."""
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {str(path)!r} has no config.json; pass a local Hugging Face "
+            "model directory or a transformers config"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    # Unlike `with torch.device("meta")`, buffers computed in __init__ (rotary inv_freq) stay
+    # real. A parameter lives on the host only until it is registered; re-registering a meta
+    # parameter (tying lm_head to embed_tokens) keeps the very object, so ties survive.
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    # torch types the hook as returning None; a returned parameter replaces the registered one.
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -29,7 +30,7 @@ from patrl.trainer.config import TrainerConfig
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
-from patrl.trainer.model import ModelSource, build_model, freeze, parallelize
+from patrl.trainer.model import ModelSource, build_model, build_sharded, freeze, parallelize
 from patrl.trainer.policy_batch import PolicyBatch, pad_field
 from patrl.trainer.schedule import build_scheduler
 from patrl.trainer.weights import Bucket, iter_full_weights
@@ -109,10 +110,20 @@ class Trainer:
 
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
         cfg = self.config
-        model = build_model(source, cfg.attn_implementation, cfg.seed)
-        model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
         checkpointing = trainable and cfg.enable_gradient_checkpointing
-        model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
+        if self.mesh is not None and self.source_dir is not None:
+            model = build_sharded(
+                self.source_dir,
+                cfg.attn_implementation,
+                self.mesh,
+                self.device,
+                self.param_dtype,
+                checkpointing,
+            )
+        else:
+            model = build_model(source, cfg.attn_implementation, cfg.seed)
+            model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
+            model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
             model.train()
         else:
@@ -160,6 +171,10 @@ class Trainer:
             logp, _ = self._forward(model, ids)
             for row, i in enumerate(mb):
                 out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu().clone()
+        if isinstance(model, FSDPModule):
+            # FSDP2 keeps the root gathered after a forward, for the backward; with no backward
+            # coming its full (param_dtype) weights would stay registered in place of the shards.
+            model.reshard()
         return out
 
     def compute_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
@@ -183,6 +198,10 @@ class Trainer:
         return self._gather(local, n)
 
     def _gather(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
+        """Every rank's `{sample index: logprobs}` merged, as a list of `n` host tensors. The
+        values are moved to the host before the object collective pickles them: a pickled
+        device tensor would be unpickled onto the sender's device index on every rank."""
+        local = {i: t.cpu() for i, t in local.items()}
         if self.group.pg is not None:
             shares: list[dict[int, torch.Tensor] | None] = [None] * self.group.size
             dist.all_gather_object(shares, local, group=self.group.pg)
