@@ -10,6 +10,7 @@ machines would. A failing or hanging agent ends the test in bounded time with bo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,14 +115,44 @@ def run_nodes(overrides: list[str], logs: list[Path]) -> list[int]:
             else:
                 time.sleep(0.2)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+        stop(agents)
     outputs = "\n".join(
         f"--- node agent {i}:\n{log.read_text()[-5000:]}" for i, log in enumerate(logs)
     )
     pytest.fail(f"{problem}\n{outputs}")
+
+
+def stop(agents: list[subprocess.Popen]) -> None:
+    """End every agent still running and its workers (which torchrun starts in sessions of
+    their own): SIGTERM, on which torchrun stops its workers, then SIGKILL to whatever of them
+    is left after a grace period."""
+    running = [a for a in agents if a.poll() is None]
+    workers = [w for a in running for w in descendants(a.pid)]
+    for agent in running:
+        agent.send_signal(signal.SIGTERM)
+    grace = time.monotonic() + 10.0
+    while any(a.poll() is None for a in running) and time.monotonic() < grace:
+        time.sleep(0.1)
+    for pid in [a.pid for a in running if a.poll() is None] + workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for agent in agents:
+        agent.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The process ids of every process below `pid` (Linux: read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def test_two_nodes_keep_every_tp_group_inside_a_node(tmp_path: Path) -> None:
