@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 2 examples/grpo_adaptive_tp.py rollout.n=4 trainer.total_training_steps=5
     python examples/grpo_adaptive_tp.py --dry-run                       # print the resolved config
 
+Several nodes (one agent per node, the same line on each): docs/distributed.md.
+
 With no arguments it builds (once, then cached) a tiny Llama-architecture model with its own
 tokenizer, warm-started by SFT on a synthetic arithmetic task whose solutions have long-tailed
 lengths, and trains it with GRPO; the reward is the exactness of the final \\boxed{} answer

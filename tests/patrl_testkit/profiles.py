@@ -133,10 +133,13 @@ def profile_from(
     )
 
 
-def synthetic_profile(model_dir: str, tp2_speedup: float, crossover: int = 0) -> Profile:
-    """Step time = (1 ms + 0.1 ms x batch) / speedup at tp=2; switches cost ~1 ms of sends.
-    With a `crossover` batch, tp=2 instead costs 0.05 x crossover ms more a step and 0.05 ms
-    less per sequence: faster than tp=1 at the same batch only past `crossover` sequences."""
+def synthetic_profile(
+    model_dir: str, tp2_speedup: float, crossover: int = 0, tp_sizes: tuple[int, ...] = (1, 2)
+) -> Profile:
+    """Step time = (1 ms + 0.1 ms x batch) / speedup at tp=2 (speedup squared at tp=4, ...);
+    switches cost ~1 ms of sends. With a `crossover` batch, tp=2 instead costs 0.05 x crossover
+    ms more a step and 0.05 ms less per sequence: faster than tp=1 at the same batch only past
+    `crossover` sequences. Rows for each of `tp_sizes` (powers of two)."""
     info = ModelInfo(
         name=model_dir,
         num_layers=2,
@@ -152,18 +155,20 @@ def synthetic_profile(model_dir: str, tp2_speedup: float, crossover: int = 0) ->
     def step(tp: int, batch: int, context: int) -> float:
         if crossover and tp == 2:
             return 1e-3 + 1e-4 * batch + 5e-5 * (crossover - batch)
-        return (1e-3 + 1e-4 * batch) / (tp2_speedup if tp == 2 else 1.0)
+        return (1e-3 + 1e-4 * batch) / tp2_speedup ** (tp.bit_length() - 1)
 
     return Profile(
         source="measured",
-        hardware=synthetic_hardware(2, 1 << 34, device="cpu"),
+        hardware=synthetic_hardware(max(tp_sizes), 1 << 34, device="cpu"),
         model=info,
         dtype="float32",
-        decode=decode_rows(step, (1, 2), (1, 2, 4, 8, 16, 32, 64), (8, 32, 96)),
+        decode=decode_rows(step, tp_sizes, (1, 2, 4, 8, 16, 32, 64), (8, 32, 96)),
         prefill=[
             PrefillRow(tp=tp, tokens=t, seconds=1e-3 + 1e-5 * t)
-            for tp in (1, 2)
+            for tp in tp_sizes
             for t in (8, 64, 512)
         ],
-        collectives=collective_rows((2,), (1024, 1 << 16, 1 << 22), 1e-4, 1e-9),
+        collectives=collective_rows(
+            tuple(t for t in tp_sizes if t > 1), (1024, 1 << 16, 1 << 22), 1e-4, 1e-9
+        ),
     )

@@ -762,3 +762,14 @@ def test_usable_tp_sizes_keeps_the_sizes_that_divide_the_world() -> None:
     assert usable_tp_sizes([4, 1, 2, 3, 2, 8], 4) == (1, 2, 4)
     assert usable_tp_sizes([3], 4) == ()
     assert usable_tp_sizes([1, 2], 1) == (1,)
+
+
+def test_usable_tp_sizes_keeps_every_group_inside_a_node() -> None:
+    from patrl.lenpredict import usable_tp_sizes
+
+    # 2 nodes of 4: a fold of 8 would span both nodes, one of 3 or 6 does not divide a node
+    assert usable_tp_sizes([1, 2, 4, 8], 8, node_size=4) == (1, 2, 4)
+    assert usable_tp_sizes([1, 2], 2, node_size=1) == (1,)
+    assert usable_tp_sizes([1, 2, 3, 6], 6, node_size=3) == (1, 3)
+    assert usable_tp_sizes([1, 2, 4, 8], 8, node_size=8) == (1, 2, 4, 8)  # one node
+    assert usable_tp_sizes([1, 2, 4], 4, node_size=None) == (1, 2, 4)

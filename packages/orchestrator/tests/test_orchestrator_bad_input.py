@@ -420,18 +420,45 @@ def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("world_size", "local", "tp"),
-    [(2, 2, 1), (2, 2, 2), (4, 4, 2), (4, 2, 4), (6, 6, 2), (8, 2, 4)],
+    [(2, 2, 1), (2, 2, 2), (4, 4, 2), (4, 2, 2), (6, 6, 2), (8, 2, 2), (8, 4, 4)],
 )
 def test_layouts_that_fit_pass(
     assets: Assets, tmp_path: Path, world_size: int, local: int, tp: int
 ) -> None:
-    """4 heads, 2 kv heads: a TP size dividing the world and the heads, and made of whole nodes
-    or of a divisor of a node, is accepted."""
+    """4 heads, 2 kv heads: a TP size dividing the world, the heads and the ranks per node
+    (a TP group stays inside one node) is accepted."""
     overrides = _good(
         assets, tmp_path / "runs", **{**STATIC, "rollout.tensor_model_parallel_size": tp}
     )
     config = preflight.load(None, [f"{k}={v}" for k, v in overrides.items()])
     preflight.check(config, world_size, local)
+
+
+@pytest.mark.parametrize(("world_size", "local", "tp"), [(4, 2, 4), (8, 2, 4), (2, 1, 2)])
+def test_a_tp_larger_than_a_node_is_refused_naming_both(
+    assets: Assets, tmp_path: Path, world_size: int, local: int, tp: int
+) -> None:
+    """A TP group made of whole nodes would run its per-layer collectives across nodes: an
+    error naming the TP size and LOCAL_WORLD_SIZE, and the sizes that fit."""
+    overrides = _good(
+        assets, tmp_path / "runs", **{**STATIC, "rollout.tensor_model_parallel_size": tp}
+    )
+    config = preflight.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    with pytest.raises(ConfigError) as info:
+        preflight.check(config, world_size, local)
+    message = str(info.value)
+    assert f"rollout.tensor_model_parallel_size={tp} fits no layout" in message
+    assert f"larger than a node (LOCAL_WORLD_SIZE={local})" in message
+    fits = [t for t in (1, 2, 4) if local % t == 0]
+    assert f"one of {fits}" in message
+
+
+def test_adaptive_folds_larger_than_a_node_are_not_offered(assets: Assets, tmp_path: Path) -> None:
+    """Adaptive candidates [1, 2, 4] on two nodes of 2: the fold of 4 is dropped (as the job
+    drops it), not reported, so the job starts."""
+    extra = {"rollout.adaptive_tp.candidates": "[1,2,4]"}
+    overrides = _good(assets, tmp_path / "runs", **extra)
+    preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 4, 2)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

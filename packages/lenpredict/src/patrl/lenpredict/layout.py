@@ -32,12 +32,20 @@ class Layout:
             raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp4xtp2'") from err
 
 
-def usable_tp_sizes(candidates: Iterable[int], world_size: int) -> tuple[int, ...]:
-    """The candidate TP sizes that divide `world_size`, sorted and unique.
+def usable_tp_sizes(
+    candidates: Iterable[int], world_size: int, node_size: int | None = None
+) -> tuple[int, ...]:
+    """The candidate TP sizes that divide `world_size` and, given `node_size` (ranks per node),
+    divide it too; sorted and unique.
 
     The one place that derives which layouts a world can form: a size that does not divide the
-    world cannot cut it into whole TP groups."""
-    return tuple(sorted(tp for tp in set(candidates) if tp >= 1 and world_size % tp == 0))
+    world cannot cut it into whole TP groups, and one that does not divide a node would put a
+    TP group (consecutive ranks) across two nodes, whose per-layer collectives then leave the
+    node's fast links."""
+    node = node_size or world_size
+    return tuple(
+        sorted(tp for tp in set(candidates) if tp >= 1 and world_size % tp == 0 and node % tp == 0)
+    )
 
 
 def layouts_for(world_size: int, tp_sizes: list[int]) -> list[Layout]:

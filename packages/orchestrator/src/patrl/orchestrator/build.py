@@ -15,6 +15,7 @@ from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_grid
+from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import TrainerConfig
@@ -90,12 +91,14 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         keep_full_weights=r.adaptive_tp.keep_full_weights,
     )
     a = r.adaptive_tp
-    candidates = usable_tp_sizes(a.candidates, world.size)
+    # a fold larger than a node would run its per-layer collectives across nodes: not offered
+    candidates = usable_tp_sizes(a.candidates, world.size, world.node_size)
     if not a.enable or len(candidates) < 2:
         if a.enable and world.is_first and world.distributed:
             print(
                 f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
-                f"dividing the world size {world.size}; running static TP"
+                f"dividing the world size {world.size} and the {world.node_size} ranks per "
+                "node; running static TP"
             )
         return base
     profile = a.profile
@@ -136,6 +139,8 @@ def build_engine(
         if span_world and world.distributed
         else None
     )
+    if groups is not None:
+        record_topology(world, groups, config.run_dir)
     return make_engine(
         engine,
         None if adaptive or groups is None else groups.layout(tp_sizes[0]),

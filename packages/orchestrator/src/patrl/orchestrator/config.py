@@ -67,7 +67,7 @@ class AdaptiveTPConfig(_Section):
     enable: bool = Field(True, description="off: static TP of rollout.tensor_model_parallel_size")
     candidates: list[int] = Field(
         default_factory=lambda: [1, 2],
-        description="TP sizes to choose from; those that divide the world size are used",
+        description="TP sizes to choose from; those that divide the world size and a node are used",
     )
     check_every: int = Field(
         64, gt=0, description="decode steps between planner checks (each is a world sync point)"

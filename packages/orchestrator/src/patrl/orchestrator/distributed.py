@@ -13,10 +13,19 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, slots=True)
 class World:
+    """This process in the job: global rank and size, rank on its node, device, and the
+    ranks per node (torchrun's LOCAL_WORLD_SIZE; None: one node holds the whole world)."""
+
     rank: int
     size: int
     local_rank: int
     device: torch.device
+    local_world_size: int | None = None
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node: a rollout TP group never has more (docs/distributed.md)."""
+        return self.local_world_size or self.size
 
     @property
     def is_first(self) -> bool:
@@ -38,6 +47,7 @@ def init_world(timeout_s: float = 600.0) -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -51,7 +61,7 @@ def init_world(timeout_s: float = 600.0) -> World:
             rank=rank,
             world_size=size,
         )
-    return World(rank, size, local_rank, device)
+    return World(rank, size, local_rank, device, local_size)
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:

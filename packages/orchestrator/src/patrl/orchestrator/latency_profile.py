@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from patrl.orchestrator.distributed import World, barrier, broadcast_object
+from patrl.lenpredict import Profile
+from patrl.orchestrator.distributed import World, all_gather_objects, barrier, broadcast_object
 from patrl.rollout import EngineConfig
 from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
 
@@ -81,16 +82,26 @@ def ensure_profile(
     grid: ProfileGrid,
     cache_root: Path,
 ) -> Path:
-    """The cached profile for this job's shape, measured now (every rank takes part) if missing."""
+    """The cached profile for this job's shape, measured now (every rank takes part) unless the
+    first rank has it; then written to every rank's own cache, which on several nodes need not
+    be one filesystem. Every rank calls this and gets the same profile at its `path`."""
     path = cache_root / "profiles" / f"{profile_key(model_dir, engine, world.size, grid)}.json"
-    if broadcast_object(world, path.exists()):
+    have = all_gather_objects(world, path.exists())
+    if all(have):
         return path
-    if world.is_first:
-        print(f"profiling rollout latency for adaptive TP (once; cached at {path}) ...")
-    start = time.perf_counter()
-    profile = profile_distributed(engine, grid, dist.group.WORLD, progress=world.is_first)
-    if profile is not None:
-        write_atomic(profile, path)
-        print(f"profiled in {time.perf_counter() - start:.0f} s")
+    text = None
+    if have[0]:
+        text = path.read_text() if world.is_first else None
+    else:
+        if world.is_first:
+            print(f"profiling rollout latency for adaptive TP (once; cached at {path}) ...")
+        start = time.perf_counter()
+        profile = profile_distributed(engine, grid, dist.group.WORLD, progress=world.is_first)
+        if profile is not None:
+            text = profile.model_dump_json()
+            print(f"profiled in {time.perf_counter() - start:.0f} s")
+    text = broadcast_object(world, text)
+    if not path.exists():
+        write_atomic(Profile.model_validate_json(text), path)
     barrier(world)
     return path

@@ -164,7 +164,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             f"world of {world_size}: use 1..{world_size - 1} (or trainer.mode=sync)"
         )
     adaptive = config.rollout.adaptive_tp
-    usable = usable_tp_sizes(adaptive.candidates, world_size)
+    # candidates larger than a node are not offered, as build.engine_config does
+    usable = usable_tp_sizes(adaptive.candidates, world_size, local)
     if adaptive.enable and len(usable) >= 2:  # else the job runs static TP
         for t in usable:
             problems += layout_problems(
@@ -205,13 +206,17 @@ def layout_problems(
     key: str = "rollout.tensor_model_parallel_size",
 ) -> list[str]:
     """Why `tp` fits no layout of `world_size` ranks (`local_world_size` per node) for `model`,
-    and the sizes that would. A TP group is contiguous ranks: it may span whole nodes only."""
+    and the sizes that would. A TP group is contiguous ranks inside one node (its per-layer
+    collectives need the node's links): its size divides the ranks per node."""
 
     def why_not(t: int) -> list[str]:
         why = [f"it does not divide the world size {world_size}"] if world_size % t else []
-        if (t > local_world_size and t % local_world_size) or (
-            t < local_world_size and local_world_size % t
-        ):
+        if t > local_world_size:
+            why.append(
+                f"it is larger than a node (LOCAL_WORLD_SIZE={local_world_size}): a TP group "
+                "stays inside one node"
+            )
+        elif local_world_size % t:
             why.append(f"its groups would straddle nodes of {local_world_size} ranks")
         if model is not None and (error := _split_error(model, t)) is not None:
             why.append(f"the model cannot be split {t} ways ({error})")

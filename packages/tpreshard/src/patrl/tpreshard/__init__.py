@@ -17,6 +17,7 @@ from patrl.tpreshard.kv_reshard import (
     reshard_kv,
 )
 from patrl.tpreshard.layout import ParallelLayout, single_process_layout
+from patrl.tpreshard.nodes import NodeMap, gather_node_map, node_rank_from_env, tp_group_ranks
 from patrl.tpreshard.reshard import (
     ReshardStats,
     forget_full,
@@ -42,6 +43,7 @@ __all__ = [
     "GroupCache",
     "KVReshardStats",
     "KVShape",
+    "NodeMap",
     "ParallelLayout",
     "ReshardStats",
     "SequenceMove",
@@ -51,12 +53,14 @@ __all__ = [
     "ShmComm",
     "broadcast_obj",
     "forget_full",
+    "gather_node_map",
     "gather_objects",
     "has_full",
     "head_range",
     "heads_sent",
     "index_map",
     "load_full",
+    "node_rank_from_env",
     "reshard_",
     "reshard_kv",
     "restore_full_",
@@ -68,5 +72,6 @@ __all__ = [
     "tp_all_gather_into",
     "tp_all_reduce",
     "tp_broadcast",
+    "tp_group_ranks",
     "vocab_range",
 ]

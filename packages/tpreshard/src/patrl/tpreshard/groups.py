@@ -3,15 +3,15 @@
 A rank that skips a `new_group` call makes a *later* group creation hang (group names come from
 a per-process counter; research/feasibility.md §2), so `GroupCache` builds the TP and DP groups
 of every candidate layout at start-up and `layout(tp)` only looks them up. TP groups are
-consecutive ranks (inside a node when `tp` divides LOCAL_WORLD_SIZE); DP groups join the ranks
-with the same TP rank. A gloo TP group inside one node also gets a `ShmComm` (`tp_comm="auto"`),
-and so does the whole world when it is one gloo host (`world_comm()`). On an NCCL world every
-group is `cpu:gloo,cuda:nccl`: device tensors over NCCL, objects over gloo.
+consecutive ranks, always inside one node (`patrl.tpreshard.nodes`: a node is a torchrun agent);
+DP groups join the ranks with the same TP rank and may span nodes. A gloo TP group also gets a
+`ShmComm` (`tp_comm="auto"`), and so does the whole world when it is one node of gloo ranks
+(`world_comm()`). On an NCCL world every group is `cpu:gloo,cuda:nccl`: device tensors over
+NCCL, objects over gloo.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from patrl.tpreshard.layout import ParallelLayout
+from patrl.tpreshard.nodes import NodeMap, gather_node_map, tp_group_ranks
 from patrl.tpreshard.shm import ShmComm, shm_supported
 
 TP_COMM_CHOICES = ("auto", "shm", "process_group")
@@ -27,20 +28,23 @@ __all__ = ["GroupCache"]
 
 
 class GroupCache:
+    """The TP and DP groups of every candidate TP size, made by every rank at once. `nodes`
+    (default: gathered from each rank's GROUP_RANK) decides which ranks share a node; a
+    candidate whose TP groups would leave a node is an error naming it."""
+
     def __init__(
         self,
         candidate_tp_sizes: Iterable[int],
         *,
         world_size: int | None = None,
         rank: int | None = None,
-        local_world_size: int | None = None,
+        nodes: NodeMap | None = None,
         backend: str | None = None,
         timeout: timedelta | None = None,
         tp_comm: str = "auto",
     ) -> None:
         self.world_size = world_size if world_size is not None else dist.get_world_size()
         self.rank = rank if rank is not None else dist.get_rank()
-        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.candidates = sorted(set(candidate_tp_sizes))
         if tp_comm not in TP_COMM_CHOICES:
             raise ValueError(f"tp_comm must be one of {TP_COMM_CHOICES}, got {tp_comm!r}")
@@ -50,10 +54,14 @@ class GroupCache:
                     f"candidate TP size {tp} must divide the world size {self.world_size}; "
                     f"divisors: {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
                 )
-            if tp > local and tp % local:
-                raise ValueError(
-                    f"candidate TP size {tp} spans a partial node (LOCAL_WORLD_SIZE={local})"
-                )
+        self.nodes = nodes if nodes is not None else gather_node_map(self.world_size)
+        if self.nodes.world_size != self.world_size:
+            raise ValueError(
+                f"nodes cover {self.nodes.world_size} ranks, the world has {self.world_size}"
+            )
+        for tp in self.candidates:
+            if (problem := self.nodes.tp_problem(tp)) is not None:
+                raise ValueError(f"candidate {problem}")
         self.num_created = 0
         self._backend = _with_cpu_half(backend)
         # Every collective on these groups (reshards, KV moves) fails after `timeout` instead of
@@ -65,11 +73,12 @@ class GroupCache:
                 self._create(ranks)
         # all ranks, for control traffic that spans layouts (often tp=1's DP group already)
         self._create(tuple(range(self.world_size)))
-        self._comms = self._create_comms(tp_comm, local)
-        self._world_comm = self._create_world_comm(tp_comm, local)
+        self._comms = self._create_comms(tp_comm)
+        self._world_comm = self._create_world_comm(tp_comm)
 
-    def _create_comms(self, mode: str, local: int) -> dict[tuple[int, ...], ShmComm]:
-        """A ShmComm for this rank's TP group of every candidate size that can have one."""
+    def _create_comms(self, mode: str) -> dict[tuple[int, ...], ShmComm]:
+        """A ShmComm for this rank's TP group of every candidate size that can have one (gloo,
+        x86-64; inside one node, as every TP group is)."""
         comms: dict[tuple[int, ...], ShmComm] = {}
         if mode == "process_group":
             return comms
@@ -79,26 +88,27 @@ class GroupCache:
             if tp == 1:
                 continue
             group = self._groups[ranks]
-            eligible = shm_supported() and tp <= local and str(dist.get_backend(group)) == "gloo"
+            in_node = self.nodes.within_one_node(ranks)
+            eligible = shm_supported() and in_node and str(dist.get_backend(group)) == "gloo"
             if mode == "shm" and not eligible:
                 raise ValueError(
                     f"tp_comm='shm' needs gloo TP groups inside one node on x86-64; TP size {tp} "
-                    f"(LOCAL_WORLD_SIZE={local}, backend {dist.get_backend(group)}) has none; "
-                    "use tp_comm='auto' or 'process_group'"
+                    f"(nodes of {self.nodes.node_sizes()} ranks, backend "
+                    f"{dist.get_backend(group)}) has none; use tp_comm='auto' or 'process_group'"
                 )
             if eligible:
                 comms[ranks] = ShmComm(group, timeout_s=timeout_s, name=f"tp{tp}")
         return comms
 
-    def _create_world_comm(self, mode: str, local: int) -> ShmComm | None:
-        """A ShmComm over every rank when the whole world is one gloo host, for the adaptive
+    def _create_world_comm(self, mode: str) -> ShmComm | None:
+        """A ShmComm over every rank when the whole world is one node of gloo ranks, for the adaptive
         controller's control traffic (a summary all-gather and a decision broadcast); the TP
         group of the world's size, when a candidate, is the world and its comm serves."""
         world = tuple(range(self.world_size))
         if world in self._comms:
             return self._comms[world]
         group = self._groups.get(world)
-        if mode == "process_group" or group is None or self.world_size > local:
+        if mode == "process_group" or group is None or self.nodes.num_nodes > 1:
             return None
         if not shm_supported() or str(dist.get_backend(group)) != "gloo":
             return None
@@ -109,7 +119,7 @@ class GroupCache:
         return ShmComm(group, slot_bytes=1 << 20, timeout_s=timeout.total_seconds(), name="world")
 
     def _tp_ranks(self, tp: int) -> list[tuple[int, ...]]:
-        return [tuple(range(s, s + tp)) for s in range(0, self.world_size, tp)]
+        return tp_group_ranks(self.world_size, tp)
 
     def _dp_ranks(self, tp: int) -> list[tuple[int, ...]]:
         return [tuple(range(r, self.world_size, tp)) for r in range(tp)]
@@ -145,8 +155,8 @@ class GroupCache:
         return self._groups.get(tuple(range(self.world_size)))
 
     def world_comm(self) -> ShmComm | None:
-        """Shared-memory collectives over every rank (None unless the world is one gloo host
-        and tp_comm allows it)."""
+        """Shared-memory collectives over every rank (None unless the world is one node of gloo
+        ranks and tp_comm allows it)."""
         return self._world_comm
 
     def tp_group_ranks(self, tp: int) -> list[tuple[int, ...]]:

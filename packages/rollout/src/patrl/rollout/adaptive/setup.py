@@ -10,13 +10,12 @@ from patrl.lenpredict import (
     PlannerConfig,
     Profile,
     ReconfigPlanner,
-    usable_tp_sizes,
 )
 from patrl.rollout.adaptive.controller import TPController
 from patrl.rollout.adaptive.protocols import Lengths, Planner
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.tp_policy import AdaptiveTP
-from patrl.tpreshard import GroupCache, ParallelLayout
+from patrl.tpreshard import GroupCache, ParallelLayout, gather_node_map
 
 
 def make_planner(policy: AdaptiveTP, world_size: int, max_num_seqs: int) -> Planner:
@@ -45,18 +44,21 @@ def open_controller(
 ) -> tuple[ParallelLayout | None, GroupCache | None, TPController | None]:
     """(starting layout, groups, controller) of an adaptive engine; every rank of the world
     calls it at once (the groups are made here when not given). One process with nothing to
-    adapt gets no controller: the engine runs as static tp=1."""
+    adapt gets no controller: the engine runs as static tp=1. Candidates whose TP groups would
+    leave a node are dropped (patrl.tpreshard.nodes)."""
     policy = config.tp_policy
     assert isinstance(policy, AdaptiveTP)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if groups is not None:
         world_size = groups.world_size
-    candidates = usable_tp_sizes(policy.candidates, world_size)
+    nodes = groups.nodes if groups is not None else gather_node_map(world_size)
+    candidates = nodes.usable_tp_sizes(policy.candidates)
     if len(candidates) < 2:
         if world_size > 1 or (layout is not None and layout.tp_size > 1):
             raise ValueError(
                 f"tp_policy adaptive: candidates {policy.candidates} leave fewer than two "
-                f"TP sizes that divide the world size {world_size}"
+                f"TP sizes that divide the world size {world_size} with every TP group inside "
+                f"one node (nodes of {nodes.node_sizes()} ranks)"
             )
         return layout, groups, None
     policy = policy.model_copy(update={"candidates": candidates})
