@@ -203,10 +203,11 @@ def test_auto_picks_sdpa_on_cpu_without_importing_flash(monkeypatch: pytest.Monk
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
-    assert attention_backend_names() == ["sdpa", "flash", "auto"]
+    assert attention_backend_names() == ["sdpa", "flash", "triton", "auto"]
     with pytest.raises(
         ValueError,
-        match=r"unknown attention backend 'xformers'; choose one of \['sdpa', 'flash', 'auto'\]",
+        match=r"unknown attention backend 'xformers'; choose one of "
+        r"\['sdpa', 'flash', 'triton', 'auto'\]",
     ):
         create_attention_backend("xformers")
 
@@ -246,22 +247,62 @@ def _fake_flash_varlen(
             vs = v[block_table[i].long()].flatten(0, 1)[:n_k]
         assert qe - qs <= max_seqlen_q and n_k <= max_seqlen_k
         out[qs:qe] = naive_attention(q[qs:qe], ks, vs)
+    _FLASH_CALLS.append("varlen")
     return out
 
 
-@pytest.mark.parametrize("paged", [True, False])
+def _fake_flash_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool = False,
+) -> torch.Tensor:
+    """flash_attn_with_kvcache's documented paged semantics, naively, checking its argument
+    contract: q [B, S, Hq, D], caches [num_blocks, block_size, Hk, D], int32 cache_seqlens [B]
+    and block_table [B, max_blocks] whose blocks hold every cached token."""
+    b, s, hq, d = q.shape
+    assert causal and s == 1 and hq % k_cache.shape[2] == 0 and k_cache.shape[3] == d
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == q.dtype
+    assert cache_seqlens.dtype == block_table.dtype == torch.int32
+    assert cache_seqlens.shape == (b,) and block_table.shape[0] == b and block_table.dim() == 2
+    assert bool((cache_seqlens <= block_table.shape[1] * k_cache.shape[1]).all())
+    out = torch.empty_like(q)
+    for i in range(b):
+        n_k = int(cache_seqlens[i])
+        ks = k_cache[block_table[i].long()].flatten(0, 1)[:n_k]
+        vs = v_cache[block_table[i].long()].flatten(0, 1)[:n_k]
+        out[i] = naive_attention(q[i], ks, vs)
+    _FLASH_CALLS.append("with_kvcache")
+    return out
+
+
+_FLASH_CALLS: list[str] = []
+
+
+@pytest.mark.parametrize(
+    ("case", "call"),
+    [("mixed", "varlen"), ("decode", "with_kvcache"), ("uncached", "varlen")],
+)
 def test_flash_backend_passes_flash_the_right_metadata(
-    paged: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, call: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No GPU here: flash_attn is replaced by its semantics; the backend must equal sdpa."""
+    """No GPU here: flash_attn is replaced by its semantics; the backend must equal sdpa, and
+    a pure decode step must go through flash_attn_with_kvcache."""
     fake = type(sys)("flash_attn")
     fake.flash_attn_varlen_func = _fake_flash_varlen  # type: ignore[attr-defined]
+    fake.flash_attn_with_kvcache = _fake_flash_with_kvcache  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flash = create_attention_backend("flash")
     assert flash.name == "flash"
-    if paged:
+    if case == "mixed":
         ctx, q, k, v, twin = _paged_batch([5, 3, 1, 1], [5, 8, 4, 7], seed=3)
+        expected = torch.cat(twin)
+    elif case == "decode":
+        ctx, q, k, v, twin = _paged_batch([1, 1, 1], [9, 2, 13], seed=4)
         expected = torch.cat(twin)
     else:
         g = torch.Generator().manual_seed(2)
@@ -269,4 +310,6 @@ def test_flash_backend_passes_flash_the_right_metadata(
         q = torch.randn(11, HQ, D, generator=g)
         k, v = torch.randn(11, HK, D, generator=g), torch.randn(11, HK, D, generator=g)
         expected = SdpaBackend().forward(q, k, v, 0, ctx)
+    _FLASH_CALLS.clear()
     torch.testing.assert_close(flash.forward(q, k, v, 0, ctx), expected, rtol=1e-5, atol=1e-5)
+    assert [call] == _FLASH_CALLS
