@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 import patrl.kvstore as kvstore
 from patrl.kvstore import KVCacheSpec
+from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.layers.attention.registry import (
     attention_backend_names,
@@ -210,6 +212,60 @@ def test_unknown_backend_lists_the_known_ones() -> None:
         r"\['sdpa', 'flash', 'triton', 'auto'\]",
     ):
         create_attention_backend("xformers")
+
+
+def _pretend_installed(monkeypatch: pytest.MonkeyPatch, flash: bool, triton: bool) -> None:
+    """flash_attn / triton importable or not, as importlib.util.find_spec sees them."""
+    for name, present in (("flash_attn", flash), ("triton", triton)):
+        fake = type(sys)(name)
+        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, fake if present else None)
+
+
+@pytest.mark.parametrize(
+    ("cuda", "flash", "triton", "block_size", "expected"),
+    [
+        (True, True, True, None, "flash"),
+        (True, True, True, 512, "flash"),
+        (True, True, True, 16, "triton"),  # flash cannot page 16-token blocks: auto skips it
+        (True, False, True, None, "triton"),
+        (True, False, False, None, "sdpa"),
+        (False, True, True, None, "sdpa"),
+    ],
+)
+def test_auto_order_is_flash_then_triton_then_sdpa(
+    cuda: bool,
+    flash: bool,
+    triton: bool,
+    block_size: int | None,
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _pretend_installed(monkeypatch, flash, triton)
+    assert resolve_attention_backend("auto", block_size, cuda=cuda) == expected
+
+
+def test_engine_config_resolves_auto_and_the_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After validation both are concrete: the backend this machine runs, its block size."""
+    cpu = EngineConfig(model="m", device="cpu")
+    assert (cpu.attention_backend, cpu.block_size) == ("sdpa", 16)
+    assert EngineConfig(model="m", attention_backend="flash").block_size == 256
+    assert EngineConfig(model="m", attention_backend="triton").block_size == 16
+    assert EngineConfig(model="m", block_size=8).block_size == 8
+    _pretend_installed(monkeypatch, flash=True, triton=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = EngineConfig(model="m")
+    assert (on_gpu.attention_backend, on_gpu.block_size) == ("flash", 256)
+    small = EngineConfig(model="m", block_size=16)
+    assert (small.attention_backend, small.block_size) == ("triton", 16)
+    on_cpu = EngineConfig(model="m", device="cpu")
+    assert (on_cpu.attention_backend, on_cpu.block_size) == ("sdpa", 16)
+    with pytest.raises(
+        ValueError,
+        match=r"attention_backend='flash' cannot use block_size=16: it takes a positive "
+        r"multiple of 256 \(flash-attn's paged KV needs a multiple of 256; its default is 256\)",
+    ):
+        EngineConfig(model="m", attention_backend="flash", block_size=16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
