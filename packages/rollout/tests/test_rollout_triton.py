@@ -87,21 +87,23 @@ def assert_near(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Contexts cross block boundaries (block_size 4) and end in partial blocks; one is 1 token.
-DECODE_LENS = [9, 2, 13, 1, 8]
+# Contexts cross block boundaries (block_size 4) and end in partial blocks; one is 1 token;
+# with 3 splits of 16-token tiles, 37 tokens use all three, the short ones leave splits empty.
+DECODE_LENS = [9, 2, 37, 1, 20]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(2, 2), (8, 2)])
 def test_paged_decode_matches_sdpa(
-    kernels: ModuleType, q_heads: int, kv_heads: int, dtype: torch.dtype
+    kernels: ModuleType, q_heads: int, kv_heads: int, dtype: torch.dtype, splits: int
 ) -> None:
     ctx, q, _, _ = paged_case([1] * len(DECODE_LENS), DECODE_LENS, q_heads, kv_heads, dtype)
-    assert ctx.kv_cache is not None
     k_cache, v_cache = ctx.paged_blocks(0)
     out = kernels.paged_decode(
-        q, k_cache, v_cache, ctx.block_table_tensor(), ctx.context_lens_tensor(), block_n=16
-    )
+        q, k_cache, v_cache, ctx.block_table_tensor(), ctx.context_lens_tensor(),
+        block_n=16, num_splits=splits,
+    )  # fmt: skip
     expected = SdpaBackend.decode(q, 0, ctx, None)
     assert out.dtype == dtype and out.shape == q.shape
     assert_near(out, expected, dtype)
@@ -237,6 +239,22 @@ def test_kernels_match_sdpa_at_realistic_shapes_on_cuda(
         ctx.context_lens_tensor(), ctx.max_query_len,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_split_decode_of_a_small_batch_matches_sdpa_on_cuda(kernels: ModuleType) -> None:
+    """Two long contexts: split automatically (into several chunks on a many-SM GPU), the
+    decode equals sdpa and the unsplit kernel."""
+    ctx, q, _, _ = paged_case(
+        [1, 1], [4000, 2500], 32, 8, torch.bfloat16, block_size=16, head_dim=128
+    )
+    k_cache, v_cache = ctx.paged_blocks(0)
+    table, lens = ctx.block_table_tensor(), ctx.context_lens_tensor()
+    out = kernels.paged_decode(q, k_cache, v_cache, table, lens)
+    single = kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=1)
+    expected = SdpaBackend.decode(q, 0, ctx, None)
+    assert_near(out, expected, torch.bfloat16)
+    assert_near(single, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ which is how CI tests them against `sdpa`. See docs/attention.md.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -79,15 +80,17 @@ def _attend_tile(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, out_ptr, k_cache, v_cache, table_ptr, lens_ptr,
+    q_ptr, out_ptr, part_ptr, k_cache, v_cache, table_ptr, lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cb, stride_co, stride_ch, qk_scale,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, kv head): its GROUP query heads against its whole context."""
-    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    """One program per (sequence, kv head, split): its GROUP query heads against split's share
+    of the context (one of SPLITS equal chunks). One split writes the output; several write
+    each head's (acc, max, sum) to part_ptr [B, q_heads, SPLITS, DIM_PAD + 2] for the reduce."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(lens_ptr + seq)
     rows, dims = tl.arange(0, GROUP_PAD), tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + rows
@@ -100,15 +103,46 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
-    for start in range(0, ctx_len, BLOCK_N):
+    chunk = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, ctx_len)
+    for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache, v_cache, table_row, kv_head, start, ctx_len, rows,
+            q, acc, m_i, l_i, k_cache, v_cache, table_row, kv_head, start, hi, rows,
             stride_cb, stride_co, stride_ch, qk_scale,
             BLOCK_SIZE, BLOCK_N, DIM, DIM_PAD, COMPUTE, PRECISION, False,
         )  # fmt: skip
-    out = acc / l_i[:, None]
-    dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        width = DIM_PAD + 2
+        part = part_ptr + ((seq * GROUP * tl.num_programs(1) + heads) * SPLITS + split) * width
+        tl.store(part[:, None] + dims[None, :], acc, mask=rows[:, None] < GROUP)
+        tl.store(part + DIM_PAD, m_i, mask=rows < GROUP)
+        tl.store(part + DIM_PAD + 1, l_i, mask=rows < GROUP)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_ptr, out_ptr, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, query head): merge its SPLITS partial softmaxes. Split 0
+    always saw a token, so the overall max is finite; an empty split has max -inf, weight 0."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    splits, dims = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM_PAD)
+    width = DIM_PAD + 2
+    part = part_ptr + ((seq * tl.num_programs(1) + head) * SPLITS + splits) * width
+    valid = splits < SPLITS
+    m = tl.load(part + DIM_PAD, mask=valid, other=float("-inf"))
+    l = tl.load(part + DIM_PAD + 1, mask=valid, other=0.0)  # noqa: E741
+    acc = tl.load(part[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    dst = out_ptr + seq * stride_ot + head * stride_oh + dims
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < DIM)
 
 
 @triton.jit
@@ -186,25 +220,41 @@ def paged_decode(
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
     block_n: int = 64,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [B, q_heads, D], against its first `context_lens[i]` cached
     tokens read through `block_table` [B, max_blocks] (tail entries past the context are never
-    read) -> [B, q_heads, D] in q's dtype. q_heads must be a multiple of kv_heads."""
+    read) -> [B, q_heads, D] in q's dtype. q_heads must be a multiple of kv_heads.
+
+    `num_splits` (None = enough programs to fill the GPU, from the batch alone) cuts each
+    context into that many chunks attended in parallel, then merged (flash-decoding): a small
+    batch of long contexts would otherwise leave most of the GPU idle. The grid never depends
+    on a context length, so the launch can be captured in a CUDA graph."""
     q = _last_dim_contiguous(q)
     batch, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = _group(q_heads, kv_heads)
     _check_cache(k_cache, v_cache, kv_heads, dim)
+    splits = num_splits or _auto_splits(q.device, batch * kv_heads)
     out = torch.empty_like(q)
+    part = out
+    if splits > 1:
+        part = torch.empty(batch, q_heads, splits, _dim_pad(dim) + 2, device=q.device)
     compute, precision = _compute_dtype(k_cache.dtype)
-    _paged_decode_kernel[(batch, kv_heads)](
-        q, out, k_cache, v_cache, block_table, context_lens,
+    _paged_decode_kernel[(batch, kv_heads, splits)](
+        q, out, part, k_cache, v_cache, block_table, context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *k_cache.stride()[:3], _LOG2E / math.sqrt(dim),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLITS=splits,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, DIM=dim, DIM_PAD=_dim_pad(dim),
         COMPUTE=compute, PRECISION=precision,
     )  # fmt: skip
+    if splits > 1:
+        _reduce_splits_kernel[(batch, q_heads)](
+            part, out, out.stride(0), out.stride(1),
+            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim,
+            DIM_PAD=_dim_pad(dim),
+        )  # fmt: skip
     return out
 
 
@@ -253,6 +303,22 @@ def _compute_dtype(cache_dtype: torch.dtype) -> tuple[tl.dtype, str]:
     if cache_dtype in (torch.bfloat16, torch.float32):
         return tl.float32, "ieee"
     raise ValueError(f"KV cache dtype {cache_dtype} is not supported; use float32/bfloat16/float16")
+
+
+def _auto_splits(device: torch.device, programs: int) -> int:
+    """Splits per context so that about two programs run per streaming multiprocessor, at
+    most 16; 1 off CUDA (the interpreter gains nothing from them)."""
+    if device.type != "cuda":
+        return 1
+    sms = _multiprocessors(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return max(1, min(16, -(-2 * sms // programs)))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _group(q_heads: int, kv_heads: int) -> int:
