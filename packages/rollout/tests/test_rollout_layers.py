@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from rollout_testkit import PagedKVCache
+from rollout_testkit import PagedKVCache, random_paged_batch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -369,3 +369,30 @@ def test_flash_backend_passes_flash_the_right_metadata(
     _FLASH_CALLS.clear()
     torch.testing.assert_close(flash.forward(q, k, v, 0, ctx), expected, rtol=1e-5, atol=1e-5)
     assert [call] == _FLASH_CALLS
+
+
+LONG_DECODES: list[int] = torch.randint(
+    1, 3000, (32,), generator=torch.Generator().manual_seed(7)
+).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([1] * 32, LONG_DECODES), ([300, 1, 40], [300, 900, 2000])],
+)
+def test_flash_matches_sdpa_on_cuda(query_lens: list[int], context_lens: list[int]) -> None:
+    """Real flash-attn (where installed) at block_size 256, bf16, head_dim 128: a decode step
+    (flash_attn_with_kvcache) and a mixed one (varlen with block_table) equal sdpa."""
+    pytest.importorskip("flash_attn", reason="the flash backend needs flash-attn")
+    ctx, q, k, v = random_paged_batch(
+        query_lens, context_lens, 32, 8, torch.bfloat16, block_size=256, head_dim=128,
+        device="cuda",
+    )  # fmt: skip
+    twin, _, _, _ = random_paged_batch(
+        query_lens, context_lens, 32, 8, torch.bfloat16, block_size=256, head_dim=128,
+        device="cuda",
+    )  # fmt: skip
+    out = create_attention_backend("flash").forward(q, k, v, 0, ctx)
+    expected = SdpaBackend().forward(q, k, v, 0, twin)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)

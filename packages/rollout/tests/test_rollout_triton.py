@@ -10,11 +10,13 @@ import importlib
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
+from rollout_testkit import random_paged_batch
 
-from patrl.kvstore import KVCacheSpec, PagedKVCache
+from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.layers.attention.context import AttentionContext
@@ -47,37 +49,11 @@ def paged_case(
     q_heads: int,
     kv_heads: int,
     dtype: torch.dtype,
-    *,
-    block_size: int = 4,
-    head_dim: int = 32,
-    seed: int = 0,
+    **kwargs: Any,
 ) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A real PagedKVCache full of random KV (every slot, so stale data would show), shuffled
-    block tables with one extra zero entry (a padded tail), and the new tokens' q, k, v."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
-    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, dtype, torch.device(DEVICE))
-    cache = PagedKVCache(spec, num_blocks, enable_prefix_caching=False)
-    for blocks in (cache.k[0], cache.v[0]):
-        blocks.copy_(torch.randn(blocks.shape, generator=g).to(dtype))
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots = [], []
-    for q_len, ctx_len in zip(query_lens, context_lens, strict=True):
-        table = [free.pop() for _ in range(-(-ctx_len // block_size))]
-        slots += [
-            table[p // block_size] * block_size + p % block_size
-            for p in range(ctx_len - q_len, ctx_len)
-        ]
-        tables.append([*table, 0])
-    ctx = AttentionContext.build(
-        query_lens, context_lens, slot_mapping=slots, block_tables=tables, kv_cache=cache,
-        device=DEVICE,
-    )  # fmt: skip
-    total = sum(query_lens)
-    q = torch.randn(total, q_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    return ctx, q, k, v
+    return random_paged_batch(
+        query_lens, context_lens, q_heads, kv_heads, dtype, device=DEVICE, **kwargs
+    )
 
 
 def assert_near(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
