@@ -101,11 +101,12 @@ def resolve_block_size(backend: str, block_size: int | None) -> int:
         return rule.default
     if not rule.accepts(block_size):
         others = [n for n, r in _BLOCK_SIZES.items() if r.accepts(block_size)]
+        reason = f"{rule.why}; " if rule.why else ""
         raise ValueError(
             f"attention_backend={backend!r} cannot use block_size={block_size}: it takes a "
-            f"positive multiple of {rule.multiple_of} ({rule.why}; its default is "
-            f"{rule.default}). Leave block_size unset for the backend's default, or pick a "
-            f"backend that takes {block_size}: {others}"
+            f"positive multiple of {rule.multiple_of} ({reason}its default is {rule.default}). "
+            "Leave block_size unset for the backend's default, or pick a backend that takes "
+            f"{block_size}: {others}"
         )
     return block_size
 
