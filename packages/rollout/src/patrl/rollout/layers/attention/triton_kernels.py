@@ -5,7 +5,7 @@ The cache is per layer `[num_blocks, block_size, kv_heads, head_dim]`; a context
 sequence i lives at block `block_table[i, p // block_size]`, offset `p % block_size`. The
 kernels address keys token by token through the block table, so any block size works. Softmax
 is online (flash-attention style) in fp32, scale 1 / sqrt(head_dim), causal aligned to the lower
-right. Under `TRITON_INTERPRET=1` (set before this module is imported) they run on CPU tensors,
+right. Under `TRITON_INTERPRET=1` (set before triton is imported) they run on CPU tensors,
 which is how CI tests them against `sdpa`. See docs/attention.md.
 """
 
