@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -155,6 +157,21 @@ def test_triton_backend_without_a_cache_goes_through_sdpa(kernels: ModuleType) -
     ctx = AttentionContext.build([4, 5], device=DEVICE)
     out = create_attention_backend("triton").forward(q, k, v, 0, ctx)
     torch.testing.assert_close(out, SdpaBackend().forward(q, k, v, 0, ctx))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_triton_backend_refuses_clearly_on_cpu_without_the_interpreter() -> None:
+    """A fresh process without TRITON_INTERPRET: compiled kernels cannot take CPU tensors."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "from patrl.rollout.layers.attention.registry import create_attention_backend\n"
+        "create_attention_backend('triton')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "the triton attention backend needs CUDA; use 'sdpa' on CPU" in done.stderr
 
 
 def generate(
