@@ -1,9 +1,20 @@
-"""Repo-wide pytest hooks: tests marked `gpu` skip, saying why, where CUDA is absent."""
+"""Repo-wide pytest hooks: tests marked `gpu` skip, saying why, where CUDA is absent; there,
+Triton kernels run under triton's interpreter.
+
+triton reads TRITON_INTERPRET when it is imported and when `@triton.jit` decorates, and again
+while a kernel runs, so it is set here, before any test module can import triton, for the whole
+process (a CPU machine cannot run compiled Triton kernels anyway). An explicit value wins.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

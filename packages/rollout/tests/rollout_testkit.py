@@ -114,6 +114,47 @@ class PagedKVCache:
         return _gather_padded(self, layer, block_tables)
 
 
+def random_paged_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    q_heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    *,
+    block_size: int = 4,
+    head_dim: int = 32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A real patrl.kvstore.PagedKVCache of one layer full of random KV (every slot, so stale
+    data would show), shuffled block tables with one extra zero entry (a padded tail), and the
+    new tokens' q, k, v: the context and inputs of a fused paged kernel's twin test."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, dtype, torch.device(device))
+    cache = kvstore.PagedKVCache(spec, num_blocks, enable_prefix_caching=False)
+    for blocks in (cache.k[0], cache.v[0]):
+        blocks.copy_(torch.randn(blocks.shape, generator=g).to(dtype))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for q_len, ctx_len in zip(query_lens, context_lens, strict=True):
+        table = [free.pop() for _ in range(-(-ctx_len // block_size))]
+        slots += [
+            table[p // block_size] * block_size + p % block_size
+            for p in range(ctx_len - q_len, ctx_len)
+        ]
+        tables.append([*table, 0])
+    ctx = AttentionContext.build(
+        query_lens, context_lens, slot_mapping=slots, block_tables=tables, kv_cache=cache,
+        device=device,
+    )  # fmt: skip
+    total = sum(query_lens)
+    q = torch.randn(total, q_heads, head_dim, generator=g).to(dtype).to(device)
+    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    return ctx, q, k, v
+
+
 class Driver:
     """Feeds chunks of tokens to a model sequence by sequence, keeping the cache bookkeeping."""
 

@@ -323,7 +323,12 @@ def test_load_weights_changes_outputs_and_drops_cached_prefixes(
     ("overrides", "message"),
     [
         ({"block_size": 0}, "block_size"),
-        ({"attention_backend": "triton"}, "unknown attention backend 'triton'"),
+        ({"attention_backend": "xformers"}, "unknown attention backend 'xformers'"),
+        (
+            {"attention_backend": "flash", "block_size": 4},
+            r"attention_backend='flash' cannot use block_size=4: it takes a positive multiple "
+            r"of 256 .* \['sdpa', 'triton'\]",
+        ),
         ({"num_kv_blocks": 4, "max_model_len": 64}, "cannot hold one max_model_len=64"),
         ({"max_num_seqs": -1}, "max_num_seqs"),
         ({"max_model_len": 100_000}, "exceeds the model's max_position_embeddings=256"),

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 
 import pytest
 import torch
-from rollout_testkit import PagedKVCache
+from rollout_testkit import PagedKVCache, random_paged_batch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import patrl.kvstore as kvstore
 from patrl.kvstore import KVCacheSpec
+from patrl.rollout.config import EngineConfig
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.layers.attention.registry import (
     attention_backend_names,
@@ -203,12 +205,67 @@ def test_auto_picks_sdpa_on_cpu_without_importing_flash(monkeypatch: pytest.Monk
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
-    assert attention_backend_names() == ["sdpa", "flash", "auto"]
+    assert attention_backend_names() == ["sdpa", "flash", "triton", "auto"]
     with pytest.raises(
         ValueError,
-        match=r"unknown attention backend 'xformers'; choose one of \['sdpa', 'flash', 'auto'\]",
+        match=r"unknown attention backend 'xformers'; choose one of "
+        r"\['sdpa', 'flash', 'triton', 'auto'\]",
     ):
         create_attention_backend("xformers")
+
+
+def _pretend_installed(monkeypatch: pytest.MonkeyPatch, flash: bool, triton: bool) -> None:
+    """flash_attn / triton importable or not, as importlib.util.find_spec sees them."""
+    for name, present in (("flash_attn", flash), ("triton", triton)):
+        fake = type(sys)(name)
+        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, fake if present else None)
+
+
+@pytest.mark.parametrize(
+    ("cuda", "flash", "triton", "block_size", "expected"),
+    [
+        (True, True, True, None, "flash"),
+        (True, True, True, 512, "flash"),
+        (True, True, True, 16, "triton"),  # flash cannot page 16-token blocks: auto skips it
+        (True, False, True, None, "triton"),
+        (True, False, False, None, "sdpa"),
+        (False, True, True, None, "sdpa"),
+    ],
+)
+def test_auto_order_is_flash_then_triton_then_sdpa(
+    cuda: bool,
+    flash: bool,
+    triton: bool,
+    block_size: int | None,
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _pretend_installed(monkeypatch, flash, triton)
+    assert resolve_attention_backend("auto", block_size, cuda=cuda) == expected
+
+
+def test_engine_config_resolves_auto_and_the_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After validation both are concrete: the backend this machine runs, its block size."""
+    cpu = EngineConfig(model="m", device="cpu")
+    assert (cpu.attention_backend, cpu.block_size) == ("sdpa", 16)
+    assert EngineConfig(model="m", attention_backend="flash").block_size == 256
+    assert EngineConfig(model="m", attention_backend="triton").block_size == 16
+    assert EngineConfig(model="m", block_size=8).block_size == 8
+    _pretend_installed(monkeypatch, flash=True, triton=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = EngineConfig(model="m")
+    assert (on_gpu.attention_backend, on_gpu.block_size) == ("flash", 256)
+    small = EngineConfig(model="m", block_size=16)
+    assert (small.attention_backend, small.block_size) == ("triton", 16)
+    on_cpu = EngineConfig(model="m", device="cpu")
+    assert (on_cpu.attention_backend, on_cpu.block_size) == ("sdpa", 16)
+    with pytest.raises(
+        ValueError,
+        match=r"attention_backend='flash' cannot use block_size=16: it takes a positive "
+        r"multiple of 256 \(flash-attn's paged KV needs a multiple of 256; its default is 256\)",
+    ):
+        EngineConfig(model="m", attention_backend="flash", block_size=16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -246,22 +303,62 @@ def _fake_flash_varlen(
             vs = v[block_table[i].long()].flatten(0, 1)[:n_k]
         assert qe - qs <= max_seqlen_q and n_k <= max_seqlen_k
         out[qs:qe] = naive_attention(q[qs:qe], ks, vs)
+    _FLASH_CALLS.append("varlen")
     return out
 
 
-@pytest.mark.parametrize("paged", [True, False])
+def _fake_flash_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool = False,
+) -> torch.Tensor:
+    """flash_attn_with_kvcache's documented paged semantics, naively, checking its argument
+    contract: q [B, S, Hq, D], caches [num_blocks, block_size, Hk, D], int32 cache_seqlens [B]
+    and block_table [B, max_blocks] whose blocks hold every cached token."""
+    b, s, hq, d = q.shape
+    assert causal and s == 1 and hq % k_cache.shape[2] == 0 and k_cache.shape[3] == d
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == q.dtype
+    assert cache_seqlens.dtype == block_table.dtype == torch.int32
+    assert cache_seqlens.shape == (b,) and block_table.shape[0] == b and block_table.dim() == 2
+    assert bool((cache_seqlens <= block_table.shape[1] * k_cache.shape[1]).all())
+    out = torch.empty_like(q)
+    for i in range(b):
+        n_k = int(cache_seqlens[i])
+        ks = k_cache[block_table[i].long()].flatten(0, 1)[:n_k]
+        vs = v_cache[block_table[i].long()].flatten(0, 1)[:n_k]
+        out[i] = naive_attention(q[i], ks, vs)
+    _FLASH_CALLS.append("with_kvcache")
+    return out
+
+
+_FLASH_CALLS: list[str] = []
+
+
+@pytest.mark.parametrize(
+    ("case", "call"),
+    [("mixed", "varlen"), ("decode", "with_kvcache"), ("uncached", "varlen")],
+)
 def test_flash_backend_passes_flash_the_right_metadata(
-    paged: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, call: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No GPU here: flash_attn is replaced by its semantics; the backend must equal sdpa."""
+    """No GPU here: flash_attn is replaced by its semantics; the backend must equal sdpa, and
+    a pure decode step must go through flash_attn_with_kvcache."""
     fake = type(sys)("flash_attn")
     fake.flash_attn_varlen_func = _fake_flash_varlen  # type: ignore[attr-defined]
+    fake.flash_attn_with_kvcache = _fake_flash_with_kvcache  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flash = create_attention_backend("flash")
     assert flash.name == "flash"
-    if paged:
+    if case == "mixed":
         ctx, q, k, v, twin = _paged_batch([5, 3, 1, 1], [5, 8, 4, 7], seed=3)
+        expected = torch.cat(twin)
+    elif case == "decode":
+        ctx, q, k, v, twin = _paged_batch([1, 1, 1], [9, 2, 13], seed=4)
         expected = torch.cat(twin)
     else:
         g = torch.Generator().manual_seed(2)
@@ -269,4 +366,33 @@ def test_flash_backend_passes_flash_the_right_metadata(
         q = torch.randn(11, HQ, D, generator=g)
         k, v = torch.randn(11, HK, D, generator=g), torch.randn(11, HK, D, generator=g)
         expected = SdpaBackend().forward(q, k, v, 0, ctx)
+    _FLASH_CALLS.clear()
     torch.testing.assert_close(flash.forward(q, k, v, 0, ctx), expected, rtol=1e-5, atol=1e-5)
+    assert [call] == _FLASH_CALLS
+
+
+LONG_DECODES: list[int] = torch.randint(
+    1, 3000, (32,), generator=torch.Generator().manual_seed(7)
+).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([1] * 32, LONG_DECODES), ([300, 1, 40], [300, 900, 2000])],
+)
+def test_flash_matches_sdpa_on_cuda(query_lens: list[int], context_lens: list[int]) -> None:
+    """Real flash-attn (where installed) at block_size 256, bf16, head_dim 128: a decode step
+    (flash_attn_with_kvcache) and a mixed one (varlen with block_table) equal sdpa."""
+    pytest.importorskip("flash_attn", reason="the flash backend needs flash-attn")
+    ctx, q, k, v = random_paged_batch(
+        query_lens, context_lens, 32, 8, torch.bfloat16, block_size=256, head_dim=128,
+        device="cuda",
+    )  # fmt: skip
+    twin, _, _, _ = random_paged_batch(
+        query_lens, context_lens, 32, 8, torch.bfloat16, block_size=256, head_dim=128,
+        device="cuda",
+    )  # fmt: skip
+    out = create_attention_backend("flash").forward(q, k, v, 0, ctx)
+    expected = SdpaBackend().forward(q, k, v, 0, twin)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -104,13 +104,21 @@ class RolloutConfig(_Section):
         "length_aware",
         description="prompts to replicas: longest predicted work first onto the least loaded",
     )
-    block_size: int = Field(16, gt=0)
+    block_size: int | None = Field(
+        None,
+        gt=0,
+        description="tokens per KV block; null = the attention backend's (flash 256, else 16)",
+    )
     num_kv_blocks: int | None = Field(None, gt=0)
     kv_cache_memory_bytes: int = Field(1 << 29, gt=0)
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = Field(
+        "auto",
+        description="sdpa, triton (CUDA), flash (CUDA + flash-attn); auto = the first of "
+        "flash, triton, sdpa that this machine runs",
+    )
     tp_comm: Literal["auto", "shm", "process_group"] = Field(
         "auto",
         description="TP collectives: shm (shared memory, one host, gloo) or the process group; "
@@ -125,6 +133,17 @@ class RolloutConfig(_Section):
         description="partial rollouts (APRIL): start this fraction more prompts, stop when the "
         "batch is full, resume the unfinished ones first next step; 0 = off",
     )
+
+    @model_validator(mode="after")
+    def _block_size_fits_backend(self) -> RolloutConfig:
+        """A named backend and an explicit block size it cannot use fail here, before any
+        rank starts ("auto" is resolved on each rank, where the machine is known)."""
+        from patrl.rollout.layers.attention import registry  # the rules live with the backends
+
+        if self.attention_backend != "auto":
+            registry.resolve_attention_backend(self.attention_backend)  # names unknown ones
+            registry.resolve_block_size(self.attention_backend, self.block_size)
+        return self
 
 
 class ActorConfig(TrainerConfig):

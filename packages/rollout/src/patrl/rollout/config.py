@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from patrl.rollout.layers.attention.registry import attention_backend_names
+from patrl.rollout.layers.attention.registry import (
+    attention_backend_names,
+    resolve_attention_backend,
+    resolve_block_size,
+)
 from patrl.rollout.tp_policy import StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,8 +25,16 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face model directory (config.json + *.safetensors)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda'")
-    attention_backend: str = "auto"
-    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    attention_backend: str = Field(
+        "auto",
+        description="'sdpa', 'triton' (CUDA), 'flash' (CUDA + flash-attn) or 'auto' (the first "
+        "of flash, triton, sdpa that this machine runs); validation resolves 'auto'",
+    )
+    block_size: int = Field(
+        None,  # type: ignore[assignment]  # _resolve_backend_and_block_size makes it an int
+        gt=0,
+        description="tokens per KV block; None = the attention backend's (flash 256, else 16)",
+    )
     num_kv_blocks: int | None = Field(None, gt=0, description="KV blocks; None = from memory")
     kv_cache_memory_bytes: int = Field(
         1 << 30, gt=0, description="KV budget when num_kv_blocks is None"
@@ -54,6 +66,30 @@ class EngineConfig(BaseModel):
         description="on CPU under glibc, keep freed memory for reuse instead of faulting in "
         "fresh pages for each step's logits (process-wide; see patrl.rollout.host_memory)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_backend_and_block_size(cls, data: Any) -> Any:
+        """'auto' -> the backend this machine runs (flash only for a block size it takes), an
+        unset block size -> that backend's; an explicit incompatible pair raises, naming both."""
+        if not isinstance(data, dict):
+            return data
+        name, raw = data.get("attention_backend", "auto"), data.get("block_size")
+        try:
+            block_size = None if raw is None else int(raw)
+        except (TypeError, ValueError):
+            return data  # the field validator names the bad value
+        if name not in attention_backend_names() or (block_size is not None and block_size <= 0):
+            return data
+        device = str(data.get("device", "auto"))
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        backend = resolve_attention_backend(name, block_size, cuda=cuda)
+        resolved = resolve_block_size(backend, block_size)
+        return {
+            **data,
+            "attention_backend": backend,
+            "block_size": resolved if raw is None else raw,
+        }
 
     @field_validator("attention_backend")
     @classmethod

@@ -660,7 +660,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default: the backend's")
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="profile an engine that runs without it"
     )

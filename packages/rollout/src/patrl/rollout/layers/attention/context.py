@@ -151,6 +151,17 @@ class AttentionContext:
             k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
         self.kv_cache.write_slots(layer, self.slot_mapping, k, v)
 
+    def paged_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's K and V blocks of `layer`, [num_blocks, block_size, kv_heads, D], for
+        kernels that read the pages directly; a cache without them raises (PagedKVTensors)."""
+        k, v = getattr(self.kv_cache, "k", None), getattr(self.kv_cache, "v", None)
+        if k is None or v is None:
+            raise TypeError(
+                f"{type(self.kv_cache).__name__} has no per-layer block tensors k and v; a "
+                "fused paged kernel reads the blocks directly (see PagedKVTensors)"
+            )
+        return k[layer], v[layer]
+
     def context_lens_tensor(self) -> torch.Tensor:
         """`context_lens` as a [B] int32 tensor on the device, from `cu_seqlens_k`."""
         return self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]
