@@ -57,6 +57,14 @@ def assert_same(got: tuple[list[list[int]], torch.Tensor], want: Any) -> None:
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
 
 
+def triton_interpreted() -> bool:
+    try:
+        from patrl.rollout.layers.attention import triton_kernels
+    except ImportError:
+        return False
+    return bool(triton_kernels.INTERPRETED)
+
+
 def engine(model_dir: Path, **overrides: Any) -> Engine:
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=128, max_model_len=64,
@@ -65,9 +73,14 @@ def engine(model_dir: Path, **overrides: Any) -> Engine:
     return Engine(config)
 
 
-def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(model_dir: Path) -> None:
-    expected = run(engine(model_dir))
-    twin = engine(model_dir)
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(
+    model_dir: Path, backend: str
+) -> None:
+    if backend == "triton" and not triton_interpreted():
+        pytest.skip("triton is not installed, or runs compiled (CUDA): the gpu test covers it")
+    expected = run(engine(model_dir, attention_backend=backend))
+    twin = engine(model_dir, attention_backend=backend)
     graphs = twin.runner.graphs = twin.runner._decode_graphs(capture=False)
     assert graphs is not None and not graphs.capture
     calls: list[int] = []
