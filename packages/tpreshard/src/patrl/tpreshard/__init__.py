@@ -22,6 +22,7 @@ from patrl.tpreshard.reshard import (
     forget_full,
     has_full,
     index_map,
+    kept_tensors,
     reshard_,
     restore_full_,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "head_range",
     "heads_sent",
     "index_map",
+    "kept_tensors",
     "load_full",
     "reshard_",
     "reshard_kv",
