@@ -17,7 +17,9 @@ from patrl.rollout.kv_budget import CPU_KV_BYTES, DeviceMemory, KVBudget, probe_
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import GroupCache
 from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 MIB = 1 << 20
@@ -157,6 +159,35 @@ def test_explicit_sizes_skip_the_measurement(
     fixed = _engine(llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=MIB)
     assert fixed.cache.num_blocks == fixed.cache.spec.num_blocks_for(MIB)
     assert probe.profiled == 0
+
+
+def _uneven_devices(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    total = 4 * MIB
+    in_use = 300_000 + 200_000 * rank  # rank 1's device is fuller
+    model_runner_module.probe_for = lambda device: FakeProbe(total - in_use, total, 50_000)  # type: ignore[assignment]
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    config = EngineConfig(
+        model=model_dir, block_size=4, max_model_len=256, gpu_memory_utilization=0.25
+    )
+    replica = Engine(config, groups.layout(1), groups)  # the world agrees
+    grouped = Engine(config, groups.layout(2))  # the TP group agrees
+    spec = replica.cache.spec
+    return {
+        "own": (int(0.25 * total) - in_use - 50_000) // spec.bytes_per_block,
+        "replica": replica.cache.num_blocks,
+        "grouped_bytes": grouped.runner.kv_bytes,
+        "replica_bytes": replica.runner.kv_bytes,
+    }
+
+
+@pytest.mark.multirank
+def test_ranks_take_the_smallest_measured_budget(llama_dir: Path) -> None:
+    # a fold joins ranks into one TP group, whose caches must hold the same blocks
+    results = run_ranks(_uneven_devices, 2, args=(str(llama_dir),), timeout_s=300)
+    assert results[0]["own"] > results[1]["own"]
+    for r in results:
+        assert r["replica"] == results[1]["own"]
+        assert r["grouped_bytes"] == r["replica_bytes"] == results[1]["replica_bytes"]
 
 
 def test_gpu_memory_utilization_is_a_fraction(llama_dir: Path) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
@@ -30,6 +31,7 @@ from patrl.rollout.sampler import (
 from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.tpreshard import GroupCache, ParallelLayout, kept_tensors, tp_broadcast
+from patrl.tpreshard.comm import all_reduce
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +82,7 @@ class ModelRunner:
         if groups is not None:
             groups.connect(self.device)
         self.kv_budget: KVBudget | None = None  # set where the KV bytes come from memory
-        self.kv_bytes = self._kv_bytes()
+        self.kv_bytes = self._kv_bytes(groups)
         self.cache = self._build_cache()
         self.sleep_level = 0  # 1: the KV cache is freed, 2: the weights are on the host too
         self._host_weights: HostCopy | None = None
@@ -128,9 +130,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- memory
 
-    def _kv_bytes(self) -> int:
+    def _kv_bytes(self, groups: GroupCache | None) -> int:
         """The KV cache's bytes, kept across layouts: `kv_cache_memory_bytes`, else measured
-        on a device (see kv_budget), else `CPU_KV_BYTES`."""
+        on a device (see kv_budget; the smallest over the ranks), else `CPU_KV_BYTES`."""
         config = self.config
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
@@ -147,7 +149,17 @@ class ModelRunner:
             activation,
             config.max_num_batched_tokens,
         )
-        return self.kv_budget.kv_bytes
+        return self._smallest_over_ranks(self.kv_budget.kv_bytes, groups)
+
+    def _smallest_over_ranks(self, n: int, groups: GroupCache | None) -> int:
+        """The least `n` over every rank that may share a TP group with this one (the world of
+        `groups`, else this TP group): a group's ranks must hold the same blocks."""
+        group = groups.world_group() if groups is not None else self.layout.tp_group
+        if group is None:
+            return n
+        least = torch.tensor([n], dtype=torch.int64, device=self.device)
+        all_reduce(group, least, op=dist.ReduceOp.MIN)
+        return int(least.item())
 
     def _profile_run(self) -> Callable[[], object]:
         """The profiling forward: `max_num_batched_tokens` prompt tokens, the first sequence's
