@@ -243,6 +243,8 @@ def test_sleep_needs_an_idle_cache_and_a_known_level(llama_dir: Path) -> None:
     engine.sleep()
     with pytest.raises(RuntimeError, match="already asleep"):
         engine.sleep()
+    with pytest.raises(RuntimeError, match="import_requests on an engine asleep"):
+        engine.import_requests([])
 
 
 def test_sleep_level_2_moves_the_weights_out_and_back_bit_exact(llama_dir: Path) -> None:

@@ -318,6 +318,7 @@ class Engine:
 
     def import_requests(self, states: Iterable[SequenceState]) -> None:
         """Continue exported samples here: with their KV when it fits, else by recompute."""
+        self.runner.check_awake("import_requests")
         import_requests(
             self._requests, self.scheduler, self.cache, states, lambda: next(self._seq_ids)
         )

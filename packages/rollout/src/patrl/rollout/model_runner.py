@@ -90,7 +90,7 @@ class ModelRunner:
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Move to `layout`: the model is already cut for it (or is `model`); the KV cache is
         rebuilt empty, in the old one's storage (every sequence must have left it)."""
-        self._check_awake("a layout change")
+        self.check_awake("a layout change")
         self.layout = layout
         if model is not None:
             self.model = model
@@ -239,10 +239,11 @@ class ModelRunner:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors under their HF names into the model, cut for this layout."""
         if self.sleep_level == 2:
-            self._check_awake("load_weights")
+            self.check_awake("load_weights")
         load_weights(self.model, named_tensors)
 
-    def _check_awake(self, what: str) -> None:
+    def check_awake(self, what: str) -> None:
+        """Raise, naming `what`, while the engine is asleep."""
         if self.sleep_level:
             raise RuntimeError(
                 f"{what} on an engine asleep at level {self.sleep_level} (sleep() freed its "
@@ -252,7 +253,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> Sampled | None:
         """Forward `batch` (its KV written, its tokens marked computed) and sample for the
         sequences it completes; None for a prefill chunk that completes none."""
-        self._check_awake("generating")
+        self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
         ctx, input_ids = self._prepare(batch)
