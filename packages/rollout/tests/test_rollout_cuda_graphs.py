@@ -124,3 +124,17 @@ def test_cuda_graph_tokens_equal_eager_tokens_and_follow_new_weights(
     for e in (eager, graphed):
         e.load_weights(other.items(), version=1)
     assert_same(run(graphed), run(eager))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_graphs_after_sleep_and_wake_up_give_the_eager_tokens(model_dir: Path, level: int) -> None:
+    expected = run(engine(model_dir))
+    eng = engine(model_dir)
+    graphs = eng.runner.graphs = eng.runner._decode_graphs(capture=False)
+    assert graphs is not None
+    run(eng)
+    eng.sleep(level)
+    assert not graphs.graphs  # sleep dropped the graphs that read the released KV
+    eng.wake_up()
+    assert_same(run(eng), expected)
+    assert graphs.graphs

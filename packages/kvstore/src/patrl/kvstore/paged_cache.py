@@ -45,9 +45,19 @@ class PagedKVCache:
                 f"local KV heads [{head_start}, {head_start + spec.num_kv_heads}) do not fit in "
                 f"num_total_kv_heads={self.num_total_kv_heads}"
             )
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        numel = 2 * spec.num_layers * math.prod(shape)
-        self.pool = _take_pool(reuse, numel, spec)
+        self._attach(_take_pool(reuse, self._pool_numel(), spec))
+
+    def _layer_shape(self) -> tuple[int, int, int, int]:
+        spec = self.spec
+        return (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def _pool_numel(self) -> int:
+        return 2 * self.spec.num_layers * math.prod(self._layer_shape())
+
+    def _attach(self, pool: torch.Tensor) -> None:
+        """Make `pool` (at least `_pool_numel()` elements) this cache's storage."""
+        spec, shape, numel = self.spec, self._layer_shape(), self._pool_numel()
+        self.pool = pool
         # [k|v, layer, slot, head, dim]: every layer at once, for export and import.
         self._slots = self.pool[:numel].view(2, spec.num_layers, -1, *shape[2:])
         k, v = self.pool[:numel].view(2, spec.num_layers, *shape).unbind(0)
@@ -63,6 +73,20 @@ class PagedKVCache:
         self._padded_k = self._padded_v = pool.new_empty(0)
         self.k, self.v = [], []
         return pool
+
+    def reallocate(self) -> None:
+        """A fresh zeroed pool after `release`, with the prefix cache forgotten (its KV is
+        gone): for a cache freed while its engine sleeps. Every block must be free."""
+        if self.blocks.num_used_blocks:
+            raise RuntimeError(
+                f"reallocate() needs every block free; {self.blocks.num_used_blocks} are in use"
+            )
+        if self.pool.numel():
+            raise RuntimeError("reallocate() needs a released cache: this one holds its pool")
+        self.blocks.reset_prefix_cache()
+        self._attach(
+            torch.zeros(self._pool_numel(), dtype=self.spec.dtype, device=self.spec.device)
+        )
 
     @property
     def num_blocks(self) -> int:

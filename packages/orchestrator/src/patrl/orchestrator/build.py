@@ -71,6 +71,20 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
     return TrainerConfig(**values)
 
 
+CPU_KV_CACHE_BYTES = (
+    1 << 29
+)  # the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None
+
+
+def kv_cache_bytes(config: JobConfig, world: World) -> int | None:
+    """The engine's KV budget: the job's, else on CPU `CPU_KV_CACHE_BYTES`, else None (the
+    engine sizes it from rollout.gpu_memory_utilization)."""
+    given = config.rollout.kv_cache_memory_bytes
+    if given is not None or world.device.type == "cuda":
+        return given
+    return CPU_KV_CACHE_BYTES
+
+
 def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
     """The rollout engine of this job; under adaptive TP with its latency profile (measured
     now, every rank taking part, unless cached or given)."""
@@ -83,7 +97,8 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         tp_comm=r.tp_comm,
         block_size=r.block_size,
         num_kv_blocks=r.num_kv_blocks,
-        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=kv_cache_bytes(config, world),
+        gpu_memory_utilization=r.gpu_memory_utilization,
         max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=r.max_num_batched_tokens,
         max_model_len=d.max_prompt_length + d.max_response_length,

@@ -110,7 +110,26 @@ class RolloutConfig(_Section):
         description="tokens per KV block; null = the attention backend's (flash 256, else 16)",
     )
     num_kv_blocks: int | None = Field(None, gt=0)
-    kv_cache_memory_bytes: int = Field(1 << 29, gt=0)
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV budget; None = 512 MiB on CPU, gpu_memory_utilization on CUDA"
+    )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="fraction of the GPU's memory the engine may use (weights, activations, KV); "
+        "the rest is the colocated trainer's",
+    )
+    free_cache_engine: bool | None = Field(
+        None,
+        description="sync schedule: free the engine's KV cache during the policy update, "
+        "restored before the weight sync; None = on CUDA only",
+    )
+    offload_weights: bool = Field(
+        False,
+        description="with free_cache_engine: also move the engine's weights to host memory "
+        "during the update",
+    )
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     enable_prefix_caching: bool = True

@@ -4,8 +4,8 @@ One step: draw `data.train_batch_size` prompts (every rank the same ones) and ha
 rollout replica its share, a prompt's `rollout.n` samples kept together; generate (with
 `rollout.adaptive_tp` the planner may fold replicas into larger TP groups for the long tail);
 score on each replica's first rank; gather every sample on every rank; update the policy
-(`step.update_policy`); stream the new weights into the engine. `run.RunLoop` logs, validates
-and checkpoints. Partial rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the
+(`step.update_policy`), the engine asleep meanwhile with `rollout.free_cache_engine`; stream
+the new weights into the engine. `run.RunLoop` logs, validates and checkpoints. Partial rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the
 generate-and-score part.
 """
 
@@ -172,12 +172,28 @@ class SyncGRPO(RunLoop):
         timings: dict[str, float] = {}
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
+        asleep = self._free_cache_engine()
         update = update_policy(self.config, self.trainer, samples, self.step, timings)
         with timed(timings, "update_weights"):
+            if asleep:
+                self.engine.wake_up()
             self.sync_weights()
         timings["step"] = time.perf_counter() - start
         self.all_lengths += [len(s.token_ids) for s in samples]
         return step_metrics(self.config, timings, samples, update, self.world.size, gen_metrics)
+
+    def _free_cache_engine(self) -> bool:
+        """Put the engine to sleep for the policy update where `rollout.free_cache_engine`
+        says so (None: on CUDA): its KV cache, and with `rollout.offload_weights` its weights,
+        leave the device for the trainer. It wakes before the weight sync (an owed way back
+        rebuilds at the sync). Whether it slept."""
+        r = self.config.rollout
+        free = r.free_cache_engine
+        if free is None:
+            free = self.world.device.type == "cuda"
+        if free:
+            self.engine.sleep(level=2 if r.offload_weights else 1)
+        return free
 
     def _collect_samples(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score until the batch is full (DAPO filtering may need several rounds)."""

@@ -36,8 +36,19 @@ class EngineConfig(BaseModel):
         description="tokens per KV block; None = the attention backend's (flash 256, else 16)",
     )
     num_kv_blocks: int | None = Field(None, gt=0, description="KV blocks; None = from memory")
-    kv_cache_memory_bytes: int = Field(
-        1 << 30, gt=0, description="KV budget when num_kv_blocks is None"
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="KV budget when num_kv_blocks is None; None = from gpu_memory_utilization "
+        "on CUDA, 1 GiB on CPU",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="fraction of the device's total memory this engine may use (weights, "
+        "activations and KV, as in vLLM): sizes the KV cache on CUDA when num_kv_blocks and "
+        "kv_cache_memory_bytes are None",
     )
     max_num_seqs: int = Field(256, gt=0, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(2048, gt=0, description="tokens per forward at most")

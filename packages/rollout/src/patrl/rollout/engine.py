@@ -19,7 +19,7 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.loader import load_weights, read_eos_token_ids, read_tokenizer_if_any
+from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState, request_output
@@ -59,7 +59,7 @@ class Engine:
             )
         self.config = config
         self.groups = groups
-        self.runner = ModelRunner(config, layout or single_process_layout())
+        self.runner = ModelRunner(config, layout or single_process_layout(), groups)
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = read_tokenizer_if_any(config.model)
         self.eos_token_ids = frozenset(read_eos_token_ids(config.model))
@@ -174,7 +174,7 @@ class Engine:
         if batch is not None:
             start = time.perf_counter()
             sampled = self.runner.run(batch)
-            self._count(batch.is_prefill, batch.num_tokens)
+            self.counters.count_step(batch.is_prefill, batch.num_tokens)
             if sampled is not None:
                 if batch.is_prefill:
                     for i in sampled.ready:
@@ -215,16 +215,6 @@ class Engine:
             reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-
-    def _count(self, is_prefill: bool, num_tokens: int) -> None:
-        c = self.counters
-        c.steps += 1
-        if is_prefill:
-            c.prefill_steps += 1
-            c.prefill_tokens += num_tokens
-        else:
-            c.decode_steps += 1
-            c.decode_tokens += num_tokens
 
     def _collect_finished(self) -> list[RequestOutput]:
         done = [r for r in self._requests.values() if r.done()]
@@ -328,6 +318,7 @@ class Engine:
 
     def import_requests(self, states: Iterable[SequenceState]) -> None:
         """Continue exported samples here: with their KV when it fits, else by recompute."""
+        self.runner.check_awake("import_requests")
         import_requests(
             self._requests, self.scheduler, self.cache, states, lambda: next(self._seq_ids)
         )
@@ -363,9 +354,19 @@ class Engine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full tensors under their HF names, cut for this layout; cached prefixes are
         dropped because their KV came from the old weights."""
-        load_weights(self.model, named_tensors)
+        self.runner.load_weights(named_tensors)
         self.weight_version = version
         self.cache.blocks.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 2: also move the weights to host memory) until `wake_up`,
+        e.g. while a colocated trainer updates (verl's free_cache_engine). No sequence may
+        hold KV; generating while asleep raises. See docs/architecture.md ("Memory")."""
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights back, bit for bit, and an empty KV cache."""
+        self.runner.wake_up()
 
     # ----------------------------------------------------------------- stats
 

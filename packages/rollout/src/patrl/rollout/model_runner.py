@@ -7,21 +7,32 @@ that the TP group's ranks agree. Scheduling and request bookkeeping stay in the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.cuda_graphs import DecodeGraphs
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
+from patrl.rollout.kv_budget import CPU_KV_BYTES, KVBudget, check_fits, probe_for
 from patrl.rollout.layers.attention.context import AttentionContext, upload
-from patrl.rollout.loader import load_model
+from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.models.causal_lm import CausalLM
-from patrl.rollout.sampler import SampleOutput, concat_samples, sample
+from patrl.rollout.offload import HostCopy
+from patrl.rollout.sampler import (
+    SampleOutput,
+    SamplingParams,
+    concat_samples,
+    make_generator,
+    sample,
+)
 from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Sequence as Seq
-from patrl.tpreshard import ParallelLayout, tp_broadcast
+from patrl.tpreshard import GroupCache, ParallelLayout, kept_tensors, tp_broadcast
+from patrl.tpreshard.comm import all_reduce
 
 MAX_GRAPH_BATCH = 256  # largest captured decode batch (vLLM captures up to 512)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +51,11 @@ class Sampled:
 class ModelRunner:
     """Model, KV cache and layout of one rank; `run` is the forward of one batch."""
 
-    def __init__(self, config: EngineConfig, layout: ParallelLayout) -> None:
+    def __init__(
+        self, config: EngineConfig, layout: ParallelLayout, groups: GroupCache | None = None
+    ) -> None:
+        """`groups`: where `layout` comes from; their communicators are made before the KV
+        cache is sized (every rank of the world builds its runner at once)."""
         self.config = config
         self.layout = layout
         self.device = config.torch_device()
@@ -66,12 +81,19 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
+        if groups is not None:
+            groups.connect(self.device)
+        self.kv_budget: KVBudget | None = None  # set where the KV bytes come from memory
+        self.kv_bytes = self._kv_bytes(groups)
         self.cache = self._build_cache()
+        self.sleep_level = 0  # 1: the KV cache is freed, 2: the weights are on the host too
+        self._host_weights: HostCopy | None = None
         self.graphs = self._decode_graphs(capture=True)
 
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Move to `layout`: the model is already cut for it (or is `model`); the KV cache is
         rebuilt empty, in the old one's storage (every sequence must have left it)."""
+        self.check_awake("a layout change")
         self.layout = layout
         if model is not None:
             self.model = model
@@ -88,9 +110,25 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.cache, max_batch, self.max_model_len, capture=capture)
 
     def _build_cache(self, reuse: PagedKVCache | None = None) -> PagedKVCache:
-        """The KV cache at the current layout; `reuse`: a cache whose contents are dead, whose
-        storage the new one takes over when large enough (see PagedKVCache)."""
-        mc, tp, config = self.model.config, self.layout.tp_size, self.config
+        """The KV cache at the current layout, `kv_bytes` (or `num_kv_blocks`) large; `reuse`:
+        a cache whose contents are dead, whose storage the new one takes over when large
+        enough (see PagedKVCache)."""
+        config = self.config
+        spec, head_start = self._cache_spec()
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(self.kv_bytes)
+        check_fits(num_blocks, config.block_size, self.max_model_len, self.kv_budget)
+        return PagedKVCache(
+            spec,
+            num_blocks,
+            config.enable_prefix_caching,
+            head_start,
+            self.model.config.num_kv_heads,
+            reuse,
+        )
+
+    def _cache_spec(self) -> tuple[KVCacheSpec, int]:
+        """This rank's KV cache spec at the current layout, and its first KV head."""
+        mc, tp = self.model.config, self.layout.tp_size
         if mc.num_kv_heads >= tp:
             local_heads = mc.num_kv_heads // tp
             head_start = self.layout.tp_rank * local_heads
@@ -99,23 +137,138 @@ class ModelRunner:
             head_start = self.layout.tp_rank // (tp // mc.num_kv_heads)
         dtype = next(self.model.parameters()).dtype
         spec = KVCacheSpec(
-            mc.num_layers, local_heads, mc.head_dim, config.block_size, dtype, self.device
+            mc.num_layers, local_heads, mc.head_dim, self.config.block_size, dtype, self.device
         )
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
-        if num_blocks * config.block_size < self.max_model_len:
+        return spec, head_start
+
+    # ---------------------------------------------------------------- memory
+
+    def _kv_bytes(self, groups: GroupCache | None) -> int:
+        """The KV cache's bytes, kept across layouts: `kv_cache_memory_bytes`, else measured
+        on a device (see kv_budget; the smallest over the ranks), else `CPU_KV_BYTES`."""
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        probe = probe_for(self.device) if config.num_kv_blocks is None else None
+        if probe is None:
+            return CPU_KV_BYTES
+        activation = probe.peak_during(self._profile_run())
+        memory = probe.read()  # the profile's throwaway cache is gone by now
+        self.kv_budget = KVBudget(
+            config.gpu_memory_utilization,
+            memory.total,
+            memory.total - memory.free,
+            sum(p.nbytes for p in self.model.parameters()),
+            activation,
+            config.max_num_batched_tokens,
+        )
+        return self._smallest_over_ranks(self.kv_budget.kv_bytes, groups)
+
+    def _smallest_over_ranks(self, n: int, groups: GroupCache | None) -> int:
+        """The least `n` over every rank that may share a TP group with this one (the world of
+        `groups`, else this TP group): a group's ranks must hold the same blocks."""
+        group = groups.world_group() if groups is not None else self.layout.tp_group
+        if group is None:
+            return n
+        least = torch.tensor([n], dtype=torch.int64, device=self.device)
+        all_reduce(group, least, op=dist.ReduceOp.MIN)
+        return int(least.item())
+
+    def _profile_run(self) -> Callable[[], object]:
+        """The profiling forward: `max_num_batched_tokens` prompt tokens, the first sequence's
+        chunk reading a whole `max_model_len` context (the largest attention), then logits and
+        sampling for up to `max_num_seqs` rows. Its throwaway cache is made here, outside the
+        measured peak, and lives as long as the returned function."""
+        config, bs, longest = self.config, self.config.block_size, self.max_model_len
+        tokens = config.max_num_batched_tokens
+        new = [min(tokens, longest)]
+        while sum(new) < tokens:
+            new.append(min(tokens - sum(new), longest))
+        context = [longest, *new[1:]]
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        for n, c in zip(new, context, strict=True):
+            first = sum(len(t) for t in tables)
+            tables.append(list(range(first, first + -(-c // bs))))
+            slots += [tables[-1][j // bs] * bs + j % bs for j in range(c - n, c)]
+        spec, head_start = self._cache_spec()
+        num_blocks = sum(len(t) for t in tables)
+        cache = PagedKVCache(spec, num_blocks, False, head_start, self.model.config.num_kv_heads)
+        ctx = AttentionContext.build(
+            new,
+            context,
+            slot_mapping=slots,
+            block_tables=tables,
+            kv_cache=cache,
+            device=self.device,
+        )
+        ids = upload(torch.zeros(tokens, dtype=torch.long), self.device)
+        rows = min(tokens, config.max_num_seqs)
+
+        @torch.inference_mode()
+        def run() -> None:
+            hidden = self.model(ids, ctx)
+            logits = self.model.compute_logits(hidden[-rows:])
+            sample(logits, [SamplingParams(temperature=1.0)] * rows, [make_generator(0)] * rows)
+
+        return run
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache's storage (level 1), and move the weights to host memory, pinned
+        on CUDA (level 2), until `wake_up`. The cache must hold no sequence."""
+        if level not in (1, 2):
             raise ValueError(
-                f"the KV cache ({num_blocks} blocks x block_size={config.block_size} = "
-                f"{num_blocks * config.block_size} tokens) cannot hold one max_model_len="
-                f"{self.max_model_len} sequence: raise num_kv_blocks or kv_cache_memory_bytes, "
-                "or lower max_model_len"
+                f"sleep level must be 1 (free the KV cache) or 2 (also move the weights to "
+                f"host memory), got {level!r}"
             )
-        return PagedKVCache(
-            spec, num_blocks, config.enable_prefix_caching, head_start, mc.num_kv_heads, reuse
-        )
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is already asleep (level {self.sleep_level})")
+        if self.cache.blocks.num_used_blocks:
+            raise RuntimeError(
+                f"sleep() needs an idle engine: {self.cache.blocks.num_used_blocks} KV blocks "
+                "are in use (finish, abort or export the requests first)"
+            )
+        self.cache.release()
+        self._logits_buffer = torch.empty(0)
+        if self.graphs is not None:
+            self.graphs.reset()  # they read the released KV; their memory pool goes too
+        if level == 2:
+            model = self.model
+            self._host_weights = HostCopy(
+                [*model.parameters(), *model.buffers(), *kept_tensors(model)]
+            )
+        self.sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks to whoever needs them next
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights back where they were, bit for bit, and the KV cache
+        allocated again, empty. A no-op on an engine that is awake."""
+        if self._host_weights is not None:
+            self._host_weights.restore()
+            self._host_weights = None
+        if self.sleep_level:
+            self.cache.reallocate()
+        self.sleep_level = 0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors under their HF names into the model, cut for this layout."""
+        if self.sleep_level == 2:
+            self.check_awake("load_weights")
+        load_weights(self.model, named_tensors)
+
+    def check_awake(self, what: str) -> None:
+        """Raise, naming `what`, while the engine is asleep."""
+        if self.sleep_level:
+            raise RuntimeError(
+                f"{what} on an engine asleep at level {self.sleep_level} (sleep() freed its "
+                "KV cache or weights): call wake_up() first"
+            )
 
     def run(self, batch: ScheduledBatch) -> Sampled | None:
         """Forward `batch` (its KV written, its tokens marked computed) and sample for the
         sequences it completes; None for a prefill chunk that completes none."""
+        self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
         ctx, input_ids = self._prepare(batch)

@@ -26,3 +26,13 @@ class EngineCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     busy_s: float = 0.0
+
+    def count_step(self, is_prefill: bool, num_tokens: int) -> None:
+        """Count one model step of `num_tokens` tokens."""
+        self.steps += 1
+        if is_prefill:
+            self.prefill_steps += 1
+            self.prefill_tokens += num_tokens
+        else:
+            self.decode_steps += 1
+            self.decode_tokens += num_tokens

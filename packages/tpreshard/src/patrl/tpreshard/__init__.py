@@ -23,6 +23,7 @@ from patrl.tpreshard.reshard import (
     forget_full,
     has_full,
     index_map,
+    kept_tensors,
     reshard_,
     restore_full_,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "head_range",
     "heads_sent",
     "index_map",
+    "kept_tensors",
     "load_full",
     "node_rank_from_env",
     "reshard_",

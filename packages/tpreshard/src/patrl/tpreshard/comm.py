@@ -6,10 +6,12 @@ on CPU. Objects go over the group's CPU half (gloo, or the gloo side of `cpu:glo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from patrl.tpreshard.device_check import check_tensors
 from patrl.tpreshard.shm import ShmComm
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "all_reduce",
+    "batch_send_recv",
     "broadcast_obj",
     "gather_objects",
     "irecv",
@@ -121,6 +124,21 @@ def isend(group: Any, t: torch.Tensor, dst: int, tag: int = 0) -> dist.Work | No
     """Start sending `t` to group rank `dst` of `group`; returns the work to wait on."""
     check_tensors("isend", t)
     return dist.isend(t, group=group, group_dst=dst, tag=tag)
+
+
+def batch_send_recv(group: Any, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list[Any]:
+    """Start `ops`, each (is_send, tensor, group peer, tag), as one batch; returns the works
+    to wait on. On NCCL a batch runs on the group's own communicator, where single sends and
+    receives would each make a two-rank one (`GroupCache.connect` made the group's)."""
+    for is_send, t, _, _ in ops:
+        check_tensors("isend" if is_send else "irecv", t)
+    if not ops:
+        return []
+    batch = [
+        dist.P2POp(c10d.isend if is_send else c10d.irecv, t, group=group, tag=tag, group_peer=peer)
+        for is_send, t, peer, tag in ops
+    ]
+    return list(dist.batch_isend_irecv(batch))
 
 
 def irecv(group: Any, t: torch.Tensor, src: int, tag: int = 0) -> dist.Work | None:

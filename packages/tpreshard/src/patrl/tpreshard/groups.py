@@ -7,7 +7,7 @@ consecutive ranks, always inside one node (`patrl.tpreshard.nodes`: a node is a 
 DP groups join the ranks with the same TP rank and may span nodes. A gloo TP group also gets a
 `ShmComm` (`tp_comm="auto"`), and so does the whole world when it is one node of gloo ranks
 (`world_comm()`). On an NCCL world every group is `cpu:gloo,cuda:nccl`: device tensors over
-NCCL, objects over gloo.
+NCCL, objects over gloo; `connect` makes NCCL's communicators (lazy otherwise) at start-up too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from patrl.tpreshard.comm import all_reduce
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.nodes import NodeMap, gather_node_map, tp_group_ranks
 from patrl.tpreshard.shm import ShmComm, shm_supported
@@ -75,6 +77,20 @@ class GroupCache:
         self._create(tuple(range(self.world_size)))
         self._comms = self._create_comms(tp_comm)
         self._world_comm = self._create_world_comm(tp_comm)
+        self.connected: list[torch.device] = []
+
+    def connect(self, device: torch.device) -> None:
+        """One small all-reduce on `device` over every group this rank is in, in the order
+        the groups were made (the same on every rank): an NCCL group makes its communicator,
+        and takes device memory for it, at its first collective, so an engine connects before
+        it sizes its KV cache and no fold makes one later. Once per device; every rank of
+        the world calls it at once."""
+        if device in self.connected:
+            return
+        for ranks, group in self._groups.items():  # dicts keep the creation order
+            if self.rank in ranks:
+                all_reduce(group, torch.ones(1, device=device))
+        self.connected.append(device)
 
     def _create_comms(self, mode: str) -> dict[tuple[int, ...], ShmComm]:
         """A ShmComm for this rank's TP group of every candidate size that can have one (gloo,

@@ -4,7 +4,8 @@ Everything moves inside the *exchange group*, the TP group of the larger layout:
 consecutive ranks, so it holds every old replica that merges into a new one, or every new
 replica an old one splits into. Position `i` in it is old TP rank `i % src_tp` of old replica
 `i // src_tp` and new TP rank `i % dst_tp` of new replica `i // dst_tp`. A head a receiver
-already holds stays; the rest go by paired isend/irecv in bounded chunks.
+already holds stays; the rest go as one batch of sends and receives in bounded chunks (on
+NCCL the group's own communicator carries a batch: no pair communicator is made).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from patrl.tpreshard.comm import irecv, isend
+from patrl.tpreshard.comm import batch_send_recv
 from patrl.tpreshard.layout import ParallelLayout
 from patrl.tpreshard.shard import head_range
 
@@ -84,7 +84,8 @@ def reshard_kv(
     parts: dict[Hashable, list[_Part]] = {
         m.key: [] for m in moves if m.dst_replica == me // dst.tp_size
     }
-    works, pending = [], []
+    ops: list[tuple[bool, torch.Tensor, int, int]] = []
+    pending = []
     for index, route in enumerate(routes):
         if me not in (route.src, route.dst):
             continue
@@ -99,8 +100,8 @@ def reshard_kv(
             pending.append((route, buf))
             msg = buf[m.skip :]
         _count(stats, msg, sent=route.src == me)
-        works += _post(msg, index, route, me, big.tp_group)
-    for work in works:
+        ops += _chunks(msg, index, route, me)
+    for work in batch_send_recv(big.tp_group, ops):
         if work is not None:
             work.wait()
     for route, buf in pending:
@@ -227,16 +228,15 @@ def _buffer(shape: KVShape, tokens: int, heads: int) -> torch.Tensor:
     return torch.empty(size, dtype=shape.dtype, device=shape.device)
 
 
-def _post(
-    msg: torch.Tensor, index: int, route: _Route, me: int, group: dist.ProcessGroup | None
-) -> list[dist.Work | None]:
-    """Send or receive `msg` in chunks of at most `_CHUNK_BYTES`; tags both sides derive."""
+def _chunks(
+    msg: torch.Tensor, index: int, route: _Route, me: int
+) -> list[tuple[bool, torch.Tensor, int, int]]:
+    """The sends or receives of `msg` in chunks of at most `_CHUNK_BYTES`, as
+    (is_send, chunk, peer, tag); tags both sides derive."""
     step = max(1, _CHUNK_BYTES // max(1, msg[:1].nbytes))
-    works = []
-    for c, s in enumerate(range(0, len(msg), step)):
-        tag = (index << 16) | c
-        if route.src == me:
-            works.append(isend(group, msg[s : s + step], route.dst, tag=tag))
-        else:
-            works.append(irecv(group, msg[s : s + step], route.src, tag=tag))
-    return works
+    send = route.src == me
+    peer = route.dst if send else route.src
+    return [
+        (send, msg[s : s + step], peer, (index << 16) | c)
+        for c, s in enumerate(range(0, len(msg), step))
+    ]

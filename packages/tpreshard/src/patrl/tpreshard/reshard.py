@@ -161,6 +161,15 @@ def forget_full(module: nn.Module) -> None:
             delattr(p, _FULL)
 
 
+def kept_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors `reshard_` keeps beside `module`'s parameters (full tensors and spare
+    shards): with the parameters, all the weight memory a module holds on this rank."""
+    kept = []
+    for p, _ in _sharded_params(module):
+        kept += [getattr(p, name) for name in (_FULL, _SHARD) if hasattr(p, name)]
+    return kept
+
+
 def _drop_spares(module: nn.Module) -> None:
     for p, _ in _sharded_params(module):
         if hasattr(p, _SHARD):

@@ -139,6 +139,13 @@ class AdaptiveEngine:
     def import_requests(self, states: Iterable[SequenceState]) -> None:
         self.engine.import_requests(states)
 
+    def sleep(self, level: int = 1) -> None:
+        """`Engine.sleep` at the layout the engine is at (a return owed stays owed)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def snapshot_requests(self, request_ids: Iterable[str]) -> list[SequenceState]:
         return self.engine.snapshot_requests(request_ids)
 
