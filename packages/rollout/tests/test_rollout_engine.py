@@ -382,3 +382,15 @@ def test_tp2_engine_generates_what_tp1_generates(llama_dir: Path, comm: str) -> 
     assert per_rank[0][0] == per_rank[1][0] == expected
     assert per_rank[0][1] == per_rank[1][1]
     assert all(len(sample) == 9 for request in per_rank[0][1] for sample in request)
+
+
+def test_auto_dtype_is_the_checkpoints_except_float32_on_cuda() -> None:
+    on_cpu = EngineConfig(model="m", device="cpu")
+    on_cuda = EngineConfig(model="m", device="cuda")
+    assert on_cpu.torch_dtype(torch.float32) == torch.float32
+    assert on_cuda.torch_dtype(torch.float32) == torch.bfloat16
+    assert on_cuda.torch_dtype(torch.float16) == torch.float16
+    assert (
+        EngineConfig(model="m", device="cuda", dtype="float32").torch_dtype(torch.bfloat16)
+        == torch.float32
+    )

@@ -71,9 +71,8 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
     return TrainerConfig(**values)
 
 
-CPU_KV_CACHE_BYTES = (
-    1 << 29
-)  # the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None
+# the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None
+CPU_KV_CACHE_BYTES = 1 << 29
 
 
 def kv_cache_bytes(config: JobConfig, world: World) -> int | None:
@@ -103,6 +102,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         max_num_batched_tokens=r.max_num_batched_tokens,
         max_model_len=d.max_prompt_length + d.max_response_length,
         enable_prefix_caching=r.enable_prefix_caching,
+        enforce_eager=r.enforce_eager,
         keep_full_weights=r.adaptive_tp.keep_full_weights,
     )
     a = r.adaptive_tp

@@ -143,7 +143,12 @@ class RolloutConfig(_Section):
         description="TP collectives: shm (shared memory, one host, gloo) or the process group; "
         "auto = shm where it can",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="engine dtype; auto = the checkpoint's, float32 -> bfloat16 on CUDA"
+    )
+    enforce_eager: bool = Field(
+        False, description="CUDA: decode eagerly instead of through captured CUDA graphs"
+    )
     val_temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
     update_weights_bucket_megabytes: int = Field(256, gt=0)
     over_sample_rate: float = Field(

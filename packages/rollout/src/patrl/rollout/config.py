@@ -23,7 +23,11 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="Hugging Face model directory (config.json + *.safetensors)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="weights and KV dtype; auto = the checkpoint's, except float32 -> bfloat16 "
+        "on CUDA (vLLM's rule: no GPU rollout wants fp32)",
+    )
     device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda'")
     attention_backend: str = Field(
         "auto",
@@ -124,4 +128,9 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]
+        """The engine's dtype for a checkpoint stored in `checkpoint_dtype` (see `dtype`)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if checkpoint_dtype == torch.float32 and self.torch_device().type == "cuda":
+            return torch.bfloat16
+        return checkpoint_dtype

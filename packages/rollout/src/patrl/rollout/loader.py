@@ -249,6 +249,11 @@ def _map_name(hf_name: str, model: CausalLM) -> tuple[str, str | None]:
     return hf_name, None
 
 
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype `model_dir`'s config.json names for its weights (float32 when it names none)."""
+    return _config_dtype(read_config(model_dir))
+
+
 def _config_dtype(config: Any) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if dtype is None:

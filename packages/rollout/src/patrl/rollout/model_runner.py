@@ -19,7 +19,7 @@ from patrl.rollout.cuda_graphs import DecodeGraphs
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.kv_budget import CPU_KV_BYTES, KVBudget, check_fits, probe_for
 from patrl.rollout.layers.attention.context import AttentionContext, upload
-from patrl.rollout.loader import load_model, load_weights
+from patrl.rollout.loader import checkpoint_dtype, load_model, load_weights
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.offload import HostCopy
 from patrl.rollout.sampler import (
@@ -35,7 +35,6 @@ from patrl.tpreshard import GroupCache, ParallelLayout, kept_tensors, tp_broadca
 from patrl.tpreshard.comm import all_reduce
 
 MAX_GRAPH_BATCH = 256  # largest captured decode batch (vLLM captures up to 512)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -66,7 +65,7 @@ class ModelRunner:
         if self.device.type == "cpu" and config.tune_host_malloc:
             keep_freed_memory()
             self.sample_chunk_bytes = MMAP_THRESHOLD_BYTES
-        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        dtype = config.torch_dtype(checkpoint_dtype(config.model))
         self.model: CausalLM = load_model(
             config.model,
             layout,
