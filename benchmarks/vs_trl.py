@@ -344,7 +344,7 @@ def trl_trainer(
         use_cpu=True,
         bf16=False,
         fp16=False,
-        gradient_checkpointing=a.enable_gradient_checkpointing,
+        gradient_checkpointing=a.enable_gradient_checkpointing is True,  # "auto" is off on CPU
         shuffle_dataset=False,
         seed=config.trainer.seed,
         logging_strategy="no",
