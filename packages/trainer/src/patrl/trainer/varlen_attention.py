@@ -38,17 +38,19 @@ def varlen_attention_forward(
     bounds = patrl_bounds if patrl_bounds is not None else (0, total)
     if bounds[-1] != total:
         raise ValueError(f"patrl_bounds end at {bounds[-1]} but the row has {total} tokens")
+    # split(), not one slice per sample: its backward is one cat of the pieces' gradients,
+    # where each slice's backward would write a zero-filled gradient of the whole row.
+    sizes = [b - a for a, b in pairwise(bounds)]
     outs = [
         F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=True,
-            enable_gqa=gqa,
+            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
         )
-        for a, b in pairwise(bounds)
+        for q, k, v in zip(
+            query.split(sizes, dim=2),
+            key.split(sizes, dim=2),
+            value.split(sizes, dim=2),
+            strict=True,
+        )
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
