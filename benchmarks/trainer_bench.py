@@ -124,7 +124,7 @@ def instrument(trainer: Any) -> Phases:
     import patrl.trainer.trainer as tmod
 
     # The wrapped optimizer.step makes the LR scheduler warn on every step; the order is right.
-    warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")
+    warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)` has been")
     ph = Phases()
     for name in ("packed_token_logprobs", "token_logprobs"):
         if hasattr(tmod, name):
