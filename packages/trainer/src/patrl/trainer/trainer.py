@@ -211,14 +211,15 @@ class Trainer:
     def _score(
         self, model: PreTrainedModel, batch: PolicyBatch, micro_batches: list[list[int]]
     ) -> dict[int, torch.Tensor]:
-        """Logprobs of this rank's samples, keyed by sample index (unpadded, on CPU)."""
+        """Logprobs of this rank's samples, keyed by sample index (unpadded, fp32, on the
+        trainer's device: _gather moves them to the host in one transfer)."""
         out: dict[int, torch.Tensor] = {}
         for mb in micro_batches:
             # An empty micro-batch still runs a forward: FSDP's all-gathers need every rank.
             ids = [batch.input_ids[i] for i in mb] or [_DUMMY_IDS]
             logp, _ = self._forward(model, ids)
             for row, i in enumerate(mb):
-                out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu().clone()
+                out[i] = logp[row, : batch.input_ids[i].numel()].float()
         if isinstance(model, FSDPModule):
             # FSDP2 keeps the root gathered after a forward, for the backward; with no backward
             # coming its full (param_dtype) weights would stay registered in place of the shards.
@@ -529,7 +530,8 @@ def _to_host(values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     keys = list(values)
     flat = torch.cat([values[i].float().reshape(-1) for i in keys]).cpu()
     parts = flat.split([values[i].numel() for i in keys])
-    return {i: p.view(values[i].shape) for i, p in zip(keys, parts, strict=True)}
+    # Own storage each: views of one buffer would each pickle all of it (all_gather_object).
+    return {i: p.view(values[i].shape).clone() for i, p in zip(keys, parts, strict=True)}
 
 
 def _is_config(source: ModelSource) -> bool:
