@@ -75,3 +75,22 @@ def test_packed_step_equals_padded_step(mode: str) -> None:
 def test_packing_rejects_an_attention_it_cannot_pack() -> None:
     with pytest.raises(ValueError, match="use_remove_padding"):
         Trainer(config(attn_implementation="flex_attention"), tiny_llama())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_step_equals_padded_step_on_cuda(attn: str) -> None:
+    """On CUDA, fp32: patrl_varlen (sdpa) or flash-attn's varlen kernel (bf16 compute, looser
+    tolerance) against the padded sdpa reference."""
+    if attn == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    dtype = {"sdpa": "float32", "flash_attention_2": "bfloat16"}[attn]
+    tol = {"sdpa": 1e-4, "flash_attention_2": 5e-2}[attn]
+    batch = make_batch(5, [14, 3, 9, 21, 6, 6, 11, 2])
+    over = {"ppo_max_token_len_per_gpu": 60, "param_dtype": dtype}
+    packed = Trainer(config(**over, attn_implementation=attn), tiny_llama(), device="cuda")
+    padded = Trainer(config(**over, use_remove_padding=False), tiny_llama(), device="cuda")
+    m_packed, m_padded = packed.train_step(batch), padded.train_step(batch)
+    assert m_packed["actor/loss"] == pytest.approx(m_padded["actor/loss"], abs=tol)
+    for a, b in zip(packed.scored_logprobs(), padded.scored_logprobs(), strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=0)
