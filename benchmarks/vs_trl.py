@@ -1,6 +1,8 @@
 """patrl vs TRL's GRPOTrainer on CPU: seconds per GRPO step on the same job (issue 5).
 
     pip install trl   # benchmark-only dependency (measured with trl 1.16.0, accelerate 1.15.0)
+    # or, keeping the venv's torch/transformers: pip install --no-deps --target DIR trl==1.16.0
+    #     accelerate==1.15.0 psutil, and put DIR on PYTHONPATH after the sources
     OMP_NUM_THREADS=2 python benchmarks/vs_trl.py [--steps 5] [--quick] [--no-torchrun]
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --threads 1     # steadier on a loaded box
 
