@@ -1,6 +1,8 @@
 """patrl vs TRL's GRPOTrainer on CPU: seconds per GRPO step on the same job (issue 5).
 
     pip install trl   # benchmark-only dependency (measured with trl 1.16.0, accelerate 1.15.0)
+    # or, keeping the venv's torch/transformers: pip install --no-deps --target DIR trl==1.16.0
+    #     accelerate==1.15.0 psutil, and put DIR on PYTHONPATH after the sources
     OMP_NUM_THREADS=2 python benchmarks/vs_trl.py [--steps 5] [--quick] [--no-torchrun]
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --threads 1     # steadier on a loaded box
 
@@ -27,6 +29,16 @@ its `_generate_and_score_completions`, which also computes advantages), train = 
 step; resp len / max = mean / longest response of the step in tokens (EOS included on both
 sides), so a reader can see the work was comparable; resp tok/s = response tokens of the step /
 the step's seconds; reward = the step's mean reward.
+
+Setups (`--setups`): `demo` is the job above; `tiny` is TRL's own tiny-Llama GRPO setup as
+issue 35 measured it: a randomly initialised Llama of width 256, 4 layers, 4 heads (MLP 688) over
+the demo's tokenizer (character-level here, where TRL's test model is word-level: only the
+vocabulary's size differs in cost), 8 prompts x 8 samples, up to 128 response tokens, the same
+rewards and loss settings. Each setup's rows split a step into gen+score (TRL: its
+`_generate_and_score_completions`; patrl: `timing_s/gen` + `timing_s/reward`) and update, both
+measured: TRL's from the end of its generate-and-score to `on_step_end` (loss, backward, clip,
+optimizer and scheduler step), patrl's its `timing_s/update_actor` (+ `old_log_prob` when a
+scoring pass runs); patrl's weight sync into its engine (`timing_s/update_weights`) is the rest.
 
 A third row runs the main job as users do, `torchrun --nproc_per_node 2
 examples/grpo_adaptive_tp.py` (FSDP over 2 ranks, adaptive-TP rollouts, one thread per rank, so
@@ -88,6 +100,7 @@ class StepRecord:
     max_response_tokens: float  # a static batch (HF generate) decodes until this one ends
     generated_tokens: int
     mean_reward: float
+    update_seconds: float = 0.0  # the policy update, measured (not step minus generation)
     parts: dict[str, float] = field(default_factory=dict)  # the side's own timing breakdown
     load_avg_1min: float | None = None  # of the whole machine, at the step's end (shared box)
 
@@ -103,6 +116,7 @@ def patrl_record(seconds: float, metrics: dict[str, float], samples: int) -> Ste
         metrics["response_length/max"],
         round(mean_len * samples),
         metrics["critic/score/mean"],
+        parts["update_actor"] + parts.get("old_log_prob", 0.0),
         parts,
         os.getloadavg()[0],
     )
@@ -135,6 +149,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}, 2 timed steps")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the 2-process patrl row")
     ap.add_argument(
+        "--setups",
+        nargs="+",
+        default=["tiny", "demo"],
+        choices=["tiny", "demo"],
+        help="tiny: TRL's tiny-Llama GRPO setup; demo: the demo job (the torchrun row is its)",
+    )
+    ap.add_argument(
         "--out", default=None, help="default benchmarks/results/vs_trl[_quick][_threadsN].json"
     )
     args = ap.parse_args()
@@ -146,16 +167,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     assets = ensure_demo_assets()
-    overrides = QUICK if args.quick else {}
-    config = job_config(assets, overrides, args.steps + 1, Path(tempfile.mkdtemp()))
-    batches = prompt_batches(config, assets, args.steps + 1)
-
-    trl_row, patrl_row = run_interleaved(config, assets, batches, args.threads)
-    rows = [trl_row, patrl_row]
-    if not args.no_torchrun:
-        rows.append(run_torchrun(config, assets, overrides, args.steps + 1))
-
-    result = report(args, config, rows, trl.__version__)
+    results: dict[str, Any] = {}
+    for setup in args.setups:
+        print(f"=== setup {setup}", flush=True)
+        run_root = Path(tempfile.mkdtemp())
+        model_dir = tiny_model_dir(assets, run_root) if setup == "tiny" else assets.model_dir
+        overrides = {**(QUICK if args.quick else {}), **(TINY if setup == "tiny" else {})}
+        if setup == "tiny":
+            overrides["model.path"] = model_dir
+        config = job_config(assets, overrides, args.steps + 1, run_root)
+        batches = prompt_batches(config, assets, args.steps + 1)
+        trl_row, patrl_row = run_interleaved(config, assets, model_dir, batches, args.threads)
+        rows = [trl_row, patrl_row]
+        if setup == "demo" and not args.no_torchrun:
+            rows.append(run_torchrun(config, assets, overrides, args.steps + 1))
+        results[setup] = report(args, config, rows, trl.__version__)
     name = (
         "vs_trl"
         + ("_quick" if args.quick else "")
@@ -163,8 +189,47 @@ def main() -> None:
     )
     out = Path(args.out or RESULTS / f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
+
+
+# TRL's tiny-Llama GRPO setup (issue 35): 8 prompts x 8 samples, responses up to 128 tokens.
+TINY = {
+    "data.train_batch_size": 8,
+    "actor.ppo_mini_batch_size": 8,
+    "rollout.n": 8,
+    "data.max_response_length": 128,
+}
+
+
+def tiny_model_dir(assets: DemoAssets, root: Path) -> Path:
+    """A randomly initialised Llama (width 256, 4 layers) beside the demo's tokenizer files."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    demo = AutoConfig.from_pretrained(assets.model_dir)
+    config = LlamaConfig(
+        vocab_size=demo.vocab_size,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=demo.bos_token_id,
+        eos_token_id=demo.eos_token_id,
+        pad_token_id=demo.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    out = root / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(out)
+    for f in assets.model_dir.iterdir():
+        copy = f.is_file() and f.suffix != ".safetensors" and f.name != "config.json"
+        if copy and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
 
 
 def require_trl() -> Any:
@@ -239,11 +304,17 @@ def reward_specs(config: JobConfig) -> list[tuple[str, float]]:
 class PatrlSide:
     """patrl's synchronous loop in this process (one rank: no FSDP, static TP 1)."""
 
-    def __init__(self, config: JobConfig, assets: DemoAssets, batches: list[list[PromptItem]]):
+    def __init__(
+        self,
+        config: JobConfig,
+        assets: DemoAssets,
+        model_dir: Path,
+        batches: list[list[PromptItem]],
+    ):
         from patrl.orchestrator.sync_loop import SyncGRPO
 
         world = World(0, 1, 0, torch.device("cpu"))
-        self.loop = SyncGRPO(config, world, str(assets.model_dir), str(assets.train_file), None)
+        self.loop = SyncGRPO(config, world, str(model_dir), str(assets.train_file), None)
         self.batches = batches
         self.drawn: list[list[int]] = []
         self.records: list[StepRecord] = []
@@ -294,7 +365,11 @@ def trl_reward(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def trl_trainer(
-    config: JobConfig, assets: DemoAssets, batches: list[list[PromptItem]], out_dir: Path
+    config: JobConfig,
+    assets: DemoAssets,
+    model_dir: Path,
+    batches: list[list[PromptItem]],
+    out_dir: Path,
 ) -> Any:
     """GRPOTrainer with patrl's settings, on exactly `batches` in order."""
     from datasets import Dataset
@@ -344,7 +419,7 @@ def trl_trainer(
         use_cpu=True,
         bf16=False,
         fp16=False,
-        gradient_checkpointing=a.enable_gradient_checkpointing,
+        gradient_checkpointing=a.enable_gradient_checkpointing is True,  # "auto" is off on CPU
         shuffle_dataset=False,
         seed=config.trainer.seed,
         logging_strategy="no",
@@ -355,7 +430,7 @@ def trl_trainer(
         log_completions=False,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        assets.model_dir, dtype=torch.float32, attn_implementation=a.attn_implementation
+        model_dir, dtype=torch.float32, attn_implementation=a.attn_implementation
     )
     return GRPOTrainer(
         model=model,
@@ -367,22 +442,28 @@ def trl_trainer(
 
 
 def run_interleaved(
-    config: JobConfig, assets: DemoAssets, batches: list[list[PromptItem]], threads: int
+    config: JobConfig,
+    assets: DemoAssets,
+    model_dir: Path,
+    batches: list[list[PromptItem]],
+    threads: int,
 ) -> tuple[Row, Row]:
     """TRL's steps, each followed by one patrl step (run from TRL's on_step_end)."""
     from transformers import TrainerCallback
 
-    patrl = PatrlSide(config, assets, batches)
-    trainer = trl_trainer(config, assets, batches, Path(tempfile.mkdtemp()))
+    patrl = PatrlSide(config, assets, model_dir, batches)
+    trainer = trl_trainer(config, assets, model_dir, batches, Path(tempfile.mkdtemp()))
     samples = config.data.train_batch_size * config.rollout.n
     trl_steps: list[StepRecord] = []
     generate = trainer._generate_and_score_completions
     gen_seconds: list[float] = []
+    gen_end: list[float] = []
 
     def timed_generate(*a: Any, **k: Any) -> Any:
         start = time.perf_counter()
         out = generate(*a, **k)
-        gen_seconds.append(time.perf_counter() - start)
+        gen_end.append(time.perf_counter())
+        gen_seconds.append(gen_end[-1] - start)
         return out
 
     trainer._generate_and_score_completions = timed_generate
@@ -395,7 +476,8 @@ def run_interleaved(
             self.start = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            seconds = time.perf_counter() - self.start
+            end = time.perf_counter()
+            seconds = end - self.start
             # Read now: TRL clears its metric lists whenever it logs (at the end of train()).
             m = trainer._metrics["train"]
             mean_len = m["completions/mean_length"][-1]
@@ -406,6 +488,7 @@ def run_interleaved(
                 m["completions/max_length"][-1],
                 round(mean_len * samples),
                 m["reward"][-1],
+                end - gen_end[-1],  # loss, backward, clip, optimizer and scheduler step
                 {"generate_and_score": gen_seconds[-1], "train": seconds - gen_seconds[-1]},
                 os.getloadavg()[0],
             )
@@ -473,13 +556,13 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
           f"{d.max_prompt_length} / response {d.max_response_length}; median of {args.steps} "
           f"steps after 1 warm-up; {args.threads} torch threads")  # fmt: skip
     print(
-        f"{'':52s} {'s/step':>7s} {'vs TRL':>7s} {'gen+score':>9s} {'train':>6s} "
+        f"{'':52s} {'s/step':>7s} {'vs TRL':>7s} {'gen+score':>9s} {'update':>6s} "
         f"{'resp len':>8s} {'max':>4s} {'resp tok/s':>10s} {'reward':>6s}  s per step"
     )
     for row in rows:
         per_step = ", ".join(f"{s.seconds:.2f}" for s in row.timed)
         gen = row.median("gen_score_seconds")
-        train = statistics.median(s.seconds - s.gen_score_seconds for s in row.timed)
+        train = row.median("update_seconds")
         print(
             f"{row.name:52s} {row.median('seconds'):7.2f} {trl_s / row.median('seconds'):6.2f}x "
             f"{gen:9.2f} {train:6.2f} {row.median('mean_response_tokens'):8.1f} "
@@ -493,6 +576,16 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
     paired = [t.seconds / p.seconds for t, p in zip(rows[0].timed, rows[1].timed, strict=True)]
     print(f"TRL / patrl (1 process) per interleaved step: "
           f"{', '.join(f'{r:.2f}' for r in paired)}; median {statistics.median(paired):.2f}")  # fmt: skip
+    # The issue's targets are per part: patrl's update / TRL's, generation alike.
+    split = {
+        key: statistics.median(
+            getattr(p, key) / getattr(t, key)
+            for t, p in zip(rows[0].timed, rows[1].timed, strict=True)
+        )
+        for key in ("update_seconds", "gen_score_seconds")
+    }
+    print(f"patrl / TRL per interleaved step, medians: update {split['update_seconds']:.2f}, "
+          f"gen+score {split['gen_score_seconds']:.2f}")  # fmt: skip
     return {
         "machine": {
             "platform": platform.platform(),
@@ -512,10 +605,12 @@ def report(args: argparse.Namespace, config: JobConfig, rows: list[Row], trl_ver
         "config": json.loads(config.model_dump_json()),
         "paired_ratio_trl_over_patrl": paired,
         "median_paired_ratio": statistics.median(paired),
+        "median_paired_patrl_over_trl": split,
         "rows": {
             row.name: {
                 "median_s_per_step": row.median("seconds"),
                 "median_gen_score_s": row.median("gen_score_seconds"),
+                "median_update_s": row.median("update_seconds"),
                 "speedup_vs_trl": trl_s / row.median("seconds"),
                 "median_mean_response_tokens": row.median("mean_response_tokens"),
                 "median_generated_tokens_per_s": row.tokens_per_s(),

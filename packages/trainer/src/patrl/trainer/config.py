@@ -57,9 +57,15 @@ class TrainerConfig(BaseModel):
     # Logprob convention shared with the rollout engine (see logprobs.py).
     temperature: float = Field(default=1.0, ge=0)
     logprob_chunk_tokens: int = Field(default=1024, ge=1)
+    # Sequence packing (verl's name): each micro-batch's samples run as one row, position ids
+    # restarting per sample, attention never crossing a sample; off runs right-padded rows.
+    use_remove_padding: bool = True
     # Model build.
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    enable_gradient_checkpointing: bool = False
+    # Activation checkpointing: true / false, or "auto": off on CPU; on CUDA, on only when a
+    # full micro-batch's estimated activations plus this rank's weights, gradients and AdamW
+    # state exceed 80% of the device's free memory at build time (memory_plan.py).
+    enable_gradient_checkpointing: bool | Literal["auto"] = "auto"
     attn_implementation: str = "sdpa"
     seed: int = 0
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.

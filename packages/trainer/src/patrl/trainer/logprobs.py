@@ -21,6 +21,12 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature == 0 else float(temperature)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits.float() / temperature`, skipping the division (exact) at T = 1."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -32,7 +38,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for start in range(0, n, chunk):
             sl = slice(start, start + chunk)
-            z = logits[sl].float() / temperature
+            z = _scaled(logits[sl], temperature)
             lse[sl] = torch.logsumexp(z, dim=-1)
             log_p = z - lse[sl, None]
             logp[sl] = log_p.gather(-1, targets[sl, None]).squeeze(-1)
@@ -53,7 +59,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], chunk):
             sl = slice(start, start + chunk)
-            z = logits[sl].float() / t
+            z = _scaled(logits[sl], t)
             log_p = z - lse[sl, None]
             p = log_p.exp()
             g = torch.zeros_like(z)
@@ -64,7 +70,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if grad_entropy is not None:
                 # d H / d z_j = -p_j (log p_j + H)
                 g -= p * (log_p + entropy[sl, None]) * grad_entropy[sl, None]
-            grad[sl] = (g / t).to(logits.dtype)
+            grad[sl] = (g if t == 1.0 else g / t).to(logits.dtype)
         return grad, None, None, None
 
 

@@ -23,16 +23,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from patrl.trainer.checkpoint import Group, export_hf, load_checkpoint, save_checkpoint
 from patrl.trainer.config import TrainerConfig
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
+from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
-from patrl.trainer.model import ModelSource, build_model, build_sharded, freeze, parallelize
+from patrl.trainer.model import (
+    ModelSource,
+    build_model,
+    build_sharded,
+    freeze,
+    model_dir,
+    parallelize,
+)
+from patrl.trainer.packing import pack, packed_token_logprobs
 from patrl.trainer.policy_batch import PolicyBatch, pad_field
 from patrl.trainer.schedule import build_scheduler
+from patrl.trainer.varlen_attention import register as register_varlen
 from patrl.trainer.weights import Bucket, iter_full_weights
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,8 @@ class Trainer:
         self.device = self._resolve_device(mesh, device)
         self.param_dtype = self._resolve_dtype(config.param_dtype, self.device)
         self.source_dir = None if _is_config(model) else Path(str(model))
+        self.attn_implementation = self._resolve_attention(config)
+        self.checkpointing = self._resolve_checkpointing(model)
         self.model = self._build(model, trainable=True)
         self.reference = self._build(model, trainable=False) if config.use_kl_loss else None
         opt = config.optim
@@ -82,6 +94,7 @@ class Trainer:
             betas=opt.betas,
             eps=opt.eps,
             weight_decay=opt.weight_decay,
+            foreach=True,  # one kernel per op over all parameters, not a loop over them
         )
         self.scheduler = build_scheduler(self.optimizer, opt)
         self.step = 0
@@ -108,20 +121,48 @@ class Trainer:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
+    @staticmethod
+    def _resolve_attention(cfg: TrainerConfig) -> str:
+        """The model's attention: as configured, or `patrl_varlen` in place of SDPA / eager
+        when packing (flash-attn implementations take packed rows natively)."""
+        name = cfg.attn_implementation
+        if not cfg.use_remove_padding or name.startswith("flash_attention"):
+            return name
+        if name in ("sdpa", "eager"):
+            return register_varlen()
+        raise ValueError(
+            f"use_remove_padding=True needs attn_implementation 'sdpa', 'eager' or "
+            f"'flash_attention_*', got {name!r}; set use_remove_padding=False to pad instead"
+        )
+
+    def _resolve_checkpointing(self, source: ModelSource) -> bool:
+        cfg = self.config
+        if not isinstance(cfg.enable_gradient_checkpointing, bool):
+            hf = (
+                source
+                if isinstance(source, PretrainedConfig)
+                else AutoConfig.from_pretrained(model_dir(source))
+            )
+            estimate = step_memory_bytes(
+                hf, cfg.ppo_max_token_len_per_gpu, self.param_dtype, self.group.size
+            )
+            return use_checkpointing(cfg.enable_gradient_checkpointing, self.device, estimate)
+        return cfg.enable_gradient_checkpointing
+
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
         cfg = self.config
-        checkpointing = trainable and cfg.enable_gradient_checkpointing
+        checkpointing = trainable and self.checkpointing
         if self.mesh is not None and self.source_dir is not None:
             model = build_sharded(
                 self.source_dir,
-                cfg.attn_implementation,
+                self.attn_implementation,
                 self.mesh,
                 self.device,
                 self.param_dtype,
                 checkpointing,
             )
         else:
-            model = build_model(source, cfg.attn_implementation, cfg.seed)
+            model = build_model(source, self.attn_implementation, cfg.seed)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
@@ -141,13 +182,20 @@ class Trainer:
     def _forward(
         self, model: PreTrainedModel, ids: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprob and entropy `[batch, longest]` of each token of right-padded `ids`."""
+        """Logprob and entropy `[batch, longest]` of each token of `ids`, zero-padded on the
+        right; the forward runs one packed row (use_remove_padding) or right-padded rows."""
+        cfg = self.config
+        if cfg.use_remove_padding:
+            row = pack(ids, self.device)
+            varlen = not self.attn_implementation.startswith("flash_attention")
+            with self._autocast():
+                logits = model(**row.model_kwargs(varlen), use_cache=False).logits
+            return packed_token_logprobs(logits, row, cfg.temperature, cfg.logprob_chunk_tokens)
         longest = max(int(t.numel()) for t in ids)
         input_ids = pad_field(ids, longest).to(self.device)
         attention = pad_field([torch.ones_like(t) for t in ids], longest).to(self.device)
         with self._autocast():
             logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-        cfg = self.config
         return token_logprobs(logits, input_ids, cfg.temperature, cfg.logprob_chunk_tokens)
 
     def _plan(self, batch: PolicyBatch) -> list[list[int]]:
@@ -163,14 +211,15 @@ class Trainer:
     def _score(
         self, model: PreTrainedModel, batch: PolicyBatch, micro_batches: list[list[int]]
     ) -> dict[int, torch.Tensor]:
-        """Logprobs of this rank's samples, keyed by sample index (unpadded, on CPU)."""
+        """Logprobs of this rank's samples, keyed by sample index (unpadded, fp32, on the
+        trainer's device: _gather moves them to the host in one transfer)."""
         out: dict[int, torch.Tensor] = {}
         for mb in micro_batches:
             # An empty micro-batch still runs a forward: FSDP's all-gathers need every rank.
             ids = [batch.input_ids[i] for i in mb] or [_DUMMY_IDS]
             logp, _ = self._forward(model, ids)
             for row, i in enumerate(mb):
-                out[i] = logp[row, : batch.input_ids[i].numel()].float().cpu().clone()
+                out[i] = logp[row, : batch.input_ids[i].numel()].float()
         if isinstance(model, FSDPModule):
             # FSDP2 keeps the root gathered after a forward, for the backward; with no backward
             # coming its full (param_dtype) weights would stay registered in place of the shards.
@@ -201,7 +250,7 @@ class Trainer:
         """Every rank's `{sample index: logprobs}` merged, as a list of `n` host tensors. The
         values are moved to the host before the object collective pickles them: a pickled
         device tensor would be unpickled onto the sender's device index on every rank."""
-        local = {i: t.cpu() for i, t in local.items()}
+        local = _to_host(local)
         if self.group.pg is not None:
             shares: list[dict[int, torch.Tensor] | None] = [None] * self.group.size
             dist.all_gather_object(shares, local, group=self.group.pg)
@@ -231,7 +280,8 @@ class Trainer:
                 self.reference, batch, micro_batches
             )
 
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        # Metric sums stay on the device until the step's one read (no per-micro-batch sync).
+        sums = torch.zeros(len(_SUMS), dtype=self._sum_dtype(), device=self.device)
         for mb in micro_batches:
             loss, mb_sums = self._micro_step(batch, mb, old, scored, ref, num_tokens, num_seqs)
             # FSDP averages gradients over ranks; the loss is already a share of the global one.
@@ -304,8 +354,8 @@ class Trainer:
         if old is None:
             old_logp = logp.detach().float()
             assert scored is not None
-            for row, i in enumerate(mb):
-                scored[i] = old_logp[row, : batch.input_ids[i].numel()].cpu().clone()
+            for row, i in enumerate(mb):  # moved to the host once, by scored_logprobs
+                scored[i] = old_logp[row, : batch.input_ids[i].numel()]
         else:
             old_logp = pad([old[i] for i in mb] or [torch.zeros(2)])
         mask = pad_field(mask_list, longest, False).to(self.device)
@@ -333,36 +383,38 @@ class Trainer:
         loss = pg_loss
         if cfg.entropy_coeff != 0:
             loss = loss - cfg.entropy_coeff * agg(entropy)
-        kl_loss = torch.zeros(())
+        kl_loss = torch.zeros((), device=self.device)
         if ref is not None:
             ref_t = pad([ref[i] for i in mb] or [torch.zeros(2)])
             kl_loss = agg(kl_penalty(logp, ref_t, cfg.kl_loss_type))
             loss = loss + cfg.kl_loss_coef * kl_loss
 
-        n = float(mask.sum())
+        dtype = self._sum_dtype()
+        n = mask.sum().to(dtype)
         token_sum = torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
         values = {
-            "pg_loss": float(pg_loss.detach()),
-            "kl_loss": float(kl_loss.detach()),
-            "entropy": float(token_sum.detach()),
-            "loss": float(loss.detach()),
-            **{k: float(getattr(stats, k)) * n for k in _SUMS if hasattr(stats, k)},
+            "pg_loss": pg_loss.detach(),
+            "kl_loss": kl_loss.detach(),
+            "entropy": token_sum.detach(),
+            "loss": loss.detach(),
+            **{k: getattr(stats, k).to(dtype) * n for k in _SUMS if hasattr(stats, k)},
         }
         # The behaviour weight is a mean over the tokens the cap kept, not over all of them.
-        values["behav_weight"] = float(stats.behav_weight) * (n - values["behav_capped"])
-        return loss, torch.tensor([values[k] for k in _SUMS], dtype=torch.float64)
+        values["behav_weight"] = stats.behav_weight.to(dtype) * (n - values["behav_capped"])
+        return loss, torch.stack([values[k].to(dtype) for k in _SUMS])
+
+    def _sum_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "mps" else torch.float64
 
     def _sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
-        """`sums` (float64, on the host) summed over the trainer's ranks. The all-reduce runs on
-        the trainer's device, as NCCL requires (the trainer imports no patrl package, so this
-        is its one tensor collective, checked by patrl.tpreshard.device_check's patched
-        torch.distributed in tests), in float64 unless the device has none (MPS)."""
-        if self.group.pg is None:
-            return sums
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        reduced = sums.to(self.device, dtype)
-        dist.all_reduce(reduced, group=self.group.pg)
-        return reduced.to(sums.device, torch.float64)
+        """`sums` (on the trainer's device, float64 unless the device has none: MPS) summed over
+        the trainer's ranks and read to the host as float64. The all-reduce runs on the
+        trainer's device, as NCCL requires (the trainer imports no patrl package, so this is
+        its one tensor collective, checked by patrl.tpreshard.device_check's patched
+        torch.distributed in tests)."""
+        if self.group.pg is not None:
+            dist.all_reduce(sums, group=self.group.pg)
+        return sums.to("cpu", torch.float64)
 
     def _clip_grad_norm(self) -> float:
         """Global grad norm (over all ranks' shards), gradients clipped to `grad_clip`."""
@@ -469,6 +521,17 @@ class Trainer:
 
 # Two tokens: the least a causal-LM forward needs to produce one prediction.
 _DUMMY_IDS = torch.zeros(2, dtype=torch.long)
+
+
+def _to_host(values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Fresh host copies of `values` (fp32), in one device-to-host transfer."""
+    if not values:
+        return {}
+    keys = list(values)
+    flat = torch.cat([values[i].float().reshape(-1) for i in keys]).cpu()
+    parts = flat.split([values[i].numel() for i in keys])
+    # Own storage each: views of one buffer would each pickle all of it (all_gather_object).
+    return {i: p.view(values[i].shape).clone() for i, p in zip(keys, parts, strict=True)}
 
 
 def _is_config(source: ModelSource) -> bool:
