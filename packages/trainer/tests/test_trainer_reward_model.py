@@ -21,23 +21,12 @@ from patrl.trainer.reward_model import (
     tokenize_pairs,
 )
 from patrl.trainer.reward_model.__main__ import main as train_main
-from patrl_testkit.models import save_tiny_model, tiny_config
+from patrl_testkit.models import save_tiny_model, save_tiny_reward_model
 from patrl_testkit.multirank import run_ranks
 
 
-def save_tiny_rm(path: Path, seed: int = 0, num_labels: int = 1, tokenizer: Any = None) -> Path:
-    """A tiny random Llama sequence classifier (with the demo tokenizer unless one is given)."""
-    from transformers import LlamaForSequenceClassification
-
-    tok = tokenizer if tokenizer is not None else build_tokenizer()
-    torch.manual_seed(seed)
-    config = tiny_config(
-        "llama", "plain", vocab_size=len(tok), num_labels=num_labels, pad_token_id=tok.pad_token_id
-    )
-    model = LlamaForSequenceClassification(config).eval()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+def save_tiny_rm(path: Path, num_labels: int = 1) -> Path:
+    return save_tiny_reward_model(path, build_tokenizer(), num_labels=num_labels)
 
 
 def test_scores_equal_hf_sequence_classifier_with_padding(tmp_path: Path) -> None:
