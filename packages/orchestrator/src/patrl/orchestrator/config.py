@@ -213,7 +213,9 @@ class RewardModelConfig(_Section):
     """A learned reward model: its score on a response's last token, times `weight`, is added
     to the rule rewards (docs/reward_models.md). Replicated on each scoring rank."""
 
-    enable: bool = False
+    enable: bool = Field(
+        False, description="add a learned RM's score to the rewards of training samples"
+    )
     model: RewardModelPathConfig = Field(default_factory=lambda: RewardModelPathConfig())
     weight: float = Field(1.0, description="the RM score's weight in the reward")
     micro_batch_size: int = Field(8, gt=0, description="sequences per RM forward")
