@@ -189,3 +189,33 @@ def test_bradley_terry_two_ranks_equal_one_process(tmp_path: Path) -> None:
 def _bt_step_init(lm: str) -> dict[str, torch.Tensor]:
     trainer = BradleyTerryTrainer(lm, seed=3)
     return {n: t.clone() for b in trainer_weights(trainer) for n, t in b}
+
+
+@pytest.mark.gpu
+def test_scorer_and_bradley_terry_on_cuda(tmp_path: Path) -> None:
+    """fp32 on CUDA scores as HF on the host (TF32 off); bf16 stays close; a BT step on CUDA
+    lowers the loss of its own batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = save_tiny_rm(tmp_path / "rm")
+    tok = build_tokenizer()
+    seqs = [tok(t)["input_ids"] for t in ["1+2=?3", "a longer sequence 12345", "x"]]
+    hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = torch.cat([hf(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        fp32 = RewardModelScorer(path, "cuda", torch.float32, micro_batch_size=2).score(seqs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.testing.assert_close(fp32, want, atol=1e-4, rtol=0)
+    bf16 = RewardModelScorer(path, "cuda", torch.bfloat16, micro_batch_size=3).score(seqs)
+    torch.testing.assert_close(bf16, want, atol=5e-2, rtol=5e-2)
+    lm = save_tiny_model(tmp_path / "lm", "llama", "plain", tokenizer=tok)
+    trainer = BradleyTerryTrainer(lm, device="cuda", lr=1e-3)
+    pairs = _pairs()
+    first = trainer.train_step(pairs)["loss"]
+    for _ in range(5):
+        last = trainer.train_step(pairs)["loss"]
+    assert last < first
