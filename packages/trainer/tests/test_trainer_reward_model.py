@@ -103,6 +103,20 @@ def test_preference_rows_missing_a_key_name_file_row_and_key(tmp_path: Path) -> 
     f.write_text(json.dumps({"prompt": "p", "rejected": "b"}) + "\n")
     with pytest.raises(ValueError, match=r"row 0: no chosen key 'chosen'"):
         read_preferences(f)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt": ["p"], "good": ["a"], "rejected": ["b"]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p\.parquet' row 0: no chosen key 'chosen'"):
+        read_preferences(tmp_path / "p.parquet")
+    # The CLI reads and checks every row before it builds a model or writes anything.
+    out = tmp_path / "out"
+    lm = save_tiny_model(tmp_path / "lm", "llama", "plain", tokenizer=build_tokenizer())
+    args = ["--model", str(lm), "--train-files", str(f)]
+    with pytest.raises(ValueError, match=r"p\.jsonl' row 0: no chosen key 'chosen'"):
+        train_main([*args, "--output", str(out)])
+    assert not out.exists()
 
 
 def write_pairs(path: Path, n: int, seed: int) -> Path:

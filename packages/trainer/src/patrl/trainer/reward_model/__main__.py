@@ -43,9 +43,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Train, evaluate after each epoch, save; returns the last held-out metrics."""
     args = parse_args(argv)
     keys = PreferenceKeys(args.prompt_key, args.chosen_key, args.rejected_key)
-    tokenizer = load_tokenizer(args.model, "--model")
     train_rows = read_preferences(args.train_files, keys)
     val_rows = read_preferences(args.val_files, keys) if args.val_files else []
+    tokenizer = load_tokenizer(args.model, "--model")
     if not val_rows:
         random.Random(args.seed).shuffle(train_rows)
         held = max(1, int(len(train_rows) * args.val_fraction))
