@@ -91,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 },
             )
     trainer.save(out, tokenizer)
+    if mesh is not None:
+        torch.distributed.destroy_process_group()
     return held_out
 
 
