@@ -258,7 +258,7 @@ def async_without_trainer(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra), world_size=2)
 
 
-def _reward_model(a: Assets, path: Path, **extra: Any) -> dict[str, Any]:
+def _reward_model(path: Path, **extra: Any) -> dict[str, Any]:
     return {"reward_model.enable": "true", "reward_model.model.path": path, **extra}
 
 
@@ -273,11 +273,11 @@ def rm_without_path(a: Assets, tmp: Path, run: Path) -> Setup:
 
 
 def rm_not_sequence_classification(a: Assets, tmp: Path, run: Path) -> Setup:
-    return Setup(_good(a, run, **_reward_model(a, a.model)))
+    return Setup(_good(a, run, **_reward_model(a.model)))
 
 
 def rm_two_labels(a: Assets, tmp: Path, run: Path) -> Setup:
-    return Setup(_good(a, run, **_reward_model(a, _save_rm(tmp / "rm2", num_labels=2))))
+    return Setup(_good(a, run, **_reward_model(_save_rm(tmp / "rm2", num_labels=2))))
 
 
 def rm_without_tokenizer(a: Assets, tmp: Path, run: Path) -> Setup:
@@ -285,7 +285,7 @@ def rm_without_tokenizer(a: Assets, tmp: Path, run: Path) -> Setup:
     for f in rm.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             f.unlink()
-    return Setup(_good(a, run, **_reward_model(a, rm)))
+    return Setup(_good(a, run, **_reward_model(rm)))
 
 
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
