@@ -102,3 +102,18 @@ def save_tiny_model(
         overrides.setdefault("vocab_size", len(tokenizer))
     model = tiny_hf_model(family, seed, flavour, **overrides)
     return save_hf_model(model, path, tokenizer)
+
+
+def save_tiny_reward_model(
+    path: Path, tokenizer: Any, *, seed: int = 0, num_labels: int = 1, **overrides: Any
+) -> Path:
+    """A plain tiny Llama sequence classifier (`num_labels` scores, a random score head after
+    manual_seed(seed)) saved with `tokenizer` to `path` -> path."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
+    config = tiny_config(
+        "llama", "plain", vocab_size=len(tokenizer), num_labels=num_labels, **overrides
+    )
+    return save_hf_model(LlamaForSequenceClassification(config).eval(), path, tokenizer)

@@ -29,7 +29,7 @@ from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
-from patrl_testkit.models import save_tiny_model, tiny_config
+from patrl_testkit.models import save_tiny_model, save_tiny_reward_model, tiny_config
 
 POSITIONS = 128  # max_position_embeddings of every model here
 NUM_TRAIN = 16
@@ -258,6 +258,36 @@ def async_without_trainer(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra), world_size=2)
 
 
+def _reward_model(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"reward_model.enable": "true", "reward_model.model.path": path, **extra}
+
+
+def _save_rm(path: Path, num_labels: int = 1) -> Path:
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+
+    return save_tiny_reward_model(path, build_tokenizer(), num_labels=num_labels)
+
+
+def rm_without_path(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"reward_model.enable": "true"}))
+
+
+def rm_not_sequence_classification(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **_reward_model(a.model)))
+
+
+def rm_two_labels(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **_reward_model(_save_rm(tmp / "rm2", num_labels=2))))
+
+
+def rm_without_tokenizer(a: Assets, tmp: Path, run: Path) -> Setup:
+    rm = _save_rm(tmp / "rm_bare")
+    for f in rm.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    return Setup(_good(a, run, **_reward_model(rm)))
+
+
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
     extra = {**STATIC, "data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
     return Setup(_good(a, run, **extra), world_size=3)
@@ -354,6 +384,20 @@ CASES: list[tuple[Builder, list[str]]] = [
     ),
     (adaptive_profile_missing, ["rollout.adaptive_tp.profile=", "nowhere.json: no such file"]),
     (async_without_trainer, ["async_rl.rollout_ranks=2 leaves no trainer rank", "use 1..1"]),
+    (
+        rm_without_path,
+        ["reward_model.enable=true needs reward_model.model.path"],
+    ),
+    (
+        rm_not_sequence_classification,
+        [
+            "reward_model.model.path=",
+            "config.json lists architectures ['LlamaForCausalLM']",
+            "num_labels=1",
+        ],
+    ),
+    (rm_two_labels, ["reward_model.model.path=", "rm2", "has num_labels=2"]),
+    (rm_without_tokenizer, ["reward_model.model.path=", "rm_bare", "no usable tokenizer"]),
     (
         several_at_once,
         [

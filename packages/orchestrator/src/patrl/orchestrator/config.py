@@ -203,6 +203,37 @@ class RewardConfig(_Section):
     timeout_s: float = Field(10.0, gt=0, description="per-sample timeout of a reward call")
 
 
+class RewardModelPathConfig(_Section):
+    path: str | None = Field(
+        None, description="HF AutoModelForSequenceClassification directory with num_labels=1"
+    )
+
+
+class RewardModelConfig(_Section):
+    """A learned reward model: its score on a response's last token, times `weight`, is added
+    to the rule rewards (docs/reward_models.md). Replicated on each scoring rank."""
+
+    enable: bool = Field(
+        False, description="add a learned RM's score to the rewards of training samples"
+    )
+    model: RewardModelPathConfig = Field(default_factory=lambda: RewardModelPathConfig())
+    weight: float = Field(1.0, description="the RM score's weight in the reward")
+    micro_batch_size: int = Field(8, gt=0, description="sequences per RM forward")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="RM dtype; auto = bfloat16 on CUDA, float32 on CPU"
+    )
+
+    @model_validator(mode="after")
+    def _has_path(self) -> RewardModelConfig:
+        if self.enable and not self.model.path:
+            raise ValueError(
+                "reward_model.enable=true needs reward_model.model.path (an HF "
+                "sequence-classification directory; train one with "
+                "`python -m patrl.trainer.reward_model`)"
+            )
+        return self
+
+
 class RunConfig(_Section):
     """verl's `trainer.*`: the run's length, logging and checkpoints."""
 
@@ -256,6 +287,7 @@ class JobConfig(_Section):
     actor: ActorConfig = Field(default_factory=lambda: ActorConfig())
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
+    reward_model: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig())
     trainer: RunConfig = Field(default_factory=lambda: RunConfig())
     async_rl: AsyncConfig = Field(default_factory=lambda: AsyncConfig())
 

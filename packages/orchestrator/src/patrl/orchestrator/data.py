@@ -34,6 +34,8 @@ class PromptItem:
     prompt: str
     answer: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # the prompt as chat messages (a string: one user turn), for a reward model's own template
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -91,7 +93,8 @@ def load_prompt_dataset(
             num_overlong += 1
             continue
         extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        items.append(PromptItem(i, list(ids), text, _answer(row, answer_key, i), extra))
+        messages = prompt_messages(row[prompt_key], i, system_prompt)
+        items.append(PromptItem(i, list(ids), text, _answer(row, answer_key, i), extra, messages))
     if not items:
         shortest = min(len(ids) for ids in token_ids)
         raise ValueError(
@@ -166,6 +169,16 @@ def render_prompt(
         messages = [{"role": "system", "content": system_prompt}, *messages]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return str(text)
+
+
+def prompt_messages(prompt: Any, row: int, system_prompt: str | None) -> list[dict[str, str]]:
+    """The prompt as chat messages: a string is one user turn; the system prompt goes first."""
+    messages = (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, row)
+    )
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
 
 
 def _messages(prompt: Any, row: int) -> list[dict[str, str]]:

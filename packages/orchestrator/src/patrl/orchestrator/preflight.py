@@ -27,6 +27,7 @@ from patrl.lenpredict import usable_tp_sizes
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, JobConfig, load_config
 from patrl.orchestrator.data import PromptDataset, dataset_for
+from patrl.orchestrator.learned_reward import reward_model_problems
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
 from patrl.rollout.model_config import ModelConfig
 
@@ -181,6 +182,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         if config.trainer.mode == "async":
             trainers = world_size - config.async_rl.rollout_ranks
         problems += _resume_problems(config, model, trainers)
+    problems += reward_model_problems(config)
     if problems:
         raise PreflightError(problems)
 

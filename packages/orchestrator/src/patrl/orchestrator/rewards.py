@@ -128,6 +128,7 @@ class RewardResult:
     errors: list[RewardError] = field(default_factory=list)
     workers_restarted: int = 0
     seconds: float = 0.0
+    model_seconds: float = 0.0
 
     def error_counts(self) -> dict[ErrorKind, int]:
         counts = Counter(e.kind for e in self.errors)
@@ -143,7 +144,31 @@ class RewardResult:
         for name, values in self.components.items():
             out[f"reward/{name}/mean"] = sum(values) / len(values) if values else 0.0
         out["timing_s/reward"] = self.seconds
+        scores = self.components.get(MODEL_COMPONENT)
+        if scores:
+            out["reward_model/score/mean"] = sum(scores) / len(scores)
+            out["reward_model/score/max"] = max(scores)
+            out["reward_model/score/min"] = min(scores)
+            out["timing_s/reward_model"] = self.model_seconds
         return out
+
+
+MODEL_COMPONENT = "reward_model"
+
+
+def add_model_scores(
+    result: RewardResult, scores: Sequence[float], weight: float, seconds: float = 0.0
+) -> None:
+    """Add a reward model's `scores` x `weight` to `result`'s rewards (a sample whose rule
+    call failed keeps 0.0), as component "reward_model", with its metrics and time."""
+    if len(scores) != len(result.rewards):
+        raise ValueError(f"{len(scores)} reward-model scores for {len(result.rewards)} samples")
+    failed = {e.sample for e in result.errors}
+    for s, score in enumerate(scores):
+        if s not in failed:
+            result.rewards[s] += weight * float(score)
+    result.components[MODEL_COMPONENT] = [float(x) for x in scores]
+    result.model_seconds = seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ import torch
 from patrl.orchestrator.advantages import compute_advantages
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptItem
-from patrl.orchestrator.rewards import RewardManager
+from patrl.orchestrator.learned_reward import LearnedReward
+from patrl.orchestrator.rewards import RewardManager, add_model_scores
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import PolicyBatch, Trainer
 
@@ -79,9 +80,12 @@ VALIDATION_SEED_KEY = (-1,)
 
 
 def score_outputs(
-    rewards: RewardManager, local: Sequence[tuple[PromptItem, RequestOutput]]
+    rewards: RewardManager,
+    local: Sequence[tuple[PromptItem, RequestOutput]],
+    learned: LearnedReward | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
-    """Every completion of `local` scored by the reward functions, and the reward metrics."""
+    """Every completion of `local` scored by the reward functions (plus the reward model's
+    weighted score, when `learned`), and the reward metrics."""
     if not local:
         return [], {}
     flat = [(item, out, c) for item, out in local for c in out.outputs]
@@ -90,6 +94,9 @@ def score_outputs(
         [item.answer for item, _, _ in flat],
         [dict(item.extra) for item, _, _ in flat],
     )
+    if learned is not None:
+        scores, seconds = learned.score([(item, c.token_ids) for item, _, c in flat])
+        add_model_scores(result, scores, learned.weight, seconds)
     samples = [
         Sample(
             item.index,
@@ -106,11 +113,15 @@ def score_outputs(
 
 
 def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
-    """Add up counters across replicas (and rounds); average means; the slowest replica's time."""
+    """Add up counters across replicas (and rounds); average means; max of maxima, min of
+    minima; the slowest replica's time."""
     for key in {k for share in shares for k in share}:
         values = [share[key] for share in shares if key in share]
         if key.endswith("/mean"):
             into[key] = float(np.mean(values))
+        elif key.endswith(("/max", "/min")):
+            pick = max if key.endswith("/max") else min
+            into[key] = pick([*values, into.get(key, values[0])])
         elif key.startswith("timing_s/"):
             into[key] = into.get(key, 0.0) + max(values)
         else:

@@ -27,6 +27,7 @@ from patrl.orchestrator.build import build_engine, load_data, seed_everything, t
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.learned_reward import build_learned_reward
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunLoop, validates
@@ -94,6 +95,9 @@ class SyncGRPO(RunLoop):
             )
             if self._scores
             else None
+        )
+        self.learned = (
+            build_learned_reward(config, self.tokenizer, world.device) if self._scores else None
         )
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
@@ -373,12 +377,14 @@ class SyncGRPO(RunLoop):
         return {"lenpredict/prompt_mean_abs_error": float(np.mean(errors)) if errors else 0.0}
 
     def _score(
-        self, local: list[tuple[PromptItem, Any]]
+        self, local: list[tuple[PromptItem, Any]], training: bool = True
     ) -> tuple[list[Sample], list[dict[str, float]]]:
         """Every replica's samples of `local`, scored on the replica's first rank and gathered on
-        every rank, and each replica's reward metrics."""
+        every rank, and each replica's reward metrics. The reward model scores training
+        samples only: validation measures the rule rewards (pass@1)."""
+        learned = self.learned if training else None
         scored, metrics = (
-            score_outputs(self.rewards, local) if self.rewards is not None else ([], {})
+            score_outputs(self.rewards, local, learned) if self.rewards is not None else ([], {})
         )
         samples = [s for share in all_gather_objects(self.world, scored) for s in share]
         return samples, [m for m in all_gather_objects(self.world, metrics) if m]
@@ -401,7 +407,7 @@ class SyncGRPO(RunLoop):
             n=1,
             split="validation",
         )
-        samples, _ = self._score(local)
+        samples, _ = self._score(local, training=False)
         return validation_metrics(samples, start)
 
 

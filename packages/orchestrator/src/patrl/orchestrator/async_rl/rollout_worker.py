@@ -28,10 +28,12 @@ from patrl.orchestrator.async_rl.tickets import (
 from patrl.orchestrator.async_rl.validation import Validation
 from patrl.orchestrator.build import build_engine
 from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.learned_reward import build_learned_reward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
 from patrl.orchestrator.step import score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
+from patrl.trainer.reward_model import load_tokenizer
 
 # Seconds an idle rollout rank sleeps between polls.
 IDLE_POLL_S = 0.005
@@ -56,6 +58,13 @@ class RolloutWorker:
             [(f.name, f.weight) for f in self.config.reward.functions],
             num_workers=self.config.reward.num_workers,
             timeout_s=self.config.reward.timeout_s,
+        )
+        self.learned = (
+            build_learned_reward(
+                self.config, load_tokenizer(self.model_dir, "model.path"), self.world.device
+            )
+            if self.config.reward_model.enable
+            else None
         )
         self.in_flight: dict[str, InFlight] = {}
         self.held: int | None = None  # a ticket taken but not yet admissible
@@ -218,7 +227,7 @@ class RolloutWorker:
 
     def _hand_over(self, out: RequestOutput) -> None:
         flight = self.in_flight.pop(out.request_id)
-        samples, reward_metrics = score_outputs(self.rewards, [(flight.item, out)])
+        samples, reward_metrics = score_outputs(self.rewards, [(flight.item, out)], self.learned)
         versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
         record = GroupRecord(
             flight.ticket,
