@@ -142,10 +142,8 @@ def policy_loss(
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; accepted: {', '.join(LOSS_MODES)}")
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    if loss_mode == "gspo":
-        ratio = _gspo_ratio(logprobs, old_logprobs, mask)
-    else:
-        ratio = log_ratio.exp()
+    gspo = loss_mode == "gspo"
+    ratio = _gspo_ratio(logprobs, old_logprobs, mask) if gspo else log_ratio.exp()
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
