@@ -27,6 +27,7 @@ from patrl.orchestrator.build import build_engine, load_data, seed_everything, t
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.kl_reward import build_kl_controller, needs_reference
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunLoop, validates
@@ -84,8 +85,13 @@ class SyncGRPO(RunLoop):
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
-            trainer_config(config), model_dir, mesh=self._mesh(), device=world.device
+            trainer_config(config),
+            model_dir,
+            mesh=self._mesh(),
+            device=world.device,
+            reference=needs_reference(config),
         )
+        self.kl_ctrl = build_kl_controller(config.algorithm.kl_ctrl)
         self.rewards = (
             RewardManager(
                 [(f.name, f.weight) for f in config.reward.functions],
@@ -156,7 +162,11 @@ class SyncGRPO(RunLoop):
 
     def save_extra(self, staging: Path) -> None:
         torch.save(
-            {"partials": self.partials, "stale_tokens": self._stale_tokens},
+            {
+                "partials": self.partials,
+                "stale_tokens": self._stale_tokens,
+                "kl_coef": self.kl_ctrl.value,
+            },
             staging / PARTIALS_FILE,
         )
 
@@ -164,6 +174,7 @@ class SyncGRPO(RunLoop):
         if (checkpoint / PARTIALS_FILE).is_file():
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
+            self.kl_ctrl.value = saved.get("kl_coef", self.kl_ctrl.value)
         self.sync_weights()
 
     # ------------------------------------------------------------------ step
@@ -173,7 +184,9 @@ class SyncGRPO(RunLoop):
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
         asleep = self._free_cache_engine()
-        update = update_policy(self.config, self.trainer, samples, self.step, timings)
+        update = update_policy(
+            self.config, self.trainer, samples, self.step, timings, kl_ctrl=self.kl_ctrl
+        )
         with timed(timings, "update_weights"):
             if asleep:
                 self.engine.wake_up()
