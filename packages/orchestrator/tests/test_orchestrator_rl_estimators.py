@@ -278,5 +278,5 @@ def test_reinforce_plus_plus_runs_with_one_sample_and_kl_keys_load() -> None:
     assert (cfg.actor.clip_low, cfg.actor.clip_high) == (0.25, 0.25)
     with pytest.raises(ConfigError, match="kl_penalty"):
         load_config(None, ["algorithm.kl_penalty=k4"])
-    with pytest.raises(ConfigError, match="kl_ctrl.type"):
+    with pytest.raises(ConfigError, match=r"kl_ctrl\.type"):
         load_config(None, ["algorithm.kl_ctrl.type=pid"])
