@@ -41,7 +41,9 @@ class PolicyLossConfig(BaseModel):
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
     # geometric mean of the token ratios), clipped per sequence.
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        default="vanilla", description="vanilla (PPO token ratio) or gspo (sequence ratio)"
+    )
 
 
 class TrainerConfig(BaseModel):
@@ -56,13 +58,21 @@ class TrainerConfig(BaseModel):
     ppo_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
     # PPO / GRPO surrogate; clip_ratio_low / _high left None take clip_ratio (verl's rule).
     policy_loss: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig())
-    clip_ratio: float = Field(default=0.2, ge=0, lt=1)
-    clip_ratio_low: float | None = Field(default=None, ge=0, lt=1)
-    clip_ratio_high: float | None = Field(default=None, ge=0)
+    clip_ratio: float = Field(default=0.2, ge=0, lt=1, description="PPO's clip range epsilon")
+    clip_ratio_low: float | None = Field(
+        default=None, ge=0, lt=1, description="ratio floor 1 - this; None = clip_ratio"
+    )
+    clip_ratio_high: float | None = Field(
+        default=None, ge=0, description="ratio ceiling 1 + this; None = clip_ratio"
+    )
     clip_ratio_c: float | None = Field(default=3.0, gt=1)
     loss_agg_mode: AggMode = "token-mean"
     # seq-mean-token-sum-norm's divisor (verl's name); None: the step's longest response.
-    loss_scale_factor: float | None = Field(default=None, gt=0)
+    loss_scale_factor: float | None = Field(
+        default=None,
+        gt=0,
+        description="seq-mean-token-sum-norm divisor; None = data.max_response_length",
+    )
     entropy_coeff: float = 0.0
     # KL to a frozen reference policy as a loss term (builds the reference when true).
     use_kl_loss: bool = False
