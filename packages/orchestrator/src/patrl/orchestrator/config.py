@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from patrl.orchestrator.advantages import GROUP_ESTIMATORS
 from patrl.trainer import TrainerConfig
 from patrl.trainer.config import KLType
 
@@ -323,7 +324,7 @@ class JobConfig(_Section):
 def _check_group_size(config: JobConfig) -> None:
     """A group baseline over one sample is the sample itself: every advantage would be 0."""
     estimator = config.algorithm.adv_estimator
-    if config.rollout.n == 1 and estimator in ("grpo", "dr_grpo", "rloo"):
+    if config.rollout.n == 1 and estimator in GROUP_ESTIMATORS:
         raise ValueError(
             f"algorithm.adv_estimator={estimator} with rollout.n=1: a group of one sample is "
             "its own baseline, so every advantage is 0 and nothing is learned; set rollout.n "

@@ -8,7 +8,9 @@ is updated once per step with the batch's KL and is part of the run's checkpoint
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +56,21 @@ def build_kl_controller(config: KLControlConfig) -> KLController:
     if config.type == "adaptive":
         return AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon)
     return FixedKLController(config.kl_coef)
+
+
+KL_STATE_FILE = "kl_ctrl.json"
+
+
+def save_kl_state(controller: KLController, checkpoint: Path) -> None:
+    """Write the controller's coefficient into a checkpoint directory being staged."""
+    (checkpoint / KL_STATE_FILE).write_text(json.dumps({"kl_coef": controller.value}))
+
+
+def load_kl_state(controller: KLController, checkpoint: Path) -> None:
+    """Restore the coefficient a checkpoint holds (one written without KL state: unchanged)."""
+    path = checkpoint / KL_STATE_FILE
+    if path.is_file():
+        controller.value = float(json.loads(path.read_text())["kl_coef"])
 
 
 def needs_reference(config: JobConfig) -> bool:

@@ -27,7 +27,12 @@ from patrl.orchestrator.build import build_engine, load_data, seed_everything, t
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
-from patrl.orchestrator.kl_reward import build_kl_controller, needs_reference
+from patrl.orchestrator.kl_reward import (
+    build_kl_controller,
+    load_kl_state,
+    needs_reference,
+    save_kl_state,
+)
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunLoop, validates
@@ -162,19 +167,16 @@ class SyncGRPO(RunLoop):
 
     def save_extra(self, staging: Path) -> None:
         torch.save(
-            {
-                "partials": self.partials,
-                "stale_tokens": self._stale_tokens,
-                "kl_coef": self.kl_ctrl.value,
-            },
+            {"partials": self.partials, "stale_tokens": self._stale_tokens},
             staging / PARTIALS_FILE,
         )
+        save_kl_state(self.kl_ctrl, staging)
 
     def restored(self, checkpoint: Path) -> None:
         if (checkpoint / PARTIALS_FILE).is_file():
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
-            self.kl_ctrl.value = saved.get("kl_coef", self.kl_ctrl.value)
+        load_kl_state(self.kl_ctrl, checkpoint)
         self.sync_weights()
 
     # ------------------------------------------------------------------ step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -14,7 +15,12 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
 from patrl.orchestrator.build import trainer_config
-from patrl.orchestrator.kl_reward import build_kl_controller, needs_reference
+from patrl.orchestrator.kl_reward import (
+    build_kl_controller,
+    load_kl_state,
+    needs_reference,
+    save_kl_state,
+)
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
@@ -69,6 +75,12 @@ class TrainerWorker(RunLoop):
             self.control.bump("tickets", self.step * self.batch_size)
             start = {"step": self.step, "loader": self.loader.state_dict()}
             self.control.put("start", pickle.dumps(start))
+
+    def save_extra(self, staging: Path) -> None:
+        save_kl_state(self.kl_ctrl, staging)
+
+    def restored(self, checkpoint: Path) -> None:
+        load_kl_state(self.kl_ctrl, checkpoint)
 
     def before_steps(self, logger: MetricsLogger | None) -> None:
         self._val_logged = self.step if self.step > 0 else -1
