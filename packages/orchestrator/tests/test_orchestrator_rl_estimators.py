@@ -87,7 +87,9 @@ def _verl_masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return (values - mean) * torch.rsqrt(var + 1e-8)
 
 
-def _verl_rpp(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
+def _verl_rpp(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
     returns = torch.zeros_like(token_level_rewards)
     running_return: torch.Tensor | float = 0
     for t in reversed(range(token_level_rewards.shape[1])):
@@ -97,7 +99,9 @@ def _verl_rpp(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, ga
     return _verl_masked_whiten(returns, response_mask) * response_mask
 
 
-def _verl_rpp_baseline(token_level_rewards, response_mask, index):  # type: ignore[no-untyped-def]
+def _verl_rpp_baseline(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: list[int]
+) -> torch.Tensor:
     response_length = token_level_rewards.shape[-1]
     scores = token_level_rewards.sum(dim=-1)
     id2score: dict[int, list[torch.Tensor]] = defaultdict(list)
