@@ -408,8 +408,8 @@ def trl_trainer(
         adam_epsilon=a.optim.eps,
         optim="adamw_torch",
         max_grad_norm=a.grad_clip,
-        epsilon=a.clip_ratio_low,
-        epsilon_high=a.clip_ratio_high,
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
         beta=a.kl_loss_coef if a.use_kl_loss else 0.0,
         loss_type="dapo",  # tokens of the whole batch averaged: patrl's token-mean
         scale_rewards="group" if config.algorithm.norm_adv_by_std_in_grpo else "none",

@@ -1,10 +1,12 @@
-"""Group-relative advantages (GRPO, Dr.GRPO, RLOO) and DAPO dynamic sampling.
+"""Advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ with and without baseline) and DAPO dynamic
+sampling.
 
 Pure numpy. Samples are flat, in any order; `group_ids[i]` names the prompt that sample i was
 drawn for (verl's `index`), so groups may have different sizes (a partial rollout can hand back
 an incomplete group). A group of one sample has nothing to be relative to: its advantage is 0
-under every estimator here. (verl instead uses mean 0 and std 1 there, which makes the raw
+under the group estimators here. (verl instead uses mean 0 and std 1 there, which makes the raw
 reward the advantage; a lone sample then pushes the policy with an unbaselined signal.)
+REINFORCE++ works on token-level rewards and whitens over every response token of the batch.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from typing import Generic, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo"]
-ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+AdvEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+]
+ADV_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+)
+# Estimators whose baseline is the other samples of the group: no signal with rollout.n = 1.
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 
 FloatArray = npt.NDArray[np.float64]
 G = TypeVar("G")
@@ -62,13 +74,16 @@ def compute_advantages(
     *,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> FloatArray:
-    """One advantage per sample by name (verl's `algorithm.adv_estimator`)."""
+    """One advantage per sample by name (verl's `algorithm.adv_estimator`), for the outcome
+    estimators; `token_advantages` takes every estimator."""
     if estimator == "grpo":
         return grpo_advantages(rewards, group_ids, norm_by_std=norm_adv_by_std_in_grpo)
     if estimator == "dr_grpo":
         return dr_grpo_advantages(rewards, group_ids)
     if estimator == "rloo":
         return rloo_advantages(rewards, group_ids)
+    if estimator in ADV_ESTIMATORS:
+        raise ValueError(f"adv_estimator {estimator!r} is token-level: use token_advantages")
     raise ValueError(f"unknown adv_estimator {estimator!r}; accepted: {', '.join(ADV_ESTIMATORS)}")
 
 
@@ -86,6 +101,79 @@ def per_token(advantages: npt.ArrayLike, response_lengths: Sequence[int]) -> lis
     return [
         np.full(int(length), a) for a, length in zip(adv.tolist(), response_lengths, strict=True)
     ]
+
+
+def token_level_scores(scores: npt.ArrayLike, response_lengths: Sequence[int]) -> list[FloatArray]:
+    """verl's token_level_scores: each response's scalar score on its last token, 0 on the
+    others (an empty response gets an empty array)."""
+    out = [np.zeros(int(n)) for n in response_lengths]
+    for row, score in zip(out, np.asarray(scores, dtype=np.float64).tolist(), strict=True):
+        if row.size:
+            row[-1] = score
+    return out
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: Sequence[npt.ArrayLike], gamma: float = 1.0
+) -> list[FloatArray]:
+    """REINFORCE++: each token's discounted return-to-go, whitened over every response token
+    of the batch (verl's masked_whiten: unbiased variance, 1e-8 under the root)."""
+    returns = []
+    for rewards in token_rewards:
+        r = np.asarray(rewards, dtype=np.float64)
+        ret = np.zeros_like(r)
+        running = 0.0
+        for t in range(r.size - 1, -1, -1):
+            running = r[t] + gamma * running
+            ret[t] = running
+        returns.append(ret)
+    return _whiten(returns)
+
+
+def reinforce_plus_plus_baseline_advantages(
+    rewards: npt.ArrayLike, group_ids: npt.ArrayLike, response_lengths: Sequence[int]
+) -> list[FloatArray]:
+    """REINFORCE++-baseline: r - group mean (a group of one keeps r, as verl: the batch-wide
+    whitening then baselines it), broadcast over the response and whitened over every
+    response token of the batch."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    mean = _group_sums(r, inverse, counts.size)[inverse] / counts[inverse]
+    centred = np.where(counts[inverse] > 1, r - mean, r)
+    return _whiten(per_token(centred, response_lengths))
+
+
+def token_advantages(
+    estimator: str,
+    token_rewards: Sequence[npt.ArrayLike],
+    group_ids: npt.ArrayLike,
+    *,
+    gamma: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> list[FloatArray]:
+    """Per-token advantages of every response by estimator name, from token-level rewards
+    (the outcome estimators score a response by the sum of its token rewards, as verl)."""
+    lengths = [int(np.asarray(t).size) for t in token_rewards]
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(token_rewards, gamma)
+    scores = np.array([float(np.sum(t)) for t in token_rewards], dtype=np.float64)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_plus_plus_baseline_advantages(scores, group_ids, lengths)
+    adv = compute_advantages(
+        estimator, scores, group_ids, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
+    )
+    return per_token(adv, lengths)
+
+
+def _whiten(values: list[FloatArray], eps: float = 1e-8) -> list[FloatArray]:
+    """(x - mean) / sqrt(unbiased var + eps) over all entries of all arrays; fewer than two
+    entries have no spread to whiten by and give zeros (verl raises there)."""
+    flat = np.concatenate(values) if values else np.zeros(0)
+    if flat.size < 2:
+        return [np.zeros_like(v) for v in values]
+    mean = flat.mean()
+    var = np.square(flat - mean).mean() * flat.size / (flat.size - 1)
+    scale = 1.0 / np.sqrt(var + eps)
+    return [(v - mean) * scale for v in values]
 
 
 @dataclass(frozen=True, slots=True)

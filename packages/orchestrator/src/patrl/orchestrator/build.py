@@ -68,6 +68,8 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
     fields = TrainerConfig.model_fields
     values = {k: v for k, v in config.actor.model_dump().items() if k in fields}
     values["seed"] = config.trainer.seed
+    if values.get("loss_scale_factor") is None:  # verl pads responses to this length
+        values["loss_scale_factor"] = float(config.data.max_response_length)
     return TrainerConfig(**values)
 
 

@@ -18,7 +18,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from patrl.orchestrator.advantages import GROUP_ESTIMATORS
 from patrl.trainer import TrainerConfig
+from patrl.trainer.config import KLType
 
 LoggerName = Literal["console", "jsonl", "tensorboard"]
 _ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -184,8 +186,34 @@ class FilterGroupsConfig(_Section):
     max_num_gen_batches: int = Field(4, gt=0, description="generation rounds per step at most")
 
 
+class KLControlConfig(_Section):
+    """verl's `algorithm.kl_ctrl`: the coefficient of the KL penalty in the reward."""
+
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: steer the coefficient toward target_kl (Ziegler et al.)"
+    )
+    kl_coef: float = Field(0.001, ge=0, description="the (initial) coefficient")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token to hold")
+    horizon: int = Field(
+        10000, gt=0, description="adaptive: samples over which the coefficient adapts"
+    )
+
+
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    adv_estimator: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    ] = Field(
+        "grpo",
+        description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
+        "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened)",
+    )
+    use_kl_in_reward: bool = Field(
+        False, description="subtract kl_ctrl's coefficient x the KL to the reference per token"
+    )
+    kl_penalty: KLType = Field(
+        "kl", description="KL estimator in the reward: kl/k1, mse/k2, low_var_kl/k3, abs"
+    )
+    kl_ctrl: KLControlConfig = Field(default_factory=lambda: KLControlConfig())
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = Field(default_factory=lambda: FilterGroupsConfig())
 
@@ -303,6 +331,7 @@ class JobConfig(_Section):
                 "rollout.over_sample_rate > 0 (partial rollouts) cannot be combined with "
                 "algorithm.filter_groups.enable=true (DAPO refills): choose one"
             )
+        _check_group_size(self)
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         # The trainer's logprobs must use the temperature the rollout sampled with.
@@ -322,6 +351,17 @@ class JobConfig(_Section):
     def run_dir(self) -> Path:
         t = self.trainer
         return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+
+def _check_group_size(config: JobConfig) -> None:
+    """A group baseline over one sample is the sample itself: every advantage would be 0."""
+    estimator = config.algorithm.adv_estimator
+    if config.rollout.n == 1 and estimator in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.adv_estimator={estimator} with rollout.n=1: a group of one sample is "
+            "its own baseline, so every advantage is 0 and nothing is learned; set rollout.n "
+            "> 1, or use adv_estimator=reinforce_plus_plus (or gae, with a critic)"
+        )
 
 
 class ConfigError(ValueError):

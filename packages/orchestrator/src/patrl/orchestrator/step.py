@@ -1,5 +1,6 @@
-"""The pieces of one GRPO step, shared by the sync and async schedules: sampling parameters,
-scoring, group-relative advantages, the trainer's batch, the PPO update and the step's metrics."""
+"""The pieces of one RL step, shared by the sync and async schedules: sampling parameters,
+scoring, KL in the reward, advantages, the trainer's batch, the PPO update and the step's
+metrics."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from patrl.orchestrator.advantages import compute_advantages
+from patrl.orchestrator.advantages import token_advantages, token_level_scores
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptItem
+from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager, add_model_scores
 from patrl.rollout import RequestOutput, SamplingParams
@@ -35,8 +37,9 @@ class Sample:
 
 @dataclass(slots=True)
 class PolicyUpdate:
-    """What one update left for the step's metrics: the batch's rewards and advantages, the
-    actor's metrics, and the trainer's logprobs of the batch before the update."""
+    """What one update left for the step's metrics: the batch's rewards, its advantages (every
+    response token's), the actor's metrics, and the trainer's logprobs of the batch before the
+    update."""
 
     rewards: np.ndarray
     advantages: np.ndarray
@@ -129,25 +132,32 @@ def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]])
 
 
 def policy_batch(
-    config: JobConfig, samples: list[Sample], behaviour: bool = False
+    config: JobConfig,
+    samples: list[Sample],
+    behaviour: bool = False,
+    token_rewards: list[np.ndarray] | None = None,
 ) -> tuple[PolicyBatch, np.ndarray, np.ndarray]:
-    """Group-relative advantages of scored samples, and the trainer's batch (with the
-    samples' own logprobs as behaviour logprobs, for decoupled PPO, when `behaviour`)."""
-    groups = np.array([s.prompt_index for s in samples])
+    """Advantages of scored samples, and the trainer's batch (with the samples' own logprobs
+    as behaviour logprobs, for decoupled PPO, when `behaviour`). `token_rewards`: each
+    response's token-level rewards (None: its score on the last token)."""
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
-    advantages = compute_advantages(
-        config.algorithm.adv_estimator,
-        rewards,
-        groups,
-        norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+    if token_rewards is None:
+        token_rewards = token_level_scores(rewards, [len(s.token_ids) for s in samples])
+    algo = config.algorithm
+    advantages = token_advantages(
+        algo.adv_estimator,
+        token_rewards,
+        np.array([s.prompt_index for s in samples]),
+        gamma=getattr(algo, "gamma", 1.0),  # algorithm.gamma arrives with the critic (GAE)
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
     )
     batch = PolicyBatch.from_responses(
         [s.prompt_token_ids for s in samples],
         [s.token_ids for s in samples],
-        [float(a) for a in advantages],
+        [a.tolist() for a in advantages],
         behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
     )
-    return batch, rewards, advantages
+    return batch, rewards, np.concatenate(advantages)
 
 
 def single_update(config: JobConfig, samples: list[Sample]) -> bool:
@@ -206,23 +216,50 @@ def update_policy(
     step: int,
     timings: dict[str, float],
     decoupled: bool = False,
+    kl_ctrl: KLController | None = None,
 ) -> PolicyUpdate:
     """Advantages, the batch, and the PPO update of one step (timed into `timings`).
 
     The PPO "old" logprobs come from a scoring pass before the first update, or, when the batch
-    makes a single on-policy optimizer step, from that update's own forward (as TRL does with
-    num_iterations=1). `decoupled` (async data) always scores: those are the proximal logprobs,
-    and the samples' own logprobs are the behaviour policy's."""
+    makes a single on-policy optimizer step and the reward needs no KL, from that update's own
+    forward (as TRL does with num_iterations=1). `decoupled` (async data) always scores: those
+    are the proximal logprobs, and the samples' own logprobs are the behaviour policy's. The
+    reference scores the batch only when a KL term needs it; `kl_ctrl` sets the KL-in-reward
+    coefficient (required with `algorithm.use_kl_in_reward`)."""
     batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
-    fused = not decoupled and single_update(config, samples)
+    kl_in_reward = config.algorithm.use_kl_in_reward
+    fused = not decoupled and not kl_in_reward and single_update(config, samples)
     if not fused:
         with timed(timings, "old_log_prob"):
             batch.old_logprobs = trainer.compute_logprobs(batch)
+    if needs_reference(config):
+        with timed(timings, "ref"):
+            batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
+    kl_metrics: dict[str, float] = {}
+    if kl_in_reward:
+        if kl_ctrl is None:
+            raise ValueError("algorithm.use_kl_in_reward needs a KL controller (kl_ctrl)")
+        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+        with timed(timings, "adv"):
+            token_rewards, kl_metrics = apply_kl_penalty(
+                token_level_scores(rewards, [len(s.token_ids) for s in samples]),
+                _responses(batch.old_logprobs, samples),
+                _responses(batch.ref_logprobs, samples),
+                kl_ctrl,
+                config.algorithm.kl_penalty,
+            )
+            scored, _, advantages = policy_batch(config, samples, decoupled, token_rewards)
+            batch.advantages = scored.advantages
     with timed(timings, "update_actor"):
         actor_metrics = ppo_update(config, trainer, batch, samples, step)
     old = trainer.scored_logprobs() if fused else batch.old_logprobs
     assert old is not None
-    return PolicyUpdate(rewards, advantages, actor_metrics, old)
+    return PolicyUpdate(rewards, advantages, {**actor_metrics, **kl_metrics}, old)
+
+
+def _responses(logprobs: list[torch.Tensor], samples: list[Sample]) -> list[torch.Tensor]:
+    """The response tokens' part of per-sample logprobs aligned to prompt + response."""
+    return [lp[lp.numel() - len(s.token_ids) :] for lp, s in zip(logprobs, samples, strict=True)]
 
 
 def step_metrics(

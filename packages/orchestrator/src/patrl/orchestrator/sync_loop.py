@@ -27,6 +27,12 @@ from patrl.orchestrator.build import build_engine, load_data, seed_everything, t
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.kl_reward import (
+    build_kl_controller,
+    load_kl_state,
+    needs_reference,
+    save_kl_state,
+)
 from patrl.orchestrator.learned_reward import build_learned_reward
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import RewardManager
@@ -85,8 +91,13 @@ class SyncGRPO(RunLoop):
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         self.trainer = Trainer(
-            trainer_config(config), model_dir, mesh=self._mesh(), device=world.device
+            trainer_config(config),
+            model_dir,
+            mesh=self._mesh(),
+            device=world.device,
+            reference=needs_reference(config),
         )
+        self.kl_ctrl = build_kl_controller(config.algorithm.kl_ctrl)
         self.rewards = (
             RewardManager(
                 [(f.name, f.weight) for f in config.reward.functions],
@@ -163,11 +174,13 @@ class SyncGRPO(RunLoop):
             {"partials": self.partials, "stale_tokens": self._stale_tokens},
             staging / PARTIALS_FILE,
         )
+        save_kl_state(self.kl_ctrl, staging)
 
     def restored(self, checkpoint: Path) -> None:
         if (checkpoint / PARTIALS_FILE).is_file():
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
+        load_kl_state(self.kl_ctrl, checkpoint)
         self.sync_weights()
 
     # ------------------------------------------------------------------ step
@@ -177,7 +190,9 @@ class SyncGRPO(RunLoop):
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
         asleep = self._free_cache_engine()
-        update = update_policy(self.config, self.trainer, samples, self.step, timings)
+        update = update_policy(
+            self.config, self.trainer, samples, self.step, timings, kl_ctrl=self.kl_ctrl
+        )
         with timed(timings, "update_weights"):
             if asleep:
                 self.engine.wake_up()

@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-KLType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"]
+AggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+KLType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
 
 
 class OptimConfig(BaseModel):
@@ -32,6 +34,18 @@ class OptimConfig(BaseModel):
         return self
 
 
+class PolicyLossConfig(BaseModel):
+    """verl's `actor.policy_loss`: which surrogate the actor minimises."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
+    # geometric mean of the token ratios), clipped per sequence.
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        default="vanilla", description="vanilla (PPO token ratio) or gspo (sequence ratio)"
+    )
+
+
 class TrainerConfig(BaseModel):
     """Everything the policy trainer needs besides the model and the device mesh."""
 
@@ -42,11 +56,23 @@ class TrainerConfig(BaseModel):
     # Micro-batches: padded tokens per micro-batch on one rank, and optionally a sample cap.
     ppo_max_token_len_per_gpu: int = Field(default=16384, ge=2)
     ppo_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
-    # PPO / GRPO surrogate.
-    clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
-    clip_ratio_high: float = Field(default=0.2, ge=0)
+    # PPO / GRPO surrogate; clip_ratio_low / _high left None take clip_ratio (verl's rule).
+    policy_loss: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig())
+    clip_ratio: float = Field(default=0.2, ge=0, lt=1, description="PPO's clip range epsilon")
+    clip_ratio_low: float | None = Field(
+        default=None, ge=0, lt=1, description="ratio floor 1 - this; None = clip_ratio"
+    )
+    clip_ratio_high: float | None = Field(
+        default=None, ge=0, description="ratio ceiling 1 + this; None = clip_ratio"
+    )
     clip_ratio_c: float | None = Field(default=3.0, gt=1)
     loss_agg_mode: AggMode = "token-mean"
+    # seq-mean-token-sum-norm's divisor (verl's name); None: the step's longest response.
+    loss_scale_factor: float | None = Field(
+        default=None,
+        gt=0,
+        description="seq-mean-token-sum-norm divisor; None = data.max_response_length",
+    )
     entropy_coeff: float = 0.0
     # KL to a frozen reference policy as a loss term (builds the reference when true).
     use_kl_loss: bool = False
@@ -70,3 +96,13 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(default=3, ge=1)
+
+    @property
+    def clip_low(self) -> float:
+        """The lower clip range in force: clip_ratio_low, else clip_ratio."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip range in force: clip_ratio_high, else clip_ratio."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high

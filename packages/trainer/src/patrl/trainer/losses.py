@@ -13,9 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-# verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3.
-KL_TYPES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_MODES = ("vanilla", "gspo")
+# verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3;
+# "abs" is |log pi - log pi_ref|.
+KL_TYPES = {
+    "k1": "k1",
+    "kl": "k1",
+    "k2": "k2",
+    "mse": "k2",
+    "k3": "k3",
+    "low_var_kl": "k3",
+    "abs": "abs",
+}
 # exp() of a log-ratio beyond this is inf in fp32 long before it is meaningful.
 _LOG_RATIO_CLAMP = 20.0
 
@@ -31,12 +41,15 @@ def aggregate(
     mode: str,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token `values` to a scalar over the `mask`ed tokens.
 
     token-mean: masked sum / masked tokens; seq-mean-token-mean / seq-mean-token-sum: mean over
-    sequences of each one's masked mean / sum. `num_tokens` / `num_seqs` replace the local
-    counts by the optimizer step's global ones; a sequence without a masked token never counts.
+    sequences of each one's masked mean / sum; seq-mean-token-sum-norm (Dr.GRPO): mean over
+    sequences of masked sum / `scale_factor` (None: the padded width, verl's default).
+    `num_tokens` / `num_seqs` replace the local counts by the optimizer step's global ones; a
+    sequence without a masked token never counts.
     """
     check_agg_mode(mode)
     mask_f = mask.to(values.dtype)
@@ -50,6 +63,8 @@ def aggregate(
     seq_sums = masked.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         seq_sums = seq_sums / seq_tokens.clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        seq_sums = seq_sums / (values.shape[-1] if scale_factor is None else scale_factor)
     if num_seqs is not None:
         return seq_sums.sum() / max(num_seqs, 1.0)
     return seq_sums.sum() / (seq_tokens > 0).sum().clamp(min=1).to(values.dtype)
@@ -62,17 +77,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs (Schulman's k1/k2/k3).
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs (Schulman's k1/k2/k3,
+    verl's `kl_penalty`).
 
-    k1 = log pi - log pi_ref;  k2 = (log pi - log pi_ref)^2 / 2;
+    k1 = log pi - log pi_ref;  abs = |k1|;  k2 = (log pi - log pi_ref)^2 / 2;
     k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1, clamped to [-10, 10] as verl does.
     """
     if kl_type not in KL_TYPES:
-        raise ValueError(f"unknown kl_loss_type {kl_type!r}; accepted: {', '.join(KL_TYPES)}")
+        raise ValueError(f"unknown kl type {kl_type!r}; accepted: {', '.join(KL_TYPES)}")
     kind = KL_TYPES[kl_type]
     diff = logprobs - ref_logprobs
     if kind == "k1":
         return diff
+    if kind == "abs":
+        return diff.abs()
     if kind == "k2":
         return 0.5 * diff.square()
     log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
@@ -102,12 +120,15 @@ def policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None,
     agg_mode: str,
+    loss_mode: str = "vanilla",
     behaviour_logprobs: torch.Tensor | None = None,
     behaviour_weight_cap: float | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`); the loss and its stats.
+    """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`), or with `loss_mode`
+    "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats.
 
     With `behaviour_logprobs` (decoupled PPO) `old_logprobs` are the proximal policy's and each
     token's loss is weighted by w = exp(old - behaviour); tokens with w > `behaviour_weight_cap`
@@ -118,14 +139,17 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c must be > 1.0 (or None to disable), got {clip_ratio_c}")
     if behaviour_weight_cap is not None and behaviour_logprobs is None:
         raise ValueError("behaviour_weight_cap needs behaviour_logprobs (decoupled PPO)")
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"unknown loss_mode {loss_mode!r}; accepted: {', '.join(LOSS_MODES)}")
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
+    gspo = loss_mode == "gspo"
+    ratio = _gspo_ratio(logprobs, old_logprobs, mask) if gspo else log_ratio.exp()
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     clipped = loss_clipped > loss_unclipped
     dual = torch.zeros_like(clipped)
-    if clip_ratio_c is not None:
+    if clip_ratio_c is not None and loss_mode == "vanilla":
         loss_dual = -advantages * clip_ratio_c
         dual = (loss_ppo > loss_dual) & (advantages < 0)
         loss_ppo = torch.where(dual, loss_dual, loss_ppo)
@@ -141,7 +165,7 @@ def policy_loss(
             keep = mask & ~capped
         loss_ppo = loss_ppo * weight.detach()
     loss_ppo = torch.where(keep, loss_ppo, torch.zeros_like(loss_ppo))
-    loss = aggregate(loss_ppo, mask, agg_mode, num_tokens, num_seqs)
+    loss = aggregate(loss_ppo, mask, agg_mode, num_tokens, num_seqs, scale_factor)
 
     with torch.no_grad():
         stats = PolicyLossStats(
@@ -154,3 +178,15 @@ def policy_loss(
             behav_weight=masked_mean(weight, keep),
         )
     return loss, stats
+
+
+def _gspo_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO's token-level view of the sequence ratio s_i = exp(mean_t(log pi - log pi_old)):
+    forward value s_i on every token, gradient that of pi_t / sg(pi_t) (verl's form, log
+    clamped above at 10)."""
+    diff = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    seq = diff.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(diff.dtype)
+    log_ratio = logprobs - logprobs.detach() + seq.detach().unsqueeze(-1)
+    return log_ratio.clamp(max=10.0).exp()

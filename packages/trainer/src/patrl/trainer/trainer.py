@@ -76,7 +76,10 @@ class Trainer:
         model: ModelSource,
         mesh: DeviceMesh | None = None,
         device: str | torch.device | None = None,
+        reference: bool | None = None,
     ) -> None:
+        """`reference`: build the frozen reference policy (None: when `use_kl_loss`; a caller
+        that puts KL into the reward asks for it too)."""
         self.config = config
         self.mesh = mesh
         self.group = Group(mesh.get_group() if mesh is not None else None)
@@ -86,7 +89,9 @@ class Trainer:
         self.attn_implementation = self._resolve_attention(config)
         self.checkpointing = self._resolve_checkpointing(model)
         self.model = self._build(model, trainable=True)
-        self.reference = self._build(model, trainable=False) if config.use_kl_loss else None
+        if reference is None:
+            reference = config.use_kl_loss
+        self.reference = self._build(model, trainable=False) if reference else None
         opt = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -234,6 +239,16 @@ class Trainer:
         batch.validate()
         return self._gather(self._score(self.model, batch, self._plan(batch)), len(batch))
 
+    def compute_ref_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
+        """The frozen reference policy's logprobs of `batch`, in `compute_logprobs`' layout.
+        Raises RuntimeError when the trainer was built without a reference."""
+        if self.reference is None:
+            raise RuntimeError(
+                "no reference policy: build the Trainer with use_kl_loss or reference=True"
+            )
+        batch.validate()
+        return self._gather(self._score(self.reference, batch, self._plan(batch)), len(batch))
+
     def scored_logprobs(self) -> list[torch.Tensor]:
         """The logprobs the last on-policy `train_step` took its ratio against (the policy
         before that update, from the update's own forward), all samples, on every rank; in the
@@ -266,6 +281,9 @@ class Trainer:
         self._check_step_input(batch)
         num_tokens = float(sum(int(m.sum()) for m in batch.loss_mask))
         num_seqs = float(sum(bool(m.any()) for m in batch.loss_mask))
+        scale = cfg.loss_scale_factor
+        if scale is None:  # the longest response of the step (verl: the padded width)
+            scale = float(max(int(m.sum()) for m in batch.loss_mask))
         micro_batches = self._plan(batch)
         # On-policy (no old logprobs given) the policy before this update is the one each
         # micro-batch's forward runs (the optimizer steps after the last one): its detached
@@ -283,7 +301,9 @@ class Trainer:
         # Metric sums stay on the device until the step's one read (no per-micro-batch sync).
         sums = torch.zeros(len(_SUMS), dtype=self._sum_dtype(), device=self.device)
         for mb in micro_batches:
-            loss, mb_sums = self._micro_step(batch, mb, old, scored, ref, num_tokens, num_seqs)
+            loss, mb_sums = self._micro_step(
+                batch, mb, old, scored, ref, (num_tokens, num_seqs, scale)
+            )
             # FSDP averages gradients over ranks; the loss is already a share of the global one.
             (loss * self.group.size).backward()
             sums += mb_sums
@@ -331,13 +351,14 @@ class Trainer:
         old: dict[int, torch.Tensor] | None,
         scored: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
-        num_tokens: float,
-        num_seqs: float,
+        norms: tuple[float, float, float],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch; return its share of the step loss and its metric sums.
         With `old` None (on-policy) the ratio is taken against this forward's own detached
-        logprobs, which are also recorded into `scored`."""
+        logprobs, which are also recorded into `scored`. `norms`: the step's global token and
+        sequence counts and the seq-mean-token-sum-norm scale."""
         cfg = self.config
+        num_tokens, num_seqs, scale = norms
         if mb:
             ids = [batch.input_ids[i] for i in mb]
             mask_list = [batch.loss_mask[i] for i in mb]
@@ -364,21 +385,23 @@ class Trainer:
             behaviour = pad([batch.behaviour_logprobs[i] for i in mb] or [torch.zeros(2)])
 
         def agg(values: torch.Tensor) -> torch.Tensor:
-            return aggregate(values, mask, cfg.loss_agg_mode, num_tokens, num_seqs)
+            return aggregate(values, mask, cfg.loss_agg_mode, num_tokens, num_seqs, scale)
 
         pg_loss, stats = policy_loss(
             logp,
             old_logp,
             pad(adv_list),
             mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_low=cfg.clip_low,
+            clip_ratio_high=cfg.clip_high,
             clip_ratio_c=cfg.clip_ratio_c,
             agg_mode=cfg.loss_agg_mode,
+            loss_mode=cfg.policy_loss.loss_mode,
             behaviour_logprobs=behaviour,
             behaviour_weight_cap=cfg.behav_imp_weight_cap,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            scale_factor=scale,
         )
         loss = pg_loss
         if cfg.entropy_coeff != 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -14,6 +15,12 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
 from patrl.orchestrator.build import trainer_config
+from patrl.orchestrator.kl_reward import (
+    build_kl_controller,
+    load_kl_state,
+    needs_reference,
+    save_kl_state,
+)
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
@@ -40,7 +47,14 @@ class TrainerWorker(RunLoop):
             mesh = DeviceMesh.from_group(group, job.world.device.type)
         config = trainer_config(self.config)
         config.behav_imp_weight_cap = self.config.async_rl.behaviour_weight_cap
-        self.trainer = Trainer(config, job.model_dir, mesh=mesh, device=job.world.device)
+        self.trainer = Trainer(
+            config,
+            job.model_dir,
+            mesh=mesh,
+            device=job.world.device,
+            reference=needs_reference(self.config),
+        )
+        self.kl_ctrl = build_kl_controller(self.config.algorithm.kl_ctrl)
         self.step = 0
         # (step, ticket, oldest, newest token version) of every trained sample.
         self.trained_versions: list[tuple[int, int, int, int]] = []
@@ -61,6 +75,12 @@ class TrainerWorker(RunLoop):
             self.control.bump("tickets", self.step * self.batch_size)
             start = {"step": self.step, "loader": self.loader.state_dict()}
             self.control.put("start", pickle.dumps(start))
+
+    def save_extra(self, staging: Path) -> None:
+        save_kl_state(self.kl_ctrl, staging)
+
+    def restored(self, checkpoint: Path) -> None:
+        load_kl_state(self.kl_ctrl, checkpoint)
 
     def before_steps(self, logger: MetricsLogger | None) -> None:
         self._val_logged = self.step if self.step > 0 else -1
@@ -106,7 +126,9 @@ class TrainerWorker(RunLoop):
         self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
-        update = update_policy(cfg, self.trainer, samples, self.step, timings, decoupled=True)
+        update = update_policy(
+            cfg, self.trainer, samples, self.step, timings, decoupled=True, kl_ctrl=self.kl_ctrl
+        )
         self.control.beat()
         last = self.step == cfg.trainer.total_training_steps
         # After the last step nobody generates; only a validation would read the weights.
