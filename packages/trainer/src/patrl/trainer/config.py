@@ -70,3 +70,11 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(default=3, ge=1)
+
+
+class CriticConfig(TrainerConfig):
+    """The value model's trainer (verl `critic.*`): the policy trainer's settings (optimizer,
+    micro-batches, packing, build) and the value loss's clip; the PPO surrogate keys unused."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = Field(default=0.5, gt=0)
