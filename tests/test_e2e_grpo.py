@@ -170,7 +170,7 @@ def test_latest_checkpoint_ignores_incomplete_ones(tmp_path: Path) -> None:
         ("rollout.top_p=1.5", "rollout.top_p: Input should be less than or equal to 1"),
         (
             "algorithm.adv_estimator=ppo",
-            "algorithm.adv_estimator: Input should be 'grpo', 'dr_grpo' or 'rloo'",
+            "algorithm.adv_estimator: Input should be 'grpo', 'dr_grpo', 'rloo' or 'gae'",
         ),
         ("colour=red", "unknown key 'colour'"),
         (

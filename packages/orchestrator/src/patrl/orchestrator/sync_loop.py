@@ -23,7 +23,13 @@ import torch
 
 from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
-from patrl.orchestrator.build import build_engine, load_data, seed_everything, trainer_config
+from patrl.orchestrator.build import (
+    build_engine,
+    critic_config,
+    load_data,
+    seed_everything,
+    trainer_config,
+)
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
@@ -44,7 +50,7 @@ from patrl.orchestrator.step import (
     validation_prompts,
 )
 from patrl.rollout import AdaptiveEngine, SequenceState
-from patrl.trainer import Trainer
+from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
 
@@ -83,8 +89,19 @@ class SyncGRPO(RunLoop):
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
-        self.trainer = Trainer(
-            trainer_config(config), model_dir, mesh=self._mesh(), device=world.device
+        mesh = self._mesh()
+        self.trainer = Trainer(trainer_config(config), model_dir, mesh=mesh, device=world.device)
+        # PPO with a critic: on the same ranks and mesh; from the policy's backbone (a new value
+        # head) unless critic.model.path names a value model.
+        self.critic = (
+            Critic(
+                critic_config(config),
+                config.critic.model.path or model_dir,
+                mesh=mesh,
+                device=world.device,
+            )
+            if config.use_critic
+            else None
         )
         self.rewards = (
             RewardManager(
@@ -173,7 +190,9 @@ class SyncGRPO(RunLoop):
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
         asleep = self._free_cache_engine()
-        update = update_policy(self.config, self.trainer, samples, self.step, timings)
+        update = update_policy(
+            self.config, self.trainer, samples, self.step, timings, critic=self.critic
+        )
         with timed(timings, "update_weights"):
             if asleep:
                 self.engine.wake_up()

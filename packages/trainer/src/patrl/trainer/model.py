@@ -93,9 +93,9 @@ def _has_value_head(source: ModelSource) -> bool:
     return VALUE_HEAD[0] in checkpoint_index(model_dir(source))
 
 
-def init_value_head(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """A new value head, the same on every rank: weight ~ N(0, std) from `seed`, bias 0.
-    Small, so the first values are near 0 and the first advantages near the returns."""
+def init_value_head(model: nn.Module, seed: int, std: float = 0.0) -> None:
+    """A new value head, the same on every rank: weight ~ N(0, std) from `seed` (0 by
+    default), bias 0. The first values are 0, so the first advantages are the returns."""
     weight = model.get_parameter(VALUE_HEAD[0])
     full = torch.randn(tuple(weight.shape), generator=torch.Generator().manual_seed(seed)) * std
     with torch.no_grad():
