@@ -13,6 +13,7 @@ from trainer_testkit import full_weights, make_batch, tiny_llama
 from transformers import AutoModelForTokenClassification
 
 from patrl.trainer import Critic, CriticConfig, PolicyBatch, gae, value_loss
+from patrl.trainer.model import init_value_head
 from patrl_testkit.multirank import run_ranks
 
 
@@ -20,6 +21,14 @@ def critic_config(**overrides: Any) -> CriticConfig:
     base: dict[str, Any] = {"optim": {"lr": 1e-3, "eps": 1e-6}, "ppo_max_token_len_per_gpu": 40}
     base.update(overrides)
     return CriticConfig.model_validate(base)
+
+
+def make_critic(source: Any, mesh: Any = None, **overrides: Any) -> Critic:
+    """A critic whose new head is random (a zero head's values would all be 0: the value
+    checks below would hold for any alignment), the same on every rank."""
+    critic = Critic(critic_config(**overrides), source, mesh=mesh)
+    init_value_head(critic.model, seed=3, std=0.3)
+    return critic
 
 
 def gae_twin(
@@ -110,9 +119,10 @@ def test_value_loss_equals_a_plain_loop(mode: str) -> None:
 def test_values_are_the_head_output_one_position_earlier(tmp_path: Path) -> None:
     """verl's `values[:, -response_length - 1 : -1]`: the value of token p is the head's
     output at p - 1; the same model through HF directly gives the same numbers."""
-    critic = Critic(critic_config(), tiny_llama())
+    critic = make_critic(tiny_llama())
     batch = make_batch(0, [3, 6, 1])
     values = critic.compute_values(batch)
+    assert min(float(v[1:].abs().min()) for v in values) > 0
     critic.model.save_pretrained(tmp_path)
     hf = AutoModelForTokenClassification.from_pretrained(tmp_path, dtype=torch.float32)
     for ids, v in zip(batch.input_ids, values, strict=True):
@@ -120,6 +130,10 @@ def test_values_are_the_head_output_one_position_earlier(tmp_path: Path) -> None
             head = hf(input_ids=ids[None]).logits[0, :, 0]
         assert v[0] == 0.0
         torch.testing.assert_close(v[1:], head[:-1], atol=1e-5, rtol=1e-5)
+    # critic.model.path naming a value model: its head is loaded, not replaced
+    reloaded = Critic(critic_config(), str(tmp_path)).compute_values(batch)
+    for a, b in zip(reloaded, values, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def _rewards(batch: PolicyBatch, seed: int) -> list[torch.Tensor]:
@@ -140,7 +154,7 @@ def test_on_policy_update_equals_a_separate_values_pass() -> None:
     rewards = _rewards(batch, 0)
     results = []
     for packed, fused in ((True, True), (True, False), (False, True)):
-        critic = Critic(critic_config(use_remove_padding=packed), tiny_llama())
+        critic = make_critic(tiny_llama(), use_remove_padding=packed)
         before = None if fused else critic.compute_values(batch)
         metrics = critic.update(batch, rewards, 0.99, 0.95, values=before)
         got = critic.scored_values() if fused else before
@@ -160,6 +174,7 @@ def test_the_critic_learns_returns() -> None:
     batch = make_batch(4, [3, 5, 2])
     rewards = _rewards(batch, 1)
     critic = Critic(critic_config(optim={"lr": 3e-3}), tiny_llama())
+    assert all(float(v.abs().max()) == 0 for v in critic.compute_values(batch))  # a zero head
     losses = [critic.update(batch, rewards, 1.0, 1.0)["critic/vf_loss"] for _ in range(15)]
     assert losses[-1] < 0.2 * losses[0], losses
 
@@ -173,7 +188,7 @@ def _batches() -> list[PolicyBatch]:
 
 
 def _critic_two_steps(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
-    critic = Critic(critic_config(), model_dir, mesh=_mesh(world_size))
+    critic = make_critic(model_dir, mesh=_mesh(world_size))
     out: dict[str, Any] = {"values": critic.compute_values(_batches()[0]), "metrics": []}
     for i, b in enumerate(_batches()):
         out["metrics"].append(critic.update(b, _rewards(b, i), 0.99, 0.95))
@@ -201,7 +216,7 @@ def test_critic_fsdp_two_ranks_equals_one_process(tmp_path: Path) -> None:
 
     AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(tmp_path)
     ranks = run_ranks(_critic_two_steps, world_size=2, args=(str(tmp_path),), timeout_s=240)
-    single = Critic(critic_config(), str(tmp_path))
+    single = make_critic(str(tmp_path))
     values = single.compute_values(_batches()[0])
     metrics = [single.update(b, _rewards(b, i), 0.99, 0.95) for i, b in enumerate(_batches())]
     weights = full_weights(single)
@@ -220,3 +235,5 @@ def test_critic_fsdp_two_ranks_equals_one_process(tmp_path: Path) -> None:
                 torch.from_numpy(got["weights"][name]), t, atol=1e-6, rtol=0, msg=name
             )
     assert "score.weight" in weights
+    assert float(values[0][1:].abs().min()) > 0
+    assert metrics[1]["critic/vf_clipfrac"] >= 0 and metrics[1]["critic/grad_norm"] > 0
