@@ -170,6 +170,14 @@ def test_on_policy_update_equals_a_separate_values_pass() -> None:
     assert first[0]["critic/vf_loss"] > 0 and first[0]["critic/grad_norm"] > 0
 
 
+def test_the_policy_methods_refuse_a_value_model() -> None:
+    critic = Critic(critic_config(), tiny_llama())
+    with pytest.raises(TypeError, match="no policy step"):
+        critic.train_step(make_batch(0, [2]))
+    with pytest.raises(TypeError, match="no logprobs"):
+        critic.compute_logprobs(make_batch(0, [2]))
+
+
 def test_the_critic_learns_returns() -> None:
     batch = make_batch(4, [3, 5, 2])
     rewards = _rewards(batch, 1)

@@ -67,6 +67,12 @@ class Critic(Trainer):
         model.train()
         return model
 
+    def train_step(self, batch: PolicyBatch) -> dict[str, float]:
+        raise TypeError("a Critic has no policy step: train it with update(batch, rewards, ...)")
+
+    def compute_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
+        raise TypeError("a Critic has no logprobs: its forward gives values (compute_values)")
+
     # ---- values ---------------------------------------------------------------------------
 
     def _values(self, ids: list[torch.Tensor]) -> torch.Tensor:
