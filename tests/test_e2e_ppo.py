@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_e2e_grpo import make_loop
 
+from patrl.orchestrator import preflight
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.distributed import World
 from patrl_testkit.jobs import addition_job
@@ -100,6 +101,24 @@ def test_resume_without_a_saved_critic_says_so(assets: Path, tmp_path: Path) -> 
     extra = {**GAE, "trainer.total_training_steps": 3, "trainer.test_freq": 0}
     with pytest.raises(ValueError, match=r"has no critic/ .*adv_estimator=gae"):
         make_loop(assets, tmp_path, WORLD, **extra).run()
+
+
+def test_preflight_names_a_bad_critic_path_and_a_checkpoint_without_critic(
+    assets: Path, tmp_path: Path
+) -> None:
+    make_loop(assets, tmp_path, WORLD, **{"trainer.test_freq": 0}).run()  # a GRPO checkpoint
+    overrides = [
+        f"model.path={assets / 'model'}",
+        f"data.train_files={assets / 'train.jsonl'}",
+        f"trainer.default_local_dir={tmp_path}",
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={tmp_path / 'nowhere'}",
+    ]
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.check(load_config(None, overrides), world_size=1)
+    problems = err.value.problems
+    assert any(p.startswith("critic.model.path=") and "no config.json" in p for p in problems)
+    assert any(p.startswith("trainer.resume_mode: ") and "has no critic/" in p for p in problems)
 
 
 def test_gae_with_the_async_schedule_is_a_config_error() -> None:
