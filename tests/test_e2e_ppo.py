@@ -149,3 +149,31 @@ def test_the_critic_learns_the_dense_reward(assets: Path, tmp_path: Path) -> Non
     rewards = [r["critic/score/mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.05, rewards
     assert all("timing_s/values" in r for r in rows)  # several critic steps: a values pass
+
+
+def _two_rank_gae(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    extra = {
+        **GAE,
+        "rollout.adaptive_tp.enable": False,  # static: two data-parallel replicas
+        "trainer.test_freq": 0,
+        "trainer.total_training_steps": 2,
+    }
+    loop = make_loop(assets, run_dir, world, **extra)
+    result = loop.run()
+    assert loop.critic is not None
+    head = dict(loop.critic.model.named_parameters())["score.weight"]
+    return {"history": result.history, "head_norm": float(head.full_tensor().norm())}
+
+
+@pytest.mark.multirank
+def test_two_ranks_train_and_checkpoint_the_critic(assets: Path, tmp_path: Path) -> None:
+    from patrl.orchestrator import checkpointing
+    from patrl_testkit.multirank import run_ranks
+
+    ranks = run_ranks(_two_rank_gae, world_size=2, args=(assets, tmp_path), timeout_s=300)
+    rows = _rows(ranks[0]["history"])
+    assert len(rows) == 2 and all(all(k in r for k in CRITIC_KEYS) for r in rows)
+    assert ranks[0]["head_norm"] == ranks[1]["head_norm"] > 0  # the zero head moved, alike
+    saved = checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo")
+    assert saved is not None and (saved / checkpointing.CRITIC_DIR).is_dir()
