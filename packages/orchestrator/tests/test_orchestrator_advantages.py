@@ -154,3 +154,34 @@ def test_refill_loop_reaches_the_target() -> None:
     assert short.draw_more and short.groups == ["g0"] and short.num_surplus == 0
     with pytest.raises(ValueError, match="target must be >= 1"):
         refill([], 0)
+
+
+def _gae_twin(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    adv, running, next_value = [0.0] * len(rewards), 0.0, 0.0
+    for t in reversed(range(len(rewards))):
+        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        adv[t], next_value = running, values[t]
+    return adv
+
+
+def test_gae_advantages_are_whitened_over_every_token_of_the_batch() -> None:
+    """verl's masked_whiten over the batch's response tokens (unbiased variance), responses of
+    different lengths including one token; returns are the unwhitened advantages + values."""
+    from patrl.orchestrator.advantages import gae_advantages
+
+    rng = np.random.default_rng(0)
+    lengths = [5, 1, 3]
+    values = [rng.normal(size=n) for n in lengths]
+    rewards = [np.r_[np.zeros(n - 1), rng.uniform()] for n in lengths]
+    adv, ret = gae_advantages(rewards, values, gamma=0.99, lam=0.95)
+    raw = [_gae_twin(list(r), list(v), 0.99, 0.95) for r, v in zip(rewards, values, strict=True)]
+    flat = np.concatenate(raw)
+    mean, std = flat.mean(), np.sqrt(flat.var(ddof=1) + 1e-8)
+    for a, r, v, want in zip(adv, ret, values, raw, strict=True):
+        np.testing.assert_allclose(a, (np.array(want) - mean) / std, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(r, np.array(want) + v, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.concatenate(adv).std(ddof=1), 1.0, rtol=1e-6)
+    one, _ = gae_advantages([np.array([1.0])], [np.array([0.25])], gamma=1.0, lam=1.0)
+    assert one[0].tolist() == [0.0]  # one token: only centred (verl would divide by zero)
+    with pytest.raises(ValueError, match="one entry per response token"):
+        gae_advantages([np.zeros(2)], [np.zeros(3)], gamma=1.0, lam=1.0)

@@ -265,3 +265,43 @@ def _first_index(inverse: npt.NDArray[np.intp], num_groups: int) -> npt.NDArray[
 
 def _first_appearance(inverse: npt.NDArray[np.intp], num_groups: int) -> list[int]:
     return np.argsort(_first_index(inverse, num_groups), kind="stable").tolist()
+
+
+def gae_advantages(
+    rewards: Sequence[npt.ArrayLike],
+    values: Sequence[npt.ArrayLike],
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[list[FloatArray], list[FloatArray]]:
+    """GAE (verl's `compute_gae_advantage_return`): per response, its per-token advantages and
+    returns from token-level `rewards` and the critic's `values` (one entry per response token).
+    Advantages are whitened over every token of the batch (verl's `masked_whiten`: mean 0,
+    unbiased variance 1); with fewer than two tokens they are only centred."""
+    import torch
+
+    from patrl.trainer import gae
+
+    lengths = [len(np.asarray(r)) for r in rewards]
+    if len(values) != len(rewards) or any(
+        len(np.asarray(v)) != n for v, n in zip(values, lengths, strict=True)
+    ):
+        raise ValueError("rewards and values need one entry per response token of each response")
+    if min(lengths, default=0) < 1:
+        raise ValueError(f"every response needs >= 1 token, got lengths {lengths}")
+    width = max(lengths)
+    r_pad, v_pad = np.zeros((len(lengths), width)), np.zeros((len(lengths), width))
+    mask = np.zeros((len(lengths), width), dtype=bool)
+    for i, (r, v, n) in enumerate(zip(rewards, values, lengths, strict=True)):
+        r_pad[i, :n], v_pad[i, :n], mask[i, :n] = r, v, True
+    adv_t, ret_t = gae(
+        torch.from_numpy(r_pad), torch.from_numpy(v_pad), torch.from_numpy(mask), gamma, lam
+    )
+    adv, ret = adv_t.numpy(), ret_t.numpy()
+    valid = adv[mask]
+    centred = adv - valid.mean()
+    if valid.size > 1:
+        centred = centred / np.sqrt(valid.var(ddof=1) + 1e-8)
+    return [centred[i, :n] for i, n in enumerate(lengths)], [
+        ret[i, :n] for i, n in enumerate(lengths)
+    ]

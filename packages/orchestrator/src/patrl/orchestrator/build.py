@@ -18,7 +18,7 @@ from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_g
 from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
 from patrl.tpreshard.groups import GroupCache
-from patrl.trainer import TrainerConfig
+from patrl.trainer import CriticConfig, TrainerConfig
 
 
 @dataclass(slots=True)
@@ -71,6 +71,34 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
     if values.get("loss_scale_factor") is None:  # verl pads responses to this length
         values["loss_scale_factor"] = float(config.data.max_response_length)
     return TrainerConfig(**values)
+
+
+# The critic's build, micro-batching and packing follow the actor's unless `critic.*` says.
+_CRITIC_FROM_ACTOR = (
+    "use_remove_padding",
+    "param_dtype",
+    "enable_gradient_checkpointing",
+    "attn_implementation",
+    "max_nonfinite_steps",
+    "logprob_chunk_tokens",
+)
+
+
+def critic_config(config: JobConfig) -> CriticConfig:
+    """The critic's trainer settings: `critic.*`, the rest as the actor's, the run's seed."""
+    actor, c = config.actor, config.critic
+    values = {k: getattr(actor, k) for k in _CRITIC_FROM_ACTOR}
+    values.update(
+        optim=c.optim,
+        grad_clip=c.grad_clip,
+        cliprange_value=c.cliprange_value,
+        loss_agg_mode=c.loss_agg_mode,
+        ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+        ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu
+        or actor.ppo_micro_batch_size_per_gpu,
+        seed=config.trainer.seed,
+    )
+    return CriticConfig(**values)
 
 
 # the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None

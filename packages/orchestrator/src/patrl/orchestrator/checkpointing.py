@@ -1,6 +1,6 @@
 """Run checkpoints: trainer state + loop state, written whole or not at all.
 
-Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, state.json}`, built in
+Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, critic/ (gae), state.json}`, built in
 `global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint` (`resume_mode=auto`) never
 sees a half-written one, and a crash's `.tmp` is ignored and cleared on the next save.
 `check_resumable` compares a checkpoint with the model and world at hand from metadata alone
@@ -19,6 +19,7 @@ from patrl.trainer.checkpoint import MARKER
 
 STATE_FILE = "state.json"
 TRAINER_DIR = "trainer"
+CRITIC_DIR = "critic"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Architecture facts readable from tensor shapes: (what, tensor, dim).

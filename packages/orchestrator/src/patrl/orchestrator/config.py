@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS
-from patrl.trainer import TrainerConfig
+from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import KLType
 
 LoggerName = Literal["console", "jsonl", "tensorboard"]
@@ -201,12 +201,17 @@ class KLControlConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
     ] = Field(
         "grpo",
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
-        "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened)",
+        "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
+        "gae (PPO with a critic: the `critic` section)",
     )
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="gae, reinforce_plus_plus: discount per token"
+    )
+    lam: float = Field(1.0, ge=0, le=1, description="gae: lambda of the advantage estimate")
     use_kl_in_reward: bool = Field(
         False, description="subtract kl_ctrl's coefficient x the KL to the reference per token"
     )
@@ -216,6 +221,25 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = Field(default_factory=lambda: KLControlConfig())
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = Field(default_factory=lambda: FilterGroupsConfig())
+
+
+class CriticConfig(_Section):
+    """verl's `critic.*`: the value model of `algorithm.adv_estimator=gae`, FSDP2-sharded on
+    the actor's ranks, with its own optimizer and schedule. Unset sizes follow the actor's."""
+
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int | None = Field(
+        None, gt=0, description="prompts per critic step; None = actor.ppo_mini_batch_size"
+    )
+    ppo_epochs: int | None = Field(None, gt=0, description="None = actor.ppo_epochs")
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    ppo_max_token_len_per_gpu: int | None = Field(
+        None, ge=2, description="None = actor.ppo_max_token_len_per_gpu"
+    )
+    cliprange_value: float = Field(0.5, gt=0, description="values move at most this per update")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    grad_clip: float = Field(1.0, gt=0)
 
 
 class RewardFunctionConfig(_Section):
@@ -281,6 +305,9 @@ class RunConfig(_Section):
     max_checkpoints_to_keep: int = Field(2, gt=0)
     seed: int = 0
     plots: bool = True
+    critic_warmup: int = Field(
+        0, ge=0, description="gae: steps that update only the critic before the actor starts"
+    )
 
 
 class AsyncConfig(_Section):
@@ -314,6 +341,7 @@ class JobConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
     actor: ActorConfig = Field(default_factory=lambda: ActorConfig())
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
+    critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
     reward_model: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig())
     trainer: RunConfig = Field(default_factory=lambda: RunConfig())
@@ -325,6 +353,18 @@ class JobConfig(_Section):
             raise ValueError(
                 f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} must divide "
                 f"data.train_batch_size={self.data.train_batch_size}"
+            )
+        mini = self.critic.ppo_mini_batch_size
+        if mini is not None and self.data.train_batch_size % mini:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size={mini} must divide "
+                f"data.train_batch_size={self.data.train_batch_size}"
+            )
+        if self.algorithm.adv_estimator == "gae" and self.trainer.mode == "async":
+            raise ValueError(
+                "algorithm.adv_estimator=gae (a critic) runs on trainer.mode=sync only; the "
+                "async schedule has no critic: use trainer.mode=sync, or a critic-free "
+                "estimator (grpo, dr_grpo, rloo) with async"
             )
         if self.rollout.over_sample_rate > 0 and self.algorithm.filter_groups.enable:
             raise ValueError(
@@ -346,6 +386,11 @@ class JobConfig(_Section):
             )
         self.actor.temperature = self.rollout.temperature
         return self
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether the job trains a critic (verl: exactly when the estimator is gae)."""
+        return self.algorithm.adv_estimator == "gae"
 
     @property
     def run_dir(self) -> Path:

@@ -183,6 +183,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             trainers = world_size - config.async_rl.rollout_ranks
         problems += _resume_problems(config, model, trainers)
     problems += reward_model_problems(config)
+    problems += _critic_problems(config)
     if problems:
         raise PreflightError(problems)
 
@@ -345,3 +346,33 @@ def _attempt(problems: list[str], key: str, fn: Callable[[], T]) -> T | None:
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         problems.append(f"{key}: {text}")
         return None
+
+
+def _critic_problems(config: JobConfig) -> list[str]:
+    """With a critic (gae): its model directory, and a checkpoint to resume that has none."""
+    if not config.use_critic:
+        return []
+    problems = []
+    path = config.critic.model.path
+    if path is not None and not (Path(path) / "config.json").is_file():
+        problems.append(
+            f"critic.model.path={path}: no config.json there; name a Hugging Face model "
+            "directory (a value model, or a causal LM to start a new value head), or leave it "
+            "unset to use the policy's backbone"
+        )
+    t = config.trainer
+    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    if (
+        target is not None
+        and (target / checkpointing.STATE_FILE).is_file()
+        and not (target / checkpointing.CRITIC_DIR).is_dir()
+    ):
+        key = (
+            "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
+        )
+        problems.append(
+            f"{key}: checkpoint {str(target)!r} has no {checkpointing.CRITIC_DIR}/ (saved without "
+            "a critic) but algorithm.adv_estimator=gae trains one; resume with the estimator it "
+            "was saved with, or start afresh (trainer.resume_mode=disable)"
+        )
+    return problems

@@ -15,7 +15,7 @@ from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptLoader
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
-from patrl.trainer import Trainer
+from patrl.trainer import Critic, Trainer
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class RunLoop:
     config: JobConfig
     run_dir: Path
     trainer: Trainer
+    critic: Critic | None = None  # algorithm.adv_estimator=gae: checkpointed beside the actor
     loader: PromptLoader
     predictor: LengthPredictor
     step: int
@@ -131,6 +132,8 @@ class RunLoop:
             checkpointing.prepare_staging(self.run_dir, self.step)
         self.trainer.group.barrier()
         self.trainer.save(staging / checkpointing.TRAINER_DIR)
+        if self.critic is not None:
+            self.critic.save(staging / checkpointing.CRITIC_DIR)
         self.trainer.group.barrier()
         if self.is_first:
             self.save_extra(staging)
@@ -156,6 +159,14 @@ class RunLoop:
             )
         state = checkpointing.read_state(found)
         self.trainer.load(found / checkpointing.TRAINER_DIR)
+        if self.critic is not None:
+            if not (found / checkpointing.CRITIC_DIR).is_dir():
+                raise ValueError(
+                    f"{found} has no {checkpointing.CRITIC_DIR}/ (saved without a critic) but "
+                    "this run trains one (algorithm.adv_estimator=gae); resume it with the "
+                    "estimator it was saved with, or start afresh (trainer.resume_mode=disable)"
+                )
+            self.critic.load(found / checkpointing.CRITIC_DIR)
         self.loader.load_state_dict(state["loader"])
         self.predictor.load_state_dict(state["length_predictor"])
         self.step = int(state["step"])

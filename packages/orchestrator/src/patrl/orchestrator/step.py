@@ -7,19 +7,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from patrl.orchestrator.advantages import token_advantages, token_level_scores
+from patrl.orchestrator.advantages import gae_advantages, token_advantages, token_level_scores
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager, add_model_scores
 from patrl.rollout import RequestOutput, SamplingParams
-from patrl.trainer import PolicyBatch, Trainer
+from patrl.trainer import Critic, PolicyBatch, Trainer
 
 
 @dataclass(slots=True)
@@ -38,13 +38,14 @@ class Sample:
 @dataclass(slots=True)
 class PolicyUpdate:
     """What one update left for the step's metrics: the batch's rewards, its advantages (every
-    response token's), the actor's metrics, and the trainer's logprobs of the batch before the
-    update."""
+    response token's), the actor's (and critic's) metrics, and the trainer's logprobs of the
+    batch before the update (None when the actor did not update: critic warmup)."""
 
     rewards: np.ndarray
     advantages: np.ndarray
     actor_metrics: dict[str, float]
-    old_logprobs: list[torch.Tensor]
+    old_logprobs: list[torch.Tensor] | None
+    critic_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -160,36 +161,73 @@ def policy_batch(
     return batch, rewards, np.concatenate(advantages)
 
 
-def single_update(config: JobConfig, samples: list[Sample]) -> bool:
-    """Whether `ppo_update` makes exactly one optimizer step over the whole batch."""
+def single_update(config: JobConfig, samples: list[Sample], critic: bool = False) -> bool:
+    """Whether `ppo_update` (`critic`: `critic_update`) makes exactly one optimizer step over
+    the whole batch."""
     prompts = len({s.prompt_index for s in samples})
-    return config.actor.ppo_epochs == 1 and prompts_per_mini_batch(config, prompts) >= prompts
+    mini, epochs = _mini_and_epochs(config, critic)
+    return epochs == 1 and prompts_per_mini_batch(config, prompts, mini) >= prompts
 
 
-def prompts_per_mini_batch(config: JobConfig, prompts: int) -> int:
+def _mini_and_epochs(config: JobConfig, critic: bool) -> tuple[int, int]:
+    actor, c = config.actor, config.critic
+    if not critic:
+        return actor.ppo_mini_batch_size, actor.ppo_epochs
+    return c.ppo_mini_batch_size or actor.ppo_mini_batch_size, c.ppo_epochs or actor.ppo_epochs
+
+
+def prompts_per_mini_batch(config: JobConfig, prompts: int, mini: int | None = None) -> int:
     """A mini-batch's prompts: its share of the batch, which may hold more or fewer prompts
     than train_batch_size (dynamic sampling, over-sampling)."""
-    mini = config.actor.ppo_mini_batch_size
+    mini = config.actor.ppo_mini_batch_size if mini is None else mini
     return max(1, prompts * mini // max(1, config.data.train_batch_size))
+
+
+def mini_batches(
+    config: JobConfig, samples: list[Sample], step: int, critic: bool = False
+) -> Iterator[list[int]]:
+    """The sample rows of each mini-batch of whole prompt groups, over all epochs (the actor's
+    sizes, or the critic's with `critic`); shuffled per epoch when there are several."""
+    mini, epochs = _mini_and_epochs(config, critic)
+    prompts = sorted({s.prompt_index for s in samples})
+    per_mini = prompts_per_mini_batch(config, len(prompts), mini)
+    rng = np.random.default_rng(config.trainer.seed * 7919 + step + (1 << 20) * critic)
+    for _ in range(epochs):
+        order = rng.permutation(len(prompts)) if epochs > 1 else np.arange(len(prompts))
+        for start in range(0, len(prompts), per_mini):
+            chosen = {prompts[i] for i in order[start : start + per_mini]}
+            yield [i for i, s in enumerate(samples) if s.prompt_index in chosen]
 
 
 def ppo_update(
     config: JobConfig, trainer: Trainer, batch: PolicyBatch, samples: list[Sample], step: int
 ) -> dict[str, float]:
     """`ppo_epochs` passes over mini-batches of whole prompt groups; the mean of each metric."""
-    actor = config.actor
-    prompts = sorted({s.prompt_index for s in samples})
-    per_mini = prompts_per_mini_batch(config, len(prompts))
-    rng = np.random.default_rng(config.trainer.seed * 7919 + step)
     sums: dict[str, list[float]] = {}
-    for _ in range(actor.ppo_epochs):
-        order = rng.permutation(len(prompts)) if actor.ppo_epochs > 1 else np.arange(len(prompts))
-        for start in range(0, len(prompts), per_mini):
-            chosen = {prompts[i] for i in order[start : start + per_mini]}
-            rows = [i for i, s in enumerate(samples) if s.prompt_index in chosen]
-            metrics = trainer.train_step(batch_rows(batch, rows))
-            for k, v in metrics.items():
-                sums.setdefault(k, []).append(v)
+    for rows in mini_batches(config, samples, step):
+        metrics = trainer.train_step(batch_rows(batch, rows))
+        for k, v in metrics.items():
+            sums.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in sums.items()}
+
+
+def critic_update(
+    config: JobConfig,
+    critic: Critic,
+    batch: PolicyBatch,
+    samples: list[Sample],
+    step: int,
+    rewards: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> dict[str, float]:
+    """The critic's epochs over its mini-batches, returns from the pre-update `values`."""
+    a = config.algorithm
+    sums: dict[str, list[float]] = {}
+    for rows in mini_batches(config, samples, step, critic=True):
+        picked = ([rewards[i] for i in rows], [values[i] for i in rows])
+        metrics = critic.update(batch_rows(batch, rows), picked[0], a.gamma, a.lam, picked[1])
+        for k, v in metrics.items():
+            sums.setdefault(k, []).append(v)
     return {k: float(np.mean(v)) for k, v in sums.items()}
 
 
@@ -217,49 +255,190 @@ def update_policy(
     timings: dict[str, float],
     decoupled: bool = False,
     kl_ctrl: KLController | None = None,
+    critic: Critic | None = None,
 ) -> PolicyUpdate:
-    """Advantages, the batch, and the PPO update of one step (timed into `timings`).
+    """Advantages, the batch, and the PPO update of one step (timed into `timings`); with a
+    `critic`, `update_with_critic`.
 
     The PPO "old" logprobs come from a scoring pass before the first update, or, when the batch
     makes a single on-policy optimizer step and the reward needs no KL, from that update's own
     forward (as TRL does with num_iterations=1). `decoupled` (async data) always scores: those
     are the proximal logprobs, and the samples' own logprobs are the behaviour policy's. The
     reference scores the batch only when a KL term needs it; `kl_ctrl` sets the KL-in-reward
-    coefficient (required with `algorithm.use_kl_in_reward`)."""
+    coefficient (required with `algorithm.use_kl_in_reward`). With a `critic`: PPO with GAE
+    (`update_with_critic`)."""
+    if critic is not None:
+        return update_with_critic(config, trainer, critic, samples, step, timings, kl_ctrl)
     batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
-    kl_in_reward = config.algorithm.use_kl_in_reward
-    fused = not decoupled and not kl_in_reward and single_update(config, samples)
-    if not fused:
-        with timed(timings, "old_log_prob"):
-            batch.old_logprobs = trainer.compute_logprobs(batch)
-    if needs_reference(config):
-        with timed(timings, "ref"):
-            batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
     kl_metrics: dict[str, float] = {}
-    if kl_in_reward:
-        if kl_ctrl is None:
-            raise ValueError("algorithm.use_kl_in_reward needs a KL controller (kl_ctrl)")
-        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+    if config.algorithm.use_kl_in_reward:
+        token_rewards, kl_metrics = kl_penalized_rewards(
+            config, trainer, batch, samples, rewards, timings, kl_ctrl
+        )
         with timed(timings, "adv"):
-            token_rewards, kl_metrics = apply_kl_penalty(
-                token_level_scores(rewards, [len(s.token_ids) for s in samples]),
-                _responses(batch.old_logprobs, samples),
-                _responses(batch.ref_logprobs, samples),
-                kl_ctrl,
-                config.algorithm.kl_penalty,
-            )
             scored, _, advantages = policy_batch(config, samples, decoupled, token_rewards)
             batch.advantages = scored.advantages
+    actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
+    return PolicyUpdate(rewards, advantages, {**actor_metrics, **kl_metrics}, old)
+
+
+def kl_penalized_rewards(
+    config: JobConfig,
+    trainer: Trainer,
+    batch: PolicyBatch,
+    samples: list[Sample],
+    rewards: np.ndarray,
+    timings: dict[str, float],
+    kl_ctrl: KLController | None,
+) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Each response's token rewards (its score on the last token) minus the KL penalty, and
+    verl's KL metrics; scores the batch's old and reference logprobs into `batch` first."""
+    if kl_ctrl is None:
+        raise ValueError("algorithm.use_kl_in_reward needs a KL controller (kl_ctrl)")
+    score_old_and_ref(config, trainer, batch, timings)
+    assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+    return apply_kl_penalty(
+        token_level_scores(rewards, [len(s.token_ids) for s in samples]),
+        _responses(batch.old_logprobs, samples),
+        _responses(batch.ref_logprobs, samples),
+        kl_ctrl,
+        config.algorithm.kl_penalty,
+    )
+
+
+def score_old_and_ref(
+    config: JobConfig, trainer: Trainer, batch: PolicyBatch, timings: dict[str, float]
+) -> None:
+    """The batch's old logprobs, and the reference's when a KL term needs them, unless set."""
+    if batch.old_logprobs is None:
+        with timed(timings, "old_log_prob"):
+            batch.old_logprobs = trainer.compute_logprobs(batch)
+    if needs_reference(config) and batch.ref_logprobs is None:
+        with timed(timings, "ref"):
+            batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
+
+
+def update_actor(
+    config: JobConfig,
+    trainer: Trainer,
+    batch: PolicyBatch,
+    samples: list[Sample],
+    step: int,
+    timings: dict[str, float],
+    decoupled: bool = False,
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """The actor's PPO update of `batch` (advantages set) and the old logprobs it used: from
+    the update's own forward when it makes one on-policy step and nothing scored them yet."""
+    fused = not decoupled and batch.old_logprobs is None and single_update(config, samples)
+    if fused:
+        if needs_reference(config) and batch.ref_logprobs is None:
+            with timed(timings, "ref"):
+                batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
+    else:
+        score_old_and_ref(config, trainer, batch, timings)
     with timed(timings, "update_actor"):
         actor_metrics = ppo_update(config, trainer, batch, samples, step)
     old = trainer.scored_logprobs() if fused else batch.old_logprobs
     assert old is not None
-    return PolicyUpdate(rewards, advantages, {**actor_metrics, **kl_metrics}, old)
+    return actor_metrics, old
 
 
 def _responses(logprobs: list[torch.Tensor], samples: list[Sample]) -> list[torch.Tensor]:
     """The response tokens' part of per-sample logprobs aligned to prompt + response."""
     return [lp[lp.numel() - len(s.token_ids) :] for lp, s in zip(logprobs, samples, strict=True)]
+
+
+def update_with_critic(
+    config: JobConfig,
+    trainer: Trainer,
+    critic: Critic,
+    samples: list[Sample],
+    step: int,
+    timings: dict[str, float],
+    kl_ctrl: KLController | None = None,
+) -> PolicyUpdate:
+    """PPO with a critic (verl's order): values of the batch, the critic's update on GAE
+    returns, whitened GAE advantages, then the actor's update unless `step` is within
+    `trainer.critic_warmup`. When the critic makes one step its update's forward is the
+    values pass (no separate one), as the actor's is for the old logprobs. With
+    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first."""
+    a = config.algorithm
+    batch = PolicyBatch.from_responses(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], [0.0] * len(samples)
+    )
+    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    token_rewards = [
+        _score_on_last_token(ids.numel(), float(r))
+        for ids, r in zip(batch.input_ids, rewards, strict=True)
+    ]
+    kl_metrics: dict[str, float] = {}
+    if a.use_kl_in_reward:
+        penalized, kl_metrics = kl_penalized_rewards(
+            config, trainer, batch, samples, rewards, timings, kl_ctrl
+        )
+        token_rewards = [
+            _on_response(ids.numel(), r) for ids, r in zip(batch.input_ids, penalized, strict=True)
+        ]
+    if single_update(config, samples, critic=True):
+        with timed(timings, "update_critic"):
+            critic_metrics = critic.update(batch, token_rewards, a.gamma, a.lam)
+        values = critic.scored_values()
+    else:
+        with timed(timings, "values"):
+            values = critic.compute_values(batch)
+        with timed(timings, "update_critic"):
+            critic_metrics = critic_update(
+                config, critic, batch, samples, step, token_rewards, values
+            )
+    lengths = [len(s.token_ids) for s in samples]
+    advantages, returns = gae_advantages(
+        [t[-n:].numpy() for t, n in zip(token_rewards, lengths, strict=True)],
+        [v[-n:].double().numpy() for v, n in zip(values, lengths, strict=True)],
+        gamma=a.gamma,
+        lam=a.lam,
+    )
+    batch.advantages = [
+        _on_response(ids.numel(), adv) for ids, adv in zip(batch.input_ids, advantages, strict=True)
+    ]
+    critic_metrics.update(value_metrics(values, returns, lengths))
+    actor_metrics: dict[str, float] = {}
+    old: list[torch.Tensor] | None = None
+    if step > config.trainer.critic_warmup:
+        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings)
+    flat = np.concatenate(advantages)
+    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics)
+
+
+def _score_on_last_token(length: int, score: float) -> torch.Tensor:
+    """verl's token-level rewards: the sequence's score on its last token, 0 elsewhere."""
+    out = torch.zeros(length, dtype=torch.float32)
+    out[-1] = score
+    return out
+
+
+def _on_response(length: int, values: np.ndarray) -> torch.Tensor:
+    out = torch.zeros(length, dtype=torch.float32)
+    out[length - len(values) :] = torch.from_numpy(values).float()
+    return out
+
+
+def value_metrics(
+    values: list[torch.Tensor], returns: list[np.ndarray], lengths: list[int]
+) -> dict[str, float]:
+    """verl's critic/values/*, critic/returns/* and critic/vf_explained_var over the response
+    tokens: 1 - var(returns - values) / var(returns), variances unbiased."""
+    v = np.concatenate([t[-n:].double().numpy() for t, n in zip(values, lengths, strict=True)])
+    r = np.concatenate(returns)
+    ddof = 1 if r.size > 1 else 0
+    return {
+        "critic/values/mean": float(v.mean()),
+        "critic/values/max": float(v.max()),
+        "critic/values/min": float(v.min()),
+        "critic/returns/mean": float(r.mean()),
+        "critic/returns/max": float(r.max()),
+        "critic/returns/min": float(r.min()),
+        "critic/vf_explained_var": float(1.0 - (r - v).var(ddof=ddof) / (r.var(ddof=ddof) + 1e-5)),
+    }
 
 
 def step_metrics(
@@ -276,10 +455,12 @@ def step_metrics(
     for part in parts:
         metrics.update(part)
     metrics.update(update.actor_metrics)
+    metrics.update(update.critic_metrics)
     metrics.update(
         batch_metrics(samples, update.rewards, update.advantages, config.data.max_response_length)
     )
-    metrics.update(probs_diff(samples, update.old_logprobs))
+    if update.old_logprobs is not None:
+        metrics.update(probs_diff(samples, update.old_logprobs))
     tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
     metrics["perf/total_num_tokens"] = float(tokens)
     metrics["perf/throughput"] = tokens / timings["step"] / world_size

@@ -23,7 +23,13 @@ import torch
 
 from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
-from patrl.orchestrator.build import build_engine, load_data, seed_everything, trainer_config
+from patrl.orchestrator.build import (
+    build_engine,
+    critic_config,
+    load_data,
+    seed_everything,
+    trainer_config,
+)
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
@@ -51,7 +57,7 @@ from patrl.orchestrator.step import (
     validation_prompts,
 )
 from patrl.rollout import AdaptiveEngine, SequenceState
-from patrl.trainer import Trainer
+from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
 
@@ -90,12 +96,25 @@ class SyncGRPO(RunLoop):
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
+        mesh = self._mesh()
         self.trainer = Trainer(
             trainer_config(config),
             model_dir,
-            mesh=self._mesh(),
+            mesh=mesh,
             device=world.device,
             reference=needs_reference(config),
+        )
+        # PPO with a critic: on the same ranks and mesh; from the policy's backbone (a new value
+        # head) unless critic.model.path names a value model.
+        self.critic = (
+            Critic(
+                critic_config(config),
+                config.critic.model.path or model_dir,
+                mesh=mesh,
+                device=world.device,
+            )
+            if config.use_critic
+            else None
         )
         self.kl_ctrl = build_kl_controller(config.algorithm.kl_ctrl)
         self.rewards = (
@@ -191,7 +210,13 @@ class SyncGRPO(RunLoop):
         samples, gen_metrics = self._collect_samples(timings)
         asleep = self._free_cache_engine()
         update = update_policy(
-            self.config, self.trainer, samples, self.step, timings, kl_ctrl=self.kl_ctrl
+            self.config,
+            self.trainer,
+            samples,
+            self.step,
+            timings,
+            kl_ctrl=self.kl_ctrl,
+            critic=self.critic,
         )
         with timed(timings, "update_weights"):
             if asleep:

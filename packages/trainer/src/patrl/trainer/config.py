@@ -106,3 +106,11 @@ class TrainerConfig(BaseModel):
     def clip_high(self) -> float:
         """The upper clip range in force: clip_ratio_high, else clip_ratio."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+class CriticConfig(TrainerConfig):
+    """The value model's trainer (verl `critic.*`): the policy trainer's settings (optimizer,
+    micro-batches, packing, build) and the value loss's clip; the PPO surrogate keys unused."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = Field(default=0.5, gt=0)

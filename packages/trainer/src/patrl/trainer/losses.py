@@ -190,3 +190,40 @@ def _gspo_ratio(
     seq = diff.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(diff.dtype)
     log_ratio = logprobs - logprobs.detach() + seq.detach().unsqueeze(-1)
     return log_ratio.clamp(max=10.0).exp()
+
+
+@dataclass(slots=True)
+class ValueLossStats:
+    """Masked means over the value tokens of one call (detached), for metrics."""
+
+    clipfrac: torch.Tensor  # tokens where the clipped prediction gave the larger loss
+    vpred_mean: torch.Tensor  # mean predicted value
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cliprange_value: float,
+    agg_mode: str,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """verl's `compute_value_loss`: 0.5 * agg(max((v - R)^2, (clip(v, V - c, V + c) - R)^2)),
+    `values` V being the critic's before the update and `returns` R the GAE returns."""
+    if cliprange_value <= 0:
+        raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}")
+    clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    loss_unclipped = (vpreds - returns).square()
+    loss_clipped = (clipped - returns).square()
+    loss = 0.5 * aggregate(
+        torch.maximum(loss_unclipped, loss_clipped), mask, agg_mode, num_tokens, num_seqs
+    )
+    with torch.no_grad():
+        stats = ValueLossStats(
+            clipfrac=masked_mean((loss_clipped > loss_unclipped).float(), mask),
+            vpred_mean=masked_mean(vpreds, mask),
+        )
+    return loss, stats

@@ -11,41 +11,105 @@ export needs no renaming. See docs/training.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from patrl.trainer.shard_loader import load_shards
+from patrl.trainer.shard_loader import checkpoint_index, load_shards, shard_rows
 
 ModelSource = str | os.PathLike[str] | PretrainedConfig
+# "lm": the causal LM (the policy); "value": a token-level value head with one output (critic).
+Head = Literal["lm", "value"]
+VALUE_HEAD = ("score.weight", "score.bias")
 
 
-def build_model(source: ModelSource, attn_implementation: str, seed: int) -> PreTrainedModel:
-    """An fp32 causal LM, whole, from a local HF directory or randomly initialised from a config.
+def build_model(
+    source: ModelSource, attn_implementation: str, seed: int, head: Head = "lm"
+) -> PreTrainedModel:
+    """An fp32 model, whole, from a local HF directory or randomly initialised from a config.
 
     Random init is seeded so that every rank builds the identical model (FSDP shards each
     rank's own copy; they must agree); it costs the full model's memory and init time on every
-    rank, which is why directories over a mesh go through `build_sharded` instead.
+    rank, which is why directories over a mesh go through `build_sharded` instead. A value
+    model whose source has no value head gets a new one (`init_value_head`).
     """
-    if isinstance(source, PretrainedConfig):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(
-                source, dtype=torch.float32, attn_implementation=attn_implementation
+    auto = _auto_class(head)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(source, PretrainedConfig):
+            model = auto.from_config(
+                _with_head(source, head),
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
             )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir(source), dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        else:
+            path = model_dir(source)
+            model = auto.from_pretrained(
+                path,
+                config=_with_head(AutoConfig.from_pretrained(path), head),
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
+            )
+    if head == "value" and not _has_value_head(source):
+        init_value_head(model, seed)
     model.config.use_cache = False
     return model
+
+
+def _auto_class(head: Head) -> Any:
+    return AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
+
+
+def _with_head(config: PretrainedConfig, head: Head) -> PretrainedConfig:
+    """`config` as the model of `head` needs it: a value model has one label and no dropout
+    (dropout would make the values of one forward differ from the next)."""
+    if head == "lm":
+        return config
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
+
+
+def _has_value_head(source: ModelSource) -> bool:
+    if isinstance(source, PretrainedConfig):
+        return False
+    return VALUE_HEAD[0] in checkpoint_index(model_dir(source))
+
+
+def init_value_head(model: nn.Module, seed: int, std: float = 0.0) -> None:
+    """A new value head, the same on every rank: weight ~ N(0, std) from `seed` (0 by
+    default), bias 0. The first values are 0, so the first advantages are the returns."""
+    weight = model.get_parameter(VALUE_HEAD[0])
+    full = torch.randn(tuple(weight.shape), generator=torch.Generator().manual_seed(seed)) * std
+    with torch.no_grad():
+        _copy_rows(weight, full)
+        if VALUE_HEAD[1] in dict(model.named_parameters()):
+            model.get_parameter(VALUE_HEAD[1]).zero_()
+
+
+def _copy_rows(target: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        start, stop = shard_rows(target)
+        target.to_local().copy_(full[start:stop])
+    else:
+        target.copy_(full)
 
 
 def build_sharded(
@@ -55,27 +119,34 @@ def build_sharded(
     device: torch.device,
     param_dtype: torch.dtype,
     activation_checkpointing: bool,
+    head: Head = "lm",
+    seed: int = 0,
 ) -> PreTrainedModel:
-    """The fp32 causal LM of a local HF directory, FSDP2-sharded over `mesh` on `device`.
+    """The fp32 model of a local HF directory, FSDP2-sharded over `mesh` on `device`.
 
     Each rank reads only its own shards, cast to fp32 whatever the checkpoint's dtype; buffers
     (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
     Same weights, bit for bit, as `parallelize(build_model(...))`, without the full copy.
     """
     path = model_dir(source)
-    model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation)
+    model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head)
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
     materialize(model, device)
-    load_shards(model, path)
+    fresh_head = head == "value" and not _has_value_head(path)
+    load_shards(model, path, skip=VALUE_HEAD if fresh_head else ())
+    if fresh_head:
+        init_value_head(model, seed)
     return model
 
 
-def build_on_meta(config: PretrainedConfig, attn_implementation: str) -> PreTrainedModel:
+def build_on_meta(
+    config: PretrainedConfig, attn_implementation: str, head: Head = "lm"
+) -> PreTrainedModel:
     """The fp32 model of `config` with every parameter on the meta device; buffers are real
     host tensors (only parameters are intercepted at registration)."""
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
+        model = _auto_class(head).from_config(
+            _with_head(config, head), dtype=torch.float32, attn_implementation=attn_implementation
         )
     model.config.use_cache = False
     return model

@@ -80,6 +80,13 @@ def packed_token_logprobs(
     return _to_padded(logp, row), _to_padded(entropy, row)
 
 
+def packed_values(values: torch.Tensor, row: PackedRow) -> torch.Tensor:
+    """Per-position outputs `[total]` of a packed row (a value head's) in the padded
+    `[samples, longest]` layout, aligned as logprobs are: position t holds the output at
+    t - 1 (the state before token t), 0 at each sample's first position and at padding."""
+    return _to_padded(values, row)
+
+
 def _to_padded(values: torch.Tensor, row: PackedRow) -> torch.Tensor:
     """Shift each sample's predictions one position right (position t is scored by the
     logits at t - 1) and scatter them into the zero-padded `[samples, longest]` layout."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -41,13 +42,16 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
     return out
 
 
-def load_shards(model: nn.Module, path: Path) -> None:
+def load_shards(model: nn.Module, path: Path, skip: Collection[str] = ()) -> None:
     """Fill every parameter and persistent buffer of `model` (materialised, possibly sharded)
     from the checkpoint in `path`, in place, cast to the target's dtype. Tied tensors are read
-    once, under whichever of their names the checkpoint holds."""
+    once, under whichever of their names the checkpoint holds; tensors named in `skip` (a new
+    head the caller initialises) are left as they are."""
     index = checkpoint_index(path)
     with torch.no_grad():
         for names, target in _targets(model):
+            if any(n in skip for n in names):
+                continue
             name = next((n for n in names if n in index), None)
             if name is None:
                 raise KeyError(

@@ -1,0 +1,179 @@
+"""PPO with a critic (algorithm.adv_estimator=gae) end to end on the tiny model: the critic's
+metrics, critic warmup, the separate values pass, resume of actor + critic, and learning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_e2e_grpo import make_loop
+
+from patrl.orchestrator import preflight
+from patrl.orchestrator.config import ConfigError, load_config
+from patrl.orchestrator.distributed import World
+from patrl_testkit.jobs import addition_job
+
+GAE: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    "algorithm.gamma": 1.0,
+    "algorithm.lam": 0.95,
+    "critic.optim.lr": 3e-3,
+}
+CRITIC_KEYS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/vf_explained_var",
+    "critic/values/mean",
+    "critic/values/max",
+    "critic/values/min",
+    "critic/returns/mean",
+    "critic/returns/max",
+    "critic/returns/min",
+    "critic/grad_norm",
+    "timing_s/update_critic",
+)
+WORLD = World(0, 1, 0, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return addition_job(tmp_path_factory.mktemp("e2e_ppo"))
+
+
+def _rows(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [h for h in history if "critic/score/mean" in h]
+
+
+def test_gae_logs_the_critic_and_waits_for_critic_warmup(assets: Path, tmp_path: Path) -> None:
+    extra = {**GAE, "algorithm.lam": 1.0, "trainer.critic_warmup": 1, "trainer.test_freq": 0}
+    loop = make_loop(assets, tmp_path, WORLD, **extra)
+    assert loop.critic is not None
+    first, second = _rows(loop.run().history)
+    for row in (first, second):
+        assert all(k in row for k in CRITIC_KEYS), [k for k in CRITIC_KEYS if k not in row]
+        # gamma = lam = 1: every token's return is its sequence's score
+        assert row["critic/returns/max"] == pytest.approx(row["critic/score/max"], abs=1e-6)
+        assert row["critic/returns/min"] == pytest.approx(row["critic/score/min"], abs=1e-6)
+    assert "actor/pg_loss" not in first and "timing_s/update_actor" not in first
+    assert "actor/pg_loss" in second and "training/rollout_probs_diff_max" in second
+    assert second["training/rollout_probs_diff_max"] < 1e-4
+    # two mini-batches (the critic follows the actor's): the values come from their own pass
+    assert "timing_s/values" in first
+
+
+def test_one_critic_step_takes_values_from_its_update(assets: Path, tmp_path: Path) -> None:
+    extra = {**GAE, "actor.ppo_mini_batch_size": 4, "trainer.test_freq": 0}
+    rows = _rows(make_loop(assets, tmp_path, WORLD, **extra).run().history)
+    assert all("timing_s/values" not in r and "timing_s/old_log_prob" not in r for r in rows)
+    assert all(r["critic/vf_loss"] > 0 for r in rows)
+
+
+KEYS = (
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/values/mean",
+    "critic/vf_explained_var",
+    "critic/grad_norm",
+)
+
+
+def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
+    four = {**GAE, "trainer.total_training_steps": 4, "trainer.test_freq": 0}
+    straight = make_loop(assets, tmp_path / "a", WORLD, **four).run()
+    make_loop(assets, tmp_path / "b", WORLD, **{**four, "trainer.total_training_steps": 2}).run()
+    resumed = make_loop(assets, tmp_path / "b", WORLD, **four).run()
+    assert resumed.steps == 4
+
+    def tail(history: list[dict[str, float]]) -> list[list[float]]:
+        return [[h[k] for k in KEYS] for h in _rows(history) if h["step"] > 2]
+
+    assert len(tail(straight.history)) == 2
+    assert tail(resumed.history) == tail(straight.history)  # bit-exact
+
+
+def test_resume_without_a_saved_critic_says_so(assets: Path, tmp_path: Path) -> None:
+    make_loop(assets, tmp_path, WORLD, **{"trainer.test_freq": 0}).run()
+    extra = {**GAE, "trainer.total_training_steps": 3, "trainer.test_freq": 0}
+    with pytest.raises(ValueError, match=r"has no critic/ .*adv_estimator=gae"):
+        make_loop(assets, tmp_path, WORLD, **extra).run()
+
+
+def test_preflight_names_a_bad_critic_path_and_a_checkpoint_without_critic(
+    assets: Path, tmp_path: Path
+) -> None:
+    make_loop(assets, tmp_path, WORLD, **{"trainer.test_freq": 0}).run()  # a GRPO checkpoint
+    overrides = [
+        f"model.path={assets / 'model'}",
+        f"data.train_files={assets / 'train.jsonl'}",
+        f"trainer.default_local_dir={tmp_path}",
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={tmp_path / 'nowhere'}",
+    ]
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.check(load_config(None, overrides), world_size=1)
+    problems = err.value.problems
+    assert any(p.startswith("critic.model.path=") and "no config.json" in p for p in problems)
+    assert any(p.startswith("trainer.resume_mode: ") and "has no critic/" in p for p in problems)
+
+
+def test_gae_with_the_async_schedule_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"gae .*trainer\.mode=sync only"):
+        load_config(None, ["algorithm.adv_estimator=gae", "trainer.mode=async"])
+    with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=3 must divide"):
+        load_config(None, ["critic.ppo_mini_batch_size=3"])
+
+
+def test_the_critic_learns_the_dense_reward(assets: Path, tmp_path: Path) -> None:
+    """On the digit-share reward, 15 PPO steps: the critic's explained variance must rise from
+    about 0 (a new, zero head) to clearly above 0, and the reward must rise (the critic takes
+    4 epochs per batch: its own ppo_epochs, apart from the actor's one step)."""
+    extra = {
+        **GAE,
+        "critic.ppo_epochs": 4,
+        "data.train_batch_size": 8,
+        "actor.ppo_mini_batch_size": 8,
+        "rollout.n": 8,
+        "trainer.total_training_steps": 15,
+        "trainer.test_freq": 0,
+    }
+    rows = _rows(make_loop(assets, tmp_path, WORLD, **extra).run().history)
+    ev = [r["critic/vf_explained_var"] for r in rows]
+    first, last = sum(ev[:3]) / 3, sum(ev[-3:]) / 3
+    assert abs(ev[0]) < 0.05, ev  # a zero head: values 0, nothing explained yet
+    assert last > 0.2 and last > first + 0.15, f"explained variance {first:.3f} -> {last:.3f}: {ev}"
+    rewards = [r["critic/score/mean"] for r in rows]
+    assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.05, rewards
+    assert all("timing_s/values" in r for r in rows)  # several critic steps: a values pass
+
+
+def _two_rank_gae(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    extra = {
+        **GAE,
+        "rollout.adaptive_tp.enable": False,  # static: two data-parallel replicas
+        "trainer.test_freq": 0,
+        "trainer.total_training_steps": 2,
+    }
+    loop = make_loop(assets, run_dir, world, **extra)
+    result = loop.run()
+    assert loop.critic is not None
+    head = dict(loop.critic.model.named_parameters())["score.weight"]
+    return {"history": result.history, "head_norm": float(head.full_tensor().norm())}
+
+
+@pytest.mark.multirank
+def test_two_ranks_train_and_checkpoint_the_critic(assets: Path, tmp_path: Path) -> None:
+    from patrl.orchestrator import checkpointing
+    from patrl_testkit.multirank import run_ranks
+
+    ranks = run_ranks(_two_rank_gae, world_size=2, args=(assets, tmp_path), timeout_s=300)
+    rows = _rows(ranks[0]["history"])
+    assert len(rows) == 2 and all(all(k in r for k in CRITIC_KEYS) for r in rows)
+    assert ranks[0]["head_norm"] == ranks[1]["head_norm"] > 0  # the zero head moved, alike
+    saved = checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo")
+    assert saved is not None and (saved / checkpointing.CRITIC_DIR).is_dir()
