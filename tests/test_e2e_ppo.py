@@ -71,6 +71,35 @@ def test_one_critic_step_takes_values_from_its_update(assets: Path, tmp_path: Pa
     assert all(r["critic/vf_loss"] > 0 for r in rows)
 
 
+def test_gae_with_kl_in_the_reward_penalises_the_token_rewards(
+    assets: Path, tmp_path: Path
+) -> None:
+    """The RLHF recipe: GAE over token rewards that carry an adaptive KL penalty. With
+    gamma = lam = 1 a token's return is the sum of the rewards from it on, so the KL
+    penalty shows as returns that differ from the scores once the policy moved."""
+    extra = {
+        **GAE,
+        "algorithm.lam": 1.0,
+        "algorithm.use_kl_in_reward": True,
+        "algorithm.kl_penalty": "low_var_kl",  # k3 >= 0, so the penalty's sign is known
+        "algorithm.kl_ctrl.type": "adaptive",
+        "algorithm.kl_ctrl.kl_coef": 0.5,
+        "trainer.total_training_steps": 3,
+        "trainer.test_freq": 0,
+    }
+    loop = make_loop(assets, tmp_path, WORLD, **extra)
+    rows = _rows(loop.run().history)
+    assert len(rows) == 3
+    for row in rows:
+        assert all(k in row for k in CRITIC_KEYS)
+        assert "actor/reward_kl_penalty" in row and "timing_s/ref" in row
+    assert rows[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # pi == pi_ref
+    assert rows[-1]["actor/reward_kl_penalty"] > 0
+    assert rows[-1]["actor/reward_kl_penalty_coeff"] != 0.5  # the adaptive controller moved
+    moved = rows[-1]
+    assert moved["critic/returns/max"] != pytest.approx(moved["critic/score/max"], abs=1e-9)
+
+
 KEYS = (
     "critic/score/mean",
     "actor/pg_loss",

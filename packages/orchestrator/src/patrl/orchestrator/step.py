@@ -149,7 +149,7 @@ def policy_batch(
         algo.adv_estimator,
         token_rewards,
         np.array([s.prompt_index for s in samples]),
-        gamma=getattr(algo, "gamma", 1.0),  # algorithm.gamma arrives with the critic (GAE)
+        gamma=algo.gamma,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
     )
     batch = PolicyBatch.from_responses(
