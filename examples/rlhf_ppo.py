@@ -61,6 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="ppo: PPO_OVERRIDES; grpo: FALLBACK_OVERRIDES; auto: ppo when the config takes it",
     )
     p.add_argument("--stages", choices=("1-2", "1-3"), default="1-3", help="1-2: stop after the RM")
+    p.add_argument("--quick", action="store_true", help="a barely trained demo model, for tests")
     return p.parse_known_args(argv)
 
 
@@ -89,7 +90,7 @@ def run(argv: list[str]) -> int:
 
     args, overrides = parse_args(argv)
     first = int(os.environ.get("RANK", "0")) == 0
-    demo = ensure_demo_assets(progress=first)  # stage 1
+    demo = ensure_demo_assets(quick=args.quick, progress=first)  # stage 1
     recipe = RewardModelRecipe(seed=args.rm_seed, num_train=args.rm_pairs)
     log = (lambda m: print(f"[rlhf] {m}", file=sys.stderr, flush=True)) if first else None
     rm = ensure_demo_reward_model(demo, recipe, log=log)  # stage 2
@@ -106,6 +107,13 @@ def run(argv: list[str]) -> int:
         *COMMON_OVERRIDES,
         f"reward_model.model.path={rm.model_dir}",
     ]
+    if not any(o.startswith(("model.path=", "data.train_files=")) for o in overrides):
+        # Stage 1's model and data (the --quick ones too), as main would choose them.
+        stage3 += [
+            f"model.path={demo.model_dir}",
+            f"data.train_files={demo.train_file}",
+            f"data.val_files={demo.val_file}",
+        ]
     return main([*stage3, *overrides], default_config=CONFIG)
 
 
