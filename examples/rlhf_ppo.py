@@ -114,7 +114,24 @@ def run(argv: list[str]) -> int:
             f"data.train_files={demo.train_file}",
             f"data.val_files={demo.val_file}",
         ]
-    return main([*stage3, *overrides], default_config=CONFIG)
+    flags, pairs = split_flags(overrides)
+    return main([*flags, *stage3, *pairs], default_config=CONFIG)
+
+
+def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """(main's options such as --dry-run or --config FILE, the key=value overrides): main's
+    parser takes options only before the overrides, and the user's overrides must come last."""
+    flags: list[str] = []
+    pairs: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg == "--config":
+                flags.append(next(rest, ""))
+        else:
+            pairs.append(arg)
+    return flags, pairs
 
 
 if __name__ == "__main__":  # reward workers are spawned and re-import this file

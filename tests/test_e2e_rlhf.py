@@ -122,6 +122,11 @@ def test_stage3_runs_two_steps_against_the_reward_model(
         "trainer.resume_mode": "disable",
         "trainer.default_local_dir": tmp_path,
     }
+    # main's options may come anywhere among the overrides; they go first, the overrides last.
+    assert example.split_flags(["a.b=1", "--dry-run", "--config", "f.yaml", "c.d=2"]) == (
+        ["--dry-run", "--config", "f.yaml"],
+        ["a.b=1", "c.d=2"],
+    )
     argv = ["--quick", "--rm-pairs", "128", *(f"{k}={v}" for k, v in overrides.items())]
     assert example.run(argv) == 0
     rows = [json.loads(x) for x in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()]
