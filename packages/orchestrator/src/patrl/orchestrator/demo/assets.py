@@ -143,11 +143,11 @@ def ensure_demo_at(
     if is_complete(target, recipe):
         return DemoAssets.load(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if is_complete(target, recipe):  # another process built it while we waited
             return DemoAssets.load(target)
         _remove_stale_temporaries(target)
-        with _torch_threads(threads):
+        with torch_threads(threads):
             return build_demo(target, recipe, log=_logger(progress))
 
 
@@ -315,7 +315,7 @@ def _remove_stale_temporaries(target: Path) -> None:
 
 
 @contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     before = torch.get_num_threads()
@@ -327,7 +327,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
