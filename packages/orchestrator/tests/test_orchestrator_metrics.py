@@ -29,3 +29,9 @@ def test_resumed_logger_drops_rows_after_the_checkpoint(tmp_path: Path) -> None:
     resumed = MetricsLogger(tmp_path, ["jsonl"], total_steps=4, start_step=2)
     assert [h["step"] for h in resumed.history] == [1.0, 2.0]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_console_bar_is_named_after_the_estimator(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path, ["console"], total_steps=3, label="gae")
+    assert logger._bar is not None and logger._bar.desc.startswith("gae")
+    logger.close()

@@ -23,8 +23,14 @@ class MetricsLogger:
     """Writes one JSON line per step (always), TensorBoard scalars (when installed and asked)."""
 
     def __init__(
-        self, run_dir: Path, loggers: Sequence[str], total_steps: int, start_step: int = 0
+        self,
+        run_dir: Path,
+        loggers: Sequence[str],
+        total_steps: int,
+        start_step: int = 0,
+        label: str = "train",
     ) -> None:
+        """`label`: the console progress bar's name (the job's advantage estimator)."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
@@ -36,7 +42,7 @@ class MetricsLogger:
         if "console" in loggers:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step")
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=label, unit="step")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": float(step), **{k: float(v) for k, v in metrics.items()}}

@@ -65,7 +65,13 @@ class RunLoop:
         self.resume()
         self.started()
         logger = (
-            MetricsLogger(self.run_dir, cfg.logger, cfg.total_training_steps, self.step)
+            MetricsLogger(
+                self.run_dir,
+                cfg.logger,
+                cfg.total_training_steps,
+                self.step,
+                label=self.config.algorithm.adv_estimator,
+            )
             if self.is_first
             else None
         )
