@@ -25,6 +25,7 @@ import pytest
 
 from patrl_testkit.jobs import addition_job
 from patrl_testkit.multirank import free_port
+from patrl_testkit.processes import descendants
 from patrl_testkit.profiles import synthetic_profile
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -138,21 +139,6 @@ def stop(agents: list[subprocess.Popen]) -> None:
             os.kill(pid, signal.SIGKILL)
     for agent in agents:
         agent.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """The process ids of every process below `pid` (Linux: read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def test_two_nodes_keep_every_tp_group_inside_a_node(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from procdeath_faults import fault_env
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
 from patrl_testkit.jobs import addition_job
+from patrl_testkit.processes import kill_tree
 
 pytestmark = pytest.mark.multirank
 
@@ -122,7 +122,8 @@ def torchrun(overrides: list[str], max_restarts: int, env: dict[str, str]) -> tu
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
     }
-    # Its own session, so that a hang is ended by killing the agent and its workers together.
+    # Its own session; a hang is ended by killing the agent and every process below it (torchrun
+    # starts its workers in sessions of their own, out of reach of a process group kill).
     with subprocess.Popen(
         command,
         env=full_env,
@@ -134,7 +135,7 @@ def torchrun(overrides: list[str], max_restarts: int, env: dict[str, str]) -> tu
         try:
             output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_tree(job.pid)
             output, _ = job.communicate()
             pytest.fail(f"the job hung: still running after {JOB_TIMEOUT_S}s\n{output[-6000:]}")
     return job.returncode, output

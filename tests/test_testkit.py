@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from patrl.rollout.model_config import ModelConfig
 from patrl_testkit.models import FAMILIES, save_tiny_model, tiny_config, tiny_hf_model
+from patrl_testkit.processes import descendants, kill_tree
 
 
 def test_full_flavour_turns_on_each_family_feature() -> None:
@@ -75,3 +77,35 @@ def test_importing_the_kit_loads_no_modelling_code() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_kill_tree_reaches_a_child_in_a_session_of_its_own(tmp_path: Path) -> None:
+    """As torchrun's workers: the child escapes its parent's process group."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert grandchild in descendants(parent.pid)
+    kill_tree(parent.pid)
+    assert parent.wait(timeout=10) != 0
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not yet reaped by init, counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
