@@ -5,8 +5,8 @@ rollout replica its share, a prompt's `rollout.n` samples kept together; generat
 `rollout.adaptive_tp` the planner may fold replicas into larger TP groups for the long tail);
 score on each replica's first rank; gather every sample on every rank; update the policy
 (`step.update_policy`), the engine asleep meanwhile with `rollout.free_cache_engine`; stream
-the new weights into the engine. `run.RunLoop` logs, validates and checkpoints. Partial rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the
-generate-and-score part.
+the new weights into the engine. `run.RunLoop` logs, validates and checkpoints. Partial
+rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the generate-and-score part.
 """
 
 from __future__ import annotations
