@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
-from trainer_testkit import config
+from trainer_testkit import config, whole_model_build
 from transformers import Qwen2Config
 
 from patrl.trainer import Trainer
-from patrl.trainer.model import build_model, build_on_meta, parallelize
+from patrl.trainer.model import build_on_meta
 from patrl_testkit.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -64,14 +64,10 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _whole_model_path(path: Any, attn: str, mesh: Any, device: Any, dtype: Any, ac: bool) -> Any:
-    return parallelize(build_model(path, attn, seed=0).to(device), mesh, dtype, ac)
-
-
 def _peak_build_bytes(rank: int, world_size: int, model_dir: str, whole: bool) -> int:
     """Peak RSS growth of this rank while it builds the trainer, in bytes."""
     mesh = init_device_mesh("cpu", (world_size,))
-    patch = mock.patch("patrl.trainer.trainer.build_sharded", _whole_model_path)
+    patch = mock.patch("patrl.trainer.trainer.build_sharded", whole_model_build)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     baseline = _kib("VmRSS")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from trainer_testkit import VOCAB, config, full_weights, make_batch
+from trainer_testkit import VOCAB, config, full_weights, make_batch, whole_model_build
 
 from patrl.trainer import Trainer
-from patrl.trainer.model import build_model, parallelize
+from patrl.trainer.model import build_model
 from patrl.trainer.shard_loader import INDEX_FILE
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
@@ -44,18 +44,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {k: str(v) for k, v in dirs.items()}
 
 
-def _whole_model_path(
-    path: Any,
-    attn_implementation: str,
-    mesh: Any,
-    device: torch.device,
-    param_dtype: torch.dtype,
-    activation_checkpointing: bool,
-) -> Any:
-    model = build_model(path, attn_implementation, seed=0).to(device)
-    return parallelize(model, mesh, param_dtype, activation_checkpointing)
-
-
 def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {n: t.detach().numpy().copy() for n, t in tensors.items()}
 
@@ -75,7 +63,7 @@ def _build_and_step(rank: int, world_size: int, model_dir: str) -> dict[str, Any
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     for name in ("meta", "whole"):
-        patch = mock.patch("patrl.trainer.trainer.build_sharded", _whole_model_path)
+        patch = mock.patch("patrl.trainer.trainer.build_sharded", whole_model_build)
         with patch if name == "whole" else contextlib.nullcontext():
             cfg = config(**CFG, use_kl_loss=True, enable_gradient_checkpointing=True)
             trainer = Trainer(cfg, model_dir, mesh)

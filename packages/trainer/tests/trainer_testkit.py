@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
+from patrl.trainer.model import build_model, parallelize
 from patrl_testkit.models import tiny_config
 
 VOCAB = 128
@@ -58,3 +59,19 @@ def config(**overrides: object) -> TrainerConfig:
     }
     base.update(overrides)
     return TrainerConfig.model_validate(base)
+
+
+def whole_model_build(
+    path: Any,
+    attn_implementation: str,
+    mesh: Any,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    activation_checkpointing: bool,
+    head: Any = "lm",
+    seed: int = 0,
+) -> Any:
+    """`model.build_sharded`'s slow twin (patch it in): every rank builds the whole model from
+    the checkpoint, then shards it."""
+    model = build_model(path, attn_implementation, seed=seed, head=head).to(device)
+    return parallelize(model, mesh, param_dtype, activation_checkpointing)

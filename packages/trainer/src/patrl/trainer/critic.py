@@ -15,12 +15,11 @@ import time
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel
 
 from patrl.trainer.config import CriticConfig
 from patrl.trainer.gae import gae
 from patrl.trainer.losses import value_loss
-from patrl.trainer.model import ModelSource, build_model, build_sharded, parallelize
+from patrl.trainer.model import ModelSource
 from patrl.trainer.packing import pack, packed_values
 from patrl.trainer.policy_batch import PolicyBatch, pad_field
 from patrl.trainer.trainer import Trainer
@@ -34,6 +33,7 @@ class Critic(Trainer):
     """Owns the value model, its optimizer and schedule; `update` is one optimizer step."""
 
     config: CriticConfig
+    head = "value"
 
     def __init__(
         self,
@@ -46,26 +46,6 @@ class Critic(Trainer):
             raise ValueError("the critic has no reference model: use_kl_loss must be False")
         super().__init__(config, model, mesh, device)
         self._scored_values: tuple[dict[int, torch.Tensor], int] | None = None
-
-    def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
-        cfg = self.config
-        if self.mesh is not None and self.source_dir is not None:
-            model = build_sharded(
-                self.source_dir,
-                self.attn_implementation,
-                self.mesh,
-                self.device,
-                self.param_dtype,
-                self.checkpointing,
-                head="value",
-                seed=cfg.seed,
-            )
-        else:
-            model = build_model(source, self.attn_implementation, cfg.seed, head="value")
-            model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
-            model = parallelize(model, self.mesh, self.param_dtype, self.checkpointing)
-        model.train()
-        return model
 
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         raise TypeError("a Critic has no policy step: train it with update(batch, rewards, ...)")

@@ -16,7 +16,7 @@ import resource
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
 from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
 from patrl.trainer.model import (
+    Head,
     ModelSource,
     build_model,
     build_sharded,
@@ -69,6 +70,8 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     """Owns the policy (and optional frozen reference), its optimizer, schedule and step."""
+
+    head: ClassVar[Head] = "lm"  # the model's output head (the critic's is "value")
 
     def __init__(
         self,
@@ -165,9 +168,11 @@ class Trainer:
                 self.device,
                 self.param_dtype,
                 checkpointing,
+                head=self.head,
+                seed=cfg.seed,
             )
         else:
-            model = build_model(source, self.attn_implementation, cfg.seed)
+            model = build_model(source, self.attn_implementation, cfg.seed, head=self.head)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
