@@ -360,12 +360,6 @@ class JobConfig(_Section):
                 f"critic.ppo_mini_batch_size={mini} must divide "
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
-        if self.algorithm.adv_estimator == "gae" and self.trainer.mode == "async":
-            raise ValueError(
-                "algorithm.adv_estimator=gae (a critic) runs on trainer.mode=sync only; the "
-                "async schedule has no critic: use trainer.mode=sync, or a critic-free "
-                "estimator (grpo, dr_grpo, rloo) with async"
-            )
         if self.rollout.over_sample_rate > 0 and self.algorithm.filter_groups.enable:
             raise ValueError(
                 "rollout.over_sample_rate > 0 (partial rollouts) cannot be combined with "

@@ -268,7 +268,9 @@ def update_policy(
     coefficient (required with `algorithm.use_kl_in_reward`). With a `critic`: PPO with GAE
     (`update_with_critic`)."""
     if critic is not None:
-        return update_with_critic(config, trainer, critic, samples, step, timings, kl_ctrl)
+        return update_with_critic(
+            config, trainer, critic, samples, step, timings, kl_ctrl, decoupled
+        )
     batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
     kl_metrics: dict[str, float] = {}
     if config.algorithm.use_kl_in_reward:
@@ -356,15 +358,22 @@ def update_with_critic(
     step: int,
     timings: dict[str, float],
     kl_ctrl: KLController | None = None,
+    decoupled: bool = False,
 ) -> PolicyUpdate:
     """PPO with a critic (verl's order): values of the batch, the critic's update on GAE
     returns, whitened GAE advantages, then the actor's update unless `step` is within
     `trainer.critic_warmup`. When the critic makes one step its update's forward is the
     values pass (no separate one), as the actor's is for the old logprobs. With
-    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first."""
+    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first. `decoupled`
+    (async data): the samples' own logprobs are the behaviour policy's, as in
+    `update_policy`; the critic is trained on-policy for itself either way (its values are
+    its current ones)."""
     a = config.algorithm
     batch = PolicyBatch.from_responses(
-        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], [0.0] * len(samples)
+        [s.prompt_token_ids for s in samples],
+        [s.token_ids for s in samples],
+        [0.0] * len(samples),
+        behaviour_logprobs=[s.logprobs for s in samples] if decoupled else None,
     )
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
     token_rewards = [
@@ -404,7 +413,9 @@ def update_with_critic(
     actor_metrics: dict[str, float] = {}
     old: list[torch.Tensor] | None = None
     if step > config.trainer.critic_warmup:
-        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings)
+        actor_metrics, old = update_actor(
+            config, trainer, batch, samples, step, timings, decoupled
+        )
     flat = np.concatenate(advantages)
     return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics)
 
