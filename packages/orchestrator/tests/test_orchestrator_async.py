@@ -281,6 +281,7 @@ def test_unsupported_async_options_fail_by_name(assets: Path, tmp_path: Path) ->
         ({"async_rl.rollout_ranks": 2}, "async_rl.rollout_ranks=2 leaves no trainer rank"),
         ({"rollout.over_sample_rate": 0.5}, "rollout.over_sample_rate=0"),
         ({"algorithm.filter_groups.enable": "true"}, "filter_groups"),
+        ({"algorithm.adv_estimator": "remax"}, "adv_estimator=remax: its greedy baseline"),
     ]
     for extra, message in cases:
         config = job_config(assets, tmp_path, **{"trainer.mode": "async", **extra})

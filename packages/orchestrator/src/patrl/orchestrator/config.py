@@ -201,11 +201,18 @@ class KLControlConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "gae",
     ] = Field(
         "grpo",
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
         "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
+        "remax (baseline: the reward of the prompt's greedy response, generated each step), "
         "gae (PPO with a critic: the `critic` section)",
     )
     gamma: float = Field(
@@ -399,7 +406,8 @@ def _check_group_size(config: JobConfig) -> None:
         raise ValueError(
             f"algorithm.adv_estimator={estimator} with rollout.n=1: a group of one sample is "
             "its own baseline, so every advantage is 0 and nothing is learned; set rollout.n "
-            "> 1, or use adv_estimator=reinforce_plus_plus (or gae, with a critic)"
+            "> 1, or use adv_estimator=reinforce_plus_plus, remax (a greedy baseline) or gae "
+            "(a critic)"
         )
 
 

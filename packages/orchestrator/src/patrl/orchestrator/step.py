@@ -33,6 +33,7 @@ class Sample:
     finish_reason: str
     reward: float
     request_id: str = ""
+    baseline: float = 0.0  # remax: the reward of its prompt's greedy response
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ def training_seed_key(config: JobConfig, step: int, round_: int = 1) -> tuple[in
 
 
 VALIDATION_SEED_KEY = (-1,)
+GREEDY_BASELINE_SEED_KEY = (-2,)  # remax's greedy responses (the seed is unused at temperature 0)
 
 
 def score_outputs(
@@ -151,6 +153,7 @@ def policy_batch(
         np.array([s.prompt_index for s in samples]),
         gamma=algo.gamma,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        baselines=[s.baseline for s in samples],
     )
     batch = PolicyBatch.from_responses(
         [s.prompt_token_ids for s in samples],
@@ -413,9 +416,7 @@ def update_with_critic(
     actor_metrics: dict[str, float] = {}
     old: list[torch.Tensor] | None = None
     if step > config.trainer.critic_warmup:
-        actor_metrics, old = update_actor(
-            config, trainer, batch, samples, step, timings, decoupled
-        )
+        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
     flat = np.concatenate(advantages)
     return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics)
 
