@@ -282,6 +282,14 @@ def test_unsupported_async_options_fail_by_name(assets: Path, tmp_path: Path) ->
         ({"rollout.over_sample_rate": 0.5}, "rollout.over_sample_rate=0"),
         ({"algorithm.filter_groups.enable": "true"}, "filter_groups"),
         ({"algorithm.adv_estimator": "remax"}, "adv_estimator=remax: its greedy baseline"),
+        (
+            {
+                "reward_model.enable": "true",
+                "reward_model.model.path": "/no/rm",
+                "reward_model.strategy": "fsdp",
+            },
+            "reward_model.strategy=fsdp: a sharded",
+        ),
     ]
     for extra, message in cases:
         config = job_config(assets, tmp_path, **{"trainer.mode": "async", **extra})

@@ -270,7 +270,8 @@ class RewardModelPathConfig(_Section):
 
 class RewardModelConfig(_Section):
     """A learned reward model: its score on a response's last token, times `weight`, is added
-    to the rule rewards (docs/reward_models.md). Replicated on each scoring rank."""
+    to the rule rewards (docs/reward_models.md). Replicated on each scoring rank, or
+    FSDP2-sharded over the world (`strategy`)."""
 
     enable: bool = Field(
         False, description="add a learned RM's score to the rewards of training samples"
@@ -280,6 +281,12 @@ class RewardModelConfig(_Section):
     micro_batch_size: int = Field(8, gt=0, description="sequences per RM forward")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="RM dtype; auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    strategy: Literal["auto", "replicated", "fsdp", "fsdp2"] = Field(
+        "auto",
+        description="replicated: each scoring rank holds the whole RM; fsdp (= fsdp2): sharded "
+        "over every rank, each scoring an equal share of the batch; auto = fsdp on CUDA when "
+        "the RM's weights exceed 10% of a GPU's memory, else replicated",
     )
 
     @model_validator(mode="after")

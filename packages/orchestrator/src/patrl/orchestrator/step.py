@@ -91,8 +91,11 @@ def score_outputs(
     learned: LearnedReward | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), and the reward metrics."""
+    weighted score, when `learned`), and the reward metrics. A sharded `learned` is a
+    collective: it is called even with nothing to score."""
     if not local:
+        if learned is not None and learned.collective:
+            learned.score([])
         return [], {}
     flat = [(item, out, c) for item, out in local for c in out.outputs]
     result = rewards.score(

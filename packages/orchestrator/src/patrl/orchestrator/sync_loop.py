@@ -128,9 +128,7 @@ class SyncGRPO(RunLoop):
             if self._scores
             else None
         )
-        self.learned = (
-            build_learned_reward(config, self.tokenizer, world.device) if self._scores else None
-        )
+        self.learned = build_learned_reward(config, self.tokenizer, world, self._scores, mesh)
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
@@ -448,11 +446,15 @@ class SyncGRPO(RunLoop):
     ) -> tuple[list[Sample], list[dict[str, float]]]:
         """Every replica's samples of `local`, scored on the replica's first rank and gathered on
         every rank, and each replica's reward metrics. The reward model scores training
-        samples only: validation measures the rule rewards (pass@1)."""
+        samples only: validation measures the rule rewards (pass@1). Every rank calls it (a
+        sharded reward model scores in collectives)."""
         learned = self.learned if training else None
-        scored, metrics = (
-            score_outputs(self.rewards, local, learned) if self.rewards is not None else ([], {})
-        )
+        scored: list[Sample] = []
+        metrics: dict[str, float] = {}
+        if self.rewards is not None:
+            scored, metrics = score_outputs(self.rewards, local, learned)
+        elif learned is not None:  # a sharded RM: every rank takes part in its forwards
+            learned.score([])
         samples = [s for share in all_gather_objects(self.world, scored) for s in share]
         return samples, [m for m in all_gather_objects(self.world, metrics) if m]
 
