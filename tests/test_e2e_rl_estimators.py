@@ -88,6 +88,10 @@ def test_reinforce_plus_plus_with_adaptive_kl_in_reward(assets: Path, tmp_path: 
         kl_coef * (1 - 0.2 * 8 / horizon)
     )
     assert second["actor/reward_kl_penalty"] > 0.0  # one update moved the policy off the reference
+    # verl's critic/rewards/*: the scores after the KL penalty (none yet at step 1).
+    assert first["critic/rewards/mean"] == pytest.approx(first["critic/score/mean"], abs=1e-6)
+    assert second["critic/rewards/mean"] < second["critic/score/mean"]
+    assert second["critic/rewards/min"] <= second["critic/rewards/mean"]
     assert second["actor/grad_norm"] > 0.0
 
 
@@ -97,6 +101,8 @@ def test_no_kl_term_builds_and_runs_no_reference(assets: Path, tmp_path: Path) -
     assert steps and not any("timing_s/ref" in h for h in steps)
     assert not any("actor/reward_kl_penalty" in h for h in steps)
     assert "timing_s/old_log_prob" not in steps[0]  # one update: the fused old logprobs
+    for key in ("mean", "max", "min"):  # no KL in the reward: the rewards are the scores
+        assert steps[0][f"critic/rewards/{key}"] == steps[0][f"critic/score/{key}"]
 
 
 def test_baseline_estimator_with_kl_loss_and_sum_norm(assets: Path, tmp_path: Path) -> None:

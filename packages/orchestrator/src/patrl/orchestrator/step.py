@@ -47,6 +47,8 @@ class PolicyUpdate:
     actor_metrics: dict[str, float]
     old_logprobs: list[torch.Tensor] | None
     critic_metrics: dict[str, float] = field(default_factory=dict)
+    # each response's summed token rewards after the KL penalty (None: no KL in the reward)
+    sequence_rewards: np.ndarray | None = None
 
 
 @contextlib.contextmanager
@@ -279,15 +281,19 @@ def update_policy(
         )
     batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
     kl_metrics: dict[str, float] = {}
+    summed: np.ndarray | None = None
     if config.algorithm.use_kl_in_reward:
         token_rewards, kl_metrics = kl_penalized_rewards(
             config, trainer, batch, samples, rewards, timings, kl_ctrl
         )
+        summed = np.array([t.sum() for t in token_rewards], dtype=np.float64)
         with timed(timings, "adv"):
             scored, _, advantages = policy_batch(config, samples, decoupled, token_rewards)
             batch.advantages = scored.advantages
     actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
-    return PolicyUpdate(rewards, advantages, {**actor_metrics, **kl_metrics}, old)
+    return PolicyUpdate(
+        rewards, advantages, {**actor_metrics, **kl_metrics}, old, sequence_rewards=summed
+    )
 
 
 def kl_penalized_rewards(
@@ -387,10 +393,12 @@ def update_with_critic(
         for ids, r in zip(batch.input_ids, rewards, strict=True)
     ]
     kl_metrics: dict[str, float] = {}
+    summed: np.ndarray | None = None
     if a.use_kl_in_reward:
         penalized, kl_metrics = kl_penalized_rewards(
             config, trainer, batch, samples, rewards, timings, kl_ctrl
         )
+        summed = np.array([t.sum() for t in penalized], dtype=np.float64)
         token_rewards = [
             _on_response(ids.numel(), r) for ids, r in zip(batch.input_ids, penalized, strict=True)
         ]
@@ -421,7 +429,7 @@ def update_with_critic(
     if step > config.trainer.critic_warmup:
         actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
     flat = np.concatenate(advantages)
-    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics)
+    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics, summed)
 
 
 def _score_on_last_token(length: int, score: float) -> torch.Tensor:
@@ -474,6 +482,10 @@ def step_metrics(
     metrics.update(
         batch_metrics(samples, update.rewards, update.advantages, config.data.max_response_length)
     )
+    # verl's critic/rewards/*: the summed token-level rewards, after the KL penalty if any.
+    summed = update.rewards if update.sequence_rewards is None else update.sequence_rewards
+    for name, pick in (("mean", np.mean), ("max", np.max), ("min", np.min)):
+        metrics[f"critic/rewards/{name}"] = float(pick(summed))
     if update.old_logprobs is not None:
         metrics.update(probs_diff(samples, update.old_logprobs))
     tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
