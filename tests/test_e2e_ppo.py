@@ -150,9 +150,7 @@ def test_preflight_names_a_bad_critic_path_and_a_checkpoint_without_critic(
     assert any(p.startswith("trainer.resume_mode: ") and "has no critic/" in p for p in problems)
 
 
-def test_gae_with_the_async_schedule_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"gae .*trainer\.mode=sync only"):
-        load_config(None, ["algorithm.adv_estimator=gae", "trainer.mode=async"])
+def test_critic_mini_batch_must_divide_the_batch() -> None:
     with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=3 must divide"):
         load_config(None, ["critic.ppo_mini_batch_size=3"])
 

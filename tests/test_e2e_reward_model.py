@@ -1,6 +1,6 @@
-"""GRPO end to end on one rank with a learned reward model: the RM (with its own chat
-template, so samples are re-encoded) scores every training sample, its weighted score joins
-the rule reward, and reward_model/score/* is logged."""
+"""GRPO end to end with a learned reward model: the RM (with its own chat template, so samples
+are re-encoded) scores every training sample, its weighted score joins the rule reward, and
+reward_model/score/* is logged; on 2 ranks the FSDP2-sharded RM scores as the replicated one."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl_testkit.jobs import addition_job
 from patrl_testkit.models import save_tiny_reward_model
+from patrl_testkit.multirank import run_ranks
 
 WEIGHT = 0.5
 
@@ -25,11 +26,15 @@ def digit_share(response: str, answer: str, **meta: Any) -> float:
     return sum(c.isdigit() for c in response) / max(1, len(response))
 
 
-def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
+def rm_job(tmp_path: Path) -> tuple[Path, Path]:
+    """(the job's assets, an RM with its own chat template)."""
     assets = addition_job(tmp_path / "job")
     tok = build_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    rm = save_tiny_reward_model(tmp_path / "rm", tok, seed=1)
+    return assets, save_tiny_reward_model(tmp_path / "rm", tok, seed=1)
+
+
+def rm_overrides(assets: Path, rm: Path, runs: Path, **extra: Any) -> list[str]:
     overrides = {
         "model.path": assets / "model",
         "data.train_files": assets / "train.jsonl",
@@ -51,9 +56,15 @@ def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
         "trainer.test_freq": 0,
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
-        "trainer.default_local_dir": tmp_path / "runs",
+        "trainer.default_local_dir": runs,
+        **extra,
     }
-    config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
+    assets, rm = rm_job(tmp_path)
+    config = load_config(None, rm_overrides(assets, rm, tmp_path / "runs"))
     world = World(0, 1, 0, torch.device("cpu"))
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
     assert loop.learned is not None and not loop.learned.encoder.same
@@ -67,3 +78,54 @@ def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
         rule = m["reward/test_e2e_reward_model:digit_share/mean"]
         assert m["critic/score/mean"] == pytest.approx(rule + WEIGHT * mean, abs=1e-6)
         assert m["timing_s/reward_model"] > 0
+
+
+def _two_rank_step(
+    rank: int, world_size: int, assets: Path, rm: Path, runs: Path, extra: dict[str, Any]
+) -> dict[str, Any]:
+    extra = {"trainer.total_training_steps": 1, "rollout.adaptive_tp.enable": "false", **extra}
+    config = load_config(None, rm_overrides(assets, rm, runs, **extra))
+    loop = SyncGRPO(
+        config,
+        World(rank, world_size, rank, torch.device("cpu")),
+        str(assets / "model"),
+        config.data.train_files,
+        None,
+    )
+    held = None if loop.learned is None else type(loop.learned.scorer).__name__
+    history = loop.run().history
+    return {"history": history, "scorer": held}
+
+
+@pytest.mark.multirank
+def test_sharded_reward_model_scores_as_the_replicated_one(tmp_path: Path) -> None:
+    """2 ranks, one step: the replicated RM on each replica's first rank against the RM
+    FSDP2-sharded over both ranks, with two replicas (both ranks hold samples) and with one
+    TP-2 replica (rank 1 holds none and still takes part in every forward)."""
+    assets, rm = rm_job(tmp_path)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    cases = {
+        "replicated": {"reward_model.strategy": "replicated"},
+        "fsdp": {"reward_model.strategy": "fsdp"},
+        "fsdp_tp2": {"reward_model.strategy": "fsdp2", "rollout.tensor_model_parallel_size": 2},
+    }
+    for name, extra in cases.items():
+        runs[name] = run_ranks(
+            _two_rank_step, world_size=2, args=(assets, rm, tmp_path / name, extra), timeout_s=300
+        )
+    assert [r["scorer"] for r in runs["replicated"]] == ["RewardModelScorer"] * 2
+    for name in ("fsdp", "fsdp_tp2"):
+        assert [r["scorer"] for r in runs[name]] == ["ShardedRewardModelScorer"] * 2
+
+    def step(name: str) -> dict[str, float]:
+        (row,) = [h for h in runs[name][0]["history"] if "critic/score/mean" in h]
+        return row
+
+    want = step("replicated")
+    for name in ("fsdp", "fsdp_tp2"):
+        got = step(name)
+        for key in ("mean", "max", "min"):
+            assert got[f"reward_model/score/{key}"] == pytest.approx(
+                want[f"reward_model/score/{key}"], abs=1e-5
+            ), (name, key)
+        assert got["critic/score/mean"] == pytest.approx(want["critic/score/mean"], abs=1e-5)

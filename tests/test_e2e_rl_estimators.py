@@ -1,5 +1,5 @@
-"""REINFORCE++ with KL in the reward (adaptive), GSPO and Dr.GRPO's aggregation through the real
-sync loop on a tiny random model, one rank; the reference is built and run only for a KL term."""
+"""REINFORCE++ with KL in the reward (adaptive), GSPO, Dr.GRPO's aggregation and ReMax through
+the real sync loop on a tiny random model, one rank; the reference is built and run only for a KL term."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import addition_job, write_addition_task
 
 
 def digit_reward(response: str, answer: str, **meta: Any) -> float:
@@ -88,6 +88,10 @@ def test_reinforce_plus_plus_with_adaptive_kl_in_reward(assets: Path, tmp_path: 
         kl_coef * (1 - 0.2 * 8 / horizon)
     )
     assert second["actor/reward_kl_penalty"] > 0.0  # one update moved the policy off the reference
+    # verl's critic/rewards/*: the scores after the KL penalty (none yet at step 1).
+    assert first["critic/rewards/mean"] == pytest.approx(first["critic/score/mean"], abs=1e-6)
+    assert second["critic/rewards/mean"] < second["critic/score/mean"]
+    assert second["critic/rewards/min"] <= second["critic/rewards/mean"]
     assert second["actor/grad_norm"] > 0.0
 
 
@@ -97,6 +101,8 @@ def test_no_kl_term_builds_and_runs_no_reference(assets: Path, tmp_path: Path) -
     assert steps and not any("timing_s/ref" in h for h in steps)
     assert not any("actor/reward_kl_penalty" in h for h in steps)
     assert "timing_s/old_log_prob" not in steps[0]  # one update: the fused old logprobs
+    for key in ("mean", "max", "min"):  # no KL in the reward: the rewards are the scores
+        assert steps[0][f"critic/rewards/{key}"] == steps[0][f"critic/score/{key}"]
 
 
 def test_baseline_estimator_with_kl_loss_and_sum_norm(assets: Path, tmp_path: Path) -> None:
@@ -133,3 +139,54 @@ def test_adaptive_kl_coefficient_survives_resume(assets: Path, tmp_path: Path) -
     coeff = "actor/reward_kl_penalty_coeff"
     assert straight[2][coeff] != straight[0][coeff]
     assert resumed[2][coeff] == pytest.approx(straight[2][coeff], rel=1e-12)
+
+
+def test_remax_baseline_is_the_greedy_response_reward(assets: Path, tmp_path: Path) -> None:
+    """ReMax with one sample per prompt on a 4-prompt set that is also the validation set:
+    step k's baseline is the reward of each prompt's greedy response under the weights that
+    sampled the step, which is what the greedy validation right before step k measured."""
+    write_addition_task(tmp_path, {"four": 4})
+    four = tmp_path / "four.jsonl"
+    config = load_config(
+        None,
+        [
+            f"model.path={assets / 'model'}",
+            f"data.train_files={four}",
+            f"data.val_files={four}",
+            "data.train_batch_size=4",
+            "data.max_prompt_length=32",
+            "data.max_response_length=16",
+            "actor.ppo_mini_batch_size=4",
+            "actor.optim.lr=1e-3",
+            "algorithm.adv_estimator=remax",
+            "rollout.n=1",
+            "rollout.block_size=4",
+            "rollout.num_kv_blocks=128",
+            "reward.functions=[{name: test_e2e_rl_estimators:digit_reward}]",
+            "reward.num_workers=0",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=1",
+            "trainer.logger=[jsonl]",
+            "trainer.plots=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    files = (config.data.train_files, config.data.val_files)
+    loop = SyncGRPO(config, World(0, 1, 0, torch.device("cpu")), str(assets / "model"), *files)
+    history = loop.run().history
+    val = {int(h["step"]): h["val-core/acc/mean@1"] for h in history if "val-core/acc/mean@1" in h}
+    steps = {int(h["step"]): h for h in history if "critic/score/mean" in h}
+    assert sorted(val) == [0, 1, 2] and sorted(steps) == [1, 2]
+    for k in (1, 2):
+        row = steps[k]
+        assert row["remax/baseline_score/mean"] == pytest.approx(val[k - 1], abs=1e-9)
+        assert "timing_s/gen_max" in row and row["remax/baseline_response_length/mean"] > 0
+        # One sample per prompt: its advantage on the first token is its reward minus the
+        # baseline, so the mean advantage is not forced to 0 as whitening would.
+        assert row["actor/grad_norm"] > 0.0
+    # The update moved the policy: the second baseline saw other weights than the first.
+    assert (
+        val[1] != val[0]
+        or steps[2]["remax/baseline_response_length/mean"]
+        != steps[1]["remax/baseline_response_length/mean"]
+    )

@@ -92,20 +92,37 @@ SAMPLE_KEYS = (
 ACTOR_KEYS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl")
 
 
+CRITIC_KEYS = (
+    "critic/vf_loss",
+    "critic/vf_explained_var",
+    "critic/values/mean",
+    "critic/returns/mean",
+    "critic/grad_norm",
+)
+GAE = {"algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "critic.optim.lr": 3e-3}
+
+
 @pytest.mark.multirank
-def test_staleness_zero_reproduces_the_sync_loop(assets: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_staleness_zero_reproduces_the_sync_loop(
+    assets: Path, tmp_path: Path, estimator: str
+) -> None:
     """1 rollout + 1 trainer rank at max_staleness=0 against the sync loop on one rank, same
     seeds; the async run stops after step 1 and resumes from its checkpoint for step 2 (the
-    trainer republishes its weights, the rollout restores the loader position).
+    trainer republishes its weights, the rollout restores the loader position; with gae the
+    critic comes back from the checkpoint too).
 
     Samples, rewards and advantages must be equal: the same prompts are sampled with the same
     seeds from the same weights. Actor metrics differ only by decoupled PPO's behaviour weight
     exp(proximal - behaviour), which is 1 up to the engine/trainer logprob mismatch (~1e-6 in
-    fp32 on CPU), hence rtol 1e-4."""
+    fp32 on CPU), hence rtol 1e-4. The critic trains on-policy for itself in both schedules,
+    so its metrics match as closely."""
+    algo: dict[str, Any] = GAE if estimator == "gae" else {}
     extra: dict[str, Any] = {
         "async_rl.max_staleness": 0,
         "async_rl.rollout_ranks": 1,
         "trainer.test_freq": 1,
+        **algo,
     }
     for steps in (1, 2):
         extra["trainer.total_training_steps"] = steps
@@ -115,7 +132,7 @@ def test_staleness_zero_reproduces_the_sync_loop(assets: Path, tmp_path: Path) -
     assert [r["role"] for r in results] == ["rollout", "trainer"]
     async_steps = [h for h in results[1]["history"] if "critic/score/mean" in h]
 
-    extra = {"trainer.total_training_steps": 2, "trainer.test_freq": 1}
+    extra = {"trainer.total_training_steps": 2, "trainer.test_freq": 1, **algo}
     config = job_config(assets, tmp_path / "sync", **extra)
     world = World(0, 1, 0, torch.device("cpu"))
     files = (config.data.train_files, config.data.val_files)
@@ -135,7 +152,7 @@ def test_staleness_zero_reproduces_the_sync_loop(assets: Path, tmp_path: Path) -
     for a, s in zip(async_steps, sync_steps, strict=True):
         for key in SAMPLE_KEYS:
             assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
-        for key in ACTOR_KEYS:
+        for key in ACTOR_KEYS + (CRITIC_KEYS if estimator == "gae" else ()):
             assert a[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
         assert a["async/staleness_max"] == 0.0
         assert a["async/staleness_count/0"] == 16.0
@@ -264,6 +281,15 @@ def test_unsupported_async_options_fail_by_name(assets: Path, tmp_path: Path) ->
         ({"async_rl.rollout_ranks": 2}, "async_rl.rollout_ranks=2 leaves no trainer rank"),
         ({"rollout.over_sample_rate": 0.5}, "rollout.over_sample_rate=0"),
         ({"algorithm.filter_groups.enable": "true"}, "filter_groups"),
+        ({"algorithm.adv_estimator": "remax"}, "adv_estimator=remax: its greedy baseline"),
+        (
+            {
+                "reward_model.enable": "true",
+                "reward_model.model.path": "/no/rm",
+                "reward_model.strategy": "fsdp",
+            },
+            "reward_model.strategy=fsdp: a sharded",
+        ),
     ]
     for extra, message in cases:
         config = job_config(assets, tmp_path, **{"trainer.mode": "async", **extra})

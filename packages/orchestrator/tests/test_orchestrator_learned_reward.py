@@ -1,5 +1,6 @@
 """A learned reward model in the job: its weighted score joins the rule rewards, its metrics
-merge across replicas, and the job's RM scores what HF's classifier scores."""
+merge across replicas, the job's RM scores what HF's classifier scores, and its placement
+(replicated or FSDP2-sharded) follows reward_model.strategy."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.demo.tokenizer import build_tokenizer
-from patrl.orchestrator.learned_reward import LearnedReward
+from patrl.orchestrator.distributed import World
+from patrl.orchestrator.learned_reward import LearnedReward, rm_placement, rm_weight_bytes
 from patrl.orchestrator.rewards import RewardManager, add_model_scores
 from patrl.orchestrator.step import merge_reward_metrics
 from patrl_testkit.models import save_tiny_reward_model
@@ -74,7 +77,6 @@ def test_enable_without_a_path_is_a_config_error() -> None:
 
 
 def test_learned_reward_scores_prompt_and_response_as_hf_does(tmp_path: Path) -> None:
-    from transformers import AutoModelForSequenceClassification
 
     tok = build_tokenizer()
     rm = save_tiny_reward_model(tmp_path / "rm", tok)
@@ -93,7 +95,7 @@ def test_learned_reward_scores_prompt_and_response_as_hf_does(tmp_path: Path) ->
     ]
     responses = [tok(r, add_special_tokens=False)["input_ids"] for r in ["3", "15 is it", "x"]]
     samples = [(items[0], responses[0]), (items[1], responses[1]), (items[1], responses[2])]
-    learned = LearnedReward(config, tok, torch.device("cpu"))
+    learned = LearnedReward(config, tok, World(0, 1, 0, torch.device("cpu")))
     assert learned.encoder.same
     scores, _ = learned.score(samples)
     hf = AutoModelForSequenceClassification.from_pretrained(rm).eval()
@@ -103,3 +105,42 @@ def test_learned_reward_scores_prompt_and_response_as_hf_does(tmp_path: Path) ->
             for item, resp in samples
         ]
     assert scores == pytest.approx(want, abs=1e-5)
+
+
+def test_placement_follows_the_strategy_and_auto_weighs_the_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rm = save_tiny_reward_model(tmp_path / "rm", build_tokenizer())
+    numel = sum(
+        p.numel() for p in AutoModelForSequenceClassification.from_pretrained(rm).parameters()
+    )
+    assert rm_weight_bytes(str(rm), torch.bfloat16) == 2 * numel
+    assert rm_weight_bytes(str(rm), torch.float32) == 4 * numel
+
+    def placement(strategy: str, world: World) -> str:
+        config = load_config(
+            None,
+            [
+                "reward_model.enable=true",
+                f"reward_model.model.path={rm}",
+                f"reward_model.strategy={strategy}",
+            ],
+        )
+        return rm_placement(config, world)[0]
+
+    cpu2 = World(0, 2, 0, torch.device("cpu"))
+    assert placement("fsdp", World(0, 1, 0, torch.device("cpu"))) == "replicated"
+    assert placement("fsdp", cpu2) == placement("fsdp2", cpu2) == "fsdp"
+    assert placement("replicated", cpu2) == placement("auto", cpu2) == "replicated"
+
+    class Props:
+        total_memory = 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    gpu2 = World(0, 2, 0, torch.device("cuda", 0))
+    Props.total_memory = 2 * numel * 10 + 1  # bf16 weights just under 10% of the device
+    assert placement("auto", gpu2) == "replicated"
+    Props.total_memory = 2 * numel * 10 - 1
+    assert placement("auto", gpu2) == "fsdp"
+    with pytest.raises(ConfigError, match=r"reward_model\.strategy"):
+        load_config(None, ["reward_model.strategy=megatron"])

@@ -1,5 +1,5 @@
-"""REINFORCE++ (both), KL in the reward and the KL controllers against plain Python loops, and
-against verl's formulas (transcribed from verl/trainer/ppo/core_algos.py and ray_trainer.py's
+"""REINFORCE++ (both), ReMax, KL in the reward and the KL controllers against plain Python
+loops, and against verl's formulas (transcribed from verl/trainer/ppo/core_algos.py and ray_trainer.py's
 apply_kl_penalty) on the same padded inputs."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from patrl.orchestrator.advantages import (
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
     token_advantages,
     token_level_scores,
 )
@@ -252,6 +253,46 @@ def test_apply_kl_penalty_rejects_misaligned_logprobs() -> None:
         )
 
 
+BASELINES = np.array([0.5, 0.5, 0.5, -1.0, -1.0, 2.0])  # one greedy reward per prompt
+
+
+def test_remax_matches_loop_twin() -> None:
+    rewards = _token_rewards(2)
+    want = [
+        [sum(r[k] for k in range(t, len(r))) - b for t in range(len(r))]
+        for r, b in zip(rewards, BASELINES, strict=True)
+    ]
+    got = remax_advantages(rewards, BASELINES)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def _verl_remax(
+    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - reward_baselines.unsqueeze(-1) * response_mask
+
+
+def test_remax_matches_verl() -> None:
+    rewards = _token_rewards(3)
+    padded, mask = _pad(rewards)
+    theirs = _unpad(_verl_remax(padded, torch.from_numpy(BASELINES), mask))
+    ours = token_advantages("remax", rewards, GROUPS, baselines=BASELINES)
+    for o, t in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(o, t, rtol=1e-10, atol=1e-12)
+
+
+def test_remax_needs_one_finite_baseline_per_response() -> None:
+    rewards = _token_rewards(4)
+    with pytest.raises(ValueError, match="needs baselines"):
+        token_advantages("remax", rewards, GROUPS)
+    with pytest.raises(ValueError, match="one greedy-response reward per response"):
+        remax_advantages(rewards, BASELINES[:-1])
+    with pytest.raises(ValueError, match=r"baselines\[1\] = nan"):
+        remax_advantages(rewards, [0.0, float("nan"), 0, 0, 0, 0])
+
+
 # ------------------------------------------------------------------ configuration
 
 
@@ -261,6 +302,11 @@ def test_group_estimator_with_one_sample_is_a_config_error(estimator: str) -> No
         ConfigError, match=rf"{estimator} with rollout.n=1.*reinforce_plus_plus.*gae"
     ):
         load_config(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=1"])
+
+
+def test_remax_takes_one_sample_per_prompt() -> None:
+    cfg = load_config(None, ["algorithm.adv_estimator=remax", "rollout.n=1"])
+    assert cfg.algorithm.adv_estimator == "remax"
 
 
 def test_reinforce_plus_plus_runs_with_one_sample_and_kl_keys_load() -> None:

@@ -16,6 +16,7 @@ from patrl.trainer.reward_model import (
     BradleyTerryTrainer,
     RewardModelEncoder,
     RewardModelScorer,
+    ShardedRewardModelScorer,
     check_reward_model_dir,
     read_preferences,
     tokenize_pairs,
@@ -46,6 +47,34 @@ def test_scores_equal_hf_sequence_classifier_with_padding(tmp_path: Path) -> Non
         alone = torch.cat([hf(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+
+
+def _sharded_scores(rank: int, world_size: int, path: Path, seqs: list[list[int]]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    scorer = ShardedRewardModelScorer(path, mesh, "cpu", micro_batch_size=2)
+    weight = scorer.model.get_parameter("score.weight")
+    held = weight.to_local().shape[0] if hasattr(weight, "to_local") else -1
+    # Every rank passes the same sequences; 5 over 2 ranks: shares of 3 and 2, two forwards
+    # each (the second rank's second one a stand-in); then a share of 0 on the second rank.
+    return scorer.score(seqs), scorer.score(seqs[:1]), scorer.score([]), held
+
+
+@pytest.mark.multirank
+def test_sharded_scores_equal_the_replicated_scorer(tmp_path: Path) -> None:
+    path = save_tiny_rm(tmp_path / "rm")
+    tok = build_tokenizer()
+    texts = ["1+2=?3", "a much longer sequence of text 12345", "x", "4+4=?8", "99"]
+    seqs = [tok(t)["input_ids"] for t in texts]
+    want = RewardModelScorer(path, micro_batch_size=2).score(seqs)
+    results = run_ranks(_sharded_scores, world_size=2, args=(path, seqs), timeout_s=120)
+    for all_five, first, none, held in results:
+        torch.testing.assert_close(all_five, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(first, want[:1], atol=1e-5, rtol=0)
+        assert none.numel() == 0
+        assert held == 0 or held == 1  # the 1-row score head: one rank holds it, not both
+    assert sorted(r[3] for r in results) == [0, 1]
 
 
 def test_encoder_passes_ids_through_for_the_same_tokenizer_and_re_encodes_otherwise(

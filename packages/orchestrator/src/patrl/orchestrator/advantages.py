@@ -1,5 +1,5 @@
-"""Advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ with and without baseline) and DAPO dynamic
-sampling.
+"""Advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ with and without baseline, ReMax) and DAPO
+dynamic sampling.
 
 Pure numpy. Samples are flat, in any order; `group_ids[i]` names the prompt that sample i was
 drawn for (verl's `index`), so groups may have different sizes (a partial rollout can hand back
@@ -7,6 +7,8 @@ an incomplete group). A group of one sample has nothing to be relative to: its a
 under the group estimators here. (verl instead uses mean 0 and std 1 there, which makes the raw
 reward the advantage; a lone sample then pushes the policy with an unbaselined signal.)
 REINFORCE++ works on token-level rewards and whitens over every response token of the batch.
+ReMax baselines each response by the reward of its prompt's greedy response, which the caller
+generates and scores.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 AdvEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
 ]
 ADV_ESTIMATORS: tuple[str, ...] = (
     "grpo",
@@ -27,6 +29,7 @@ ADV_ESTIMATORS: tuple[str, ...] = (
     "rloo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
+    "remax",
 )
 # Estimators whose baseline is the other samples of the group: no signal with rollout.n = 1.
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
@@ -142,6 +145,28 @@ def reinforce_plus_plus_baseline_advantages(
     return _whiten(per_token(centred, response_lengths))
 
 
+def remax_advantages(
+    token_rewards: Sequence[npt.ArrayLike], baselines: npt.ArrayLike
+) -> list[FloatArray]:
+    """ReMax (verl's `compute_remax_outcome_advantage`): each token's undiscounted return-to-go
+    minus its response's baseline, the reward of the prompt's greedy response. Not whitened:
+    the greedy baseline already centres the signal per prompt."""
+    b = np.asarray(baselines, dtype=np.float64)
+    if b.ndim != 1 or b.size != len(token_rewards):
+        raise ValueError(
+            f"baselines of shape {b.shape} for {len(token_rewards)} responses: need one "
+            "greedy-response reward per response"
+        )
+    if not np.all(np.isfinite(b)):
+        bad = int(np.flatnonzero(~np.isfinite(b))[0])
+        raise ValueError(f"baselines[{bad}] = {b[bad]}; baselines must be finite")
+    out = []
+    for rewards, base in zip(token_rewards, b.tolist(), strict=True):
+        r = np.asarray(rewards, dtype=np.float64)
+        out.append(np.cumsum(r[::-1])[::-1] - base)
+    return out
+
+
 def token_advantages(
     estimator: str,
     token_rewards: Sequence[npt.ArrayLike],
@@ -149,10 +174,16 @@ def token_advantages(
     *,
     gamma: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    baselines: npt.ArrayLike | None = None,
 ) -> list[FloatArray]:
     """Per-token advantages of every response by estimator name, from token-level rewards
-    (the outcome estimators score a response by the sum of its token rewards, as verl)."""
+    (the outcome estimators score a response by the sum of its token rewards, as verl).
+    `baselines`: remax only, each response's greedy-response reward."""
     lengths = [int(np.asarray(t).size) for t in token_rewards]
+    if estimator == "remax":
+        if baselines is None:
+            raise ValueError("adv_estimator 'remax' needs baselines (greedy-response rewards)")
+        return remax_advantages(token_rewards, baselines)
     if estimator == "reinforce_plus_plus":
         return reinforce_plus_plus_advantages(token_rewards, gamma)
     scores = np.array([float(np.sum(t)) for t in token_rewards], dtype=np.float64)

@@ -201,11 +201,18 @@ class KLControlConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "gae",
     ] = Field(
         "grpo",
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
         "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
+        "remax (baseline: the reward of the prompt's greedy response, generated each step), "
         "gae (PPO with a critic: the `critic` section)",
     )
     gamma: float = Field(
@@ -263,7 +270,8 @@ class RewardModelPathConfig(_Section):
 
 class RewardModelConfig(_Section):
     """A learned reward model: its score on a response's last token, times `weight`, is added
-    to the rule rewards (docs/reward_models.md). Replicated on each scoring rank."""
+    to the rule rewards (docs/reward_models.md). Replicated on each scoring rank, or
+    FSDP2-sharded over the world (`strategy`)."""
 
     enable: bool = Field(
         False, description="add a learned RM's score to the rewards of training samples"
@@ -273,6 +281,12 @@ class RewardModelConfig(_Section):
     micro_batch_size: int = Field(8, gt=0, description="sequences per RM forward")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="RM dtype; auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    strategy: Literal["auto", "replicated", "fsdp", "fsdp2"] = Field(
+        "auto",
+        description="replicated: each scoring rank holds the whole RM; fsdp (= fsdp2): sharded "
+        "over every rank, each scoring an equal share of the batch; auto = fsdp on CUDA when "
+        "the RM's weights exceed 10% of a GPU's memory, else replicated",
     )
 
     @model_validator(mode="after")
@@ -360,12 +374,6 @@ class JobConfig(_Section):
                 f"critic.ppo_mini_batch_size={mini} must divide "
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
-        if self.algorithm.adv_estimator == "gae" and self.trainer.mode == "async":
-            raise ValueError(
-                "algorithm.adv_estimator=gae (a critic) runs on trainer.mode=sync only; the "
-                "async schedule has no critic: use trainer.mode=sync, or a critic-free "
-                "estimator (grpo, dr_grpo, rloo) with async"
-            )
         if self.rollout.over_sample_rate > 0 and self.algorithm.filter_groups.enable:
             raise ValueError(
                 "rollout.over_sample_rate > 0 (partial rollouts) cannot be combined with "
@@ -405,7 +413,8 @@ def _check_group_size(config: JobConfig) -> None:
         raise ValueError(
             f"algorithm.adv_estimator={estimator} with rollout.n=1: a group of one sample is "
             "its own baseline, so every advantage is 0 and nothing is learned; set rollout.n "
-            "> 1, or use adv_estimator=reinforce_plus_plus (or gae, with a critic)"
+            "> 1, or use adv_estimator=reinforce_plus_plus, remax (a greedy baseline) or gae "
+            "(a critic)"
         )
 
 

@@ -33,6 +33,7 @@ class Sample:
     finish_reason: str
     reward: float
     request_id: str = ""
+    baseline: float = 0.0  # remax: the reward of its prompt's greedy response
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class PolicyUpdate:
     actor_metrics: dict[str, float]
     old_logprobs: list[torch.Tensor] | None
     critic_metrics: dict[str, float] = field(default_factory=dict)
+    # each response's summed token rewards after the KL penalty (None: no KL in the reward)
+    sequence_rewards: np.ndarray | None = None
 
 
 @contextlib.contextmanager
@@ -81,6 +84,7 @@ def training_seed_key(config: JobConfig, step: int, round_: int = 1) -> tuple[in
 
 
 VALIDATION_SEED_KEY = (-1,)
+GREEDY_BASELINE_SEED_KEY = (-2,)  # remax's greedy responses (the seed is unused at temperature 0)
 
 
 def score_outputs(
@@ -89,8 +93,11 @@ def score_outputs(
     learned: LearnedReward | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), and the reward metrics."""
+    weighted score, when `learned`), and the reward metrics. A sharded `learned` is a
+    collective: it is called even with nothing to score."""
     if not local:
+        if learned is not None and learned.collective:
+            learned.score([])
         return [], {}
     flat = [(item, out, c) for item, out in local for c in out.outputs]
     result = rewards.score(
@@ -151,6 +158,7 @@ def policy_batch(
         np.array([s.prompt_index for s in samples]),
         gamma=algo.gamma,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        baselines=[s.baseline for s in samples],
     )
     batch = PolicyBatch.from_responses(
         [s.prompt_token_ids for s in samples],
@@ -268,18 +276,24 @@ def update_policy(
     coefficient (required with `algorithm.use_kl_in_reward`). With a `critic`: PPO with GAE
     (`update_with_critic`)."""
     if critic is not None:
-        return update_with_critic(config, trainer, critic, samples, step, timings, kl_ctrl)
+        return update_with_critic(
+            config, trainer, critic, samples, step, timings, kl_ctrl, decoupled
+        )
     batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
     kl_metrics: dict[str, float] = {}
+    summed: np.ndarray | None = None
     if config.algorithm.use_kl_in_reward:
         token_rewards, kl_metrics = kl_penalized_rewards(
             config, trainer, batch, samples, rewards, timings, kl_ctrl
         )
+        summed = np.array([t.sum() for t in token_rewards], dtype=np.float64)
         with timed(timings, "adv"):
             scored, _, advantages = policy_batch(config, samples, decoupled, token_rewards)
             batch.advantages = scored.advantages
     actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
-    return PolicyUpdate(rewards, advantages, {**actor_metrics, **kl_metrics}, old)
+    return PolicyUpdate(
+        rewards, advantages, {**actor_metrics, **kl_metrics}, old, sequence_rewards=summed
+    )
 
 
 def kl_penalized_rewards(
@@ -356,15 +370,22 @@ def update_with_critic(
     step: int,
     timings: dict[str, float],
     kl_ctrl: KLController | None = None,
+    decoupled: bool = False,
 ) -> PolicyUpdate:
     """PPO with a critic (verl's order): values of the batch, the critic's update on GAE
     returns, whitened GAE advantages, then the actor's update unless `step` is within
     `trainer.critic_warmup`. When the critic makes one step its update's forward is the
     values pass (no separate one), as the actor's is for the old logprobs. With
-    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first."""
+    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first. `decoupled`
+    (async data): the samples' own logprobs are the behaviour policy's, as in
+    `update_policy`; the critic is trained on-policy for itself either way (its values are
+    its current ones)."""
     a = config.algorithm
     batch = PolicyBatch.from_responses(
-        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], [0.0] * len(samples)
+        [s.prompt_token_ids for s in samples],
+        [s.token_ids for s in samples],
+        [0.0] * len(samples),
+        behaviour_logprobs=[s.logprobs for s in samples] if decoupled else None,
     )
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
     token_rewards = [
@@ -372,10 +393,12 @@ def update_with_critic(
         for ids, r in zip(batch.input_ids, rewards, strict=True)
     ]
     kl_metrics: dict[str, float] = {}
+    summed: np.ndarray | None = None
     if a.use_kl_in_reward:
         penalized, kl_metrics = kl_penalized_rewards(
             config, trainer, batch, samples, rewards, timings, kl_ctrl
         )
+        summed = np.array([t.sum() for t in penalized], dtype=np.float64)
         token_rewards = [
             _on_response(ids.numel(), r) for ids, r in zip(batch.input_ids, penalized, strict=True)
         ]
@@ -404,9 +427,9 @@ def update_with_critic(
     actor_metrics: dict[str, float] = {}
     old: list[torch.Tensor] | None = None
     if step > config.trainer.critic_warmup:
-        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings)
+        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
     flat = np.concatenate(advantages)
-    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics)
+    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics, summed)
 
 
 def _score_on_last_token(length: int, score: float) -> torch.Tensor:
@@ -459,6 +482,10 @@ def step_metrics(
     metrics.update(
         batch_metrics(samples, update.rewards, update.advantages, config.data.max_response_length)
     )
+    # verl's critic/rewards/*: the summed token-level rewards, after the KL penalty if any.
+    summed = update.rewards if update.sequence_rewards is None else update.sequence_rewards
+    for name, pick in (("mean", np.mean), ("max", np.max), ("min", np.min)):
+        metrics[f"critic/rewards/{name}"] = float(pick(summed))
     if update.old_logprobs is not None:
         metrics.update(probs_diff(samples, update.old_logprobs))
     tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)

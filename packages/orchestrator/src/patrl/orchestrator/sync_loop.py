@@ -44,6 +44,7 @@ from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import (
+    GREEDY_BASELINE_SEED_KEY,
     VALIDATION_SEED_KEY,
     Sample,
     merge_reward_metrics,
@@ -86,6 +87,7 @@ class SyncGRPO(RunLoop):
         data = load_data(config, model_dir, train_files, val_files, announce=world.is_first)
         self.tokenizer, self.train_set, self.val_set = data.tokenizer, data.train_set, data.val_set
         self.loader = data.loader
+        self._items_by_index = {item.index: item for item in self.train_set.items}
         # Learns every prompt's response length; all ranks see the same lengths (the adaptive
         # engine all-gathers them as samples finish; else every step's samples are gathered),
         # so all ranks hold the same predictor and derive the same prompt assignment.
@@ -126,9 +128,7 @@ class SyncGRPO(RunLoop):
             if self._scores
             else None
         )
-        self.learned = (
-            build_learned_reward(config, self.tokenizer, world.device) if self._scores else None
-        )
+        self.learned = build_learned_reward(config, self.tokenizer, world, self._scores, mesh)
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
@@ -208,6 +208,8 @@ class SyncGRPO(RunLoop):
         timings: dict[str, float] = {}
         start = time.perf_counter()
         samples, gen_metrics = self._collect_samples(timings)
+        if self.config.algorithm.adv_estimator == "remax":
+            gen_metrics.update(self._greedy_baselines(samples, timings))
         asleep = self._free_cache_engine()
         update = update_policy(
             self.config,
@@ -341,6 +343,29 @@ class SyncGRPO(RunLoop):
         metrics["partial/off_policy_token_frac"] = stale / total if total else 0.0
         return samples, metrics
 
+    def _greedy_baselines(
+        self, samples: list[Sample], timings: dict[str, float]
+    ) -> dict[str, float]:
+        """ReMax (verl's order): each trained prompt's greedy response, generated with the
+        weights that sampled the batch and scored like the samples (rule rewards and the
+        reward model); its reward becomes every sample of the prompt's `baseline`. Costs one
+        more response per prompt; the prompt's KV is a prefix-cache hit."""
+        items = [self._items_by_index[i] for i in sorted({s.prompt_index for s in samples})]
+        with timed(timings, "gen_max"):
+            local = self._generate(items, 0.0, GREEDY_BASELINE_SEED_KEY, n=1, split="greedy")
+        with timed(timings, "reward_baseline"):
+            greedy, _ = self._score(local)
+        baseline = {g.prompt_index: g.reward for g in greedy}
+        for s in samples:
+            s.baseline = baseline[s.prompt_index]
+        scores = list(baseline.values())
+        return {
+            "remax/baseline_score/mean": float(np.mean(scores)),
+            "remax/baseline_response_length/mean": float(
+                np.mean([len(g.token_ids) for g in greedy])
+            ),
+        }
+
     def _assign_entries(self, entries: list[tuple[str, PromptItem, list[Any]]]) -> list[int]:
         """Replica of each group: resumed ones by their predicted remaining work."""
         _, dp_size = self._dp
@@ -421,11 +446,15 @@ class SyncGRPO(RunLoop):
     ) -> tuple[list[Sample], list[dict[str, float]]]:
         """Every replica's samples of `local`, scored on the replica's first rank and gathered on
         every rank, and each replica's reward metrics. The reward model scores training
-        samples only: validation measures the rule rewards (pass@1)."""
+        samples only: validation measures the rule rewards (pass@1). Every rank calls it (a
+        sharded reward model scores in collectives)."""
         learned = self.learned if training else None
-        scored, metrics = (
-            score_outputs(self.rewards, local, learned) if self.rewards is not None else ([], {})
-        )
+        scored: list[Sample] = []
+        metrics: dict[str, float] = {}
+        if self.rewards is not None:
+            scored, metrics = score_outputs(self.rewards, local, learned)
+        elif learned is not None:  # a sharded RM: every rank takes part in its forwards
+            learned.score([])
         samples = [s for share in all_gather_objects(self.world, scored) for s in share]
         return samples, [m for m in all_gather_objects(self.world, metrics) if m]
 

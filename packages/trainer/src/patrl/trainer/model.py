@@ -26,6 +26,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -34,8 +35,9 @@ from transformers import (
 from patrl.trainer.shard_loader import checkpoint_index, load_shards, shard_rows
 
 ModelSource = str | os.PathLike[str] | PretrainedConfig
-# "lm": the causal LM (the policy); "value": a token-level value head with one output (critic).
-Head = Literal["lm", "value"]
+# "lm": the causal LM (the policy); "value": a token-level value head with one output (critic);
+# "score": a sequence classifier as saved (a reward model).
+Head = Literal["lm", "value", "score"]
 VALUE_HEAD = ("score.weight", "score.bias")
 
 
@@ -73,13 +75,18 @@ def build_model(
 
 
 def _auto_class(head: Head) -> Any:
-    return AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
+    return {
+        "lm": AutoModelForCausalLM,
+        "value": AutoModelForTokenClassification,
+        "score": AutoModelForSequenceClassification,
+    }[head]
 
 
 def _with_head(config: PretrainedConfig, head: Head) -> PretrainedConfig:
     """`config` as the model of `head` needs it: a value model has one label and no dropout
-    (dropout would make the values of one forward differ from the next)."""
-    if head == "lm":
+    (dropout would make the values of one forward differ from the next). A reward model
+    ("score") keeps its own config."""
+    if head != "value":
         return config
     config = copy.deepcopy(config)
     config.num_labels = 1
@@ -121,15 +128,18 @@ def build_sharded(
     activation_checkpointing: bool,
     head: Head = "lm",
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """The fp32 model of a local HF directory, FSDP2-sharded over `mesh` on `device`.
+    """The model of a local HF directory, its parameters in `dtype` (fp32: the trainer's master
+    weights; an inference-only model may keep its compute dtype), FSDP2-sharded over `mesh` on
+    `device`.
 
-    Each rank reads only its own shards, cast to fp32 whatever the checkpoint's dtype; buffers
+    Each rank reads only its own shards, cast to `dtype` whatever the checkpoint's; buffers
     (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
     Same weights, bit for bit, as `parallelize(build_model(...))`, without the full copy.
     """
     path = model_dir(source)
-    model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head)
+    model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head, dtype)
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
     materialize(model, device)
     fresh_head = head == "value" and not _has_value_head(path)
@@ -140,13 +150,16 @@ def build_sharded(
 
 
 def build_on_meta(
-    config: PretrainedConfig, attn_implementation: str, head: Head = "lm"
+    config: PretrainedConfig,
+    attn_implementation: str,
+    head: Head = "lm",
+    dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """The fp32 model of `config` with every parameter on the meta device; buffers are real
-    host tensors (only parameters are intercepted at registration)."""
+    """The model of `config` (parameters in `dtype`) with every parameter on the meta device;
+    buffers are real host tensors (only parameters are intercepted at registration)."""
     with _parameters_on_meta():
         model = _auto_class(head).from_config(
-            _with_head(config, head), dtype=torch.float32, attn_implementation=attn_implementation
+            _with_head(config, head), dtype=dtype, attn_implementation=attn_implementation
         )
     model.config.use_cache = False
     return model

@@ -28,7 +28,7 @@ from patrl.orchestrator.async_rl.tickets import (
 from patrl.orchestrator.async_rl.validation import Validation
 from patrl.orchestrator.build import build_engine
 from patrl.orchestrator.data import PromptItem
-from patrl.orchestrator.learned_reward import build_learned_reward
+from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
 from patrl.orchestrator.step import score_outputs
@@ -59,10 +59,9 @@ class RolloutWorker:
             num_workers=self.config.reward.num_workers,
             timeout_s=self.config.reward.timeout_s,
         )
+        # Replicated on every rollout rank: they score on their own, never in a collective.
         self.learned = (
-            build_learned_reward(
-                self.config, load_tokenizer(self.model_dir, "model.path"), self.world.device
-            )
+            LearnedReward(self.config, load_tokenizer(self.model_dir, "model.path"), self.world)
             if self.config.reward_model.enable
             else None
         )

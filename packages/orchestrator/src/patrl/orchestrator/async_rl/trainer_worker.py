@@ -14,7 +14,7 @@ import torch.distributed as dist
 from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
-from patrl.orchestrator.build import trainer_config
+from patrl.orchestrator.build import critic_config, trainer_config
 from patrl.orchestrator.kl_reward import (
     build_kl_controller,
     load_kl_state,
@@ -24,7 +24,7 @@ from patrl.orchestrator.kl_reward import (
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
-from patrl.trainer import Trainer
+from patrl.trainer import Critic, Trainer
 
 
 class TrainerWorker(RunLoop):
@@ -53,6 +53,17 @@ class TrainerWorker(RunLoop):
             mesh=mesh,
             device=job.world.device,
             reference=needs_reference(self.config),
+        )
+        # PPO with a critic: the value model trains on the trainer ranks, beside the actor.
+        self.critic = (
+            Critic(
+                critic_config(self.config),
+                self.config.critic.model.path or job.model_dir,
+                mesh=mesh,
+                device=job.world.device,
+            )
+            if self.config.use_critic
+            else None
         )
         self.kl_ctrl = build_kl_controller(self.config.algorithm.kl_ctrl)
         self.step = 0
@@ -127,7 +138,14 @@ class TrainerWorker(RunLoop):
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
         update = update_policy(
-            cfg, self.trainer, samples, self.step, timings, decoupled=True, kl_ctrl=self.kl_ctrl
+            cfg,
+            self.trainer,
+            samples,
+            self.step,
+            timings,
+            decoupled=True,
+            kl_ctrl=self.kl_ctrl,
+            critic=self.critic,
         )
         self.control.beat()
         last = self.step == cfg.trainer.total_training_steps

@@ -1,7 +1,7 @@
 """patrl.trainer.reward_model: learned reward models, scored and trained.
 
 `RewardModelScorer` scores token sequences with an HF sequence-classification RM (one label,
-the last non-pad token); `RewardModelEncoder` turns policy samples into the RM's tokens;
+the last non-pad token), `ShardedRewardModelScorer` the same with the RM FSDP2-sharded; `RewardModelEncoder` turns policy samples into the RM's tokens;
 `BradleyTerryTrainer` trains one on preference pairs (FSDP2) and writes an HF directory. The
 CLI (see docs/reward_models.md):
 
@@ -17,13 +17,14 @@ from patrl.trainer.reward_model.preferences import (
     read_preferences,
     tokenize_pairs,
 )
-from patrl.trainer.reward_model.scorer import RewardModelScorer
+from patrl.trainer.reward_model.scorer import RewardModelScorer, ShardedRewardModelScorer
 
 __all__ = [
     "BradleyTerryTrainer",
     "PreferenceKeys",
     "RewardModelEncoder",
     "RewardModelScorer",
+    "ShardedRewardModelScorer",
     "check_reward_model_dir",
     "load_classifier",
     "load_tokenizer",

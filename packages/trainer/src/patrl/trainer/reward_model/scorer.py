@@ -1,18 +1,24 @@
 """Scoring token sequences with a Hugging Face sequence-classification reward model.
 
-The model is replicated: each scoring rank holds the whole RM and scores its own samples (the
-ranks that score hold different numbers of samples, so a sharded model, whose every forward is
-a collective, would need them padded to one schedule). A sequence's score is the RM's logit on
-its last non-pad token, HF's own pooling (`model(input_ids, attention_mask).logits`).
+Two placements. `RewardModelScorer` is replicated: the rank holds the whole RM and scores its
+own sequences, no communication. `ShardedRewardModelScorer` is FSDP2-sharded over a mesh, for
+an RM too large to hold beside the engine and the trainer: its `score` is a collective in which
+every rank passes the same sequences, runs the forwards of its share, and gets every score.
+A sequence's score is the RM's logit on its last non-pad token, HF's own pooling
+(`model(input_ids, attention_mask).logits`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from patrl.trainer.model import build_sharded
 from patrl.trainer.reward_model.checks import check_reward_model_dir, load_tokenizer
 
 
@@ -56,6 +62,73 @@ class RewardModelScorer:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
             ).logits
             out[rows] = logits[:, 0].float().cpu()
+        return out
+
+
+class ShardedRewardModelScorer:
+    """A reward model FSDP2-sharded over the 1-D `mesh` (built on the meta device, each rank
+    reading only its own shards, parameters kept in `dtype`), scoring like `RewardModelScorer`.
+
+    `score` is a collective over the mesh: every rank passes the same sequences. Rank r runs the
+    forwards of every world-th sequence by length (so the shares hold similar token counts),
+    `micro_batch_size` at a time; every rank runs the same number of forwards, a rank short of
+    sequences a one-token stand-in, because each forward all-gathers the layers' shards."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        mesh: DeviceMesh,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        micro_batch_size: int = 8,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        check_reward_model_dir(path)
+        self.tokenizer = load_tokenizer(path)
+        self.mesh = mesh
+        self.device = torch.device(device)
+        self.micro_batch_size = micro_batch_size
+        self.model = build_sharded(
+            path,
+            "sdpa",
+            mesh,
+            self.device,
+            param_dtype=dtype,
+            activation_checkpointing=False,
+            head="score",
+            dtype=dtype,
+        )
+        self.model.eval().requires_grad_(False)
+        self.pad_id = pad_token_id(self.model.config, self.tokenizer)
+        self.model.config.pad_token_id = self.pad_id
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The fp32 score of each sequence, on the host, in the given order, on every rank."""
+        if any(len(s) == 0 for s in sequences):
+            raise ValueError("cannot score an empty sequence")
+        rank, world = self.mesh.get_local_rank(), self.mesh.size()
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        mine = order[rank::world]
+        width = math.ceil(len(order) / world)  # the largest share
+        local = torch.zeros(max(width, 1), dtype=torch.float32, device=self.device)
+        for start in range(0, width, self.micro_batch_size):
+            rows = mine[start : start + self.micro_batch_size]
+            batch = [sequences[i] for i in rows] or [[self.pad_id]]
+            ids, mask = right_pad(batch, self.pad_id)
+            logits = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+            ).logits
+            if rows:
+                local[start : start + len(rows)] = logits[: len(rows), 0].float()
+        gathered = torch.empty(world * local.numel(), dtype=torch.float32, device=self.device)
+        dist.all_gather_into_tensor(gathered, local, group=self.mesh.get_group())
+        shares = gathered.cpu().view(world, -1)
+        out = torch.empty(len(sequences), dtype=torch.float32)
+        for r in range(world):
+            rows = order[r::world]
+            out[rows] = shares[r, : len(rows)]
         return out
 
 
