@@ -14,6 +14,7 @@ inside a trainer checkpoint), else from the source model directory the checkpoin
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -114,7 +115,7 @@ def _metadata(
 def _parameter_names(config: PretrainedConfig, head: Head) -> list[str]:
     """The parameters of the model `config` describes, in `named_parameters` order, tied ones
     once: the names and order of `Trainer.export_hf` (built on the meta device: no memory)."""
-    model = build_on_meta(config, "sdpa", head)
+    model = build_on_meta(copy.deepcopy(config), "sdpa", head)  # it edits the config it uses
     return [name for name, _ in model.named_parameters()]
 
 
