@@ -48,9 +48,9 @@ class CheckpointConfig(BaseModel):
 
     save_contents: list[str] = Field(
         default_factory=lambda: list(CHECKPOINT_CONTENTS),
-        description="any of model, optimizer, extra (all three to resume) and hf_model (a "
-        "Hugging Face directory, <checkpoint>/huggingface); patrl's default adds hf_model to "
-        "verl's",
+        description="any of model, optimizer, extra (all three to resume) and hf_model (the "
+        "weights in each checkpoint's Hugging Face directory, global_step_N/huggingface); "
+        "patrl's default adds hf_model to verl's",
     )
 
     @field_validator("save_contents")
