@@ -221,3 +221,26 @@ def test_critic_exports_a_token_classification_model(tmp_path: Path) -> None:
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     assert json.loads((tmp_path / "cli" / "config.json").read_text()) == config_json
+
+
+def test_export_keeps_the_source_models_dtype(tmp_path: Path) -> None:
+    """A bf16 source trains in fp32 master weights and exports bf16 (a drop-in replacement);
+    the CLI does the same; --dtype overrides it."""
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    trainer = Trainer(config(), str(src))
+    assert trainer.export_dtype == torch.bfloat16
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.train_step(make_batch(1, [5, 3]))
+    live = _read_dir(trainer.export_hf(tmp_path / "live"))
+    master = full_weights(trainer)
+    assert live.keys() == master.keys()
+    for name, t in master.items():
+        assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], t.bfloat16()), name
+    assert json.loads((tmp_path / "live" / "config.json").read_text())["dtype"] == "bfloat16"
+    checkpoint = trainer.save(tmp_path / "ckpt")
+    assert export_main([str(checkpoint), str(tmp_path / "cli")]) == 0  # the recorded source
+    assert all(torch.equal(t, live[n]) for n, t in _read_dir(tmp_path / "cli").items())
+    assert export_main([str(checkpoint), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    fp32 = _read_dir(tmp_path / "fp32")
+    assert all(torch.equal(fp32[n], t) for n, t in master.items())

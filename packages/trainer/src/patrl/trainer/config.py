@@ -62,11 +62,6 @@ class CheckpointConfig(BaseModel):
             raise ValueError(f"{what}; accepted: a non-empty list of {list(CHECKPOINT_CONTENTS)}")
         return list(dict.fromkeys(contents))  # order kept, repeats dropped
 
-    @property
-    def resumable(self) -> bool:
-        """Whether checkpoints written with these contents can be resumed from."""
-        return all(c in self.save_contents for c in RESUMABLE_CONTENTS)
-
 
 class CriticCheckpointConfig(CheckpointConfig):
     """verl's `critic.checkpoint`: as the actor's, without the Hugging Face directory by

@@ -90,13 +90,13 @@ class Trainer:
         self.device = self._resolve_device(mesh, device)
         self.param_dtype = self._resolve_dtype(config.param_dtype, self.device)
         self.source_dir = None if _is_config(model) else Path(str(model))
+        self.attn_implementation = self._resolve_attention(config)
+        self.checkpointing = self._resolve_checkpointing(model)
+        self.model = self._build(model, trainable=True)
         # The dtype the source's weights are stored in: the default of HF exports.
         self.export_dtype = source_dtype(
             model if isinstance(model, PretrainedConfig) else read_source_config(self.source_dir)
         )
-        self.attn_implementation = self._resolve_attention(config)
-        self.checkpointing = self._resolve_checkpointing(model)
-        self.model = self._build(model, trainable=True)
         if reference is None:
             reference = config.use_kl_loss
         self.reference = self._build(model, trainable=False) if reference else None
