@@ -401,7 +401,7 @@ def trl_trainer(
         top_k=r.top_k,
         learning_rate=a.optim.lr,
         lr_scheduler_type="constant",
-        warmup_steps=a.optim.lr_warmup_steps,
+        warmup_steps=a.optim.num_warmup_steps,
         weight_decay=a.optim.weight_decay,
         adam_beta1=a.optim.betas[0],
         adam_beta2=a.optim.betas[1],
