@@ -398,7 +398,7 @@ def trl_trainer(
         max_completion_length=d.max_response_length,
         temperature=r.temperature,
         top_p=r.top_p,
-        top_k=r.top_k,
+        top_k=max(r.top_k, 0),  # verl's -1: off
         learning_rate=a.optim.lr,
         lr_scheduler_type="constant",
         warmup_steps=a.optim.num_warmup_steps,

@@ -52,6 +52,7 @@ def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
         "reward.num_workers": 0,
         "trainer.total_training_steps": 3,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.default_local_dir": run_dir,
