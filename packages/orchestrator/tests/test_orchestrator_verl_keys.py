@@ -532,3 +532,69 @@ def test_without_wandb_installed_the_logger_warns_and_keeps_going(
     logger.close()
     assert "wandb is not installed (pip install wandb)" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+# ------------------------------------------------------------------------- val_batch_size
+
+
+def test_validation_batches_cover_every_prompt_in_order() -> None:
+    from patrl.orchestrator.data import PromptDataset
+    from patrl.orchestrator.step import validation_batches
+
+    items = [PromptItem(i, [1, i], f"p{i}", str(i)) for i in range(7)]
+    val = PromptDataset(items, num_rows=7, num_filtered_overlong=0)
+    batches = validation_batches(_job("data.val_batch_size=3"), val)
+    assert [[it.index for it in b] for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [[it.index for it in b] for b in validation_batches(_job(), val)] == [list(range(7))]
+
+
+def test_async_validation_runs_batch_after_batch_and_scores_every_prompt() -> None:
+    """The async schedule's validation (rollout rank 0): `data.val_batch_size` requests in the
+    engine at a time, the next batch when one is done, one result for all prompts."""
+    import pickle
+
+    from patrl.orchestrator.async_rl.validation import Validation
+    from patrl.orchestrator.data import PromptDataset
+    from patrl.rollout.outputs import CompletionOutput, RequestOutput
+
+    class Engine:
+        weight_version = 3
+
+        def __init__(self) -> None:
+            self.waiting: list[tuple[str, Any]] = []
+            self.added: list[list[str]] = []
+
+        def add_request(self, ids: list[int], params: Any, request_id: str) -> None:
+            self.waiting.append((request_id, params))
+
+        def run_batch(self) -> list[RequestOutput]:
+            batch, self.waiting = self.waiting, []
+            self.added.append([rid for rid, _ in batch])
+            return [
+                RequestOutput(rid, [1], [CompletionOutput(0, [5], [-0.1], "stop", text=text)])
+                for rid, text in zip(
+                    [rid for rid, _ in batch],
+                    ["\\boxed{4}" if rid.endswith(("0", "2")) else "no" for rid, _ in batch],
+                    strict=True,
+                )
+            ]
+
+    class Control:
+        def __init__(self) -> None:
+            self.put_values: dict[str, bytes] = {}
+
+        def put(self, key: str, value: bytes) -> None:
+            self.put_values[key] = value
+
+    items = [PromptItem(i, [1, i], f"p{i}", str(i)) for i in range(5)]
+    config = _job("data.val_batch_size=2", "rollout.val_kwargs.temperature=0.5")
+    control, engine = Control(), Engine()
+    with RewardManager([("format", 1.0)], num_workers=0) as rewards:
+        validation = Validation(config, PromptDataset(items, 5, 0), rewards, control)  # type: ignore[arg-type]
+        validation.begin(engine)  # type: ignore[arg-type]
+        while validation.pending:
+            for out in engine.run_batch():
+                validation.finish(out, engine)  # type: ignore[arg-type]
+    assert engine.added == [["val-3-0", "val-3-1"], ["val-3-2", "val-3-3"], ["val-3-4"]]
+    metrics = pickle.loads(control.put_values["val/3"])
+    assert metrics["val-core/acc/mean@1"] == pytest.approx(2 / 5)  # every prompt scored once
