@@ -565,8 +565,8 @@ def load_config(
     notices: list[str] | None = None,
 ) -> JobConfig:
     """Read a YAML file (optional), apply `key.sub=value` overrides, validate. verl's key paths
-    are read as patrl's (verl_keys.py); keys accepted without effect, and a wandb logger that
-    is not installed, add a line each to `notices`."""
+    are read as patrl's (verl_keys.py); keys accepted without effect, a wandb logger that is not
+    installed and a TP size that adaptive TP overrides add a line each to `notices`."""
     notes: list[str] = [] if notices is None else notices
     raw: dict[str, Any] = {}
     if path is not None:
@@ -590,6 +590,14 @@ def load_config(
         notes.append(
             "trainer.logger has wandb, but wandb is not installed (pip install wandb): "
             "metrics go to metrics.jsonl and the other loggers only"
+        )
+    r = config.rollout
+    if "tensor_model_parallel_size" in r.model_fields_set and r.adaptive_tp.enable:
+        notes.append(
+            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is the static "
+            "layout; with rollout.adaptive_tp.enable=true (the default) the engine chooses "
+            f"among rollout.adaptive_tp.candidates {r.adaptive_tp.candidates} as it generates "
+            "(rollout.adaptive_tp.enable=false pins it)"
         )
     return config
 
