@@ -174,7 +174,7 @@ def test_an_alias_sets_patrls_key(verl: str, key: str, value: Any) -> None:
             "more ranks",
         ),
         ("critic.model.fsdp_config.param_offload=True", "on the device", "more ranks"),
-        ("actor_rollout_ref.model.lora_rank=64", "full weights (no LoRA)", "lora_rank=0"),
+        ("actor_rollout_ref.model.lora_rank=64", "full weights (no LoRA)", "full fine-tuning"),
         ("actor_rollout_ref.actor.strategy=megatron", "FSDP2", "strategy=fsdp2"),
         (
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
@@ -598,3 +598,13 @@ def test_async_validation_runs_batch_after_batch_and_scores_every_prompt() -> No
     assert engine.added == [["val-3-0", "val-3-1"], ["val-3-2", "val-3-3"], ["val-3-4"]]
     metrics = pickle.loads(control.put_values["val/3"])
     assert metrics["val-core/acc/mean@1"] == pytest.approx(2 / 5)  # every prompt scored once
+
+
+def test_docs_verl_md_lists_the_rule_table_as_the_code_has_it() -> None:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "verl.md").read_text()
+    start, end = "<!-- verl-keys:start -->\n", "<!-- verl-keys:end -->"
+    embedded = text.split(start, 1)[1].split(end, 1)[0]
+    assert embedded.strip() == verl_keys.rules_table().strip(), (
+        "docs/verl.md's table is stale: regenerate it from "
+        "patrl.orchestrator.verl_keys.rules_table()"
+    )

@@ -123,7 +123,7 @@ RULES: dict[str, Rule] = {
     "model.use_remove_padding": Alias("actor.use_remove_padding"),
     "model.enable_gradient_checkpointing": Alias("actor.enable_gradient_checkpointing"),
     "model.lora_rank": Fixed(
-        (0,), "patrl trains full weights (no LoRA)", "model.lora_rank=0 (full fine-tuning)"
+        (0,), "patrl trains full weights (no LoRA)", "full fine-tuning (leave lora_rank unset)"
     ),
     "model.external_lib": Fixed(
         (None,),
@@ -389,3 +389,21 @@ def finish(raw: dict[str, Any]) -> None:
             "same thing (the reward); keep one"
         )
     reward["functions"] = [{"name": f"{path}:{name}"}]
+
+
+def rules_table() -> str:
+    """The rule table as Markdown (docs/verl.md embeds it)."""
+    rows = ["| verl key (after the section rename) | in patrl |", "|---|---|"]
+    for key, rule in RULES.items():
+        if isinstance(rule, Alias):
+            what = f"= `{rule.target}`"
+        elif isinstance(rule, Fixed):
+            accepted = ", ".join(f"`{v!r}`" for v in rule.values)
+            what = f"only {accepted}: {rule.why}; else use {rule.use}"
+        else:
+            quiet = (
+                f" (silent at {', '.join(f'`{v!r}`' for v in rule.quiet)})" if rule.quiet else ""
+            )
+            what = f"no effect{quiet}: {rule.why}"
+        rows.append(f"| `{key}` | {what} |")
+    return "\n".join(rows)
