@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import ClassVar
+
+import pytest
 
 from patrl.orchestrator.metrics import MetricsLogger
 
@@ -35,3 +39,65 @@ def test_the_console_bar_is_named_after_the_estimator(tmp_path: Path) -> None:
     logger = MetricsLogger(tmp_path, ["console"], total_steps=3, label="gae")
     assert logger._bar is not None and logger._bar.desc.startswith("gae")
     logger.close()
+
+
+def test_console_alone_still_writes_the_runs_record(tmp_path: Path) -> None:
+    """metrics.jsonl is the run's record (resume, summary, plots): no `trainer.logger` value
+    turns it off."""
+    logger = MetricsLogger(tmp_path, ["console"], total_steps=2)
+    logger.log(1, {"critic/score/mean": 0.5})
+    logger.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1.0, "critic/score/mean": 0.5}]
+
+
+def test_missing_tensorboard_warns_once_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    logger = MetricsLogger(tmp_path, ["tensorboard"], total_steps=3)
+    for step in (1, 2, 3):
+        logger.log(step, {"critic/score/mean": 0.1 * step})
+    logger.close()
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1, err
+    assert "pip install 'patrl-orchestrator[tensorboard]'" in err
+    assert not (tmp_path / "tensorboard").exists()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_no_tensorboard_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    MetricsLogger(tmp_path, ["console", "jsonl"], total_steps=1).close()
+    assert "tensorboard" not in capsys.readouterr().err
+
+
+class _Writer:
+    """Stands in for torch.utils.tensorboard.SummaryWriter: records what it is given."""
+
+    scalars: ClassVar[list[tuple[str, float, int]]] = []
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+
+    def add_scalar(self, key: str, value: float, step: int) -> None:
+        self.scalars.append((key, value, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_tensorboard_gets_the_finite_scalars(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = type(sys)("torch.utils.tensorboard")
+    fake.SummaryWriter = _Writer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    monkeypatch.setattr(_Writer, "scalars", [])
+    logger = MetricsLogger(tmp_path, ["tensorboard"], total_steps=1)
+    logger.log(1, {"critic/score/mean": 0.5, "actor/kl": float("nan")})
+    logger.close()
+    assert _Writer.scalars == [("critic/score/mean", 0.5, 1)]
+    assert capsys.readouterr().err == ""

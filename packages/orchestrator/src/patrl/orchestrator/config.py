@@ -296,7 +296,11 @@ class RunConfig(_Section):
     save_freq: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     test_freq: int = Field(5, ge=0, description="steps between validations; 0 = never")
     val_before_train: bool = True
-    logger: list[LoggerName] = Field(default_factory=lambda: list(_ALL_LOGGERS))
+    logger: list[LoggerName] = Field(
+        default_factory=lambda: list(_ALL_LOGGERS),
+        description="console: progress bar; tensorboard: scalars (needs the [tensorboard] "
+        "extra). metrics.jsonl is always written: resume, summary and plots read it",
+    )
     project_name: str = "patrl"
     experiment_name: str = "grpo"
     default_local_dir: str = Field("runs", description="runs go to <dir>/<project>/<experiment>")

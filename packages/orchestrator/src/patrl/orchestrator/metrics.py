@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,10 @@ HEADLINE = (
 
 
 class MetricsLogger:
-    """Writes one JSON line per step (always), TensorBoard scalars (when installed and asked)."""
+    """Writes one JSON line per step to `metrics.jsonl` whatever `loggers` names (it is the run's
+    record: a resumed run's history, the summary and the plots are read from it), plus what
+    `loggers` asks for: `console` a progress bar, `tensorboard` scalars (with one warning and
+    no scalars when the `tensorboard` package is missing)."""
 
     def __init__(
         self,
@@ -94,9 +98,18 @@ def _read_history(path: Path, upto_step: int) -> list[dict[str, float]]:
 
 
 def _tensorboard(log_dir: Path) -> Any:
+    """A SummaryWriter into `log_dir`, or None after one warning: tensorboard is an extra."""
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional: JSONL is always written
+    except ImportError:
+        print(
+            "patrl: warning: trainer.logger names tensorboard but the tensorboard package is "
+            "not installed, so no TensorBoard scalars are written (metrics.jsonl has every "
+            "value): pip install 'patrl-orchestrator[tensorboard]', or leave tensorboard out "
+            "of trainer.logger",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return SummaryWriter(str(log_dir))
 
