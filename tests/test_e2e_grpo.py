@@ -73,7 +73,11 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     if rank == 0:
         synthetic_profile(str(assets / "model"), tp2_speedup=20.0).save(profile)
     torch.distributed.barrier()
-    extra = {"rollout.prompt_assignment": "length_aware", "rollout.adaptive_tp.profile": profile}
+    extra = {
+        "rollout.prompt_assignment": "length_aware",
+        "rollout.adaptive_tp.profile": profile,
+        "trainer.plots": "true",
+    }
     loop = make_loop(assets, run_dir, world, **extra)
     before = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
     result = loop.run()
@@ -88,7 +92,8 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     batch = PolicyBatch.from_responses([[1, 70, 71]], [out.token_ids], [0.0])
     trainer_lp = loop.trainer.compute_logprobs(batch)[0][-len(out.token_ids) :]
     gap = float((trainer_lp - torch.tensor(out.logprobs)).abs().max())
-    return {"history": result.history, "changed": changed, "gap": gap}
+    labels = [t["label"] for t in loop.timelines()]
+    return {"history": result.history, "changed": changed, "gap": gap, "timelines": labels}
 
 
 @pytest.mark.multirank
@@ -116,6 +121,10 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
     assert [h["rollout/tp_switches"] for h in steps] == [0, 0]
     assert all(h["rollout/tp_max"] == 2 for h in steps)
+    # The timeline plot gathers every replica's rollout: one TP-2 replica of both ranks.
+    assert [r["timelines"] for r in results] == [["replica 0 (ranks 0-1), tp 2"]] * 2
+    for png in ("reward.png", "response_lengths.png", "generation_timeline.png"):
+        assert (tmp_path / "patrl" / "grpo" / png).is_file()
 
 
 KEYS = (

@@ -111,7 +111,13 @@ class RunLoop:
             return RunResult(self.step, [], self.run_dir)
         print("\n" + logger.summary())
         if cfg.plots:
-            written = plot_run(logger.history, self.all_lengths, self.timelines(), self.run_dir)
+            written = plot_run(
+                logger.history,
+                self.all_lengths,
+                self.timelines(),
+                self.run_dir,
+                self.config.data.max_response_length,
+            )
             print("plots: " + ", ".join(str(p) for p in written))
         return RunResult(self.step, logger.history, self.run_dir)
 
