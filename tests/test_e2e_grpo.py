@@ -124,7 +124,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     # The timeline plot gathers every replica's rollout: one TP-2 replica of both ranks.
     assert [r["timelines"] for r in results] == [["replica 0 (ranks 0-1), tp 2"]] * 2
     for png in ("reward.png", "response_lengths.png", "generation_timeline.png"):
-        assert (tmp_path / "patrl" / "grpo" / png).is_file()
+        assert (tmp_path / png).is_file()
 
 
 KEYS = (
@@ -144,7 +144,7 @@ def test_resume_reproduces_the_uninterrupted_run(
     world = World(0, 1, 0, torch.device("cpu"))
     straight = make_loop(assets, tmp_path / "a", world, **{"trainer.total_training_steps": 4}).run()
     make_loop(assets, tmp_path / "b", world, **{"trainer.save_freq": 2}).run()
-    run_dir = tmp_path / "b" / "patrl" / "grpo"
+    run_dir = tmp_path / "b"
     metrics_before = (run_dir / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert main(overrides(assets, tmp_path / "b", **{"trainer.save_freq": 2})) == 0
@@ -197,7 +197,7 @@ def test_completed_only_when_the_resumed_checkpoint_has_no_step_left(
     tmp_path: Path, mode: str, saved_step: int, total: int, complete: bool
 ) -> None:
     assert completed(load_config(None, [f"trainer.default_local_dir={tmp_path}"])) is None
-    checkpoint = checkpointing.step_dir(tmp_path / "patrl" / "grpo", saved_step)
+    checkpoint = checkpointing.step_dir(tmp_path, saved_step)
     checkpoint.mkdir(parents=True)
     (checkpoint / checkpointing.STATE_FILE).write_text(f'{{"step": {saved_step}}}')
     keys = [
