@@ -273,7 +273,6 @@ RULES: dict[str, Rule] = {
         "reward.functions (and custom_reward_function.path)",
     ),
     "reward_model.micro_batch_size_per_gpu": Alias("reward_model.micro_batch_size"),
-    "reward_model.strategy": _STRATEGY,
     "reward_model.launch_reward_fn_async": Noted(
         "patrl's reward functions run in their own worker processes (reward.num_workers)"
     ),
