@@ -24,7 +24,13 @@ from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState, request_output
 from patrl.rollout.records import EngineCounters, StepRecord
-from patrl.rollout.request_input import check_batch, encode, progress_bar, reject_reason
+from patrl.rollout.request_input import (
+    check_batch,
+    check_params,
+    encode,
+    progress_bar,
+    reject_reason,
+)
 from patrl.rollout.sampler import SampleOutput, SamplingParams, make_generator
 from patrl.rollout.scheduler import Scheduler
 from patrl.rollout.sequence import Request
@@ -104,11 +110,15 @@ class Engine:
     ) -> str:
         """Queue a request of `params.n` samples; returns its id.
 
-        A request that cannot run (empty, too long, token ids outside the vocabulary) finishes
-        at the next `step` with finish_reason "rejected" and the reason in its `error`.
-        Generated ids are unique across the world's replicas. `prompt_key` names the prompt
-        for a driver that learns lengths (adaptive TP); the engine does not use it."""
+        `prompt` is token ids, or text encoded with the model's tokenizer (no special tokens
+        added: a chat template or the caller adds them). A request that cannot run (empty, too
+        long, token ids outside the vocabulary) finishes at the next `step` with finish_reason
+        "rejected" and the reason in its `error`; params it cannot honour raise ValueError
+        before anything is queued. Generated ids are unique across the world's replicas.
+        `prompt_key` names the prompt for a driver that learns lengths (adaptive TP); the
+        engine does not use it."""
         params = params or SamplingParams()
+        self.check_params(params)
         if request_id is None:
             request_id = f"req-{self._group_rank()}-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -133,6 +143,11 @@ class Engine:
         seqs[0].fork_children = seqs[1:]  # prefilled once, forked when the prefill is done
         self.scheduler.add(seqs[0])
         return request_id
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError, naming the value, for params this engine cannot honour (stop
+        strings without a tokenizer, more top logprobs than the vocabulary)."""
+        check_params(params, self.tokenizer, self.model.config.vocab_size, self.config.model)
 
     def _group_rank(self) -> int:
         """Global rank of this TP group's first rank."""
@@ -212,7 +227,7 @@ class Engine:
             seq.append_token(host.tokens[row], host.logprobs[row], top)
             seq.weight_version = self.weight_version
             self.counters.generated_tokens += 1
-            reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
+            reason = seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
 
@@ -220,12 +235,7 @@ class Engine:
         done = [r for r in self._requests.values() if r.done()]
         for r in done:
             del self._requests[r.request_id]
-        return [request_output(r, self._decode) for r in done]
-
-    def _decode(self, token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return [request_output(r, self.tokenizer) for r in done]
 
     # -------------------------------------------------------------- generate
 
@@ -236,8 +246,12 @@ class Engine:
         progress: bool = False,
         prompt_keys: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of `prompts`."""
+        """Run prompts to completion; outputs in the order of `prompts` (vLLM's
+        `LLM.generate`). `params`: one for every prompt, or one each; every one is checked
+        before any request is queued. `progress` shows a bar on the group's first rank."""
         params, keys = check_batch(prompts, params, prompt_keys)
+        for sp in set(params):
+            self.check_params(sp)
         self.reset_timeline()
         ids = [
             self.add_request(p, sp, prompt_key=k)

@@ -19,6 +19,20 @@ def encode(prompt: Sequence[int] | str, tokenizer: Any, model: str) -> list[int]
     return [int(t) for t in prompt]
 
 
+def check_params(params: SamplingParams, tokenizer: Any, vocab: int, model: str) -> None:
+    """Raise, naming the value, for sampling params this engine cannot honour: stop strings
+    without a tokenizer, more top logprobs than `vocab` tokens."""
+    if params.stop and tokenizer is None:
+        raise ValueError(
+            f"stop strings {list(params.stop)} need a tokenizer, and {model} has none: "
+            "pass stop_token_ids instead, or a model directory with tokenizer files"
+        )
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(
+            f"logprobs={params.logprobs} exceeds the vocabulary of {vocab} tokens of {model}"
+        )
+
+
 def reject_reason(token_ids: list[int], max_model_len: int, vocab: int) -> str | None:
     """Why a prompt cannot run (empty, too long, ids outside the vocabulary), or None."""
     if not token_ids:

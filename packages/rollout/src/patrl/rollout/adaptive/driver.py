@@ -207,6 +207,8 @@ class AdaptiveEngine:
         if controller is None:
             return self.engine.generate(prompts, params, progress, prompt_keys)
         params, keys = check_batch(prompts, params, prompt_keys)
+        for sp in set(params):
+            self.engine.check_params(sp)
         self.engine.reset_timeline()
         if self.has_unfinished():
             raise RuntimeError(
