@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,13 @@ from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState, request_output
 from patrl.rollout.records import EngineCounters, StepRecord
 from patrl.rollout.request_input import (
+    Conversation,
     check_batch,
     check_params,
     encode,
     progress_bar,
     reject_reason,
+    render_chat,
 )
 from patrl.rollout.sampler import SampleOutput, SamplingParams, make_generator
 from patrl.rollout.scheduler import Scheduler
@@ -271,6 +273,33 @@ class Engine:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (vLLM's `LLM.chat`): `messages` is one conversation
+        (a list of {"role": ..., "content": ...}) or a list of them; each is rendered by the
+        model's chat template (or `chat_template`), with the assistant's turn opened unless
+        `add_generation_prompt` is off, and encoded without adding special tokens. Outputs in
+        the order of the conversations. Raises ValueError, naming the model directory, when
+        it has no tokenizer or no chat template."""
+        prompts = render_chat(
+            self.tokenizer,
+            self.config.model,
+            messages,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+        )
+        return self.generate(prompts, params, progress)
 
     def generate_partial(
         self,

@@ -4,8 +4,8 @@ rejected (finishes with finish_reason "rejected" and the reason)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
 
 from patrl.rollout.sampler import SamplingParams
 
@@ -17,6 +17,59 @@ def encode(prompt: Sequence[int] | str, tokenizer: Any, model: str) -> list[int]
             raise ValueError(f"{model} has no tokenizer: pass token ids, not text")
         return list(tokenizer.encode(prompt, add_special_tokens=False))
     return [int(t) for t in prompt]
+
+
+Conversation: TypeAlias = Sequence[Mapping[str, Any]]
+
+
+def render_chat(
+    tokenizer: Any,
+    model: str,
+    messages: Conversation | Sequence[Conversation],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[list[int]]:
+    """Each conversation of `messages` (one conversation of {"role", "content", ...} dicts, or
+    a list of them) rendered by the chat template (the tokenizer's, or `chat_template`) and
+    encoded without adding special tokens (the template holds them), as vLLM's `LLM.chat`
+    does. Raises ValueError naming `model` when it has no tokenizer or chat template."""
+    if tokenizer is None:
+        raise ValueError(f"chat() needs a tokenizer with a chat template, and {model} has none")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer of {model} has no chat template (tokenizer_config.json's "
+            "chat_template or chat_template.jinja): pass chat_template=..., or render the "
+            "prompts yourself and call generate()"
+        )
+    if not messages:
+        raise ValueError("chat() got no messages")
+    one = all(isinstance(m, Mapping) for m in messages)
+    conversations = [messages] if one else list(messages)
+    prompts = []
+    for i, conversation in enumerate(conversations):
+        if isinstance(conversation, Mapping | str) or not conversation:
+            raise ValueError(
+                f"conversation {i} must be a non-empty list of message dicts, got "
+                f"{conversation!r:.80}"
+            )
+        for j, message in enumerate(conversation):
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(
+                    f"conversation {i}, message {j}: a message is a dict with a 'role' "
+                    f"(and usually 'content'), got {message!r:.80}"
+                )
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation],
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return prompts
 
 
 def check_params(params: SamplingParams, tokenizer: Any, vocab: int, model: str) -> None:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState
 from patrl.rollout.records import EngineCounters, StepRecord
-from patrl.rollout.request_input import check_batch, progress_bar
+from patrl.rollout.request_input import Conversation, check_batch, progress_bar, render_chat
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
@@ -233,6 +233,28 @@ class AdaptiveEngine:
                 "on no replica, or on one that did not return them): this is a bug"
             )
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """`Engine.chat`, through this engine's `generate` (a collective over the world)."""
+        prompts = render_chat(
+            self.tokenizer,
+            self.config.model,
+            messages,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+        )
+        return self.generate(prompts, params, progress)
 
     def generate_partial(
         self,
