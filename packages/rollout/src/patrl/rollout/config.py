@@ -44,7 +44,8 @@ class EngineConfig(BaseModel):
         None,
         gt=0,
         description="KV budget when num_kv_blocks is None; None = from gpu_memory_utilization "
-        "on CUDA, 1 GiB on CPU",
+        "on CUDA; on CPU enough for max_num_seqs sequences of max_model_len tokens, at most "
+        "512 MiB",
     )
     gpu_memory_utilization: float = Field(
         0.9,
