@@ -37,6 +37,7 @@ from patrl.rollout.sampler import SampleOutput, SamplingParams, make_generator
 from patrl.rollout.scheduler import Scheduler
 from patrl.rollout.sequence import Request
 from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.torchrun import torchrun_groups
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.rollout.transfer import export_requests, import_requests, snapshot_requests
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
@@ -52,14 +53,21 @@ class Engine:
         layout: ParallelLayout | None = None,
         groups: GroupCache | None = None,
     ) -> None:
-        """`layout`: this rank's TP group (default: one process). `groups`: the GroupCache
-        the layout comes from, where other layouts may be looked up (reconfigure)."""
+        """`layout`: this rank's TP group (default: one process, or, for
+        `StaticTP(tp=N)` with N > 1, this rank's group of N from `groups`, made over
+        torchrun's world when not given; see patrl.rollout.torchrun). `groups`: the
+        GroupCache the layout comes from, where other layouts may be looked up (reconfigure).
+        Every rank of the world builds its engine at once."""
         policy = config.tp_policy
         if isinstance(policy, AdaptiveTP):
             raise ValueError(
                 "Engine runs one layout; for tp_policy adaptive use "
                 "patrl.rollout.make_engine(config, ...) or AdaptiveEngine(config, ...)"
             )
+        if layout is None and policy.tp is not None and policy.tp > 1:
+            if groups is None:
+                groups = torchrun_groups([policy.tp], config, f"StaticTP(tp={policy.tp})")
+            layout = groups.layout(policy.tp)
         if policy.tp is not None and (layout.tp_size if layout else 1) != policy.tp:
             raise ValueError(
                 f"tp_policy static tp={policy.tp} but the engine's layout has "
