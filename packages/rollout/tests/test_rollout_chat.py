@@ -29,8 +29,13 @@ def engine(model_dir: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def chat_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return engine(save_text_model(tmp_path_factory.mktemp("chat"), bpe_tokenizer()))
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_text_model(tmp_path_factory.mktemp("chat"), bpe_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def chat_engine(chat_dir: Path) -> Engine:
+    return engine(chat_dir)
 
 
 def by_hand(tokenizer: Any, conversation: list[dict[str, str]], generation: bool = True) -> str:
@@ -105,3 +110,21 @@ def test_bad_messages_are_named(chat_engine: Engine, messages: Any, message: str
     with pytest.raises(ValueError, match=message):
         chat_engine.chat(messages, GREEDY)
     assert not chat_engine.has_unfinished()
+
+
+def test_the_engine_modules_example_runs(
+    chat_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The library example in patrl.rollout.engine's docstring, on a real model directory."""
+    import textwrap
+
+    import patrl.rollout.engine as module
+
+    assert module.__doc__ is not None
+    block = module.__doc__.split("::\n\n", 1)[1].split("\n\n")
+    code = textwrap.dedent("\n\n".join(b for b in block[:2]))
+    assert "engine.chat(" in code and "engine.generate(" in code
+    namespace: dict[str, Any] = {}
+    exec(code.replace("path/to/hf_model_dir", str(chat_dir)), namespace)
+    assert len(namespace["chat"]) == 1 and namespace["chat"][0].outputs[0].token_ids
+    assert capsys.readouterr().out.strip()  # the loop printed a completion

@@ -18,7 +18,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class EngineConfig(BaseModel):
-    """One rollout replica (a TP group) and its budgets."""
+    """One rollout replica (a TP group) and its budgets: vLLM's engine arguments where the
+    concept exists (max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+    gpu_memory_utilization, enable_prefix_caching, enforce_eager), checked when built: a bad
+    value is an error naming the key and what is accepted. Frozen; derive variants with
+    `model_copy(update=...)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -124,6 +128,7 @@ class EngineConfig(BaseModel):
         return value
 
     def torch_device(self) -> torch.device:
+        """`device` as a torch device ('auto': cuda when available, else cpu)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

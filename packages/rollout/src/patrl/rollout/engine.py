@@ -1,5 +1,20 @@
 """The generation engine of one rollout replica at one layout: requests in, completions out.
 
+Used as a library, it reads as vLLM's `LLM` does::
+
+    from patrl.rollout import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model="path/to/hf_model_dir"))
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["Q:"], seed=0)
+    for out in engine.generate(["The capital of France is"], params):
+        print(out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason)
+    chat = engine.chat([{"role": "user", "content": "What is 2 + 2?"}], params)
+
+Prompts are text (encoded without special tokens) or token ids; each output carries its
+token ids, their logprobs, text and finish reason. For tensor parallelism launch the script
+with `torchrun --nproc_per_node 2` and pass `tp_policy=StaticTP(tp=2)`: every rank builds the
+engine and makes the same calls, and gets the same outputs (patrl.rollout.torchrun).
+
 One `Engine` runs on one TP group. Every rank of the group holds the same scheduler state and
 makes the same scheduling decisions (the scheduler is deterministic), and samples the same
 tokens (`ModelRunner` checks it). Changing the layout while generating is adaptive TP's job
@@ -44,8 +59,15 @@ from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, t
 
 
 class Engine:
-    """One rollout replica at one TP layout: `add_request` / `step` / `abort`, or `generate`;
-    every rank of the TP group makes the same calls in the same order (SPMD)."""
+    """One rollout replica at one TP layout: continuous batching over a paged KV cache, with
+    vLLM's request API. `generate` / `chat` run a batch to completion; `add_request`, `step`
+    and `abort` drive it a step at a time; `export_requests` / `import_requests` move
+    unfinished samples to another engine; `load_weights` swaps the policy's weights (RL).
+
+    Invariants: every rank of the TP group makes the same calls in the same order (SPMD) and
+    gets the same outputs; a request's tokens depend on its prompt, params and seed only, not
+    on its batch, the layout or the device. Outputs come back as `RequestOutput`s, their
+    samples as `CompletionOutput`s (see patrl.rollout.outputs)."""
 
     def __init__(
         self,
@@ -90,14 +112,17 @@ class Engine:
 
     @property
     def layout(self) -> ParallelLayout:
+        """This rank's TP group and place in the data-parallel world."""
         return self.runner.layout
 
     @property
     def model(self) -> CausalLM:
+        """The model, its weights cut for `layout`."""
         return self.runner.model
 
     @property
     def cache(self) -> PagedKVCache:
+        """This rank's KV cache (its blocks hold this rank's KV heads)."""
         return self.runner.cache
 
     @property
@@ -182,6 +207,7 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
+        """Whether a request has not been returned by `step` yet."""
         return bool(self._requests)
 
     def request_ids(self) -> list[str]:
@@ -189,12 +215,14 @@ class Engine:
         return [r for r, req in self._requests.items() if not req.done()]
 
     def unfinished_seqs(self) -> list[Seq]:
+        """Every sample still generating or waiting, of every request."""
         return [s for r in self._requests.values() for s in r.seqs.values() if not s.is_finished]
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the requests that finished."""
+        """Run one scheduled batch (a prefill or a decode step); return the requests that
+        finished with it, each once, all of its samples done."""
         batch = self.scheduler.schedule()
         if batch is not None:
             start = time.perf_counter()
@@ -221,6 +249,7 @@ class Engine:
         return self._collect_finished()
 
     def reset_timeline(self) -> None:
+        """Start `timeline` afresh (each `generate` does), its clock at zero now."""
         self.timeline = []
         self._timeline_start = time.perf_counter()
 
@@ -422,6 +451,7 @@ class Engine:
     # ----------------------------------------------------------------- stats
 
     def tokens_per_s(self) -> float:
+        """Tokens sampled per second of `step` time, over the engine's life."""
         c = self.counters
         return c.generated_tokens / c.busy_s if c.busy_s else 0.0
 

@@ -92,6 +92,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """temperature 0: the argmax, top_k and top_p ignored."""
         return self.temperature == 0
 
     @property
