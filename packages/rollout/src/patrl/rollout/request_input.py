@@ -46,7 +46,7 @@ def render_chat(
     if not messages:
         raise ValueError("chat() got no messages")
     one = all(isinstance(m, Mapping) for m in messages)
-    conversations = [messages] if one else list(messages)
+    conversations: list[Any] = [messages] if one else list(messages)  # checked below
     prompts = []
     for i, conversation in enumerate(conversations):
         if isinstance(conversation, Mapping | str) or not conversation:
