@@ -4,10 +4,15 @@ rejected (finishes with finish_reason "rejected" and the reason)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import torch
+
 from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import ParallelLayout, tp_broadcast
 
 
 def encode(prompt: Sequence[int] | str, tokenizer: Any, model: str) -> list[int]:
@@ -26,6 +31,7 @@ def render_chat(
     tokenizer: Any,
     model: str,
     messages: Conversation | Sequence[Conversation],
+    *,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
@@ -86,6 +92,18 @@ def check_params(params: SamplingParams, tokenizer: Any, vocab: int, model: str)
         )
 
 
+def with_group_seed(
+    params: SamplingParams, layout: ParallelLayout, device: torch.device
+) -> SamplingParams:
+    """`params`, with a seed drawn by the TP group's first rank when it samples without one:
+    the group samples as one replica, so its ranks must draw one stream (OS-random: torch's
+    global generator is the trainer's; broadcast on the device, as NCCL wants)."""
+    if params.seed is not None or params.temperature == 0 or layout.tp_size == 1:
+        return params
+    drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    return dataclasses.replace(params, seed=int(tp_broadcast(layout, drawn, src=0).item()))
+
+
 def reject_reason(token_ids: list[int], max_model_len: int, vocab: int) -> str | None:
     """Why a prompt cannot run (empty, too long, ids outside the vocabulary), or None."""
     if not token_ids:
@@ -105,20 +123,41 @@ def check_batch(
     prompts: Sequence[Sequence[int] | str],
     params: SamplingParams | Sequence[SamplingParams] | None,
     prompt_keys: Sequence[str] | None,
+    check: Callable[[SamplingParams], None] = lambda _: None,
 ) -> tuple[Sequence[SamplingParams], Sequence[str | None]]:
-    """`generate`'s arguments as one params and one key per prompt (checked lengths)."""
+    """`generate`'s arguments as one params and one key per prompt (checked lengths; each
+    distinct params through `check`, so nothing is queued before a bad one raises)."""
     if params is None or isinstance(params, SamplingParams):
         params = [params or SamplingParams()] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    for distinct in set(params):
+        check(distinct)
     keys: Sequence[str | None] = prompt_keys if prompt_keys is not None else [None] * len(prompts)
     if len(keys) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(keys)} prompt keys")
     return params, keys
 
 
-def progress_bar(total: int) -> Any:
-    """A progress bar over `total` requests."""
+class NoProgressBar:
+    """What `progress_bar` gives when off: tqdm's calls, doing nothing."""
+
+    disable = True
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, show: bool = True) -> Any:
+    """A progress bar over `total` requests (one that shows nothing unless `show`)."""
+    if not show:
+        return NoProgressBar()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")

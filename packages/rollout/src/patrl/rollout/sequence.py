@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from patrl.rollout.detokenizer import StopStringChecker
-from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.sampler import SamplingParams, make_generator
 
 
 class SequenceStatus(enum.Enum):
@@ -139,3 +139,29 @@ class Request:
 
     def done(self) -> bool:
         return all(s.is_finished for s in self.seqs.values())
+
+
+@dataclass(slots=True)
+class IdCounter:
+    """Consecutive ids: `take` hands out `next` and moves on."""
+
+    next: int = 0
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def new_request(
+    request_id: str, token_ids: list[int], params: SamplingParams, seq_ids: IdCounter
+) -> Request:
+    """A request of `params.n` fresh samples, sample i drawing from a generator seeded with
+    `params.seed + i` (a random one without a seed)."""
+    request = Request(request_id, token_ids)
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        generator = make_generator(seed)
+        request.seqs[i] = Sequence(
+            seq_ids.take(), request_id, i, list(token_ids), params, generator
+        )
+    return request

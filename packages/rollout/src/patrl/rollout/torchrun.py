@@ -19,12 +19,19 @@ import torch
 import torch.distributed as dist
 
 from patrl.rollout.config import EngineConfig
-from patrl.tpreshard import GroupCache
+from patrl.rollout.tp_policy import AdaptiveTP
+from patrl.tpreshard import GroupCache, ParallelLayout
 
 # every collective of a world the engine joins fails after this instead of hanging
 TIMEOUT = timedelta(minutes=10)
 
-__all__ = ["TIMEOUT", "join_torchrun_world", "launched_world_size", "torchrun_groups"]
+__all__ = [
+    "TIMEOUT",
+    "join_torchrun_world",
+    "launched_world_size",
+    "static_layout",
+    "torchrun_groups",
+]
 
 
 def launched_world_size() -> int:
@@ -60,3 +67,28 @@ def torchrun_groups(tp_sizes: Sequence[int], config: EngineConfig, need: str) ->
     the world calls this at once, as it builds its engine)."""
     timeout = join_torchrun_world(config, need)
     return GroupCache(tp_sizes, tp_comm=config.tp_comm, timeout=timeout)
+
+
+def static_layout(
+    config: EngineConfig, layout: ParallelLayout | None, groups: GroupCache | None
+) -> tuple[ParallelLayout | None, GroupCache | None]:
+    """The (layout, groups) an `Engine` under a static `config.tp_policy` runs at: as given,
+    or, for `StaticTP(tp=N)` with N > 1 and no layout, this rank's TP group of N from
+    `groups` (made over torchrun's world when not given). Raises for an adaptive policy and
+    for a layout of another TP size than the policy's."""
+    policy = config.tp_policy
+    if isinstance(policy, AdaptiveTP):
+        raise ValueError(
+            "Engine runs one layout; for tp_policy adaptive use "
+            "patrl.rollout.make_engine(config, ...) or AdaptiveEngine(config, ...)"
+        )
+    if layout is None and policy.tp is not None and policy.tp > 1:
+        if groups is None:
+            groups = torchrun_groups([policy.tp], config, f"StaticTP(tp={policy.tp})")
+        layout = groups.layout(policy.tp)
+    if policy.tp is not None and (layout.tp_size if layout else 1) != policy.tp:
+        raise ValueError(
+            f"tp_policy static tp={policy.tp} but the engine's layout has "
+            f"tp_size={layout.tp_size if layout else 1}"
+        )
+    return layout, groups

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -228,9 +228,7 @@ class AdaptiveEngine:
         controller = self.controller
         if controller is None:
             return self.engine.generate(prompts, params, progress, prompt_keys)
-        params, keys = check_batch(prompts, params, prompt_keys)
-        for sp in set(params):
-            self.engine.check_params(sp)
+        params, keys = check_batch(prompts, params, prompt_keys, self.engine.check_params)
         self.engine.reset_timeline()
         if self.has_unfinished():
             raise RuntimeError(
@@ -261,21 +259,10 @@ class AdaptiveEngine:
         messages: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **template: Any,
     ) -> list[RequestOutput]:
         """`Engine.chat`, through this engine's `generate` (a collective over the world)."""
-        prompts = render_chat(
-            self.tokenizer,
-            self.config.model,
-            messages,
-            chat_template,
-            add_generation_prompt,
-            continue_final_message,
-            chat_template_kwargs,
-        )
+        prompts = render_chat(self.tokenizer, self.config.model, messages, **template)
         return self.generate(prompts, params, progress)
 
     def generate_partial(
