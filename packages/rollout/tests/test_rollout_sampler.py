@@ -170,6 +170,7 @@ def test_stop_is_a_tuple_of_strings() -> None:
     assert SamplingParams(stop="</s>").stop == ("</s>",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop=None).stop == ()  # type: ignore[arg-type]  # vLLM's default
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == frozenset()  # type: ignore[arg-type]
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == frozenset({3, 4})  # type: ignore[arg-type]
 
 

@@ -68,7 +68,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.n < 1:
