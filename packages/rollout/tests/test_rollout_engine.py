@@ -303,6 +303,38 @@ def test_stop_tokens_and_eos(llama_dir: Path) -> None:
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_logprobs_none_zero_and_k_come_back_as_vllm_returns_them(llama_dir: Path) -> None:
+    """The sampled tokens' logprobs always come back; `logprobs` adds per-position dicts:
+    none for None, the sampled token's for 0, the top k and the sampled one's for k. The
+    same seed samples the same tokens whatever is asked; asking more than the vocabulary
+    holds is refused before anything is queued."""
+    eng = engine(llama_dir)
+    prompt = prompts(1, seed=12)[0]
+    asks = [None, 0, 2, 5]
+    outs = eng.generate(
+        [prompt] * 4,
+        [SamplingParams(seed=3, max_tokens=10, ignore_eos=True, logprobs=k) for k in asks],
+    )
+    first = outs[0].outputs[0]
+    assert first.top_logprobs is None
+    for k, out in zip(asks[1:], outs[1:], strict=True):
+        c = out.outputs[0]
+        assert c.token_ids == first.token_ids and c.logprobs == first.logprobs
+        assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
+        for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+            assert top[token] == lp
+            assert len(top) in (k, k + 1) and (len(top) == k) == (token in list(top)[:k])
+            best = list(top.values())[:k]
+            assert best == sorted(best, reverse=True)
+            assert token in list(top)[:k] or all(v >= lp for v in best)
+    vocab = eng.model.config.vocab_size
+    with pytest.raises(
+        ValueError, match=rf"logprobs={vocab + 1} exceeds the vocabulary of {vocab}"
+    ):
+        eng.generate([prompt, prompt], [GREEDY, SamplingParams(logprobs=vocab + 1)])
+    assert not eng.has_unfinished()
+
+
 def test_load_weights_changes_outputs_and_drops_cached_prefixes(
     llama_dir: Path, tmp_path: Path
 ) -> None:

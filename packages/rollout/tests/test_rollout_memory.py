@@ -13,7 +13,13 @@ import torch
 from patrl.rollout import model_runner as model_runner_module
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
-from patrl.rollout.kv_budget import CPU_KV_BYTES, DeviceMemory, KVBudget, probe_for
+from patrl.rollout.kv_budget import (
+    CPU_KV_BYTES,
+    DeviceMemory,
+    KVBudget,
+    cpu_kv_bytes,
+    probe_for,
+)
 from patrl.rollout.loader import iter_checkpoint
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.sampler import SamplingParams
@@ -82,14 +88,57 @@ def test_kv_budget_is_utilization_of_total_less_in_use_and_activations() -> None
     assert probe_for(torch.device("cpu")) is None
 
 
-def test_cpu_engine_keeps_its_fixed_default(llama_dir: Path) -> None:
-    engine = _engine(llama_dir, num_kv_blocks=None)
-    runner = engine.runner
+def test_cpu_default_holds_max_num_seqs_sequences_of_max_model_len(llama_dir: Path) -> None:
+    """Without a device to measure, the cache is what the budgets can use: a tiny model gets a
+    small one, not CPU_KV_BYTES; the budget caps a large one. An explicit size wins."""
+    engine = _engine(llama_dir, num_kv_blocks=None, max_num_seqs=8, max_model_len=62)
+    runner, spec = engine.runner, engine.cache.spec
     assert runner.kv_budget is None
-    assert runner.kv_bytes == CPU_KV_BYTES == 1 << 30
-    assert engine.cache.num_blocks == engine.cache.spec.num_blocks_for(CPU_KV_BYTES)
+    assert engine.cache.num_blocks == 8 * 16  # ceil(62 / 4) blocks for each of 8 sequences
+    assert runner.kv_bytes == 8 * 16 * spec.bytes_per_block < CPU_KV_BYTES
+    assert cpu_kv_bytes(spec.bytes_per_block, 4, 8, 62) == runner.kv_bytes
+    assert cpu_kv_bytes(1 << 20, 16, 256, 4096) == CPU_KV_BYTES == 512 * MIB  # capped
     fixed = _engine(llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=3 * MIB)
     assert fixed.cache.num_blocks == fixed.cache.spec.num_blocks_for(3 * MIB)
+
+
+def test_cpu_default_runs_a_full_batch_of_the_longest_sequences_without_preempting(
+    llama_dir: Path,
+) -> None:
+    """Slow twin: max_num_seqs different prompts, each generating to max_model_len, give the
+    tokens of an engine with room to spare, and never preempt."""
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in range(5, 13)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    tight = _engine(llama_dir, num_kv_blocks=None, max_num_seqs=8, max_model_len=40)
+    roomy = _engine(llama_dir, num_kv_blocks=256, max_num_seqs=8, max_model_len=40)
+    out = tight.generate(batch, params)
+    assert _tokens(out) == _tokens(roomy.generate(batch, params))
+    assert all(len(p) + len(o.outputs[0].token_ids) == 40 for p, o in zip(batch, out, strict=True))
+    assert tight.scheduler.num_preemptions == 0
+    assert tight.cache.num_blocks == 8 * 10
+
+
+def _cpu_default_at_two_tp_sizes(rank: int, world_size: int, model_dir: str) -> list[int]:
+    config = EngineConfig(model=model_dir, block_size=4, max_model_len=64, max_num_seqs=4)
+    both = GroupCache([1, 2], world_size=world_size, rank=rank)
+    only_two = GroupCache([2], world_size=world_size, rank=rank)
+    return [
+        Engine(config, both.layout(1), both).cache.num_blocks,
+        Engine(config, both.layout(2), both).cache.num_blocks,
+        Engine(config, only_two.layout(2), only_two).cache.num_blocks,
+    ]
+
+
+@pytest.mark.multirank
+def test_cpu_default_is_sized_at_the_smallest_tp_and_kept_across_layouts(
+    llama_dir: Path,
+) -> None:
+    """Sized where a block holds the most heads (the smallest TP size the engine may use):
+    at tp 2 the same bytes hold twice the blocks (2 KV heads, 1 a rank), so a fold never
+    has less room than the layout it came from; a tp-2-only engine sizes at tp 2."""
+    results = run_ranks(_cpu_default_at_two_tp_sizes, 2, args=(str(llama_dir),), timeout_s=300)
+    assert results == [[4 * 16, 2 * 4 * 16, 4 * 16]] * 2
 
 
 def test_kv_cache_sized_from_device_memory(

@@ -158,6 +158,44 @@ def test_top_logprobs_are_the_largest_of_the_same_distribution() -> None:
     assert sample(logits, [SamplingParams()] * 4, [make_generator(0)] * 4).top_ids is None
 
 
+def test_top_k_minus_one_is_off_as_zero_is() -> None:
+    """vLLM's -1 (and 0) keep every token: -1 is stored as 0, so it samples as top_k=0."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(ValueError, match=r"top_k must be .*, got -5"):
+        SamplingParams(top_k=-5)
+
+
+def test_stop_is_a_tuple_of_strings() -> None:
+    assert SamplingParams(stop="</s>").stop == ("</s>",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()  # type: ignore[arg-type]  # vLLM's default
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == frozenset()  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == frozenset({3, 4})  # type: ignore[arg-type]
+
+
+def test_logprobs_none_zero_and_k_as_vllm_returns_them() -> None:
+    """None: no per-position dicts; 0: the sampled token's alone; k: the k most likely tokens
+    and the sampled one (k + 1 entries where it is not among them)."""
+    logits = _logits(6)
+    params = [SamplingParams(temperature=1.0, logprobs=k) for k in (None, 0, 1, 2, None, 3)]
+    out = sample(logits, params, [make_generator(i) for i in range(6)])
+    host = out.to_host()
+    assert out.top_ids is not None and out.top_ids.shape == (6, 3)  # the batch's widest ask
+    for row, p in enumerate(params):
+        top = host.top(row, p.logprobs)
+        if p.logprobs is None:
+            assert top is None
+            continue
+        direct = torch.log_softmax(logits[row], -1)
+        token = host.tokens[row]
+        best = direct.topk(p.logprobs).indices.tolist() if p.logprobs else []
+        assert list(top) == best + ([token] if token not in best else [])
+        for t, value in top.items():
+            assert value == pytest.approx(float(direct[t]), abs=1e-6)
+        assert top[token] == host.logprobs[row]
+
+
 def test_exported_generator_continues_the_same_stream() -> None:
     logits, p = _logits(1), SamplingParams(temperature=1.0)
     g = make_generator(42)
@@ -171,12 +209,14 @@ def test_exported_generator_continues_the_same_stream() -> None:
 def test_bad_sampling_params_name_the_value() -> None:
     with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -0.5"):
         SamplingParams(temperature=-0.5)
-    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0 = off\), got -1"):
-        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match=r"top_k must be >= 0, or -1 \(0 and -1 = off\), got -2"):
+        SamplingParams(top_k=-2)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match=r"logprobs must be >= 0, got -2"):
+    with pytest.raises(ValueError, match=r"logprobs must be None .* or >= 0 .*, got -2"):
         SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match=r"stop must hold non-empty strings, got ''"):
+        SamplingParams(stop=["ok", ""])
     with pytest.raises(ValueError, match=r"2 logit rows, 1 sampling params, 2 generators"):
         sample(_logits(2), [SamplingParams()], [make_generator(0), make_generator(1)])
 

@@ -1,5 +1,7 @@
 """patrl.rollout: the generation engine (continuous batching on paged KV, TP layers, sampler)
-and adaptive TP, which drives an engine from outside."""
+and adaptive TP, which drives an engine from outside. `Engine(EngineConfig(model=DIR))` with
+`generate` / `chat` and `SamplingParams` is the library entry point, as vLLM's `LLM` is; see
+patrl.rollout.engine for an example."""
 
 from patrl.rollout.adaptive import (
     AdaptiveEngine,

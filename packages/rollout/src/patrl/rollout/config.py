@@ -18,7 +18,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class EngineConfig(BaseModel):
-    """One rollout replica (a TP group) and its budgets."""
+    """One rollout replica (a TP group) and its budgets: vLLM's engine arguments where the
+    concept exists (max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+    gpu_memory_utilization, enable_prefix_caching, enforce_eager), checked when built: a bad
+    value is an error naming the key and what is accepted. Frozen; derive variants with
+    `model_copy(update=...)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -44,7 +48,8 @@ class EngineConfig(BaseModel):
         None,
         gt=0,
         description="KV budget when num_kv_blocks is None; None = from gpu_memory_utilization "
-        "on CUDA, 1 GiB on CPU",
+        "on CUDA; on CPU enough for max_num_seqs sequences of max_model_len tokens, at most "
+        "512 MiB",
     )
     gpu_memory_utilization: float = Field(
         0.9,
@@ -123,6 +128,7 @@ class EngineConfig(BaseModel):
         return value
 
     def torch_device(self) -> torch.device:
+        """`device` as a torch device ('auto': cuda when available, else cpu)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

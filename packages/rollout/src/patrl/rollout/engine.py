@@ -1,16 +1,26 @@
 """The generation engine of one rollout replica at one layout: requests in, completions out.
 
-One `Engine` runs on one TP group. Every rank of the group holds the same scheduler state and
-makes the same scheduling decisions (the scheduler is deterministic), and samples the same
-tokens (`ModelRunner` checks it). Changing the layout while generating is adaptive TP's job
-(`patrl.rollout.adaptive`), which drives an engine from outside; see docs/architecture.md.
+Used as a library, it reads as vLLM's `LLM` does::
+
+    from patrl.rollout import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model="path/to/hf_model_dir"))
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["Q:"], seed=0)
+    for out in engine.generate(["The capital of France is"], params):
+        print(out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason)
+    chat = engine.chat([{"role": "user", "content": "What is 2 + 2?"}], params)
+
+For tensor parallelism, launch the script with `torchrun --nproc_per_node 2` and pass
+`tp_policy=StaticTP(tp=2)` (patrl.rollout.torchrun). One `Engine` runs on one TP group: every
+rank of it makes the same calls, holds the same scheduler state, makes the same scheduling
+decisions (the scheduler is deterministic) and samples the same tokens (`ModelRunner` checks
+it). Changing the layout while generating is adaptive TP's job (`patrl.rollout.adaptive`),
+which drives an engine from outside; see docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import secrets
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -24,19 +34,32 @@ from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState, request_output
 from patrl.rollout.records import EngineCounters, StepRecord
-from patrl.rollout.request_input import check_batch, encode, progress_bar, reject_reason
-from patrl.rollout.sampler import SampleOutput, SamplingParams, make_generator
+from patrl.rollout.request_input import (
+    Conversation,
+    check_batch,
+    check_params,
+    encode,
+    progress_bar,
+    reject_reason,
+    render_chat,
+    with_group_seed,
+)
+from patrl.rollout.sampler import SampleOutput, SamplingParams
 from patrl.rollout.scheduler import Scheduler
-from patrl.rollout.sequence import Request
+from patrl.rollout.sequence import IdCounter, Request, new_request
 from patrl.rollout.sequence import Sequence as Seq
-from patrl.rollout.tp_policy import AdaptiveTP
+from patrl.rollout.torchrun import static_layout
 from patrl.rollout.transfer import export_requests, import_requests, snapshot_requests
-from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout, tp_broadcast
+from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 
 class Engine:
-    """One rollout replica at one TP layout: `add_request` / `step` / `abort`, or `generate`;
-    every rank of the TP group makes the same calls in the same order (SPMD)."""
+    """One rollout replica at one TP layout: continuous batching over a paged KV cache with
+    vLLM's request API. `generate` / `chat` run a batch to completion (`RequestOutput`s);
+    `add_request` / `step` / `abort` drive it a step at a time; `export_requests` /
+    `import_requests` move unfinished samples between engines; `load_weights` takes new
+    weights (RL). The TP group's ranks make the same calls in the same order (SPMD) and get
+    the same outputs; a request's tokens depend on its prompt, params and seed only."""
 
     def __init__(
         self,
@@ -44,19 +67,10 @@ class Engine:
         layout: ParallelLayout | None = None,
         groups: GroupCache | None = None,
     ) -> None:
-        """`layout`: this rank's TP group (default: one process). `groups`: the GroupCache
-        the layout comes from, where other layouts may be looked up (reconfigure)."""
-        policy = config.tp_policy
-        if isinstance(policy, AdaptiveTP):
-            raise ValueError(
-                "Engine runs one layout; for tp_policy adaptive use "
-                "patrl.rollout.make_engine(config, ...) or AdaptiveEngine(config, ...)"
-            )
-        if policy.tp is not None and (layout.tp_size if layout else 1) != policy.tp:
-            raise ValueError(
-                f"tp_policy static tp={policy.tp} but the engine's layout has "
-                f"tp_size={layout.tp_size if layout else 1}"
-            )
+        """`layout`: this rank's TP group (default: one process, or StaticTP(tp=N)'s group, made
+        over torchrun's world if need be: `static_layout`); `groups`: the GroupCache it comes
+        from, for other layouts (reconfigure). Every rank builds its engine at once."""
+        layout, groups = static_layout(config, layout, groups)
         self.config = config
         self.groups = groups
         self.runner = ModelRunner(config, layout or single_process_layout(), groups)
@@ -69,19 +83,22 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.timeline: list[StepRecord] = []  # steps of the latest `generate` call
         self._timeline_start = time.perf_counter()
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
+        self._seq_ids = IdCounter()
+        self._request_ids = IdCounter()
 
     @property
     def layout(self) -> ParallelLayout:
+        """This rank's TP group and place in the data-parallel world."""
         return self.runner.layout
 
     @property
     def model(self) -> CausalLM:
+        """The model, its weights cut for `layout`."""
         return self.runner.model
 
     @property
     def cache(self) -> PagedKVCache:
+        """This rank's KV cache (its blocks hold this rank's KV heads)."""
         return self.runner.cache
 
     @property
@@ -104,28 +121,23 @@ class Engine:
     ) -> str:
         """Queue a request of `params.n` samples; returns its id.
 
-        A request that cannot run (empty, too long, token ids outside the vocabulary) finishes
-        at the next `step` with finish_reason "rejected" and the reason in its `error`.
-        Generated ids are unique across the world's replicas. `prompt_key` names the prompt
-        for a driver that learns lengths (adaptive TP); the engine does not use it."""
+        `prompt`: token ids, or text (encoded adding no special tokens). A request that cannot
+        run (empty, too long, ids outside the vocabulary) finishes at the next `step` with
+        finish_reason "rejected" and the reason in its `error`; params the engine cannot
+        honour raise ValueError. Generated ids are unique across the world's replicas.
+        `prompt_key` names the prompt for a driver that learns lengths (adaptive TP)."""
         params = params or SamplingParams()
+        self.check_params(params)
         if request_id is None:
-            request_id = f"req-{self._group_rank()}-{next(self._request_ids)}"
+            request_id = f"req-{self._group_rank()}-{self._request_ids.take()}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.seed is None and params.temperature > 0 and self.layout.tp_size > 1:
-            # The TP group samples as one replica: its ranks draw one stream, seeded by the first
-            # rank (OS-random: torch's global generator is the trainer's; on the device for NCCL)
-            drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=self.device)
-            params = dataclasses.replace(
-                params, seed=int(tp_broadcast(self.layout, drawn, src=0).item())
-            )
+        params = with_group_seed(params, self.layout, self.device)
         token_ids = encode(prompt, self.tokenizer, self.config.model)
-        request = self._requests[request_id] = Request(request_id, token_ids)
-        seqs = [self._new_seq(request_id, i, token_ids, params) for i in range(params.n)]
-        request.seqs = {s.sample_index: s for s in seqs}
-        vocab = self.model.config.vocab_size
-        request.error = reject_reason(token_ids, self.max_model_len, vocab)
+        request = new_request(request_id, token_ids, params, self._seq_ids)
+        self._requests[request_id] = request
+        seqs = list(request.seqs.values())
+        request.error = reject_reason(token_ids, self.max_model_len, self.model.config.vocab_size)
         if request.error is not None:
             for s in seqs:
                 s.finish("rejected")
@@ -134,18 +146,14 @@ class Engine:
         self.scheduler.add(seqs[0])
         return request_id
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError naming the value for params this engine cannot honour."""
+        check_params(params, self.tokenizer, self.model.config.vocab_size, self.config.model)
+
     def _group_rank(self) -> int:
         """Global rank of this TP group's first rank."""
         rank = self.groups.rank if self.groups is not None else 0
         return rank - self.layout.tp_rank
-
-    def _new_seq(
-        self, request_id: str, index: int, tokens: list[int], params: SamplingParams
-    ) -> Seq:
-        seed = None if params.seed is None else params.seed + index
-        return Seq(
-            next(self._seq_ids), request_id, index, list(tokens), params, make_generator(seed)
-        )
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it is returned by the next `step` with finish_reason "abort"."""
@@ -157,6 +165,7 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
+        """Whether a request has not been returned by `step` yet."""
         return bool(self._requests)
 
     def request_ids(self) -> list[str]:
@@ -164,12 +173,14 @@ class Engine:
         return [r for r, req in self._requests.items() if not req.done()]
 
     def unfinished_seqs(self) -> list[Seq]:
+        """Every sample still generating or waiting, of every request."""
         return [s for r in self._requests.values() for s in r.seqs.values() if not s.is_finished]
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the requests that finished."""
+        """Run one scheduled batch (a prefill or a decode step); return the requests that
+        finished with it, each once, all of its samples done."""
         batch = self.scheduler.schedule()
         if batch is not None:
             start = time.perf_counter()
@@ -196,6 +207,7 @@ class Engine:
         return self._collect_finished()
 
     def reset_timeline(self) -> None:
+        """Start `timeline` afresh (each `generate` does), its clock at zero now."""
         self.timeline = []
         self._timeline_start = time.perf_counter()
 
@@ -212,7 +224,7 @@ class Engine:
             seq.append_token(host.tokens[row], host.logprobs[row], top)
             seq.weight_version = self.weight_version
             self.counters.generated_tokens += 1
-            reason = seq.check_stop(self.eos_token_ids, self.max_model_len)
+            reason = seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
 
@@ -220,12 +232,7 @@ class Engine:
         done = [r for r in self._requests.values() if r.done()]
         for r in done:
             del self._requests[r.request_id]
-        return [request_output(r, self._decode) for r in done]
-
-    def _decode(self, token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return [request_output(r, self.tokenizer) for r in done]
 
     # -------------------------------------------------------------- generate
 
@@ -236,27 +243,41 @@ class Engine:
         progress: bool = False,
         prompt_keys: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of `prompts`."""
-        params, keys = check_batch(prompts, params, prompt_keys)
+        """Run prompts to completion; outputs in the order of `prompts` (vLLM's
+        `LLM.generate`). `params`: one for every prompt, or one each; every one is checked
+        before any request is queued. `progress` shows a bar on the group's first rank."""
+        params, keys = check_batch(prompts, params, prompt_keys, self.check_params)
         self.reset_timeline()
         ids = [
             self.add_request(p, sp, prompt_key=k)
             for p, sp, k in zip(prompts, params, keys, strict=True)
         ]
         results: dict[str, RequestOutput] = {}
-        bar = progress_bar(len(ids)) if progress and self.layout.is_tp_first else None
+        bar = progress_bar(len(ids), progress and self.layout.is_tp_first)
         while len(results) < len(ids):
             for out in self.step():
                 results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-            if bar is not None:
-                bar.set_postfix(
-                    running=self.scheduler.num_running_samples(), tok_s=f"{self.tokens_per_s():.0f}"
-                )
-        if bar is not None:
-            bar.close()
+                bar.update(1)
+            if not bar.disable:
+                running, tok_s = self.scheduler.num_running_samples(), self.tokens_per_s()
+                bar.set_postfix(running=running, tok_s=f"{tok_s:.0f}")
+        bar.close()
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        **template: Any,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (vLLM's `LLM.chat`): one conversation ({"role",
+        "content"} dicts) or a list of them, each rendered by the model's chat template with
+        the assistant's turn opened; outputs in their order. `template`: vLLM's
+        chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+        (see `render_chat`, which raises naming the model directory without a template)."""
+        prompts = render_chat(self.tokenizer, self.config.model, messages, **template)
+        return self.generate(prompts, params, progress)
 
     def generate_partial(
         self,
@@ -319,27 +340,21 @@ class Engine:
     def import_requests(self, states: Iterable[SequenceState]) -> None:
         """Continue exported samples here: with their KV when it fits, else by recompute."""
         self.runner.check_awake("import_requests")
-        import_requests(
-            self._requests, self.scheduler, self.cache, states, lambda: next(self._seq_ids)
-        )
+        import_requests(self._requests, self.scheduler, self.cache, states, self._seq_ids.take)
 
     def next_request_number(self) -> int:
         """The number the next generated request id takes (not consumed)."""
-        n = next(self._request_ids)
-        self._request_ids = itertools.count(n)
-        return n
+        return self._request_ids.next
 
     def next_seq_id(self) -> int:
         """The id the next sequence takes (not consumed)."""
-        n = next(self._seq_ids)
-        self._seq_ids = itertools.count(n)
-        return n
+        return self._seq_ids.next
 
     def advance_ids(self, next_seq_id: int = 0, next_request: int = 0) -> None:
         """Continue sequence and request numbers from at least these (ids stay unique when
         requests of several replicas meet in this engine)."""
-        self._seq_ids = itertools.count(max(next_seq_id, self.next_seq_id()))
-        self._request_ids = itertools.count(max(next_request, self.next_request_number()))
+        self._seq_ids.next = max(next_seq_id, self._seq_ids.next)
+        self._request_ids.next = max(next_request, self._request_ids.next)
 
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Start over at `layout`, the model already cut for it (or `model`): a fresh KV
@@ -371,26 +386,15 @@ class Engine:
     # ----------------------------------------------------------------- stats
 
     def tokens_per_s(self) -> float:
-        c = self.counters
-        return c.generated_tokens / c.busy_s if c.busy_s else 0.0
+        """Tokens sampled per second of `step` time, over the engine's life."""
+        return self.counters.tokens_per_s
 
     def stats(self) -> dict[str, Any]:
-        """Counters, and the latest rollout's step timeline."""
-        blocks, c, sched = self.cache.blocks, self.counters, self.scheduler
+        """Queues, KV use and counters, and the latest rollout's step timeline."""
         return {
             "tp_size": self.layout.tp_size,
             "timeline": [dataclasses.asdict(r) for r in self.timeline],
-            "running": sched.num_running_samples(),
-            "waiting": sum(s.group_size for s in sched.waiting)
-            + (sched.prefilling.group_size if sched.prefilling else 0),
-            "kv_blocks_used": blocks.num_used_blocks,
-            "kv_blocks_free": blocks.num_free_blocks,
-            "prefix_hit_rate": blocks.prefix_hit_rate(),
-            "num_preemptions": sched.num_preemptions,
-            "steps": c.steps,
-            "prefill_tokens": c.prefill_tokens,
-            "decode_tokens": c.decode_tokens,
-            "generated_tokens": c.generated_tokens,
-            "tokens_per_s": self.tokens_per_s(),
+            **self.scheduler.stats(),
+            **self.counters.stats(),
             "weight_version": self.weight_version,
         }

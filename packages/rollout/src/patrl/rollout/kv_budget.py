@@ -3,9 +3,10 @@
 With neither `num_kv_blocks` nor `kv_cache_memory_bytes` set, a CUDA engine's KV cache gets
 `gpu_memory_utilization` x the device's total memory, less what is in use once the weights
 are loaded and the communicators made, less the peak activation memory of a profiling forward
-(`ModelRunner` runs it). A CPU engine gets `CPU_KV_BYTES`. Device reads go through a
-`MemoryProbe` (`probe_for`), which tests replace to check the arithmetic on CPU.
-See docs/architecture.md ("Memory").
+(`ModelRunner` runs it). A CPU engine, with no device memory to measure, gets what its
+budgets can ever use, at most `CPU_KV_BYTES` (`cpu_kv_bytes`): a tiny model does not pay
+for a large cache it never fills. Device reads go through a `MemoryProbe` (`probe_for`),
+which tests replace to check the arithmetic on CPU. See docs/architecture.md ("Memory").
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-CPU_KV_BYTES = 1 << 30  # the KV budget of an engine without a device to measure
+CPU_KV_BYTES = 512 << 20  # the most KV an engine without a device to measure takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,18 @@ class CudaProbe:
         fn()
         torch.cuda.synchronize(self.device)
         return max(0, torch.cuda.max_memory_allocated(self.device) - before)
+
+
+def cpu_kv_bytes(
+    bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int
+) -> int:
+    """The KV budget of an engine without a device to measure: blocks for `max_num_seqs`
+    sequences of `max_model_len` tokens each (the most the scheduler ever holds: it then never
+    preempts), at most `CPU_KV_BYTES`. `bytes_per_block` is taken at the smallest TP size
+    the engine may run, where a block holds the most heads: the budget is kept across
+    layouts, and a larger TP size fits at least as many tokens in it."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    return min(CPU_KV_BYTES, max_num_seqs * blocks_per_seq * bytes_per_block)
 
 
 def probe_for(device: torch.device) -> MemoryProbe | None:

@@ -17,7 +17,7 @@ from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.cuda_graphs import DecodeGraphs
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
-from patrl.rollout.kv_budget import CPU_KV_BYTES, KVBudget, check_fits, probe_for
+from patrl.rollout.kv_budget import KVBudget, check_fits, cpu_kv_bytes, probe_for
 from patrl.rollout.layers.attention.context import AttentionContext, upload
 from patrl.rollout.loader import checkpoint_dtype, load_model, load_weights
 from patrl.rollout.models.causal_lm import CausalLM
@@ -125,15 +125,17 @@ class ModelRunner:
             reuse,
         )
 
-    def _cache_spec(self) -> tuple[KVCacheSpec, int]:
-        """This rank's KV cache spec at the current layout, and its first KV head."""
-        mc, tp = self.model.config, self.layout.tp_size
+    def _cache_spec(self, tp: int | None = None) -> tuple[KVCacheSpec, int]:
+        """This rank's KV cache spec at the current layout (or at TP size `tp`), and its
+        first KV head."""
+        mc = self.model.config
+        tp, tp_rank = (self.layout.tp_size, self.layout.tp_rank) if tp is None else (tp, 0)
         if mc.num_kv_heads >= tp:
             local_heads = mc.num_kv_heads // tp
-            head_start = self.layout.tp_rank * local_heads
+            head_start = tp_rank * local_heads
         else:  # fewer KV heads than ranks: each head is replicated on tp / kv ranks
             local_heads = 1
-            head_start = self.layout.tp_rank // (tp // mc.num_kv_heads)
+            head_start = tp_rank // (tp // mc.num_kv_heads)
         dtype = next(self.model.parameters()).dtype
         spec = KVCacheSpec(
             mc.num_layers, local_heads, mc.head_dim, self.config.block_size, dtype, self.device
@@ -144,13 +146,18 @@ class ModelRunner:
 
     def _kv_bytes(self, groups: GroupCache | None) -> int:
         """The KV cache's bytes, kept across layouts: `kv_cache_memory_bytes`, else measured
-        on a device (see kv_budget; the smallest over the ranks), else `CPU_KV_BYTES`."""
+        on a device (see kv_budget; the smallest over the ranks), else what the budgets can
+        use at the smallest TP size of `groups` (`cpu_kv_bytes`; the same on every rank)."""
         config = self.config
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
         probe = probe_for(self.device) if config.num_kv_blocks is None else None
         if probe is None:
-            return CPU_KV_BYTES
+            smallest = min(groups.candidates) if groups is not None else self.layout.tp_size
+            spec, _ = self._cache_spec(min(smallest, self.layout.tp_size))
+            return cpu_kv_bytes(
+                spec.bytes_per_block, config.block_size, config.max_num_seqs, self.max_model_len
+            )
         activation = probe.peak_during(self._profile_run())
         memory = probe.read()  # the profile's throwaway cache is gone by now
         self.kv_budget = KVBudget(

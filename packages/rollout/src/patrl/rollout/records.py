@@ -19,6 +19,8 @@ class StepRecord:
 
 @dataclass(slots=True)
 class EngineCounters:
+    """Running totals over an engine's life: steps, tokens, and seconds spent in `step`."""
+
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
@@ -36,3 +38,18 @@ class EngineCounters:
         else:
             self.decode_steps += 1
             self.decode_tokens += num_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens sampled per second of `step` time."""
+        return self.generated_tokens / self.busy_s if self.busy_s else 0.0
+
+    def stats(self) -> dict[str, float]:
+        """The totals `Engine.stats` reports."""
+        return {
+            "steps": self.steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": self.tokens_per_s,
+        }

@@ -30,25 +30,47 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request samples. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off.
+    """How one request samples and when each of its samples stops; vLLM's names and meanings.
 
-    `n` samples of a request share its prompt's prefill; sample i draws from its own generator
-    seeded with `seed + i` (a random seed when `seed` is None). A sample stops at `max_tokens`,
-    at any of `stop_token_ids`, or at one of the model's EOS ids unless `ignore_eos`.
+    Sampling: `temperature` 0 is greedy; `top_k` 0 or -1 keeps every token (-1 is stored as
+    0); `top_p` 1.0 keeps every token. Sample i of the `n` draws from its own generator seeded
+    with `seed + i` (a random seed when `seed` is None), so its tokens do not depend on its
+    batch, the TP layout or the device; the `n` samples share their prompt's prefill.
+
+    Logprobs: every output carries the logprob of each sampled token (RL needs them; see the
+    module docstring for the convention). `logprobs` asks for more, as vLLM's does: None (the
+    default) returns no per-position dicts; k >= 0 returns, for each position, the k most
+    likely tokens and the sampled one (k or k + 1 entries). Unlike vLLM's raw logprobs, these
+    are after temperature, like the sampled token's.
+
+    Stopping: a sample stops at `max_tokens` or `max_model_len` (finish_reason "length"), at
+    one of the model's EOS ids unless `ignore_eos`, at any of `stop_token_ids`, or once its
+    text contains one of the `stop` strings (finish_reason "stop"; `stop_reason` says which
+    id or string, None for EOS). The token that completes a stop string is kept in the token
+    ids and logprobs; the text ends before the stop string, or after it with
+    `include_stop_str_in_output`, which also keeps a stop token's text. Stop strings need the
+    model directory's tokenizer. Text is decoded with `skip_special_tokens`.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    logprobs: int = 0  # how many top logprobs to return with each token (0 = none)
+    logprobs: int | None = None
     n: int = 1
     max_tokens: int = 256
+    stop: Sequence[str] = ()
     stop_token_ids: frozenset[int] = frozenset()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_tokens < 1:
@@ -56,20 +78,32 @@ class SamplingParams:
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ValueError(f"top_k must be >= 0, or -1 (0 and -1 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(
+                f"logprobs must be None (no top logprobs) or >= 0 (that many top logprobs "
+                f"and the sampled token's), got {self.logprobs}"
+            )
+        bad = [s for s in stop if not isinstance(s, str) or not s]
+        if bad:
+            raise ValueError(f"stop must hold non-empty strings, got {bad[0]!r} in {stop}")
 
     @property
     def greedy(self) -> bool:
+        """temperature 0: the argmax, top_k and top_p ignored."""
         return self.temperature == 0
 
     @property
     def effective_temperature(self) -> float:
         """The T of the shared convention."""
         return 1.0 if self.greedy else self.temperature
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many top logprobs the sampler computes for this request (0: none)."""
+        return self.logprobs or 0
 
 
 @dataclass(slots=True)
@@ -81,11 +115,16 @@ class HostSamples:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
 
-    def top(self, row: int, k: int) -> dict[int, float] | None:
-        """Row `row`'s first `k` top logprobs by token id; None when k is 0 or none were kept."""
-        if not k or self.top_ids is None or self.top_logprobs is None:
+    def top(self, row: int, k: int | None) -> dict[int, float] | None:
+        """Row `row`'s logprobs by token id as `SamplingParams.logprobs` = k asks: its first
+        k top logprobs, then the sampled token's if it is not among them; None for None."""
+        if k is None:
             return None
-        return dict(zip(self.top_ids[row][:k], self.top_logprobs[row][:k], strict=True))
+        top: dict[int, float] = {}
+        if k and self.top_ids is not None and self.top_logprobs is not None:
+            top = dict(zip(self.top_ids[row][:k], self.top_logprobs[row][:k], strict=True))
+        top.setdefault(self.tokens[row], self.logprobs[row])
+        return top
 
 
 @dataclass(slots=True)
@@ -191,7 +230,7 @@ def sample(
         )
         tokens[index] = upload(picks, logits.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    k = max(p.logprobs for p in params)
+    k = max(p.num_top_logprobs for p in params)
     if k == 0:
         return SampleOutput(tokens, chosen)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)

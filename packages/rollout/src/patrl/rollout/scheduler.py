@@ -55,6 +55,18 @@ class Scheduler:
     def num_running_samples(self) -> int:
         return sum(s.group_size for s in self.running)
 
+    def stats(self) -> dict[str, float]:
+        """Samples running and waiting, KV blocks in use and free, prefix hits, preemptions."""
+        waiting = sum(s.group_size for s in self.waiting)
+        return {
+            "running": self.num_running_samples(),
+            "waiting": waiting + (self.prefilling.group_size if self.prefilling else 0),
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_free": self.blocks.num_free_blocks,
+            "prefix_hit_rate": self.blocks.prefix_hit_rate(),
+            "num_preemptions": self.num_preemptions,
+        }
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of every queue and free its blocks (abort, export)."""
         if self.prefilling is seq:

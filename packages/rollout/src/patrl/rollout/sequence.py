@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.detokenizer import StopStringChecker
+from patrl.rollout.sampler import SamplingParams, make_generator
 
 
 class SequenceStatus(enum.Enum):
@@ -35,12 +37,15 @@ class Sequence:
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string it ended at
     fork_children: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     weight_version: int = 0  # policy version of the weights that sampled the latest token
+    # the text so far, for a sample with stop strings (made at its first check: derived)
+    stop_checker: StopStringChecker | None = None
     # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
     # compares tokens), so the scheduler can compute a prompt repeated in requests once
     prompt_hash: int = field(init=False, default=0)
@@ -77,20 +82,49 @@ class Sequence:
         if top is not None:
             self.output_top_logprobs.append(top)
 
-    def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
-        """Why this sequence must stop after its newest token, or None."""
+    def check_stop(
+        self, eos_token_ids: frozenset[int], max_model_len: int, tokenizer: Any = None
+    ) -> str | None:
+        """Why this sequence must stop after its newest token ("stop", "length"), or None;
+        sets `stop_reason` for a stop token id or stop string (vLLM's order: EOS, stop ids,
+        stop strings, then length). `tokenizer`: needed when the params have stop strings."""
         token = self.output_token_ids[-1]
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        if not p.ignore_eos and token in eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            self.stop_reason = token
+            return "stop"
+        if p.stop and self._reaches_stop_string(tokenizer):
             return "stop"
         if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
 
+    def _reaches_stop_string(self, tokenizer: Any) -> bool:
+        if self.stop_checker is None:  # a fresh sample, or one continued from elsewhere
+            self.stop_checker = stop_checker_for(self.params, tokenizer, self.output_token_ids[:-1])
+        found = self.stop_checker.update(self.output_token_ids)
+        if found is not None:
+            self.stop_reason = found
+        return found is not None
+
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+
+def stop_checker_for(
+    params: SamplingParams, tokenizer: Any, token_ids: list[int]
+) -> StopStringChecker:
+    """The stop-string checker of a sample with `params` that has output `token_ids`."""
+    if tokenizer is None:
+        raise ValueError(f"stop strings {list(params.stop)} need a tokenizer")
+    p = params
+    return StopStringChecker.replay(
+        tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens, token_ids
+    )
 
 
 @dataclass(slots=True)
@@ -105,3 +139,29 @@ class Request:
 
     def done(self) -> bool:
         return all(s.is_finished for s in self.seqs.values())
+
+
+@dataclass(slots=True)
+class IdCounter:
+    """Consecutive ids: `take` hands out `next` and moves on."""
+
+    next: int = 0
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def new_request(
+    request_id: str, token_ids: list[int], params: SamplingParams, seq_ids: IdCounter
+) -> Request:
+    """A request of `params.n` fresh samples, sample i drawing from a generator seeded with
+    `params.seed + i` (a random one without a seed)."""
+    request = Request(request_id, token_ids)
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        generator = make_generator(seed)
+        request.seqs[i] = Sequence(
+            seq_ids.take(), request_id, i, list(token_ids), params, generator
+        )
+    return request

@@ -8,7 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StaticTP(BaseModel):
-    """One layout for the whole rollout: the engine's `layout` (of TP size `tp` when given)."""
+    """One layout for the whole rollout: the layout the engine is given, or, with `tp` set
+    and no layout given, this rank's TP group of `tp` ranks (under torchrun the engine joins
+    the world and makes its groups itself; see patrl.rollout.torchrun). A layout of another
+    TP size than `tp` is an error."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +63,7 @@ class AdaptiveTP(BaseModel):
 
     @property
     def start_tp(self) -> int:
+        """The smallest candidate: where the first rollout opens."""
         return min(self.candidates)
 
 

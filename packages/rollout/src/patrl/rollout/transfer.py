@@ -79,6 +79,7 @@ def state_of(seq: Seq, kv: SequenceKV | None) -> SequenceState:
         kv=kv,
         num_preemptions=seq.num_preemptions,
         finish_reason=seq.finish_reason if seq.is_finished else None,
+        stop_reason=seq.stop_reason if seq.is_finished else None,
     )
 
 
@@ -104,6 +105,7 @@ def import_requests(
         request.seqs[st.sample_index] = seq
         if st.finish_reason is not None:
             seq.finish(st.finish_reason)  # a finished sample of a request that goes on
+            seq.stop_reason = st.stop_reason
             continue
         if not st.output_token_ids and st.kv is None:
             leader = leaders.get(st.request_id)

@@ -30,6 +30,7 @@ class TPDecisionRecord:
     measured_finish_s: float | None = None  # from the check to the end of the rollout
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as plain values (for JSON metrics)."""
         return asdict(self)
 
 

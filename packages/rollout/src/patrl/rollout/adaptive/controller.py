@@ -95,6 +95,13 @@ class _Rollout:
 
 
 class TPController:
+    """Adaptive TP's decisions for one world: at each check it gathers the replicas'
+    running samples, asks the planner (with the length model's predictions) whether a fold
+    or split pays, and broadcasts one verdict that every rank applies; it records each
+    decision with its prediction and, after the rollout, what happened, and feeds finished
+    lengths back to the length model. `AdaptiveEngine` drives it; every rank holds one and
+    calls it at the same points."""
+
     def __init__(
         self,
         policy: AdaptiveTP,
@@ -141,9 +148,11 @@ class TPController:
 
     @property
     def in_rollout(self) -> bool:
+        """Whether `begin` opened a rollout that has not ended."""
         return self._rollout is not None
 
     def note_request(self, request_id: str, prompt_key: str, n: int) -> None:
+        """A request of `n` samples joined the rollout; `prompt_key` groups its lengths."""
         assert self._rollout is not None, "begin() first"
         self._rollout.started.append((request_id, prompt_key, n))
 

@@ -32,7 +32,7 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState
 from patrl.rollout.records import EngineCounters, StepRecord
-from patrl.rollout.request_input import check_batch, progress_bar
+from patrl.rollout.request_input import Conversation, check_batch, progress_bar, render_chat
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
@@ -48,6 +48,8 @@ def make_engine(
     lengths: Lengths | None = None,
 ) -> Engine | AdaptiveEngine:
     """The engine `config.tp_policy` asks for: an `Engine` (static) or an `AdaptiveEngine`.
+    Every rank of the world calls it at once; without `layout` and `groups` under torchrun,
+    the engine joins the world and makes its groups itself (patrl.rollout.torchrun).
     `planner` and `lengths` (adaptive only) replace the planner built from the policy's
     profile and the online LengthPredictor."""
     if isinstance(config.tp_policy, AdaptiveTP):
@@ -56,8 +58,13 @@ def make_engine(
 
 
 class AdaptiveEngine:
-    """An engine under `tp_policy=adaptive`; the same calls as `Engine`, whose one-layout
-    work it delegates to `self.engine`."""
+    """An engine under `tp_policy=adaptive`: the same calls as `Engine`, whose one-layout
+    work it delegates to `self.engine`, while a `TPController` folds the world's replicas
+    into larger TP groups as a rollout's batch drains (PAT). `generate`, `chat` and
+    `generate_partial` are collectives over the world: every rank calls them, each with its
+    own replica's prompts (possibly none), and gets its own prompts' outputs back, whichever
+    replica finished them. Sampled tokens do not depend on the switches (each sample keeps
+    its generator); see docs/adaptive_tp.md."""
 
     def __init__(
         self,
@@ -83,10 +90,12 @@ class AdaptiveEngine:
 
     @property
     def model(self) -> CausalLM:
+        """The engine's model, cut for the layout it is at now."""
         return self.engine.model
 
     @property
     def layout(self) -> ParallelLayout:
+        """The layout the engine is at now (it changes during a rollout)."""
         return self.engine.layout
 
     @property
@@ -95,10 +104,12 @@ class AdaptiveEngine:
 
     @property
     def tokenizer(self) -> Any:
+        """The model directory's tokenizer, or None."""
         return self.engine.tokenizer
 
     @property
     def timeline(self) -> list[StepRecord]:
+        """`Engine.timeline`: the steps of the latest rollout."""
         return self.engine.timeline
 
     @property
@@ -107,6 +118,7 @@ class AdaptiveEngine:
 
     @property
     def weight_version(self) -> int:
+        """The version of the weights loaded last (`load_weights`)."""
         return self.engine.weight_version
 
     @weight_version.setter
@@ -114,29 +126,37 @@ class AdaptiveEngine:
         self.engine.weight_version = version
 
     def step(self) -> list[RequestOutput]:
+        """`Engine.step` at the current layout (no planner check: `generate` runs those)."""
         return self.engine.step()
 
     def abort(self, request_id: str) -> None:
+        """`Engine.abort`."""
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """`Engine.has_unfinished`."""
         return self.engine.has_unfinished()
 
     def request_ids(self) -> list[str]:
+        """`Engine.request_ids`."""
         return self.engine.request_ids()
 
     def unfinished_seqs(self) -> list[Seq]:
+        """`Engine.unfinished_seqs`."""
         return self.engine.unfinished_seqs()
 
     def next_request_number(self) -> int:
+        """`Engine.next_request_number`."""
         return self.engine.next_request_number()
 
     def export_requests(
         self, request_ids: Iterable[str], with_kv: bool = True, include_finished: bool = False
     ) -> list[SequenceState]:
+        """`Engine.export_requests`."""
         return self.engine.export_requests(request_ids, with_kv, include_finished)
 
     def import_requests(self, states: Iterable[SequenceState]) -> None:
+        """`Engine.import_requests`."""
         self.engine.import_requests(states)
 
     def sleep(self, level: int = 1) -> None:
@@ -144,9 +164,11 @@ class AdaptiveEngine:
         self.engine.sleep(level)
 
     def wake_up(self) -> None:
+        """`Engine.wake_up`."""
         self.engine.wake_up()
 
     def snapshot_requests(self, request_ids: Iterable[str]) -> list[SequenceState]:
+        """`Engine.snapshot_requests`."""
         return self.engine.snapshot_requests(request_ids)
 
     def add_request(
@@ -206,7 +228,7 @@ class AdaptiveEngine:
         controller = self.controller
         if controller is None:
             return self.engine.generate(prompts, params, progress, prompt_keys)
-        params, keys = check_batch(prompts, params, prompt_keys)
+        params, keys = check_batch(prompts, params, prompt_keys, self.engine.check_params)
         self.engine.reset_timeline()
         if self.has_unfinished():
             raise RuntimeError(
@@ -231,6 +253,17 @@ class AdaptiveEngine:
                 "on no replica, or on one that did not return them): this is a bug"
             )
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        **template: Any,
+    ) -> list[RequestOutput]:
+        """`Engine.chat`, through this engine's `generate` (a collective over the world)."""
+        prompts = render_chat(self.tokenizer, self.config.model, messages, **template)
+        return self.generate(prompts, params, progress)
 
     def generate_partial(
         self,

@@ -13,6 +13,7 @@ class OracleLengths:
         self.final = final_lengths
         self.num_quantiles = num_quantiles
 
+    # It learns nothing: the `Lengths` protocol's bookkeeping calls are no-ops.
     def start_group(self, group_id: str, prompt_id: str, size: int) -> None:
         pass
 
@@ -26,6 +27,8 @@ class OracleLengths:
         pass
 
     def predict_remaining(self, seq_id: str, group_id: str, current_length: int) -> np.ndarray:
+        """The known remaining length (at least 1) as every quantile; `seq_id` is
+        "<request id>#<sample index>"."""
         rid, index = seq_id.rsplit("#", 1)
         left = self.final[(rid, int(index))] - current_length
         return np.full(self.num_quantiles, float(max(left, 1)))
@@ -33,6 +36,7 @@ class OracleLengths:
     def predict_remaining_many(
         self, seq_ids: list[str], group_ids: list[str], current_lengths: np.ndarray
     ) -> np.ndarray:
+        """`predict_remaining` of each sample, [len(seq_ids), num_quantiles]."""
         rows = [
             self.predict_remaining(s, g, int(c))
             for s, g, c in zip(seq_ids, group_ids, current_lengths, strict=True)

@@ -58,6 +58,10 @@ KVPolicy = KVChoice | Callable[[KVCost], KVChoice]
 
 @dataclass(slots=True)
 class ReconfigReport:
+    """What one `reconfigure` did on this rank: the TP sizes it moved between, seconds per
+    phase, bytes of weights and KV moved, how many samples migrated their KV or recomputed
+    it (and the tokens recomputed), and the cost of each choice the policy weighed."""
+
     src_tp: int
     dst_tp: int
     weights_s: float = 0.0

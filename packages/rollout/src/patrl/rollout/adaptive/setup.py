@@ -14,6 +14,7 @@ from patrl.lenpredict import (
 from patrl.rollout.adaptive.controller import TPController
 from patrl.rollout.adaptive.protocols import Lengths, Planner
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.torchrun import join_torchrun_world, launched_world_size
 from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.tpreshard import GroupCache, ParallelLayout, gather_node_map
 
@@ -43,11 +44,16 @@ def open_controller(
     lengths: Lengths | None,
 ) -> tuple[ParallelLayout | None, GroupCache | None, TPController | None]:
     """(starting layout, groups, controller) of an adaptive engine; every rank of the world
-    calls it at once (the groups are made here when not given). One process with nothing to
-    adapt gets no controller: the engine runs as static tp=1. Candidates whose TP groups would
-    leave a node are dropped (patrl.tpreshard.nodes)."""
+    calls it at once (the groups are made here when not given, over torchrun's world, which
+    is joined here when the process was launched as one of several ranks and no process group
+    exists yet). One process with nothing to adapt gets no controller: the engine runs as
+    static tp=1. Candidates whose TP groups would leave a node are dropped
+    (patrl.tpreshard.nodes)."""
     policy = config.tp_policy
     assert isinstance(policy, AdaptiveTP)
+    timeout = None  # a world made here bounds its groups' collectives as it does its own
+    if groups is None and launched_world_size() > 1:
+        timeout = join_torchrun_world(config, "tp_policy adaptive")  # see rollout.torchrun
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if groups is not None:
         world_size = groups.world_size
@@ -63,7 +69,7 @@ def open_controller(
         return layout, groups, None
     policy = policy.model_copy(update={"candidates": candidates})
     if groups is None:
-        groups = GroupCache(candidates, tp_comm=config.tp_comm)
+        groups = GroupCache(candidates, tp_comm=config.tp_comm, timeout=timeout)
     missing = [tp for tp in candidates if tp not in groups.candidates]
     if missing:
         raise ValueError(
