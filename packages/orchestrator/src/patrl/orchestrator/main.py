@@ -11,15 +11,25 @@ SIGKILL) takes the job down, and torchrun names the rank that failed first; with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from patrl.orchestrator import preflight
+from patrl.orchestrator import checkpointing, preflight
 from patrl.orchestrator.config import ConfigError, JobConfig, dump_config
-from patrl.orchestrator.distributed import World, barrier, close_world, init_world
+from patrl.orchestrator.distributed import (
+    World,
+    barrier,
+    broadcast_object,
+    close_world,
+    init_world,
+)
+from patrl.orchestrator.errors import JobError
+from patrl.orchestrator.run_lock import RunDirLock
+from patrl.orchestrator.watchdog import start_watchdog
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -59,8 +69,18 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     if rank == 0 and (hazard := restart_hazard(os.environ)):
         print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
     world = init_world()
+    watchdog = start_watchdog(world.rank, world.size, config.trainer.heartbeat_timeout_s)
     try:
-        run(config, world)
+        with run_dir_lock(config, world):
+            run(config, world)
+    except JobError as err:
+        if world.is_first:
+            print(f"patrl: {err}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        if world.is_first:
+            print(f"patrl: {stopped_message(config)}", file=sys.stderr, flush=True)
+        return 130
     except BaseException:
         # Say which rank failed; torchrun then stops the others. A peer's death surfaces here
         # as a connection error on the survivors: that is a consequence, not the cause.
@@ -76,8 +96,42 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
             flush=True,
         )
         return 1
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     close_world(world)
     return 0
+
+
+@contextlib.contextmanager
+def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
+    """The run directory's lock (run_lock.py), taken by the first rank; a refusal is raised on
+    every rank alike (JobError), before any of them writes."""
+    lock, refused = None, None
+    if world.is_first:
+        try:
+            lock = RunDirLock(config.run_dir).acquire()
+        except JobError as err:
+            refused = str(err)
+    refused = broadcast_object(world, refused)
+    if refused is not None:
+        raise JobError(refused)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def stopped_message(config: JobConfig) -> str:
+    """What a user who pressed Ctrl-C needs: that the run stopped, and where it resumes."""
+    newest = checkpointing.latest_checkpoint(config.run_dir)
+    if newest is None:
+        return f"stopped (interrupted) before the first checkpoint of {config.run_dir}"
+    return (
+        f"stopped (interrupted); the newest checkpoint is {newest}: the same command resumes "
+        "from it (trainer.resume_mode=auto)"
+    )
 
 
 def restart_hazard(env: Mapping[str, str]) -> str | None:

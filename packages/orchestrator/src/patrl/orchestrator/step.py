@@ -17,7 +17,7 @@ from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
-from patrl.orchestrator.rewards import RewardManager, add_model_scores
+from patrl.orchestrator.rewards import FailureSummary, RewardManager, add_model_scores
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import Critic, PolicyBatch, Trainer
 
@@ -91,14 +91,14 @@ def score_outputs(
     rewards: RewardManager,
     local: Sequence[tuple[PromptItem, RequestOutput]],
     learned: LearnedReward | None = None,
-) -> tuple[list[Sample], dict[str, float]]:
+) -> tuple[list[Sample], dict[str, float], FailureSummary]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), and the reward metrics. A sharded `learned` is a
-    collective: it is called even with nothing to score."""
+    weighted score, when `learned`), the reward metrics and what failed. A sharded `learned`
+    is a collective: it is called even with nothing to score."""
     if not local:
         if learned is not None and learned.collective:
             learned.score([])
-        return [], {}
+        return [], {}, FailureSummary()
     flat = [(item, out, c) for item, out in local for c in out.outputs]
     result = rewards.score(
         [c.text if c.text is not None else "" for _, _, c in flat],
@@ -120,7 +120,7 @@ def score_outputs(
         )
         for (item, out, c), reward in zip(flat, result.rewards, strict=True)
     ]
-    return samples, result.metrics()
+    return samples, result.metrics(), FailureSummary.of(result)
 
 
 def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
