@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -68,6 +69,9 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         return 0
     if rank == 0 and (hazard := restart_hazard(os.environ)):
         print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
+    # torchrun stops its workers with SIGTERM (on Ctrl-C, or when another rank failed):
+    # unwound like Ctrl-C, so what the rank holds is released and rank 0 says where to resume.
+    signal.signal(signal.SIGTERM, _terminated)
     world = init_world()
     watchdog = start_watchdog(world.rank, world.size, config.trainer.heartbeat_timeout_s)
     try:
@@ -77,9 +81,9 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         if world.is_first:
             print(f"patrl: {err}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if world.is_first:
-            print(f"patrl: {stopped_message(config)}", file=sys.stderr, flush=True)
+            print(f"patrl: {stopped_message(config, err)}", file=sys.stderr, flush=True)
         return 130
     except BaseException:
         # Say which rank failed; torchrun then stops the others. A peer's death surfaces here
@@ -123,14 +127,28 @@ def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
             lock.release()
 
 
-def stopped_message(config: JobConfig) -> str:
-    """What a user who pressed Ctrl-C needs: that the run stopped, and where it resumes."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def stopped_message(config: JobConfig, err: KeyboardInterrupt) -> str:
+    """What a user whose run was stopped needs: why, and where it resumes."""
+    how = (
+        "terminated (SIGTERM: Ctrl-C on torchrun, or another rank failed and torchrun stopped "
+        "the rest; its summary names the first failure)"
+        if isinstance(err, Terminated)
+        else "interrupted (Ctrl-C)"
+    )
     newest = checkpointing.latest_checkpoint(config.run_dir)
     if newest is None:
-        return f"stopped (interrupted) before the first checkpoint of {config.run_dir}"
+        return f"{how}, before the first checkpoint of {config.run_dir}"
     return (
-        f"stopped (interrupted); the newest checkpoint is {newest}: the same command resumes "
-        "from it (trainer.resume_mode=auto)"
+        f"{how}; the newest checkpoint is {newest}: the same command resumes from it "
+        "(trainer.resume_mode=auto)"
     )
 
 

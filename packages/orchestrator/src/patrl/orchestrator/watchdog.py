@@ -68,22 +68,28 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self._beat()
                 why = self.check(time.monotonic())
-            except Exception as err:  # the store is gone: the job is ending anyway
-                why = None if self._stop.is_set() else f"the job's store failed: {err}"
+                self._beat()
+            except Exception as err:  # the store's host (an agent) is gone
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                why = self._orphaned() or f"the job's store is unreachable ({first})"
             if why is not None and not self._stop.is_set():
                 print(f"patrl: rank {self.rank}: {why}; stopping", file=sys.stderr, flush=True)
                 self._exit(1)
                 return
 
-    def check(self, now: float) -> str | None:
-        """Why this rank must stop now, or None: its agent is gone, or a peer went silent."""
+    def _orphaned(self) -> str | None:
         if self.parent is not None and os.getppid() != self.parent:
             return (
                 f"its torchrun agent (pid {self.parent}) is gone, so nothing supervises this "
                 "rank any more"
             )
+        return None
+
+    def check(self, now: float) -> str | None:
+        """Why this rank must stop now, or None: its agent is gone, or a peer went silent."""
+        if (why := self._orphaned()) is not None:
+            return why
         if self.store is None:
             return None
         for peer in range(self.world_size):
