@@ -112,9 +112,26 @@ KEYS = (
 
 
 def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
+    """... and with hf_model in critic.checkpoint.save_contents the checkpoint holds the critic
+    as a Hugging Face token-classification model (critic/huggingface)."""
+    from transformers import AutoModelForTokenClassification
+
+    from patrl.orchestrator import checkpointing
+
     four = {**GAE, "trainer.total_training_steps": 4, "trainer.test_freq": 0}
     straight = make_loop(assets, tmp_path / "a", WORLD, **four).run()
-    make_loop(assets, tmp_path / "b", WORLD, **{**four, "trainer.total_training_steps": 2}).run()
+    two = {**four, "trainer.total_training_steps": 2}
+    two["critic.checkpoint.save_contents"] = "[model,optimizer,extra,hf_model]"
+    first = make_loop(assets, tmp_path / "b", WORLD, **two)
+    first.run()
+    checkpoint = checkpointing.step_dir(first.run_dir, 2)
+    critic_hf = checkpoint / checkpointing.CRITIC_DIR / checkpointing.HF_DIR
+    model = AutoModelForTokenClassification.from_pretrained(critic_hf, dtype=torch.float32)
+    assert first.critic is not None
+    live = dict(first.critic.model.named_parameters())
+    for name, t in model.named_parameters():
+        assert torch.equal(t, live[name].detach()), name
+    assert (checkpointing.hf_dir(checkpoint) / "model.safetensors").is_file()  # the policy's
     resumed = make_loop(assets, tmp_path / "b", WORLD, **four).run()
     assert resumed.steps == 4
 

@@ -28,6 +28,7 @@ from procdeath_faults import fault_env
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
+from patrl.trainer.checkpoint import read_marker
 from patrl_testkit.jobs import addition_job
 from patrl_testkit.processes import kill_tree
 
@@ -159,7 +160,8 @@ def assert_checkpoints_sound(
     shapes = model_shapes(model_dir)
     for step in steps:
         path = checkpointing.step_dir(run_dir, step)
-        checkpointing.check_resumable(path, shapes, set(), world_size)
+        checkpointing.check_resumable(path, shapes, set())
+        assert read_marker(path / checkpointing.TRAINER_DIR)["world_size"] == world_size
         assert checkpointing.read_state(path)["step"] == step
         assert not list(path.rglob("*.tmp")), f"staging debris inside {path}"
         tensors = read_all_tensors(path / checkpointing.TRAINER_DIR)

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
+from patrl.orchestrator import checkpointing
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.tickets import token_versions
 from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
@@ -75,6 +77,9 @@ def _async_run(
         "history": result.history,
         "trained": loop.role.trained_versions,
         "weight_versions": loop.role.job.weights.versions(),
+        "weights": {
+            n: t.numpy().copy() for b in loop.role.trainer.iter_full_weights(1 << 20) for n, t in b
+        },
     }
 
 
@@ -161,6 +166,13 @@ def test_staleness_zero_reproduces_the_sync_loop(
         assert a["time/wait_for_batch"] >= 0.0 and a["time/wait_for_weights"] >= 0.0
     # The advantages were not all zero: the comparison above covered real updates.
     assert any(s["critic/advantages/max"] > 0 for s in sync_steps)
+    # The async schedule's checkpoints hold the policy as a Hugging Face directory too.
+    hf = checkpointing.hf_dir(checkpointing.step_dir(tmp_path / "async" / "patrl" / "grpo", 2))
+    exported = load_file(hf / "model.safetensors")
+    assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    assert exported.keys() == results[1]["weights"].keys()
+    for name, t in results[1]["weights"].items():
+        assert torch.equal(exported[name], torch.from_numpy(t)), name
 
 
 @pytest.mark.multirank

@@ -216,9 +216,16 @@ def auto_resume_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run))
 
 
-def checkpoint_of_other_world(a: Assets, tmp: Path, run: Path) -> Setup:
-    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": a.checkpoint}
-    return Setup(_good(a, run, **extra), world_size=2)
+def checkpoint_without_optimizer(a: Assets, tmp: Path, run: Path) -> Setup:
+    from patrl.orchestrator import checkpointing
+    from patrl.trainer.checkpoint import MARKER
+
+    checkpoint = Path(shutil.copytree(a.checkpoint, tmp / "global_step_1"))
+    marker = checkpoint / checkpointing.TRAINER_DIR / MARKER
+    saved = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**saved, "contents": ["model", "hf_model"]}))
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": checkpoint}
+    return Setup(_good(a, run, **extra))
 
 
 def not_a_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
@@ -349,7 +356,15 @@ CASES: list[tuple[Builder, list[str]]] = [
         auto_resume_other_model,
         ["trainer.resume_mode", "global_step_1", "intermediate_size is 96 in the checkpoint"],
     ),
-    (checkpoint_of_other_world, ["saved by 1 trainer rank", "this run has 2"]),
+    (
+        checkpoint_without_optimizer,
+        [
+            "trainer.resume_from_path",
+            "cannot be resumed",
+            "actor.checkpoint.save_contents=['model', 'hf_model']",
+            "resuming needs ['model', 'optimizer', 'extra']",
+        ],
+    ),
     (not_a_checkpoint, ["trainer.resume_from_path", "not a complete patrl checkpoint"]),
     (
         tp_not_dividing_world,
@@ -454,10 +469,13 @@ def test_bad_input_fails_before_work_naming_the_culprit(
 
 def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:
     """The table's control: the same setup without the bad thing passes, resuming a checkpoint
-    of the same model included, and creates no run dir."""
+    of the same model included (saved by one rank, resumable by two), and creates no run dir."""
     extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": assets.checkpoint}
     overrides = _good(assets, tmp_path / "runs", **extra)
-    preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 1)
+    for world_size in (1, 2):
+        preflight.check(
+            preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), world_size
+        )
     assert main(["--dry-run", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     assert not (tmp_path / "runs").exists()
 

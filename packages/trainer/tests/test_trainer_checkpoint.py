@@ -1,4 +1,4 @@
-"""Single-process checkpoints and Hugging Face export."""
+"""Single-process checkpoints, their contents, and Hugging Face export (live and the CLI)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from trainer_testkit import QWEN2_TIED, VOCAB, config, full_weights, make_batch, tiny_llama
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedTokenizerFast,
+)
 
-from patrl.trainer import Trainer
+from patrl.trainer import Critic, CriticConfig, Trainer
+from patrl.trainer.checkpoint import read_marker
+from patrl.trainer.export import HF_DIR
+from patrl.trainer.export import main as export_main
 from patrl_testkit.models import save_tiny_model
 
 
@@ -113,3 +122,125 @@ def test_export_hf_from_config_has_no_tokenizer(tmp_path: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, full_weights(trainer)[name].to(torch.bfloat16))
+
+
+def test_save_contents_names_the_accepted_values() -> None:
+    with pytest.raises(ValidationError, match=r"unknown value\(s\) \['weights'\].*'hf_model'"):
+        config(checkpoint={"save_contents": ["model", "weights"]})
+    with pytest.raises(ValidationError, match="an empty list"):
+        config(checkpoint={"save_contents": []})
+    assert config().checkpoint.save_contents == ["model", "optimizer", "extra", "hf_model"]
+    assert CriticConfig().checkpoint.save_contents == ["model", "optimizer", "extra"]
+
+
+def test_a_checkpoint_without_optimizer_state_is_not_resumed(tmp_path: Path) -> None:
+    trainer = Trainer(config(checkpoint={"save_contents": ["model", "hf_model"]}), tiny_llama())
+    trainer.train_step(make_batch(0, [3, 4]))
+    path = trainer.save(tmp_path / "ckpt")
+    assert read_marker(path)["contents"] == ["model", "hf_model"]
+    assert not list(path.glob("trainer_state_rank*.pt"))  # no "extra"
+    with pytest.raises(ValueError, match=r"not \['optimizer', 'extra'\]: resuming needs"):
+        Trainer(config(), tiny_llama()).load(path)
+
+
+def _read_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    return {name: t for f in files for name, t in load_file(f).items()}
+
+
+def test_export_cli_writes_what_the_live_export_writes(tmp_path: Path) -> None:
+    """A checkpoint plus the metadata-only HF directory a run writes beside it -> the CLI's
+    directory has the live export's tensors, config and tokenizer; sharded too (with an
+    index that from_pretrained follows); and from the source directory (--model) alike."""
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    trainer = Trainer(config(), str(src))
+    trainer.train_step(make_batch(1, [5, 3]))
+    checkpoint = trainer.save(tmp_path / "ckpt")
+    trainer.export_hf(checkpoint / HF_DIR, weights=False)
+    live = trainer.export_hf(tmp_path / "live")
+    shards = tmp_path / "sharded"
+    assert export_main([str(checkpoint), str(shards), "--max-shard-bytes", "20000"]) == 0
+    assert export_main([str(checkpoint), str(tmp_path / "from_src"), "--model", str(src)]) == 0
+
+    want = _read_dir(live)
+    assert "lm_head.weight" not in want  # tied: stored once, as in HF's own files
+    for out in (shards, tmp_path / "from_src"):
+        got = _read_dir(out)
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(got[name], t), name
+        assert json.loads((out / "config.json").read_text()) == json.loads(
+            (live / "config.json").read_text()
+        )
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            assert (out / name).read_bytes() == (live / name).read_bytes(), name
+    assert len(list(shards.glob("model-*-of-*.safetensors"))) > 2
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(want)
+    loaded = AutoModelForCausalLM.from_pretrained(shards, dtype=torch.float32)
+    ids = make_batch(2, [9]).input_ids[0][None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+
+
+def test_export_cli_errors_name_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing' is not a complete patrl checkpoint" in err and "global_step_<N>" in err
+    # From a config: no source directory and no huggingface/ to read a config from.
+    checkpoint = Trainer(config(), tiny_llama()).save(tmp_path / "ckpt")
+    assert export_main([str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "no model config for checkpoint" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert export_main([str(checkpoint), str(tmp_path / "full")]) == 2
+    assert "full' exists and is not an empty directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_critic_exports_a_token_classification_model(tmp_path: Path) -> None:
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    critic = Critic(CriticConfig(optim={"lr": 1e-3}), str(src))
+    batch = make_batch(3, [4, 6])
+    rewards = [torch.ones(m.shape) for m in batch.loss_mask]
+    critic.update(batch, rewards, 1.0, 1.0)
+    live = critic.export_hf(tmp_path / "live")
+    config_json = json.loads((live / "config.json").read_text())
+    assert config_json["architectures"] == ["Qwen2ForTokenClassification"]
+    loaded = AutoModelForTokenClassification.from_pretrained(live, dtype=torch.float32)
+    ids = batch.input_ids[1][None]
+    with torch.no_grad():
+        want = critic.model(input_ids=ids).logits
+        assert float(want.abs().max()) > 0  # the head moved off its zero init
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+    checkpoint = critic.save(tmp_path / "critic")
+    assert export_main([str(checkpoint), str(tmp_path / "cli"), "--model", str(src)]) == 0
+    got, expected = _read_dir(tmp_path / "cli"), _read_dir(live)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    assert json.loads((tmp_path / "cli" / "config.json").read_text()) == config_json
+
+
+def test_export_keeps_the_source_models_dtype(tmp_path: Path) -> None:
+    """A bf16 source trains in fp32 master weights and exports bf16 (a drop-in replacement);
+    the CLI does the same; --dtype overrides it."""
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    trainer = Trainer(config(), str(src))
+    assert trainer.export_dtype == torch.bfloat16
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.train_step(make_batch(1, [5, 3]))
+    live = _read_dir(trainer.export_hf(tmp_path / "live"))
+    master = full_weights(trainer)
+    assert live.keys() == master.keys()
+    for name, t in master.items():
+        assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], t.bfloat16()), name
+    assert json.loads((tmp_path / "live" / "config.json").read_text())["dtype"] == "bfloat16"
+    checkpoint = trainer.save(tmp_path / "ckpt")
+    assert export_main([str(checkpoint), str(tmp_path / "cli")]) == 0  # the recorded source
+    assert all(torch.equal(t, live[n]) for n, t in _read_dir(tmp_path / "cli").items())
+    assert export_main([str(checkpoint), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    fp32 = _read_dir(tmp_path / "fp32")
+    assert all(torch.equal(fp32[n], t) for n, t in master.items())

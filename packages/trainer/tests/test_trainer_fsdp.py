@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from trainer_testkit import config, full_weights, make_batch, tiny_llama
+from trainer_testkit import config, full_optimizer_state, full_weights, make_batch, tiny_llama
 from transformers import AutoModelForCausalLM
 
-from patrl.trainer import PolicyBatch, Trainer
+from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
 from patrl_testkit.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -142,6 +142,63 @@ def test_fsdp_resume_at_step_2_equals_uninterrupted_and_export_loads(tmp_path: P
     ranks = run_ranks(_fsdp_resume_and_export, world_size=2, args=(str(tmp_path),), timeout_s=240)
     assert all(r["resume_diff"] == 0.0 and r["step"] == 4 for r in ranks)
     assert ranks[0]["export_diff"] == 0.0
+
+
+def _reshard_config() -> TrainerConfig:
+    # No reference (it is rebuilt, not checkpointed); a warmup, so the schedule's step counts.
+    warmup = {"lr": 1e-3, "eps": 1e-6, "lr_warmup_steps": 3}
+    return config(**{**CFG, "use_kl_loss": False}, optim=warmup)
+
+
+def _state(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "weights": full_weights(trainer),
+        "optim": full_optimizer_state(trainer),
+        "step": trainer.step,
+        "lr": trainer.scheduler.get_last_lr(),
+    }
+
+
+def _resume_one_rank_checkpoint_on_two(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    trainer = Trainer(_reshard_config(), tiny_llama(), mesh=_mesh(world_size))
+    trainer.load(Path(tmp) / "one")
+    loaded = _state(trainer)
+    trainer.train_step(_batches()[1])
+    trainer.save(Path(tmp) / "two")
+    return _portable({"loaded": loaded, "saved": _state(trainer)})
+
+
+def test_checkpoints_load_at_another_world_size(tmp_path: Path) -> None:
+    """Saved by 1 process, loaded by 2 ranks; saved by those 2, loaded by 1 process: weights
+    and AdamW state equal bit for bit each time (DCP reshards), and the 2-rank step taken in
+    between is the step the lone process would have taken."""
+    cfg = _reshard_config()
+    single = Trainer(cfg, tiny_llama())
+    single.train_step(_batches()[0])
+    single.save(tmp_path / "one")
+    saved_one = _state(single)
+    ranks = _tensors(
+        run_ranks(
+            _resume_one_rank_checkpoint_on_two, world_size=2, args=(str(tmp_path),), timeout_s=240
+        )
+    )
+    resumed = Trainer(cfg, tiny_llama())
+    resumed.load(tmp_path / "two")
+    saved_two = _state(resumed)
+    single.train_step(_batches()[1])
+    for got in ranks:
+        assert got["loaded"]["step"] == 1 and got["saved"]["step"] == 2
+        for part in ("weights", "optim"):
+            want = saved_one[part]
+            assert got["loaded"][part].keys() == want.keys()
+            for name, t in want.items():
+                assert torch.equal(got["loaded"][part][name], t), (part, name)
+            for name, t in got["saved"][part].items():
+                assert torch.equal(saved_two[part][name], t), (part, name)
+    assert saved_two["step"] == 2 and saved_two["lr"] == ranks[0]["saved"]["lr"]
+    assert saved_two["lr"] == pytest.approx([1e-3 * 3 / 3]) and saved_one["lr"] != saved_two["lr"]
+    for name, t in full_weights(single).items():
+        torch.testing.assert_close(saved_two["weights"][name], t, atol=1e-6, rtol=0, msg=name)
 
 
 def _one_rank_mesh(rank: int, world_size: int) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
@@ -46,6 +48,18 @@ def make_batch(
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for b in trainer.iter_full_weights(1 << 30) for n, t in b}
+
+
+def full_optimizer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """AdamW's state as full tensors, keyed `<parameter>.<exp_avg|exp_avg_sq|step>` (a
+    collective under FSDP: every rank calls it)."""
+    _, optim = get_state_dict(trainer.model, trainer.optimizer)
+    out = {}
+    for name, state in optim["state"].items():
+        for key, value in state.items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[f"{name}.{key}"] = full.detach().clone()
+    return out
 
 
 def config(**overrides: object) -> TrainerConfig:

@@ -93,6 +93,7 @@ def critic_config(config: JobConfig) -> CriticConfig:
         grad_clip=c.grad_clip,
         cliprange_value=c.cliprange_value,
         loss_agg_mode=c.loss_agg_mode,
+        checkpoint=c.checkpoint,
         ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
         ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu
         or actor.ppo_micro_batch_size_per_gpu,

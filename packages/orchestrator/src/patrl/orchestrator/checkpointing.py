@@ -1,10 +1,13 @@
 """Run checkpoints: trainer state + loop state, written whole or not at all.
 
-Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, critic/ (gae), state.json}`, built in
-`global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint` (`resume_mode=auto`) never
-sees a half-written one, and a crash's `.tmp` is ignored and cleared on the next save.
-`check_resumable` compares a checkpoint with the model and world at hand from metadata alone
-(DCP's `.metadata`, the trainer's marker), before anything is built.
+Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, huggingface/, critic/ (gae),
+state.json}`, built in `global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint`
+(`resume_mode=auto`) never sees a half-written one, and a crash's `.tmp` is ignored and cleared
+on the next save. `huggingface/` is the policy as a Hugging Face directory (its weights when
+`actor.checkpoint.save_contents` has hf_model; config, generation config and tokenizer always),
+`critic/huggingface/` the critic's likewise. `check_resumable` compares a checkpoint with the
+model at hand from metadata alone (DCP's `.metadata`, the trainer's marker), before anything is
+built; the world size may differ from the one that saved it (DCP reshards on load).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from patrl.trainer.checkpoint import MARKER
+from patrl.trainer.checkpoint import MARKER, read_marker
+from patrl.trainer.config import RESUMABLE_CONTENTS
+from patrl.trainer.export import HF_DIR, RUN_POLICY_DIR
 
 STATE_FILE = "state.json"
-TRAINER_DIR = "trainer"
+TRAINER_DIR = RUN_POLICY_DIR
 CRITIC_DIR = "critic"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -38,6 +43,12 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f"global_step_{step}"
+
+
+def hf_dir(checkpoint: Path) -> Path:
+    """The policy's Hugging Face directory in a run checkpoint (its critic's is
+    `checkpoint / CRITIC_DIR / HF_DIR`)."""
+    return checkpoint / HF_DIR
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
@@ -90,13 +101,11 @@ def resume_target(run_dir: Path, resume_mode: str, resume_from_path: str | None)
 
 
 def check_resumable(
-    checkpoint: Path,
-    shapes: dict[str, tuple[int, ...]],
-    optional: set[str],
-    world_size: int,
+    checkpoint: Path, shapes: dict[str, tuple[int, ...]], optional: set[str]
 ) -> None:
-    """Raise ValueError unless `checkpoint` is complete, was saved by `world_size` trainer ranks
-    and holds a policy with exactly these tensor `shapes` (HF names; `optional` may be absent)."""
+    """Raise ValueError unless `checkpoint` is complete, holds everything a resume needs and
+    a policy with exactly these tensor `shapes` (HF names; `optional` may be absent). Any
+    number of trainer ranks may resume it."""
     trainer = checkpoint / TRAINER_DIR
     if not (checkpoint / STATE_FILE).is_file() or not (trainer / MARKER).is_file():
         raise ValueError(
@@ -104,13 +113,16 @@ def check_resumable(
             f"{TRAINER_DIR}/{MARKER}); complete ones are the global_step_<N> directories "
             "under <run dir>/checkpoints"
         )
-    saved_world = json.loads((trainer / MARKER).read_text())["world_size"]
-    if saved_world != world_size:
-        raise ValueError(
-            f"checkpoint {str(checkpoint)!r} was saved by {saved_world} trainer rank(s) and "
-            f"resumes on {saved_world} only; this run has {world_size} (run it on {saved_world}, "
-            "or start afresh with trainer.resume_mode=disable)"
-        )
+    for part, key in ((TRAINER_DIR, "actor"), (CRITIC_DIR, "critic")):
+        if (checkpoint / part / MARKER).is_file():
+            contents = read_marker(checkpoint / part)["contents"]
+            if not all(c in contents for c in RESUMABLE_CONTENTS):
+                raise ValueError(
+                    f"checkpoint {str(checkpoint)!r} cannot be resumed: its {part}/ was saved "
+                    f"with {key}.checkpoint.save_contents={contents}, and resuming needs "
+                    f"{list(RESUMABLE_CONTENTS)}; resume another checkpoint or start afresh "
+                    "(trainer.resume_mode=disable)"
+                )
     differences = compare_shapes(saved_shapes(checkpoint), shapes, optional)
     if differences:
         raise ValueError(

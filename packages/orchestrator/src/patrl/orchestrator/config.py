@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
-from patrl.trainer.config import KLType
+from patrl.trainer.config import CriticCheckpointConfig, KLType
 
 LoggerName = Literal["console", "jsonl", "tensorboard"]
 _ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -248,6 +248,7 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0, description="values move at most this per update")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     grad_clip: float = Field(1.0, gt=0)
+    checkpoint: CriticCheckpointConfig = Field(default_factory=lambda: CriticCheckpointConfig())
 
 
 class RewardFunctionConfig(_Section):

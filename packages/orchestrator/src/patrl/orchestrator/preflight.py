@@ -178,10 +178,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)
     if model is not None:
-        trainers = world_size  # an async checkpoint holds the trainer ranks' shards only
-        if config.trainer.mode == "async":
-            trainers = world_size - config.async_rl.rollout_ranks
-        problems += _resume_problems(config, model, trainers)
+        problems += _resume_problems(config, model)
     problems += reward_model_problems(config)
     problems += _critic_problems(config)
     if problems:
@@ -266,7 +263,7 @@ def _data_problems(
     return problems
 
 
-def _resume_problems(config: JobConfig, model: ModelConfig, world_size: int) -> list[str]:
+def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:
     t = config.trainer
     target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if target is None:
@@ -274,9 +271,7 @@ def _resume_problems(config: JobConfig, model: ModelConfig, world_size: int) -> 
     shapes, optional = expected_shapes(model)
     key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
     problems: list[str] = []
-    _attempt(
-        problems, key, lambda: checkpointing.check_resumable(target, shapes, optional, world_size)
-    )
+    _attempt(problems, key, lambda: checkpointing.check_resumable(target, shapes, optional))
     return problems
 
 

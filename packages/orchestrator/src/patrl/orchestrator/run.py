@@ -2,7 +2,8 @@
 
 A schedule subclasses `RunLoop`, gives it a trainer, a loader and a length predictor, and
 fills in `train_one_step` and the hooks it needs. Checkpoints hold the trainer's state, the
-loader's position and the length history (`checkpointing` writes them atomically)."""
+policy (and critic) as a Hugging Face directory, the loader's position and the length history
+(`checkpointing` writes them atomically)."""
 
 from __future__ import annotations
 
@@ -132,14 +133,18 @@ class RunLoop:
     # ------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
-        """Checkpoint this step: every trainer rank writes its shards, the first commits."""
+        """Checkpoint this step: every trainer rank writes its shards and takes part in the
+        Hugging Face export's gathers; the first writes the HF directories and commits."""
         staging = checkpointing.staging_dir(self.run_dir, self.step)
         if self.is_first:
             checkpointing.prepare_staging(self.run_dir, self.step)
         self.trainer.group.barrier()
         self.trainer.save(staging / checkpointing.TRAINER_DIR)
+        self._export(self.trainer, checkpointing.hf_dir(staging))
         if self.critic is not None:
-            self.critic.save(staging / checkpointing.CRITIC_DIR)
+            critic_dir = staging / checkpointing.CRITIC_DIR
+            self.critic.save(critic_dir)
+            self._export(self.critic, critic_dir / checkpointing.HF_DIR)
         self.trainer.group.barrier()
         if self.is_first:
             self.save_extra(staging)
@@ -153,6 +158,13 @@ class RunLoop:
             )
         self.trainer.group.barrier()
         return checkpointing.step_dir(self.run_dir, self.step)
+
+    @staticmethod
+    def _export(trainer: Trainer, path: Path) -> None:
+        """The HF directory of `trainer`'s model: its weights when its checkpoint contents
+        have hf_model; config, generation config and tokenizer always, so that
+        `python -m patrl.trainer.export` can turn the checkpoint into one later."""
+        trainer.export_hf(path, weights="hf_model" in trainer.config.checkpoint.save_contents)
 
     def resume(self) -> None:
         """Continue from the checkpoint `find_checkpoint` names, if any."""

@@ -1,50 +1,39 @@
-"""Resumable checkpoints (torch.distributed.checkpoint) and Hugging Face export.
+"""Resumable checkpoints (torch.distributed.checkpoint), loadable at any number of ranks.
 
 A checkpoint directory is written under `<dir>.tmp`, completed with a `COMPLETE` marker and only
 then renamed to `<dir>`, so a crash leaves either the previous checkpoint or none, never a
-partial one that `load_checkpoint` would accept. Model and optimizer go through DCP (each rank
-writes its shards); the small per-rank rest (LR scheduler, step, RNG, counters) is a torch file
-per rank, so a checkpoint is resumed on the same number of trainer ranks it was saved on.
-See docs/training.md.
+partial one that `load_checkpoint` would accept. What it holds is `contents` (verl's
+`checkpoint.save_contents`): "model" and "optimizer" go through DCP as FSDP2's DTensor state
+dicts, each rank writing its shards; "extra" (LR scheduler, step, RNG, counters) is a torch file
+per rank. DCP records every tensor's global shape, so a checkpoint loads on any number of ranks
+(resharded on read); the extra state is the same on every rank except the RNG, which a rank
+takes from the saved rank of its own index modulo the saved world size. The marker records
+the world size, step, contents, the model's head and its source directory, which
+`python -m patrl.trainer.export` reads. See docs/training.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
-from transformers import PretrainedConfig
 
-from patrl.trainer.weights import iter_full_weights
+from patrl.trainer.config import CHECKPOINT_CONTENTS, RESUMABLE_CONTENTS
 
 MARKER = "COMPLETE"
-# Tokenizer files copied verbatim from the source model directory into an HF export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+EXTRA_FILE = "trainer_state_rank{rank}.pt"
 
 
 class Group:
@@ -66,8 +55,12 @@ def save_checkpoint(
     optimizer: Optimizer,
     extra: dict[str, Any],
     group: Group,
+    contents: Sequence[str] = CHECKPOINT_CONTENTS,
+    about: dict[str, Any] | None = None,
 ) -> Path:
-    """Write model + optimizer (DCP) and this rank's `extra` state atomically to `path`."""
+    """Write what `contents` names of model + optimizer (DCP) and this rank's `extra` state
+    atomically to `path` ("hf_model" is the caller's: hf_export.py). `about` (JSON values) is
+    recorded in the marker beside the world size, step and contents."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     if group.rank == 0:
@@ -75,41 +68,59 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     group.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _lone_process_is_intended():
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=tmp,
-            process_group=group.pg,
-            no_dist=group.pg is None,
-        )
-    torch.save({**extra, "rng": _rng_state()}, tmp / f"trainer_state_rank{group.rank}.pt")
+    state = {
+        key: sd
+        for key, sd, content in (("model", model_sd, "model"), ("optim", optim_sd, "optimizer"))
+        if content in contents
+    }
+    if state:
+        with _lone_process_is_intended():
+            dcp.save(state, checkpoint_id=tmp, process_group=group.pg, no_dist=group.pg is None)
+    if "extra" in contents:
+        torch.save({**extra, "rng": _rng_state()}, tmp / EXTRA_FILE.format(rank=group.rank))
     group.barrier()
     if group.rank == 0:
-        (tmp / MARKER).write_text(json.dumps({"world_size": group.size, "step": extra["step"]}))
-        _replace_dir(tmp, final)
+        marker = {
+            "world_size": group.size,
+            "step": extra["step"],
+            "contents": [c for c in CHECKPOINT_CONTENTS if c in contents],
+            **(about or {}),
+        }
+        (tmp / MARKER).write_text(json.dumps(marker))
+        replace_dir(tmp, final)
     group.barrier()
     return final
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint (world size, step, contents, what `about` gave);
+    FileNotFoundError naming `path` when it is not one."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker): it does not "
+            "exist, its save did not finish, or it is not a trainer checkpoint"
+        )
+    about: dict[str, Any] = json.loads(marker.read_text())
+    about.setdefault("contents", list(RESUMABLE_CONTENTS))  # written before contents existed
+    return about
 
 
 def load_checkpoint(
     path: str | Path, model: nn.Module, optimizer: Optimizer, group: Group
 ) -> dict[str, Any]:
-    """Restore model + optimizer in place and RNG states; return this rank's `extra` state."""
+    """Restore model + optimizer in place (resharded from whatever world size saved them) and
+    the RNG states; return this rank's `extra` state."""
     path = Path(path)
-    marker = path / MARKER
-    if not marker.is_file():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker): it does not "
-            "exist or its save did not finish"
-        )
-    saved_world = json.loads(marker.read_text())["world_size"]
-    if saved_world != group.size:
+    marker = read_marker(path)
+    missing = [c for c in RESUMABLE_CONTENTS if c not in marker["contents"]]
+    if missing:
         raise ValueError(
-            f"checkpoint {str(path)!r} was saved by {saved_world} trainer ranks; "
-            f"it can be loaded by {saved_world} ranks, not {group.size}"
+            f"checkpoint {str(path)!r} holds {marker['contents']} (checkpoint.save_contents), "
+            f"not {missing}: resuming needs {list(RESUMABLE_CONTENTS)}"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    # DCP loads into the given state dicts in place.
+    # DCP loads into the given state dicts in place, each rank reading the parts it holds.
     with _lone_process_is_intended():
         dcp.load(
             {"model": model_sd, "optim": optim_sd},
@@ -118,47 +129,13 @@ def load_checkpoint(
             no_dist=group.pg is None,
         )
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    saved_rank = group.rank % int(marker["world_size"])
     extra: dict[str, Any] = torch.load(
-        path / f"trainer_state_rank{group.rank}.pt", weights_only=False
+        path / EXTRA_FILE.format(rank=saved_rank), weights_only=False
     )
     _set_rng_state(extra.pop("rng"))
     group.barrier()
     return extra
-
-
-def export_hf(
-    path: str | Path,
-    model: nn.Module,
-    config: PretrainedConfig,
-    tokenizer_dir: Path | None,
-    group: Group,
-    dtype: torch.dtype | None = None,
-    bucket_bytes: int = 1 << 28,
-) -> Path:
-    """Write `model.safetensors` + config (+ tokenizer files) loadable by `from_pretrained`.
-
-    Every rank takes part in gathering; only rank 0 holds the tensors and writes.
-    """
-    final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    tensors: dict[str, torch.Tensor] = {}
-    for bucket in iter_full_weights(model, bucket_bytes, dtype):
-        if group.rank == 0:
-            tensors.update({name: t.detach().cpu().contiguous() for name, t in bucket})
-    if group.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        saved_config = copy.deepcopy(config)
-        saved_config.dtype = dtype or next(iter(tensors.values())).dtype
-        saved_config.save_pretrained(tmp)
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (tokenizer_dir / name).is_file():
-                    shutil.copy2(tokenizer_dir / name, tmp / name)
-        _replace_dir(tmp, final)
-    group.barrier()
-    return final
 
 
 @contextlib.contextmanager
@@ -169,7 +146,7 @@ def _lone_process_is_intended() -> Iterator[None]:
         yield
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Rename `src` to `dst`; an existing `dst` is moved aside first and removed after."""
     old = dst.with_name(dst.name + ".old")
     shutil.rmtree(old, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -32,6 +32,46 @@ class OptimConfig(BaseModel):
         if self.lr_scheduler_type == "cosine" and self.total_training_steps is None:
             raise ValueError("lr_scheduler_type='cosine' needs total_training_steps")
         return self
+
+
+# What a checkpoint can hold (verl's `checkpoint.save_contents` values): "model" and
+# "optimizer" the DCP shards, "extra" the LR schedule, step, RNG and counters, "hf_model" a
+# Hugging Face directory of the weights. Resuming needs the first three.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+RESUMABLE_CONTENTS = ("model", "optimizer", "extra")
+
+
+class CheckpointConfig(BaseModel):
+    """verl's `actor.checkpoint` / `critic.checkpoint`: what each checkpoint holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    save_contents: list[str] = Field(
+        default_factory=lambda: list(CHECKPOINT_CONTENTS),
+        description="any of model, optimizer, extra (all three to resume) and hf_model (the "
+        "weights in each checkpoint's Hugging Face directory, global_step_N/huggingface); "
+        "patrl's default adds hf_model to verl's",
+    )
+
+    @field_validator("save_contents")
+    @classmethod
+    def _known(cls, contents: list[str]) -> list[str]:
+        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
+        if unknown or not contents:
+            what = f"unknown value(s) {unknown}" if unknown else "an empty list"
+            raise ValueError(f"{what}; accepted: a non-empty list of {list(CHECKPOINT_CONTENTS)}")
+        return list(dict.fromkeys(contents))  # order kept, repeats dropped
+
+
+class CriticCheckpointConfig(CheckpointConfig):
+    """verl's `critic.checkpoint`: as the actor's, without the Hugging Face directory by
+    default (verl's default contents)."""
+
+    save_contents: list[str] = Field(
+        default_factory=lambda: list(RESUMABLE_CONTENTS),
+        description="as actor.checkpoint.save_contents; hf_model adds critic/huggingface (a "
+        "token-classification model with one label), off by default as in verl",
+    )
 
 
 class PolicyLossConfig(BaseModel):
@@ -96,6 +136,7 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(default=3, ge=1)
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
 
     @property
     def clip_low(self) -> float:
@@ -110,7 +151,9 @@ class TrainerConfig(BaseModel):
 
 class CriticConfig(TrainerConfig):
     """The value model's trainer (verl `critic.*`): the policy trainer's settings (optimizer,
-    micro-batches, packing, build) and the value loss's clip; the PPO surrogate keys unused."""
+    micro-batches, packing, build) and the value loss's clip; the PPO surrogate keys unused.
+    Its checkpoints hold no Hugging Face directory unless asked (verl's default contents)."""
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CriticCheckpointConfig())
     cliprange_value: float = Field(default=0.5, gt=0)

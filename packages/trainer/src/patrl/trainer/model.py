@@ -56,7 +56,7 @@ def build_model(
         torch.manual_seed(seed)
         if isinstance(source, PretrainedConfig):
             model = auto.from_config(
-                _with_head(source, head),
+                with_head(source, head),
                 dtype=torch.float32,
                 attn_implementation=attn_implementation,
             )
@@ -64,7 +64,7 @@ def build_model(
             path = model_dir(source)
             model = auto.from_pretrained(
                 path,
-                config=_with_head(AutoConfig.from_pretrained(path), head),
+                config=with_head(AutoConfig.from_pretrained(path), head),
                 dtype=torch.float32,
                 attn_implementation=attn_implementation,
             )
@@ -82,7 +82,7 @@ def _auto_class(head: Head) -> Any:
     }[head]
 
 
-def _with_head(config: PretrainedConfig, head: Head) -> PretrainedConfig:
+def with_head(config: PretrainedConfig, head: Head) -> PretrainedConfig:
     """`config` as the model of `head` needs it: a value model has one label and no dropout
     (dropout would make the values of one forward differ from the next). A reward model
     ("score") keeps its own config."""
@@ -159,7 +159,7 @@ def build_on_meta(
     buffers are real host tensors (only parameters are intercepted at registration)."""
     with _parameters_on_meta():
         model = _auto_class(head).from_config(
-            _with_head(config, head), dtype=dtype, attn_implementation=attn_implementation
+            with_head(config, head), dtype=dtype, attn_implementation=attn_implementation
         )
     model.config.use_cache = False
     return model

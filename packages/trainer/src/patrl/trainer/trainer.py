@@ -25,8 +25,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from patrl.trainer.checkpoint import Group, export_hf, load_checkpoint, save_checkpoint
+from patrl.trainer.checkpoint import Group, load_checkpoint, save_checkpoint
 from patrl.trainer.config import TrainerConfig
+from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
 from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
@@ -92,6 +93,10 @@ class Trainer:
         self.attn_implementation = self._resolve_attention(config)
         self.checkpointing = self._resolve_checkpointing(model)
         self.model = self._build(model, trainable=True)
+        # The dtype the source's weights are stored in: the default of HF exports.
+        self.export_dtype = source_dtype(
+            model if isinstance(model, PretrainedConfig) else read_source_config(self.source_dir)
+        )
         if reference is None:
             reference = config.use_kl_loss
         self.reference = self._build(model, trainable=False) if reference else None
@@ -518,33 +523,47 @@ class Trainer:
         return iter_full_weights(self.model, bucket_bytes, dtype)
 
     def save(self, path: str | Path) -> Path:
-        """Checkpoint policy, optimizer, schedule, step and RNG (checkpoint.py). The frozen
-        reference is not saved: it is rebuilt from the model source on construction."""
+        """Checkpoint what `config.checkpoint.save_contents` names of policy, optimizer and
+        extra state (schedule, step, RNG) to `path` (checkpoint.py); "hf_model" is
+        `export_hf`'s. The frozen reference is not saved: it is rebuilt from the model source."""
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total,
         }
-        return save_checkpoint(path, self.model, self.optimizer, extra, self.group)
+        about = {
+            "head": self.head,
+            "source": None if self.source_dir is None else str(self.source_dir.resolve()),
+        }
+        return save_checkpoint(
+            path,
+            self.model,
+            self.optimizer,
+            extra,
+            self.group,
+            self.config.checkpoint.save_contents,
+            about,
+        )
 
     def load(self, path: str | Path) -> None:
+        """Restore a checkpoint `save` wrote, at this or any other number of trainer ranks."""
         extra = load_checkpoint(path, self.model, self.optimizer, self.group)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.step = extra["step"]
         self.nonfinite_in_a_row = extra["nonfinite_in_a_row"]
         self.nonfinite_total = extra["nonfinite_total"]
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """A `from_pretrained`-loadable directory: safetensors, config, tokenizer if known."""
-        return export_hf(
-            path,
-            self.model,
-            self.model.config,
-            self.source_dir,
-            self.group,
-            dtype,
-        )
+    def export_hf(
+        self, path: str | Path, dtype: torch.dtype | None = None, weights: bool = True
+    ) -> Path:
+        """A directory `from_pretrained` and patrl's engine load (hf_export.py): safetensors
+        in `dtype` (None: the source model's, `export_dtype`), config, generation config and
+        the source's tokenizer. `weights` False writes all but the weights. Collective over
+        the trainer's ranks; the first writes."""
+        dtype = dtype or self.export_dtype
+        config = hf_config(self.model.config, self.head, dtype)
+        return export_hf(path, self.model, config, self.source_dir, self.group, dtype, weights)
 
 
 # Two tokens: the least a causal-LM forward needs to produce one prediction.

@@ -1,0 +1,199 @@
+"""`python -m patrl.trainer.export CKPT OUT`: the Hugging Face directory of a checkpoint.
+
+CKPT is a run checkpoint (`<run dir>/checkpoints/global_step_<N>`: its policy, `trainer/`) or
+any trainer checkpoint (a directory `Trainer.save` wrote, e.g. a run's `global_step_<N>/critic`),
+saved by any number of ranks. One process reads it through DCP, a shard file's worth of
+tensors at a time, and writes OUT as hf_export.py describes: the tensors `Trainer.export_hf`
+would write, in the same dtype. Config, generation config and tokenizer come from `--model DIR`
+when given, else from the checkpoint's own HF directory (`huggingface/` beside `trainer/`, or
+inside a trainer checkpoint), else from the source model directory the checkpoint recorded.
+
+    python -m patrl.trainer.export runs/patrl/grpo/checkpoints/global_step_20 ./my-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig, PretrainedConfig
+
+from patrl.trainer.checkpoint import MARKER, read_marker
+from patrl.trainer.hf_export import (
+    MAX_SHARD_BYTES,
+    hf_config,
+    source_dtype,
+    write_hf_dir,
+)
+from patrl.trainer.model import Head, build_on_meta, with_head
+
+RUN_POLICY_DIR = "trainer"  # a run checkpoint's policy (patrl.orchestrator.checkpointing)
+HF_DIR = "huggingface"  # a checkpoint's HF directory (verl's name)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def locate(checkpoint: Path) -> tuple[Path, Path]:
+    """(the trainer checkpoint to read, where its HF directory would be) for a run checkpoint
+    or a trainer checkpoint; FileNotFoundError naming `checkpoint` for anything else."""
+    if (checkpoint / RUN_POLICY_DIR / MARKER).is_file():
+        return checkpoint / RUN_POLICY_DIR, checkpoint / HF_DIR
+    if (checkpoint / MARKER).is_file():
+        return checkpoint, checkpoint / HF_DIR
+    raise FileNotFoundError(
+        f"{str(checkpoint)!r} is not a complete patrl checkpoint: it has neither {MARKER} nor "
+        f"{RUN_POLICY_DIR}/{MARKER}; pass a run checkpoint (<run dir>/checkpoints/"
+        "global_step_<N>), its critic/, or a directory Trainer.save wrote"
+    )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    model: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write the HF directory of `checkpoint`'s model to `out` (which must not exist or be
+    empty); `model`: the source model directory for config and tokenizer; `dtype` None: the
+    source model's."""
+    trainer_dir, hf_dir = locate(Path(checkpoint))
+    about = read_marker(trainer_dir)
+    if "model" not in about["contents"]:
+        raise ValueError(
+            f"checkpoint {str(trainer_dir)!r} holds {about['contents']}: no model weights to "
+            "export (it was saved without 'model' in checkpoint.save_contents)"
+        )
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory")
+    head: Head = "value" if about.get("head") == "value" else "lm"
+    config, source, metadata_from = _metadata(trainer_dir, hf_dir, model, about, head)
+    dtype = dtype or source_dtype(config)
+    config = hf_config(config, head, dtype)
+    tensors = _read_tensors(trainer_dir, _parameter_names(config, head), dtype, max_shard_bytes)
+    return write_hf_dir(out, tensors, config, source, metadata_from, max_shard_bytes)
+
+
+def _metadata(
+    trainer_dir: Path,
+    hf_dir: Path,
+    model: str | Path | None,
+    about: dict[str, Any],
+    head: Head,
+) -> tuple[PretrainedConfig, Path | None, Path | None]:
+    """(model config, source dir to take metadata from, HF dir to copy metadata from)."""
+    if model is None and (hf_dir / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True), None, hf_dir
+    source = Path(model) if model is not None else None
+    if source is None and about.get("source"):
+        source = Path(about["source"])
+    if source is None or not (source / "config.json").is_file():
+        where = (
+            f"--model {str(source)!r} has no config.json"
+            if model is not None
+            else (
+                f"neither {str(hf_dir)!r} nor the recorded source "
+                f"{about.get('source')!r} holds a config.json"
+            )
+        )
+        raise FileNotFoundError(
+            f"no model config for checkpoint {str(trainer_dir)!r}: {where}; pass --model DIR, "
+            "the Hugging Face directory the run trained"
+        )
+    config = with_head(AutoConfig.from_pretrained(str(source), local_files_only=True), head)
+    return config, source, None
+
+
+def _parameter_names(config: PretrainedConfig, head: Head) -> list[str]:
+    """The parameters of the model `config` describes, in `named_parameters` order, tied ones
+    once: the names and order of `Trainer.export_hf` (built on the meta device: no memory)."""
+    model = build_on_meta(copy.deepcopy(config), "sdpa", head)  # it edits the config it uses
+    return [name for name, _ in model.named_parameters()]
+
+
+def _read_tensors(
+    trainer_dir: Path, names: list[str], dtype: torch.dtype, max_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`names` read from the DCP checkpoint, whole, cast to `dtype`, a group of at most
+    `max_bytes` (or one tensor) per read."""
+    reader = dcp.FileSystemReader(str(trainer_dir))
+    stored = {
+        key.removeprefix("model."): meta
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    missing = [n for n in names if n not in stored]
+    if missing:
+        raise ValueError(
+            f"checkpoint {str(trainer_dir)!r} holds a different model than its config: "
+            f"{len(missing)} tensors missing, e.g. {missing[:3]}; it holds e.g. {sorted(stored)[:3]}"
+        )
+    for group in _groups(
+        names, {n: stored[n].size.numel() * dtype.itemsize for n in names}, max_bytes
+    ):
+        state = {
+            f"model.{n}": torch.empty(stored[n].size, dtype=stored[n].properties.dtype)
+            for n in group
+        }
+        with warnings.catch_warnings():  # DCP's "assuming a single process": it is one
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        for n in group:
+            yield n, state.pop(f"model.{n}").to(dtype)
+
+
+def _groups(names: list[str], nbytes: dict[str, int], max_bytes: int) -> Iterator[list[str]]:
+    group: list[str] = []
+    size = 0
+    for name in names:
+        if group and size + nbytes[name] > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += nbytes[name]
+    if group:
+        yield group
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m patrl.trainer.export",
+        description="Write the Hugging Face model directory of a patrl checkpoint.",
+    )
+    parser.add_argument(
+        "checkpoint", help="global_step_<N> of a run, its critic/, or a Trainer.save directory"
+    )
+    parser.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    parser.add_argument("--model", help="source model directory: config and tokenizer")
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), help="weights' dtype (default: the source model's)"
+    )
+    parser.add_argument(
+        "--max-shard-bytes", type=int, default=MAX_SHARD_BYTES, help="largest safetensors file"
+    )
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            args.model,
+            _DTYPES[args.dtype] if args.dtype else None,
+            args.max_shard_bytes,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
