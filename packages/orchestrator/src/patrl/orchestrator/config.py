@@ -28,7 +28,7 @@ _ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(_Section):

@@ -15,7 +15,7 @@ KLType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
 class OptimConfig(BaseModel):
     """AdamW plus linear warmup into a constant or cosine schedule (verl `actor.optim`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: float = Field(default=1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -44,7 +44,7 @@ RESUMABLE_CONTENTS = ("model", "optimizer", "extra")
 class CheckpointConfig(BaseModel):
     """verl's `actor.checkpoint` / `critic.checkpoint`: what each checkpoint holds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     save_contents: list[str] = Field(
         default_factory=lambda: list(CHECKPOINT_CONTENTS),
@@ -77,7 +77,7 @@ class CriticCheckpointConfig(CheckpointConfig):
 class PolicyLossConfig(BaseModel):
     """verl's `actor.policy_loss`: which surrogate the actor minimises."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
     # geometric mean of the token ratios), clipped per sequence.
@@ -89,7 +89,7 @@ class PolicyLossConfig(BaseModel):
 class TrainerConfig(BaseModel):
     """Everything the policy trainer needs besides the model and the device mesh."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     grad_clip: float = Field(default=1.0, gt=0)
