@@ -87,6 +87,7 @@ def job(assets: Path, run_dir: Path, steps: int, staleness: int | None) -> Any:
         "reward.num_workers": 0,
         "trainer.total_training_steps": steps,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.resume_mode": "disable",
@@ -147,8 +148,9 @@ def run_demo(world: int, steps: int, extra: list[str], rollout_ranks: int, seed:
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
         str(root / "examples" / "grpo_adaptive_tp.py"),
         f"trainer.default_local_dir={run_root}", "trainer.resume_mode=disable",
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.plots=false", f"trainer.seed={seed}", f"data.seed={seed}", *extra,
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.plots=false",
+        f"trainer.seed={seed}", f"data.seed={seed}", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)

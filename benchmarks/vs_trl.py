@@ -398,10 +398,10 @@ def trl_trainer(
         max_completion_length=d.max_response_length,
         temperature=r.temperature,
         top_p=r.top_p,
-        top_k=r.top_k,
+        top_k=max(r.top_k, 0),  # verl's -1: off
         learning_rate=a.optim.lr,
         lr_scheduler_type="constant",
-        warmup_steps=a.optim.lr_warmup_steps,
+        warmup_steps=a.optim.num_warmup_steps,
         weight_decay=a.optim.weight_decay,
         adam_beta1=a.optim.betas[0],
         adam_beta2=a.optim.betas[1],

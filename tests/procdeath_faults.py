@@ -90,7 +90,7 @@ def _due() -> bool:
 
 def _wait_for_checkpoint(step: int) -> None:
     """In sync mode it is there already; an async trainer may still be writing it."""
-    done = Path(os.environ[ENV_RUN_DIR]) / "checkpoints" / f"global_step_{step}" / "state.json"
+    done = Path(os.environ[ENV_RUN_DIR]) / f"global_step_{step}" / "state.json"
     deadline = time.monotonic() + CHECKPOINT_WAIT_S
     while not done.is_file():
         if time.monotonic() > deadline:

@@ -97,7 +97,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     steps = [h for h in first["history"] if "critic/score/mean" in h]
     assert [h["step"] for h in steps] == [1.0, 2.0]
     assert any("val-core/acc/mean@1" in h for h in first["history"])
-    lines = (tmp_path / "patrl" / "grpo" / "metrics.jsonl").read_text().splitlines()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(first["history"])
     for key in (
         "timing_s/gen",
@@ -111,7 +111,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert all(r["gap"] < 1e-4 for r in results)  # and the engine got them
     assert steps[1]["training/rollout_probs_diff_max"] < 1e-4
     assert "timing_s/old_log_prob" in steps[0]  # two mini-batches: a scoring pass first
-    assert checkpointing.latest_checkpoint(tmp_path / "patrl" / "grpo") is not None
+    assert checkpointing.latest_checkpoint(tmp_path) is not None
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
     assert [h["rollout/tp_switches"] for h in steps] == [0, 0]
     assert all(h["rollout/tp_max"] == 2 for h in steps)
@@ -131,7 +131,7 @@ def test_resume_reproduces_the_uninterrupted_run(assets: Path, tmp_path: Path) -
     straight = make_loop(assets, tmp_path / "a", world, **{"trainer.total_training_steps": 4}).run()
     make_loop(assets, tmp_path / "b", world, **{"trainer.save_freq": 2}).run()
     # A crash while writing step 3's checkpoint left debris that must be ignored.
-    debris = checkpointing.staging_dir(tmp_path / "b" / "patrl" / "grpo", 3)
+    debris = checkpointing.staging_dir(tmp_path / "b", 3)
     debris.mkdir()
     (debris / "half").write_text("x")
     resumed = make_loop(assets, tmp_path / "b", world, **{"trainer.total_training_steps": 4}).run()
@@ -203,6 +203,7 @@ def test_grpo_raises_a_dense_reward(assets: Path, tmp_path: Path) -> None:
         "rollout.n": 8,
         "trainer.total_training_steps": 15,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
     }
     history = make_loop(assets, tmp_path, world, **extra).run().history
     steps = [h for h in history if "critic/score/mean" in h]

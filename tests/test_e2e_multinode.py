@@ -56,6 +56,7 @@ def job_overrides(assets: Path, out: Path, profile: Path) -> list[str]:
         "reward.num_workers": 0,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.save_freq": 0,
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
@@ -147,7 +148,7 @@ def test_two_nodes_keep_every_tp_group_inside_a_node(tmp_path: Path) -> None:
     synthetic_profile(str(assets / "model"), tp2_speedup=20.0, tp_sizes=(1, 2, 4)).save(profile)
     logs = [tmp_path / f"node{i}.log" for i in range(NODES)]
     run_nodes(job_overrides(assets, tmp_path, profile), logs)
-    run_dir = tmp_path / "patrl" / "grpo"
+    run_dir = tmp_path  # trainer.default_local_dir
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "critic/score/mean" in r]

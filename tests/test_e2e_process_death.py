@@ -92,10 +92,11 @@ def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:
         "trainer.save_freq": 1,
         "trainer.max_checkpoints_to_keep": STEPS,  # keep all: each one is checked
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.resume_mode": "auto",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
-        "trainer.default_local_dir": out,
+        "trainer.default_local_dir": out / "patrl" / "grpo",
         **MODES[mode].overrides,
     }
     return [f"{k}={v}" for k, v in values.items()]
@@ -155,7 +156,7 @@ def assert_checkpoints_sound(
     """Exactly the checkpoints of `steps`, each complete, of this model and world, and every
     tensor readable; no staging debris left behind."""
     root = checkpointing.checkpoint_root(run_dir)
-    names = sorted(p.name for p in root.iterdir())
+    names = sorted(p.name for p in root.iterdir() if p.name.startswith("global_step_"))
     assert names == sorted(f"global_step_{s}" for s in steps), names
     shapes = model_shapes(model_dir)
     for step in steps:

@@ -54,6 +54,7 @@ def rm_overrides(assets: Path, rm: Path, runs: Path, **extra: Any) -> list[str]:
         "reward_model.micro_batch_size": 3,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.default_local_dir": runs,
@@ -69,7 +70,7 @@ def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
     assert loop.learned is not None and not loop.learned.encoder.same
     loop.run()
-    lines = (tmp_path / "runs" / "patrl" / "grpo" / "metrics.jsonl").read_text().splitlines()
+    lines = (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if "critic/score/mean" in json.loads(x)]
     assert len(steps) == 2
     for m in steps:

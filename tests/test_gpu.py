@@ -100,6 +100,7 @@ def test_three_grpo_steps_of_a_half_billion_qwen2(tmp_path: Path) -> None:
         "rollout.n": 8,
         "trainer.total_training_steps": 3,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.default_local_dir": tmp_path / "run",

@@ -54,6 +54,7 @@ def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
         "reward.num_workers": 0,
         "trainer.total_training_steps": 3,
         "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
         "trainer.default_local_dir": run_dir,
@@ -127,6 +128,7 @@ def test_staleness_zero_reproduces_the_sync_loop(
         "async_rl.max_staleness": 0,
         "async_rl.rollout_ranks": 1,
         "trainer.test_freq": 1,
+        "trainer.val_before_train": "true",
         **algo,
     }
     for steps in (1, 2):
@@ -137,7 +139,12 @@ def test_staleness_zero_reproduces_the_sync_loop(
     assert [r["role"] for r in results] == ["rollout", "trainer"]
     async_steps = [h for h in results[1]["history"] if "critic/score/mean" in h]
 
-    extra = {"trainer.total_training_steps": 2, "trainer.test_freq": 1, **algo}
+    extra = {
+        "trainer.total_training_steps": 2,
+        "trainer.test_freq": 1,
+        "trainer.val_before_train": "true",
+        **algo,
+    }
     config = job_config(assets, tmp_path / "sync", **extra)
     world = World(0, 1, 0, torch.device("cpu"))
     files = (config.data.train_files, config.data.val_files)
@@ -180,14 +187,20 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     """2 rollout + 1 trainer rank at max_staleness=2: every trained sample's oldest token is at
     most 2 versions behind the weights it trains, asserted from the recorded token versions;
     each step trains its own tickets; and the rollout did run ahead (some staleness > 0)."""
-    extra = {"async_rl.max_staleness": 2, "async_rl.rollout_ranks": 2, "trainer.test_freq": 2}
+    extra = {
+        "async_rl.max_staleness": 2,
+        "async_rl.rollout_ranks": 2,
+        "trainer.test_freq": 2,
+        "trainer.val_before_train": "true",
+    }
     steps = 3
     extra["trainer.total_training_steps"] = steps
     results = run_ranks(_async_run, world_size=3, args=(assets, tmp_path, extra), timeout_s=300)
     trainer = results[2]
     history = [h for h in trainer["history"] if "critic/score/mean" in h]
     validated = [h["step"] for h in trainer["history"] if "val-core/acc/mean@1" in h]
-    assert validated == [0.0, 2.0]  # before training and after step 2, by rollout rank 0
+    # before training, after step 2 and after the last step (verl's rule), by rollout rank 0
+    assert validated == [0.0, 2.0, 3.0]
     assert [h["step"] for h in history] == [1.0, 2.0, 3.0]
     trained = trainer["trained"]
     assert len(trained) == steps * 4 * 4  # steps x prompts x samples
@@ -200,8 +213,9 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     for h in history:
         assert h["async/staleness_max"] <= 2
         assert sum(h[f"async/staleness_count/{s}"] for s in range(3)) == 16
-    # The newest version stays on disk (older ones go once no rollout rank holds them).
-    assert trainer["weight_versions"][-1] == steps - 1
+    # The newest version stays on disk (older ones go once no rollout rank holds them): the
+    # last step's, published for its validation.
+    assert trainer["weight_versions"][-1] == steps
 
 
 def _stalled_peer(rank: int, world_size: int) -> str:

@@ -212,7 +212,7 @@ def checkpoint_of_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
 
 def auto_resume_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
     # The run dir already holds a checkpoint (of another model) that auto-resume would pick.
-    shutil.copytree(a.other_checkpoint, run / "patrl" / "grpo" / "checkpoints" / "global_step_1")
+    shutil.copytree(a.other_checkpoint, run / "global_step_1")
     return Setup(_good(a, run))
 
 
@@ -298,6 +298,41 @@ def rm_without_tokenizer(a: Assets, tmp: Path, run: Path) -> Setup:
 def several_at_once(a: Assets, tmp: Path, run: Path) -> Setup:
     extra = {**STATIC, "data.answer_key": "solution", "rollout.tensor_model_parallel_size": 2}
     return Setup(_good(a, run, **extra), world_size=3)
+
+
+def world_not_as_configured(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {"trainer.n_gpus_per_node": 8, "trainer.nnodes": 1}
+    return Setup(_good(a, run, **extra), world_size=2, local_world_size=2)
+
+
+def verl_offload_in_yaml(a: Assets, tmp: Path, run: Path) -> Setup:
+    text = "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: true\n"
+    return Setup(_good(a, run), text)
+
+
+def verl_unknown_key(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"actor_rollout_ref.actor.optim.lrr": 1e-6}))
+
+
+def model_without_train_files(a: Assets, tmp: Path, run: Path) -> Setup:
+    overrides = _good(a, run)
+    del overrides["data.train_files"], overrides["data.val_files"]
+    return Setup(overrides)
+
+
+def missing_reward_file(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"custom_reward_function.path": tmp / "my_reward.py"}))
+
+
+def nested_answer_key_wrong(a: Assets, tmp: Path, run: Path) -> Setup:
+    rows = [{"prompt": "1+2=?", "reward_model": {"style": "rule", "ground_truth": "3"}}] * 8
+    (tmp / "verl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = {
+        "data.train_files": tmp / "verl.jsonl",
+        "data.val_files": tmp / "verl.jsonl",
+        "data.answer_key": "reward_model.answer",
+    }
+    return Setup(_good(a, run, **extra))
 
 
 CASES: list[tuple[Builder, list[str]]] = [
@@ -414,6 +449,45 @@ CASES: list[tuple[Builder, list[str]]] = [
     (rm_two_labels, ["reward_model.model.path=", "rm2", "has num_labels=2"]),
     (rm_without_tokenizer, ["reward_model.model.path=", "rm_bare", "no usable tokenizer"]),
     (
+        world_not_as_configured,
+        [
+            "trainer.n_gpus_per_node=8 do not match the world torchrun started",
+            "WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2",
+            "torchrun --nnodes 1 --nproc_per_node 8",
+        ],
+    ),
+    (
+        verl_offload_in_yaml,
+        [
+            "verl's actor_rollout_ref.actor.fsdp_config.param_offload=True is not supported by "
+            "patrl: patrl's FSDP2 trainer keeps parameters and optimizer state on the device",
+            "use more ranks",
+        ],
+    ),
+    (
+        verl_unknown_key,
+        [
+            "unknown key 'actor_rollout_ref.actor.optim.lrr' (patrl's 'actor.optim.lrr')",
+            "did you mean lr",
+        ],
+    ),
+    (
+        model_without_train_files,
+        [
+            "is set but data.train_files is not",
+            "on the embedded demo task",
+            "data.train_files=demo",
+        ],
+    ),
+    (missing_reward_file, ["reward.functions.0.name", "my_reward.py", "no such file"]),
+    (
+        nested_answer_key_wrong,
+        [
+            "answer column 'reward_model.answer' not found",
+            "['prompt', 'reward_model.style', 'reward_model.ground_truth']",
+        ],
+    ),
+    (
         several_at_once,
         [
             "3 problems",
@@ -464,7 +538,7 @@ def test_bad_input_fails_before_work_naming_the_culprit(
     for fact in facts:
         assert fact.format(yaml=yaml_path) in message, f"{fact!r} not in:\n{message}"
     assert _snapshot(tmp_path, assets.root) == before, "preflight wrote or changed a file"
-    assert not (run_root / "patrl" / "grpo" / "metrics.jsonl").exists()
+    assert not (run_root / "metrics.jsonl").exists()
 
 
 def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from patrl.orchestrator.data import PromptItem, PromptLoader, load_prompt_dataset
+from patrl.orchestrator.data import PromptItem, PromptLoader, load_prompt_dataset, truncate
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!+-*/=<>|:\n'"
 TEMPLATE = (
@@ -128,7 +128,9 @@ def test_overlong_prompts_are_filtered_and_counted_or_rejected(tmp_path: Path) -
     assert ds.num_rows == 5 and ds.num_filtered_overlong == 2
     assert [item.index for item in ds.items] == [0, 2, 4]
     assert [item.answer for item in ds.items] == ["3", "4", "9"]
-    with pytest.raises(ValueError, match=r"row 1: prompt has 11 tokens > max_prompt_length=10"):
+    with pytest.raises(
+        ValueError, match=r"row 1: prompt has 11 tokens > max_prompt_length=10.*truncation"
+    ):
         load_prompt_dataset(
             path,
             tokenizer=_tokenizer(None),
@@ -136,6 +138,69 @@ def test_overlong_prompts_are_filtered_and_counted_or_rejected(tmp_path: Path) -
             filter_overlong_prompts=False,
             cache_dir=str(tmp_path / "c"),
         )
+
+
+@pytest.mark.parametrize(
+    ("mode", "kept"),
+    [
+        ("left", "abcdefghij"),  # the first token (BOS) goes, the end stays
+        ("right", "<s>abcdefghi"),
+        ("middle", "<s>abcdfghij"),  # the first 5 and the last 5 tokens
+    ],
+)
+def test_overlong_prompts_are_cut_as_verl_truncates(tmp_path: Path, mode: str, kept: str) -> None:
+    path = _jsonl(tmp_path / "long.jsonl", [{"prompt": "abcdefghij", "answer": "1"}])
+    ds = load_prompt_dataset(
+        path,
+        tokenizer=_tokenizer(None),
+        max_prompt_length=10,  # the prompt is 11 tokens with BOS
+        filter_overlong_prompts=False,
+        truncation=mode,  # type: ignore[arg-type]
+        cache_dir=str(tmp_path / "c"),
+    )
+    expected = [1] if kept.startswith("<s>") else []
+    expected += _char_ids(kept.removeprefix("<s>"))
+    assert ds[0].prompt_token_ids == expected and len(expected) == 10
+    assert ds.num_filtered_overlong == 0
+
+
+def test_truncate_is_verls_rule() -> None:
+    """The slow twin: verl's postprocess_data slices, written out for every length."""
+    ids = list(range(13))
+    for length in range(1, 14):
+        assert truncate(ids, length, "left") == ids[-length:]
+        assert truncate(ids, length, "right") == ids[:length]
+        head = length // 2
+        assert truncate(ids, length, "middle") == ids[:head] + ids[-(length - head) :]
+    assert truncate([1, 2], 5, "middle") == [1, 2]
+
+
+def test_an_unset_answer_key_finds_patrls_or_verls_column(tmp_path: Path) -> None:
+    import datasets
+
+    verl_rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "Sum 1 2"}],
+            "reward_model": {"style": "rule", "ground_truth": "3"},
+            "extra_info": {"split": "train", "index": 0},
+        }
+    ]
+    parquet = str(tmp_path / "verl.parquet")
+    datasets.Dataset.from_list(verl_rows).to_parquet(parquet)
+    kw: dict[str, Any] = {"max_prompt_length": 64, "cache_dir": str(tmp_path / "c")}
+    verl = load_prompt_dataset(parquet, answer_key=None, tokenizer=_tokenizer(TEMPLATE), **kw)
+    assert verl[0].answer == "3"
+    own = load_prompt_dataset(
+        _jsonl(tmp_path / "own.jsonl", ROWS), answer_key=None, tokenizer=_tokenizer(None), **kw
+    )
+    assert [item.answer for item in own.items] == ["4", "9", "15"]
+    bare = _jsonl(tmp_path / "bare.jsonl", [{"prompt": "a", "meta": {"gold": "1", "n": 2}}])
+    with pytest.raises(KeyError) as info:
+        load_prompt_dataset(bare, answer_key=None, tokenizer=_tokenizer(None), **kw)
+    message = info.value.args[0]
+    assert "no answer column" in message and "'answer' or 'reward_model.ground_truth'" in message
+    assert "['prompt', 'meta.gold', 'meta.n']" in message
 
 
 def test_parquet_json_and_several_files(tmp_path: Path) -> None:
@@ -197,6 +262,11 @@ def test_data_errors_name_what_is_wrong(tmp_path: Path) -> None:
         load_prompt_dataset(path, prompt_key="question", **kw)
     with pytest.raises(KeyError, match=r"answer column 'solution' not found"):
         load_prompt_dataset(path, answer_key="solution", **kw)
+    nested = _jsonl(
+        tmp_path / "nested.jsonl", [{"prompt": "a", "reward_model": {"ground_truth": "1"}}]
+    )
+    with pytest.raises(KeyError, match=r"\['prompt', 'reward_model.ground_truth'\]"):
+        load_prompt_dataset(nested, answer_key="reward_model.answer", **kw)
     with pytest.raises(FileNotFoundError, match=r"missing.jsonl' does not exist"):
         load_prompt_dataset(str(tmp_path / "missing.jsonl"), **kw)
     bad = tmp_path / "rows.csv"

@@ -176,6 +176,16 @@ def test_lr_warmup_then_cosine() -> None:
     assert [lr_factor(s, const) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
 
 
+def test_lr_warmup_steps_minus_one_takes_the_ratio_of_the_horizon() -> None:
+    """verl's rule: lr_warmup_steps=-1 (the default) warms up for int(ratio x total) steps."""
+    cfg = OptimConfig(lr=1.0, lr_warmup_steps_ratio=0.25, total_training_steps=10)
+    assert cfg.lr_warmup_steps == -1 and cfg.num_warmup_steps == 2
+    assert [lr_factor(s, cfg) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert OptimConfig().num_warmup_steps == 0  # ratio 0: no warmup, no horizon needed
+    explicit = OptimConfig(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5, total_training_steps=10)
+    assert explicit.num_warmup_steps == 3  # an explicit count wins over the ratio
+
+
 def test_trainer_reports_scheduled_lr() -> None:
     trainer = Trainer(config(optim={"lr": 1e-3, "eps": 1e-6, "lr_warmup_steps": 2}), tiny_llama())
     lrs = [trainer.train_step(make_batch(8, [3]))["actor/lr"] for _ in range(3)]
@@ -256,8 +266,11 @@ def test_unknown_modes_and_keys_are_rejected_by_config() -> None:
     # actor.clip_ratio is verl's default for low/high (issue 31); unknown keys still fail
     with pytest.raises(ValidationError, match="clip_ratio_mid"):
         TrainerConfig.model_validate({"clip_ratio_mid": 0.2})
-    with pytest.raises(ValidationError, match="total_training_steps"):
-        OptimConfig(lr_scheduler_type="cosine")
+    # a cosine (or a warmup ratio) without a horizon fails when the schedule is built
+    with pytest.raises(ValueError, match="cosine' needs total_training_steps"):
+        OptimConfig(lr_scheduler_type="cosine").check_horizon()
+    with pytest.raises(ValueError, match=r"lr_warmup_steps_ratio=0.1 needs total_training_steps"):
+        OptimConfig(lr_warmup_steps_ratio=0.1).check_horizon()
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path: object) -> None:

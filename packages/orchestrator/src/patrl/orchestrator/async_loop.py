@@ -18,10 +18,10 @@ from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
 from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
 from patrl.orchestrator.build import load_data, seed_everything
-from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.distributed import World
-from patrl.orchestrator.run import RunResult
+from patrl.orchestrator.run import RunResult, validates_ever
 from patrl.orchestrator.weight_store import WeightStore
 
 
@@ -45,8 +45,9 @@ class AsyncGRPO:
         config.rollout.adaptive_tp.enable = False
         seed_everything(config.trainer.seed)
         data = load_data(
-            config, model_dir, train_files, val_files if config.trainer.test_freq else None
+            config, model_dir, train_files, val_files if validates_ever(config) else None
         )
+        config = resolve_schedule(config, len(data.train_set))
         timeout = config.async_rl.peer_timeout_s if peer_timeout_s is None else peer_timeout_s
         self.job = AsyncJob(
             config,

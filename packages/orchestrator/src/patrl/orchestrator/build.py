@@ -64,10 +64,13 @@ def load_data(
 
 
 def trainer_config(config: JobConfig) -> TrainerConfig:
-    """The trainer's settings: the `actor.*` keys it knows, and the run's seed."""
+    """The trainer's settings: the `actor.*` keys it knows, and the run's seed; with
+    `actor.use_dynamic_bsz` (verl's meaning) micro-batches are cut by tokens alone."""
     fields = TrainerConfig.model_fields
     values = {k: v for k, v in config.actor.model_dump().items() if k in fields}
     values["seed"] = config.trainer.seed
+    if config.actor.use_dynamic_bsz:
+        values["ppo_micro_batch_size_per_gpu"] = None
     if values.get("loss_scale_factor") is None:  # verl pads responses to this length
         values["loss_scale_factor"] = float(config.data.max_response_length)
     return TrainerConfig(**values)
@@ -95,8 +98,10 @@ def critic_config(config: JobConfig) -> CriticConfig:
         loss_agg_mode=c.loss_agg_mode,
         checkpoint=c.checkpoint,
         ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
-        ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu
-        or actor.ppo_micro_batch_size_per_gpu,
+        # verl: the critic's use_dynamic_bsz follows the actor's
+        ppo_micro_batch_size_per_gpu=None
+        if actor.use_dynamic_bsz
+        else c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
         seed=config.trainer.seed,
     )
     return CriticConfig(**values)

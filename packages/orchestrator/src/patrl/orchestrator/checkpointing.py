@@ -1,9 +1,10 @@
 """Run checkpoints: trainer state + loop state, written whole or not at all.
 
-Layout: `<run_dir>/checkpoints/global_step_<N>/{trainer/, huggingface/, critic/ (gae),
-state.json}`, built in `global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint`
-(`resume_mode=auto`) never sees a half-written one, and a crash's `.tmp` is ignored and cleared
-on the next save. `huggingface/` is the policy as a Hugging Face directory (its weights when
+Layout: `<run_dir>/global_step_<N>/{trainer/, huggingface/, critic/ (gae), state.json}` (the
+run dir is `trainer.default_local_dir`, verl's checkpoint folder), built in
+`global_step_<N>.tmp/` and renamed when complete: `latest_checkpoint` (`resume_mode=auto`) never
+sees a half-written one, and a crash's `.tmp` is ignored and cleared on the next save.
+`huggingface/` is the policy as a Hugging Face directory (its weights when
 `actor.checkpoint.save_contents` has hf_model; config, generation config and tokenizer always),
 `critic/huggingface/` the critic's likewise. `check_resumable` compares a checkpoint with the
 model at hand from metadata alone (DCP's `.metadata`, the trainer's marker), before anything is
@@ -38,7 +39,8 @@ _SHAPE_FACTS = (
 
 
 def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    """The folder holding the run's `global_step_<N>` checkpoints: the run dir itself."""
+    return run_dir
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -193,5 +195,5 @@ def _prune(run_dir: Path, keep: int) -> None:
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
     for _, path in steps[:-keep]:
         shutil.rmtree(path)
-    for path in root.glob("*.tmp"):
+    for path in root.glob("global_step_*.tmp"):  # a crashed save's staging
         shutil.rmtree(path)

@@ -1,9 +1,10 @@
 """The job's configuration: pydantic models, a YAML file, and dotted command-line overrides.
 
 Key names follow verl where the concept exists (`data.train_batch_size`, `rollout.n`,
-`actor.ppo_mini_batch_size`, `trainer.save_freq`, ...), so a verl user's overrides carry over.
-Every problem is reported before any rank starts work, naming the dotted key, the bad value and
-what is accepted:
+`actor.ppo_mini_batch_size`, `trainer.save_freq`, ...), with verl's meanings, and verl's own key
+paths (`actor_rollout_ref.actor.optim.lr`, ...) are read as patrl's (verl_keys.py), so a verl
+command line carries over. Every problem is reported before any rank starts work, naming the
+dotted key, the bad value and what is accepted:
 
     cfg = load_config("examples/configs/demo.yaml", ["rollout.n=8", "data.train_batch_size=16"])
 """
@@ -11,20 +12,33 @@ what is accepted:
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from patrl.orchestrator import verl_keys
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import CriticCheckpointConfig, KLType
 
-LoggerName = Literal["console", "jsonl", "tensorboard"]
-_ALL_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+_DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
+# trainer.total_training_steps when neither it nor trainer.total_epochs is set
+DEFAULT_TOTAL_STEPS = 20
+# data.train_files / data.val_files naming the embedded demo task's files
+DEMO_FILES = "demo"
 
 
 class _Section(BaseModel):
@@ -33,23 +47,39 @@ class _Section(BaseModel):
 
 class DataConfig(_Section):
     train_files: list[str] | str | None = Field(
-        None, description="jsonl/parquet files; None = the demo task"
+        None,
+        description="jsonl/parquet files; 'demo' = the demo task's; None = the demo task's "
+        "when model.path is unset too",
     )
     val_files: list[str] | str | None = Field(
-        None, description="validation files; None = demo task's, or none"
+        None,
+        description="validation files; 'demo' = the demo task's; None = none (the demo "
+        "task's when training on it)",
     )
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str | None = Field(
+        None,
+        description="column of the gold answer, dotted into structs; None = 'answer', else "
+        "verl's 'reward_model.ground_truth'",
+    )
     train_batch_size: int = Field(
         8, gt=0, description="prompts per step (each sampled rollout.n times)"
     )
     val_batch_size: int | None = Field(
-        None, gt=0, description="validation prompts per pass; None = all"
+        None,
+        gt=0,
+        description="validation prompts generated at once; every prompt is validated; "
+        "None = all at once",
     )
     max_prompt_length: int = Field(256, gt=0)
     max_response_length: int = Field(256, gt=0)
     filter_overlong_prompts: bool = Field(
-        True, description="drop (and count) longer prompts; false = error"
+        True, description="drop (and count) longer prompts; false = data.truncation says"
+    )
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error",
+        description="an overlong prompt kept (filter_overlong_prompts=false): error, or cut "
+        "to max_prompt_length keeping its end (left), start (right) or both ends (middle)",
     )
     apply_chat_template: bool = True
     system_prompt: str | None = None
@@ -94,11 +124,30 @@ class AdaptiveTPConfig(_Section):
     )
 
 
+class ValKwargsConfig(_Section):
+    """verl's `rollout.val_kwargs`: how validation samples (one response per prompt)."""
+
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
+    n: int = Field(1, ge=1, description="responses per prompt (only 1: mean@1)")
+
+    @field_validator("n")
+    @classmethod
+    def _one_response(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(
+                f"rollout.val_kwargs.n={n}: patrl validates one response per prompt "
+                "(val-core/acc/mean@1); use n=1"
+            )
+        return n
+
+
 class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 = off")
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
     tensor_model_parallel_size: int = Field(
         1, gt=0, description="rollout TP size when adaptive_tp is off"
     )
@@ -152,7 +201,7 @@ class RolloutConfig(_Section):
     enforce_eager: bool = Field(
         False, description="CUDA: decode eagerly instead of through captured CUDA graphs"
     )
-    val_temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
+    val_kwargs: ValKwargsConfig = Field(default_factory=lambda: ValKwargsConfig())
     update_weights_bucket_megabytes: int = Field(256, gt=0)
     over_sample_rate: float = Field(
         0.0,
@@ -180,6 +229,11 @@ class ActorConfig(TrainerConfig):
         8, gt=0, description="prompts per optimizer step (times rollout.n samples)"
     )
     ppo_epochs: int = Field(1, gt=0)
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="micro-batches by ppo_max_token_len_per_gpu alone (ppo_micro_batch_size_"
+        "per_gpu unused)",
+    )
 
 
 class FilterGroupsConfig(_Section):
@@ -323,17 +377,53 @@ class RewardModelConfig(_Section):
 class RunConfig(_Section):
     """verl's `trainer.*`: the run's length, logging and checkpoints."""
 
-    total_training_steps: int = Field(20, gt=0)
+    total_training_steps: int | None = Field(
+        None,
+        gt=0,
+        description="steps to run; None = total_epochs x batches per epoch, or "
+        f"{DEFAULT_TOTAL_STEPS} without total_epochs",
+    )
+    total_epochs: int | None = Field(
+        None,
+        gt=0,
+        description="passes over data.train_files (floor(prompts / train_batch_size) steps "
+        "each) when total_training_steps is None",
+    )
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: rollout ranks never stop; see async_rl"
     )
-    save_freq: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
-    test_freq: int = Field(5, ge=0, description="steps between validations; 0 = never")
-    val_before_train: bool = True
-    logger: list[LoggerName] = Field(default_factory=lambda: list(_ALL_LOGGERS))
+    save_freq: int = Field(
+        0,
+        ge=-1,
+        description="steps between checkpoints, and the last step; 0 = the last step only; "
+        "-1 = none",
+    )
+    test_freq: int = Field(
+        5,
+        ge=-1,
+        description="steps between validations, and after the last step; 0 or -1 = none "
+        "after steps",
+    )
+    val_before_train: bool = Field(
+        True, description="validate before the first step (whatever test_freq says)"
+    )
+    logger: list[LoggerName] = Field(
+        default_factory=lambda: list(_DEFAULT_LOGGERS),
+        description="jsonl is always written; wandb needs `pip install wandb`",
+    )
     project_name: str = "patrl"
     experiment_name: str = "grpo"
-    default_local_dir: str = Field("runs", description="runs go to <dir>/<project>/<experiment>")
+    default_local_dir: str | None = Field(
+        None,
+        description="the run's folder: checkpoints (global_step_<N>/), metrics, plots; "
+        "None = runs/<project_name>/<experiment_name>",
+    )
+    n_gpus_per_node: int | None = Field(
+        None, gt=0, description="ranks per node the job expects (torchrun's); None = any"
+    )
+    nnodes: int | None = Field(
+        None, gt=0, description="nodes the job expects (torchrun's); None = any"
+    )
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
     max_checkpoints_to_keep: int = Field(2, gt=0)
@@ -348,6 +438,11 @@ class RunConfig(_Section):
         description="a rank whose heartbeat (a thread's, so a busy rank still beats) stops this "
         "long is named and the job stops",
     )
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # verl accepts a single name
 
 
 class AsyncConfig(_Section):
@@ -406,6 +501,13 @@ class JobConfig(_Section):
                 "algorithm.filter_groups.enable=true (DAPO refills): choose one"
             )
         _check_group_size(self)
+        if self.model.path is not None and self.data.train_files is None:
+            raise ValueError(
+                f"model.path={self.model.path} is set but data.train_files is not: patrl would "
+                "train your model on the embedded demo task (single-digit sums, written for the "
+                "demo's tokenizer); set data.train_files to your data, or "
+                f"data.train_files={DEMO_FILES} to train on the demo task"
+            )
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         # The trainer's logprobs must use the temperature the rollout sampled with.
@@ -428,8 +530,52 @@ class JobConfig(_Section):
 
     @property
     def run_dir(self) -> Path:
+        """The run's folder (`trainer.default_local_dir`): checkpoints, metrics, plots."""
         t = self.trainer
-        return Path(t.default_local_dir) / t.project_name / t.experiment_name
+        if t.default_local_dir is not None:
+            return Path(t.default_local_dir)
+        return Path("runs") / t.project_name / t.experiment_name
+
+    @property
+    def total_steps(self) -> int:
+        """The run's length in steps, once `resolve_schedule` has fixed it."""
+        steps = self.trainer.total_training_steps
+        if steps is None:
+            raise RuntimeError(
+                "trainer.total_training_steps is not resolved yet (trainer.total_epochs needs "
+                "the train set's size): call resolve_schedule first"
+            )
+        return steps
+
+
+def resolve_schedule(config: JobConfig, num_train_prompts: int | None) -> JobConfig:
+    """`config` with the run's length fixed: trainer.total_training_steps (verl's rule: as
+    given, else total_epochs x floor(num_train_prompts / train_batch_size), the batches an epoch
+    draws) and each optimizer's unset total_training_steps (the cosine's horizon, the base of
+    lr_warmup_steps_ratio). `num_train_prompts` None (not known yet) leaves an epoch count
+    unresolved."""
+    t = config.trainer
+    steps = t.total_training_steps
+    if steps is None and t.total_epochs is None:
+        steps = DEFAULT_TOTAL_STEPS
+    if steps is None and num_train_prompts is not None:
+        per_epoch = num_train_prompts // config.data.train_batch_size
+        if per_epoch == 0:
+            raise ConfigError(
+                f"trainer.total_epochs={t.total_epochs}: data.train_files leaves "
+                f"{num_train_prompts} prompts, fewer than data.train_batch_size="
+                f"{config.data.train_batch_size}, so an epoch has no batch"
+            )
+        assert t.total_epochs is not None
+        steps = t.total_epochs * per_epoch
+    if steps is None:
+        return config
+    out = config.model_copy(deep=True)
+    out.trainer.total_training_steps = steps
+    for optim in (out.actor.optim, out.critic.optim):
+        if optim.total_training_steps is None:
+            optim.total_training_steps = steps
+    return out
 
 
 def _check_group_size(config: JobConfig) -> None:
@@ -448,8 +594,15 @@ class ConfigError(ValueError):
     """A configuration problem, already phrased for the user."""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML file (optional), apply `key.sub=value` overrides, validate."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    notices: list[str] | None = None,
+) -> JobConfig:
+    """Read a YAML file (optional), apply `key.sub=value` overrides, validate. verl's key paths
+    are read as patrl's (verl_keys.py); keys accepted without effect, a wandb logger that is not
+    installed and a TP size that adaptive TP overrides add a line each to `notices`."""
+    notes: list[str] = [] if notices is None else notices
     raw: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
@@ -458,35 +611,137 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
             )
-        raw = loaded
+        raw = _translate_tree(loaded, notes)
     for item in overrides or []:
-        _apply_override(raw, item)
+        _apply_override(raw, item, notes)
     try:
-        return JobConfig.model_validate(raw)
+        verl_keys.finish(raw)
+        config = JobConfig.model_validate(raw)
+    except verl_keys.UnsupportedKey as err:
+        raise ConfigError(str(err)) from None
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
+    if "wandb" in config.trainer.logger and importlib.util.find_spec("wandb") is None:
+        notes.append(
+            "trainer.logger has wandb, but wandb is not installed (pip install wandb): "
+            "metrics go to metrics.jsonl and the other loggers only"
+        )
+    r = config.rollout
+    if "tensor_model_parallel_size" in r.model_fields_set and r.adaptive_tp.enable:
+        notes.append(
+            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is the static "
+            "layout; with rollout.adaptive_tp.enable=true (the default) the engine chooses "
+            f"among rollout.adaptive_tp.candidates {r.adaptive_tp.candidates} as it generates "
+            "(rollout.adaptive_tp.enable=false pins it)"
+        )
+    return config
 
 
 def dump_config(config: JobConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str, notices: list[str]) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    parts = key.strip().split(".")
-    _check_path(parts)
+    key = key.strip()
+    moved = _translate(key, yaml.safe_load(text) if text.strip() else None, notices)
+    if moved is None:
+        return
+    parts, value = moved
+    if parts[0] != verl_keys.CUSTOM_REWARD:
+        _check_path(parts, key)
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    node[parts[-1]] = value
 
 
-def _check_path(parts: list[str]) -> None:
-    """Unknown keys fail here with suggestions, before pydantic's generic message."""
+def _translate(written: str, value: Any, notices: list[str]) -> tuple[list[str], Any] | None:
+    """The patrl path and value of the key `written` (a verl path or patrl's own), or None
+    for a verl key accepted without effect."""
+    parts = verl_keys.patrl_parts(written.split("."))
+    try:
+        return verl_keys.translate(written, parts, value, _is_own_key, notices)
+    except verl_keys.UnsupportedKey as err:
+        raise ConfigError(str(err)) from None
+
+
+def _translate_tree(tree: dict[str, Any], notices: list[str]) -> dict[str, Any]:
+    """A YAML file's sections with verl's keys moved to patrl's paths (nested verl sections,
+    `actor_rollout_ref: {actor: {...}}`, included). A key reached twice (patrl's and verl's
+    name for one setting) is an error naming both."""
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # patrl key -> the key as written
+    for written, value in _leaves(tree, []):
+        moved = _translate(written, value, notices)
+        if moved is None:
+            continue
+        parts, value = moved
+        if parts[0] != verl_keys.CUSTOM_REWARD:
+            _check_path(parts, written)
+        dotted = ".".join(parts)
+        if dotted in origin:
+            raise ConfigError(
+                f"{origin[dotted]} and {written} both set {dotted}: they are one setting "
+                "(verl's name and patrl's); keep one"
+            )
+        origin[dotted] = written
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{written}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def _leaves(tree: dict[str, Any], prefix: list[str]) -> list[tuple[str, Any]]:
+    """(dotted key as written, value) of every setting: a mapping is descended into where it
+    is one of patrl's sections or leads to verl keys; anything else is a value."""
+    out: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        written = [*prefix, str(key)]
+        parts = verl_keys.patrl_parts(written)
+        if isinstance(value, dict) and (_is_section(parts) or verl_keys.is_section(parts)):
+            out += _leaves(value, written)
+        else:
+            out.append((".".join(written), value))
+    return out
+
+
+def _field_model(parts: list[str]) -> tuple[bool, type[BaseModel] | None]:
+    """Whether `parts` is one of JobConfig's keys, and the section model it names (None for a
+    value)."""
+    model: type[BaseModel] | None = JobConfig
+    for part in parts:
+        if model is None:
+            return True, None  # inside a value (a list of reward functions, ...)
+        if part not in model.model_fields:
+            return False, None
+        annotation = model.model_fields[part].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return True, model
+
+
+def _is_own_key(parts: list[str]) -> bool:
+    return _field_model(parts)[0]
+
+
+def _is_section(parts: list[str]) -> bool:
+    return _field_model(parts)[1] is not None
+
+
+def _check_path(parts: list[str], written: str | None = None) -> None:
+    """Unknown keys fail here with suggestions, before pydantic's generic message. `written`:
+    the key as the user wrote it, when that was a verl path."""
     model: type[BaseModel] | None = JobConfig
     for depth, part in enumerate(parts):
         if model is None:
@@ -496,9 +751,11 @@ def _check_path(parts: list[str]) -> None:
             where = ".".join(parts[:depth]) or "the top level"
             close = difflib.get_close_matches(part, list(fields), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"unknown key {'.'.join(parts[: depth + 1])!r}: {where} accepts {sorted(fields)}{hint}"
-            )
+            key = ".".join(parts[: depth + 1])
+            named = repr(key)
+            if written not in (None, ".".join(parts)):
+                named = f"{written!r} (patrl's {key!r})"
+            raise ConfigError(f"unknown key {named}: {where} accepts {sorted(fields)}{hint}")
         annotation = fields[part].annotation
         model = (
             annotation

@@ -6,7 +6,9 @@ dataset id when the name is not a local path. A prompt is a string or a chat mes
 template, the prompt (a string becomes one user message) is rendered with
 `add_generation_prompt=True` and tokenized without adding special tokens again (the template
 already holds them); otherwise the string itself is tokenized with the tokenizer's special
-tokens. Prompts longer than `max_prompt_length` tokens are dropped and counted, or rejected.
+tokens. Prompts longer than `max_prompt_length` tokens are dropped and counted, or (verl's
+`data.truncation`) rejected or cut. The gold answer is a column, dotted into struct columns;
+unnamed, it is `answer`, else verl's `reward_model.ground_truth`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
     from patrl.orchestrator.config import JobConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The answer column looked for when data.answer_key is unset: patrl's, then verl's layout.
+DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+Truncation = Literal["error", "left", "right", "middle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +62,31 @@ def load_prompt_dataset(
     files: list[str] | str,
     *,
     prompt_key: str = "prompt",
-    answer_key: str = "answer",
+    answer_key: str | None = "answer",
     tokenizer: Any,
     max_prompt_length: int,
     filter_overlong_prompts: bool = True,
+    truncation: Truncation = "error",
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     split: str = "train",
     cache_dir: str | None = None,
 ) -> PromptDataset:
     """Read, render and tokenize every row. `answer_key` may be dotted to reach into a struct
-    column (verl's parquet files keep the answer in `reward_model.ground_truth`)."""
+    column (verl's parquet files keep the answer in `reward_model.ground_truth`); None takes
+    the first of `DEFAULT_ANSWER_KEYS` that the first file has. An overlong prompt is dropped
+    (`filter_overlong_prompts`), else rejected or cut as `truncation` says."""
     paths = [files] if isinstance(files, str) else list(files)
     if not paths:
         raise ValueError("no data files given")
     rows: list[dict[str, Any]] = []
     for path in paths:
         part = read_rows(path, split=split, cache_dir=cache_dir)
+        if answer_key is None:
+            answer_key = default_answer_key(path, part)
         check_columns(path, part, {"prompt": prompt_key, "answer": answer_key})
         rows += part
+    assert answer_key is not None  # the first file's, when unset
     use_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     texts = [
         render_prompt(row[prompt_key], i, tokenizer, use_template, system_prompt)
@@ -85,13 +96,16 @@ def load_prompt_dataset(
     items, num_overlong = [], 0
     for i, (row, text, ids) in enumerate(zip(rows, texts, token_ids, strict=True)):
         if len(ids) > max_prompt_length:
-            if not filter_overlong_prompts:
+            if filter_overlong_prompts:
+                num_overlong += 1
+                continue
+            if truncation == "error":
                 raise ValueError(
                     f"row {i}: prompt has {len(ids)} tokens > max_prompt_length="
-                    f"{max_prompt_length} (set filter_overlong_prompts to drop such rows)"
+                    f"{max_prompt_length} (set filter_overlong_prompts to drop such rows, or "
+                    "data.truncation=left/right/middle to cut them)"
                 )
-            num_overlong += 1
-            continue
+            ids = truncate(list(ids), max_prompt_length, truncation)
         extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         messages = prompt_messages(row[prompt_key], i, system_prompt)
         items.append(PromptItem(i, list(ids), text, _answer(row, answer_key, i), extra, messages))
@@ -105,18 +119,66 @@ def load_prompt_dataset(
     return PromptDataset(items, num_rows=len(rows), num_filtered_overlong=num_overlong)
 
 
+def truncate(ids: list[int], length: int, mode: Truncation) -> list[int]:
+    """`ids` cut to `length` tokens as verl cuts: keeping the end (left), the start (right), or
+    the first length // 2 and the last length - length // 2 tokens (middle)."""
+    if len(ids) <= length:
+        return ids
+    if mode == "left":
+        return ids[-length:]
+    if mode == "right":
+        return ids[:length]
+    if mode == "middle":
+        head = length // 2
+        return ids[:head] + ids[len(ids) - (length - head) :]
+    raise ValueError(f"truncation {mode!r}: accepted left, right, middle (or error)")
+
+
 def check_columns(path: str, rows: list[dict[str, Any]], keys: Mapping[str, str]) -> None:
-    """Raise unless the file has rows and each `role -> column` in `keys` (dotted: its first
-    part) is a column of them."""
+    """Raise unless the file has rows and each `role -> column` in `keys` (dotted: into a
+    struct column) is in its first row; the error lists the columns, nested ones dotted."""
     if not rows:
         raise ValueError(f"data file {path!r} has no rows")
-    columns = list(rows[0])
     for role, key in keys.items():
-        if key.split(".")[0] not in columns:
+        if not _has_column(rows[0], key):
             raise KeyError(
                 f"{role} column {key!r} not found in {path!r} (set data.{role}_key to one "
-                f"of its columns: {columns})"
+                f"of its columns: {columns(rows[0])})"
             )
+
+
+def default_answer_key(path: str, rows: list[dict[str, Any]]) -> str:
+    """The first of `DEFAULT_ANSWER_KEYS` in the file's first row (data.answer_key unset)."""
+    if not rows:
+        raise ValueError(f"data file {path!r} has no rows")
+    for key in DEFAULT_ANSWER_KEYS:
+        if _has_column(rows[0], key):
+            return key
+    raise KeyError(
+        f"no answer column in {path!r}: data.answer_key unset looks for "
+        f"{' or '.join(repr(k) for k in DEFAULT_ANSWER_KEYS)}; set data.answer_key to one of "
+        f"its columns: {columns(rows[0])}"
+    )
+
+
+def columns(row: Mapping[str, Any]) -> list[str]:
+    """A row's columns, the fields of a struct column dotted (`reward_model.ground_truth`)."""
+    out = []
+    for key, value in row.items():
+        if isinstance(value, Mapping) and value:
+            out += [f"{key}.{sub}" for sub in columns(value)]
+        else:
+            out.append(str(key))
+    return out
+
+
+def _has_column(row: Mapping[str, Any], key: str) -> bool:
+    value: Any = row
+    for part in [key] if key in row else key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def read_rows(
@@ -310,6 +372,7 @@ def dataset_for(config: JobConfig, tokenizer: Any, files: Any) -> PromptDataset:
         tokenizer=tokenizer,
         max_prompt_length=d.max_prompt_length,
         filter_overlong_prompts=d.filter_overlong_prompts,
+        truncation=d.truncation,
         apply_chat_template=d.apply_chat_template,
         system_prompt=d.system_prompt,
     )

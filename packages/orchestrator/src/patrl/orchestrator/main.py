@@ -2,7 +2,8 @@
 
 Bad input (configuration, model, data, layout, resume checkpoint: preflight.py) fails on every
 rank, naming the culprit, before any process group is joined or anything is written;
-`--dry-run` runs the same checks and prints the resolved config. A rank that dies (even by
+`--dry-run` runs the same checks and prints the resolved config. verl's key paths are accepted
+(verl_keys.py); the first rank prints a note for each one that has no effect here. A rank that dies (even by
 SIGKILL) takes the job down, and torchrun names the rank that failed first; with
 `--max-restarts N` the workers restart and resume from the newest complete checkpoint
 (`trainer.resume_mode=auto`), losing at most the step in progress.
@@ -54,15 +55,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None, default_config: str | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    notices: list[str] = []
     try:
-        config = preflight.load(args.config or default_config, args.overrides)
+        config = preflight.load(args.config or default_config, args.overrides, notices)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        preflight.check(config, world_size, local)
+        config = preflight.check(config, world_size, local)
     except ConfigError as err:
         if rank == 0:
             print(f"patrl: {err}", file=sys.stderr)
         return 2
+    if rank == 0:
+        for note in notices:
+            print(f"patrl: note: {note}", file=sys.stderr)
     if args.dry_run:
         if rank == 0:
             print(dump_config(config), end="")
@@ -188,7 +193,7 @@ def run(config: JobConfig, world: World) -> Any:
 def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
     """The model and data to use; the embedded demo task fills in whatever is not given."""
     demo = None
-    if config.model.path is None or config.data.train_files is None:
+    if preflight.uses_demo(config):
         from patrl.orchestrator.demo import ensure_demo_assets
 
         # Every rank asks; a file lock lets one build while the others wait on the lock (not on

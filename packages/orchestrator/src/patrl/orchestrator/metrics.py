@@ -1,9 +1,11 @@
-"""Step metrics (verl names) to JSONL, TensorBoard and a live progress bar; plots at the end."""
+"""Step metrics (verl names) to JSONL, TensorBoard, wandb and a live progress bar; plots at the
+end."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ HEADLINE = (
 
 
 class MetricsLogger:
-    """Writes one JSON line per step (always), TensorBoard scalars (when installed and asked)."""
+    """Writes one JSON line per step (always), TensorBoard scalars and wandb rows (when
+    installed and asked)."""
 
     def __init__(
         self,
@@ -29,8 +32,10 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         label: str = "train",
+        wandb_init: Mapping[str, Any] | None = None,
     ) -> None:
-        """`label`: the console progress bar's name (the job's advantage estimator)."""
+        """`label`: the console progress bar's name (the job's advantage estimator);
+        `wandb_init`: wandb.init's arguments (project, name, config) for the wandb logger."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
@@ -38,6 +43,7 @@ class MetricsLogger:
         # A resumed run rewrites the file from its checkpoint: steps after it will be redone.
         self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
         self._tb = _tensorboard(run_dir / "tensorboard") if "tensorboard" in loggers else None
+        self._wandb = _wandb(run_dir, wandb_init or {}) if "wandb" in loggers else None
         self._bar = None
         if "console" in loggers:
             from tqdm.auto import tqdm
@@ -54,6 +60,9 @@ class MetricsLogger:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
+        if self._wandb is not None:
+            finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+            self._wandb.log(finite, step=step)
         if self._bar is not None:
             if "critic/score/mean" in metrics:
                 self._bar.update(1)
@@ -66,6 +75,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def summary(self) -> str:
         """A table of the headline metrics: first steps, last steps, change."""
@@ -99,6 +110,22 @@ def _tensorboard(log_dir: Path) -> Any:
     except ImportError:  # tensorboard is optional: JSONL is always written
         return None
     return SummaryWriter(str(log_dir))
+
+
+def _wandb(run_dir: Path, init: Mapping[str, Any]) -> Any:
+    """A wandb run (`wandb.init(**init)`, files under run_dir), or None with a warning when
+    wandb is not installed: it is optional, JSONL is always written."""
+    try:
+        import wandb
+    except ImportError:
+        print(
+            "patrl: warning: trainer.logger has wandb, but wandb is not installed "
+            "(pip install wandb); logging to metrics.jsonl and the other loggers only",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return wandb.init(dir=str(run_dir), **init)
 
 
 def plot_run(

@@ -2,11 +2,12 @@
 
 `load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
 matches) and the dotted key of wrong types. `check` validates the model directory, data files,
-TP layout and resume checkpoint against the world the job will run in. Both run on every rank
-before a process group is joined, write nothing of the run (`datasets` may fill its own cache),
-and raise one PreflightError listing every problem:
+reward functions, TP layout, world shape and resume checkpoint against the world the job will
+run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
+train set's size). Both run on every rank before a process group is joined, write nothing of
+the run (`datasets` may fill its own cache), and raise one PreflightError listing every problem:
 
-    preflight.check(preflight.load("job.yaml", ["rollout.n=8"]), world_size=2)
+    config = preflight.check(preflight.load("job.yaml", ["rollout.n=8"]), world_size=2)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import difflib
 import re
 import typing
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,8 +26,14 @@ from pydantic import BaseModel
 from safetensors import SafetensorError
 
 from patrl.lenpredict import usable_tp_sizes
-from patrl.orchestrator import checkpointing
-from patrl.orchestrator.config import ConfigError, JobConfig, load_config
+from patrl.orchestrator import checkpointing, verl_keys
+from patrl.orchestrator.config import (
+    DEMO_FILES,
+    ConfigError,
+    JobConfig,
+    load_config,
+    resolve_schedule,
+)
 from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.orchestrator.learned_reward import reward_model_problems
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
@@ -50,17 +58,22 @@ class PreflightError(ConfigError):
 # ------------------------------------------------------------------------------ configuration
 
 
-def load(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """`load_config`, with the YAML's syntax and keys checked first so that errors carry lines."""
+def load(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    notices: list[str] | None = None,
+) -> JobConfig:
+    """`load_config`, with the YAML's syntax and keys checked first so that errors carry lines;
+    `notices` collects load_config's notices."""
     if path is None:
-        return load_config(None, overrides)
+        return load_config(None, overrides, notices)
     try:
         text = Path(path).read_text()
     except OSError as err:
         raise ConfigError(f"config file {str(path)!r}: {err.strerror}") from None
     lines = key_lines(str(path), text)
     try:
-        return load_config(path, overrides)
+        return load_config(path, overrides, notices)
     except ConfigError as err:
         overridden = {item.partition("=")[0].strip() for item in overrides or []}
         where = {k: n for k, n in lines.items() if k not in overridden}
@@ -102,7 +115,9 @@ def _walk(
         key = str(key_node.value)
         dotted = ".".join([*prefix, key])
         line = key_node.start_mark.line + 1
-        if key not in fields:
+        if key not in fields and verl_keys.is_section(verl_keys.patrl_parts([*prefix, key])):
+            _walk_verl(value_node, [*prefix, key], lines, line)
+        elif key not in fields:
             where = ".".join(prefix) or "the top level"
             close = difflib.get_close_matches(key, list(fields), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -118,6 +133,20 @@ def _walk(
         else:
             lines[dotted] = line
             _walk_value(value_node, fields[key].annotation, [*prefix, key], path, lines, problems)
+
+
+def _walk_verl(node: Any, written: list[str], lines: dict[str, int], line: int) -> None:
+    """verl's keys under `written`: each that lands on a patrl key (its own after the section
+    rename, or an alias) records its line there; load_config judges the rest."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = [*written, str(key_node.value)]
+            _walk_verl(value_node, child, lines, key_node.start_mark.line + 1)
+        return
+    parts = verl_keys.patrl_parts(written)
+    rule = verl_keys.rule_for(parts)
+    target = rule.target if isinstance(rule, verl_keys.Alias) else ".".join(parts)
+    lines.setdefault(target, line)
 
 
 def _walk_value(
@@ -147,18 +176,24 @@ def _locations(message: str, path: str, lines: dict[str, int]) -> str:
 # ----------------------------------------------------------------------------------- inputs
 
 
-def check(config: JobConfig, world_size: int, local_world_size: int | None = None) -> None:
-    """Raise PreflightError listing every problem of the model, data, layout and checkpoint
-    for a run on `world_size` ranks, `local_world_size` per node (default: one node).
+def check(config: JobConfig, world_size: int, local_world_size: int | None = None) -> JobConfig:
+    """Raise PreflightError listing every problem of the model, data, rewards, layout and
+    checkpoint for a run on `world_size` ranks, `local_world_size` per node (default: one
+    node); else return `config` with the run's length resolved (`resolve_schedule`; an epoch
+    count stays unresolved where the train set is not read here).
 
     What comes from the embedded demo is checked when the demo is already built, and left to
     its build (which makes known-good assets) when not."""
     problems: list[str] = []
     model_dir, train_files, val_files = choose_assets(config, _built_demo(config))
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
+    num_train = None
     if tokenizer is not None:
-        problems += _data_problems(config, tokenizer, train_files, val_files)
+        data_problems, num_train = _data_problems(config, tokenizer, train_files, val_files)
+        problems += data_problems
     local = local_world_size or world_size
+    problems += world_problems(config, world_size, local)
+    problems += _reward_problems(config)
     if config.trainer.mode == "async" and config.async_rl.rollout_ranks >= world_size:
         problems.append(
             f"async_rl.rollout_ranks={config.async_rl.rollout_ranks} leaves no trainer rank in a "
@@ -183,19 +218,66 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     problems += _critic_problems(config)
     if problems:
         raise PreflightError(problems)
+    return resolve_schedule(config, num_train)
+
+
+def world_problems(config: JobConfig, world_size: int, local_world_size: int) -> list[str]:
+    """verl's `trainer.n_gpus_per_node` / `trainer.nnodes`, where set, against the world
+    torchrun started (WORLD_SIZE ranks, LOCAL_WORLD_SIZE per node)."""
+    t = config.trainer
+    nodes = world_size // local_world_size if world_size % local_world_size == 0 else None
+    wrong = []
+    if t.n_gpus_per_node is not None and t.n_gpus_per_node != local_world_size:
+        wrong.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node}")
+    if t.nnodes is not None and t.nnodes != nodes:
+        wrong.append(f"trainer.nnodes={t.nnodes}")
+    if not wrong:
+        return []
+    per_node = t.n_gpus_per_node or local_world_size
+    count = t.nnodes or nodes or 1
+    return [
+        f"{' and '.join(wrong)} do not match the world torchrun started: WORLD_SIZE="
+        f"{world_size} with LOCAL_WORLD_SIZE={local_world_size} per node; launch "
+        f"`torchrun --nnodes {count} --nproc_per_node {per_node}`, or set "
+        "trainer.n_gpus_per_node and trainer.nnodes to that world (or leave them unset)"
+    ]
+
+
+def _reward_problems(config: JobConfig) -> list[str]:
+    """Each reward function's spec resolves (a module imports, a file exists, the function is
+    there), as the reward workers will resolve it."""
+    from patrl.orchestrator.rewards import resolve_reward_fn
+
+    problems: list[str] = []
+    for i, fn in enumerate(config.reward.functions):
+        _attempt(problems, f"reward.functions.{i}.name", partial(resolve_reward_fn, fn.name))
+    return problems
 
 
 def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
     """(model dir, train files, val files): the configured ones, the demo's for what is not
-    configured (None where that is needed and `demo` is None)."""
+    configured or is named `demo` (None where that is needed and `demo` is None)."""
     model, train, val = config.model.path, config.data.train_files, config.data.val_files
+    on_demo = train is None or train == DEMO_FILES
     if model is None and demo is not None:
         model = str(demo.model_dir)
-    if val is None and train is None and demo is not None:
+    if (val == DEMO_FILES or (val is None and on_demo)) and demo is not None:
         val = str(demo.val_file)
-    if train is None and demo is not None:
-        train = str(demo.train_file)
+    elif val == DEMO_FILES:
+        val = None
+    if on_demo:
+        train = str(demo.train_file) if demo is not None else None
     return model, train, val
+
+
+def uses_demo(config: JobConfig) -> bool:
+    """Whether the job takes anything from the embedded demo task."""
+    d = config.data
+    return (
+        config.model.path is None
+        or d.train_files in (None, DEMO_FILES)
+        or d.val_files == DEMO_FILES
+    )
 
 
 def layout_problems(
@@ -250,17 +332,20 @@ def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any
 
 def _data_problems(
     config: JobConfig, tokenizer: Any, train_files: Any, val_files: Any
-) -> list[str]:
+) -> tuple[list[str], int | None]:
+    """The data's problems, and the train set's size (None where it was not read)."""
     problems: list[str] = []
+    size = None
     if train_files is not None:
         train = _attempt(
             problems, "data.train_files", lambda: _dataset(config, train_files, tokenizer)
         )
         if train is not None:
             problems += _batch_problems(config, train)
+            size = len(train)
     if val_files:
         _attempt(problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer))
-    return problems
+    return problems, size
 
 
 def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:
@@ -318,7 +403,7 @@ def _tokenizer(model_dir: str) -> Any:
 
 def _built_demo(config: JobConfig) -> Any:
     """The demo's assets if the run would use them and they are built; else None."""
-    if config.model.path is not None and config.data.train_files is not None:
+    if not uses_demo(config):
         return None
     from patrl.orchestrator.demo.assets import (
         DemoAssets,

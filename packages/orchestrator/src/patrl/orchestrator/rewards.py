@@ -2,7 +2,10 @@
 
 A reward function is `fn(response: str, answer: str, **meta) -> float | dict` (a dict holds the
 score under "score", other numeric entries are extras); without `**kwargs` it gets only the meta
-keys it names. A spec is a built-in name (`math_verify`, `format`) or `module:function`.
+keys it names. A function with verl's parameters (`solution_str`, `ground_truth`: verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)`) is called as verl calls
+it, by keyword. A spec is a built-in name (`math_verify`, `format`), `module:function`, or
+`path/to/file.py:function` (verl's custom_reward_function).
 
 `RewardManager` runs the calls in spawned worker processes, each call with its own deadline. A
 call that raises, times out, returns a non-finite value or kills its worker scores 0.0 for its
@@ -85,17 +88,21 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "form
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
-    """A built-in name or `module:function` -> the callable."""
+    """A built-in name, `module:function` or `file.py:function` -> the callable."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
             f"reward function {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
-            "nor of the form 'module:function'"
+            "nor of the form 'module:function' or 'path/to/file.py:function'"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = (
+            _import_file(module_name)
+            if module_name.endswith(".py")
+            else importlib.import_module(module_name)
+        )
     except Exception as e:
         raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: {e!r}") from e
     fn = module
@@ -106,6 +113,35 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is a {type(fn).__name__}, not callable")
     return fn
+
+
+def _import_file(path: str) -> Any:
+    """The module of a Python file (verl's custom_reward_function.path), executed once per
+    process under a name of its own."""
+    import importlib.util
+    import os
+    import sys
+
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"no such file: {full}")
+    name = f"patrl_reward_file_{abs(hash(full)):x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+# verl's compute_score parameters: a function naming these is called as verl calls it
+_VERL_PARAMS = {"solution_str", "ground_truth"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,21 +218,42 @@ class _Outcome:
 
 
 class _Callable:
-    """A resolved spec, called with only the meta keys it accepts."""
+    """A resolved spec, called with only the meta keys it accepts (verl's keywords for a
+    function with verl's parameters)."""
 
     def __init__(self, spec: str) -> None:
         self.fn = resolve_reward_fn(spec)
         params = inspect.signature(self.fn).parameters.values()
         self.takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         self.names = {p.name for p in params}
+        self.verl = self.names >= _VERL_PARAMS
 
     def __call__(self, response: str, answer: str, meta: Mapping[str, Any]) -> _Outcome:
-        kwargs = meta if self.takes_all else {k: v for k, v in meta.items() if k in self.names}
         try:
-            value = self.fn(response, answer, **kwargs)
+            if self.verl:
+                value = self.fn(**_verl_kwargs_of(self, response, answer, meta))
+            else:
+                kwargs = (
+                    meta if self.takes_all else {k: v for k, v in meta.items() if k in self.names}
+                )
+                value = self.fn(response, answer, **kwargs)
         except Exception as e:
             return _Outcome("exception", message=_describe(e))
         return _validate(value)
+
+
+def _verl_kwargs_of(
+    fn: _Callable, response: str, answer: str, meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    """verl's keyword call: data_source, solution_str, ground_truth, extra_info (the row's
+    columns of those names), each that the function takes."""
+    kwargs = {
+        "data_source": meta.get("data_source"),
+        "solution_str": response,
+        "ground_truth": answer,
+        "extra_info": meta.get("extra_info"),
+    }
+    return {k: v for k, v in kwargs.items() if fn.takes_all or k in fn.names}
 
 
 def _validate(value: Any) -> _Outcome:

@@ -27,19 +27,29 @@ class RunResult:
 
 
 def validates(config: JobConfig, step: int) -> bool:
-    """Whether the weights after step `step` are validated (`step` 0: before training)."""
+    """Whether the weights after step `step` are validated (verl's rule): step 0 (before
+    training) with `val_before_train`; with `test_freq > 0`, every `test_freq` steps and the
+    last step."""
     t = config.trainer
-    if not t.test_freq:
-        return False
     if step == 0:
         return t.val_before_train
-    return step % t.test_freq == 0
+    if t.test_freq <= 0:
+        return False
+    return step % t.test_freq == 0 or step == config.total_steps
+
+
+def validates_ever(config: JobConfig) -> bool:
+    """Whether the run validates at all (so needs its validation set)."""
+    return config.trainer.val_before_train or config.trainer.test_freq > 0
 
 
 def saves(config: JobConfig, step: int) -> bool:
-    """Whether step `step` ends with a checkpoint: every `save_freq` steps, and the last."""
+    """Whether step `step` ends with a checkpoint: with `save_freq > 0` every `save_freq` steps
+    and the last (verl's rule); with 0 the last only; with -1 never."""
     t = config.trainer
-    return bool(t.save_freq and step % t.save_freq == 0) or step == t.total_training_steps
+    if t.save_freq < 0:
+        return False
+    return bool(t.save_freq and step % t.save_freq == 0) or step == config.total_steps
 
 
 class RunLoop:
@@ -63,22 +73,28 @@ class RunLoop:
 
     def run(self) -> RunResult:
         cfg = self.config.trainer
+        total = self.config.total_steps
         self.resume()
         self.started()
         logger = (
             MetricsLogger(
                 self.run_dir,
                 cfg.logger,
-                cfg.total_training_steps,
+                total,
                 self.step,
                 label=self.config.algorithm.adv_estimator,
+                wandb_init={
+                    "project": cfg.project_name,
+                    "name": cfg.experiment_name,
+                    "config": self.config.model_dump(mode="json"),
+                },
             )
             if self.is_first
             else None
         )
         try:
             self.before_steps(logger)
-            while self.step < cfg.total_training_steps:
+            while self.step < total:
                 self.step += 1
                 self.log_step(logger, self.train_one_step())
                 if saves(self.config, self.step):

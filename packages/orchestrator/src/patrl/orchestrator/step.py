@@ -62,16 +62,22 @@ def timed(timings: dict[str, float], key: str) -> Iterator[None]:
 
 
 def sampling_params(
-    config: JobConfig, item: PromptItem, n: int, temperature: float, seed_key: tuple[int, ...]
+    config: JobConfig,
+    item: PromptItem,
+    n: int,
+    temperature: float,
+    seed_key: tuple[int, ...],
+    validation: bool = False,
 ) -> SamplingParams:
-    """How `item` is sampled; the seed depends on `seed_key` and the prompt only, so a resumed
-    run, or the other schedule, samples the same tokens."""
-    r = config.rollout
+    """How `item` is sampled (top-p/top-k of `rollout`, or of `rollout.val_kwargs` for a
+    `validation`); the seed depends on `seed_key` and the prompt only, so a resumed run, or the
+    other schedule, samples the same tokens."""
+    s = config.rollout.val_kwargs if validation else config.rollout
     return SamplingParams(
         n=n,
         temperature=temperature,
-        top_p=r.top_p if temperature > 0 else 1.0,
-        top_k=r.top_k if temperature > 0 else 0,
+        top_p=s.top_p if temperature > 0 else 1.0,
+        top_k=s.top_k if temperature > 0 and s.top_k > 0 else 0,  # verl's -1 (and 0): off
         max_tokens=config.data.max_response_length,
         # Python's hash of a tuple of ints is the same in every process and run.
         seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
@@ -534,10 +540,12 @@ def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> d
     }
 
 
-def validation_prompts(config: JobConfig, val_set: PromptDataset) -> list[PromptItem]:
-    """The prompts a validation runs: the first `data.val_batch_size` (0: all)."""
-    items = val_set.items
-    return items[: config.data.val_batch_size] if config.data.val_batch_size else list(items)
+def validation_batches(config: JobConfig, val_set: PromptDataset) -> list[list[PromptItem]]:
+    """Every validation prompt, in order, in batches of `data.val_batch_size` (verl's
+    validation dataloader; None: one batch of all)."""
+    items = list(val_set.items)
+    size = config.data.val_batch_size or len(items)
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def validation_metrics(samples: list[Sample], start: float) -> dict[str, float]:

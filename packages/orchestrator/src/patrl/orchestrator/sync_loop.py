@@ -31,7 +31,7 @@ from patrl.orchestrator.build import (
     seed_everything,
     trainer_config,
 )
-from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
 from patrl.orchestrator.kl_reward import (
@@ -55,8 +55,8 @@ from patrl.orchestrator.step import (
     timed,
     training_seed_key,
     update_policy,
+    validation_batches,
     validation_metrics,
-    validation_prompts,
 )
 from patrl.rollout import AdaptiveEngine, SequenceState
 from patrl.trainer import Critic, Trainer
@@ -86,6 +86,7 @@ class SyncGRPO(RunLoop):
         self.model_dir = model_dir
         seed_everything(config.trainer.seed)
         data = load_data(config, model_dir, train_files, val_files, announce=world.is_first)
+        self.config = config = resolve_schedule(config, len(data.train_set))
         self.tokenizer, self.train_set, self.val_set = data.tokenizer, data.train_set, data.val_set
         self.loader = data.loader
         self._items_by_index = {item.index: item for item in self.train_set.items}
@@ -410,7 +411,14 @@ class SyncGRPO(RunLoop):
         if not mine and not self._online_lengths:
             return []
         params = [
-            sampling_params(self.config, item, n or self.config.rollout.n, temperature, seed_key)
+            sampling_params(
+                self.config,
+                item,
+                n or self.config.rollout.n,
+                temperature,
+                seed_key,
+                validation=split == "validation",
+            )
             for item in mine
         ]
         outputs = self.engine.generate(
@@ -486,16 +494,19 @@ class SyncGRPO(RunLoop):
         )
 
     def validate(self) -> dict[str, float]:
-        """pass@1 on the validation set at rollout.val_temperature (greedy by default)."""
+        """pass@1 on every validation prompt, `data.val_batch_size` prompts generated at a
+        time, sampled as `rollout.val_kwargs` says (greedy by default)."""
         assert self.val_set is not None
         start = time.perf_counter()
-        local = self._generate(
-            validation_prompts(self.config, self.val_set),
-            self.config.rollout.val_temperature,
-            VALIDATION_SEED_KEY,
-            n=1,
-            split="validation",
-        )
+        local = []
+        for batch in validation_batches(self.config, self.val_set):
+            local += self._generate(
+                batch,
+                self.config.rollout.val_kwargs.temperature,
+                VALIDATION_SEED_KEY,
+                n=1,
+                split="validation",
+            )
         samples, _ = self._score(local, training=False)
         return validation_metrics(samples, start)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -13,7 +13,11 @@ KLType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
 
 
 class OptimConfig(BaseModel):
-    """AdamW plus linear warmup into a constant or cosine schedule (verl `actor.optim`)."""
+    """AdamW plus linear warmup into a constant or cosine schedule (verl `actor.optim`).
+
+    `total_training_steps` (None: not known yet) is the cosine's horizon and the base of
+    `lr_warmup_steps_ratio`; a schedule that needs it fails at `build_scheduler` without it (the
+    orchestrator fills it in with the run's length)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -21,17 +25,38 @@ class OptimConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.01, ge=0)
-    lr_warmup_steps: int = Field(default=0, ge=0)
+    lr_warmup_steps: int = Field(
+        default=-1, ge=-1, description="-1 = lr_warmup_steps_ratio x total_training_steps"
+    )
+    lr_warmup_steps_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="warmup share of the run when lr_warmup_steps=-1"
+    )
     lr_scheduler_type: Literal["constant", "cosine"] = "constant"
     # Cosine decays to lr * min_lr_ratio at total_training_steps.
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    total_training_steps: int | None = Field(default=None, ge=1)
+    total_training_steps: int | None = Field(
+        default=None, ge=1, description="None = the run's (trainer.total_training_steps)"
+    )
 
-    @model_validator(mode="after")
-    def _cosine_needs_horizon(self) -> OptimConfig:
+    @property
+    def num_warmup_steps(self) -> int:
+        """Warmup steps in force: lr_warmup_steps, or (at -1, verl's rule) the ratio's share of
+        total_training_steps, rounded down."""
+        if self.lr_warmup_steps >= 0:
+            return self.lr_warmup_steps
+        if self.lr_warmup_steps_ratio == 0:
+            return 0
+        if self.total_training_steps is None:
+            raise ValueError(
+                f"lr_warmup_steps_ratio={self.lr_warmup_steps_ratio} needs total_training_steps"
+            )
+        return int(self.lr_warmup_steps_ratio * self.total_training_steps)
+
+    def check_horizon(self) -> None:
+        """Raise ValueError if the schedule needs total_training_steps and it is unset."""
         if self.lr_scheduler_type == "cosine" and self.total_training_steps is None:
             raise ValueError("lr_scheduler_type='cosine' needs total_training_steps")
-        return self
+        self.num_warmup_steps  # noqa: B018 (raises for a ratio without a horizon)
 
 
 # What a checkpoint can hold (verl's `checkpoint.save_contents` values): "model" and

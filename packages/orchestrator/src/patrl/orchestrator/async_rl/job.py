@@ -23,7 +23,7 @@ class AsyncJob:
     model_dir: str
     run_dir: Path
     loader: PromptLoader
-    val_set: PromptDataset | None  # only with trainer.test_freq
+    val_set: PromptDataset | None  # only when the run validates (run.validates_ever)
     control: ControlPlane
     weights: WeightStore
 

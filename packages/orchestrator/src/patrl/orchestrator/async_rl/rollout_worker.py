@@ -116,7 +116,7 @@ class RolloutWorker:
                             self.validation is not None
                             and out.request_id in self.validation.pending
                         ):
-                            self.validation.finish(out)
+                            self.validation.finish(out, self.engine)
                         else:
                             self._hand_over(out)
                     self.steps_since_report += 1
@@ -345,10 +345,12 @@ class RolloutWorker:
         what the others continue). It stays away for its down time, then rejoins afresh."""
         me = self.world.rank
         if self.validator:
+            t = self.config.trainer
             raise RuntimeError(
-                f"rollout rank {me} validates (trainer.test_freq={self.config.trainer.test_freq}) "
-                "and cannot be preempted: validation does not migrate. Preempt another rollout "
-                "rank, or run without validation (trainer.test_freq=0)"
+                f"rollout rank {me} validates (trainer.test_freq={t.test_freq}, "
+                f"trainer.val_before_train={t.val_before_train}) and cannot be preempted: "
+                "validation does not migrate. Preempt another rollout rank, or run without "
+                "validation (trainer.test_freq=-1 and trainer.val_before_train=false)"
             )
         down_s = float(self.control.get(f"preempt/{me}"))
         self.control.put(f"gone/{me}.{self.life}", "preempted")

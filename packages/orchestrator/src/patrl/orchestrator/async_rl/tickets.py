@@ -63,7 +63,7 @@ def admission_limit(config: JobConfig, version: int) -> int:
     """Tickets below this may start on a rank holding weights `version`: AReaL's capacity
     (max_staleness + version + 1) batches, and no ticket past the last step."""
     batch = config.data.train_batch_size
-    total = config.trainer.total_training_steps
+    total = config.total_steps
     return min((config.async_rl.max_staleness + version + 1) * batch, total * batch)
 
 

@@ -156,7 +156,7 @@ class TrainerWorker(RunLoop):
             critic=self.critic,
         )
         self.control.beat()
-        last = self.step == cfg.trainer.total_training_steps
+        last = self.step == cfg.total_steps
         # After the last step nobody generates; only a validation would read the weights.
         if not last or (self.job.val_set is not None and validates(cfg, self.step)):
             with timed(timings, "update_weights"):

@@ -1,7 +1,7 @@
 """Rollout rank 0's validation of one weight version, run beside the training tickets with the
-sync schedule's requests (same prompts, seeds, temperature); the result goes to the store as
-`val/<version>` for the trainer to log. Newer weights wait until it is done, so every
-validation token comes from that version."""
+sync schedule's requests (same prompts, seeds, sampling), `data.val_batch_size` prompts at a
+time; the result goes to the store as `val/<version>` for the trainer to log. Newer weights
+wait until it is done, so every validation token comes from that version."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from patrl.orchestrator.step import (
     Sample,
     sampling_params,
     score_outputs,
+    validation_batches,
     validation_metrics,
-    validation_prompts,
 )
 from patrl.rollout import Engine, RequestOutput
 
 
 class Validation:
-    """The validation requests in flight (`pending`, by request id) and what they scored."""
+    """The validation requests in flight (`pending`, by request id), the batches still to
+    start (`queued`) and what they scored."""
 
     def __init__(
         self,
@@ -38,25 +39,36 @@ class Validation:
         self.rewards = rewards
         self.control = control
         self.pending: dict[str, PromptItem] = {}
+        self.queued: list[list[PromptItem]] = []
         self.results: list[Sample] = []
         self.version = 0
         self.start = 0.0
 
     def begin(self, engine: Engine) -> None:
-        """Add the requests validating the engine's current weights."""
-        temperature, version = self.config.rollout.val_temperature, engine.weight_version
-        for item in validation_prompts(self.config, self.val_set):
-            params = sampling_params(self.config, item, 1, temperature, VALIDATION_SEED_KEY)
-            rid = f"val-{version}-{item.index}"
+        """Start validating the engine's current weights: its first batch of requests."""
+        self.queued = validation_batches(self.config, self.val_set)
+        self.version, self.start, self.results = engine.weight_version, time.perf_counter(), []
+        self._add_batch(engine)
+
+    def _add_batch(self, engine: Engine) -> None:
+        temperature = self.config.rollout.val_kwargs.temperature
+        for item in self.queued.pop(0):
+            params = sampling_params(
+                self.config, item, 1, temperature, VALIDATION_SEED_KEY, validation=True
+            )
+            rid = f"val-{self.version}-{item.index}"
             engine.add_request(item.prompt_token_ids, params, request_id=rid)
             self.pending[rid] = item
-        self.version, self.start, self.results = version, time.perf_counter(), []
 
-    def finish(self, out: RequestOutput) -> None:
-        """Score a finished request; the last one publishes the version's metrics."""
+    def finish(self, out: RequestOutput, engine: Engine) -> None:
+        """Score a finished request; a batch's last one starts the next batch on `engine`, the
+        last batch's last one publishes the version's metrics."""
         item = self.pending.pop(out.request_id)
         self.results += score_outputs(self.rewards, [(item, out)])[0]
         if self.pending:
+            return
+        if self.queued:
+            self._add_batch(engine)
             return
         metrics = validation_metrics(self.results, self.start)
         self.control.put(f"val/{self.version}", pickle.dumps(metrics))
