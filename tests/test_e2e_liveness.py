@@ -87,7 +87,7 @@ def wait_for(condition: Any, what: str, timeout_s: float = JOB_TIMEOUT_S) -> Non
 
 
 def trained_a_step(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints" / "global_step_1").is_dir()
+    return (run_dir / "global_step_1").is_dir()
 
 
 def workers(agent: int) -> dict[int, int]:
@@ -123,7 +123,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "patrl" / "grpo"
+    run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
         wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
         ranks = workers(proc.pid)
@@ -138,7 +138,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -
 
 
 def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "patrl" / "grpo"
+    run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
         wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
         ranks = workers(proc.pid)
@@ -149,7 +149,7 @@ def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> 
 
 
 def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "patrl" / "grpo"
+    run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
         wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
@@ -161,7 +161,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Pa
 
 
 def test_a_second_job_on_the_same_run_dir_is_refused(assets: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "patrl" / "grpo"
+    run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
         wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
         second = subprocess.run(

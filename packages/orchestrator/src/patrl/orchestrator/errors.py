@@ -7,8 +7,12 @@ from __future__ import annotations
 
 class JobError(RuntimeError):
     """A run that stopped for a reason the user can act on; the message says what and what
-    next. Every rank raises it together (the cause is known to all), or the first one's
-    message is the one printed."""
+    next. `collective`: every rank raises it alike (the first rank prints it); otherwise it is
+    this rank's own (each rank that raises it prints it, naming itself)."""
+
+    def __init__(self, message: str, collective: bool = True) -> None:
+        super().__init__(message)
+        self.collective = collective
 
 
 IN_PROCESS_TIMEOUT = (

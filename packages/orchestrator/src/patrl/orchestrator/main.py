@@ -32,6 +32,7 @@ from patrl.orchestrator.distributed import (
 from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.run_lock import RunDirLock
 from patrl.orchestrator.watchdog import start_watchdog
+from patrl.trainer import NonFiniteError
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -82,8 +83,10 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     try:
         with run_dir_lock(config, world):
             run(config, world)
-    except JobError as err:
-        if world.is_first:
+    except (JobError, NonFiniteError) as err:
+        if not getattr(err, "collective", True):
+            print(f"patrl: rank {world.rank}: {err}", file=sys.stderr, flush=True)
+        elif world.is_first:
             print(f"patrl: {err}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt as err:

@@ -121,7 +121,7 @@ class RunDirLock:
         return True
 
     def _write(self) -> None:
-        staged = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+        staged = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.new")
         staged.write_text(json.dumps(asdict(self.holder)))
         os.replace(staged, self.path)
 
