@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `bench`, `demo`, `gpu`.
+"""Developer sessions: `nox -s tests`, `install_check`, `lint`, `typecheck`, `bench`, `demo`,
+`gpu`, and `wheels` (the wheelhouse that installs any one package from this checkout).
 
 Every session installs the pinned CPU torch first: an unpinned torch would pull several GB of
 CUDA packages, and the packages' own `torch>=2.6` range is then satisfied by what is there.
@@ -13,7 +14,7 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "install_check", "lint", "typecheck"]
 
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
@@ -22,7 +23,8 @@ PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchest
 # Triton runs the GPU paged-attention kernels' tests on CPU through its interpreter
 # (TRITON_INTERPRET=1); its wheels exist for Linux x86-64 only, elsewhere those tests skip.
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", TRITON]
+TOMLI = "tomli>=2; python_version < '3.11'"  # tests/test_packaging.py reads the pyprojects
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", TRITON, TOMLI]
 
 
 def install_patrl(session: nox.Session, *extra: str) -> None:
@@ -40,6 +42,115 @@ def tests(session: nox.Session) -> None:
     # One thread per process: multi-rank tests put several ranks on two cores.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     session.run("pytest", *session.posargs, env=env)
+
+
+def build_wheelhouse(session: nox.Session, out: Path) -> Path:
+    """The six packages' wheels in `out`, and `out/constraints.txt` naming each one by its file
+    URL: `pip install -c out/constraints.txt patrl-<name>` then takes every patrl package from
+    `out` (a constraint with a URL admits nothing else, so no same-named index package either)
+    and everything else from the index. Returns the constraints file."""
+    session.install("hatchling>=1.21")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("patrl_*.whl"):
+        old.unlink()
+    sources = [str(ROOT / "packages" / name) for name in PACKAGES]
+    session.run(
+        "python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+        *sources,
+    )  # fmt: skip
+    pins = []
+    for wheel in sorted(out.glob("patrl_*.whl")):
+        name = wheel.name.split("-")[0].replace("_", "-")
+        pins.append(f"{name} @ {wheel.resolve().as_uri()}\n")
+    if len(pins) != len(PACKAGES):
+        session.error(f"expected {len(PACKAGES)} patrl wheels in {out}, found {len(pins)}")
+    constraints = out / "constraints.txt"
+    constraints.write_text("".join(pins))
+    return constraints
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """dist/: the six wheels and dist/constraints.txt; then any one package installs alone with
+    `pip install -c dist/constraints.txt patrl-rollout` (README, Packages)."""
+    constraints = build_wheelhouse(session, ROOT / "dist")
+    session.log(f"pip install -c {constraints.relative_to(ROOT)} patrl-<name>")
+
+
+# Run in each fresh virtualenv after the install: the package imports; exactly the expected
+# patrl distributions are there, each from the wheelhouse; torch is or is not installed.
+_CHECK_INSTALL = """
+import importlib, importlib.metadata as md, importlib.util, json, sys
+package, wheelhouse, expected, torch_expected = sys.argv[1:]
+importlib.import_module(package.replace("-", "."))
+dists = {d.metadata["Name"]: d for d in md.distributions() if d.metadata["Name"].startswith("patrl")}
+assert sorted(dists) == sorted(expected.split(",")), sorted(dists)
+for name, dist in dists.items():
+    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    assert url.startswith(wheelhouse), f"{name} came from {url or 'an index'}, not {wheelhouse}"
+has_torch = importlib.util.find_spec("torch") is not None
+assert has_torch == (torch_expected == "torch"), f"torch installed: {has_torch}"
+print(f"{package}: imports; {', '.join(sorted(dists))} from the wheelhouse; torch: {has_torch}")
+"""
+
+# A higher-versioned `patrl-lenpredict` with no code: a same-named package on an index, which
+# pip would prefer to the checkout's 0.1.0 without the wheelhouse's constraints.
+_DECOY = """
+[build-system]
+requires = ["hatchling>=1.21"]
+build-backend = "hatchling.build"
+[project]
+name = "patrl-lenpredict"
+version = "99.0"
+[tool.hatch.build.targets.wheel]
+bypass-selection = true
+"""
+
+# package -> (what it must bring along, whether torch comes with it)
+_ALONE = {
+    "patrl-lenpredict": (["patrl-lenpredict"], False),
+    "patrl-rollout": (
+        ["patrl-rollout", "patrl-kvstore", "patrl-tpreshard", "patrl-lenpredict"],
+        True,
+    ),
+}
+
+
+@nox.session
+def install_check(session: nox.Session) -> None:
+    """patrl-lenpredict and patrl-rollout, each alone, into a fresh virtualenv from the
+    wheelhouse, the way the README's Packages section says: each imports, its patrl
+    dependencies come from this checkout even with a higher-versioned same-named package on
+    offer, and lenpredict brings no torch (rollout gets the pinned CPU torch, as every session
+    does)."""
+    tmp = Path(session.create_tmp())
+    constraints = build_wheelhouse(session, tmp / "wheels")
+    wheelhouse = (tmp / "wheels").resolve().as_uri()
+    check = tmp / "check_install.py"
+    check.write_text(_CHECK_INSTALL)
+    decoy = tmp / "decoy"
+    (decoy / "src").mkdir(parents=True, exist_ok=True)
+    (decoy / "src" / "pyproject.toml").write_text(_DECOY)
+    session.run(
+        "python", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+        "-w", str(decoy), str(decoy / "src"),
+    )  # fmt: skip
+    for package, (expected, with_torch) in _ALONE.items():
+        venv = tmp / package
+        session.run("python", "-m", "venv", "--clear", str(venv))
+        python = str(venv / "bin" / "python")
+        pinned = [TORCH] if with_torch else []
+        # No byte-compiling of torch's files: the check imports a few modules once.
+        session.run(
+            python, "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints),
+            "--find-links", str(decoy), *pinned, package,
+            external=True,
+        )  # fmt: skip
+        session.run(
+            python, str(check), package, wheelhouse, ",".join(expected),
+            "torch" if with_torch else "no torch",
+            external=True,
+        )  # fmt: skip
 
 
 @nox.session

@@ -12,6 +12,7 @@ from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.main import main
+from patrl.orchestrator.run import completed
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.rollout import SamplingParams
 from patrl_testkit.jobs import addition_job
@@ -72,7 +73,11 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     if rank == 0:
         synthetic_profile(str(assets / "model"), tp2_speedup=20.0).save(profile)
     torch.distributed.barrier()
-    extra = {"rollout.prompt_assignment": "length_aware", "rollout.adaptive_tp.profile": profile}
+    extra = {
+        "rollout.prompt_assignment": "length_aware",
+        "rollout.adaptive_tp.profile": profile,
+        "trainer.plots": "true",
+    }
     loop = make_loop(assets, run_dir, world, **extra)
     before = {k: v.clone() for bucket in loop.trainer.iter_full_weights(1 << 20) for k, v in bucket}
     result = loop.run()
@@ -87,7 +92,8 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     batch = PolicyBatch.from_responses([[1, 70, 71]], [out.token_ids], [0.0])
     trainer_lp = loop.trainer.compute_logprobs(batch)[0][-len(out.token_ids) :]
     gap = float((trainer_lp - torch.tensor(out.logprobs)).abs().max())
-    return {"history": result.history, "changed": changed, "gap": gap}
+    labels = [t["label"] for t in loop.timelines()]
+    return {"history": result.history, "changed": changed, "gap": gap, "timelines": labels}
 
 
 @pytest.mark.multirank
@@ -115,6 +121,10 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
     assert [h["rollout/tp_switches"] for h in steps] == [0, 0]
     assert all(h["rollout/tp_max"] == 2 for h in steps)
+    # The timeline plot gathers every replica's rollout: one TP-2 replica of both ranks.
+    assert [r["timelines"] for r in results] == [["replica 0 (ranks 0-1), tp 2"]] * 2
+    for png in ("reward.png", "response_lengths.png", "generation_timeline.png"):
+        assert (tmp_path / png).is_file()
 
 
 KEYS = (
@@ -126,10 +136,24 @@ KEYS = (
 )
 
 
-def test_resume_reproduces_the_uninterrupted_run(assets: Path, tmp_path: Path) -> None:
+def test_resume_reproduces_the_uninterrupted_run(
+    assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of 2 steps, extended to 4 by raising total_training_steps, equals a straight run
+    of 4; re-running it unchanged in between says it is complete and does nothing."""
     world = World(0, 1, 0, torch.device("cpu"))
     straight = make_loop(assets, tmp_path / "a", world, **{"trainer.total_training_steps": 4}).run()
     make_loop(assets, tmp_path / "b", world, **{"trainer.save_freq": 2}).run()
+    run_dir = tmp_path / "b"
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(overrides(assets, tmp_path / "b", **{"trainer.save_freq": 2})) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("patrl: nothing to do:") and out.count("\n") == 1, out
+    assert f"{checkpointing.step_dir(run_dir, 2)} is at step 2" in out
+    assert "trainer.total_training_steps=2" in out and f"in {run_dir}/" in out
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+    assert checkpointing.latest_checkpoint(run_dir) == checkpointing.step_dir(run_dir, 2)
     # A crash while writing step 3's checkpoint left debris that must be ignored.
     debris = checkpointing.staging_dir(tmp_path / "b", 3)
     debris.mkdir()
@@ -157,6 +181,37 @@ def test_latest_checkpoint_ignores_incomplete_ones(tmp_path: Path) -> None:
             (d / checkpointing.STATE_FILE).write_text("{}")
     checkpointing.staging_dir(tmp_path, 5).mkdir()
     assert checkpointing.latest_checkpoint(tmp_path) == checkpointing.step_dir(tmp_path, 2)
+
+
+@pytest.mark.parametrize(
+    ("mode", "saved_step", "total", "complete"),
+    [
+        ("auto", 2, 2, True),
+        ("auto", 3, 2, True),  # total lowered below the checkpoint
+        ("auto", 2, 3, False),
+        ("disable", 2, 2, False),
+        ("resume_path", 2, 2, True),
+    ],
+)
+def test_completed_only_when_the_resumed_checkpoint_has_no_step_left(
+    tmp_path: Path, mode: str, saved_step: int, total: int, complete: bool
+) -> None:
+    assert completed(load_config(None, [f"trainer.default_local_dir={tmp_path}"])) is None
+    checkpoint = checkpointing.step_dir(tmp_path, saved_step)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / checkpointing.STATE_FILE).write_text(f'{{"step": {saved_step}}}')
+    keys = [
+        f"trainer.default_local_dir={tmp_path}",
+        f"trainer.total_training_steps={total}",
+        f"trainer.resume_mode={mode}",
+    ]
+    if mode == "resume_path":
+        keys.append(f"trainer.resume_from_path={checkpoint}")
+    notice = completed(load_config(None, keys))
+    assert (notice is not None) == complete
+    if notice is not None:
+        assert f"{checkpoint} is at step {saved_step}" in notice
+        assert f"trainer.total_training_steps={total}" in notice
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_a_two_rank_run_writes_a_model_transformers_and_the_engine_agree_on(
     assets = addition_job(tmp_path / "assets")
     run_dir = tmp_path / "runs"
     ranks = run_ranks(_two_rank_run, world_size=2, args=(assets, run_dir), timeout_s=400)
-    job_dir = run_dir / "patrl" / "grpo"
+    job_dir = run_dir
     checkpoint = checkpointing.latest_checkpoint(job_dir)
     assert checkpoint == checkpointing.step_dir(job_dir, 2)
     hf = checkpointing.hf_dir(checkpoint)

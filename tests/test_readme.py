@@ -21,7 +21,7 @@ def quickstart_lines() -> list[str]:
 
 def test_quickstart_is_two_lines_and_ci_runs_the_test_line() -> None:
     demo, tests = quickstart_lines()
-    assert demo.endswith("nox -s demo") and tests.endswith("nox -s tests")
+    assert demo.endswith("nox -s demo") and tests.endswith("nox -s tests install_check")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci  # verbatim, on a line of its own
     assert "set -euo pipefail" in ci

@@ -174,7 +174,7 @@ def test_staleness_zero_reproduces_the_sync_loop(
     # The advantages were not all zero: the comparison above covered real updates.
     assert any(s["critic/advantages/max"] > 0 for s in sync_steps)
     # The async schedule's checkpoints hold the policy as a Hugging Face directory too.
-    hf = checkpointing.hf_dir(checkpointing.step_dir(tmp_path / "async" / "patrl" / "grpo", 2))
+    hf = checkpointing.hf_dir(checkpointing.step_dir(tmp_path / "async", 2))
     exported = load_file(hf / "model.safetensors")
     assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
     assert exported.keys() == results[1]["weights"].keys()

@@ -409,7 +409,9 @@ class RunConfig(_Section):
     )
     logger: list[LoggerName] = Field(
         default_factory=lambda: list(_DEFAULT_LOGGERS),
-        description="jsonl is always written; wandb needs `pip install wandb`",
+        description="console: progress bar; tensorboard: scalars (needs the [tensorboard] "
+        "extra); wandb: needs `pip install wandb`. metrics.jsonl is always written: resume, "
+        "summary and plots read it",
     )
     project_name: str = "patrl"
     experiment_name: str = "grpo"

@@ -6,7 +6,11 @@ rank, naming the culprit, before any process group is joined or anything is writ
 (verl_keys.py); the first rank prints a note for each one that has no effect here. A rank that dies (even by
 SIGKILL) takes the job down, and torchrun names the rank that failed first; with
 `--max-restarts N` the workers restart and resume from the newest complete checkpoint
-(`trainer.resume_mode=auto`), losing at most the step in progress.
+(`trainer.resume_mode=auto`), losing at most the step in progress. A run whose checkpoint is
+already at `trainer.total_training_steps` says so and exits 0 without building anything.
+
+Arguments are parsed before torch and the loops are imported, so `--help` and a malformed
+command line answer at once.
 """
 
 from __future__ import annotations
@@ -18,21 +22,11 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from patrl.orchestrator import checkpointing, preflight
-from patrl.orchestrator.config import ConfigError, JobConfig, dump_config
-from patrl.orchestrator.distributed import (
-    World,
-    barrier,
-    broadcast_object,
-    close_world,
-    init_world,
-)
-from patrl.orchestrator.errors import JobError
-from patrl.orchestrator.run_lock import RunDirLock
-from patrl.orchestrator.watchdog import start_watchdog
-from patrl.trainer import NonFiniteError
+if TYPE_CHECKING:
+    from patrl.orchestrator.config import JobConfig
+    from patrl.orchestrator.distributed import World
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -55,6 +49,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None, default_config: str | None = None) -> int:
     args = parse_args(argv)
+    from patrl.orchestrator import preflight
+    from patrl.orchestrator.config import ConfigError, dump_config
+    from patrl.orchestrator.distributed import close_world, init_world
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.run import completed
+    from patrl.orchestrator.watchdog import start_watchdog
+    from patrl.trainer import NonFiniteError
+
     rank = int(os.environ.get("RANK", "0"))
     notices: list[str] = []
     try:
@@ -72,6 +74,10 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     if args.dry_run:
         if rank == 0:
             print(dump_config(config), end="")
+        return 0
+    if (done := completed(config)) is not None:
+        if rank == 0:
+            print(done, flush=True)
         return 0
     if rank == 0 and (hazard := restart_hazard(os.environ)):
         print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
@@ -119,6 +125,10 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
 def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
     """The run directory's lock (run_lock.py), taken by the first rank; a refusal is raised on
     every rank alike (JobError), before any of them writes."""
+    from patrl.orchestrator.distributed import broadcast_object
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.run_lock import RunDirLock
+
     lock, refused = None, None
     if world.is_first:
         try:
@@ -145,6 +155,8 @@ def _terminated(signum: int, frame: object) -> None:
 
 def stopped_message(config: JobConfig, err: KeyboardInterrupt) -> str:
     """What a user whose run was stopped needs: why, and where it resumes."""
+    from patrl.orchestrator import checkpointing
+
     how = (
         "terminated (SIGTERM: Ctrl-C on torchrun, or another rank failed and torchrun stopped "
         "the rest; its summary names the first failure)"
@@ -195,6 +207,9 @@ def run(config: JobConfig, world: World) -> Any:
 
 def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
     """The model and data to use; the embedded demo task fills in whatever is not given."""
+    from patrl.orchestrator import preflight
+    from patrl.orchestrator.distributed import barrier
+
     demo = None
     if preflight.uses_demo(config):
         from patrl.orchestrator.demo import ensure_demo_assets

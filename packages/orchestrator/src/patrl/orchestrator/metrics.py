@@ -22,8 +22,10 @@ HEADLINE = (
 
 
 class MetricsLogger:
-    """Writes one JSON line per step (always), TensorBoard scalars and wandb rows (when
-    installed and asked)."""
+    """Writes one JSON line per step to `metrics.jsonl` whatever `loggers` names (it is the run's
+    record: a resumed run's history, the summary and the plots are read from it), plus what
+    `loggers` asks for: `console` a progress bar, `tensorboard` scalars (with one warning and
+    no scalars when the `tensorboard` package is missing), `wandb` rows (likewise)."""
 
     def __init__(
         self,
@@ -105,9 +107,18 @@ def _read_history(path: Path, upto_step: int) -> list[dict[str, float]]:
 
 
 def _tensorboard(log_dir: Path) -> Any:
+    """A SummaryWriter into `log_dir`, or None after one warning: tensorboard is an extra."""
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional: JSONL is always written
+    except ImportError:
+        print(
+            "patrl: warning: trainer.logger names tensorboard but the tensorboard package is "
+            "not installed, so no TensorBoard scalars are written (metrics.jsonl has every "
+            "value): pip install 'patrl-orchestrator[tensorboard]', or leave tensorboard out "
+            "of trainer.logger",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return SummaryWriter(str(log_dir))
 
@@ -128,66 +139,146 @@ def _wandb(run_dir: Path, init: Mapping[str, Any]) -> Any:
     return wandb.init(dir=str(run_dir), **init)
 
 
+def replica_timelines(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One timeline per replica the rollout started with, from every rank's engine timeline
+    (`{"t", "running", "tp", "switches"}`, in rank order), labelled with its ranks and TP sizes.
+
+    The ranks of a TP group run the same steps, so the group's first rank speaks for it; TP
+    groups are contiguous ranks, so rank r started in group r // tp, tp its first step's size."""
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for rank, mine in enumerate(per_rank):
+        if not mine["t"]:
+            continue
+        tp = mine["tp"][0]
+        group = rank // tp
+        if group in seen:
+            continue
+        seen.add(group)
+        ranks = f"rank {rank}" if tp == 1 else f"ranks {group * tp}-{group * tp + tp - 1}"
+        sizes = [size for i, size in enumerate(mine["tp"]) if i == 0 or mine["tp"][i - 1] != size]
+        label = f"replica {group} ({ranks}), tp {'->'.join(map(str, sizes))}"
+        out.append({k: mine[k] for k in ("t", "running", "switches")} | {"label": label})
+    return out
+
+
 def plot_run(
     history: Sequence[Mapping[str, float]],
     lengths: Sequence[int],
     timeline: Sequence[Mapping[str, Any]],
     out_dir: Path,
+    max_response_length: int | None = None,
 ) -> list[Path]:
-    """PNG plots: reward and validation accuracy by step, response lengths, generation timeline."""
-    import matplotlib
+    """PNG plots in `out_dir`: reward and validation accuracy by step, response lengths (with
+    the length cap marked), the generation timeline (one line per replica); a plot without
+    data is skipped. `timeline`: one entry per replica, `{"t", "running", "switches", "label"}`
+    as `replica_timelines` returns them."""
+    figures = [("reward.png", reward_figure(history))]
+    if lengths:
+        figures.append(("response_lengths.png", lengths_figure(lengths, max_response_length)))
+    if timeline:
+        figures.append(("generation_timeline.png", timeline_figure(timeline)))
+    return [_save(fig, out_dir / name) for name, fig in figures]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    written = []
+def reward_figure(history: Sequence[Mapping[str, float]]) -> Any:
+    """Train reward by step, with validation pass@1 dashed beneath it where validated."""
+    fig, ax = _figure(7, 4)
     train = [h for h in history if "critic/score/mean" in h]
     val = [h for h in history if "val-core/acc/mean@1" in h]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # The train line is drawn above the validation one, which often sits on the same values.
     ax.plot(
         [h["step"] for h in train],
         [h["critic/score/mean"] for h in train],
+        "o-",
+        markersize=3,
+        zorder=3,
         label="train reward (mean)",
     )
     if val:
         ax.plot(
             [h["step"] for h in val],
             [h["val-core/acc/mean@1"] for h in val],
-            "o-",
+            "s--",
+            markersize=5,
+            alpha=0.8,
+            zorder=2,
             label="validation pass@1",
         )
+    ax.set_title("reward by step")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
+    _integer_ticks(ax.xaxis)
     ax.legend()
     ax.grid(alpha=0.3)
-    written.append(_save(fig, out_dir / "reward.png"))
+    return fig
 
-    if lengths:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.hist(lengths, bins=40)
-        ax.set_xlabel("response length (tokens)")
-        ax.set_ylabel("samples")
-        ax.set_title("response lengths, all steps")
-        written.append(_save(fig, out_dir / "response_lengths.png"))
 
-    if timeline:
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for event in timeline:
-            ax.plot(event["t"], event["running"], drawstyle="steps-post", alpha=0.6)
-            for t, label in event.get("switches", []):
-                ax.axvline(t, color="red", linestyle="--", alpha=0.5)
-                ax.text(t, max(event["running"] or [1]), label, color="red", fontsize=7)
-        ax.set_xlabel("seconds into the rollout")
-        ax.set_ylabel("running sequences (per replica)")
-        ax.set_title("generation timeline (last step); red: TP layout switches")
-        written.append(_save(fig, out_dir / "generation_timeline.png"))
-    return written
+def lengths_figure(lengths: Sequence[int], max_response_length: int | None) -> Any:
+    """Histogram of response lengths; the cap (`data.max_response_length`) as a red line, with
+    the share of responses that reached it (cut, not finished)."""
+    fig, ax = _figure(7, 4)
+    ax.hist(lengths, bins=40)
+    if max_response_length is not None:
+        capped = sum(n >= max_response_length for n in lengths)
+        ax.axvline(
+            max_response_length,
+            color="red",
+            linestyle="--",
+            label=f"data.max_response_length={max_response_length} "
+            f"({capped} reach it, {capped / len(lengths):.1%})",
+        )
+        ax.legend()
+    ax.set_title(f"response lengths, all trained samples ({len(lengths)})")
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("samples")
+    _integer_ticks(ax.xaxis)
+    return fig
+
+
+def timeline_figure(timeline: Sequence[Mapping[str, Any]]) -> Any:
+    """Running sequences over the last training rollout, one line per replica, TP layout
+    switches as red dashed lines (drawn once when replicas share a switch)."""
+    fig, ax = _figure(9, 4)
+    marked: set[tuple[float, str]] = set()
+    for i, replica in enumerate(timeline):
+        ax.plot(
+            replica["t"],
+            replica["running"],
+            drawstyle="steps-post",
+            alpha=0.7,
+            label=replica.get("label", f"replica {i}"),
+        )
+        for t, text in replica.get("switches", []):
+            if (t, text) in marked:
+                continue
+            marked.add((t, text))
+            ax.axvline(t, color="red", linestyle="--", alpha=0.5)
+            ax.text(t, max(replica["running"] or [1]), text, color="red", fontsize=7)
+    legend = " (red: TP layout switches)" if marked else ""
+    ax.set_title(f"generation timeline, last training rollout{legend}")
+    ax.set_xlabel("seconds into the rollout")
+    ax.set_ylabel("running sequences")
+    _integer_ticks(ax.yaxis)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _figure(width: float, height: float) -> tuple[Any, Any]:
+    """A figure and its axes, outside pyplot's global state (nothing to close, any thread)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    return fig, fig.add_subplot()
+
+
+def _integer_ticks(axis: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

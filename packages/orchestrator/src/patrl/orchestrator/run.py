@@ -55,6 +55,28 @@ def saves(config: JobConfig, step: int) -> bool:
     return bool(t.save_freq and step % t.save_freq == 0) or step == config.total_steps
 
 
+def completed(config: JobConfig) -> str | None:
+    """A one-line notice if the run has no step left to take, else None: the checkpoint it would
+    resume from (`trainer.resume_*`) is already at `trainer.total_training_steps` or past it.
+    Checked before anything is built, so re-running a finished job costs nothing."""
+    t = config.trainer
+    if t.total_training_steps is None:  # not resolved (resolve_schedule) yet: cannot tell
+        return None
+    found = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    if found is None or not (found / checkpointing.STATE_FILE).is_file():
+        return None
+    step = int(checkpointing.read_state(found)["step"])
+    if step < t.total_training_steps:
+        return None
+    return (
+        f"patrl: nothing to do: checkpoint {found} is at step {step} and "
+        f"trainer.total_training_steps={t.total_training_steps}; the run's metrics.jsonl, plots "
+        f"and checkpoints are in {config.run_dir}/. Raise trainer.total_training_steps to train "
+        "on from it, or start afresh with trainer.resume_mode=disable or another "
+        "trainer.experiment_name."
+    )
+
+
 class RunLoop:
     """Runs steps until `trainer.total_training_steps`, resuming first from a checkpoint; the
     first rank (`is_first`) logs, plots and commits checkpoints, every rank trains and saves."""
@@ -111,7 +133,13 @@ class RunLoop:
             return RunResult(self.step, [], self.run_dir)
         print("\n" + logger.summary())
         if cfg.plots:
-            written = plot_run(logger.history, self.all_lengths, self.timelines(), self.run_dir)
+            written = plot_run(
+                logger.history,
+                self.all_lengths,
+                self.timelines(),
+                self.run_dir,
+                self.config.data.max_response_length,
+            )
             print("plots: " + ", ".join(str(p) for p in written))
         return RunResult(self.step, logger.history, self.run_dir)
 

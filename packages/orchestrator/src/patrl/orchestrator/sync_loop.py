@@ -41,7 +41,7 @@ from patrl.orchestrator.kl_reward import (
     save_kl_state,
 )
 from patrl.orchestrator.learned_reward import build_learned_reward
-from patrl.orchestrator.metrics import MetricsLogger
+from patrl.orchestrator.metrics import MetricsLogger, replica_timelines
 from patrl.orchestrator.rewards import FailureGuard, FailureSummary, RewardManager
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import (
@@ -137,6 +137,7 @@ class SyncGRPO(RunLoop):
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
         self.rollout_decisions: list[dict[str, Any]] = []
+        self._replica_timelines: list[dict[str, Any]] = []  # every replica's, after the steps
         self.step = 0
         self.all_lengths: list[int] = []
 
@@ -175,19 +176,27 @@ class SyncGRPO(RunLoop):
         if self.rewards is not None:
             self.rewards.close()
 
+    def after_steps(self, logger: MetricsLogger | None) -> None:
+        if self.config.trainer.plots:  # the same on every rank: all or none gather
+            gathered = all_gather_objects(self.world, self._rank_timeline())
+            self._replica_timelines = replica_timelines(gathered)
+
     def timelines(self) -> list[dict[str, Any]]:
+        """The last training rollout of every replica (gathered by `after_steps`)."""
+        return self._replica_timelines
+
+    def _rank_timeline(self) -> dict[str, Any]:
         timeline = self.rollout_timeline
-        return [
-            {
-                "t": [e["t"] for e in timeline],
-                "running": [e["running"] for e in timeline],
-                "switches": [
-                    (d["t"], f"tp{d['current_tp']}->{d['target_tp']}")
-                    for d in self.rollout_decisions
-                    if d["action"] == "switch"
-                ],
-            }
-        ]
+        return {
+            "t": [e["t"] for e in timeline],
+            "running": [e["running"] for e in timeline],
+            "tp": [e["tp_size"] for e in timeline],
+            "switches": [
+                (d["t"], f"tp{d['current_tp']}->{d['target_tp']}")
+                for d in self.rollout_decisions
+                if d["action"] == "switch"
+            ],
+        }
 
     def find_checkpoint(self) -> Path | None:
         return broadcast_object(self.world, super().find_checkpoint() if self.is_first else None)

@@ -15,7 +15,12 @@ def plot_timeline(
     title: str = "generation timeline",
 ) -> Path:
     """Write a PNG of `Engine.stats()["timeline"]` and `["tp_decisions"]` to `path`."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            "plot_timeline needs matplotlib: pip install 'patrl-rollout[plot]'"
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -76,7 +76,13 @@ def _read(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"preference file {str(path)!r} does not exist")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise ImportError(
+                f"preference file {str(path)!r}: parquet needs pyarrow: "
+                "pip install 'patrl-trainer[parquet]'"
+            ) from err
 
         return list(pq.read_table(path).to_pylist())
     rows = []
