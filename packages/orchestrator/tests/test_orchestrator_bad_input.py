@@ -681,7 +681,7 @@ def test_default_candidates_drop_the_sizes_the_model_cannot_split(
     config = preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 2)
     assert tp_candidates(config, 2, 2, str(model)) == (1,)
     explicit = preflight.load(
-        None, _overrides(Setup(overrides)) + ["rollout.adaptive_tp.candidates=[1,2]"]
+        None, [*_overrides(Setup(overrides)), "rollout.adaptive_tp.candidates=[1,2]"]
     )
     assert tp_candidates(explicit, 2, 2, str(model)) == (1, 2)
 
