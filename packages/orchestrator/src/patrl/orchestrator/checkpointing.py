@@ -304,8 +304,10 @@ def disk_full(err: BaseException, path: Path, needed: int) -> str | None:
         seen.append(e)
         todo += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> error
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+        if isinstance(failures, dict):  # (the error, its stack) per failed rank
+            for f in failures.values():
+                first = f[0] if isinstance(f, tuple) and f else f
+                todo += [first] if isinstance(first, BaseException) else []
     enospc = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in seen)
     short = any(any(sign in str(e) for sign in _SHORT_WRITE) for e in seen)
     where = path

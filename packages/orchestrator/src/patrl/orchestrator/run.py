@@ -192,10 +192,10 @@ class RunLoop:
         staging = checkpointing.staging_dir(self.run_dir, self.step)
         try:
             return self._write_checkpoint(staging)
-        except Exception as err:
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
             shutil.rmtree(staging, ignore_errors=True)
             full = checkpointing.disk_full(err, staging, self._checkpoint_bytes())
-            if full is None:
+            if full is None or isinstance(err, KeyboardInterrupt):
                 raise
             raise JobError(
                 f"{full} while writing the checkpoint of step {self.step} to {staging}. Nothing "
