@@ -48,9 +48,9 @@ def math_verify_reward(response: str, answer: str, **meta: Any) -> float:
     """1.0 when the response's final answer equals the gold answer, else 0.0 (math-verify:
     \\boxed{}, "the answer is ...", fractions, LaTeX and plain numbers; numeric and symbolic
     equality). The gold may be bare ("42", "\\frac{1}{2}") or LaTeX in $...$."""
-    # math-verify's own timeouts use SIGALRM, which fails off the main thread and would cancel
-    # the in-process alarm of RewardManager; the manager's deadline covers slow parses instead
-    # (so math-verify's "timeout is disabled" warning is noise for us).
+    # math-verify's own timeouts use SIGALRM, which fails off the main thread; a worker's
+    # deadline covers slow parses instead (so math-verify's "timeout is disabled" warning is
+    # noise for us).
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
     gold = _parse_gold(answer)

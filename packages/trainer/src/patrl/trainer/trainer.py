@@ -533,8 +533,9 @@ class Trainer:
         if self.group.pg is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group.pg)
         if bad.item():
+            role = {"lm": "policy", "value": "critic"}.get(self.head, self.head)
             raise NonFiniteError(
-                f"the {self.head} model's weights hold inf or NaN after step {self.step} (an "
+                f"the {role}'s weights hold inf or NaN after step {self.step} (an "
                 "update diverged: too high a learning rate, or inf/NaN advantages); no "
                 "checkpoint is written from them. Resume from the newest checkpoint with a "
                 "lower optim.lr"
