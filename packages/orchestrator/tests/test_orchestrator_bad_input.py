@@ -101,6 +101,7 @@ def _good(assets: Assets, run_root: Path, **extra: Any) -> dict[str, Any]:
         "data.val_files": assets.root / "val.jsonl",
         "data.train_batch_size": 4,
         "data.max_prompt_length": 32,
+        "data.max_response_length": 64,
         "actor.ppo_mini_batch_size": 2,
         "trainer.default_local_dir": run_root,
         **extra,
@@ -335,7 +336,119 @@ def nested_answer_key_wrong(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra))
 
 
+def infinite_learning_rate(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"actor.optim.lr": "inf"}))
+
+
+def in_process_reward_with_timeout(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"reward.num_workers": 0, "reward.timeout_s": 5}))
+
+
+def reward_function_not_importable(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"reward.functions": "[{name: 'no_such_module_xyz:score'}]"}))
+
+
+def reward_function_not_callable(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"reward.functions": "[{name: 'json:decoder'}]"}))
+
+
+def lengths_beyond_positions(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"data.max_response_length": POSITIONS}))
+
+
+def model_path_is_a_file(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"model.path": a.model / "config.json"}))
+
+
+def empty_jsonl(a: Assets, tmp: Path, run: Path) -> Setup:
+    (tmp / "empty.jsonl").write_text("")
+    return Setup(_good(a, run, **{"data.train_files": tmp / "empty.jsonl"}))
+
+
+def malformed_jsonl_line(a: Assets, tmp: Path, run: Path) -> Setup:
+    lines = (a.root / "train.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:-3]  # the third row cut short
+    (tmp / "broken.jsonl").write_text("\n".join(lines) + "\n")
+    return Setup(_good(a, run, **{"data.train_files": tmp / "broken.jsonl"}))
+
+
+def command_line_value_in_a_yaml_section(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(
+        _good(a, run, **{"data.train_batch_size": "many"}),
+        "data:\n  shuffle: true\n  train_batch_size: 4\n",
+    )
+
+
+def tokenizer_beyond_the_vocabulary(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for i in range(200):
+        vocab[f"extra_token_{i}"] = len(vocab)
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return Setup(_good(a, run, **{"model.path": model}))
+
+
+def explicit_candidate_the_heads_refuse(a: Assets, tmp: Path, run: Path) -> Setup:
+    model = _model_copy(a, tmp)
+    _three_heads(model)
+    return Setup(
+        _good(a, run, **{"model.path": model, "rollout.adaptive_tp.candidates": "[1,2]"}),
+        world_size=2,
+    )
+
+
+def _three_heads(model: Path) -> None:
+    """A fresh tiny Llama of 3 attention heads (and 3 kv heads) in `model`."""
+    shutil.rmtree(model)
+    _save_llama(model, hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16)
+
+
+def damaged_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
+    from patrl.orchestrator import checkpointing
+
+    checkpoint = Path(shutil.copytree(a.checkpoint, tmp / "global_step_1"))
+    checkpointing.write_manifest(checkpoint)
+    shard = next((checkpoint / checkpointing.TRAINER_DIR).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])  # a shard cut short
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": checkpoint}
+    return Setup(_good(a, run, **extra))
+
+
 CASES: list[tuple[Builder, list[str]]] = [
+    (infinite_learning_rate, ["actor.optim.lr", "finite number", "'inf'"]),
+    (in_process_reward_with_timeout, ["reward.timeout_s=5.0 needs reward worker processes"]),
+    (
+        reward_function_not_importable,
+        ["reward.functions", "no_such_module_xyz:score", "cannot import"],
+    ),
+    (reward_function_not_callable, ["reward.functions", "json:decoder", "not callable"]),
+    (
+        lengths_beyond_positions,
+        [
+            "data.max_prompt_length=32 + data.max_response_length=128",
+            "max_position_embeddings=128",
+        ],
+    ),
+    (model_path_is_a_file, ["model.path", "config.json is a file, expected a directory"]),
+    (empty_jsonl, ["data.train_files", "empty.jsonl", "no rows"]),
+    (malformed_jsonl_line, ["data.train_files", "broken.jsonl line 3", "not valid JSON"]),
+    (
+        command_line_value_in_a_yaml_section,
+        ["data.train_batch_size", "'many'", "set on the command line"],
+    ),
+    (
+        tokenizer_beyond_the_vocabulary,
+        ["model.path", "tokenizer has", "vocab_size=", "token ids past the embedding"],
+    ),
+    (
+        explicit_candidate_the_heads_refuse,
+        ["rollout.adaptive_tp.candidates=2", "num_attention_heads=3"],
+    ),
+    (
+        damaged_checkpoint,
+        ["trainer.resume_from_path", "is damaged", ".distcp is", "its manifest says"],
+    ),
     (malformed_yaml, ["job.yaml line 3, column 1", "malformed YAML", "'\\t'"]),
     (
         unknown_yaml_key,
@@ -552,6 +665,25 @@ def test_good_input_passes(assets: Assets, tmp_path: Path) -> None:
         )
     assert main(["--dry-run", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     assert not (tmp_path / "runs").exists()
+
+
+def test_default_candidates_drop_the_sizes_the_model_cannot_split(
+    assets: Assets, tmp_path: Path
+) -> None:
+    """3 heads on 2 ranks: the default candidates [1, 2] keep only 1 (the job runs static TP);
+    an explicit [1, 2] is the user's choice and fails by name (the table's case)."""
+    from patrl.orchestrator.build import tp_candidates
+
+    model = tmp_path / "three"
+    model.mkdir()
+    _three_heads(model)
+    overrides = _good(assets, tmp_path / "runs", **{"model.path": model})
+    config = preflight.check(preflight.load(None, [f"{k}={v}" for k, v in overrides.items()]), 2)
+    assert tp_candidates(config, 2, 2, str(model)) == (1,)
+    explicit = preflight.load(
+        None, [*_overrides(Setup(overrides)), "rollout.adaptive_tp.candidates=[1,2]"]
+    )
+    assert tp_candidates(explicit, 2, 2, str(model)) == (1, 2)
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,14 @@ from typing import Any
 
 import pytest
 
+from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.rewards import (
+    FailureGuard,
+    FailureSummary,
+    RewardError,
     RewardManager,
+    RewardResult,
+    RewardsFailed,
     boxed_content,
     format_reward,
     math_verify_reward,
@@ -206,17 +212,45 @@ def test_pool_passes_only_named_meta_to_strict_functions() -> None:
         manager.score(["a"], ["a"])
 
 
-def test_in_process_contains_the_same_misbehaviour() -> None:
-    manager = RewardManager(
-        [("math_verify", 1.0), (CHAOS, 0.5)], num_workers=0, timeout_s=TIMEOUT_S
-    )
+def test_in_process_contains_the_same_misbehaviour_and_refuses_a_timeout() -> None:
+    manager = RewardManager([("math_verify", 1.0), (CHAOS, 0.5)], num_workers=0)
     _check_misbehaviour_contained(manager)
-    started = time.monotonic()
-    result = manager.score(["hang 42", "\\boxed{42}"], ["42", "42"])
-    assert time.monotonic() - started < 10
-    assert result.error_counts()["timeout"] == 1
-    assert result.rewards == [0.0, 1.0]
     manager.close()
+    # In process nothing can stop a call (one that catches BaseException, or blocks in C):
+    # a deadline there would be a promise the manager cannot keep.
+    with pytest.raises(ValueError, match=r"reward\.timeout_s=4\.0 needs reward worker processes"):
+        RewardManager([(CHAOS, 1.0)], num_workers=0, timeout_s=TIMEOUT_S)
+    with pytest.raises(ConfigError, match=r"reward\.timeout_s=5\.0 needs reward worker"):
+        load_config(None, ["reward.num_workers=0", "reward.timeout_s=5"])
+    assert load_config(None, ["reward.num_workers=0"]).reward.timeout_s is None
+
+
+def _error(sample: int, function: str, kind: str, message: str) -> RewardError:
+    return RewardError(sample, function, kind, message)  # type: ignore[arg-type]
+
+
+def test_failure_guard_stops_after_max_failed_steps_and_names_the_cause() -> None:
+    every = RewardResult(rewards=[0.0] * 3, components={})
+    every.errors = [
+        _error(0, "mod:f", "exception", "ValueError: bad row 0 at /x/f.py:3"),
+        _error(1, "mod:f", "exception", "ValueError: bad row 0 at /x/f.py:3"),
+        _error(2, "mod:f", "timeout", "took longer than 10.0s"),
+        _error(2, "format", "invalid", "returned str 'x', not a number"),
+    ]
+    some = RewardResult(rewards=[1.0, 0.0], components={}, errors=[every.errors[0]])
+    replicas = FailureSummary.total([FailureSummary.of(every), FailureSummary.of(every)])
+    assert (replicas.samples, replicas.failed) == (6, 6) and replicas.all_failed
+    assert replicas.most_common() == "mod:f: exception: ValueError: bad row 0 (4 of 8 failed calls)"
+    guard = FailureGuard(max_failed_steps=2)
+    assert guard.observe(1, FailureSummary.of(some)) is None  # one sample scored: it learns
+    line = guard.observe(2, replicas)
+    assert line is not None and line.startswith("step 2: the reward of every one of 6 samples")
+    assert "(1 of reward.max_failed_steps=2)" in line
+    assert guard.observe(3, FailureSummary.total([FailureSummary.of(some)])) is None
+    guard.observe(4, replicas)
+    with pytest.raises(RewardsFailed, match=r"step 5: .*mod:f: exception: ValueError: bad row 0"):
+        guard.observe(5, replicas)
+    assert not FailureSummary().all_failed  # a step that scored nothing failed nothing
 
 
 def test_score_rejects_misaligned_inputs(pool: RewardManager) -> None:

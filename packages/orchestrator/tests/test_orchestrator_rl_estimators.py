@@ -330,3 +330,33 @@ def test_reinforce_plus_plus_runs_with_one_sample_and_kl_keys_load() -> None:
         load_config(None, ["algorithm.kl_penalty=k4"])
     with pytest.raises(ConfigError, match=r"kl_ctrl\.type"):
         load_config(None, ["algorithm.kl_ctrl.type=pid"])
+
+
+def test_a_batch_of_lone_samples_stops_a_group_estimator() -> None:
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.step import Sample, check_groups
+
+    def sample(group: int) -> Sample:
+        return Sample(group, [1, 2], [3], [-0.1], "stop", 1.0)
+
+    lone = [sample(0), sample(1), sample(2)]
+    with pytest.raises(JobError, match=r"grpo: every one of the 3 groups .* single sample"):
+        check_groups("grpo", lone)
+    check_groups("reinforce_plus_plus", lone)  # no group baseline: fine with one sample
+    check_groups("grpo", [*lone, sample(1)])  # one group of two carries a signal
+
+
+def test_the_engine_s_rejection_reason_reaches_the_user() -> None:
+    from patrl.orchestrator.data import PromptItem
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.step import check_not_rejected
+    from patrl.rollout import RequestOutput
+
+    item = PromptItem(7, [1, 300], "p", "a")
+    ok = RequestOutput("r0", [1, 2], [], None)
+    bad = RequestOutput("r1", [1, 300], [], "token ids [300] are outside the vocabulary [0, 256)")
+    check_not_rejected([(item, ok)])
+    with pytest.raises(
+        JobError, match=r"rejected 1 of 2 prompts; .*row 7 .*outside the vocabulary"
+    ):
+        check_not_rejected([(item, ok), (item, bad)])

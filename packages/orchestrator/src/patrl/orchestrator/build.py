@@ -17,6 +17,8 @@ from patrl.orchestrator.distributed import World
 from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_grid
 from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
+from patrl.rollout.loader import read_config
+from patrl.rollout.model_config import ModelConfig
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import CriticConfig, TrainerConfig
 
@@ -120,6 +122,29 @@ def kv_cache_bytes(config: JobConfig, world: World) -> int | None:
     return CPU_KV_CACHE_BYTES
 
 
+def tp_candidates(
+    config: JobConfig, world_size: int, node_size: int, model: str | ModelConfig
+) -> tuple[int, ...]:
+    """The TP sizes adaptive TP may use: `rollout.adaptive_tp.candidates` that divide the world
+    and a node (a fold larger than a node would run its per-layer collectives across nodes).
+    Left at their default, the candidates the model cannot be split into (its heads, its MLP)
+    are dropped too; an explicit choice is kept whole, for preflight to refuse by name."""
+    a = config.rollout.adaptive_tp
+    usable = usable_tp_sizes(a.candidates, world_size, node_size)
+    if "candidates" in a.model_fields_set:
+        return usable
+    spec = model if isinstance(model, ModelConfig) else ModelConfig.from_hf(read_config(model))
+    return tuple(t for t in usable if _splits(spec, t))
+
+
+def _splits(model: ModelConfig, tp: int) -> bool:
+    try:
+        model.check_tp(tp)
+    except ValueError:
+        return False
+    return True
+
+
 def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
     """The rollout engine of this job; under adaptive TP with its latency profile (measured
     now, every rank taking part, unless cached or given)."""
@@ -142,8 +167,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         keep_full_weights=r.adaptive_tp.keep_full_weights,
     )
     a = r.adaptive_tp
-    # a fold larger than a node would run its per-layer collectives across nodes: not offered
-    candidates = usable_tp_sizes(a.candidates, world.size, world.node_size)
+    candidates = tp_candidates(config, world.size, world.node_size, model_dir)
     if not a.enable or len(candidates) < 2:
         if a.enable and world.is_first and world.distributed:
             print(

@@ -13,9 +13,11 @@ built; the world size may differ from the one that saved it (DCP reshards on loa
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from patrl.trainer.config import RESUMABLE_CONTENTS
 from patrl.trainer.export import HF_DIR, RUN_POLICY_DIR
 
 STATE_FILE = "state.json"
+# Every file of a checkpoint and its size, written just before STATE_FILE (which completes it).
+MANIFEST_FILE = "manifest.json"
 TRAINER_DIR = RUN_POLICY_DIR
 CRITIC_DIR = "critic"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -80,8 +84,10 @@ def prepare_staging(run_dir: Path, step: int) -> Path:
 
 
 def commit(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write the loop state and publish the staged checkpoint (rank 0, after all ranks wrote)."""
+    """Write the manifest and the loop state, and publish the staged checkpoint (rank 0, after
+    all ranks wrote)."""
     staging = staging_dir(run_dir, step)
+    write_manifest(staging)
     tmp = staging / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state))
     tmp.rename(staging / STATE_FILE)
@@ -93,13 +99,93 @@ def commit(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     return final
 
 
-def resume_target(run_dir: Path, resume_mode: str, resume_from_path: str | None) -> Path | None:
-    """The checkpoint a run with these `trainer.resume_*` settings resumes from, or None."""
+def write_manifest(staging: Path) -> None:
+    """Record the size of every file under `staging` (paths relative to it), so that a reader
+    can tell a sound checkpoint from one whose files were cut short or lost since."""
+    files = {
+        str(path.relative_to(staging)): path.stat().st_size
+        for path in sorted(staging.rglob("*"))
+        if path.is_file() and path.name not in (STATE_FILE, MANIFEST_FILE)
+    }
+    tmp = staging / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=0))
+    tmp.rename(staging / MANIFEST_FILE)
+
+
+def damage(checkpoint: Path) -> list[str]:
+    """How `checkpoint`'s files differ from its manifest (missing, or of another size), each
+    named; empty when they agree, or for a checkpoint written before manifests existed."""
+    manifest = checkpoint / MANIFEST_FILE
+    if not manifest.is_file():
+        return []
+    try:
+        files: dict[str, int] = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return [f"{manifest} is unreadable ({err})"]
+    problems = []
+    for name, size in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif (actual := path.stat().st_size) != size:
+            problems.append(f"{path} is {actual} bytes, its manifest says {size}")
+    return problems
+
+
+def check_sound(checkpoint: Path) -> None:
+    """Raise ValueError naming the damaged files of `checkpoint` and the ways out."""
+    problems = damage(checkpoint)
+    if problems:
+        others = [
+            str(p)
+            for p in sorted(checkpoint.parent.glob("global_step_*"))
+            if p != checkpoint and _STEP_DIR.match(p.name)
+        ]
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} is damaged: {'; '.join(problems[:3])} (a save cut "
+            "short, or files changed since). Resume another checkpoint "
+            f"(trainer.resume_from_path; here: {others or 'none'}), or start afresh "
+            "(trainer.resume_mode=disable)"
+        )
+
+
+def sound_checkpoint(run_dir: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; each newer damaged one
+    is skipped, with `warn` told which and why."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    complete = sorted(
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    )
+    for _, path in reversed(complete):
+        problems = damage(path)
+        if not problems:
+            return path
+        if warn is not None:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            warn(
+                f"checkpoint {path} is damaged: {problems[0]}{more}; resuming from the newest "
+                "sound one before it"
+            )
+    return None
+
+
+def resume_target(
+    run_dir: Path,
+    resume_mode: str,
+    resume_from_path: str | None,
+    warn: Callable[[str], None] | None = None,
+) -> Path | None:
+    """The checkpoint a run with these `trainer.resume_*` settings resumes from, or None:
+    `resume_from_path` as given (check_resumable judges it), else the newest sound one."""
     if resume_mode == "disable":
         return None
     if resume_mode == "resume_path" and resume_from_path:
         return Path(resume_from_path)
-    return latest_checkpoint(run_dir)
+    return sound_checkpoint(run_dir, warn)
 
 
 def check_resumable(
@@ -113,8 +199,9 @@ def check_resumable(
         raise ValueError(
             f"{str(checkpoint)!r} is not a complete patrl checkpoint (it needs {STATE_FILE} and "
             f"{TRAINER_DIR}/{MARKER}); complete ones are the global_step_<N> directories "
-            "under <run dir>/checkpoints"
+            "of the run directory"
         )
+    check_sound(checkpoint)
     for part, key in ((TRAINER_DIR, "actor"), (CRITIC_DIR, "critic")):
         if (checkpoint / part / MARKER).is_file():
             contents = read_marker(checkpoint / part)["contents"]
@@ -197,3 +284,39 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path)
     for path in root.glob("global_step_*.tmp"):  # a crashed save's staging
         shutil.rmtree(path)
+
+
+# What a write to a full filesystem raises, when the OS error itself was not kept: torch's zip
+# writer reports a short write as a position mismatch.
+_SHORT_WRITE = ("unexpected pos", "No space left on device", "Disk quota exceeded")
+
+
+def disk_full(err: BaseException, path: Path, needed: int) -> str | None:
+    """ "no space left on device ..." with the numbers, when `err` (or what it wraps, DCP's
+    per-rank failures included) is a write that ran out of space at `path`; else None. A short
+    write with space to spare (another I/O error) is not called a full disk."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict):  # (the error, its stack) per failed rank
+            for f in failures.values():
+                first = f[0] if isinstance(f, tuple) and f else f
+                todo += [first] if isinstance(first, BaseException) else []
+    enospc = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in seen)
+    short = any(any(sign in str(e) for sign in _SHORT_WRITE) for e in seen)
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if not enospc and not (short and free < needed):
+        return None
+    return (
+        f"no space left on device: {where} has {free / 2**20:.1f} MiB free and a checkpoint "
+        f"needs about {needed / 2**20:.1f} MiB"
+    )

@@ -29,6 +29,7 @@ from pydantic import (
 
 from patrl.orchestrator import verl_keys
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS
+from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import CriticCheckpointConfig, KLType
 
@@ -41,7 +42,7 @@ DEMO_FILES = "demo"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(_Section):
@@ -313,8 +314,26 @@ class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig(name="math_verify")]
     )
-    num_workers: int = Field(2, ge=0, description="reward processes; 0 = in process")
-    timeout_s: float = Field(10.0, gt=0, description="per-sample timeout of a reward call")
+    num_workers: int = Field(
+        2, ge=0, description="reward processes; 0 = in process (no timeout: nothing stops a call)"
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="each reward call's deadline in a worker (None: 10 s); refused with "
+        "num_workers=0",
+    )
+    max_failed_steps: int = Field(
+        3,
+        ge=1,
+        description="stop the run when every sample's reward failed this many steps in a row",
+    )
+
+    @model_validator(mode="after")
+    def _timeout_needs_workers(self) -> RewardConfig:
+        if self.num_workers == 0 and self.timeout_s is not None:
+            raise ValueError(IN_PROCESS_TIMEOUT.format(timeout=self.timeout_s))
+        return self
 
 
 class RewardModelPathConfig(_Section):
@@ -414,6 +433,12 @@ class RunConfig(_Section):
     plots: bool = True
     critic_warmup: int = Field(
         0, ge=0, description="gae: steps that update only the critic before the actor starts"
+    )
+    heartbeat_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="a rank whose heartbeat (a thread's, so a busy rank still beats) stops this "
+        "long is named and the job stops",
     )
 
     @field_validator("logger", mode="before")

@@ -13,6 +13,7 @@ unnamed, it is `answer`, else verl's `reward_model.ground_truth`.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -197,11 +198,37 @@ def read_rows(
     rows: list[dict[str, Any]] = []
     for path in paths:
         builder = _local_format(path)
+        if builder == "json" and path.endswith(".jsonl"):
+            check_jsonl(path)
         table = datasets.load_dataset(
             builder, data_files=[path], split="train", cache_dir=cache_dir
         )
+        if len(table) == 0:
+            raise ValueError(f"no rows in {path}")
         rows.extend(table.to_list())
     return rows
+
+
+def check_jsonl(path: str) -> None:
+    """Raise ValueError naming `path` and the line when a line is not one JSON object, or when
+    the file holds no row (`datasets` would say neither)."""
+    rows = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path} line {number}: not valid JSON ({err})") from None
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{path} line {number}: a {type(value).__name__}, not a JSON object (one row "
+                    'per line: {"prompt": ..., "answer": ...})'
+                )
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"no rows in {path}")
 
 
 def render_prompt(

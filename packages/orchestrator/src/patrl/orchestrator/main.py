@@ -16,10 +16,12 @@ command line answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,7 +52,10 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     from patrl.orchestrator import preflight
     from patrl.orchestrator.config import ConfigError, dump_config
     from patrl.orchestrator.distributed import close_world, init_world
+    from patrl.orchestrator.errors import JobError
     from patrl.orchestrator.run import completed
+    from patrl.orchestrator.watchdog import start_watchdog
+    from patrl.trainer import NonFiniteError
 
     rank = int(os.environ.get("RANK", "0"))
     notices: list[str] = []
@@ -76,9 +81,24 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         return 0
     if rank == 0 and (hazard := restart_hazard(os.environ)):
         print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
+    # torchrun stops its workers with SIGTERM (on Ctrl-C, or when another rank failed):
+    # unwound like Ctrl-C, so what the rank holds is released and rank 0 says where to resume.
+    signal.signal(signal.SIGTERM, _terminated)
     world = init_world()
+    watchdog = start_watchdog(world.rank, world.size, config.trainer.heartbeat_timeout_s)
     try:
-        run(config, world)
+        with run_dir_lock(config, world):
+            run(config, world)
+    except (JobError, NonFiniteError) as err:
+        if not getattr(err, "collective", True):
+            print(f"patrl: rank {world.rank}: {err}", file=sys.stderr, flush=True)
+        elif world.is_first:
+            print(f"patrl: {err}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt as err:
+        if world.is_first:
+            print(f"patrl: {stopped_message(config, err)}", file=sys.stderr, flush=True)
+        return 130
     except BaseException:
         # Say which rank failed; torchrun then stops the others. A peer's death surfaces here
         # as a connection error on the survivors: that is a consequence, not the cause.
@@ -94,8 +114,62 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
             flush=True,
         )
         return 1
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     close_world(world)
     return 0
+
+
+@contextlib.contextmanager
+def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
+    """The run directory's lock (run_lock.py), taken by the first rank; a refusal is raised on
+    every rank alike (JobError), before any of them writes."""
+    from patrl.orchestrator.distributed import broadcast_object
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.run_lock import RunDirLock
+
+    lock, refused = None, None
+    if world.is_first:
+        try:
+            lock = RunDirLock(config.run_dir).acquire()
+        except JobError as err:
+            refused = str(err)
+    refused = broadcast_object(world, refused)
+    if refused is not None:
+        raise JobError(refused)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def stopped_message(config: JobConfig, err: KeyboardInterrupt) -> str:
+    """What a user whose run was stopped needs: why, and where it resumes."""
+    from patrl.orchestrator import checkpointing
+
+    how = (
+        "terminated (SIGTERM: Ctrl-C on torchrun, or another rank failed and torchrun stopped "
+        "the rest; its summary names the first failure)"
+        if isinstance(err, Terminated)
+        else "interrupted (Ctrl-C)"
+    )
+    newest = checkpointing.latest_checkpoint(config.run_dir)
+    if newest is None:
+        return f"{how}, before the first checkpoint of {config.run_dir}"
+    return (
+        f"{how}; the newest checkpoint is {newest}: the same command resumes from it "
+        "(trainer.resume_mode=auto)"
+    )
 
 
 def restart_hazard(env: Mapping[str, str]) -> str | None:

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 
 from patrl.lenpredict import usable_tp_sizes
 from patrl.orchestrator import checkpointing, verl_keys
+from patrl.orchestrator.build import tp_candidates
 from patrl.orchestrator.config import (
     DEMO_FILES,
     ConfigError,
@@ -76,8 +77,7 @@ def load(
         return load_config(path, overrides, notices)
     except ConfigError as err:
         overridden = {item.partition("=")[0].strip() for item in overrides or []}
-        where = {k: n for k, n in lines.items() if k not in overridden}
-        raise ConfigError(str(err) + _locations(str(err), str(path), where)) from None
+        raise ConfigError(str(err) + _locations(str(err), str(path), lines, overridden)) from None
 
 
 def key_lines(path: str, text: str) -> dict[str, int]:
@@ -166,11 +166,18 @@ def _walk_value(
             _walk_value(child, item, [*prefix, str(i)], path, lines, problems)
 
 
-def _locations(message: str, path: str, lines: dict[str, int]) -> str:
-    """Where in the file each key the message names was set (the most specific key only)."""
-    named = [k for k in lines if re.search(rf"(?<![\w.]){re.escape(k)}(?=[:.'])", message)]
+def _locations(message: str, path: str, lines: dict[str, int], overridden: set[str]) -> str:
+    """Where each key the message names was set: on the command line (an override wins over
+    the file), or in the file's line (the most specific key only)."""
+    keys = set(lines) | overridden
+    named = [k for k in keys if re.search(rf"(?<![\w.]){re.escape(k)}(?=[:.'= ]|$)", message)]
     named = [k for k in named if not any(o.startswith(k + ".") for o in named)]
-    return "".join(f"\n  ({k} is set in {path} line {lines[k]})" for k in sorted(named))
+    return "".join(
+        f"\n  ({k} is set on the command line)"
+        if k in overridden
+        else f"\n  ({k} is set in {path} line {lines[k]})"
+        for k in sorted(named)
+    )
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -200,8 +207,13 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             f"world of {world_size}: use 1..{world_size - 1} (or trainer.mode=sync)"
         )
     adaptive = config.rollout.adaptive_tp
-    # candidates larger than a node are not offered, as build.engine_config does
-    usable = usable_tp_sizes(adaptive.candidates, world_size, local)
+    # what build.engine_config offers: no fold larger than a node; default candidates the
+    # model cannot split into are dropped, explicit ones are judged below
+    usable = (
+        tp_candidates(config, world_size, local, model)
+        if model is not None
+        else usable_tp_sizes(adaptive.candidates, world_size, local)
+    )
     if adaptive.enable and len(usable) >= 2:  # else the job runs static TP
         for t in usable:
             problems += layout_problems(
@@ -213,6 +225,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)
     if model is not None:
+        problems += _length_problems(config, model)
         problems += _resume_problems(config, model)
     problems += reward_model_problems(config)
     problems += _critic_problems(config)
@@ -324,10 +337,39 @@ def _split_error(model: ModelConfig, tp: int) -> str | None:
 
 
 def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any]:
+    if Path(model_dir).is_file():
+        problems.append(
+            f"model.path: {model_dir} is a file, expected a directory (a Hugging Face model "
+            f"directory: config.json, *.safetensors, tokenizer files); did you mean "
+            f"{Path(model_dir).parent}?"
+        )
+        return None, None
     model = _attempt(problems, "model.path", lambda: check_model_dir(model_dir))
     if model is None:
         return None, None
-    return model, _attempt(problems, "model.path", lambda: _tokenizer(model_dir))
+    tokenizer = _attempt(problems, "model.path", lambda: _tokenizer(model_dir))
+    if tokenizer is not None and len(tokenizer) > model.vocab_size:
+        problems.append(
+            f"model.path: {model_dir}: its tokenizer has {len(tokenizer)} tokens but the model's "
+            f"vocab_size={model.vocab_size}: token ids past the embedding ({model.vocab_size} to "
+            f"{len(tokenizer) - 1}) cannot be embedded; use the model's own tokenizer, or resize "
+            "the model's embeddings (resize_token_embeddings) and save it"
+        )
+        return model, None
+    return model, tokenizer
+
+
+def _length_problems(config: JobConfig, model: ModelConfig) -> list[str]:
+    """A prompt and its response must fit the model's positions."""
+    d = config.data
+    if d.max_prompt_length + d.max_response_length <= model.max_position_embeddings:
+        return []
+    return [
+        f"data.max_prompt_length={d.max_prompt_length} + data.max_response_length="
+        f"{d.max_response_length} = {d.max_prompt_length + d.max_response_length} tokens exceed "
+        f"the model's max_position_embeddings={model.max_position_embeddings}; lower either "
+        "so that their sum fits"
+    ]
 
 
 def _data_problems(

@@ -10,7 +10,8 @@ it, by keyword. A spec is a built-in name (`math_verify`, `format`), `module:fun
 `RewardManager` runs the calls in spawned worker processes, each call with its own deadline. A
 call that raises, times out, returns a non-finite value or kills its worker scores 0.0 for its
 sample only (a `RewardError` of that kind) and a dead worker is replaced. `num_workers=0` runs
-in process, with a best-effort timeout. See docs/rewards.md.
+in process, with no timeout (nothing can stop a call that catches BaseException or blocks in C
+code). `FailureGuard` stops a run whose every reward call keeps failing. See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ import math
 import multiprocessing as mp
 import numbers
 import signal
-import threading
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
 from math_verify import parse, verify
+
+from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT, JobError
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,9 @@ def math_verify_reward(response: str, answer: str, **meta: Any) -> float:
     """1.0 when the response's final answer equals the gold answer, else 0.0 (math-verify:
     \\boxed{}, "the answer is ...", fractions, LaTeX and plain numbers; numeric and symbolic
     equality). The gold may be bare ("42", "\\frac{1}{2}") or LaTeX in $...$."""
-    # math-verify's own timeouts use SIGALRM, which fails off the main thread and would cancel
-    # the in-process alarm of RewardManager; the manager's deadline covers slow parses instead
-    # (so math-verify's "timeout is disabled" warning is noise for us).
+    # math-verify's own timeouts use SIGALRM, which fails off the main thread; a worker's
+    # deadline covers slow parses instead (so math-verify's "timeout is disabled" warning is
+    # noise for us).
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
     gold = _parse_gold(answer)
@@ -215,11 +217,6 @@ class _Outcome:
     message: str = ""
 
 
-class _CallTimeout(BaseException):
-    """Raised by the in-process alarm. A BaseException so that a reward function's own
-    `except Exception` cannot swallow it."""
-
-
 class _Callable:
     """A resolved spec, called with only the meta keys it accepts (verl's keywords for a
     function with verl's parameters)."""
@@ -317,6 +314,7 @@ class _Worker:
 
 # Calls per message to a worker, at most.
 _MAX_CHUNK = 16
+DEFAULT_TIMEOUT_S = 10.0
 
 
 class RewardManager:
@@ -328,9 +326,11 @@ class RewardManager:
         specs: Sequence[tuple[str, float]],
         *,
         num_workers: int = 2,
-        timeout_s: float = 10.0,
+        timeout_s: float | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
+        """`timeout_s`: each call's deadline in a worker (None: DEFAULT_TIMEOUT_S). In process
+        (`num_workers=0`) a call cannot be stopped, so a timeout there is refused."""
         if not specs:
             raise ValueError("RewardManager needs at least one (spec, weight) pair")
         names = [spec for spec, _ in specs]
@@ -338,6 +338,9 @@ class RewardManager:
             raise ValueError(f"reward functions listed twice: {names}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (0 = in process), got {num_workers}")
+        if num_workers == 0 and timeout_s is not None:
+            raise ValueError(IN_PROCESS_TIMEOUT.format(timeout=timeout_s))
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.names = names
@@ -425,11 +428,7 @@ class RewardManager:
     ) -> None:
         responses, answers, metas = samples
         for s, f in tasks:
-            try:
-                with _alarm(self.timeout_s):
-                    outcomes[s, f] = self.fns[f](responses[s], answers[s], metas[s])
-            except _CallTimeout:
-                outcomes[s, f] = self._error(s, f, "timeout", f"took longer than {self.timeout_s}s")
+            outcomes[s, f] = self.fns[f](responses[s], answers[s], metas[s])
 
     # -- process pool -------------------------------------------------------------------------
 
@@ -621,22 +620,76 @@ class RewardManager:
                 )
 
 
-@contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
-    """Raise _CallTimeout in this thread after `seconds`, where SIGALRM can (main thread)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "setitimer"
-    ):
-        yield
-        return
+@dataclass(slots=True)
+class FailureSummary:
+    """How many samples a scoring saw and how many of them had a failed call, with the
+    failures counted by (function, cause): what a step's reward calls did, in a form that
+    adds up across replicas and rounds."""
 
-    def on_alarm(signum: int, frame: object) -> None:
-        raise _CallTimeout
+    samples: int = 0
+    failed: int = 0
+    causes: Counter[tuple[str, str]] = field(default_factory=Counter)
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    @classmethod
+    def of(cls, result: RewardResult) -> FailureSummary:
+        causes = Counter((e.function, _cause(e)) for e in result.errors)
+        return cls(len(result.rewards), len({e.sample for e in result.errors}), causes)
+
+    @classmethod
+    def total(cls, parts: Iterable[FailureSummary]) -> FailureSummary:
+        out = cls()
+        for part in parts:
+            out.samples += part.samples
+            out.failed += part.failed
+            out.causes.update(part.causes)
+        return out
+
+    @property
+    def all_failed(self) -> bool:
+        return self.samples > 0 and self.failed == self.samples
+
+    def most_common(self) -> str:
+        """'function: cause (n of m calls)' of the most frequent failure."""
+        (function, cause), n = self.causes.most_common(1)[0]
+        return f"{function}: {cause} ({n} of {sum(self.causes.values())} failed calls)"
+
+
+def _cause(error: RewardError) -> str:
+    """An error's kind and message without where it was raised (which differs per call)."""
+    message = error.message.split(" at ", 1)[0] if error.kind == "exception" else error.message
+    return f"{error.kind}: {message[:200]}"
+
+
+class RewardsFailed(JobError):
+    """Every reward call failed for `max_failed_steps` steps in a row: the run cannot learn."""
+
+
+class FailureGuard:
+    """Stops a run whose rewards all failed for `max_failed_steps` consecutive steps: every
+    sample would score 0 forever, so the run would exit 0 having learnt nothing. `observe`
+    returns an error line for a step whose every sample's reward failed, and raises
+    `RewardsFailed` on the last such step allowed."""
+
+    def __init__(self, max_failed_steps: int) -> None:
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
+        self.max_failed_steps = max_failed_steps
+        self.streak = 0
+
+    def observe(self, step: int, summary: FailureSummary) -> str | None:
+        if not summary.all_failed:
+            self.streak = 0
+            return None
+        self.streak += 1
+        line = (
+            f"step {step}: the reward of every one of {summary.samples} samples failed; most "
+            f"common: {summary.most_common()}"
+        )
+        if self.streak >= self.max_failed_steps:
+            raise RewardsFailed(
+                f"{line}. That is {self.streak} steps in a row (reward.max_failed_steps="
+                f"{self.max_failed_steps}): every reward is 0, so the run cannot learn. Fix the "
+                "reward function (run it on a sample by hand), or raise reward.timeout_s if "
+                "its calls time out"
+            )
+        return f"{line} ({self.streak} of reward.max_failed_steps={self.max_failed_steps})"

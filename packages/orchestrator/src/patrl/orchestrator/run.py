@@ -7,6 +7,8 @@ policy (and critic) as a Hugging Face directory, the loader's position and the l
 
 from __future__ import annotations
 
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptLoader
+from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.metrics import MetricsLogger, plot_run
 from patrl.trainer import Critic, Trainer
 
@@ -166,7 +169,9 @@ class RunLoop:
     def find_checkpoint(self) -> Path | None:
         """The checkpoint to resume from (the `trainer.resume_*` settings), or None."""
         t = self.config.trainer
-        return checkpointing.resume_target(self.run_dir, t.resume_mode, t.resume_from_path)
+        return checkpointing.resume_target(
+            self.run_dir, t.resume_mode, t.resume_from_path, warn=_warn if self.is_first else None
+        )
 
     def save_extra(self, staging: Path) -> None:
         """Write the schedule's own files into a checkpoint being staged (first rank)."""
@@ -178,8 +183,43 @@ class RunLoop:
 
     def save(self) -> Path:
         """Checkpoint this step: every trainer rank writes its shards and takes part in the
-        Hugging Face export's gathers; the first writes the HF directories and commits."""
+        Hugging Face export's gathers; the first writes the HF directories and commits.
+        Weights holding inf/NaN are never saved; a failed write leaves no staging behind, and
+        a full disk is said so (JobError)."""
+        for model in (self.trainer, self.critic):
+            if model is not None:
+                model.check_finite()
         staging = checkpointing.staging_dir(self.run_dir, self.step)
+        try:
+            return self._write_checkpoint(staging)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            shutil.rmtree(staging, ignore_errors=True)
+            full = checkpointing.disk_full(err, staging, self._checkpoint_bytes())
+            if full is None or isinstance(err, KeyboardInterrupt):
+                raise
+            raise JobError(
+                f"{full} while writing the checkpoint of step {self.step} to {staging}. Nothing "
+                "of it was kept; the newest complete checkpoint is "
+                f"{checkpointing.latest_checkpoint(self.run_dir) or 'none'}. Free space (or "
+                "lower trainer.max_checkpoints_to_keep, or move trainer.default_local_dir) and "
+                "rerun: the run resumes from that checkpoint",
+                collective=False,
+            ) from err
+
+    def _checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: per model, fp32 weights and two AdamW moments,
+        and its Hugging Face export when it is saved."""
+        total = 0
+        for model in (self.trainer, self.critic):
+            if model is None:
+                continue
+            numel = sum(p.numel() for p in model.model.parameters())
+            total += numel * 12
+            if "hf_model" in model.config.checkpoint.save_contents:
+                total += numel * model.export_dtype.itemsize
+        return total
+
+    def _write_checkpoint(self, staging: Path) -> Path:
         if self.is_first:
             checkpointing.prepare_staging(self.run_dir, self.step)
         self.trainer.group.barrier()
@@ -219,6 +259,7 @@ class RunLoop:
             raise FileNotFoundError(
                 f"{found} is not a complete patrl checkpoint (no {checkpointing.STATE_FILE})"
             )
+        checkpointing.check_sound(found)
         state = checkpointing.read_state(found)
         self.trainer.load(found / checkpointing.TRAINER_DIR)
         if self.critic is not None:
@@ -235,3 +276,7 @@ class RunLoop:
         self.restored(found)
         if self.is_first:
             print(f"resumed from {found} at step {self.step}")
+
+
+def _warn(message: str) -> None:
+    print(f"patrl: warning: {message}", file=sys.stderr, flush=True)

@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from patrl.orchestrator.advantages import gae_advantages, token_advantages, token_level_scores
+from patrl.orchestrator.advantages import (
+    GROUP_ESTIMATORS,
+    gae_advantages,
+    token_advantages,
+    token_level_scores,
+)
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptItem
+from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
-from patrl.orchestrator.rewards import RewardManager, add_model_scores
+from patrl.orchestrator.rewards import FailureSummary, RewardManager, add_model_scores
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import Critic, PolicyBatch, Trainer
 
@@ -97,14 +104,15 @@ def score_outputs(
     rewards: RewardManager,
     local: Sequence[tuple[PromptItem, RequestOutput]],
     learned: LearnedReward | None = None,
-) -> tuple[list[Sample], dict[str, float]]:
+) -> tuple[list[Sample], dict[str, float], FailureSummary]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), and the reward metrics. A sharded `learned` is a
-    collective: it is called even with nothing to score."""
+    weighted score, when `learned`), the reward metrics and what failed. A sharded `learned`
+    is a collective: it is called even with nothing to score."""
     if not local:
         if learned is not None and learned.collective:
             learned.score([])
-        return [], {}
+        return [], {}, FailureSummary()
+    check_not_rejected(local)
     flat = [(item, out, c) for item, out in local for c in out.outputs]
     result = rewards.score(
         [c.text if c.text is not None else "" for _, _, c in flat],
@@ -126,7 +134,20 @@ def score_outputs(
         )
         for (item, out, c), reward in zip(flat, result.rewards, strict=True)
     ]
-    return samples, result.metrics()
+    return samples, result.metrics(), FailureSummary.of(result)
+
+
+def check_not_rejected(local: Sequence[tuple[PromptItem, RequestOutput]]) -> None:
+    """Raise JobError (this rank's) with the engine's own reason when it refused to run a
+    prompt: an empty response would fail far from its cause."""
+    rejected = [(item, out) for item, out in local if out.error is not None]
+    if rejected:
+        item, out = rejected[0]
+        raise JobError(
+            f"the rollout engine rejected {len(rejected)} of {len(local)} prompts; the first, "
+            f"row {item.index} ({len(item.prompt_token_ids)} tokens): {out.error}",
+            collective=False,
+        )
 
 
 def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
@@ -158,6 +179,7 @@ def policy_batch(
     if token_rewards is None:
         token_rewards = token_level_scores(rewards, [len(s.token_ids) for s in samples])
     algo = config.algorithm
+    check_groups(algo.adv_estimator, samples)
     advantages = token_advantages(
         algo.adv_estimator,
         token_rewards,
@@ -173,6 +195,21 @@ def policy_batch(
         behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
     )
     return batch, rewards, np.concatenate(advantages)
+
+
+def check_groups(estimator: str, samples: list[Sample]) -> None:
+    """A group estimator on a batch whose every group holds one sample has no signal: every
+    advantage would be 0 and the run would learn nothing while reporting success. The config
+    refuses rollout.n=1; this is the guard for a batch that got there another way."""
+    if estimator not in GROUP_ESTIMATORS or not samples:
+        return
+    sizes = Counter(s.prompt_index for s in samples)
+    if max(sizes.values()) == 1:
+        raise JobError(
+            f"algorithm.adv_estimator={estimator}: every one of the {len(sizes)} groups of this "
+            "batch holds a single sample, so every advantage is 0 and nothing is learned; "
+            "sample rollout.n > 1 per prompt, or use reinforce_plus_plus, remax or gae"
+        )
 
 
 def single_update(config: JobConfig, samples: list[Sample], critic: bool = False) -> bool:

@@ -12,6 +12,7 @@ rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the generate-and-scor
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from patrl.orchestrator.kl_reward import (
 )
 from patrl.orchestrator.learned_reward import build_learned_reward
 from patrl.orchestrator.metrics import MetricsLogger, replica_timelines
-from patrl.orchestrator.rewards import RewardManager
+from patrl.orchestrator.rewards import FailureGuard, FailureSummary, RewardManager
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import (
     GREEDY_BASELINE_SEED_KEY,
@@ -130,6 +131,8 @@ class SyncGRPO(RunLoop):
             else None
         )
         self.learned = build_learned_reward(config, self.tokenizer, world, self._scores, mesh)
+        self.reward_guard = FailureGuard(config.reward.max_failed_steps)
+        self._failures: list[FailureSummary] = []  # this step's training scorings
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
@@ -217,7 +220,9 @@ class SyncGRPO(RunLoop):
     def train_one_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         start = time.perf_counter()
+        self._failures = []
         samples, gen_metrics = self._collect_samples(timings)
+        self._check_rewards()
         if self.config.algorithm.adv_estimator == "remax":
             gen_metrics.update(self._greedy_baselines(samples, timings))
         asleep = self._free_cache_engine()
@@ -274,7 +279,7 @@ class SyncGRPO(RunLoop):
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             with timed(timings, "reward"):
-                samples, reward_shares = self._score(local)
+                samples, reward_shares = self._score(local, failures=self._failures)
             metrics.update(self._learn_lengths(samples, rounds))
             merge_reward_metrics(metrics, reward_shares)
             if not filt.enable:
@@ -329,7 +334,9 @@ class SyncGRPO(RunLoop):
         self.rollout_timeline = stats["timeline"]
         self.rollout_decisions = stats.get("tp_decisions", [])
         with timed(timings, "reward"):
-            samples, reward_shares = self._score([(item_of[o.request_id], o) for o in done])
+            samples, reward_shares = self._score(
+                [(item_of[o.request_id], o) for o in done], failures=self._failures
+            )
         left = [
             st
             for share in all_gather_objects(self.world, rest if self._scores else [])
@@ -458,22 +465,35 @@ class SyncGRPO(RunLoop):
                 self.predictor.observe_finished(f"{gid}:{i}", gid, len(s.token_ids))
         return {"lenpredict/prompt_mean_abs_error": float(np.mean(errors)) if errors else 0.0}
 
+    def _check_rewards(self) -> None:
+        """Say so (an error line, rank 0) when every sample's reward failed this step; stop
+        the run (RewardsFailed, every rank alike) after reward.max_failed_steps such steps in
+        a row."""
+        line = self.reward_guard.observe(self.step, FailureSummary.total(self._failures))
+        if line is not None and self.is_first:
+            print(f"patrl: error: {line}", file=sys.stderr, flush=True)
+
     def _score(
-        self, local: list[tuple[PromptItem, Any]], training: bool = True
+        self,
+        local: list[tuple[PromptItem, Any]],
+        training: bool = True,
+        failures: list[FailureSummary] | None = None,
     ) -> tuple[list[Sample], list[dict[str, float]]]:
         """Every replica's samples of `local`, scored on the replica's first rank and gathered on
         every rank, and each replica's reward metrics. The reward model scores training
         samples only: validation measures the rule rewards (pass@1). Every rank calls it (a
-        sharded reward model scores in collectives)."""
+        sharded reward model scores in collectives). `failures` collects every replica's
+        FailureSummary."""
         learned = self.learned if training else None
-        scored: list[Sample] = []
-        metrics: dict[str, float] = {}
+        mine: tuple[list[Sample], dict[str, float], FailureSummary] = ([], {}, FailureSummary())
         if self.rewards is not None:
-            scored, metrics = score_outputs(self.rewards, local, learned)
+            mine = score_outputs(self.rewards, local, learned)
         elif learned is not None:  # a sharded RM: every rank takes part in its forwards
             learned.score([])
-        samples = [s for share in all_gather_objects(self.world, scored) for s in share]
-        return samples, [m for m in all_gather_objects(self.world, metrics) if m]
+        shares = all_gather_objects(self.world, mine)
+        if failures is not None:
+            failures += [summary for _, _, summary in shares]
+        return [s for scored, _, _ in shares for s in scored], [m for _, m, _ in shares if m]
 
     def sync_weights(self) -> None:
         """Stream the trainer's full weights into the engine, one bucket at a time."""

@@ -19,7 +19,7 @@ class OptimConfig(BaseModel):
     `lr_warmup_steps_ratio`; a schedule that needs it fails at `build_scheduler` without it (the
     orchestrator fills it in with the run's length)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: float = Field(default=1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -69,7 +69,7 @@ RESUMABLE_CONTENTS = ("model", "optimizer", "extra")
 class CheckpointConfig(BaseModel):
     """verl's `actor.checkpoint` / `critic.checkpoint`: what each checkpoint holds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     save_contents: list[str] = Field(
         default_factory=lambda: list(CHECKPOINT_CONTENTS),
@@ -102,7 +102,7 @@ class CriticCheckpointConfig(CheckpointConfig):
 class PolicyLossConfig(BaseModel):
     """verl's `actor.policy_loss`: which surrogate the actor minimises."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
     # geometric mean of the token ratios), clipped per sequence.
@@ -114,7 +114,7 @@ class PolicyLossConfig(BaseModel):
 class TrainerConfig(BaseModel):
     """Everything the policy trainer needs besides the model and the device mesh."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     grad_clip: float = Field(default=1.0, gt=0)

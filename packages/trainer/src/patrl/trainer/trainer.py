@@ -522,10 +522,31 @@ class Trainer:
         """Buckets of `(hf_name, full_tensor)`, on every rank of the trainer (see weights.py)."""
         return iter_full_weights(self.model, bucket_bytes, dtype)
 
+    def check_finite(self) -> None:
+        """Raise NonFiniteError when any weight holds inf or NaN, on any rank (a collective
+        over the trainer's ranks; one host sync). A checkpoint of such weights would only
+        resume a diverged run."""
+        bad = torch.zeros((), device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float())
+        if self.group.pg is not None:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group.pg)
+        if bad.item():
+            role = {"lm": "policy", "value": "critic"}.get(self.head, self.head)
+            raise NonFiniteError(
+                f"the {role}'s weights hold inf or NaN after step {self.step} (an "
+                "update diverged: too high a learning rate, or inf/NaN advantages); no "
+                "checkpoint is written from them. Resume from the newest checkpoint with a "
+                "lower optim.lr"
+            )
+
     def save(self, path: str | Path) -> Path:
         """Checkpoint what `config.checkpoint.save_contents` names of policy, optimizer and
         extra state (schedule, step, RNG) to `path` (checkpoint.py); "hf_model" is
-        `export_hf`'s. The frozen reference is not saved: it is rebuilt from the model source."""
+        `export_hf`'s. The frozen reference is not saved: it is rebuilt from the model source.
+        Weights that are not finite are refused (`check_finite`)."""
+        self.check_finite()
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),

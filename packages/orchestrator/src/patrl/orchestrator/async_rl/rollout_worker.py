@@ -226,7 +226,9 @@ class RolloutWorker:
 
     def _hand_over(self, out: RequestOutput) -> None:
         flight = self.in_flight.pop(out.request_id)
-        samples, reward_metrics = score_outputs(self.rewards, [(flight.item, out)], self.learned)
+        samples, reward_metrics, failures = score_outputs(
+            self.rewards, [(flight.item, out)], self.learned
+        )
         versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
         record = GroupRecord(
             flight.ticket,
@@ -237,6 +239,7 @@ class RolloutWorker:
             self.life,
             flight.migrated_from,
             flight.migrated_tokens,
+            failures,
         )
         # First writer wins: a woken rank and the peer that adopted its ticket may both finish.
         if self.control.put_first(sample_key(flight.ticket), pickle.dumps(record)):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.rewards import FailureSummary
 from patrl.orchestrator.step import Sample, sampling_params, training_seed_key
 from patrl.rollout import SamplingParams
 
@@ -29,6 +30,7 @@ class GroupRecord:
     life: int = 1  # of `rank`
     migrated_from: int | None = None  # the lost rank it was taken over from, if any
     migrated_tokens: int = 0  # tokens the adopter kept from that rank's report
+    failures: FailureSummary = field(default_factory=FailureSummary)  # its reward calls'
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ rank 0's validations too), checkpoints and ends the run (docs/async.md)."""
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from patrl.orchestrator.kl_reward import (
     save_kl_state,
 )
 from patrl.orchestrator.metrics import MetricsLogger
+from patrl.orchestrator.rewards import FailureGuard, FailureSummary
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
 from patrl.trainer import Critic, Trainer
@@ -66,6 +68,7 @@ class TrainerWorker(RunLoop):
             else None
         )
         self.kl_ctrl = build_kl_controller(self.config.algorithm.kl_ctrl)
+        self.reward_guard = FailureGuard(self.config.reward.max_failed_steps)
         self.step = 0
         # (step, ticket, oldest, newest token version) of every trained sample.
         self.trained_versions: list[tuple[int, int, int, int]] = []
@@ -137,6 +140,11 @@ class TrainerWorker(RunLoop):
         self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
+        line = self.reward_guard.observe(
+            self.step, FailureSummary.total(r.failures for r in records)
+        )
+        if line is not None and self.is_first:
+            print(f"patrl: error: {line}", file=sys.stderr, flush=True)
         update = update_policy(
             cfg,
             self.trainer,

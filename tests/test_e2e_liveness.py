@@ -1,0 +1,184 @@
+"""A job under torchrun whose rank freezes, whose agent is killed, that is stopped with Ctrl-C,
+or that a second job tries to share a run directory with: each ends in bounded time, leaves no
+rank behind, and says what happened in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from patrl_testkit.jobs import addition_job
+from patrl_testkit.processes import descendants, kill_tree
+
+pytestmark = pytest.mark.multirank
+
+JOB_TIMEOUT_S = 240.0  # a hang fails the test, not the CI job
+HEARTBEAT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return addition_job(tmp_path_factory.mktemp("liveness"))
+
+
+def overrides(assets: Path, out: Path, **extra: Any) -> list[str]:
+    values: dict[str, Any] = {
+        "model.path": assets / "model",
+        "data.train_files": assets / "train.jsonl",
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 8,
+        "actor.ppo_mini_batch_size": 4,
+        "rollout.n": 2,
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 64,
+        "rollout.adaptive_tp.enable": "false",
+        "reward.functions": '[{name: "format"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": 1000,  # never reached: every test stops the job
+        "trainer.save_freq": 1,
+        "trainer.test_freq": 0,
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.heartbeat_timeout_s": HEARTBEAT_S,
+        "trainer.default_local_dir": out,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@contextmanager
+def job(args: list[str], nproc: int = 2) -> Iterator[subprocess.Popen[str]]:
+    """The job on `nproc` local ranks, in its own session; every process of it is gone after."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", str(nproc), "-m", "patrl.orchestrator", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        kill_tree(proc.pid)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def trained_a_step(run_dir: Path) -> bool:
+    return (run_dir / "global_step_1").is_dir()
+
+
+def workers(agent: int) -> dict[int, int]:
+    """rank -> pid of the agent's worker processes."""
+    out = {}
+    for pid in descendants(agent):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e for e in env if e.startswith(b"RANK=")]
+        if ranks and b"patrl.orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            out[int(ranks[0][5:])] = pid
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        pytest.fail(f"the job did not end within {timeout_s}s:\n{output[-4000:]}")
+    return output
+
+
+def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path
+    with job(overrides(assets, tmp_path)) as proc:
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        ranks = workers(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        output = finish(proc, timeout_s=HEARTBEAT_S + 90)
+        took = time.monotonic() - frozen_at
+    assert proc.returncode != 0
+    assert "patrl: rank 0: rank 1 has sent no heartbeat" in output, output[-3000:]
+    assert took < HEARTBEAT_S + 90  # far below the 600 s collective timeout
+
+
+def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path
+    with job(overrides(assets, tmp_path)) as proc:
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        ranks = workers(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_for(lambda: not any(alive(p) for p in ranks.values()), "the ranks to exit", 60)
+        output, _ = proc.communicate()
+    assert "torchrun agent" in output and "is gone" in output, output[-3000:]
+
+
+def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path
+    with job(overrides(assets, tmp_path)) as proc:
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        output = finish(proc, timeout_s=120)
+    stopped = [line for line in output.splitlines() if line.startswith("patrl: ")]
+    assert len(stopped) == 1, output[-3000:]
+    assert "the newest checkpoint is" in stopped[0] and "global_step_" in stopped[0]
+    assert "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path
+    with job(overrides(assets, tmp_path)) as proc:
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        second = subprocess.run(
+            # Not resuming: the first job's checkpoints are not what stops it.
+            [
+                sys.executable,
+                "-m",
+                "patrl.orchestrator",
+                *overrides(assets, tmp_path, **{"trainer.resume_mode": "disable"}),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+        )
+        assert proc.poll() is None  # the first job runs on
+    assert second.returncode == 1
+    assert "is being written by another job" in second.stderr
+    assert f"pid {proc.pid}" not in second.stderr  # the holder is the rank, not the agent
+    assert "Traceback" not in second.stderr
