@@ -15,7 +15,7 @@ import torch
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import main
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import addition_job, tiny_job_overrides
 
 
 @pytest.fixture(scope="module")
@@ -28,29 +28,7 @@ def always_raises(response: str, answer: str) -> float:
 
 
 def overrides(assets: Path, run_dir: Path, **extra: Any) -> list[str]:
-    values: dict[str, Any] = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 8,
-        "actor.ppo_mini_batch_size": 4,
-        "rollout.n": 2,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 64,
-        "rollout.adaptive_tp.enable": "false",
-        "reward.functions": '[{name: "format"}]',
-        "reward.num_workers": 0,
-        "trainer.total_training_steps": 2,
-        "trainer.save_freq": 1,
-        "trainer.test_freq": 0,
-        "trainer.val_before_train": "false",
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": run_dir,
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
+    return tiny_job_overrides(assets, run_dir, **{"trainer.total_training_steps": 2, **extra})
 
 
 @contextlib.contextmanager

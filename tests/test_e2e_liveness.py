@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import addition_job, tiny_job_overrides
 from patrl_testkit.processes import descendants, kill_tree
 
 pytestmark = pytest.mark.multirank
@@ -31,29 +31,15 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def overrides(assets: Path, out: Path, **extra: Any) -> list[str]:
-    values: dict[str, Any] = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 8,
-        "actor.ppo_mini_batch_size": 4,
-        "rollout.n": 2,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 64,
-        "rollout.adaptive_tp.enable": "false",
-        "reward.functions": '[{name: "format"}]',
-        "reward.num_workers": 0,
-        "trainer.total_training_steps": 1000,  # never reached: every test stops the job
-        "trainer.save_freq": 1,
-        "trainer.test_freq": 0,
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.heartbeat_timeout_s": HEARTBEAT_S,
-        "trainer.default_local_dir": out,
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
+    return tiny_job_overrides(
+        assets,
+        out,
+        **{
+            "trainer.total_training_steps": 1000,  # never reached: every test stops the job
+            "trainer.heartbeat_timeout_s": HEARTBEAT_S,
+            **extra,
+        },
+    )
 
 
 @contextmanager

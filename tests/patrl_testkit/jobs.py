@@ -44,3 +44,31 @@ def addition_job(root: Path) -> Path:
     save_demo_llama(root / "model")
     write_addition_task(root, {"train": 32, "val": 4})
     return root
+
+
+def tiny_job_overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
+    """Command-line overrides of a tiny job on `addition_job` assets: 4 prompts x 2 samples of
+    at most 8 tokens, static TP, the in-process `format` reward, a checkpoint every step, no
+    validation, JSONL metrics only, no plots, all in `run_dir`; `extra` adds or replaces keys."""
+    values: dict[str, object] = {
+        "model.path": assets / "model",
+        "data.train_files": assets / "train.jsonl",
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 8,
+        "actor.ppo_mini_batch_size": 4,
+        "rollout.n": 2,
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 64,
+        "rollout.adaptive_tp.enable": "false",
+        "reward.functions": '[{name: "format"}]',
+        "reward.num_workers": 0,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": run_dir,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in values.items()]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
 
 from patrl.trainer.model import build_sharded
 from patrl.trainer.reward_model.checks import check_reward_model_dir, load_tokenizer
@@ -33,39 +34,44 @@ class RewardModelScorer:
         dtype: torch.dtype = torch.float32,
         micro_batch_size: int = 8,
     ) -> None:
-        from transformers import AutoModelForSequenceClassification
-
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         check_reward_model_dir(path)
         self.tokenizer = load_tokenizer(path)
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, local_files_only=True
-        )
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.model = self._build(path, dtype)
+        self.model.eval().requires_grad_(False)
         self.pad_id = pad_token_id(self.model.config, self.tokenizer)
         self.model.config.pad_token_id = self.pad_id
+
+    def _build(self, path: str | os.PathLike[str], dtype: torch.dtype) -> PreTrainedModel:
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, local_files_only=True
+        )
+        return model.to(self.device)
+
+    def _forward(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The fp32 scores of one right-padded micro batch, on the device."""
+        ids, mask = right_pad(batch, self.pad_id)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+        return out.logits[:, 0].float()
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """The fp32 score of each sequence (RM token ids), on the host, in the given order."""
-        if any(len(s) == 0 for s in sequences):
-            raise ValueError("cannot score an empty sequence")
+        _check_not_empty(sequences)
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-        out = torch.empty(len(sequences), dtype=torch.float32)
+        out = torch.empty(len(sequences), dtype=torch.float32, device=self.device)
         for start in range(0, len(order), self.micro_batch_size):
             rows = order[start : start + self.micro_batch_size]
-            ids, mask = right_pad([sequences[i] for i in rows], self.pad_id)
-            logits = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-            ).logits
-            out[rows] = logits[:, 0].float().cpu()
-        return out
+            out[rows] = self._forward([sequences[i] for i in rows])
+        return out.cpu()
 
 
-class ShardedRewardModelScorer:
+class ShardedRewardModelScorer(RewardModelScorer):
     """A reward model FSDP2-sharded over the 1-D `mesh` (built on the meta device, each rank
     reading only its own shards, parameters kept in `dtype`), scoring like `RewardModelScorer`.
 
@@ -82,32 +88,25 @@ class ShardedRewardModelScorer:
         dtype: torch.dtype = torch.float32,
         micro_batch_size: int = 8,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        check_reward_model_dir(path)
-        self.tokenizer = load_tokenizer(path)
         self.mesh = mesh
-        self.device = torch.device(device)
-        self.micro_batch_size = micro_batch_size
-        self.model = build_sharded(
+        super().__init__(path, device, dtype, micro_batch_size)
+
+    def _build(self, path: str | os.PathLike[str], dtype: torch.dtype) -> PreTrainedModel:
+        return build_sharded(
             path,
             "sdpa",
-            mesh,
+            self.mesh,
             self.device,
             param_dtype=dtype,
             activation_checkpointing=False,
             head="score",
             dtype=dtype,
         )
-        self.model.eval().requires_grad_(False)
-        self.pad_id = pad_token_id(self.model.config, self.tokenizer)
-        self.model.config.pad_token_id = self.pad_id
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """The fp32 score of each sequence, on the host, in the given order, on every rank."""
-        if any(len(s) == 0 for s in sequences):
-            raise ValueError("cannot score an empty sequence")
+        _check_not_empty(sequences)
         rank, world = self.mesh.get_local_rank(), self.mesh.size()
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         mine = order[rank::world]
@@ -115,13 +114,8 @@ class ShardedRewardModelScorer:
         local = torch.zeros(max(width, 1), dtype=torch.float32, device=self.device)
         for start in range(0, width, self.micro_batch_size):
             rows = mine[start : start + self.micro_batch_size]
-            batch = [sequences[i] for i in rows] or [[self.pad_id]]
-            ids, mask = right_pad(batch, self.pad_id)
-            logits = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-            ).logits
-            if rows:
-                local[start : start + len(rows)] = logits[: len(rows), 0].float()
+            scores = self._forward([sequences[i] for i in rows] or [[self.pad_id]])
+            local[start : start + len(rows)] = scores[: len(rows)]
         gathered = torch.empty(world * local.numel(), dtype=torch.float32, device=self.device)
         dist.all_gather_into_tensor(gathered, local, group=self.mesh.get_group())
         shares = gathered.cpu().view(world, -1)
@@ -130,6 +124,11 @@ class ShardedRewardModelScorer:
             rows = order[r::world]
             out[rows] = shares[r, : len(rows)]
         return out
+
+
+def _check_not_empty(sequences: Sequence[Sequence[int]]) -> None:
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("cannot score an empty sequence")
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
