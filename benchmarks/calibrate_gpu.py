@@ -180,12 +180,12 @@ def main() -> None:
     print(
         "\nevery cited point under the constants in patrl.lenpredict.roofline (error = model / measured - 1):"
     )
-    worst = max(abs(r["error"]) for r in report)  # type: ignore[arg-type]
-    for r in report:
+    worst = max(abs(row["error"]) for row in report)
+    for row in report:
         print(
-            f"  {r['source']:<15} {r['kind']:<13} {r['gpu']} {r['model']:<13} tp{r['tp']} "
-            f"tokens={r['tokens']:<5} bytes={r['nbytes']:<8} measured {r['measured_s']:.4g} s "
-            f"model {r['predicted_s']:.4g} s  {100 * r['error']:+.1f}%"  # type: ignore[operator]
+            f"  {row['source']:<15} {row['kind']:<13} {row['gpu']} {row['model']:<13} "
+            f"tp{row['tp']} tokens={row['tokens']:<5} bytes={row['nbytes']:<8} measured "
+            f"{row['measured_s']:.4g} s model {row['predicted_s']:.4g} s  {100 * row['error']:+.1f}%"
         )
     print(f"worst |error|: {100 * worst:.1f}% over {len(report)} points")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ kernel from one token count to the next.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from patrl.lenpredict.profile_schema import ModelInfo
 from patrl.lenpredict.roofline import (
@@ -199,7 +199,7 @@ def predict(point: Point, node: NodeSpec | None = None) -> float:
     return step.prefill(point.tp, point.tokens)
 
 
-def fit_report(points: list[Point] | None = None) -> list[dict[str, object]]:
+def fit_report(points: list[Point] | None = None) -> list[dict[str, Any]]:
     """Every point with the model's prediction and relative error (prediction / measured − 1)."""
     rows = []
     for p in POINTS if points is None else points:
