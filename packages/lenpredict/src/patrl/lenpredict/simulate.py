@@ -128,7 +128,8 @@ def run_policy(
     assignment and the planner."""
     simulator = RolloutSimulator(latency, world_size, sim_config)
     predictor = LengthPredictor(PredictorConfig(quantiles=planner_config.quantile_levels))
-    planner = ReconfigPlanner(latency, world_size, planner_config)
+    # only adaptive runs plan (a profile of one TP size prices no switch)
+    planner = ReconfigPlanner(latency, world_size, planner_config) if spec.tp is None else None
     start = min(planner_config.candidate_tp)
     results = []
     for key, groups in steps.items():
@@ -142,7 +143,7 @@ def run_policy(
         if knowledge == "predicted":
             predicted = [predictor.expected_length(g.prompt_id) for g in groups]
             remaining = _predicted_remaining(predictor, groups, step)
-        if spec.tp is None:
+        if planner is not None:
             policy: StaticPolicy | AdaptivePolicy = AdaptivePolicy(
                 planner, Layout(world_size // start, start), remaining
             )

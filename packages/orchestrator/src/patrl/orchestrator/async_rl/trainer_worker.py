@@ -21,6 +21,7 @@ from patrl.orchestrator.kl_reward import (
     needs_reference,
     save_kl_state,
 )
+from patrl.orchestrator.length_log import append_lengths
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.run import RunLoop, validates
 from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
@@ -146,6 +147,8 @@ class TrainerWorker(RunLoop):
         metrics.update(self._staleness(records))
         metrics.update(self._migrations(records))
         self.all_lengths += [len(s.token_ids) for s in samples]
+        if self.is_first:
+            append_lengths(self.run_dir, self.step, samples)
         return metrics
 
     def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
