@@ -143,12 +143,13 @@ def run_policy(
         if knowledge == "predicted":
             predicted = [predictor.expected_length(g.prompt_id) for g in groups]
             remaining = _predicted_remaining(predictor, groups, step)
-        if planner is not None:
-            policy: StaticPolicy | AdaptivePolicy = AdaptivePolicy(
-                planner, Layout(world_size // start, start), remaining
+        if spec.tp is not None:
+            policy: StaticPolicy | AdaptivePolicy = StaticPolicy(
+                Layout(world_size // spec.tp, spec.tp)
             )
         else:
-            policy = StaticPolicy(Layout(world_size // spec.tp, spec.tp))
+            assert planner is not None
+            policy = AdaptivePolicy(planner, Layout(world_size // start, start), remaining)
         results.append(simulator.run(groups, policy, predicted))
         _learn(predictor, groups, step)
     return results
