@@ -150,7 +150,7 @@ NVLINK3_8X = LinkSpec(
 )
 
 # ASSUMPTION: an engine with CUDA graphs and a scheduler overlapped with the GPU (SGLang's,
-# vLLM V1's): ~1 ms a step, nothing per sequence
+# vLLM V1's): a small fixed cost a step, nothing per sequence
 GRAPH_ENGINE = EngineSpec(
     name="CUDA-graph engine, overlapped scheduler (assumed)",
     step_overhead_s=1.0e-3,
