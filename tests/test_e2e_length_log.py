@@ -68,7 +68,7 @@ def test_one_process_run_writes_what_simulate_reads(
     assert simulate(argv) == 0
     assert "48 samples in 3 rollout(s)" in capsys.readouterr().out
     assert simulate([*argv, "--sweep-gpus", "1,2,4", "--lengths-known", "predicted"]) == 0
-    assert "sweet spot, static TP" in capsys.readouterr().out
+    assert "sweet spot, static TP only" in capsys.readouterr().out
 
     # resumed from step 2 and run to 4: steps 3 and 4 are redone, each logged once
     step3 = [r for r in records if r.step == 3]

@@ -90,7 +90,9 @@ def test_cost_sweep_prints_time_gpu_hours_and_the_sweet_spot(tmp_path, capsys):
         main([*argv, "--sweep-gpus", "1,2,4", "--price-per-gpu-hour", "3", "--idle-gpus", "4"]) == 0
     )
     printed = capsys.readouterr().out
-    assert printed.startswith("SIMULATED cost sweep") and "sweet spot, with adaptive TP" in printed
+    assert (
+        printed.startswith("SIMULATED cost sweep") and "sweet spot, adaptive TP allowed" in printed
+    )
     sweep = json.loads(out.read_text())
     rows = sweep["rows"]
     assert {(r["gpus"], r["policy"]) for r in rows} == {

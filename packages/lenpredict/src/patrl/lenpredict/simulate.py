@@ -264,7 +264,10 @@ def format_sweep(sweep: dict[str, Any], title: str, idle_gpus: int) -> str:
             f"{r['gpus']:>5} {r['policy']:<10} {r['time_s']:>12.2f} {r['gpu_hours']:>11.4f} "
             f"{r['cost']:>10.4f} {r['cost_with_idle']:>11.4f} {r['switches']:>9.1f}"
         )
-    for label, key in (("static TP", "sweet_spot_static"), ("with adaptive TP", "sweet_spot")):
+    for label, key in (
+        ("static TP only", "sweet_spot_static"),
+        ("adaptive TP allowed", "sweet_spot"),
+    ):
         r = sweep[key]
         lines.append(
             f"sweet spot, {label}: {r['gpus']} GPUs {r['policy']}: {r['time_s']:.2f} s and "
