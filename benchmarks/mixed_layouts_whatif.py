@@ -2,10 +2,10 @@
 
     python benchmarks/mixed_layouts_whatif.py        (~2 min; writes results/mixed_layouts_whatif.json)
 
-simulate_cluster's headline (one 8xH100 node, roofline latency model, 128 prompts x 8 samples of
-DeepScaleR-like lengths, max_num_seqs 256 per replica, the first of its three steps) gives
-adaptive TP -18% (Llama-3.1-8B) / -23% (Qwen3-14B) against verl's static TP 2, while the
-KV-read lower bound allows -36% / -41%. The bound lets the long tail run beside the KV-bound
+simulate_cluster's setting (one 8xH100 node, calibrated step model, 128 prompts x 8 samples of
+DeepScaleR-like lengths, max_num_seqs 256 per replica, the first of its three steps) gave, on
+the uncalibrated roofline of 2026-11-24, adaptive TP -18% (Llama-3.1-8B) / -23% (Qwen3-14B)
+against verl's static TP 2, while the KV-read lower bound allowed -36% / -41%. The bound lets the long tail run beside the KV-bound
 bulk; uniform folds (every replica at one TP size, as the planner, the simulator and the engine
 do) cannot. The natural next design is a mixed layout: fold two TP-2 replicas into one TP-4
 group, move the longest-remaining sequences there (token-level migration), keep the other two
@@ -23,12 +23,14 @@ LPT placement on true lengths) runs, with ORACLE lengths and a grid search over 
 Reported: each time and its change against static TP 2 with the same LPT split, and against
 verl's default (static TP 2, round-robin split, in the RolloutSimulator: the headline's base).
 
-Result (2026-11-24): the best mixed schedule beats the best uniform one by 1.2-1.5 points
-(Llama-3.1-8B -22.5% vs -21.1% against verl's default, Qwen3-14B -27.0% vs -25.9%), nowhere
-near the bound: mixed layouts are not the way to 30% here. The small simulator matches the
-RolloutSimulator on static TP 2 (165.5 s both) and on the planner's folds replayed (141.0 vs
-141.2 s) but runs static TP 4 / 8 6-8% faster than it (not explained: it has no chunked
-prefill); if anything it flatters the wide layouts the mixed schedules use.
+Result (2026-11-24, uncalibrated roofline): the best mixed schedule beat the best uniform one
+by 1.2-1.5 points. Rerun 2026-11-26 on the calibrated step model (roofline.py, fitted to
+published measurements): the best mixed schedule (a TP-4 group for the 64 longest sequences
+beside two TP-2 replicas from 20 s) takes -16.0% (Llama-3.1-8B) / -17.5% (Qwen3-14B) against
+verl's default, the best uniform schedule -9.4% / -12.4%, the planner's folds replayed -10.7% /
+-13.6%: mixed layouts now add 5-6 points, since TP 8 no longer runs the tail faster than TP 4.
+The small simulator matches the RolloutSimulator on static TP 2 (179.8 s both) and on the
+planner's folds replayed (170.2 vs 171.6 s).
 """
 
 from __future__ import annotations

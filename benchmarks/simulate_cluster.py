@@ -1,10 +1,14 @@
-"""SIMULATED: adaptive TP vs static TP for GRPO rollouts on one 8xH100 node (the PAT setting).
+"""SIMULATED: adaptive TP against every static layout for GRPO rollouts on one 8xH100 node (the
+PAT setting), at both admission caps and at the KV-memory limit, with the gain split into its
+parts; the planner's finish-time pricing; and how many GPUs the rollout should use.
 
-Everything this script reports about generation time is a simulation: a roofline latency model
-of an 8xH100 SXM5 NVLink node (patrl.lenpredict.roofline, every constant sourced there), the
-rollout simulator (continuous batching, max_num_seqs=256, KV budget at 90% of HBM), and a
-synthetic DeepScaleR-like length distribution. Only the planner call latency is measured, on
-the machine running the script.
+    OMP_NUM_THREADS=1 python benchmarks/simulate_cluster.py     # about five minutes
+
+Everything this script reports about generation time is a simulation: the calibrated roofline
+of an 8xH100 SXM5 node (patrl.lenpredict.roofline; constants fitted to published measurements,
+patrl.lenpredict.calibration, table in benchmarks/README.md), the rollout simulator
+(continuous batching, KV budget at 90% of HBM), and a synthetic DeepScaleR-like length
+distribution. Only the planner call latency is measured, on the machine running the script.
 
 Setting
 - Models: Llama-3.1-8B and Qwen3-14B in bfloat16, 8 GPUs, TP in {1, 2, 4, 8}.
@@ -14,19 +18,21 @@ Setting
   log-normal scale (median 2000 tokens, sigma 0.5) and a failure rate U(0, 0.6); failed
   samples 3x longer (DeepScaleR's authors report wrong answers ~3x longer than right ones);
   per-sample log-normal noise (sigma 0.4); capped at max_response_length=16384 (DeepScaleR's
-  16K stage). Why: DeepScaleR reports mean response lengths of ~3.5-5.5K tokens in its 8K
-  stage and moves to 16K/24K contexts because long, often wrong answers get truncated: a long
-  tail of a few samples near the cap is the regime PAT targets.
+  16K stage).
+- Caps: max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact), 1024 (verl's rollout
+  default), and none (only the replica's KV memory limits it).
 - verl default: actor_rollout_ref.rollout.tensor_model_parallel_size=2 (verl's
-  ppo_trainer.yaml), prompts split evenly across replicas (round-robin here).
-- Concurrency: max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact); a second table
-  uses verl's own rollout default, max_num_seqs=1024.
-- Policies: static TP with round-robin assignment (what verl does), static TP with the
-  length-aware LPT assignment, adaptive (LPT + the ReconfigPlanner, starting from TP 1) with
-  oracle lengths and with the online LengthPredictor (trained only on earlier steps).
+  ppo_trainer.yaml), prompts split evenly across replicas (round-robin).
+- Policies: static TP 1/2/4/8 with round-robin assignment (what verl does) and with the
+  length-aware LPT assignment; adaptive (LPT + the ReconfigPlanner, opening where its first
+  check says) with oracle lengths, and with the online LengthPredictor (trained only on
+  earlier steps) under both finish-time pricings (comonotone quantiles; the longest of
+  independent samples).
+- Decomposition, in points of verl's time: better static choice (verl's TP 2 -> the best
+  static TP, round-robin), length-aware assignment (-> the best static TP with LPT), adaptive
+  folds (-> adaptive, oracle lengths).
 
-Writes benchmarks/results/simulate_cluster.json and, if matplotlib imports,
-benchmarks/results/simulate_cluster_timeline.png.
+Writes benchmarks/results/simulate_cluster.json.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import dataclasses
 import itertools
 import json
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +66,14 @@ from patrl.lenpredict import (
     RolloutSimulator,
     RunningSet,
     SimConfig,
-    SimResult,
     group_by_step,
     held_out_error,
     long_tail_trace,
     roofline_profile,
 )
-from patrl.lenpredict.simulate import PolicySpec, run_policy
+from patrl.lenpredict.calibration import fit_report
+from patrl.lenpredict.roofline import VLLM_V0_ENGINE, NodeSpec
+from patrl.lenpredict.simulate import UNCAPPED, PolicySpec, cost_sweep, run_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner_bench  # a sibling script, not a package
@@ -74,60 +83,142 @@ WORLD = 8
 PROMPTS, SAMPLES, STEPS = 128, 8, 3
 VERL_DEFAULT_TP = 2
 SPEC = LongTailSpec()
+CAPS: tuple[int | None, ...] = (256, 1024, None)  # None: the KV-memory limit
 
 
-def sim_config(assignment: str, max_num_seqs: int = 256) -> SimConfig:
+def cap_label(cap: int | None) -> str:
+    return "KV-limited" if cap is None else str(cap)
+
+
+def sim_config(assignment: str, cap: int | None = 256, memory: float = 0.9) -> SimConfig:
     return SimConfig(
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=cap or UNCAPPED,
         max_num_batched_tokens=SPEC.max_length + 1024,
-        memory_utilization=0.9,
+        memory_utilization=memory,
         plan_interval_steps=64,
         assignment=assignment,
+        max_response_length=SPEC.max_length,
     )
 
 
-def simulate_model(
-    model: ModelInfo, max_num_seqs: int = 256
-) -> tuple[list[dict[str, Any]], dict[str, SimResult]]:
-    profile = roofline_profile(model)
-    latency = LatencyModel.fit(profile)
+def planner_config(cap: int | None, memory: float = 0.9, **extra: Any) -> PlannerConfig:
+    return PlannerConfig(max_num_seqs=cap or UNCAPPED, memory_utilization=memory, **extra)
+
+
+RUNS = [
+    *((f"static:{tp}", "round_robin", "oracle", "quantiles") for tp in (1, 2, 4, 8)),
+    *((f"static:{tp}", "lpt", "oracle", "quantiles") for tp in (1, 2, 4, 8)),
+    ("adaptive", "lpt", "oracle", "quantiles"),
+    ("adaptive", "lpt", "predicted", "quantiles"),
+    ("adaptive", "lpt", "predicted", "independent"),
+]
+
+
+def simulate_model(model: ModelInfo, cap: int | None) -> list[dict[str, Any]]:
+    latency = LatencyModel.fit(roofline_profile(model))
     steps = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0))
-    planner_config = PlannerConfig(max_num_seqs=max_num_seqs)
-    runs = [(f"static:{tp}", "round_robin", "oracle") for tp in (1, 2, 4, 8)]
-    if max_num_seqs == 256:
-        runs += [(f"static:{tp}", "lpt", "oracle") for tp in (1, 2, 4, 8)]
-        runs += [("adaptive", "lpt", "oracle"), ("adaptive", "lpt", "predicted")]
-    runs += [("adaptive", "round_robin", "oracle")]
-    rows, first_step = [], {}
-    for name, assignment, knowledge in runs:
+    rows = []
+    for name, assignment, knowledge, finish in RUNS:
         results = run_policy(
             PolicySpec.parse(name),
             steps,
             latency,
             WORLD,
-            sim_config(assignment, max_num_seqs),
-            planner_config,
+            sim_config(assignment, cap),
+            planner_config(cap, finish_time=finish),
             knowledge,  # type: ignore[arg-type]
         )
-        label = f"{name} ({assignment}, {knowledge})"
-        first_step[label] = results[0]
         rows.append(
             {
                 "model": model.name,
-                "max_num_seqs": max_num_seqs,
+                "cap": cap_label(cap),
                 "policy": name,
                 "assignment": assignment,
                 "lengths": knowledge,
+                "finish_time": finish,
                 "per_step_s": [r.total_s for r in results],
                 "total_s": sum(r.total_s for r in results),
                 "switches": [[list(s) for s in r.switches] for r in results],
                 "preemptions": sum(r.preemptions for r in results),
             }
         )
-    return rows, first_step
+    return rows
 
 
-def lower_bounds(model: ModelInfo, max_num_seqs: int = 256) -> list[dict[str, float]]:
+def decompose(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gain of adaptive over verl's default, split (in points of verl's time) into the
+    better static TP, length-aware assignment and adaptive folds; and adaptive against every
+    static layout."""
+
+    def time_of(
+        policy: str, assignment: str, lengths: str = "oracle", finish: str = "quantiles"
+    ) -> float:
+        return next(
+            r["total_s"]
+            for r in rows
+            if (r["policy"], r["assignment"], r["lengths"], r["finish_time"])
+            == (policy, assignment, lengths, finish)
+        )
+
+    rr = {tp: time_of(f"static:{tp}", "round_robin") for tp in (1, 2, 4, 8)}
+    lpt = {tp: time_of(f"static:{tp}", "lpt") for tp in (1, 2, 4, 8)}
+    verl = rr[VERL_DEFAULT_TP]
+    best_rr_tp = min(rr, key=rr.__getitem__)
+    best_lpt_tp = min(lpt, key=lpt.__getitem__)
+    adaptive = time_of("adaptive", "lpt")
+    predicted_q = time_of("adaptive", "lpt", "predicted", "quantiles")
+    predicted_i = time_of("adaptive", "lpt", "predicted", "independent")
+    return {
+        "verl_default_s": verl,
+        "best_static_rr": {"tp": best_rr_tp, "s": rr[best_rr_tp]},
+        "best_static_lpt": {"tp": best_lpt_tp, "s": lpt[best_lpt_tp]},
+        "adaptive_s": adaptive,
+        "adaptive_vs_verl": adaptive / verl - 1,
+        "parts_of_verl": {
+            "better_static_choice": (verl - rr[best_rr_tp]) / verl,
+            "length_aware_assignment": (rr[best_rr_tp] - lpt[best_lpt_tp]) / verl,
+            "adaptive_folds": (lpt[best_lpt_tp] - adaptive) / verl,
+        },
+        "adaptive_vs_static_lpt": {tp: adaptive / t - 1 for tp, t in lpt.items()},
+        "adaptive_vs_static_rr": {tp: adaptive / t - 1 for tp, t in rr.items()},
+        "predicted_quantiles_vs_verl": predicted_q / verl - 1,
+        "predicted_independent_vs_verl": predicted_i / verl - 1,
+        "predicted_quantiles_vs_best_static": predicted_q / lpt[best_lpt_tp] - 1,
+        "predicted_independent_vs_best_static": predicted_i / lpt[best_lpt_tp] - 1,
+    }
+
+
+def print_decomposition(table: dict[str, dict[str, dict[str, Any]]]) -> None:
+    print(
+        "\nSIMULATED generation time, 3 GRPO steps of 128x8 on 8xH100 (calibrated roofline), "
+        "sum of steps; gain over verl's TP 2 (round-robin) split into its parts"
+    )
+    print(
+        f"{'model':<13} {'cap':>10} {'verl_s':>7} {'best static':>12} {'adaptive_s':>10} "
+        f"{'vs verl':>8} {'static':>7} {'assign':>7} {'folds':>7} {'pred(q)':>8} {'pred(i)':>8}"
+    )
+    for model, caps in table.items():
+        for cap, d in caps.items():
+            p = d["parts_of_verl"]
+            best = f"TP{d['best_static_lpt']['tp']} {d['best_static_lpt']['s']:.0f}s"
+            print(
+                f"{model:<13} {cap:>10} {d['verl_default_s']:>7.1f} {best:>12} "
+                f"{d['adaptive_s']:>10.1f} {100 * d['adaptive_vs_verl']:>+7.1f}% "
+                f"{100 * p['better_static_choice']:>6.1f}p {100 * p['length_aware_assignment']:>6.1f}p "
+                f"{100 * p['adaptive_folds']:>6.1f}p {100 * d['predicted_quantiles_vs_verl']:>+7.1f}% "
+                f"{100 * d['predicted_independent_vs_verl']:>+7.1f}%"
+            )
+    print("adaptive (oracle lengths) against every static layout (LPT / round-robin):")
+    for model, caps in table.items():
+        for cap, d in caps.items():
+            cells = "  ".join(
+                f"TP{tp} {100 * d['adaptive_vs_static_lpt'][tp]:+.1f}%/{100 * d['adaptive_vs_static_rr'][tp]:+.1f}%"
+                for tp in (1, 2, 4, 8)
+            )
+            print(f"  {model:<13} {cap:>10}  {cells}")
+
+
+def lower_bounds(model: ModelInfo, cap: int) -> list[dict[str, float]]:
     """SIMULATED, per step: what no layout policy can beat under this latency model.
 
     - kv_read_s: every decode step reads the KV of every context token of its batch; a
@@ -135,13 +226,13 @@ def lower_bounds(model: ModelInfo, max_num_seqs: int = 256) -> list[dict[str, fl
       (each rank reads its share of the heads), so the node's 8 GPUs need at least
       min_tp(c_tp·tp)·Σ context-steps / 8 seconds whatever the layout.
     - weights_s: every step reads the replica's weights (a_tp); at best every step runs
-      max_num_seqs sequences, so at least min_tp(a_tp·tp / max_num_seqs)·tokens / 8.
-    - tail_s: the longest sample alone on the fastest layout for batch 1 (TP 8).
+      `cap` sequences, so at least min_tp(a_tp·tp / cap)·tokens / 8.
+    - tail_s: the longest sample alone on the fastest layout for batch 1.
     lower_bound_s = max(kv_read_s + weights_s, tail_s)."""
     latency = LatencyModel.fit(roofline_profile(model))
     tps = latency.tp_sizes
     per_token = min(latency.step_coefficients(tp).per_token * tp for tp in tps)
-    fixed = min(latency.step_coefficients(tp).fixed * tp / max_num_seqs for tp in tps)
+    fixed = min(latency.step_coefficients(tp).fixed * tp / cap for tp in tps)
     out = []
     for step, groups in group_by_step(
         long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0)
@@ -204,17 +295,19 @@ class ScriptedPlanner(ReconfigPlanner):
 
 
 def scripted_schedules(model: ModelInfo) -> dict[str, Any]:
-    """SIMULATED, first step only: the planner against every schedule of one or two growing
-    switches from TP 1 or 2 at sequence counts of a grid (oracle lengths, LPT): is a
+    """SIMULATED, first step only, cap 256: the planner against every schedule of one or two
+    growing switches from TP 1 or 2 at sequence counts of a grid (oracle lengths, LPT): is a
     better switching schedule there for the planner to find?"""
     latency = LatencyModel.fit(roofline_profile(model))
     groups = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=1, seed=0))[0]
-    simulator = RolloutSimulator(latency, WORLD, sim_config("lpt"))
+    simulator = RolloutSimulator(latency, WORLD, sim_config("lpt", 256))
     counts = (768, 512, 256, 128, 32)
     tried = []
     for start in (1, 2):
         ups = [tp for tp in (2, 4, 8) if tp > start]
-        paths = [[]] + [[tp] for tp in ups] + [list(p) for p in itertools.combinations(ups, 2)]
+        paths: list[list[int]] = (
+            [[]] + [[tp] for tp in ups] + [list(p) for p in itertools.combinations(ups, 2)]
+        )
         for path in paths:
             for at in itertools.combinations(counts, len(path)):
                 schedule = list(zip(at, path, strict=True))
@@ -237,68 +330,111 @@ def scripted_schedules(model: ModelInfo) -> dict[str, Any]:
 
 
 def sensitivity(model: ModelInfo) -> list[dict[str, Any]]:
-    """SIMULATED, first step only, oracle lengths: how the reduction moves with the workload
-    and with the roofline's ASSUMPTION constants. Not the headline setting; it shows which
-    regime a >= 30% reduction needs."""
+    """SIMULATED, first step only, oracle lengths, caps 256 and 1024: how the reduction moves
+    with the workload and with the calibration's weakest constants."""
     base = H100_SXM_NODE
-    slow_tp = dataclasses.replace(
-        base, collective_latency_s=((2, 18e-6), (4, 24e-6), (8, 30e-6)), step_overhead_s=2e-3
+    v0 = dataclasses.replace(base, engine=VLLM_V0_ENGINE)
+    graph_ar = dataclasses.replace(
+        base,
+        link=dataclasses.replace(base.link, allreduce_latency_s=((2, 5.98e-6), (8, 8.0e-6))),
     )
-    runaway = [
-        (f"{rate:.0%} of samples run to the cap (repetition loops)", rate)
-        for rate in (0.01, 0.02, 0.05)
-    ]
-    cases = [
+    no_width = dataclasses.replace(base, gpu=dataclasses.replace(base.gpu, gemm_width_half=0.0))
+    cases: list[tuple[str, LongTailSpec, int, NodeSpec, float]] = [
         ("headline: 128x8", SPEC, PROMPTS, base, 0.9),
         ("64 prompts x 8", SPEC, 64, base, 0.9),
-        ("32 prompts x 8", SPEC, 32, base, 0.9),
         ("median length 1000", dataclasses.replace(SPEC, median=1000.0), PROMPTS, base, 0.9),
         ("cap 32768", dataclasses.replace(SPEC, max_length=32768), PROMPTS, base, 0.9),
-        ("3x collective latency, 2 ms step overhead", SPEC, PROMPTS, slow_tp, 0.9),
-        # what colocated verl runs: the trainer keeps the rest of the GPU (ppo_trainer.yaml
-        # 0.5; RLBoost's verl artifact 0.6)
-        ("gpu_memory_utilization 0.6", SPEC, PROMPTS, base, 0.6),
+        ("engine: vLLM 0.7.2 overheads (4.3 ms + 0.16 ms/seq)", SPEC, PROMPTS, v0, 0.9),
+        ("TP-8 all-reduce 8 us (graph-mode guess)", SPEC, PROMPTS, graph_ar, 0.9),
+        ("no TP width inefficiency (GEMM eff. as TP 1)", SPEC, PROMPTS, no_width, 0.9),
+        # what colocated verl runs: the trainer keeps the rest of the GPU
         ("gpu_memory_utilization 0.5", SPEC, PROMPTS, base, 0.5),
-        *((label, dataclasses.replace(SPEC, runaway_rate=r), PROMPTS, base, 0.9)
-          for label, r in runaway),
+        *((f"{r:.0%} of samples run to the cap (loops)", dataclasses.replace(SPEC, runaway_rate=r), PROMPTS, base, 0.9)
+          for r in (0.01, 0.05)),
     ]  # fmt: skip
     out = []
     for label, spec, prompts, node, memory in cases:
         latency = LatencyModel.fit(roofline_profile(model, node, memory_utilization=memory))
         steps = {0: group_by_step(long_tail_trace(spec, prompts, SAMPLES, steps=1, seed=0))[0]}
-        times = {}
-        for name, assignment in [
-            *((f"static:{tp}", "lpt") for tp in (1, 2, 4, 8)),
-            (f"static:{VERL_DEFAULT_TP}", "round_robin"),
-            ("adaptive", "lpt"),
-        ]:
-            config = sim_config(assignment).model_copy(
-                update={
-                    "max_num_batched_tokens": spec.max_length + 1024,
-                    "memory_utilization": memory,
-                }
-            )
-            (result,) = run_policy(
-                PolicySpec.parse(name),
-                steps,
-                latency,
-                WORLD,
-                config,
-                PlannerConfig(memory_utilization=memory),
-            )
-            times[f"{name} ({assignment})"] = result.total_s
-        verl = times[f"static:{VERL_DEFAULT_TP} (round_robin)"]
-        best = min(t for k, t in times.items() if k.startswith("static"))
-        adaptive = times["adaptive (lpt)"]
-        out.append(
-            {
-                "case": label,
+        row: dict[str, Any] = {"case": label}
+        for cap in (256, 1024):
+            times = {}
+            for name, assignment in [
+                *((f"static:{tp}", "lpt") for tp in (1, 2, 4, 8)),
+                (f"static:{VERL_DEFAULT_TP}", "round_robin"),
+                ("adaptive", "lpt"),
+            ]:
+                config = sim_config(assignment, cap, memory).model_copy(
+                    update={
+                        "max_num_batched_tokens": spec.max_length + 1024,
+                        "max_response_length": spec.max_length,
+                    }
+                )
+                (result,) = run_policy(
+                    PolicySpec.parse(name),
+                    steps,
+                    latency,
+                    WORLD,
+                    config,
+                    planner_config(cap, memory),
+                )
+                times[f"{name} ({assignment})"] = result.total_s
+            verl = times[f"static:{VERL_DEFAULT_TP} (round_robin)"]
+            static = {k: t for k, t in times.items() if k.startswith("static") and "lpt" in k}
+            best = min(static, key=static.__getitem__)
+            adaptive = times["adaptive (lpt)"]
+            row[str(cap)] = {
                 "times_s": times,
+                "best_static": best,
                 "adaptive_vs_verl_default": adaptive / verl - 1,
-                "adaptive_vs_best_static": adaptive / best - 1,
+                "adaptive_vs_best_static": adaptive / static[best] - 1,
             }
-        )
+        out.append(row)
     return out
+
+
+def sweep(model: ModelInfo) -> dict[str, Any]:
+    """SIMULATED cost-aware scaling (RLHFless), first step, cap 256, oracle lengths: 1-16 H100s
+    for the rollout; sweet spots with no idle GPUs and with one 8-GPU trainer node waiting."""
+    latency = LatencyModel.fit(roofline_profile(model))
+    steps = {0: group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=1, seed=0))[0]}
+    out = {}
+    for idle in (0, 8):
+        out[f"idle_{idle}"] = cost_sweep(
+            [1, 2, 4, 8, 16], steps, latency, WORLD, sim_config("lpt", 256), planner_config(256),
+            idle_gpus=idle,
+        )  # fmt: skip
+    return out
+
+
+def print_sweep(model: str, result: dict[str, Any]) -> None:
+    rows = result["idle_0"]["rows"]
+    print(f"\nSIMULATED cost sweep, {model}, first step (128x8), cap 256: per step")
+    print(
+        f"{'gpus':>5} {'best static':>12} {'time_s':>7} {'GPU-h':>7} {'adaptive_s':>10} {'GPU-h':>7}"
+    )
+    for gpus in sorted({r["gpus"] for r in rows}):
+        mine = [r for r in rows if r["gpus"] == gpus]
+        static = min(
+            (r for r in mine if r["policy"].startswith("static")), key=lambda r: r["time_s"]
+        )
+        adaptive = next((r for r in mine if r["policy"] == "adaptive"), None)
+        a = (
+            f"{adaptive['time_s']:>10.1f} {adaptive['gpu_hours']:>7.3f}"
+            if adaptive
+            else f"{'-':>10} {'-':>7}"
+        )
+        print(
+            f"{gpus:>5} {static['policy']:>12} {static['time_s']:>7.1f} {static['gpu_hours']:>7.3f} {a}"
+        )
+    for idle in (0, 8):
+        r = result[f"idle_{idle}"]
+        for key, label in (("sweet_spot_static", "static"), ("sweet_spot", "with adaptive")):
+            s = r[key]
+            print(
+                f"  sweet spot ({idle} idle GPUs, {label}): {s['gpus']} GPUs {s['policy']}, "
+                f"{s['time_s']:.1f} s, {s['gpu_hours']:.3f} rollout GPU-h"
+            )
 
 
 def predictor_error() -> dict[str, Any]:
@@ -341,133 +477,58 @@ def predictor_error() -> dict[str, Any]:
     }
 
 
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        statics = {
-            (r["policy"], r["assignment"]): r["total_s"]
-            for r in mine
-            if r["policy"].startswith("static")
-        }
-        best_static = min(statics.values())
-        verl = statics[(f"static:{VERL_DEFAULT_TP}", "round_robin")]
-        for r in mine:
-            r["vs_best_static"] = r["total_s"] / best_static - 1
-            r["vs_verl_default"] = r["total_s"] / verl - 1
-        out.append(
-            {
-                "model": model,
-                "max_num_seqs": mine[0]["max_num_seqs"],
-                "best_static_s": best_static,
-                "verl_default_s": verl,
-            }
+def decide_timing(calls: int = 100) -> dict[str, float]:
+    """MEASURED on this machine: median wall microseconds of one `decide` over 256 sequences x
+    3 quantiles, from dp8xtp1, under each finish-time pricing."""
+    latency = LatencyModel.fit(roofline_profile(LLAMA31_8B))
+    running = planner_bench.running_set(256)
+    out = {}
+    for finish in ("quantiles", "independent"):
+        planner = ReconfigPlanner(
+            latency, WORLD, PlannerConfig(max_num_seqs=1024, finish_time=finish)
         )
+        wall = []
+        for _ in range(calls):
+            planner.new_rollout()
+            start = time.perf_counter()
+            planner.decide(running, Layout(WORLD, 1))
+            wall.append(time.perf_counter() - start)
+        out[finish] = statistics.median(wall) * 1e6
     return out
 
 
-def print_table(rows: list[dict[str, Any]], setting: str) -> None:
-    print(
-        "\nSIMULATED generation latency, 3 GRPO steps of 128x8 on 8xH100 (roofline), sum of "
-        f"steps; {setting}"
-    )
-    header = f"{'model':<14} {'policy':<10} {'assign':<12} {'lengths':<10} {'time_s':>8} {'vs_verl_tp2':>12} {'vs_best_static':>15}"
-    print(header)
-    for r in rows:
-        print(
-            f"{r['model']:<14} {r['policy']:<10} {r['assignment']:<12} {r['lengths']:<10} "
-            f"{r['total_s']:>8.1f} {100 * r['vs_verl_default']:>+11.1f}% {100 * r['vs_best_static']:>+14.1f}%"
-        )
-
-
-def print_bounds(rows: list[dict[str, Any]], bounds: dict[str, list[dict[str, float]]]) -> None:
-    """Where the time goes: what no layout can remove against what the policies took."""
-    print(
-        "\nSIMULATED lower bounds per model, sum of steps (see lower_bounds): KV reads cost the "
-        "same at every TP"
-    )
-    print(
-        f"{'model':<14} {'kv_read':>8} {'weights':>8} {'tail':>6} {'bound':>7} {'verl':>7} "
-        f"{'adaptive':>9} {'bound vs verl':>14} {'kv share of verl':>17}"
-    )
-    for model, steps in bounds.items():
-        total = {k: sum(s[k] for s in steps) for k in steps[0] if k != "step"}
-        mine = [r for r in rows if r["model"] == model and r["max_num_seqs"] == 256]
-        verl = next(
-            r["total_s"]
-            for r in mine
-            if r["policy"] == f"static:{VERL_DEFAULT_TP}" and r["assignment"] == "round_robin"
-        )
-        adaptive = next(
-            r["total_s"]
-            for r in mine
-            if r["policy"] == "adaptive" and r["assignment"] == "lpt" and r["lengths"] == "oracle"
-        )
-        print(
-            f"{model:<14} {total['kv_read_s']:>8.1f} {total['weights_s']:>8.1f} "
-            f"{total['tail_s']:>6.1f} {total['lower_bound_s']:>7.1f} {verl:>7.1f} "
-            f"{adaptive:>9.1f} {100 * (total['lower_bound_s'] / verl - 1):>+13.1f}% "
-            f"{100 * total['kv_read_s'] / verl:>16.1f}%"
-        )
-
-
-def plot_timeline(first_steps: dict[str, dict[str, SimResult]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    chosen = ["static:2 (round_robin, oracle)", "static:4 (lpt, oracle)", "adaptive (lpt, oracle)"]
-    models = list(first_steps)
-    fig, axes = plt.subplots(
-        len(chosen), len(models), figsize=(7 * len(models), 8), sharex="col", squeeze=False
-    )
-    colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", 8: "tab:red"}
-    for col, model in enumerate(models):
-        for row, label in enumerate(chosen):
-            ax = axes[row][col]
-            result = first_steps[model][label]
-            for seg in result.segments:
-                if seg.kind == "switch":
-                    ax.axvspan(seg.start_s, seg.end_s, color="black", alpha=0.3)
-                    continue
-                tp = Layout.parse(seg.layout).tp
-                ax.plot([seg.start_s, seg.end_s], [seg.batch, seg.batch], color=colors[tp], lw=1)
-            for t, _, to in result.switches:
-                ax.axvline(t, color="black", ls="--", lw=0.8)
-                ax.text(t, ax.get_ylim()[1] * 0.9, f" ->{to}", fontsize=7)
-            ax.set_title(f"SIMULATED {model}: {label}, {result.total_s:.1f}s", fontsize=9)
-            ax.set_ylabel("running seqs per replica")
-        axes[-1][col].set_xlabel("time (s)")
-    handles = [plt.Line2D([], [], color=c, label=f"TP {tp}") for tp, c in colors.items()]
-    fig.legend(handles=handles, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def main() -> None:
+    started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    first_steps: dict[str, dict[str, SimResult]] = {}
-    fits = {}
+    table: dict[str, dict[str, dict[str, Any]]] = {}
     for model in (LLAMA31_8B, QWEN3_14B):
-        model_rows, first_steps[model.name] = simulate_model(model)
-        rows += model_rows
-        fits[model.name] = held_out_error(roofline_profile(model))
-    # sensitivity: verl's own rollout default admits 1024 sequences per engine
-    wide = [r for m in (LLAMA31_8B, QWEN3_14B) for r in simulate_model(m, max_num_seqs=1024)[0]]
-    summary = summarise(rows) + summarise(wide)
-    print_table(rows, "max_num_seqs=256 per replica (RLBoost's verl+vLLM artifact)")
-    print_table(wide, "max_num_seqs=1024 per replica (verl ppo_trainer.yaml rollout default)")
-    rows += wide
-    bounds = {m.name: lower_bounds(m) for m in (LLAMA31_8B, QWEN3_14B)}
-    print_bounds(rows, bounds)
+        table[model.name] = {}
+        for cap in CAPS:
+            model_rows = simulate_model(model, cap)
+            rows += model_rows
+            table[model.name][cap_label(cap)] = decompose(model_rows)
+    print_decomposition(table)
+    print(
+        "\nfinish-time pricing, predicted lengths: adaptive's switches per step (time s, from, to)"
+    )
+    for r in rows:
+        if r["lengths"] == "predicted":
+            print(
+                f"  {r['model']:<13} cap {r['cap']:>10} {r['finish_time']:<11} total "
+                f"{r['total_s']:.1f} s  {[[(round(t, 1), a, b) for t, a, b in s] for s in r['switches']]}"
+            )
+    bounds = {m.name: lower_bounds(m, 256) for m in (LLAMA31_8B, QWEN3_14B)}
+    print("\nSIMULATED lower bounds, cap 256, sum of steps (see lower_bounds):")
+    for name, per_step in bounds.items():
+        total = {k: sum(s[k] for s in per_step) for k in per_step[0] if k != "step"}
+        print(
+            f"  {name:<13} kv_read {total['kv_read_s']:.1f} s, weights {total['weights_s']:.1f} s, "
+            f"tail {total['tail_s']:.1f} s, bound {total['lower_bound_s']:.1f} s against verl "
+            f"{table[name]['256']['verl_default_s']:.1f} s"
+        )
     scripted = {m.name: scripted_schedules(m) for m in (LLAMA31_8B, QWEN3_14B)}
-    print("\nSIMULATED first step: the planner against the best of the scripted schedules")
+    print("\nSIMULATED first step, cap 256: the planner against the best of the scripted schedules")
     for name, result in scripted.items():
         print(
             f"  {name}: planner {result['planner_s']:.1f} s; best of "
@@ -475,58 +536,64 @@ def main() -> None:
             f"({result['best_scripted']})"
         )
     sensitive = sensitivity(LLAMA31_8B)
-    print("\nSIMULATED sensitivity, Llama-3.1-8B, first step, oracle lengths")
-    for case in sensitive:
-        print(
-            f"  {case['case']:<42} adaptive vs verl default "
-            f"{100 * case['adaptive_vs_verl_default']:+6.1f}%, vs best static "
-            f"{100 * case['adaptive_vs_best_static']:+6.1f}%"
-        )
-    timing = planner_bench.measure(repeats=3, calls=200, sizes=(256,))
     print(
-        f"\nMEASURED on this machine ({platform.machine()}, load average "
-        f"{timing['loadavg_before'][0]:.1f}): ReconfigPlanner.decide, 256 seqs x 3 quantiles "
-        "(benchmarks/planner_bench.py)"
+        "\nSIMULATED sensitivity, Llama-3.1-8B, first step, oracle lengths: adaptive vs verl default / vs best static"
     )
-    for case, (t,) in timing["cases"].items():
-        print(
-            f"  {case:<7} ({t['action']}): median wall {t['wall_us']:.0f} us, thread cpu "
-            f"{t['cpu_us']:.0f} us (per-repeat wall medians: "
-            f"{', '.join(f'{m:.0f}' for m in t['wall_us_per_repeat'])})"
+    for case in sensitive:
+        cells = "   ".join(
+            f"cap {cap}: {100 * case[cap]['adaptive_vs_verl_default']:+6.1f}% / "
+            f"{100 * case[cap]['adaptive_vs_best_static']:+5.1f}% ({case[cap]['best_static'].split()[0]})"
+            for cap in ("256", "1024")
         )
+        print(f"  {case['case']:<52} {cells}")
+    sweeps = {m.name: sweep(m) for m in (LLAMA31_8B, QWEN3_14B)}
+    for name, result in sweeps.items():
+        print_sweep(name, result)
+    timing = decide_timing()
+    print(
+        f"\nMEASURED on this machine ({platform.machine()}): ReconfigPlanner.decide, 256 seqs x 3 "
+        f"quantiles, median wall: quantiles {timing['quantiles']:.0f} us, independent (16 draws) "
+        f"{timing['independent']:.0f} us"
+    )
     error = predictor_error()
-    print(f"LengthPredictor online remaining-length error on this trace: {error}")
-    print(f"roofline latency-model held-out MAPE per tp: {fits}")
-    png = RESULTS / "simulate_cluster_timeline.png"
-    plotted = plot_timeline(first_steps, png)
+    print(
+        f"LengthPredictor online remaining-length error on this trace: {error['from_second_epoch']}"
+    )
+    fits = {m.name: held_out_error(roofline_profile(m)) for m in (LLAMA31_8B, QWEN3_14B)}
+    print(f"latency-model held-out MAPE per tp on the calibrated profile: {fits}")
+    calibration = fit_report()
+    worst = max(abs(r["error"]) for r in calibration)
+    print(
+        f"calibration: {len(calibration)} cited points, worst |model/measured - 1| {100 * worst:.1f}%"
+    )
     payload = {
-        "label": "SIMULATED (roofline 8xH100 profile, synthetic DeepScaleR-like lengths); planner timing MEASURED",
+        "label": "SIMULATED (calibrated roofline 8xH100 profile, synthetic DeepScaleR-like lengths); planner timing MEASURED",
         "setting": {
             "world": WORLD,
             "prompts": PROMPTS,
             "samples": SAMPLES,
             "steps": STEPS,
-            "length_spec": SPEC.__repr__(),
-            "sim_config": sim_config("lpt").model_dump(),
+            "length_spec": repr(SPEC),
+            "caps": [cap_label(c) for c in CAPS],
             "verl_default_tp": VERL_DEFAULT_TP,
         },
         "rows": rows,
-        "summary": summary,
+        "decomposition": table,
         "lower_bounds": bounds,
         "scripted_schedules": scripted,
         "sensitivity": sensitive,
+        "cost_sweep": sweeps,
         "planner_decide_us": timing,
         "predictor_error": error,
         "latency_model_held_out_mape": {
             m: {str(k): v for k, v in f.items()} for m, f in fits.items()
         },
+        "calibration_worst_error": worst,
         "machine": platform.platform(),
+        "wall_s": time.perf_counter() - started,
     }
     (RESULTS / "simulate_cluster.json").write_text(json.dumps(payload, indent=1))
-    print(
-        f"\nwrote {RESULTS / 'simulate_cluster.json'}"
-        + (f" and {png}" if plotted else " (no matplotlib: no PNG)")
-    )
+    print(f"\nwrote {RESULTS / 'simulate_cluster.json'} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

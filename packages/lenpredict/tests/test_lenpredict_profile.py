@@ -1,5 +1,4 @@
 import json
-from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -153,13 +152,21 @@ def test_step_fit_is_scored_as_used_when_batch_3_is_slower_than_batch_4():
     assert fit.cv_mape < 0.2
 
 
-def test_a_second_knee_must_cut_the_held_out_error_by_a_tenth(monkeypatch):
-    # the roofline bends once (compute-bound past ~256 sequences); a second knee improves its
-    # noiseless fit by 1-2%, not worth an ordered pass in every planner call
-    profile = roofline_profile(LLAMA31_8B)
-    assert {fit.knees for fit in LatencyModel.fit(profile).step_fits.values()} == {(256.0,)}
+def test_a_knee_must_cut_the_held_out_error_by_a_tenth(monkeypatch):
+    # a second knee that improves the held-out error by 6% is not worth an ordered pass in
+    # every planner call; one that halves it is
+    candidates = [
+        ("total", (), ()),
+        ("total", (64.0,), (1.0,)),
+        ("total", (64.0, 256.0), (1.0, 1.0)),
+    ]
+    assert latency_model._simplest_good_enough([0.10, 0.05, 0.047], candidates)[1][1] == (64.0,)
+    assert latency_model._simplest_good_enough([0.10, 0.05, 0.025], candidates)[1][1] == (
+        64.0,
+        256.0,
+    )
     monkeypatch.setattr(latency_model, "KNEE_GAIN", 0.0)
-    assert max(len(fit.knees) for fit in LatencyModel.fit(profile).step_fits.values()) == 2
+    assert len(latency_model._simplest_good_enough([0.10, 0.05, 0.047], candidates)[1][1]) == 2
 
 
 def test_latency_model_prefill_collectives_and_reshard():
@@ -211,12 +218,12 @@ def test_noisy_profile_held_out_error_within_target():
 def test_roofline_profile_fits_and_behaves_like_a_gpu(model):
     profile = roofline_profile(model)
     assert profile.source == "roofline" and "SIMULATED" in profile.notes["label"]
-    numeric = [k for k, v in asdict(H100_SXM_NODE).items() if not isinstance(v, str)]
-    assert all(f"source.{k}" in profile.notes for k in numeric if k != "num_devices")
+    assert profile.hardware.device == H100_SXM_NODE.gpu.name
     latency = LatencyModel.fit(profile)
     assert max(held_out_error(profile).values()) < 0.02
-    # memory-bound at batch 1: more TP ranks read a smaller weight shard each
-    single = [float(latency.step_time(tp, 1, 1000)) for tp in (1, 2, 4, 8)]
+    # at batch 1 more TP ranks read a smaller weight shard each, up to TP 4; past it the
+    # kernel floors and all-reduce latency take the rest (test_lenpredict_calibration)
+    single = [float(latency.step_time(tp, 1, 1000)) for tp in (1, 2, 4)]
     assert single == sorted(single, reverse=True)
     # and a replica holds more KV the more ranks it spans
     capacity = [latency.kv_capacity_tokens(tp, 0.9) for tp in (1, 2, 4, 8)]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from patrl.lenpredict import read_lengths
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.tickets import token_versions
@@ -19,6 +20,7 @@ from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
+from patrl.orchestrator.length_log import LENGTH_LOG
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
 from patrl_testkit.jobs import addition_job
@@ -216,6 +218,9 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     # The newest version stays on disk (older ones go once no rollout rank holds them): the
     # last step's, published for its validation.
     assert trainer["weight_versions"][-1] == steps
+    # The trainer logs each step's trained samples for the simulator.
+    records = read_lengths(job_config(assets, tmp_path).run_dir / LENGTH_LOG)
+    assert [sum(r.step == s for r in records) for s in range(1, steps + 1)] == [16] * steps
 
 
 def _stalled_peer(rank: int, world_size: int) -> str:

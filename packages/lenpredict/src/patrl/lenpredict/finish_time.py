@@ -35,6 +35,9 @@ class RunningSet:
     # replica also holds (its prompt's full KV blocks, `shared_prefix`): merging replicas
     # sends them once for the lot, as the engine's reconfigure does (None: nothing shared)
     shared: np.ndarray | None = None
+    # float, the most tokens each sequence can still generate (max_tokens less what it has):
+    # caps independent draws of its remaining length (None: no cap known)
+    max_remaining: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.seq_ids)
@@ -48,6 +51,10 @@ class RunningSet:
             raise ValueError(f"group has {len(self.group)} entries for {n} sequences")
         if self.shared is not None and len(self.shared) != n:
             raise ValueError(f"shared has {len(self.shared)} entries for {n} sequences")
+        if self.max_remaining is not None and len(self.max_remaining) != n:
+            raise ValueError(
+                f"max_remaining has {len(self.max_remaining)} entries for {n} sequences"
+            )
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -72,6 +79,50 @@ def shared_prefix(
     shared = np.asarray(prompt_tokens, dtype=int) // block_size * block_size
     shared[first] = 0
     return shared
+
+
+def independent_draws(
+    remaining: np.ndarray,
+    levels: np.ndarray,
+    draws: int,
+    rng: np.random.Generator,
+    cap: np.ndarray | None = None,
+) -> np.ndarray:
+    """(n, draws) remaining lengths, each sequence's drawn independently of the others' from
+    the distribution its quantiles `remaining` (n, Q) at `levels` (Q,) describe: linear between
+    the quantiles, exponential tails beyond the outer ones (rates from the two outermost
+    quantiles of each side), at least 1 token and at most `cap` (n,) when given.
+
+    Why: a rollout ends with the longest of its sequences, and the longest of many independent
+    samples lies far above any one's median; comonotone quantile scenarios (every sequence at
+    its q-quantile at once) put it no higher than the highest quantile."""
+    levels = np.asarray(levels, dtype=float)
+    q = np.maximum(np.asarray(remaining, dtype=float), 1.0)
+    n, k = q.shape
+    if k != len(levels) or k < 2:
+        raise ValueError(
+            f"independent draws need >= 2 quantile columns at the given levels; got {k} "
+            f"columns for levels {levels.tolist()}"
+        )
+    u = rng.random((n, draws))
+    j = np.clip(np.searchsorted(levels, u), 1, k - 1)  # the quantiles bracketing each u
+    rows = np.arange(n)[:, None]
+    left, right = q[rows, j - 1], q[rows, j]
+    t = (u - levels[j - 1]) / (levels[j] - levels[j - 1])
+    out = left + (right - left) * t
+    lo, hi = levels[0], levels[-1]
+    # exponential tails: S(x) = (1 - hi)·exp(-(x - q_hi)/θ) above, F(x) = lo·exp((x - q_lo)/θ')
+    theta_hi = np.maximum(q[:, -1] - q[:, -2], 1.0) / np.log((1 - levels[-2]) / (1 - hi))
+    theta_lo = np.maximum(q[:, 1] - q[:, 0], 1.0) / np.log(levels[1] / lo)
+    above, below = u > hi, u < lo
+    out = np.where(
+        above, q[:, -1:] + theta_hi[:, None] * np.log((1 - hi) / np.maximum(1 - u, 1e-12)), out
+    )
+    out = np.where(below, q[:, :1] + theta_lo[:, None] * np.log(np.maximum(u, 1e-12) / lo), out)
+    out = np.maximum(out, 1.0)
+    if cap is not None:
+        out = np.minimum(out, np.maximum(np.asarray(cap, dtype=float), 1.0)[:, None])
+    return out
 
 
 @dataclass(slots=True)

@@ -2,14 +2,21 @@
 
 Format (one JSON object per line, one line per sample):
 
-    {"step": 0, "prompt_id": "p17", "sample": 3, "prompt_tokens": 212, "response_tokens": 1834}
+    {"step": 3, "round": 0, "prompt_id": "17", "sample": 2, "prompt_tokens": 212,
+     "response_tokens": 1834, "finish_reason": "stop"}
 
-- `step`: the training step (rollout batch) the sample belongs to; each step is simulated as
-  one rollout. Optional, default 0.
-- `prompt_id`: identifies the prompt; the samples of a prompt in one step form its GRPO group.
-- `sample`: index of the sample within its group (0..n-1).
-- `prompt_tokens`, `response_tokens`: lengths in tokens (response >= 1).
-Unknown keys are rejected, so a typo does not silently change what is simulated.
+- `step`: the training step the sample was generated for. Optional, default 0.
+- `round`: the generation round within the step (DAPO's dynamic sampling draws several);
+  each (step, round) is one rollout, simulated on its own. Optional, default 0.
+- `prompt_id`: identifies the prompt, the same across steps (what the length predictor learns
+  from); the samples of a prompt in one rollout form its GRPO group.
+- `sample`: index of the sample within its group (0..n-1), unique within the group.
+- `prompt_tokens`, `response_tokens`: lengths in tokens (response >= 1); every sample of a
+  group has its prompt's length.
+- `finish_reason`: why the sample ended ("stop", "length" at max_tokens, ...). Optional;
+  recorded, not simulated.
+Unknown keys are rejected, so a typo does not silently change what is simulated. Runs write
+this file as `<run_dir>/lengths.jsonl` (patrl.orchestrator.length_log).
 """
 
 from __future__ import annotations
@@ -26,10 +33,16 @@ class LengthRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     step: int = Field(default=0, ge=0)
+    round: int = Field(default=0, ge=0)
     prompt_id: str
     sample: int = Field(ge=0)
     prompt_tokens: int = Field(gt=0)
     response_tokens: int = Field(gt=0)
+    finish_reason: str | None = None
+
+    @property
+    def rollout(self) -> tuple[int, int]:
+        return (self.step, self.round)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +55,34 @@ class PromptGroup:
 
 
 def read_lengths(path: str | Path) -> list[LengthRecord]:
-    records = []
+    """The records of a length log; a bad line, a group whose samples disagree on the prompt's
+    length, or a sample index given twice raises a ValueError naming the file and line."""
+    records: list[LengthRecord] = []
+    prompts: dict[tuple[int, int, str], tuple[int, int]] = {}  # -> (prompt_tokens, first line)
+    seen: dict[tuple[int, int, str, int], int] = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(LengthRecord.model_validate_json(line))
+            record = LengthRecord.model_validate_json(line)
         except ValueError as err:
             raise ValueError(f"{path}:{number}: not a length record: {err}") from err
+        group = (record.step, record.round, record.prompt_id)
+        tokens, first = prompts.setdefault(group, (record.prompt_tokens, number))
+        if tokens != record.prompt_tokens:
+            raise ValueError(
+                f"{path}:{number}: prompt {record.prompt_id!r} of step {record.step} round "
+                f"{record.round} has prompt_tokens={record.prompt_tokens}, but {tokens} at line "
+                f"{first}; the samples of one prompt share its length"
+            )
+        key = (*group, record.sample)
+        if key in seen:
+            raise ValueError(
+                f"{path}:{number}: sample {record.sample} of prompt {record.prompt_id!r} (step "
+                f"{record.step} round {record.round}) also at line {seen[key]}"
+            )
+        seen[key] = number
+        records.append(record)
     if not records:
         raise ValueError(f"{path} holds no length records")
     return records
@@ -59,20 +92,21 @@ def write_lengths(path: str | Path, records: list[LengthRecord]) -> None:
     Path(path).write_text("".join(r.model_dump_json() + "\n" for r in records))
 
 
-def group_by_step(records: list[LengthRecord]) -> dict[int, list[PromptGroup]]:
-    """Rollouts by step, each a list of prompt groups in order of first appearance."""
-    buckets: dict[int, dict[str, list[LengthRecord]]] = defaultdict(dict)
+def group_by_rollout(records: list[LengthRecord]) -> dict[tuple[int, int], list[PromptGroup]]:
+    """Rollouts by (step, round), each a list of prompt groups in order of first appearance."""
+    buckets: dict[tuple[int, int], dict[str, list[LengthRecord]]] = defaultdict(dict)
     for r in records:
-        buckets[r.step].setdefault(r.prompt_id, []).append(r)
+        buckets[r.rollout].setdefault(r.prompt_id, []).append(r)
     result = {}
-    for step, prompts in sorted(buckets.items()):
+    for rollout, prompts in sorted(buckets.items()):
         groups = []
         for prompt_id, samples in prompts.items():
             prompt_lengths = {s.prompt_tokens for s in samples}
             if len(prompt_lengths) != 1:
                 raise ValueError(
-                    f"step {step} prompt {prompt_id!r} has prompt_tokens {sorted(prompt_lengths)}; "
-                    "the samples of one prompt must share its length"
+                    f"step {rollout[0]} round {rollout[1]} prompt {prompt_id!r} has "
+                    f"prompt_tokens {sorted(prompt_lengths)}; the samples of one prompt must "
+                    "share its length"
                 )
             samples = sorted(samples, key=lambda s: s.sample)
             groups.append(
@@ -80,8 +114,19 @@ def group_by_step(records: list[LengthRecord]) -> dict[int, list[PromptGroup]]:
                     prompt_id, samples[0].prompt_tokens, tuple(s.response_tokens for s in samples)
                 )
             )
-        result[step] = groups
+        result[rollout] = groups
     return result
+
+
+def group_by_step(records: list[LengthRecord]) -> dict[int, list[PromptGroup]]:
+    """Rollouts by step, for traces of one round a step (`group_by_rollout` otherwise)."""
+    rollouts = group_by_rollout(records)
+    several = sorted({step for step, round_ in rollouts if round_ > 0})
+    if several:
+        raise ValueError(
+            f"steps {several[:5]} hold several generation rounds; group them with group_by_rollout"
+        )
+    return {step: groups for (step, _), groups in rollouts.items()}
 
 
 @dataclass(frozen=True, slots=True)

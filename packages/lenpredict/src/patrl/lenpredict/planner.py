@@ -13,13 +13,13 @@ See docs/adaptive_tp.md.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from patrl.lenpredict.finish_time import RunningSet
+from patrl.lenpredict.finish_time import RunningSet, independent_draws
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
 from patrl.lenpredict.plans import Option, assign_replicas, delay_steps, plan_questions
@@ -48,6 +48,16 @@ class PlannerConfig(BaseModel):
     # run them all at once, so the time model would flatter it
     max_num_seqs: int = Field(default=256, gt=0)
     history: int = Field(default=1024, gt=0)  # decisions kept for audit
+    # How a layout's finish time is averaged over what the lengths may be. "quantiles": one
+    # scenario per column of the running set's remaining-length quantiles, every sequence at
+    # the same quantile at once (comonotone). "independent": `draws` Monte Carlo scenarios,
+    # each sequence's length drawn on its own from its quantiles (`independent_draws`), so a
+    # replica's finish is the longest of independent samples, as in a real rollout.
+    finish_time: Literal["quantiles", "independent"] = "quantiles"
+    # the quantile levels of the running set's columns (the LengthPredictor's `quantiles`)
+    quantile_levels: tuple[float, ...] = (0.1, 0.5, 0.9)
+    draws: int = Field(default=16, gt=0)
+    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -128,6 +138,7 @@ class ReconfigPlanner:
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
         self._calls = 0  # decide() calls in this rollout
+        self._draws = 0  # independent draws made (the seed of the next), over all rollouts
 
     def new_rollout(self) -> None:
         """A new batch starts: the direction lock and cooldown of the last one no longer apply."""
@@ -184,34 +195,59 @@ class ReconfigPlanner:
             result.append(layout)
         return result
 
+    def scenarios(self, running: RunningSet) -> tuple[RunningSet, np.ndarray, int]:
+        """The running set with the remaining-length columns `decide` prices, the weight of
+        each column in a mean (summing to 1) and the median column (weight 0 under
+        "independent": it only places the delayed switches)."""
+        q = running.remaining.shape[1]
+        median = q // 2
+        if self.config.finish_time == "quantiles" or q == 1:
+            return running, np.full(q, 1 / q), median
+        levels = np.asarray(self.config.quantile_levels, dtype=float)
+        if len(levels) != q:
+            raise ValueError(
+                f"finish_time='independent' needs quantile_levels for the {q} columns of the "
+                f"running set's remaining lengths; got {levels.tolist()}"
+            )
+        self._draws += 1
+        rng = np.random.default_rng([self.config.seed, self._draws])
+        draws = independent_draws(
+            running.remaining, levels, self.config.draws, rng, running.max_remaining
+        )
+        columns = np.concatenate([draws, running.remaining[:, median : median + 1]], axis=1)
+        weights = np.r_[np.full(self.config.draws, 1 / self.config.draws), 0.0]
+        return replace(running, remaining=columns), weights, self.config.draws
+
     def decide(self, running: RunningSet, current: Layout) -> Decision:
         """Stay or switch, with the predicted time of every option considered.
 
-        Staying and switching now are priced in every quantile scenario; each delayed switch
-        in the median scenario, carried over to all as switching now is. All of it in one
+        Staying and switching now are priced in every scenario (`scenarios`); each delayed
+        switch in the median one, carried over to all as switching now is. All of it in one
         vectorised pass of finish times and one of overheads."""
-        n, q = running.remaining.shape
+        n = len(running)
         if n == 0:
             raise ValueError("decide() needs at least one unfinished sequence")
         self._calls += 1
+        priced, weights, med = self.scenarios(running)
+        q = len(weights)
         admissible = self._admissible(current)
         targets = [t for t in admissible if not self.pricer.never_pays(current, t, running)]
         if admissible and not targets:
             return self._stay_for_good(running, current, admissible)
         assignments = [assign_replicas(running, current, t) for t in targets]
-        median = running.remaining[:, q // 2]
+        median = priced.remaining[:, med]
         delays = delay_steps(median, self.config.delay_levels) if targets else np.zeros(0)
         # At a rollout's first call a split may pay only with a fold back for the tail (it
         # opened at a TP that suits the tail, where this batch's bulk runs faster on more
         # replicas): "split now, fold back after `delay` steps", median scenario.
         trips = [j for j, t in enumerate(targets) if t.tp < current.tp] if self._calls == 1 else []
-        rows = plan_questions(current, targets, q, delays, trips)
-        times = self.pricer.times(rows, np.stack([running.replica, *assignments]), running)
+        rows = plan_questions(current, targets, q, delays, trips, med)
+        times = self.pricer.times(rows, np.stack([running.replica, *assignments]), priced)
         m, k = len(targets), len(delays)
         split = (m + 1) * q
         now = times[:split].reshape(m + 1, q)
         never = np.zeros(n, dtype=bool)
-        options = [Option(current, float(now[0].mean()), 0.0, np.inf, 0, running.replica, never)]
+        options = [Option(current, float(now[0] @ weights), 0.0, np.inf, 0, running.replica, never)]
         if targets:
             # row 0 switches now, row 1 + i after delays[i] steps (median scenario)
             steps = np.r_[0.0, delays][:, None]
@@ -223,12 +259,12 @@ class ReconfigPlanner:
             before = times[split : split + k]
             after = times[split + k : split + k + m * k].reshape(m, k)
             options += _switch_options(
-                targets, assignments, now, before, after, overheads, migrate, delays
+                targets, assignments, now, before, after, overheads, migrate, delays, weights, med
             )
             if trips and k:
                 trip_rows = times[split + k + m * k :]
                 self._price_round_trips(
-                    options, trips, trip_rows, delays, context[1:], alive[1:], now, q // 2
+                    options, trips, trip_rows, delays, context[1:], alive[1:], now, weights, med
                 )
         decision = self._choose(options, current, running.seq_ids)
         if decision.action == "stay" and decision.recheck_steps is None and targets:
@@ -276,6 +312,7 @@ class ReconfigPlanner:
         context: np.ndarray,
         alive: np.ndarray,
         now: np.ndarray,
+        weights: np.ndarray,
         med: int,
     ) -> None:
         """Fill `round_trip_s` of the split options `trips` (indices into the targets) from
@@ -294,7 +331,7 @@ class ReconfigPlanner:
             )
             total = split.overhead_s + before[i] + back[0] + after
             best = int(np.argmin(total))
-            split.round_trip_s = float(total[best] + now[0].mean() - now[0, med])
+            split.round_trip_s = float(total[best] + now[0] @ weights - now[0, med])
             split.round_trip_steps = int(delays[best])
 
     def _choose(self, options: list[Option], current: Layout, seq_ids: np.ndarray) -> Decision:
@@ -358,12 +395,14 @@ def _switch_options(
     overheads: np.ndarray,
     migrate: np.ndarray,
     delays: np.ndarray,
+    weights: np.ndarray,
+    med: int,
 ) -> list[Option]:
-    """One option per target from its priced rows: run and overhead of switching now (all
-    scenarios), and its best delayed switch (median scenario, carried over to all as
-    switching now is)."""
-    m, k, med = len(targets), len(delays), now.shape[1] // 2
-    run = now[1:].mean(axis=1)
+    """One option per target from its priced rows: run and overhead of switching now (the
+    scenarios' weighted mean), and its best delayed switch (median column, carried over to
+    all as switching now is)."""
+    m, k = len(targets), len(delays)
+    run = now[1:] @ weights
     later_s, later_steps = np.full(m, np.inf), np.zeros(m, dtype=int)
     if k:
         later = before + overheads[:, 1:] + after  # (targets, delays), median scenario

@@ -68,13 +68,19 @@ def delay_steps(median: np.ndarray, levels: tuple[float, ...]) -> np.ndarray:
 
 
 def plan_questions(
-    current: Layout, targets: list[Layout], scenarios: int, delays: np.ndarray, trips: list[int]
+    current: Layout,
+    targets: list[Layout],
+    scenarios: int,
+    delays: np.ndarray,
+    trips: list[int],
+    med: int | None = None,
 ) -> Questions:
-    """The finish times `decide` prices, in this order: staying (every scenario); switching
-    now to each target (every scenario); the steps before a delayed switch, then each
-    target's steps after it (median scenario); for the splits `trips` (indices into
-    `targets`), their steps before folding back, then the current layout's after."""
-    med = scenarios // 2
+    """The finish times `decide` prices, in this order: staying (every scenario column);
+    switching now to each target (every scenario column); the steps before a delayed switch,
+    then each target's steps after it (median column `med`, by default the middle one); for
+    the splits `trips` (indices into `targets`), their steps before folding back, then the
+    current layout's after."""
+    med = scenarios // 2 if med is None else med
     rows = Questions()
     for col in range(scenarios):
         rows.add(0, col, False, np.inf, current)

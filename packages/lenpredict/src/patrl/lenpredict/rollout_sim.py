@@ -38,6 +38,9 @@ class SimConfig(BaseModel):
     kv_capacity_tokens: int | None = Field(default=None, gt=0)  # per replica; None: from the model
     plan_interval_steps: int = Field(default=64, gt=0)
     assignment: AssignmentPolicy = "lpt"
+    # the rollout's max_tokens: bounds what the planner may draw for a sequence's remaining
+    # length (PlannerConfig.finish_time="independent"); None: unbounded
+    max_response_length: int | None = Field(default=None, gt=0)
 
 
 @dataclass(slots=True)
@@ -398,7 +401,11 @@ class RolloutSimulator:
 
     def _plan(self, policy: AdaptivePolicy, replicas: list[_Replica], layout: Layout) -> Decision:
         seqs, where, has_kv = self._unfinished(replicas)
+        cap = self.config.max_response_length
         running = RunningSet(
+            max_remaining=None
+            if cap is None
+            else np.array([cap - s.generated for s in seqs], float),
             seq_ids=np.array([s.seq_id for s in seqs]),
             replica=where,
             context=np.array([s.tokens for s in seqs]),

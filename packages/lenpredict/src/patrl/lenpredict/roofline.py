@@ -1,15 +1,23 @@
-"""Roofline latency profiles for GPU nodes no machine here can run (8×H100 NVLink).
+"""Calibrated step-latency profiles for GPU nodes no machine here can run (8xH100, 8xA100).
 
-A decode step on one TP rank costs max(memory time, compute time) + its collectives + a host
-overhead, where memory time reads the rank's weight shard and its share of the KV cache. Every
-constant carries its source; the ones marked ASSUMPTION are engineering guesses stated so a
-reader can change them. The output is a `Profile` with source="roofline", fitted like a
-measured one, and every number derived from it is SIMULATED.
+A decode step of a replica of `tp` ranks runs, per decoder layer, four GEMMs (qkv, o,
+gate_up, down), the attention over the KV its ranks hold, a few elementwise kernels and two
+all-reduces of the hidden states; then the LM head, and the engine's own per-step work. A GEMM
+layer costs a smooth maximum of reading its weight shard and computing its tokens, plus a
+kernel floor each GEMM pays however little it does; its compute efficiency falls as TP makes
+the per-GPU GEMMs narrower and as fewer tokens go through them. That width term is what a plain
+roofline leaves out: at TP 8 a large batch runs well below the peak a TP 1 replica reaches.
+
+Every constant is either a datasheet figure or fitted to published measurements; its source
+is in `SOURCES` (copied into a profile's notes) and in the table of benchmarks/README.md, and
+`patrl.lenpredict.calibration` holds the cited measurements the model reproduces. Constants
+with no measurement to fit are marked ASSUMPTION. Every number a profile from here yields is
+SIMULATED.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,61 +34,185 @@ from patrl.lenpredict.profile_schema import (
 
 
 @dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """One GPU: datasheet figures and the kernel constants fitted to its measurements."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: float  # dense BF16 tensor FLOP/s
+    hbm_bytes_per_s: float
+    hbm_efficiency: float  # fraction of HBM bandwidth weight and KV reads reach
+    kernel_floor_s: float  # what every GEMM / attention kernel costs however little it does
+    gemm_efficiency: float  # fraction of peak a wide GEMM of many tokens reaches
+    # the per-GPU GEMM width (parameters of one layer on one GPU) and token count at which
+    # compute efficiency halves: eff = gemm_efficiency · w/(w + width_half) · m/(m + tokens_half)
+    gemm_width_half: float
+    gemm_tokens_half: float
+    # t = (memory^s + compute^s)^(1/s): GEMMs leave the memory-bound regime gradually
+    gemm_sharpness: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """The GPUs' interconnect: all-reduce time α(g) + bytes · 2(g−1)/g / busbw(g) for a group
+    of g GPUs at decode message sizes (≤ a few MB), linear in g between the given sizes; and
+    point-to-point copies for KV migration and weight gathers."""
+
+    name: str
+    allreduce_latency_s: tuple[tuple[int, float], ...]
+    allreduce_bus_bytes_per_s: tuple[tuple[int, float], ...]
+    p2p_latency_s: float
+    p2p_bytes_per_s: float
+
+    def _at(self, table: tuple[tuple[int, float], ...], group: int) -> float:
+        sizes, values = zip(*table, strict=True)
+        return float(np.interp(group, sizes, values))
+
+    def allreduce(self, nbytes: float, group: int) -> float:
+        if group == 1:
+            return 0.0
+        bus = nbytes * 2 * (group - 1) / group
+        latency = self._at(self.allreduce_latency_s, group)
+        return latency + bus / self._at(self.allreduce_bus_bytes_per_s, group)
+
+    def all_gather(self, nbytes: float, group: int) -> float:
+        """`nbytes`: the gathered result each rank holds."""
+        if group == 1:
+            return 0.0
+        latency = self._at(self.allreduce_latency_s, group)
+        return latency + nbytes * (group - 1) / group / self.p2p_bytes_per_s
+
+    def p2p(self, nbytes: float) -> float:
+        return self.p2p_latency_s + nbytes / self.p2p_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """The serving engine's own cost per decode step: fixed (scheduling, sampling, graph
+    launch) and per running sequence (host-side bookkeeping not overlapped with the GPU), and
+    the elementwise kernels of a layer (fused norms, activation) each paying the kernel floor."""
+
+    name: str
+    step_overhead_s: float
+    per_seq_overhead_s: float
+    layer_kernels: int
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSpec:
     name: str
-    device: str
+    gpu: GpuSpec
+    link: LinkSpec
+    engine: EngineSpec
     num_devices: int
-    # 80 GB HBM3 per H100 SXM5 (NVIDIA H100 datasheet; glennklockwood.com/garden/processors/h100)
-    memory_bytes: int
-    # 989.4 TFLOP/s dense BF16 tensor (same sources)
-    peak_flops: float
-    # 3.35 TB/s HBM3 (same sources)
-    hbm_bytes_per_s: float
-    # ASSUMPTION: decode GEMV/GEMM kernels reach 80% of HBM bandwidth
-    hbm_efficiency: float
-    # ASSUMPTION: 50% of peak for small-M decode GEMMs, 60% for prefill
-    decode_mfu: float
-    prefill_mfu: float
-    # NCCL all-reduce with NVLink SHARP on 8 H100: peak busBw ~480 GB/s; other ops ~370 GB/s
-    # effective of the 450 GB/s per-direction NVLink 4 line rate (NCCL maintainer in
-    # NVIDIA/nccl-tests#212)
-    allreduce_bus_bytes_per_s: float
-    p2p_bytes_per_s: float
-    # small-message all-reduce latency by TP size; it grows with the GPU count (H100_SOURCES)
-    collective_latency_s: tuple[tuple[int, float], ...]
-    # ASSUMPTION: scheduler + sampling + launch overhead per decode step with CUDA graphs
-    step_overhead_s: float
 
 
-# Where each constant of H100_SXM_NODE comes from; copied into the profile's notes.
-H100_SOURCES = {
-    "memory_bytes": "80 GB HBM3: NVIDIA H100 SXM5 datasheet (glennklockwood.com/garden/processors/h100)",
-    "peak_flops": "989.4 TFLOP/s dense BF16 tensor: same sources",
-    "hbm_bytes_per_s": "3.35 TB/s HBM3: same sources",
-    "hbm_efficiency": "ASSUMPTION: 80% of HBM bandwidth reached by decode kernels",
-    "decode_mfu": "ASSUMPTION: 50% of peak for small-M decode GEMMs",
-    "prefill_mfu": "ASSUMPTION: 60% of peak for prefill GEMMs",
-    "allreduce_bus_bytes_per_s": "~480 GB/s NVLS all-reduce busBw on 8 H100: NVIDIA/nccl-tests#212",
-    "p2p_bytes_per_s": "~370 GB/s effective NVLink4 per direction: NVIDIA/nccl-tests#212",
-    "collective_latency_s": "~6 us at 2 GPUs (NVLS, CUDA graphs): NVIDIA/nccl#1259; ASSUMPTION 8/10 us at 4/8",
-    "step_overhead_s": "ASSUMPTION: 0.5 ms scheduler + sampling + launch per decode step",
-}
-
-H100_SXM_NODE = NodeSpec(
-    name="8xH100-SXM5-80GB NVLink4 (roofline)",
-    device="H100-SXM5-80GB",
-    num_devices=8,
+H100_SXM = GpuSpec(
+    name="H100-SXM5-80GB",
     memory_bytes=80 * 10**9,
     peak_flops=989.4e12,
     hbm_bytes_per_s=3.35e12,
-    hbm_efficiency=0.8,
-    decode_mfu=0.5,
-    prefill_mfu=0.6,
-    allreduce_bus_bytes_per_s=480e9,
-    p2p_bytes_per_s=370e9,
-    collective_latency_s=((2, 6e-6), (4, 8e-6), (8, 10e-6)),
-    step_overhead_s=0.5e-3,
+    hbm_efficiency=0.929,
+    kernel_floor_s=5.49e-6,
+    gemm_efficiency=0.814,
+    gemm_width_half=9.56e6,
+    gemm_tokens_half=13.6,
+    gemm_sharpness=1.70,
 )
+
+A100_SXM = replace(
+    H100_SXM,
+    name="A100-SXM4-80GB",
+    peak_flops=312e12,
+    hbm_bytes_per_s=2.039e12,
+    hbm_efficiency=0.860,
+    kernel_floor_s=6.69e-6,
+)
+
+# 8 H100 on NVSwitch (NVLink 4). TP 2: CUDA-graph all-reduce measured; TP 8: eager NCCL
+# measured (no graph-mode 8-GPU point found): an upper bound on what a graph-captured
+# custom all-reduce costs there.
+NVLINK4_8X = LinkSpec(
+    name="NVLink4 + NVSwitch",
+    allreduce_latency_s=((2, 5.98e-6), (8, 20.55e-6)),
+    allreduce_bus_bytes_per_s=((2, 239e9), (8, 180e9)),
+    p2p_latency_s=5.98e-6,
+    p2p_bytes_per_s=370e9,
+)
+
+# 8 A100 on NVSwitch (NVLink 3), eager NCCL ring latencies
+NVLINK3_8X = LinkSpec(
+    name="NVLink3 + NVSwitch",
+    allreduce_latency_s=((2, 10.0e-6), (4, 16.88e-6), (8, 33.7e-6)),
+    allreduce_bus_bytes_per_s=((2, 112e9), (8, 112e9)),
+    p2p_latency_s=10.0e-6,
+    p2p_bytes_per_s=230e9,
+)
+
+# ASSUMPTION: an engine with CUDA graphs and a scheduler overlapped with the GPU (SGLang's,
+# vLLM V1's): a small fixed cost a step, nothing per sequence
+GRAPH_ENGINE = EngineSpec(
+    name="CUDA-graph engine, overlapped scheduler (assumed)",
+    step_overhead_s=1.0e-3,
+    per_seq_overhead_s=0.0,
+    layer_kernels=3,
+)
+
+# vLLM 0.7.2 (V0 engine), fitted to its benchmark_latency steps in vllm#16300 (it
+# detokenises and schedules on the host between steps)
+VLLM_V0_ENGINE = replace(
+    GRAPH_ENGINE,
+    name="vLLM 0.7.2 V0 (fitted)",
+    step_overhead_s=4.30e-3,
+    per_seq_overhead_s=0.162e-3,
+)
+
+H100_SXM_NODE = NodeSpec(
+    name="8xH100-SXM5-80GB NVLink4 (calibrated roofline)",
+    gpu=H100_SXM,
+    link=NVLINK4_8X,
+    engine=GRAPH_ENGINE,
+    num_devices=8,
+)
+
+A100_SXM_NODE = NodeSpec(
+    name="8xA100-SXM4-80GB NVLink3 (calibrated roofline)",
+    gpu=A100_SXM,
+    link=NVLINK3_8X,
+    engine=VLLM_V0_ENGINE,
+    num_devices=8,
+)
+
+_VIDUR = "microsoft/vidur data/profiling/compute/<gpu>/<model>/mlp.csv (see calibration.py)"
+
+# Where each constant comes from; copied into a profile's notes and into benchmarks/README.md.
+SOURCES = {
+    "gpu.memory_bytes": "80 GB HBM: NVIDIA H100 SXM5 / A100 SXM4 80GB datasheets",
+    "gpu.peak_flops": "dense BF16 tensor: 989.4 TFLOP/s (H100 SXM5), 312 TFLOP/s (A100): datasheets",
+    "gpu.hbm_bytes_per_s": "3.35 TB/s (H100 SXM5), 2.039 TB/s (A100 80GB): datasheets",
+    "gpu.hbm_efficiency": f"fitted: per-layer GEMM kernel times at 1-16 tokens, TP 1/2/4/8, {_VIDUR}",
+    "gpu.kernel_floor_s": f"fitted: the same points (what TP 8's narrow GEMMs keep paying), {_VIDUR}",
+    "gpu.gemm_efficiency": f"fitted: per-layer GEMM kernel times at 128-512 tokens, TP 1-8, {_VIDUR}",
+    "gpu.gemm_width_half": f"fitted: the same points (TP 8's GEMMs run further below peak), {_VIDUR}",
+    "gpu.gemm_tokens_half": f"fitted: the same points, {_VIDUR}",
+    "gpu.gemm_sharpness": f"fitted: the same points (the bend between regimes), {_VIDUR}",
+    "link.allreduce_latency_s": "H100 TP 2: 5.98 us, graph-captured all-reduce (one-shot in "
+    "flagos-ai/FlagGems-vllm#773, NVLS in NVIDIA/nccl#1259); H100 TP 8: 20.55 us eager "
+    "NCCL, 8xH100 (ByteDance-Seed/Triton-distributed#57); A100 2/4/8: 10/16.9/33.7 us eager "
+    "ring (NVIDIA/nccl-tests#123); TP 4 on H100: ASSUMPTION, linear between 2 and 8",
+    "link.allreduce_bus_bytes_per_s": "H100 TP 2: 239 GB/s (128 B -> 1.7 MB, nccl#1259 and "
+    "FlagGems-vllm#773); TP 8: 180 GB/s (128 B -> 4 MB, Triton-distributed#57); A100: "
+    "112 GB/s (4 MB, 8 GPUs, microsoft/vidur data/profiling/network/a100_dgx/all_reduce.csv)",
+    "link.p2p_bytes_per_s": "~370 GB/s effective NVLink4 per direction (NVIDIA/nccl-tests#212); "
+    "A100: ASSUMPTION 230 GB/s",
+    "link.p2p_latency_s": "ASSUMPTION: the 2-GPU all-reduce latency",
+    "engine.step_overhead_s": "H100 node: ASSUMPTION 1 ms (CUDA graphs, overlapped scheduler); "
+    "A100 node: 4.30 ms fitted to vLLM 0.7.2 steps at TP 2/4/8, batch 1/16/128 (vllm-project/vllm#16300)",
+    "engine.per_seq_overhead_s": "H100 node: ASSUMPTION 0; A100 node: 0.162 ms fitted to the "
+    "same vLLM 0.7.2 steps (vllm#16300)",
+    "engine.layer_kernels": "ASSUMPTION: 3 elementwise kernels a layer (2 fused add+norm, "
+    "1 activation; rope inside attention)",
+}
 
 
 def count_params(
@@ -141,8 +273,20 @@ QWEN3_14B = decoder_info(
 )
 
 
+def layer_params(model: ModelInfo) -> int:
+    """GEMM parameters of one decoder layer (attention projections and MLP)."""
+    attn = (
+        model.hidden_size
+        * model.head_dim
+        * (2 * model.num_attention_heads + 2 * model.num_kv_heads)
+    )
+    return attn + 3 * model.hidden_size * model.intermediate_size
+
+
 @dataclass(frozen=True, slots=True)
-class Roofline:
+class StepModel:
+    """The calibrated latency of one replica's steps: `node` runs `model` in `dtype`."""
+
     node: NodeSpec
     model: ModelInfo
     dtype: str
@@ -151,56 +295,75 @@ class Roofline:
     def elem(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    def latency(self, group: int) -> float:
-        return dict(self.node.collective_latency_s)[group]
+    def gemm(self, params: float, tp: int, tokens: float) -> float:
+        """One GEMM layer of `params` weights cut over `tp` ranks, `tokens` rows through it."""
+        g = self.node.gpu
+        width = params / tp
+        memory = width * self.elem / (g.hbm_bytes_per_s * g.hbm_efficiency)
+        efficiency = (
+            g.gemm_efficiency
+            * width / (width + g.gemm_width_half)
+            * tokens / (tokens + g.gemm_tokens_half)
+        )  # fmt: skip
+        compute = 2 * width * tokens / (g.peak_flops * efficiency)
+        s = g.gemm_sharpness
+        return float((memory**s + compute**s) ** (1 / s))
 
-    def all_reduce(self, nbytes: float, group: int) -> float:
-        if group == 1:
-            return 0.0
-        bus = nbytes * 2 * (group - 1) / group
-        return self.latency(group) + bus / self.node.allreduce_bus_bytes_per_s
+    def layer_linear(self, tp: int, tokens: float) -> float:
+        """A decoder layer's four GEMMs, each paying the kernel floor."""
+        return self.gemm(layer_params(self.model), tp, tokens) + 4 * self.node.gpu.kernel_floor_s
 
-    def all_gather(self, nbytes: float, group: int) -> float:
-        if group == 1:
-            return 0.0
-        return self.latency(group) + nbytes * (group - 1) / group / self.node.p2p_bytes_per_s
+    def kv_read(self, tp: int, context_tokens: float) -> float:
+        """One layer's attention over `context_tokens` on one rank: its share of the KV heads
+        (replicated past num_kv_heads ranks), streamed from HBM."""
+        m, g = self.model, self.node.gpu
+        per_token = 2 * m.head_dim * m.kv_heads_per_rank(tp) * self.elem
+        return (
+            context_tokens * per_token / (g.hbm_bytes_per_s * g.hbm_efficiency) + g.kernel_floor_s
+        )
 
-    def p2p(self, nbytes: float, group: int) -> float:
-        return self.latency(group) + nbytes / self.node.p2p_bytes_per_s
+    def lm_head(self, tp: int, tokens: float) -> float:
+        m = self.model
+        gather = self.node.link.all_gather(tokens * m.vocab_size * 4, tp)  # fp32 logits
+        return self.gemm(m.vocab_size * m.hidden_size, tp, tokens) + gather
 
-    def layer_collectives(self, tokens: float, tp: int) -> float:
-        """Two all-reduces per layer (after o_proj and down_proj) of the hidden states, plus the
-        vocab-parallel logits gather of the last tokens."""
-        hidden = tokens * self.model.hidden_size * self.elem
-        per_layer = 2 * self.all_reduce(hidden, tp)
-        return self.model.num_layers * per_layer
-
-    def decode_step(self, tp: int, batch: int, context_tokens: int) -> float:
+    def decode_step(self, tp: int, batch: int, context_tokens: float) -> float:
         m, n = self.model, self.node
-        kv_rank = context_tokens * m.kv_bytes_per_token(self.dtype) * m.kv_heads_per_rank(tp)
-        kv_rank /= m.num_kv_heads
-        mem = (m.weight_bytes(self.dtype) / tp + kv_rank) / (n.hbm_bytes_per_s * n.hbm_efficiency)
-        attn_flops = 4 * m.num_layers * m.num_attention_heads * m.head_dim * context_tokens
-        flops = (2 * m.num_params * batch + attn_flops) / tp
-        compute = flops / (n.peak_flops * n.decode_mfu)
-        logits = self.all_gather(batch * m.vocab_size * self.elem, tp)
-        comm = self.layer_collectives(batch, tp) + logits
-        return max(mem, compute) + comm + n.step_overhead_s
+        hidden = batch * m.hidden_size * self.elem
+        layer = (
+            self.layer_linear(tp, batch)
+            + self.kv_read(tp, context_tokens)
+            + n.engine.layer_kernels * n.gpu.kernel_floor_s
+            + 2 * n.link.allreduce(hidden, tp)
+        )
+        engine = n.engine.step_overhead_s + n.engine.per_seq_overhead_s * batch
+        return m.num_layers * layer + self.lm_head(tp, batch) + engine
 
     def prefill(self, tp: int, tokens: int) -> float:
+        """One sequence of `tokens` prompt tokens: GEMMs over all of them, causal attention
+        (computed at the wide-GEMM efficiency), the LM head of the last one."""
         m, n = self.model, self.node
-        attn_flops = 2 * m.num_layers * m.num_attention_heads * m.head_dim * tokens * tokens
-        flops = (2 * m.num_params * tokens + attn_flops) / tp
-        compute = flops / (n.peak_flops * n.prefill_mfu)
-        mem = m.weight_bytes(self.dtype) / tp / (n.hbm_bytes_per_s * n.hbm_efficiency)
-        return max(mem, compute) + self.layer_collectives(tokens, tp) + n.step_overhead_s
+        attn_flops = 2 * m.num_attention_heads * m.head_dim * tokens * tokens / tp
+        attn = attn_flops / (n.gpu.peak_flops * n.gpu.gemm_efficiency) + n.gpu.kernel_floor_s
+        hidden = tokens * m.hidden_size * self.elem
+        layer = (
+            self.layer_linear(tp, tokens)
+            + attn
+            + n.engine.layer_kernels * n.gpu.kernel_floor_s
+            + 2 * n.link.allreduce(hidden, tp)
+        )
+        return m.num_layers * layer + self.lm_head(tp, 1) + n.engine.step_overhead_s
 
     def collective(self, op: str, nbytes: int, group: int) -> float:
         if op == "all_reduce":
-            return self.all_reduce(nbytes, group)
+            return self.node.link.allreduce(nbytes, group)
         if op == "all_gather":
-            return self.all_gather(nbytes, group)
-        return self.p2p(nbytes, group)  # broadcast and send: one copy over one link
+            return self.node.link.all_gather(nbytes, group)
+        return self.node.link.p2p(nbytes)  # broadcast and send: one copy over one link
+
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+CONTEXTS_PER_SEQ = (256, 1024, 4096, 8192, 16384, 32768)
 
 
 def roofline_profile(
@@ -210,47 +373,48 @@ def roofline_profile(
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     memory_utilization: float = 0.9,
 ) -> Profile:
-    """A profile on the grid a measured one would cover: batch 1..512, per-sequence context
-    256..32768 tokens, rows that would not fit in the replica's KV memory left out."""
-    roof = Roofline(node=node, model=model, dtype=dtype)
+    """A profile on the grid a measured one would cover: batch 1..4096 sequences of 256..32768
+    tokens each, rows that would not fit in the replica's KV memory left out."""
+    step = StepModel(node=node, model=model, dtype=dtype)
     decode, prefill = [], []
     for tp in tp_sizes:
         weights = model.weight_bytes(dtype) / tp
         per_token = (
             model.kv_bytes_per_token(dtype) * model.kv_heads_per_rank(tp) / model.num_kv_heads
         )
-        capacity = (node.memory_bytes * memory_utilization - weights) / per_token
-        for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            for per_seq in (256, 1024, 4096, 8192, 16384, 32768):
+        capacity = (node.gpu.memory_bytes * memory_utilization - weights) / per_token
+        for batch in DECODE_BATCHES:
+            for per_seq in CONTEXTS_PER_SEQ:
                 context = batch * per_seq
                 if context > capacity:
                     continue
-                seconds = roof.decode_step(tp, batch, context)
+                seconds = step.decode_step(tp, batch, context)
                 decode.append(
                     DecodeRow(tp=tp, batch=batch, context_tokens=context, seconds=seconds)
                 )
         for tokens in (128, 512, 1024, 2048, 4096, 8192, 16384):
-            prefill.append(PrefillRow(tp=tp, tokens=tokens, seconds=roof.prefill(tp, tokens)))
+            prefill.append(PrefillRow(tp=tp, tokens=tokens, seconds=step.prefill(tp, tokens)))
     collectives = []
     for op in ("all_reduce", "all_gather", "broadcast", "send"):
         for group in (2, 4, 8):
             for nbytes in np.logspace(12, 30, 10, base=2).astype(int).tolist():
-                seconds = roof.collective(op, nbytes, group)
+                seconds = step.collective(op, nbytes, group)
                 collectives.append(
                     CollectiveRow(op=op, nbytes=nbytes, group_size=group, seconds=seconds)
                 )
-    notes = {key: str(value) for key, value in asdict(node).items()}
-    if node == H100_SXM_NODE:
-        notes.update({f"source.{key}": text for key, text in H100_SOURCES.items()})
-    notes["label"] = "SIMULATED: roofline model, not a measurement"
+    notes = {f"gpu.{k}": str(getattr(node.gpu, k)) for k in GpuSpec.__dataclass_fields__}
+    notes |= {f"link.{k}": str(getattr(node.link, k)) for k in LinkSpec.__dataclass_fields__}
+    notes |= {f"engine.{k}": str(getattr(node.engine, k)) for k in EngineSpec.__dataclass_fields__}
+    notes |= {f"source.{key}": text for key, text in SOURCES.items()}
+    notes["label"] = "SIMULATED: calibrated roofline model, not a measurement"
     return Profile(
         source="roofline",
         hardware=HardwareInfo(
             name=node.name,
-            device=node.device,
+            device=node.gpu.name,
             num_devices=node.num_devices,
-            memory_bytes_per_device=node.memory_bytes,
-            interconnect="NVLink4 + NVSwitch",
+            memory_bytes_per_device=node.gpu.memory_bytes,
+            interconnect=node.link.name,
         ),
         model=model,
         dtype=dtype,

@@ -14,7 +14,12 @@ from patrl.lenpredict import LengthPredictor, usable_tp_sizes
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
-from patrl.orchestrator.latency_profile import cache_root, ensure_profile, job_grid
+from patrl.orchestrator.latency_profile import (
+    cache_root,
+    ensure_profile,
+    job_grid,
+    keep_run_profile,
+)
 from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
 from patrl.rollout.loader import read_config
@@ -169,18 +174,22 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
     a = r.adaptive_tp
     candidates = tp_candidates(config, world.size, world.node_size, model_dir)
     if not a.enable or len(candidates) < 2:
-        if a.enable and world.is_first and world.distributed:
+        if a.enable and not world.distributed:
+            # one process has nothing to fold; its TP-1 profile is for the simulator
+            keep_run_profile(
+                a.profile or job_profile(config, model_dir, base, world, (1,)),
+                config.run_dir,
+                world,
+            )
+        elif a.enable and world.is_first:
             print(
                 f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
                 f"dividing the world size {world.size} and the {world.node_size} ranks per "
                 "node; running static TP"
             )
         return base
-    profile = a.profile
-    if profile is None:
-        per_replica = -(-d.train_batch_size // world.size) * r.n
-        grid = job_grid(candidates, per_replica, d.max_prompt_length + d.max_response_length)
-        profile = str(ensure_profile(model_dir, base, world, grid, cache_root()))
+    profile = a.profile or job_profile(config, model_dir, base, world, candidates)
+    keep_run_profile(profile, config.run_dir, world)
     policy = AdaptiveTP(
         candidates=candidates,
         check_every=a.check_every,
@@ -190,6 +199,16 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         profile=profile,
     )
     return base.model_copy(update={"tp_policy": policy})
+
+
+def job_profile(
+    config: JobConfig, model_dir: str, base: EngineConfig, world: World, tp_sizes: tuple[int, ...]
+) -> str:
+    """The cached profile of this job's shape at `tp_sizes`, measured now if not cached."""
+    r, d = config.rollout, config.data
+    per_replica = -(-d.train_batch_size // world.size) * r.n
+    grid = job_grid(tp_sizes, per_replica, d.max_prompt_length + d.max_response_length)
+    return str(ensure_profile(model_dir, base, world, grid, cache_root()))
 
 
 def build_engine(

@@ -2,7 +2,9 @@
 
 Step latency depends on the model's shape, the dtype, the device, the world and the TP sizes,
 not on the weights, so a profile measured for one run serves every later run of the same shape
-here: it is cached under the cache root by a hash of exactly those.
+here: it is cached under the cache root by a hash of exactly those. A run keeps the profile it
+used as `<run_dir>/profile.json`, beside its length log, for `python -m
+patrl.lenpredict.simulate`; a one-process run, which has nothing to fold, measures TP 1 for it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +23,9 @@ import torch.distributed as dist
 from patrl.lenpredict import Profile
 from patrl.orchestrator.distributed import World, all_gather_objects, barrier, broadcast_object
 from patrl.rollout import EngineConfig
-from patrl.rollout.profile import ProfileGrid, profile_distributed, write_atomic
+from patrl.rollout.profile import ProfileGrid, profile_distributed, profile_single, write_atomic
+
+RUN_PROFILE = "profile.json"
 
 
 def cache_root() -> Path:
@@ -96,7 +102,10 @@ def ensure_profile(
         if world.is_first:
             print(f"profiling rollout latency for adaptive TP (once; cached at {path}) ...")
         start = time.perf_counter()
-        profile = profile_distributed(engine, grid, dist.group.WORLD, progress=world.is_first)
+        if world.distributed:
+            profile = profile_distributed(engine, grid, dist.group.WORLD, progress=world.is_first)
+        else:
+            profile = profile_single(engine, grid, progress=True)
         if profile is not None:
             text = profile.model_dump_json()
             print(f"profiled in {time.perf_counter() - start:.0f} s")
@@ -105,3 +114,21 @@ def ensure_profile(
         write_atomic(Profile.model_validate_json(text), path)
     barrier(world)
     return path
+
+
+def keep_run_profile(profile: str | Path, run_dir: Path, world: World) -> Path:
+    """Copy the profile the run plans with to `<run_dir>/profile.json` (first rank; staged,
+    then renamed), so the run's length log can be simulated against it."""
+    dest = Path(run_dir) / RUN_PROFILE
+    src = Path(profile)
+    if world.is_first and not (dest.exists() and dest.resolve() == src.resolve()):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return dest

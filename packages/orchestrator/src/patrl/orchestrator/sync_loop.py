@@ -41,6 +41,7 @@ from patrl.orchestrator.kl_reward import (
     save_kl_state,
 )
 from patrl.orchestrator.learned_reward import build_learned_reward
+from patrl.orchestrator.length_log import append_lengths
 from patrl.orchestrator.metrics import MetricsLogger, replica_timelines
 from patrl.orchestrator.rewards import FailureGuard, FailureSummary, RewardManager
 from patrl.orchestrator.run import RunLoop, validates
@@ -449,7 +450,10 @@ class SyncGRPO(RunLoop):
         return [item for item, r in zip(items, replica, strict=True) if r == dp_rank]
 
     def _learn_lengths(self, samples: list[Sample], round_: int) -> dict[str, float]:
-        """Feed finished lengths to the predictor; report how well it predicted this batch."""
+        """Feed finished lengths to the predictor and the run's length log; report how well
+        it predicted this batch."""
+        if self.is_first:
+            append_lengths(self.run_dir, self.step, samples, round_ - 1)
         groups: dict[int, list[Sample]] = {}
         for s in samples:
             groups.setdefault(s.prompt_index, []).append(s)

@@ -22,6 +22,7 @@ from patrl.orchestrator.kl_reward import (
     needs_reference,
     save_kl_state,
 )
+from patrl.orchestrator.length_log import append_lengths
 from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import FailureGuard, FailureSummary
 from patrl.orchestrator.run import RunLoop, validates
@@ -172,6 +173,8 @@ class TrainerWorker(RunLoop):
         metrics.update(self._staleness(records))
         metrics.update(self._migrations(records))
         self.all_lengths += [len(s.token_ids) for s in samples]
+        if self.is_first:
+            append_lengths(self.run_dir, self.step, samples)
         return metrics
 
     def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
