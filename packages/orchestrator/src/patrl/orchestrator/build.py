@@ -136,8 +136,8 @@ def tp_candidates(
     are dropped too; an explicit choice is kept whole, for preflight to refuse by name."""
     a = config.rollout.adaptive_tp
     usable = usable_tp_sizes(a.candidates, world_size, node_size)
-    if "candidates" in a.model_fields_set:
-        return usable
+    if "candidates" in a.model_fields_set or len(usable) < 2:
+        return usable  # (one size: static TP, whose own check names a size the model refuses)
     spec = model if isinstance(model, ModelConfig) else ModelConfig.from_hf(read_config(model))
     return tuple(t for t in usable if _splits(spec, t))
 
