@@ -11,19 +11,24 @@ from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.distributed import World
 
 CPU = World(0, 1, 0, torch.device("cpu"))
+# One process with adaptive TP measures a TP-1 profile of the model for the simulator; these
+# tests name no real model and look at the engine's attention settings only.
+STATIC = "rollout.adaptive_tp.enable=false"
 
 
 def test_an_unset_block_size_is_the_backends() -> None:
-    config = load_config(None, [])
+    config = load_config(None, [STATIC])
     assert config.rollout.block_size is None and config.rollout.attention_backend == "auto"
     engine = engine_config(config, "model", CPU)
     assert (engine.attention_backend, engine.block_size) == ("sdpa", 16)
-    named = engine_config(load_config(None, ["rollout.attention_backend=flash"]), "model", CPU)
+    named = engine_config(
+        load_config(None, [STATIC, "rollout.attention_backend=flash"]), "model", CPU
+    )
     assert (named.attention_backend, named.block_size) == ("flash", 256)
 
 
 def test_an_explicit_block_size_passes_through() -> None:
-    engine = engine_config(load_config(None, ["rollout.block_size=8"]), "model", CPU)
+    engine = engine_config(load_config(None, [STATIC, "rollout.block_size=8"]), "model", CPU)
     assert engine.block_size == 8
 
 
