@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,10 +53,7 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     from patrl.orchestrator import preflight
     from patrl.orchestrator.config import ConfigError, dump_config
     from patrl.orchestrator.distributed import close_world, init_world
-    from patrl.orchestrator.errors import JobError
     from patrl.orchestrator.run import completed
-    from patrl.orchestrator.watchdog import start_watchdog
-    from patrl.trainer import NonFiniteError
 
     rank = int(os.environ.get("RANK", "0"))
     notices: list[str] = []
@@ -83,8 +81,21 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         print(f"patrl: warning: {hazard}", file=sys.stderr, flush=True)
     # torchrun stops its workers with SIGTERM (on Ctrl-C, or when another rank failed):
     # unwound like Ctrl-C, so what the rank holds is released and rank 0 says where to resume.
-    signal.signal(signal.SIGTERM, _terminated)
-    world = init_world()
+    with stop_signals():
+        world = init_world()
+        code = run_and_report(config, world)
+    if code == 0:
+        close_world(world)
+    return code
+
+
+def run_and_report(config: JobConfig, world: World) -> int:
+    """Run the job on this rank; the exit code, with what went wrong said once: a JobError in
+    one line, a stop as where to resume, anything else as this rank's traceback."""
+    from patrl.orchestrator.errors import JobError
+    from patrl.orchestrator.watchdog import start_watchdog
+    from patrl.trainer import NonFiniteError
+
     watchdog = start_watchdog(world.rank, world.size, config.trainer.heartbeat_timeout_s)
     try:
         with run_dir_lock(config, world):
@@ -95,11 +106,14 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
         elif world.is_first:
             print(f"patrl: {err}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt as err:
-        if world.is_first:
-            print(f"patrl: {stopped_message(config, err)}", file=sys.stderr, flush=True)
-        return 130
-    except BaseException:
+    except BaseException as err:
+        # A stop signal reaches every rank at once, and a rank blocked in a collective may see
+        # its peer leave before its own signal is handled: a failure with a stop signal close
+        # behind it is that stop, not a fault to report.
+        if isinstance(err, KeyboardInterrupt) or _stopped_within(STOP_GRACE_S):
+            if world.is_first:
+                print(f"patrl: {stopped_message(config)}", file=sys.stderr, flush=True)
+            return 130
         # Say which rank failed; torchrun then stops the others. A peer's death surfaces here
         # as a connection error on the survivors: that is a consequence, not the cause.
         consequence = (
@@ -117,7 +131,6 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     finally:
         if watchdog is not None:
             watchdog.stop()
-    close_world(world)
     return 0
 
 
@@ -145,22 +158,51 @@ def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
             lock.release()
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+# The stop signals this process received (SIGINT, SIGTERM), in order.
+_STOPS: list[int] = []
+STOP_GRACE_S = 1.0
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise Terminated
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM handled by `_stop_signal` inside the block (the main thread only);
+    the previous handlers and a clean record afterwards."""
+    _STOPS.clear()
+    previous = {sig: signal.signal(sig, _stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def stopped_message(config: JobConfig, err: KeyboardInterrupt) -> str:
+def _stop_signal(signum: int, frame: object) -> None:
+    """Ctrl-C (SIGINT) and torchrun's stop (SIGTERM): recorded, and raised in the main thread
+    as KeyboardInterrupt the first time, so that what the rank holds is released."""
+    _STOPS.append(signum)
+    if len(_STOPS) == 1:
+        raise KeyboardInterrupt
+
+
+def _stopped_within(seconds: float) -> bool:
+    """Whether a stop signal came, or comes within `seconds` (it may still be on its way)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while not _STOPS and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass  # the signal landed here
+    return bool(_STOPS)
+
+
+def stopped_message(config: JobConfig) -> str:
     """What a user whose run was stopped needs: why, and where it resumes."""
     from patrl.orchestrator import checkpointing
 
     how = (
         "terminated (SIGTERM: Ctrl-C on torchrun, or another rank failed and torchrun stopped "
         "the rest; its summary names the first failure)"
-        if isinstance(err, Terminated)
+        if signal.SIGTERM in _STOPS
         else "interrupted (Ctrl-C)"
     )
     newest = checkpointing.latest_checkpoint(config.run_dir)
