@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import addition_job, tiny_job_overrides
 from patrl_testkit.multirank import free_port
 from patrl_testkit.processes import descendants
 from patrl_testkit.profiles import synthetic_profile
@@ -40,29 +40,18 @@ def digit_reward(response: str, answer: str, **meta: Any) -> float:
 
 
 def job_overrides(assets: Path, out: Path, profile: Path) -> list[str]:
-    values: dict[str, Any] = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 8,
-        "actor.ppo_mini_batch_size": 4,
-        "rollout.n": 2,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 64,
-        "rollout.adaptive_tp.candidates": "[1,2,4]",
-        "rollout.adaptive_tp.profile": profile,
-        "reward.functions": '[{name: "test_e2e_multinode:digit_reward"}]',
-        "reward.num_workers": 0,
-        "trainer.total_training_steps": 2,
-        "trainer.test_freq": 0,
-        "trainer.val_before_train": "false",
-        "trainer.save_freq": 0,
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": out,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
+    return tiny_job_overrides(
+        assets,
+        out,
+        **{
+            "rollout.adaptive_tp.enable": "true",
+            "rollout.adaptive_tp.candidates": "[1,2,4]",
+            "rollout.adaptive_tp.profile": profile,
+            "reward.functions": '[{name: "test_e2e_multinode:digit_reward"}]',
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": 0,
+        },
+    )
 
 
 def start_agent(overrides: list[str], endpoint: str, rdzv_id: str, log: Path) -> subprocess.Popen:

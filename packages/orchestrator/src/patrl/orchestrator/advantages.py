@@ -157,9 +157,7 @@ def remax_advantages(
             f"baselines of shape {b.shape} for {len(token_rewards)} responses: need one "
             "greedy-response reward per response"
         )
-    if not np.all(np.isfinite(b)):
-        bad = int(np.flatnonzero(~np.isfinite(b))[0])
-        raise ValueError(f"baselines[{bad}] = {b[bad]}; baselines must be finite")
+    _check_finite(b, "baselines")
     out = []
     for rewards, base in zip(token_rewards, b.tolist(), strict=True):
         r = np.asarray(rewards, dtype=np.float64)
@@ -277,11 +275,16 @@ def _grouped(
             f"rewards of shape {r.shape} and group_ids of shape {ids.shape}: need two 1-D "
             "arrays of the same length, one entry per sample"
         )
-    if not np.all(np.isfinite(r)):
-        bad = int(np.flatnonzero(~np.isfinite(r))[0])
-        raise ValueError(f"rewards[{bad}] = {r[bad]}; rewards must be finite")
+    _check_finite(r, "rewards")
     _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
     return r, inverse.reshape(-1), counts.astype(np.float64)
+
+
+def _check_finite(values: FloatArray, name: str) -> None:
+    """Raise ValueError naming the first entry of `values` that is not finite."""
+    if not np.all(np.isfinite(values)):
+        bad = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise ValueError(f"{name}[{bad}] = {values[bad]}; {name} must be finite")
 
 
 def _group_sums(values: FloatArray, inverse: npt.NDArray[np.intp], num_groups: int) -> FloatArray:

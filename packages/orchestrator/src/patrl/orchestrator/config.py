@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from patrl.orchestrator import verl_keys
-from patrl.orchestrator.advantages import GROUP_ESTIMATORS
+from patrl.orchestrator.advantages import GROUP_ESTIMATORS, AdvEstimator
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import CriticCheckpointConfig, KLType
@@ -255,15 +255,7 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal[
-        "grpo",
-        "dr_grpo",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "remax",
-        "gae",
-    ] = Field(
+    adv_estimator: Literal[AdvEstimator, "gae"] = Field(
         "grpo",
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
         "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
