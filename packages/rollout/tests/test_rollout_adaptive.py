@@ -30,6 +30,7 @@ from patrl.rollout.adaptive import (
     opening_layout,
 )
 from patrl.rollout.adaptive.controller import _Summary
+from patrl.rollout.adaptive.switch_plan import Row
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import iter_checkpoint
@@ -453,7 +454,7 @@ def test_requests_of_one_prompt_key_in_a_rollout_are_one_length_group() -> None:
     assert groups["k@1"] == {"prompt_id": "k", "size": 3, "finished": [30]}
     assert groups["other@2"]["size"] == 2
     # the running siblings are predicted from k's group (a KeyError if they were not)
-    rows = [(0, ("b", 0, 20, 5, 60, True)), (1, ("c", 1, 20, 5, 60, True))]
+    rows = [(0, Row("b", 0, 20, 5, 60, True, 0)), (1, Row("c", 1, 20, 5, 60, True, 0))]
     assert controller._predict(rows, np.full((2, 1), 60.0)).shape == (2, 3)
     finished = [("b", 0, 10, "length"), ("d", 0, 20, "stop"), ("c", 1, 90, "length")]
     controller._learn(_Summary(True, [], [], finished))
@@ -516,7 +517,7 @@ def test_a_check_no_length_could_make_switch_predicts_none(tmp_path: Path) -> No
         summaries: list[_Summary | None] = []
         for rank, size in enumerate((per_replica, 2)):
             ids = [f"r{rank}-{i}" for i in range(size)]
-            rows = [(rid, 0, 16, 0, 200, False, 0) for rid in ids]
+            rows = [Row(rid, 0, 16, 0, 200, False, 0) for rid in ids]
             summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
         rollout = controller._rollout
         assert rollout is not None
@@ -549,7 +550,7 @@ def test_a_bounded_opening_read_on_every_rank_is_rank_0s_verdict(tmp_path: Path)
                 continue
             ids = [f"c{case}-r{rank}-{i}" for i in range(sizes[rank // tp])]
             rows = [
-                (rid, 0, int(rng.integers(4, 200)), 0, int(rng.integers(8, 400)), False, 0)
+                Row(rid, 0, int(rng.integers(4, 200)), 0, int(rng.integers(8, 400)), False, 0)
                 for rid in ids
             ]
             summaries.append(_Summary(True, rows, [(rid, rid, 1) for rid in ids], []))
@@ -613,9 +614,9 @@ def test_the_next_check_waits_out_the_planners_quiet_steps() -> None:
         planner = QuietPlanner(quiet, recheck)
         controller = TPController(policy, planner, LengthPredictor(), None)
         controller.begin()
-        rows = [(f"r{rank}", 0, 16, 0, 200, False, 0) for rank in range(2)]
+        rows = [Row(f"r{rank}", 0, 16, 0, 200, False, 0) for rank in range(2)]
         summaries: list[_Summary | None] = [
-            _Summary(True, [row], [(row[0], row[0], 1)], []) for row in rows
+            _Summary(True, [row], [(row.request_id, row.request_id, 1)], []) for row in rows
         ]
         for summary in summaries:
             controller._learn(summary)
@@ -651,9 +652,9 @@ def test_a_window_is_the_slowest_replicas_steps_in_seconds() -> None:
     controller = TPController(AdaptiveTP(candidates=(1, 2)), planner, LengthPredictor(), None)
 
     def replica(rows: int, step_s: float | None, waiting: int = 0, prompts: int = 0) -> _Summary:
-        running = [(f"a{i}", 0, 500, 5, 128, True, 0) for i in range(rows)]
+        running = [Row(f"a{i}", 0, 500, 5, 128, True, 0) for i in range(rows)]
         queued = [
-            (f"w{i // 2}", i % 2, 480, 0, 128, False, (i // 2) % (prompts or waiting))
+            Row(f"w{i // 2}", i % 2, 480, 0, 128, False, (i // 2) % (prompts or waiting))
             for i in range(2 * waiting)
         ]
         return _Summary(True, running + queued, [], [], step_s=step_s)
@@ -787,12 +788,12 @@ def test_the_planner_sees_which_samples_share_a_prompt_on_their_replica() -> Non
     one sample each (TRL's groups); queued, on another replica, or without a prefix cache:
     nothing shared."""
     rows = [
-        (0, ("q", 0, 40, 0, 64, False, 5)),
-        (0, ("a", 0, 43, 3, 64, True, 5)),
-        (0, ("a", 1, 45, 5, 64, True, 5)),
-        (0, ("b", 0, 41, 1, 64, True, 5)),
-        (0, ("c", 0, 20, 2, 64, True, 6)),
-        (1, ("d", 0, 42, 2, 64, True, 5)),
+        (0, Row("q", 0, 40, 0, 64, False, 5)),
+        (0, Row("a", 0, 43, 3, 64, True, 5)),
+        (0, Row("a", 1, 45, 5, 64, True, 5)),
+        (0, Row("b", 0, 41, 1, 64, True, 5)),
+        (0, Row("c", 0, 20, 2, 64, True, 6)),
+        (1, Row("d", 0, 42, 2, 64, True, 5)),
     ]
     for block, expected in ((16, [0, 0, 32, 32, 0, 0]), (0, [0] * 6)):
         controller = TPController(
@@ -876,7 +877,7 @@ def test_a_split_verdict_carries_the_planners_assignment_request_by_request(
     final = {"q": 90, "b": 10, "z": 40, "a": 60, "m": 25, "c": 70}  # each sample's length
     samples = {"q": 1, "b": 3, "z": 2, "a": 1, "m": 2, "c": 1}
     lengths = {(rid, i): final[rid] for rid in final for i in range(samples[rid])}
-    rows = [(rid, i, 16, 0, 200, False, 0) for rid, i in lengths]  # not in request-id order
+    rows = [Row(rid, i, 16, 0, 200, False, 0) for rid, i in lengths]  # not in request-id order
     started = [(rid, rid, samples[rid]) for rid in final]
     summaries: list[_Summary | None] = [_Summary(True, rows, started, []), None]
     controller = TPController(policy, make_planner(policy, 2, 64), OracleLengths(lengths), None)

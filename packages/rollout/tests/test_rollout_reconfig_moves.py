@@ -115,12 +115,10 @@ def test_a_split_keeps_samples_of_a_request_together_and_balances_remaining_toke
     # a switch without a plan runs the planner's split, each sample's work its remaining
     # max_tokens (reconfigure's `derive_plan`)
     from patrl.lenpredict import Layout
-    from patrl.rollout.adaptive.switch_plan import derive_plan
+    from patrl.rollout.adaptive.switch_plan import Row, derive_plan
 
-    def row(
-        rid: str, index: int, left: int
-    ) -> tuple[int, tuple[str, int, int, int, int, bool, int]]:
-        return 0, (rid, index, 1 + 20 - left, 20 - left, 20, False, 0)
+    def row(rid: str, index: int, left: int) -> tuple[int, Row]:
+        return 0, Row(rid, index, 1 + 20 - left, 20 - left, 20, False, 0)
 
     rows = [row("a", 0, 10), row("b", 0, 4), row("b", 1, 4), row("c", 0, 3), row("d", 0, 3)]
     got = derive_plan(rows, Layout(dp=1, tp=2), Layout(dp=2, tp=1)).replica

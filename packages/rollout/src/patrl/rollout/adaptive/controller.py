@@ -298,11 +298,11 @@ class TPController:
                 continue
             step = s.step_s
             if step is None:
-                context = sum(row[2] for row in s.rows)
+                context = sum(row.context for row in s.rows)
                 step = float(latency.step_time(tp, len(s.rows), context))
             # its prompts not yet running, once each: a request's samples share a prefill, as
             # do requests of one prompt (the engine computes a repeated prompt once)
-            waiting = {row[6]: row[2] for row in s.rows if not row[5]}
+            waiting = {row.prompt_hash: row.context for row in s.rows if not row.has_kv}
             prefill = latency.prefill_time(tp, list(waiting.values()))
             longest = max(longest, prefill + steps * step * share)
         return longest or None
@@ -423,7 +423,7 @@ class TPController:
     def _recompute(self, rows: list[tuple[int, Row]], migrate: np.ndarray) -> frozenset[Key]:
         """The samples of `rows` whose KV a switch recomputes: the planner's choice under
         kv_policy "auto", else all or none as the policy says."""
-        keys = [(row[0], row[1]) for _, row in rows]
+        keys = [(row.request_id, row.sample_index) for _, row in rows]
         if self.policy.kv_policy == "auto":
             return frozenset(k for k, m in zip(keys, migrate, strict=True) if not m)
         return frozenset(keys) if self.policy.kv_policy == "recompute" else frozenset()
@@ -439,11 +439,11 @@ class TPController:
 
     def _predict(self, rows: list[tuple[int, Row]], bound: np.ndarray) -> np.ndarray:
         """Remaining-length quantiles of `rows` (n, Q), within their bounds (n, 1)."""
-        request_ids = [row[0] for _, row in rows]
+        request_ids = [row.request_id for _, row in rows]
         remaining = self.lengths.predict_remaining_many(
-            [f"{row[0]}#{row[1]}" for _, row in rows],
+            [f"{row.request_id}#{row.sample_index}" for _, row in rows],
             [self.length_groups.group_of(r) for r in request_ids],
-            np.array([row[3] for _, row in rows], dtype=int),
+            np.array([row.generated for _, row in rows], dtype=int),
         )
         return np.clip(remaining, 1.0, bound)
 

@@ -424,7 +424,7 @@ class AdaptiveEngine:
 def _rows(engine: Engine) -> list[Row]:
     """This replica's unfinished samples, as a check's summary reports them."""
     return [
-        (
+        Row(
             s.request_id,
             s.sample_index,
             s.num_tokens,

@@ -248,7 +248,9 @@ def _row(st: SequenceState, kv_len: int) -> Row:
     """A sample as a check reports it (no prompt hash: a derived split shares no prefix)."""
     generated = len(st.output_token_ids)
     context = len(st.prompt_token_ids) + generated
-    return (st.request_id, st.sample_index, context, generated, st.params.max_tokens, kv_len > 0, 0)
+    return Row(
+        st.request_id, st.sample_index, context, generated, st.params.max_tokens, kv_len > 0, 0
+    )
 
 
 def _chooser(kv_policy: KVPolicy, plan: SwitchPlan | None) -> Callable[[KVCost], KVChoice]:

@@ -8,6 +8,7 @@ without one derives the planner's assignment itself (`derive_plan`), so there is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,9 +17,18 @@ from patrl.lenpredict import Layout, RunningSet, assign_replicas, shared_prefix
 # A sample, keyed as every rank of the world can name it: (request id, sample index)
 Key = tuple[str, int]
 
-# One unfinished sample at a check: (request id, sample index, context tokens, generated
-# tokens, max_tokens, holds KV, hash of its prompt's tokens)
-Row = tuple[str, int, int, int, int, bool, int]
+
+class Row(NamedTuple):
+    """One unfinished sample at a check, as every rank of the world sees it (it travels in the
+    check's all-gather, so it holds plain values only)."""
+
+    request_id: str
+    sample_index: int
+    context: int  # tokens in its KV once it runs: prompt + generated
+    generated: int
+    max_tokens: int
+    has_kv: bool  # running, i.e. its KV is in the cache (a queued sample holds none)
+    prompt_hash: int  # hash of its prompt's tokens: samples of one prompt share a prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +46,7 @@ def plan_of(
 ) -> SwitchPlan:
     """The plan of `rows` (each with its current replica, in the order `running_set` gave the
     planner) from the planner's `assignment` (a replica of the target layout per row)."""
-    keys = [(row[0], row[1]) for _, row in rows]
+    keys = [(row.request_id, row.sample_index) for _, row in rows]
     return SwitchPlan(
         {k: int(r) for k, r in zip(keys, assignment, strict=True)}, frozenset(recompute)
     )
