@@ -115,8 +115,13 @@ def test_bad_reward_model_directories_name_the_file(tmp_path: Path) -> None:
     for f in bare.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             f.unlink()
-    with pytest.raises(ValueError, match=r"reward_model\.model\.path=.*bare.*no usable tokenizer"):
+    with pytest.raises(
+        ValueError, match=r"reward_model\.model\.path=.*bare.*no usable tokenizer"
+    ) as info:
         check_reward_model_dir(bare)
+    # patrl's own reason, not transformers' hint to install a converter it does not need
+    assert "holds no tokenizer files" in str(info.value)
+    assert "sentencepiece" not in str(info.value)
 
 
 def test_preference_rows_missing_a_key_name_file_row_and_key(tmp_path: Path) -> None:
@@ -262,3 +267,38 @@ def test_scorer_and_bradley_terry_on_cuda(tmp_path: Path) -> None:
     for _ in range(5):
         last = trainer.train_step(pairs)["loss"]
     assert last < first
+
+
+def test_a_run_that_would_take_no_step_is_refused_naming_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 pairs (1 held out) and the default 8 a step: no step would run and the random head
+    would be saved as if trained; --batch-size 1 on 2 ranks: no pair for either rank. Both
+    refused before a model is built or anything written, naming pairs, batch size and ranks."""
+    from patrl.trainer.reward_model.__main__ import cli, step_batch
+
+    lm = save_tiny_model(tmp_path / "lm", "llama", "plain", tokenizer=build_tokenizer())
+    pairs = write_pairs(tmp_path / "four.jsonl", 4, seed=0)
+    out = tmp_path / "out"
+    args = ["--model", str(lm), "--train-files", str(pairs), "--output", str(out)]
+    with pytest.raises(ValueError) as info:
+        train_main(args)
+    assert str(info.value) == (
+        "3 training pairs (after holding out 1 for validation) and --batch-size 8 make no "
+        "training step (a step takes 8 pairs), so the model would be saved untrained; lower "
+        "--batch-size to at most 3, or give more pairs"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capsys.readouterr()  # the setup's progress bars
+    assert cli([*args, "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "patrl: error: --batch-size 1 on 2 ranks gives each rank no pair per step (the batch "
+        "is split evenly over the ranks); use --batch-size 2 or a multiple of it\n"
+    )
+    assert not out.exists()
+    assert step_batch(8, 5, 2) == 4  # rounded down to what two ranks split evenly
+    with pytest.raises(ValueError, match=r"^3 training pairs and --batch-size 5 on 2 ranks"):
+        step_batch(3, 5, 2)
+    with pytest.raises(ValueError, match="--batch-size 0: pairs per step, accepted 1 or more"):
+        step_batch(3, 0, 1)

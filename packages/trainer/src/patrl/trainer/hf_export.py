@@ -165,20 +165,25 @@ def write_hf_dir(
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Stage `path`, write `tensors` (None: no weights), then the metadata (from `source_dir`,
-    or copied from the HF directory `metadata_from`) and rename it into place (one process)."""
+    or copied from the HF directory `metadata_from`) and rename it into place (one process);
+    on any failure the staging directory is removed and `path` left as it was."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if tensors is not None:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        writer.close()
-    if metadata_from is not None:
-        copy_metadata(metadata_from, tmp)
-        config.save_pretrained(tmp)
-    else:
-        write_metadata(tmp, config, source_dir)
+    try:
+        if tensors is not None:
+            writer = ShardWriter(tmp, max_shard_bytes)
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.close()
+        if metadata_from is not None:
+            copy_metadata(metadata_from, tmp)
+            config.save_pretrained(tmp)
+        else:
+            write_metadata(tmp, config, source_dir)
+    except BaseException:  # a failed read or write (or Ctrl-C) leaves nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_dir(tmp, path)
     return path
 

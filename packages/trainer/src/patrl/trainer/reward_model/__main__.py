@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         train_rows, val_rows = train_rows[held:], train_rows[:held]
     train = tokenize_pairs(train_rows, tokenizer, args.max_length, keys)
     val = tokenize_pairs(val_rows, tokenizer, args.max_length, keys)
+    if args.epochs < 1:
+        raise ValueError(
+            f"--epochs {args.epochs}: accepted 1 or more (0 would save the model untrained)"
+        )
+    held_note = "" if args.val_files else f" (after holding out {len(val)} for validation)"
+    size = step_batch(
+        len(train), args.batch_size, int(os.environ.get("WORLD_SIZE", "1")), held_note
+    )
     mesh, device = _distributed()
     trainer = BradleyTerryTrainer(
         args.model,
@@ -71,7 +80,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     for epoch in range(args.epochs):
         order = list(range(len(train)))
         random.Random(args.seed + epoch).shuffle(order)
-        size = args.batch_size - args.batch_size % trainer.rank_and_size[1]
         for start in range(0, len(order) - size + 1, size):
             step += 1
             m = trainer.train_step([train[i] for i in order[start : start + size]])
@@ -96,6 +104,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     return held_out
 
 
+def step_batch(num_pairs: int, batch_size: int, world_size: int, held_note: str = "") -> int:
+    """The pairs of one optimizer step: `batch_size` rounded down to a multiple of
+    `world_size` (every rank takes the same number). ValueError naming the numbers where a
+    rank would get no pair, or an epoch of `num_pairs` would hold no step (the model would be
+    saved untrained); `held_note` says how `num_pairs` was reached."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: pairs per step, accepted 1 or more")
+    size = batch_size - batch_size % world_size
+    if size == 0:
+        raise ValueError(
+            f"--batch-size {batch_size} on {world_size} ranks gives each rank no pair per step "
+            f"(the batch is split evenly over the ranks); use --batch-size {world_size} or a "
+            f"multiple of it"
+        )
+    if num_pairs < size:
+        on = f" on {world_size} ranks" if world_size > 1 else ""
+        raise ValueError(
+            f"{num_pairs} training pairs{held_note} and --batch-size {batch_size}{on} make "
+            f"no training step (a step takes {size} pairs), so the model would be saved "
+            f"untrained; lower --batch-size to at most {num_pairs}"
+            + (f" (a multiple of {world_size})" if world_size > 1 else "")
+            + ", or give more pairs"
+        )
+    return size
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """`main` as a command: bad input is one line on stderr and exit code 2."""
+    try:
+        main(argv)
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"patrl: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _distributed() -> tuple[DeviceMesh | None, torch.device]:
     """(mesh, device) under torchrun (WORLD_SIZE > 1), else (None, cuda or cpu)."""
     cuda = torch.cuda.is_available()
@@ -112,4 +157,4 @@ def _distributed() -> tuple[DeviceMesh | None, torch.device]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())
