@@ -66,6 +66,12 @@ def test_bad_input_names_the_file_and_line(tmp_path):
         main(["--profile", str(tmp_path / "bad.json"), "--lengths", str(lengths)])
     with pytest.raises(SystemExit, match=r"--lengths .*missing\.jsonl"):
         main(["--profile", str(profile), "--lengths", str(tmp_path / "missing.jsonl")])
+    binary = tmp_path / "lengths.bin"
+    binary.write_bytes(b"\x00\xa9\xff" * 10)
+    with pytest.raises(SystemExit, match=r"--lengths .*lengths\.bin: not a text file \(byte 1"):
+        main(["--profile", str(profile), "--lengths", str(binary)])
+    with pytest.raises(SystemExit, match=r"--profile .*lengths\.bin: not a text file"):
+        main(["--profile", str(binary), "--lengths", str(lengths)])
 
 
 def test_lengths_beyond_the_profile_are_warned_about(tmp_path, capsys):

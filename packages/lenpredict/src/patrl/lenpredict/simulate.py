@@ -353,6 +353,11 @@ def _load_profile(args: argparse.Namespace) -> Profile:
         return Profile.load(args.profile)
     except OSError as err:
         raise SystemExit(f"--profile {args.profile}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SystemExit(
+            f"--profile {args.profile}: not a text file (byte {err.start} is not UTF-8); give "
+            "a latency profile (JSON, as patrl.rollout.profile writes profile.json)"
+        ) from err
     except ValueError as err:
         raise SystemExit(f"--profile {args.profile}: not a latency profile: {err}") from err
 
@@ -388,8 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         records = read_lengths(args.lengths)
     except OSError as err:
         raise SystemExit(f"--lengths {args.lengths}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SystemExit(
+            f"--lengths {args.lengths}: not a text file (byte {err.start} is not UTF-8); give "
+            "a length log: JSONL, one sample a line, as a run writes <run_dir>/lengths.jsonl"
+        ) from err
     except ValueError as err:
-        raise SystemExit(str(err)) from err
+        raise SystemExit(f"--lengths: {err}") from err  # err names the file and line
     rollouts = group_by_rollout(records)
     if args.max_rollouts:
         rollouts = dict(list(rollouts.items())[-args.max_rollouts :])
