@@ -576,7 +576,7 @@ def run_dir_problems(run_dir: Path) -> list[str]:
         ]
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "is on a read-only filesystem" if _read_only(existing) else "is not writable"
-        what = "the run directory" if existing == run_dir.absolute() else "its parent"
+        what = "it" if existing == run_dir.absolute() else "its ancestor"
         return [
             f"{key}: the run directory {run_dir} cannot be written: {what} {existing} {why} "
             "(checkpoints, metrics and the run lock go there); choose a writable "
