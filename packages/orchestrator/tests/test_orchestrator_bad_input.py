@@ -438,7 +438,19 @@ def run_dir_under_a_file(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **{"trainer.default_local_dir": tmp / "afile" / "runs"}))
 
 
+def kv_cache_below_one_sequence(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.num_kv_blocks": 1, "rollout.block_size": 4}))
+
+
 CASES: list[tuple[Builder, list[str]]] = [
+    (
+        kv_cache_below_one_sequence,
+        [
+            "rollout.num_kv_blocks=1 x rollout.block_size=4 = 4 tokens of KV cache",
+            "= 96 tokens",
+            "rollout.num_kv_blocks >= 24",
+        ],
+    ),
     (
         critic_vocab_smaller,
         [

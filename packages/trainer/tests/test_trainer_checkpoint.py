@@ -197,6 +197,10 @@ def test_export_cli_errors_name_the_path(
     (tmp_path / "full" / "x").write_text("x")
     assert export_main([str(checkpoint), str(tmp_path / "full")]) == 2
     assert "full' exists and is not an empty directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(checkpoint), str(tmp_path / "out"), "--max-shard-bytes", "0"])
+    assert exit_.value.code == 2
+    assert "--max-shard-bytes 0: accepted 1 or more" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -302,3 +302,29 @@ def test_a_run_that_would_take_no_step_is_refused_naming_the_numbers(
         step_batch(3, 5, 2)
     with pytest.raises(ValueError, match="--batch-size 0: pairs per step, accepted 1 or more"):
         step_batch(3, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--val-fraction", "1.5"], "--val-fraction 1.5: the share of the pairs held out"),
+        (["--lr", "nan"], "--lr nan: accepted a finite number above 0"),
+        (["--epochs", "0"], "--epochs 0: accepted 1 or more"),
+        (["--max-length", "0"], "--max-length 0: accepted 1 or more tokens"),
+        (["--output", "{file}"], "exists and is not a directory"),
+    ],
+)
+def test_flags_that_cannot_train_a_model_are_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """Each refused in one line before any file is read or a model built (the model and
+    pairs named here do not exist: a later failure would name them instead)."""
+    from patrl.trainer.reward_model.__main__ import cli
+
+    (tmp_path / "file").write_text("")
+    flags = [f.format(file=tmp_path / "file") for f in flags]
+    args = ["--model", str(tmp_path / "no_model"), "--train-files", str(tmp_path / "none")]
+    assert cli([*args, "--output", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("patrl: error: ") and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -326,7 +326,10 @@ def _parser() -> argparse.ArgumentParser:
         help="how the planner prices predicted lengths (PlannerConfig.finish_time)",
     )
     parser.add_argument(
-        "--max-rollouts", type=int, default=None, help="simulate only the log's last N rollouts"
+        "--max-rollouts",
+        type=_positive_int,
+        default=None,
+        help="simulate only the log's last N rollouts",
     )
     parser.add_argument(
         "--sweep-gpus",
@@ -344,6 +347,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of 1 or more (argparse names the flag on a refusal)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: accepted 1 or more")
+    return value
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:

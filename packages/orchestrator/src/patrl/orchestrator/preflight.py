@@ -211,6 +211,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         data_problems, num_train = _data_problems(config, data_tokenizer, train_files, val_files)
         problems += data_problems
     problems += run_dir_problems(config.run_dir)
+    problems += _kv_problems(config)
     local = local_world_size or world_size
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
@@ -387,6 +388,24 @@ def _length_problems(config: JobConfig, model: ModelConfig) -> list[str]:
         f"{d.max_response_length} = {d.max_prompt_length + d.max_response_length} tokens exceed "
         f"the model's max_position_embeddings={model.max_position_embeddings}; lower either "
         "so that their sum fits"
+    ]
+
+
+def _kv_problems(config: JobConfig) -> list[str]:
+    """An explicit KV cache (rollout.num_kv_blocks x rollout.block_size) must hold one whole
+    sequence (data.max_prompt_length + data.max_response_length), as the engine requires."""
+    r, d = config.rollout, config.data
+    if r.num_kv_blocks is None or r.block_size is None:
+        return []  # sized from memory, or the block size is the backend's: the engine checks
+    tokens = d.max_prompt_length + d.max_response_length
+    if r.num_kv_blocks * r.block_size >= tokens:
+        return []
+    need = -(-tokens // r.block_size)
+    return [
+        f"rollout.num_kv_blocks={r.num_kv_blocks} x rollout.block_size={r.block_size} = "
+        f"{r.num_kv_blocks * r.block_size} tokens of KV cache cannot hold one sequence of "
+        f"data.max_prompt_length + data.max_response_length = {tokens} tokens; use "
+        f"rollout.num_kv_blocks >= {need} (or leave it unset to size the cache from memory)"
     ]
 
 

@@ -264,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-shard-bytes", type=int, default=MAX_SHARD_BYTES, help="largest safetensors file"
     )
     args = parser.parse_args(argv)
+    if args.max_shard_bytes < 1:
+        parser.error(f"--max-shard-bytes {args.max_shard_bytes}: accepted 1 or more")
     try:
         out = export_checkpoint(
             args.checkpoint,

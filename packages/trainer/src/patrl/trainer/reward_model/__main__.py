@@ -7,6 +7,7 @@ N ranks. Every step and each epoch's held-out accuracy go to stdout and <output>
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -43,6 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Train, evaluate after each epoch, save; returns the last held-out metrics."""
     args = parse_args(argv)
+    check_args(args)
     keys = PreferenceKeys(args.prompt_key, args.chosen_key, args.rejected_key)
     train_rows = read_preferences(args.train_files, keys)
     val_rows = read_preferences(args.val_files, keys) if args.val_files else []
@@ -53,10 +55,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         train_rows, val_rows = train_rows[held:], train_rows[:held]
     train = tokenize_pairs(train_rows, tokenizer, args.max_length, keys)
     val = tokenize_pairs(val_rows, tokenizer, args.max_length, keys)
-    if args.epochs < 1:
-        raise ValueError(
-            f"--epochs {args.epochs}: accepted 1 or more (0 would save the model untrained)"
-        )
     held_note = "" if args.val_files else f" (after holding out {len(val)} for validation)"
     size = step_batch(
         len(train), args.batch_size, int(os.environ.get("WORLD_SIZE", "1")), held_note
@@ -104,6 +102,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     return held_out
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag whose value cannot make a trained model, before any
+    file is read."""
+    if args.epochs < 1:
+        raise ValueError(
+            f"--epochs {args.epochs}: accepted 1 or more (0 would save the model untrained)"
+        )
+    if not 0 <= args.val_fraction < 1:
+        raise ValueError(
+            f"--val-fraction {args.val_fraction}: the share of the pairs held out, accepted "
+            "0 <= f < 1 (or give --val-files)"
+        )
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"--lr {args.lr}: accepted a finite number above 0")
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        raise ValueError(f"--weight-decay {args.weight_decay}: accepted a finite number >= 0")
+    if args.max_length < 1:
+        raise ValueError(f"--max-length {args.max_length}: accepted 1 or more tokens")
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {args.output}: exists and is not a directory")
+
+
 def step_batch(num_pairs: int, batch_size: int, world_size: int, held_note: str = "") -> int:
     """The pairs of one optimizer step: `batch_size` rounded down to a multiple of
     `world_size` (every rank takes the same number). ValueError naming the numbers where a
@@ -117,6 +138,11 @@ def step_batch(num_pairs: int, batch_size: int, world_size: int, held_note: str 
             f"--batch-size {batch_size} on {world_size} ranks gives each rank no pair per step "
             f"(the batch is split evenly over the ranks); use --batch-size {world_size} or a "
             f"multiple of it"
+        )
+    if num_pairs == 0:
+        raise ValueError(
+            f"no training pairs{held_note}: give more pairs, or hold fewer out "
+            "(--val-fraction, or --val-files)"
         )
     if num_pairs < size:
         on = f" on {world_size} ranks" if world_size > 1 else ""
