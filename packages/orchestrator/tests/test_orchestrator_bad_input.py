@@ -424,6 +424,10 @@ def critic_vocab_smaller(a: Assets, tmp: Path, run: Path) -> Setup:
 ASYNC = {"trainer.mode": "async", "async_rl.rollout_ranks": 1}
 
 
+def async_on_one_rank(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **ASYNC))
+
+
 def async_remax(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **ASYNC, **{"algorithm.adv_estimator": "remax"}), world_size=2)
 
@@ -458,6 +462,10 @@ CASES: list[tuple[Builder, list[str]]] = [
             "its vocab_size=64 but the policy's tokenizer (model.path) has 128 tokens",
             "token ids 64 to 127",
         ],
+    ),
+    (
+        async_on_one_rank,
+        ["trainer.mode=async needs at least 2 ranks", "has 1", "torchrun --nproc_per_node 2"],
     ),
     (
         async_remax,

@@ -92,7 +92,13 @@ def unsupported(config: JobConfig, world_size: int) -> list[str]:
         return []
     problems = []
     r = config.async_rl.rollout_ranks
-    if r >= world_size:
+    if world_size < 2:
+        problems.append(
+            f"trainer.mode=async needs at least 2 ranks (rollout ranks and trainer ranks apart) "
+            f"and this job has {world_size}: launch it with `torchrun --nproc_per_node 2` (or "
+            "more), or use trainer.mode=sync"
+        )
+    elif r >= world_size:
         problems.append(
             f"async_rl.rollout_ranks={r} leaves no trainer rank in a world of {world_size}: "
             f"use 1..{world_size - 1} (or trainer.mode=sync)"
