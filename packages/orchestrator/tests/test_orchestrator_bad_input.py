@@ -29,6 +29,7 @@ from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model, tiny_config
 
 POSITIONS = 128  # max_position_embeddings of every model here
@@ -870,23 +871,8 @@ def test_a_verl_key_on_the_command_line_is_blamed_on_the_command_line(
 
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory this process cannot write: a read-only tmpfs where it may mount one
-    (root on Linux), else a directory without write permission."""
-    path = tmp_path / "ro"
-    path.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)]
-    mounted = subprocess.run(mount, capture_output=True).returncode == 0
-    if not mounted:
-        path.chmod(0o555)
-    try:
-        if os.access(path, os.W_OK):
-            pytest.skip("no read-only directory can be made here (root without mount)")
+    with filesystems.read_only_dir(tmp_path / "ro") as path:
         yield path
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-        else:
-            path.chmod(0o755)
 
 
 def test_a_run_dir_that_cannot_be_written_is_refused_before_any_rank_starts(

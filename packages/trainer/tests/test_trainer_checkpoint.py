@@ -23,6 +23,7 @@ from patrl.trainer import Critic, CriticConfig, Trainer
 from patrl.trainer.checkpoint import read_marker
 from patrl.trainer.export import HF_DIR
 from patrl.trainer.export import main as export_main
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model
 
 
@@ -340,3 +341,15 @@ def test_export_of_a_damaged_checkpoint_names_the_file_and_leaves_nothing(
     assert export_main([str(again), str(out)]) == 2
     assert f"{gone} is missing" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_export_to_a_directory_that_cannot_be_written_is_refused_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = Trainer(config(), tiny_llama()).save(tmp_path / "ckpt")
+    with filesystems.read_only_dir(tmp_path / "ro") as ro:
+        capsys.readouterr()
+        assert export_main([str(checkpoint), str(ro / "out")]) == 2
+        err = capsys.readouterr().err
+    assert err.startswith(f"patrl: error: the directory of OUT {ro}: {ro} "), err
+    assert "read-only filesystem" in err or "is not writable" in err

@@ -22,6 +22,7 @@ from patrl.trainer.reward_model import (
     tokenize_pairs,
 )
 from patrl.trainer.reward_model.__main__ import main as train_main
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model
 from patrl_testkit.multirank import run_ranks
 
@@ -328,3 +329,15 @@ def test_flags_that_cannot_train_a_model_are_refused_first(
     err = capsys.readouterr().err
     assert err.startswith("patrl: error: ") and message in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from patrl.trainer.reward_model.__main__ import cli
+
+    args = ["--model", str(tmp_path / "no_model"), "--train-files", str(tmp_path / "none")]
+    with filesystems.read_only_dir(tmp_path / "ro") as ro:
+        assert cli([*args, "--output", str(ro / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"patrl: error: --output {ro / 'rm'}: {ro} "), err

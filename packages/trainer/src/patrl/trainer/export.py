@@ -31,6 +31,7 @@ from transformers import AutoConfig, PretrainedConfig
 from patrl.trainer.checkpoint import MARKER, read_marker
 from patrl.trainer.hf_export import (
     MAX_SHARD_BYTES,
+    check_writable,
     hf_config,
     source_dtype,
     write_hf_dir,
@@ -78,6 +79,7 @@ def export_checkpoint(
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{str(out)!r} exists and is not an empty directory")
+    check_writable(out.parent, "the directory of OUT")  # OUT.tmp is made beside OUT
     check_manifest(trainer_dir, hf_dir)
     head: Head = "value" if about.get("head") == "value" else "lm"
     config, source, metadata_from = _metadata(trainer_dir, hf_dir, model, about, head)
@@ -277,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"patrl: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a write that failed midway (the disk filled, say)
+        print(f"patrl: error: writing {args.out!r}: {err}; nothing was kept", file=sys.stderr)
+        return 1
     except CheckpointException as err:  # damage the manifest could not see (none was written)
         cause = next(iter(err.failures.values()), err)
         print(

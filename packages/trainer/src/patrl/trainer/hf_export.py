@@ -156,6 +156,26 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
 
+def check_writable(out: Path, flag: str) -> None:
+    """ValueError naming `flag` unless this process may create or fill the directory `out`:
+    it, or the nearest part of its path that exists, is a directory it may write (checked
+    without writing, so that a long job fails before its work, not at its save)."""
+    import os
+
+    existing = out.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        try:
+            read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "is on a read-only filesystem" if read_only else "is not writable"
+        raise ValueError(f"{flag} {out}: {existing} {why}; choose a writable directory")
+
+
 def write_hf_dir(
     path: Path,
     tensors: Iterable[tuple[str, torch.Tensor]] | None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from patrl.trainer.hf_export import check_writable
 from patrl.trainer.reward_model.bradley_terry import BradleyTerryTrainer, log_line
 from patrl.trainer.reward_model.checks import load_tokenizer
 from patrl.trainer.reward_model.preferences import PreferenceKeys, read_preferences, tokenize_pairs
@@ -123,6 +124,7 @@ def check_args(args: argparse.Namespace) -> None:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {args.output}: exists and is not a directory")
+    check_writable(out, "--output")
 
 
 def step_batch(num_pairs: int, batch_size: int, world_size: int, held_note: str = "") -> int:
