@@ -2,8 +2,9 @@
 
 `load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
 matches) and the dotted key of wrong types. `check` validates the model directory, data files,
-reward functions, TP layout, world shape and resume checkpoint against the world the job will
-run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
+reward functions, TP layout, world shape, resume checkpoint, critic and reward models, what
+async mode does not do, an explicit KV cache and the run directory's writability against the
+world the job will run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
 train set's size). Both run on every rank before a process group is joined, write nothing of
 the run (`datasets` may fill its own cache), and raise one PreflightError listing every problem:
 
@@ -199,7 +200,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     count stays unresolved where the train set is not read here).
 
     What comes from the embedded demo is checked when the demo is already built, and left to
-    its build (which makes known-good assets) when not."""
+    its build (which makes known-good assets) when not; data of the job's own given with the
+    demo's model is read with the demo's tokenizer either way."""
     problems: list[str] = []
     model_dir, train_files, val_files = choose_assets(config, _built_demo(config))
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
