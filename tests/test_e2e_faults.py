@@ -133,6 +133,23 @@ def test_rewards_that_always_fail_stop_the_run_naming_the_cause(
     assert not (tmp_path / "global_step_2").exists()  # it stopped before the step's save
 
 
+@pytest.mark.e2e
+def test_a_run_whose_every_step_had_only_failed_rewards_does_not_exit_0(
+    assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 steps against reward.max_failed_steps=3: the run ends before the streak limit, but
+    having learnt nothing it exits 1 at its last step, naming the cause, and saves no
+    checkpoint of that step."""
+    spec = "test_e2e_faults:always_raises"
+    extra = {"reward.functions": f'[{{name: "{spec}"}}]', "reward.max_failed_steps": 3}
+    assert main(overrides(assets, tmp_path, **extra)) == 1
+    err = capsys.readouterr().err.splitlines()
+    (stop,) = [x for x in err if x.startswith("patrl: step 2: the reward of every one of 8")]
+    assert f"{spec}: exception: ValueError: no answer parser for this format" in stop
+    assert "every step of this run (2;" in stop and "reward.max_failed_steps=3" in stop
+    assert not (tmp_path / "global_step_2").exists()
+
+
 def test_weights_that_went_non_finite_are_never_saved(tmp_path: Path) -> None:
     from patrl.trainer import NonFiniteError, Trainer, TrainerConfig
 

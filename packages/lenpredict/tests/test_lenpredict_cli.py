@@ -66,6 +66,16 @@ def test_bad_input_names_the_file_and_line(tmp_path):
         main(["--profile", str(tmp_path / "bad.json"), "--lengths", str(lengths)])
     with pytest.raises(SystemExit, match=r"--lengths .*missing\.jsonl"):
         main(["--profile", str(profile), "--lengths", str(tmp_path / "missing.jsonl")])
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--profile", str(profile), "--lengths", str(lengths), "--max-rollouts", bad])
+        assert exit_.value.code == 2  # argparse's usage error, naming --max-rollouts
+    binary = tmp_path / "lengths.bin"
+    binary.write_bytes(b"\x00\xa9\xff" * 10)
+    with pytest.raises(SystemExit, match=r"--lengths .*lengths\.bin: not a text file \(byte 1"):
+        main(["--profile", str(profile), "--lengths", str(binary)])
+    with pytest.raises(SystemExit, match=r"--profile .*lengths\.bin: not a text file"):
+        main(["--profile", str(binary), "--lengths", str(lengths)])
 
 
 def test_lengths_beyond_the_profile_are_warned_about(tmp_path, capsys):

@@ -15,7 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
 from patrl.rollout.model_config import ModelConfig
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model, tiny_config
 
 POSITIONS = 128  # max_position_embeddings of every model here
@@ -415,7 +416,73 @@ def damaged_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra))
 
 
+def critic_vocab_smaller(a: Assets, tmp: Path, run: Path) -> Setup:
+    _save_llama(tmp / "critic", vocab_size=64)  # the policy's tokenizer has 128 tokens
+    extra = {"algorithm.adv_estimator": "gae", "critic.model.path": tmp / "critic"}
+    return Setup(_good(a, run, **extra))
+
+
+ASYNC = {"trainer.mode": "async", "async_rl.rollout_ranks": 1}
+
+
+def async_on_one_rank(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **ASYNC))
+
+
+def async_remax(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **ASYNC, **{"algorithm.adv_estimator": "remax"}), world_size=2)
+
+
+def async_sharded_reward_model(a: Assets, tmp: Path, run: Path) -> Setup:
+    rm = _reward_model(_save_rm(tmp / "rm"), **{"reward_model.strategy": "fsdp"})
+    return Setup(_good(a, run, **ASYNC, **rm), world_size=2)
+
+
+def run_dir_under_a_file(a: Assets, tmp: Path, run: Path) -> Setup:
+    (tmp / "afile").write_text("")
+    return Setup(_good(a, run, **{"trainer.default_local_dir": tmp / "afile" / "runs"}))
+
+
+def kv_cache_below_one_sequence(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **{"rollout.num_kv_blocks": 1, "rollout.block_size": 4}))
+
+
 CASES: list[tuple[Builder, list[str]]] = [
+    (
+        kv_cache_below_one_sequence,
+        [
+            "rollout.num_kv_blocks=1 x rollout.block_size=4 = 4 tokens of KV cache",
+            "= 96 tokens",
+            "rollout.num_kv_blocks >= 24",
+        ],
+    ),
+    (
+        critic_vocab_smaller,
+        [
+            "critic.model.path=",
+            "its vocab_size=64 but the policy's tokenizer (model.path) has 128 tokens",
+            "token ids 64 to 127",
+        ],
+    ),
+    (
+        async_on_one_rank,
+        ["trainer.mode=async needs at least 2 ranks", "has 1", "torchrun --nproc_per_node 2"],
+    ),
+    (
+        async_remax,
+        ["trainer.mode=async does not support algorithm.adv_estimator=remax", "trainer.mode=sync"],
+    ),
+    (
+        async_sharded_reward_model,
+        [
+            "trainer.mode=async does not support reward_model.strategy=fsdp",
+            "use reward_model.strategy=replicated",
+        ],
+    ),
+    (
+        run_dir_under_a_file,
+        ["trainer.default_local_dir: the run directory", "afile is a file, not a directory"],
+    ),
     (infinite_learning_rate, ["actor.optim.lr", "finite number", "'inf'"]),
     (in_process_reward_with_timeout, ["reward.timeout_s=5.0 needs reward worker processes"]),
     (
@@ -560,7 +627,10 @@ CASES: list[tuple[Builder, list[str]]] = [
         ],
     ),
     (rm_two_labels, ["reward_model.model.path=", "rm2", "has num_labels=2"]),
-    (rm_without_tokenizer, ["reward_model.model.path=", "rm_bare", "no usable tokenizer"]),
+    (
+        rm_without_tokenizer,
+        ["reward_model.model.path=", "rm_bare", "no usable tokenizer", "holds no tokenizer files"],
+    ),
     (
         world_not_as_configured,
         [
@@ -777,3 +847,77 @@ def test_cli_reports_bad_input_without_a_traceback(assets: Assets, tmp_path: Pat
     assert "data.val_files: prompt column 'question' not found" in done.stderr
     assert "tensor_model_parallel_size=3 fits no layout of world size 1" in done.stderr
     assert _snapshot(tmp_path, assets.root) == before
+
+
+def test_a_verl_key_on_the_command_line_is_blamed_on_the_command_line(
+    assets: Assets, tmp_path: Path
+) -> None:
+    """verl's spelling of a key, set on the command line with a YAML that has the section:
+    the command line is named, not the YAML's section line (as for the patrl spelling)."""
+    config = tmp_path / "job.yaml"
+    config.write_text("rollout:\n  n: 4\n")
+    for key in (
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "rollout.gpu_memory_utilization",
+    ):
+        overrides = [*_overrides(Setup(_good(assets, tmp_path / "runs"))), f"{key}=1.5"]
+        with pytest.raises(ConfigError) as info:
+            preflight.load(config, overrides)
+        message = str(info.value)
+        assert "gpu_memory_utilization" in message and "1.5" in message, message
+        assert "(rollout.gpu_memory_utilization is set on the command line)" in message, message
+        assert "job.yaml line" not in message, message
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    with filesystems.read_only_dir(tmp_path / "ro") as path:
+        yield path
+
+
+def test_a_run_dir_that_cannot_be_written_is_refused_before_any_rank_starts(
+    assets: Assets, read_only_dir: Path
+) -> None:
+    """A run directory on a read-only filesystem (or one not writable) fails in preflight,
+    naming the key and the directory, instead of as OSError tracebacks from every rank."""
+    for run_dir in (read_only_dir, read_only_dir / "project" / "run"):
+        overrides = _good(assets, run_dir)
+        with pytest.raises(ConfigError) as info:
+            preflight.check(preflight.load(None, _overrides(Setup(overrides))), 2)
+        message = str(info.value)
+        assert (
+            f"trainer.default_local_dir: the run directory {run_dir} cannot be written" in message
+        )
+        assert str(read_only_dir) in message
+        assert "read-only filesystem" in message or "is not writable" in message, message
+
+
+def test_data_is_checked_before_the_demo_model_is_built(
+    assets: Assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No demo model cached (an empty cache dir) and data of the user's own: an empty or
+    missing train file is named by preflight at once, with the demo's tokenizer, not after
+    the demo's build; nothing is built or written."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("PATRL_CACHE_DIR", str(cache))
+    (tmp_path / "empty.jsonl").write_text("")
+    cases = [
+        ("[]", ["data.train_files=[] names no file", ".jsonl"]),
+        ("''", ["data.train_files='' names no file"]),
+        (tmp_path / "empty.jsonl", ["data.train_files: no rows in", "empty.jsonl"]),
+        (tmp_path / "nowhere.jsonl", ["data.train_files", "nowhere.jsonl", "does not exist"]),
+    ]
+    for train, facts in cases:
+        overrides = _good(assets, tmp_path / "runs", **{"data.train_files": train})
+        del overrides["model.path"]
+        with pytest.raises(ConfigError) as info:
+            preflight.check(preflight.load(None, _overrides(Setup(overrides))), 1)
+        for fact in facts:
+            assert fact in str(info.value), str(info.value)
+    assert list(cache.iterdir()) == [] and not (tmp_path / "runs").exists()
+    # the control: good data passes with the demo still unbuilt
+    good = _good(assets, tmp_path / "runs")
+    del good["model.path"]
+    preflight.check(preflight.load(None, _overrides(Setup(good))), 1)
+    assert list(cache.iterdir()) == []

@@ -138,3 +138,30 @@ def test_the_holder_refreshes_its_lock(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert path.stat().st_mtime > time.time() - 60
     lock.release()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_empty_run_dir(tmp_path: Path) -> None:
+    """The lock makes the run dir (and its missing parents); a run that fails before writing
+    anything leaves none of them behind, while a directory that existed, or holds what a run
+    wrote, stays."""
+    import torch
+
+    from patrl.orchestrator.config import load_config
+    from patrl.orchestrator.distributed import World
+    from patrl.orchestrator.main import run_dir_lock
+
+    world = World(0, 1, 0, torch.device("cpu"))
+    run_dir = tmp_path / "runs" / "project" / "run"
+    config = load_config(None, [f"trainer.default_local_dir={run_dir}"])
+    with pytest.raises(RuntimeError, match="failed early"), run_dir_lock(config, world):
+        assert (run_dir / LOCK_FILE).is_file()
+        raise RuntimeError("failed early")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError), run_dir_lock(config, world):
+        (run_dir / "metrics.jsonl").write_text("{}\n")
+        raise RuntimeError("failed after a step")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    (run_dir / "metrics.jsonl").unlink()
+    with pytest.raises(RuntimeError), run_dir_lock(config, world):
+        raise RuntimeError("failed early, in a run dir that was there")
+    assert run_dir.is_dir()  # it existed before this run

@@ -7,10 +7,12 @@ imported by name in its workers and misbehaves on command, chosen by the respons
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -251,6 +253,61 @@ def test_failure_guard_stops_after_max_failed_steps_and_names_the_cause() -> Non
     with pytest.raises(RewardsFailed, match=r"step 5: .*mod:f: exception: ValueError: bad row 0"):
         guard.observe(5, replicas)
     assert not FailureSummary().all_failed  # a step that scored nothing failed nothing
+
+
+def test_failure_guard_stops_a_run_whose_every_step_failed_at_its_last_step() -> None:
+    """A run shorter than reward.max_failed_steps whose every step's rewards all failed ends
+    in RewardsFailed at its last step (not exit 0 having learnt nothing); one that scored on
+    any step only says so."""
+    every = RewardResult(rewards=[0.0], components={})
+    every.errors = [_error(0, "mod:f", "exception", "KeyError: 'answer' at /x/f.py:3")]
+    some = RewardResult(rewards=[1.0, 0.0], components={}, errors=[every.errors[0]])
+    guard = FailureGuard(max_failed_steps=3)
+    assert guard.observe(1, FailureSummary.of(every)) is not None
+    with pytest.raises(RewardsFailed) as info:
+        guard.observe(2, FailureSummary.of(every), last=True)
+    message = str(info.value)
+    assert message.startswith("step 2: the reward of every one of 1 samples failed"), message
+    assert "every step of this run (2;" in message and "reward.max_failed_steps=3" in message
+    assert "mod:f: exception: KeyError: 'answer'" in message
+    scored_once = FailureGuard(max_failed_steps=3)
+    assert scored_once.observe(1, FailureSummary.of(some)) is None
+    line = scored_once.observe(2, FailureSummary.of(every), last=True)
+    assert line is not None and "(1 of reward.max_failed_steps=3)" in line
+    single = FailureGuard(max_failed_steps=3)
+    with pytest.raises(RewardsFailed, match=r"every step of this run \(1;"):
+        single.observe(5, FailureSummary.of(every), last=True)  # a resumed run's one step
+
+
+def test_a_reward_worker_whose_training_process_dies_exits_quietly(tmp_path: Path) -> None:
+    """SIGKILL of the training process (its rank killed): the worker sees its pipe close and
+    exits without a traceback (an EOFError one was noise after the job's one-line stop)."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal\n"
+        "from patrl.orchestrator.rewards import RewardManager\n"
+        "if __name__ == '__main__':\n"
+        "    m = RewardManager([('format', 1.0)], num_workers=1)\n"
+        "    m.score(['a'], ['a'])\n"  # the worker is up and has answered
+        "    print(m.worker_pids()[0], flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # stderr is shared with the worker: run() returns once the worker has exited too
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == -9, done.stderr
+    worker = int(done.stdout.split()[0])
+    assert not Path(f"/proc/{worker}").exists() or _is_zombie(worker)
+    assert "Traceback" not in done.stderr and "EOFError" not in done.stderr, done.stderr
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
 
 
 def test_score_rejects_misaligned_inputs(pool: RewardManager) -> None:

@@ -23,6 +23,7 @@ from patrl.trainer import Critic, CriticConfig, Trainer
 from patrl.trainer.checkpoint import read_marker
 from patrl.trainer.export import HF_DIR
 from patrl.trainer.export import main as export_main
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model
 
 
@@ -197,6 +198,10 @@ def test_export_cli_errors_name_the_path(
     (tmp_path / "full" / "x").write_text("x")
     assert export_main([str(checkpoint), str(tmp_path / "full")]) == 2
     assert "full' exists and is not an empty directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(checkpoint), str(tmp_path / "out"), "--max-shard-bytes", "0"])
+    assert exit_.value.code == 2
+    assert "--max-shard-bytes 0: accepted 1 or more" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -244,3 +249,107 @@ def test_export_keeps_the_source_models_dtype(tmp_path: Path) -> None:
     assert export_main([str(checkpoint), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
     fp32 = _read_dir(tmp_path / "fp32")
     assert all(torch.equal(fp32[n], t) for n, t in master.items())
+
+
+def test_export_with_another_models_config_names_the_tensors_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model naming a smaller model of the same family: its config would describe tensors
+    the checkpoint does not hold (fewer layers, another width): refused, naming shapes and
+    the left-out tensors, with no OUT or OUT.tmp."""
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    checkpoint = Trainer(config(), str(src)).save(tmp_path / "ckpt")
+    wide = json.loads((src / "config.json").read_text())
+    smaller = save_tiny_model(
+        tmp_path / "smaller",
+        "qwen2",
+        "plain",
+        **{
+            **QWEN2_TIED,
+            "vocab_size": wide["vocab_size"],
+            "hidden_size": wide["hidden_size"] // 2,
+            "num_hidden_layers": wide["num_hidden_layers"] - 1,
+        },
+    )
+    out = tmp_path / "out"
+    capsys.readouterr()  # the setup's progress bars
+    assert export_main([str(checkpoint), str(out), "--model", str(smaller)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("patrl: error: ") and len(err.strip().splitlines()) == 1, err
+    assert f"holds a different model than the config of --model '{smaller}'" in err
+    assert "tensors of another shape, e.g. 'model.embed_tokens.weight' is [" in err
+    last = wide["num_hidden_layers"] - 1
+    assert f"tensors it has no place for, e.g. ['model.layers.{last}." in err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    # The same, but a model with one more layer: the tensors the checkpoint lacks are named.
+    deeper = save_tiny_model(
+        tmp_path / "deeper",
+        "qwen2",
+        "plain",
+        **{**QWEN2_TIED, "vocab_size": wide["vocab_size"], "num_hidden_layers": last + 2},
+    )
+    capsys.readouterr()
+    assert export_main([str(checkpoint), str(out), "--model", str(deeper)]) == 2
+    err = capsys.readouterr().err
+    assert f"of its tensors missing, e.g. ['model.layers.{last + 1}." in err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def _run_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """(a run checkpoint as the orchestrator lays it out: trainer/ with the manifest of its
+    files beside it, its first shard file)."""
+    src = _model_dir_with_tokenizer(tmp_path / "src")
+    run_checkpoint = tmp_path / "global_step_1"
+    Trainer(config(), str(src)).save(run_checkpoint / "trainer")
+    files = {
+        str(p.relative_to(run_checkpoint)): p.stat().st_size
+        for p in sorted(run_checkpoint.rglob("*"))
+        if p.is_file()
+    }
+    (run_checkpoint / "manifest.json").write_text(json.dumps({"files": files}))
+    return run_checkpoint, next((run_checkpoint / "trainer").glob("*.distcp"))
+
+
+def test_export_of_a_damaged_checkpoint_names_the_file_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shard cut short or removed after the save: its manifest names the file and both
+    sizes before anything is read; without a manifest, DCP's failure is one line naming the
+    checkpoint. No OUT and no OUT.tmp either way."""
+    run_checkpoint, shard = _run_checkpoint(tmp_path)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert export_main([str(run_checkpoint), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"patrl: error: checkpoint '{run_checkpoint}' is damaged: {shard} is " in err
+    assert f"{size - 100} bytes, its manifest says {size}" in err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    (run_checkpoint / "manifest.json").unlink()
+    shard.write_bytes(shard.read_bytes()[:200])  # into the model's tensors
+    assert export_main([str(run_checkpoint), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"patrl: error: checkpoint '{run_checkpoint}' cannot be read: "), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    shard.unlink()
+    _, _ = _run_checkpoint(tmp_path / "again")
+    again = tmp_path / "again" / "global_step_1"
+    gone = next((again / "trainer").glob("*.distcp"))
+    gone.unlink()
+    assert export_main([str(again), str(out)]) == 2
+    assert f"{gone} is missing" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_export_to_a_directory_that_cannot_be_written_is_refused_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = Trainer(config(), tiny_llama()).save(tmp_path / "ckpt")
+    with filesystems.read_only_dir(tmp_path / "ro") as ro:
+        capsys.readouterr()
+        assert export_main([str(checkpoint), str(ro / "out")]) == 2
+        err = capsys.readouterr().err
+    assert err.startswith(f"patrl: error: the directory of OUT {ro}: {ro} "), err
+    assert "read-only filesystem" in err or "is not writable" in err

@@ -22,6 +22,7 @@ from patrl.trainer.reward_model import (
     tokenize_pairs,
 )
 from patrl.trainer.reward_model.__main__ import main as train_main
+from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model
 from patrl_testkit.multirank import run_ranks
 
@@ -115,8 +116,13 @@ def test_bad_reward_model_directories_name_the_file(tmp_path: Path) -> None:
     for f in bare.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             f.unlink()
-    with pytest.raises(ValueError, match=r"reward_model\.model\.path=.*bare.*no usable tokenizer"):
+    with pytest.raises(
+        ValueError, match=r"reward_model\.model\.path=.*bare.*no usable tokenizer"
+    ) as info:
         check_reward_model_dir(bare)
+    # patrl's own reason, not transformers' hint to install a converter it does not need
+    assert "holds no tokenizer files" in str(info.value)
+    assert "sentencepiece" not in str(info.value)
 
 
 def test_preference_rows_missing_a_key_name_file_row_and_key(tmp_path: Path) -> None:
@@ -262,3 +268,76 @@ def test_scorer_and_bradley_terry_on_cuda(tmp_path: Path) -> None:
     for _ in range(5):
         last = trainer.train_step(pairs)["loss"]
     assert last < first
+
+
+def test_a_run_that_would_take_no_step_is_refused_naming_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 pairs (1 held out) and the default 8 a step: no step would run and the random head
+    would be saved as if trained; --batch-size 1 on 2 ranks: no pair for either rank. Both
+    refused before a model is built or anything written, naming pairs, batch size and ranks."""
+    from patrl.trainer.reward_model.__main__ import cli, step_batch
+
+    lm = save_tiny_model(tmp_path / "lm", "llama", "plain", tokenizer=build_tokenizer())
+    pairs = write_pairs(tmp_path / "four.jsonl", 4, seed=0)
+    out = tmp_path / "out"
+    args = ["--model", str(lm), "--train-files", str(pairs), "--output", str(out)]
+    with pytest.raises(ValueError) as info:
+        train_main(args)
+    assert str(info.value) == (
+        "3 training pairs (after holding out 1 for validation) and --batch-size 8 make no "
+        "training step (a step takes 8 pairs), so the model would be saved untrained; lower "
+        "--batch-size to at most 3, or give more pairs"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capsys.readouterr()  # the setup's progress bars
+    assert cli([*args, "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "patrl: error: --batch-size 1 on 2 ranks gives each rank no pair per step (the batch "
+        "is split evenly over the ranks); use --batch-size 2 or a multiple of it\n"
+    )
+    assert not out.exists()
+    assert step_batch(8, 5, 2) == 4  # rounded down to what two ranks split evenly
+    with pytest.raises(ValueError, match=r"^3 training pairs and --batch-size 5 on 2 ranks"):
+        step_batch(3, 5, 2)
+    with pytest.raises(ValueError, match="--batch-size 0: pairs per step, accepted 1 or more"):
+        step_batch(3, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--val-fraction", "1.5"], "--val-fraction 1.5: the share of the pairs held out"),
+        (["--lr", "nan"], "--lr nan: accepted a finite number above 0"),
+        (["--epochs", "0"], "--epochs 0: accepted 1 or more"),
+        (["--max-length", "0"], "--max-length 0: accepted 1 or more tokens"),
+        (["--output", "{file}"], "exists and is not a directory"),
+    ],
+)
+def test_flags_that_cannot_train_a_model_are_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """Each refused in one line before any file is read or a model built (the model and
+    pairs named here do not exist: a later failure would name them instead)."""
+    from patrl.trainer.reward_model.__main__ import cli
+
+    (tmp_path / "file").write_text("")
+    flags = [f.format(file=tmp_path / "file") for f in flags]
+    args = ["--model", str(tmp_path / "no_model"), "--train-files", str(tmp_path / "none")]
+    assert cli([*args, "--output", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("patrl: error: ") and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from patrl.trainer.reward_model.__main__ import cli
+
+    args = ["--model", str(tmp_path / "no_model"), "--train-files", str(tmp_path / "none")]
+    with filesystems.read_only_dir(tmp_path / "ro") as ro:
+        assert cli([*args, "--output", str(ro / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"patrl: error: --output {ro / 'rm'}: {ro} "), err

@@ -326,7 +326,10 @@ def _parser() -> argparse.ArgumentParser:
         help="how the planner prices predicted lengths (PlannerConfig.finish_time)",
     )
     parser.add_argument(
-        "--max-rollouts", type=int, default=None, help="simulate only the log's last N rollouts"
+        "--max-rollouts",
+        type=_positive_int,
+        default=None,
+        help="simulate only the log's last N rollouts",
     )
     parser.add_argument(
         "--sweep-gpus",
@@ -346,6 +349,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of 1 or more (argparse names the flag on a refusal)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: accepted 1 or more")
+    return value
+
+
 def _load_profile(args: argparse.Namespace) -> Profile:
     if args.roofline:
         return roofline_profile(ROOFLINES[args.roofline])
@@ -353,6 +367,11 @@ def _load_profile(args: argparse.Namespace) -> Profile:
         return Profile.load(args.profile)
     except OSError as err:
         raise SystemExit(f"--profile {args.profile}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SystemExit(
+            f"--profile {args.profile}: not a text file (byte {err.start} is not UTF-8); give "
+            "a latency profile (JSON, as patrl.rollout.profile writes profile.json)"
+        ) from err
     except ValueError as err:
         raise SystemExit(f"--profile {args.profile}: not a latency profile: {err}") from err
 
@@ -388,8 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         records = read_lengths(args.lengths)
     except OSError as err:
         raise SystemExit(f"--lengths {args.lengths}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SystemExit(
+            f"--lengths {args.lengths}: not a text file (byte {err.start} is not UTF-8); give "
+            "a length log: JSONL, one sample a line, as a run writes <run_dir>/lengths.jsonl"
+        ) from err
     except ValueError as err:
-        raise SystemExit(str(err)) from err
+        raise SystemExit(f"--lengths: {err}") from err  # err names the file and line
     rollouts = group_by_rollout(records)
     if args.max_rollouts:
         rollouts = dict(list(rollouts.items())[-args.max_rollouts :])

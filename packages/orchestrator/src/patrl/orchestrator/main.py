@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -137,12 +138,14 @@ def run_and_report(config: JobConfig, world: World) -> int:
 @contextlib.contextmanager
 def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
     """The run directory's lock (run_lock.py), taken by the first rank; a refusal is raised on
-    every rank alike (JobError), before any of them writes."""
+    every rank alike (JobError), before any of them writes. The directories the lock made are
+    removed again if the run left them empty (it failed before writing anything)."""
     from patrl.orchestrator.distributed import broadcast_object
     from patrl.orchestrator.errors import JobError
     from patrl.orchestrator.run_lock import RunDirLock
 
     lock, refused = None, None
+    made = _missing_dirs(config.run_dir) if world.is_first else []
     if world.is_first:
         try:
             lock = RunDirLock(config.run_dir).acquire()
@@ -156,6 +159,27 @@ def run_dir_lock(config: JobConfig, world: World) -> Iterator[None]:
     finally:
         if lock is not None:
             lock.release()
+            _remove_empty(made)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and each of its ancestors that does not exist yet, deepest first."""
+    missing = []
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove each of `dirs` (deepest first) that is an empty directory; stop at the first
+    that is not (it holds what the run wrote)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 # The stop signals this process received (SIGINT, SIGTERM), in order.

@@ -2,8 +2,9 @@
 
 `load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
 matches) and the dotted key of wrong types. `check` validates the model directory, data files,
-reward functions, TP layout, world shape and resume checkpoint against the world the job will
-run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
+reward functions, TP layout, world shape, resume checkpoint, critic and reward models, what
+async mode does not do, an explicit KV cache and the run directory's writability against the
+world the job will run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
 train set's size). Both run on every rank before a process group is joined, write nothing of
 the run (`datasets` may fill its own cache), and raise one PreflightError listing every problem:
 
@@ -76,7 +77,8 @@ def load(
     try:
         return load_config(path, overrides, notices)
     except ConfigError as err:
-        overridden = {item.partition("=")[0].strip() for item in overrides or []}
+        written = [item.partition("=")[0].strip() for item in overrides or []]
+        overridden = set(written) | {_patrl_key(key) for key in written}
         raise ConfigError(str(err) + _locations(str(err), str(path), lines, overridden)) from None
 
 
@@ -149,6 +151,14 @@ def _walk_verl(node: Any, written: list[str], lines: dict[str, int], line: int) 
     lines.setdefault(target, line)
 
 
+def _patrl_key(written: str) -> str:
+    """The patrl key a command-line key lands on: itself, or for verl's spelling of a key the
+    patrl key it is read as (as `_walk_verl` records a verl key of the YAML)."""
+    parts = verl_keys.patrl_parts(written.split("."))
+    rule = verl_keys.rule_for(parts)
+    return rule.target if isinstance(rule, verl_keys.Alias) else ".".join(parts)
+
+
 def _walk_value(
     node: Any,
     annotation: Any,
@@ -190,22 +200,24 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     count stays unresolved where the train set is not read here).
 
     What comes from the embedded demo is checked when the demo is already built, and left to
-    its build (which makes known-good assets) when not."""
+    its build (which makes known-good assets) when not; data of the job's own given with the
+    demo's model is read with the demo's tokenizer either way."""
     problems: list[str] = []
     model_dir, train_files, val_files = choose_assets(config, _built_demo(config))
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
     num_train = None
-    if tokenizer is not None:
-        data_problems, num_train = _data_problems(config, tokenizer, train_files, val_files)
+    # The demo's model is built later (minutes of SFT): data given with it is read with the
+    # demo's tokenizer now, so a bad file is named before that build, not after.
+    data_tokenizer = tokenizer if model_dir is not None else _demo_tokenizer(config)
+    if data_tokenizer is not None:
+        data_problems, num_train = _data_problems(config, data_tokenizer, train_files, val_files)
         problems += data_problems
+    problems += run_dir_problems(config.run_dir)
+    problems += _kv_problems(config)
     local = local_world_size or world_size
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
-    if config.trainer.mode == "async" and config.async_rl.rollout_ranks >= world_size:
-        problems.append(
-            f"async_rl.rollout_ranks={config.async_rl.rollout_ranks} leaves no trainer rank in a "
-            f"world of {world_size}: use 1..{world_size - 1} (or trainer.mode=sync)"
-        )
+    problems += _async_problems(config, world_size)
     adaptive = config.rollout.adaptive_tp
     # what build.engine_config offers: no fold larger than a node; default candidates the
     # model cannot split into are dropped, explicit ones are judged below
@@ -228,7 +240,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         problems += _length_problems(config, model)
         problems += _resume_problems(config, model)
     problems += reward_model_problems(config)
-    problems += _critic_problems(config)
+    problems += _critic_problems(config, tokenizer)
     if problems:
         raise PreflightError(problems)
     return resolve_schedule(config, num_train)
@@ -254,6 +266,15 @@ def world_problems(config: JobConfig, world_size: int, local_world_size: int) ->
         f"`torchrun --nnodes {count} --nproc_per_node {per_node}`, or set "
         "trainer.n_gpus_per_node and trainer.nnodes to that world (or leave them unset)"
     ]
+
+
+def _async_problems(config: JobConfig, world_size: int) -> list[str]:
+    """What async mode does not do (async_loop.unsupported owns the list)."""
+    if config.trainer.mode != "async":
+        return []
+    from patrl.orchestrator.async_loop import unsupported
+
+    return unsupported(config, world_size)
 
 
 def _reward_problems(config: JobConfig) -> list[str]:
@@ -372,13 +393,37 @@ def _length_problems(config: JobConfig, model: ModelConfig) -> list[str]:
     ]
 
 
+def _kv_problems(config: JobConfig) -> list[str]:
+    """An explicit KV cache (rollout.num_kv_blocks x rollout.block_size) must hold one whole
+    sequence (data.max_prompt_length + data.max_response_length), as the engine requires."""
+    r, d = config.rollout, config.data
+    if r.num_kv_blocks is None or r.block_size is None:
+        return []  # sized from memory, or the block size is the backend's: the engine checks
+    tokens = d.max_prompt_length + d.max_response_length
+    if r.num_kv_blocks * r.block_size >= tokens:
+        return []
+    need = -(-tokens // r.block_size)
+    return [
+        f"rollout.num_kv_blocks={r.num_kv_blocks} x rollout.block_size={r.block_size} = "
+        f"{r.num_kv_blocks * r.block_size} tokens of KV cache cannot hold one sequence of "
+        f"data.max_prompt_length + data.max_response_length = {tokens} tokens; use "
+        f"rollout.num_kv_blocks >= {need} (or leave it unset to size the cache from memory)"
+    ]
+
+
 def _data_problems(
     config: JobConfig, tokenizer: Any, train_files: Any, val_files: Any
 ) -> tuple[list[str], int | None]:
     """The data's problems, and the train set's size (None where it was not read)."""
     problems: list[str] = []
     size = None
-    if train_files is not None:
+    names = [train_files] if isinstance(train_files, str) else list(train_files or [])
+    if train_files is not None and (not names or not all(str(n).strip() for n in names)):
+        problems.append(
+            f"data.train_files={train_files!r} names no file; give one or more .jsonl / "
+            f".parquet files (a path or a list of paths), or {DEMO_FILES} for the demo task"
+        )
+    elif train_files is not None:
         train = _attempt(
             problems, "data.train_files", lambda: _dataset(config, train_files, tokenizer)
         )
@@ -470,8 +515,10 @@ def _attempt(problems: list[str], key: str, fn: Callable[[], T]) -> T | None:
         return None
 
 
-def _critic_problems(config: JobConfig) -> list[str]:
-    """With a critic (gae): its model directory, and a checkpoint to resume that has none."""
+def _critic_problems(config: JobConfig, tokenizer: Any) -> list[str]:
+    """With a critic (gae): its model directory, its vocabulary against the policy's
+    `tokenizer` (None: not checked) as the policy's own is checked, and a checkpoint to
+    resume that has none."""
     if not config.use_critic:
         return []
     problems = []
@@ -482,6 +529,16 @@ def _critic_problems(config: JobConfig) -> list[str]:
             "directory (a value model, or a causal LM to start a new value head), or leave it "
             "unset to use the policy's backbone"
         )
+    elif path is not None and tokenizer is not None:
+        vocab = _vocab_size(Path(path) / "config.json")
+        if vocab is not None and len(tokenizer) > vocab:
+            problems.append(
+                f"critic.model.path={path}: its vocab_size={vocab} but the policy's tokenizer "
+                f"(model.path) has {len(tokenizer)} tokens: the critic cannot embed token ids "
+                f"{vocab} to {len(tokenizer) - 1} of the policy's prompts and responses; use a "
+                "critic of the policy's family and tokenizer, or leave critic.model.path unset "
+                "to start from the policy's backbone"
+            )
     t = config.trainer
     target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if (
@@ -498,3 +555,61 @@ def _critic_problems(config: JobConfig) -> list[str]:
             "was saved with, or start afresh (trainer.resume_mode=disable)"
         )
     return problems
+
+
+def _vocab_size(config_json: Path) -> int | None:
+    """The `vocab_size` a model's config.json records (None where it records none, or is
+    unreadable: the critic's build reports that)."""
+    import json
+
+    try:
+        value = json.loads(config_json.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _demo_tokenizer(config: JobConfig) -> Any:
+    """The demo model's tokenizer (built in memory: no file is read or written) where the job
+    uses the demo's model with data of its own; else None."""
+    d = config.data
+    if config.model.path is not None or d.train_files in (None, DEMO_FILES):
+        return None
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+def run_dir_problems(run_dir: Path) -> list[str]:
+    """Whether the job can write its run directory (`trainer.default_local_dir`, else
+    runs/<project_name>/<experiment_name>): it, or the nearest part of its path that exists,
+    must be a directory this process may write. Checked without writing anything."""
+    import os
+
+    existing = run_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    key = "trainer.default_local_dir"
+    if not existing.is_dir():
+        return [
+            f"{key}: the run directory {run_dir} cannot be made: {existing} is a file, not a "
+            "directory; choose another trainer.default_local_dir"
+        ]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if _read_only(existing) else "is not writable"
+        what = "it" if existing == run_dir.absolute() else "its ancestor"
+        return [
+            f"{key}: the run directory {run_dir} cannot be written: {what} {existing} {why} "
+            "(checkpoints, metrics and the run lock go there); choose a writable "
+            "trainer.default_local_dir"
+        ]
+    return []
+
+
+def _read_only(path: Path) -> bool:
+    import os
+
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

@@ -294,10 +294,13 @@ def _worker_main(conn: Connection, specs: list[str]) -> None:
         conn.send(("boot_error", _describe(e)))
         return
     conn.send(("ready", None))
-    while (chunk := conn.recv()) is not None:
-        for fn_index, response, answer, meta in chunk:
-            out = fns[fn_index](response, answer, meta)
-            conn.send(("done", (out.kind, out.score, dict(out.extras), out.message)))
+    try:
+        while (chunk := conn.recv()) is not None:
+            for fn_index, response, answer, meta in chunk:
+                out = fns[fn_index](response, answer, meta)
+                conn.send(("done", (out.kind, out.score, dict(out.extras), out.message)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the training process is gone (its rank was stopped or killed): so is its work
 
 
 @dataclass(slots=True)
@@ -661,22 +664,27 @@ def _cause(error: RewardError) -> str:
 
 
 class RewardsFailed(JobError):
-    """Every reward call failed for `max_failed_steps` steps in a row: the run cannot learn."""
+    """Every reward call failed for `max_failed_steps` steps in a row, or on every step of a
+    run shorter than that: the run cannot learn."""
 
 
 class FailureGuard:
-    """Stops a run whose rewards all failed for `max_failed_steps` consecutive steps: every
-    sample would score 0 forever, so the run would exit 0 having learnt nothing. `observe`
-    returns an error line for a step whose every sample's reward failed, and raises
-    `RewardsFailed` on the last such step allowed."""
+    """Stops a run whose rewards all failed for `max_failed_steps` consecutive steps, or on
+    every step of a run that ends sooner: every sample scores 0, so the run would exit 0
+    having learnt nothing. `observe` returns an error line for a step whose every sample's
+    reward failed, and raises `RewardsFailed` on the last such step allowed, or on the run's
+    last step when every step it took failed so."""
 
     def __init__(self, max_failed_steps: int) -> None:
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         self.max_failed_steps = max_failed_steps
         self.streak = 0
+        self.steps = 0  # steps observed by this process (a resumed run counts from its resume)
 
-    def observe(self, step: int, summary: FailureSummary) -> str | None:
+    def observe(self, step: int, summary: FailureSummary, last: bool = False) -> str | None:
+        """`last`: `step` is the run's last (trainer.total_training_steps)."""
+        self.steps += 1
         if not summary.all_failed:
             self.streak = 0
             return None
@@ -685,11 +693,20 @@ class FailureGuard:
             f"step {step}: the reward of every one of {summary.samples} samples failed; most "
             f"common: {summary.most_common()}"
         )
+        fix = (
+            "Fix the reward function (run it on a sample by hand), or raise reward.timeout_s "
+            "if its calls time out"
+        )
         if self.streak >= self.max_failed_steps:
             raise RewardsFailed(
                 f"{line}. That is {self.streak} steps in a row (reward.max_failed_steps="
-                f"{self.max_failed_steps}): every reward is 0, so the run cannot learn. Fix the "
-                "reward function (run it on a sample by hand), or raise reward.timeout_s if "
-                "its calls time out"
+                f"{self.max_failed_steps}): every reward is 0, so the run cannot learn. {fix}"
+            )
+        if last and self.streak == self.steps:
+            raise RewardsFailed(
+                f"{line}. That is every step of this run ({self.steps}; it ends here, at "
+                "trainer.total_training_steps, before reward.max_failed_steps="
+                f"{self.max_failed_steps} is reached): every reward was 0, so it learnt "
+                f"nothing. {fix}"
             )
         return f"{line} ({self.streak} of reward.max_failed_steps={self.max_failed_steps})"

@@ -472,8 +472,12 @@ class SyncGRPO(RunLoop):
     def _check_rewards(self) -> None:
         """Say so (an error line, rank 0) when every sample's reward failed this step; stop
         the run (RewardsFailed, every rank alike) after reward.max_failed_steps such steps in
-        a row."""
-        line = self.reward_guard.observe(self.step, FailureSummary.total(self._failures))
+        a row, or at its last step when every step failed so."""
+        line = self.reward_guard.observe(
+            self.step,
+            FailureSummary.total(self._failures),
+            last=self.step == self.config.total_steps,
+        )
         if line is not None and self.is_first:
             print(f"patrl: error: {line}", file=sys.stderr, flush=True)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -23,12 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, PretrainedConfig
 
 from patrl.trainer.checkpoint import MARKER, read_marker
 from patrl.trainer.hf_export import (
     MAX_SHARD_BYTES,
+    check_writable,
     hf_config,
     source_dtype,
     write_hf_dir,
@@ -37,6 +40,8 @@ from patrl.trainer.model import Head, build_on_meta, with_head
 
 RUN_POLICY_DIR = "trainer"  # a run checkpoint's policy (patrl.orchestrator.checkpointing)
 HF_DIR = "huggingface"  # a checkpoint's HF directory (verl's name)
+# A run checkpoint's record of its files and their sizes (patrl.orchestrator.checkpointing).
+MANIFEST_FILE = "manifest.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,12 +79,53 @@ def export_checkpoint(
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{str(out)!r} exists and is not an empty directory")
+    check_writable(out.parent, "the directory of OUT")  # OUT.tmp is made beside OUT
+    check_manifest(trainer_dir, hf_dir)
     head: Head = "value" if about.get("head") == "value" else "lm"
     config, source, metadata_from = _metadata(trainer_dir, hf_dir, model, about, head)
     dtype = dtype or source_dtype(config)
     config = hf_config(config, head, dtype)
-    tensors = _read_tensors(trainer_dir, _parameter_names(config, head), dtype, max_shard_bytes)
+    shapes, names = _expected_tensors(config, head)
+    config_from = (
+        f"--model {str(model)!r}" if model is not None else repr(str(source or metadata_from))
+    )
+    stored = _stored_tensors(trainer_dir)
+    _check_tensors(trainer_dir, stored, shapes, names, config_from)
+    tensors = _read_tensors(trainer_dir, stored, list(shapes), dtype, max_shard_bytes)
     return write_hf_dir(out, tensors, config, source, metadata_from, max_shard_bytes)
+
+
+def check_manifest(trainer_dir: Path, hf_dir: Path) -> None:
+    """Raise ValueError naming each file of `trainer_dir` and `hf_dir` that is missing or of
+    another size than the manifest of the run checkpoint they belong to records (a save cut
+    short, or a file damaged since); nothing to check where there is no manifest (a
+    checkpoint `Trainer.save` wrote by itself). Run before anything is read or written, so a
+    damaged checkpoint is named instead of failing inside DCP."""
+    for root in (trainer_dir, trainer_dir.parent):
+        if (root / MANIFEST_FILE).is_file():
+            break
+    else:
+        return
+    manifest = root / MANIFEST_FILE
+    try:
+        files: dict[str, int] = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{str(manifest)!r} is unreadable ({err})") from None
+    problems = []
+    for name, size in files.items():
+        path = root / name
+        if not any(path.is_relative_to(d) for d in (trainer_dir, hf_dir)):
+            continue  # another part of the run checkpoint (the critic, the loop state)
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif (actual := path.stat().st_size) != size:
+            problems.append(f"{path} is {actual} bytes, its manifest says {size}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            f"checkpoint {str(root)!r} is damaged: {'; '.join(problems[:3])}{more} (a save cut "
+            "short, or files changed since); export another checkpoint of the run"
+        )
 
 
 def _metadata(
@@ -112,30 +158,70 @@ def _metadata(
     return config, source, None
 
 
-def _parameter_names(config: PretrainedConfig, head: Head) -> list[str]:
-    """The parameters of the model `config` describes, in `named_parameters` order, tied ones
-    once: the names and order of `Trainer.export_hf` (built on the meta device: no memory)."""
+def _expected_tensors(
+    config: PretrainedConfig, head: Head
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(the parameters of the model `config` describes with their shapes, in
+    `named_parameters` order, tied ones once: the names and order of `Trainer.export_hf`;
+    every name its state dict holds, tied ones under each name). Built on the meta device:
+    no memory."""
     model = build_on_meta(copy.deepcopy(config), "sdpa", head)  # it edits the config it uses
-    return [name for name, _ in model.named_parameters()]
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return shapes, set(model.state_dict())
+
+
+def _stored_tensors(trainer_dir: Path) -> dict[str, TensorStorageMetadata]:
+    """The model tensors the DCP checkpoint in `trainer_dir` holds, by HF name."""
+    metadata = dcp.FileSystemReader(str(trainer_dir)).read_metadata()
+    return {
+        key.removeprefix("model."): meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def _check_tensors(
+    trainer_dir: Path,
+    stored: dict[str, TensorStorageMetadata],
+    shapes: dict[str, tuple[int, ...]],
+    names: set[str],
+    config_from: str,
+) -> None:
+    """Raise ValueError unless the checkpoint holds every tensor of the config's model
+    (`shapes`), each of that shape, and nothing the model has no place for (`names`): an
+    export must load as the config it writes says."""
+    missing = [n for n in shapes if n not in stored]
+    extra = sorted(n for n in stored if n not in names)
+    wrong = [
+        f"{n!r} is {list(stored[n].size)} in the checkpoint, {list(shape)} in the config"
+        for n, shape in shapes.items()
+        if n in stored and tuple(stored[n].size) != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of its tensors missing, e.g. {missing[:3]}")
+    if extra:
+        problems.append(f"{len(extra)} tensors it has no place for, e.g. {extra[:3]}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors of another shape, e.g. {'; '.join(wrong[:3])}")
+    if problems:
+        raise ValueError(
+            f"checkpoint {str(trainer_dir)!r} holds a different model than the config of "
+            f"{config_from}: {'; '.join(problems)}; pass --model DIR, the Hugging Face "
+            "directory the run trained"
+        )
 
 
 def _read_tensors(
-    trainer_dir: Path, names: list[str], dtype: torch.dtype, max_bytes: int
+    trainer_dir: Path,
+    stored: dict[str, TensorStorageMetadata],
+    names: list[str],
+    dtype: torch.dtype,
+    max_bytes: int,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`names` read from the DCP checkpoint, whole, cast to `dtype`, a group of at most
-    `max_bytes` (or one tensor) per read."""
+    """`names` (each in `stored`) read from the DCP checkpoint, whole, cast to `dtype`, a
+    group of at most `max_bytes` (or one tensor) per read."""
     reader = dcp.FileSystemReader(str(trainer_dir))
-    stored = {
-        key.removeprefix("model."): meta
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    missing = [n for n in names if n not in stored]
-    if missing:
-        raise ValueError(
-            f"checkpoint {str(trainer_dir)!r} holds a different model than its config: "
-            f"{len(missing)} tensors missing, e.g. {missing[:3]}; it holds e.g. {sorted(stored)[:3]}"
-        )
     for group in _groups(
         names, {n: stored[n].size.numel() * dtype.itemsize for n in names}, max_bytes
     ):
@@ -180,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-shard-bytes", type=int, default=MAX_SHARD_BYTES, help="largest safetensors file"
     )
     args = parser.parse_args(argv)
+    if args.max_shard_bytes < 1:
+        parser.error(f"--max-shard-bytes {args.max_shard_bytes}: accepted 1 or more")
     try:
         out = export_checkpoint(
             args.checkpoint,
@@ -189,8 +277,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_shard_bytes,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"patrl: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a write that failed midway (the disk filled, say)
+        print(f"patrl: error: writing {args.out!r}: {err}; nothing was kept", file=sys.stderr)
+        return 1
+    except CheckpointException as err:  # damage the manifest could not see (none was written)
+        cause = next(iter(err.failures.values()), err)
+        print(
+            f"patrl: error: checkpoint {args.checkpoint!r} cannot be read: "
+            f"{type(cause).__name__}: {cause} (a file cut short or damaged); nothing was "
+            f"written to {args.out!r}",
+            file=sys.stderr,
+        )
+        return 1
     print(f"wrote {out}")
     return 0
 

@@ -156,6 +156,26 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
 
+def check_writable(out: Path, flag: str) -> None:
+    """ValueError naming `flag` unless this process may create or fill the directory `out`:
+    it, or the nearest part of its path that exists, is a directory it may write (checked
+    without writing, so that a long job fails before its work, not at its save)."""
+    import os
+
+    existing = out.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        try:
+            read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "is on a read-only filesystem" if read_only else "is not writable"
+        raise ValueError(f"{flag} {out}: {existing} {why}; choose a writable directory")
+
+
 def write_hf_dir(
     path: Path,
     tensors: Iterable[tuple[str, torch.Tensor]] | None,
@@ -165,20 +185,25 @@ def write_hf_dir(
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Stage `path`, write `tensors` (None: no weights), then the metadata (from `source_dir`,
-    or copied from the HF directory `metadata_from`) and rename it into place (one process)."""
+    or copied from the HF directory `metadata_from`) and rename it into place (one process);
+    on any failure the staging directory is removed and `path` left as it was."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if tensors is not None:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        writer.close()
-    if metadata_from is not None:
-        copy_metadata(metadata_from, tmp)
-        config.save_pretrained(tmp)
-    else:
-        write_metadata(tmp, config, source_dir)
+    try:
+        if tensors is not None:
+            writer = ShardWriter(tmp, max_shard_bytes)
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.close()
+        if metadata_from is not None:
+            copy_metadata(metadata_from, tmp)
+            config.save_pretrained(tmp)
+        else:
+            write_metadata(tmp, config, source_dir)
+    except BaseException:  # a failed read or write (or Ctrl-C) leaves nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_dir(tmp, path)
     return path
 

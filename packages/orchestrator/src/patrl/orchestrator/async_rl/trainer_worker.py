@@ -142,7 +142,9 @@ class TrainerWorker(RunLoop):
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
         line = self.reward_guard.observe(
-            self.step, FailureSummary.total(r.failures for r in records)
+            self.step,
+            FailureSummary.total(r.failures for r in records),
+            last=self.step == cfg.total_steps,
         )
         if line is not None and self.is_first:
             print(f"patrl: error: {line}", file=sys.stderr, flush=True)

@@ -11,6 +11,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+# The files a Hugging Face tokenizer is loaded from; a directory with none of them has none.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
 
 def check_reward_model_dir(
     path: str | os.PathLike[str], key: str = "reward_model.model.path"
@@ -48,10 +58,15 @@ def load_tokenizer(path: str | os.PathLike[str], key: str = "reward_model.model.
     """The tokenizer saved in `path`, or a ValueError naming the directory and the files wanted."""
     from transformers import AutoTokenizer
 
+    wanted = "tokenizer.json / tokenizer_config.json, as tokenizer.save_pretrained writes them"
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers' own error here ends in a hint to install sentencepiece: no help.
+        raise ValueError(
+            f"{key}={str(path)!r}: no usable tokenizer: the directory holds no tokenizer files "
+            f"(none of {list(TOKENIZER_FILES)}); save the tokenizer beside the model ({wanted})"
+        )
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"{key}={str(path)!r}: no usable tokenizer (tokenizer.json / tokenizer_config.json, "
-            f"as save_pretrained writes them): {err}"
-        ) from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{key}={str(path)!r}: no usable tokenizer ({wanted}): {first}") from None
