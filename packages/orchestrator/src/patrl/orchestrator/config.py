@@ -31,7 +31,7 @@ from patrl.orchestrator import verl_keys
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS, AdvEstimator
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
-from patrl.trainer.config import CriticCheckpointConfig, KLType
+from patrl.trainer.config import AggMode, CriticCheckpointConfig, KLType, RolloutCorrectionConfig
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 _DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -275,6 +275,9 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = Field(default_factory=lambda: KLControlConfig())
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = Field(default_factory=lambda: FilterGroupsConfig())
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=lambda: RolloutCorrectionConfig()
+    )
 
 
 class CriticConfig(_Section):
@@ -292,7 +295,9 @@ class CriticConfig(_Section):
         None, ge=2, description="None = actor.ppo_max_token_len_per_gpu"
     )
     cliprange_value: float = Field(0.5, gt=0, description="values move at most this per update")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg_mode: AggMode | None = Field(
+        None, description="None = actor.loss_agg_mode (verl's oc.select)"
+    )
     grad_clip: float = Field(1.0, gt=0)
     checkpoint: CriticCheckpointConfig = Field(default_factory=lambda: CriticCheckpointConfig())
 
@@ -495,6 +500,7 @@ class JobConfig(_Section):
                 "algorithm.filter_groups.enable=true (DAPO refills): choose one"
             )
         _check_group_size(self)
+        _resolve_verl_semantics(self)
         if self.model.path is not None and self.data.train_files is None:
             raise ValueError(
                 f"model.path={self.model.path} is set but data.train_files is not: patrl would "
@@ -570,6 +576,36 @@ def resolve_schedule(config: JobConfig, num_train_prompts: int | None) -> JobCon
         if optim.total_training_steps is None:
             optim.total_training_steps = steps
     return out
+
+
+def _resolve_verl_semantics(config: JobConfig) -> None:
+    """verl's couplings between sections: the critic's loss_agg_mode is the actor's unless
+    set; rollout correction's bypass mode hands its settings to the actor's loss (verl's
+    apply_bypass_mode). Rollout correction with the async schedule is refused: its decoupled
+    PPO already weights every token by pi_proximal / pi_behaviour."""
+    if config.critic.loss_agg_mode is None:
+        config.critic.loss_agg_mode = config.actor.loss_agg_mode
+    rc = config.algorithm.rollout_correction
+    wanted = rc.model_copy() if rc.bypass_mode else None
+    given = config.actor.policy_loss.rollout_correction
+    if given is not None and given != wanted:
+        raise ValueError(
+            "actor.policy_loss.rollout_correction is set from algorithm.rollout_correction "
+            "(bypass_mode); set algorithm.rollout_correction.* instead"
+        )
+    config.actor.policy_loss.rollout_correction = wanted
+    if rc.active and config.trainer.mode == "async":
+        raise ValueError(
+            "algorithm.rollout_correction with trainer.mode=async: the async schedule's "
+            "decoupled PPO already weights each token by pi_proximal / pi_behaviour (the "
+            "rollout's logprobs), capped by async_rl.behaviour_weight_cap; use that, or "
+            "trainer.mode=sync for verl's rollout correction"
+        )
+    if rc.loss_type == "reinforce" and not rc.bypass_mode:
+        raise ValueError(
+            "algorithm.rollout_correction.loss_type=reinforce applies in bypass mode only (as "
+            "in verl); set bypass_mode=true, or leave loss_type=ppo_clip"
+        )
 
 
 def _check_group_size(config: JobConfig) -> None:

@@ -149,6 +149,14 @@ RULES: dict[str, Rule] = {
     "actor.use_torch_compile": _PERF_KNOB,
     "actor.entropy_from_logits_with_chunking": _PERF_KNOB,
     "actor.entropy_checkpointing": _PERF_KNOB,
+    # ---- rollout correction (algorithm.rollout_correction.* are patrl's own keys)
+    "actor.tis_imp_ratio_cap": Fixed(
+        (-1, None),
+        "verl replaced it by algorithm.rollout_correction (the same token-level truncated IS, "
+        "its weights taken against the rescored old logprobs)",
+        "algorithm.rollout_correction.rollout_is=token "
+        "algorithm.rollout_correction.rollout_is_threshold=<the cap>",
+    ),
     "actor.shuffle": Noted("patrl takes each step's mini-batches in sample order", quiet=(False,)),
     "actor.data_loader_seed": Noted("patrl's mini-batches are not shuffled"),
     # ---- reference policy (actor_rollout_ref.ref.*)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -99,10 +99,68 @@ class CriticCheckpointConfig(CheckpointConfig):
     )
 
 
+class RolloutCorrectionConfig(BaseModel):
+    """verl's `algorithm.rollout_correction`: correct for the rollout engine's policy differing
+    from the trainer's (rollout_correction.py; docs/verl.md, "Rollout correction").
+
+    Decoupled (`bypass_mode` false): the trainer rescores the batch (pi_old) and the IS weights
+    pi_old / pi_rollout multiply each token's policy loss; rejected tokens leave the loss mask.
+    Bypass: the rollout's logprobs are PPO's anchor (no rescoring); the weights and the
+    rejection are taken against the current policy inside the loss, which is PPO's clipped
+    ratio (`ppo_clip`, no extra weights) or REINFORCE with the IS weights (`reinforce`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        default=None, description="truncated IS weights per token or per sequence; null = off"
+    )
+    rollout_is_threshold: float = Field(
+        default=2.0, gt=0, description="IS weights are truncated to at most this"
+    )
+    rollout_is_batch_normalize: bool = Field(
+        default=False, description="divide the IS weights by their batch mean"
+    )
+    rollout_rs: str | None = Field(
+        default=None,
+        description="rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, "
+        "seq_max_k2/3; null = off",
+    )
+    rollout_rs_threshold: str | float | None = Field(
+        default=None,
+        description="one bound per rollout_rs option (comma-separated) or one for all; k1 "
+        "options take 'lower_upper' ratios or an upper u (lower 1/u)",
+    )
+    bypass_mode: bool = Field(
+        default=False, description="the rollout's logprobs as PPO's anchor (no old-logprob pass)"
+    )
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        default="ppo_clip", description="bypass_mode's loss: PPO's clip, or REINFORCE x IS weights"
+    )
+
+    @model_validator(mode="after")
+    def _rs_parses(self) -> RolloutCorrectionConfig:
+        if self.rollout_rs is not None:
+            from patrl.trainer.rollout_correction import parse_rs
+
+            parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is corrected (weights, rejection or the bypass anchor)."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
 class PolicyLossConfig(BaseModel):
     """verl's `actor.policy_loss`: which surrogate the actor minimises."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # Set from algorithm.rollout_correction when its bypass_mode is on (verl's
+    # apply_bypass_mode puts it here too); the loss then takes its anchor from the rollout.
+    rollout_correction: RolloutCorrectionConfig | None = Field(
+        default=None, description="set by algorithm.rollout_correction.bypass_mode; leave unset"
+    )
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
     # geometric mean of the token ratios), clipped per sequence.
@@ -162,6 +220,15 @@ class TrainerConfig(BaseModel):
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(default=3, ge=1)
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
+
+    @property
+    def policy_agg_mode(self) -> str:
+        """The policy loss's aggregation: GSPO's is always seq-mean-token-mean (verl's
+        `compute_policy_loss_gspo` ignores loss_agg_mode), the others' `loss_agg_mode`. The
+        entropy and KL terms always use `loss_agg_mode` (as in verl)."""
+        if self.policy_loss.loss_mode == "gspo":
+            return "seq-mean-token-mean"
+        return self.loss_agg_mode
 
     @property
     def clip_low(self) -> float:

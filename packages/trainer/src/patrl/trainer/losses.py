@@ -126,9 +126,14 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     scale_factor: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`), or with `loss_mode`
     "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats.
+
+    `is_weights` (rollout correction, detached) multiply each token's loss before aggregation,
+    as verl's `rollout_is_weights`. GSPO's `ppo_kl` is the unclamped mean log-ratio (verl's);
+    the vanilla loss's is clamped at +-20 as its ratio is (verl's too).
 
     With `behaviour_logprobs` (decoupled PPO) `old_logprobs` are the proximal policy's and each
     token's loss is weighted by w = exp(old - behaviour); tokens with w > `behaviour_weight_cap`
@@ -164,6 +169,8 @@ def policy_loss(
             capped = mask & (weight > behaviour_weight_cap)
             keep = mask & ~capped
         loss_ppo = loss_ppo * weight.detach()
+    if is_weights is not None:
+        loss_ppo = loss_ppo * is_weights.detach()
     loss_ppo = torch.where(keep, loss_ppo, torch.zeros_like(loss_ppo))
     loss = aggregate(loss_ppo, mask, agg_mode, num_tokens, num_seqs, scale_factor)
 
@@ -173,9 +180,42 @@ def policy_loss(
             clipfrac_low=masked_mean((clipped & (advantages < 0)).float(), mask),
             clipfrac_high=masked_mean((clipped & (advantages > 0)).float(), mask),
             clipfrac_lower=masked_mean(dual.float(), mask),
-            ppo_kl=masked_mean(-log_ratio, mask),
+            ppo_kl=masked_mean(old_logprobs - logprobs if gspo else -log_ratio, mask),
             behav_capped=masked_mean(capped.float(), mask),
             behav_weight=masked_mean(weight, keep),
+        )
+    return loss, stats
+
+
+def reinforce_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg_mode: str,
+    is_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    scale_factor: float | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """verl's `compute_policy_loss_reinforce` (rollout correction's bypass mode,
+    `loss_type=reinforce`): agg(-A * log pi * w), w the detached IS weights (None: 1). No
+    clipping; `ppo_kl` is mean(log pi_rollout - log pi)."""
+    loss_tok = -advantages * logprobs
+    if is_weights is not None:
+        loss_tok = loss_tok * is_weights.detach()
+    loss = aggregate(loss_tok, mask, agg_mode, num_tokens, num_seqs, scale_factor)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        stats = PolicyLossStats(
+            clipfrac=zero,
+            clipfrac_low=zero,
+            clipfrac_high=zero,
+            clipfrac_lower=zero,
+            ppo_kl=masked_mean(rollout_logprobs - logprobs, mask),
+            behav_capped=zero,
+            behav_weight=torch.ones_like(zero),
         )
     return loss, stats
 
