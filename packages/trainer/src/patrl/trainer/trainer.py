@@ -415,11 +415,12 @@ class Trainer:
             weights = pad([batch.rollout_is_weights[i] for i in mb] or [torch.zeros(2)])
         rc = cfg.policy_loss.rollout_correction
         bypass = rc is not None and rc.bypass_mode
-        loss_mask, rc_sums = mask, {}
+        loss_mask: torch.Tensor = mask
+        rc_sums: dict[str, torch.Tensor] = {}
         if bypass:
             assert rc is not None
             loss_mask, weights, rc_sums = self._bypass_correction(logp, old_logp, mask, rc)
-        common = {
+        common: dict[str, Any] = {
             "agg_mode": cfg.policy_agg_mode,
             "num_tokens": num_tokens,
             "num_seqs": num_seqs,
@@ -443,7 +444,7 @@ class Trainer:
                 behaviour_weight_cap=cfg.behav_imp_weight_cap,
                 # bypass ppo_clip: the ratio to the rollout is the correction (verl)
                 is_weights=None if bypass else weights,
-                **common,  # type: ignore[arg-type]
+                **common,
             )
         loss = pg_loss
         if cfg.entropy_coeff != 0:
@@ -484,11 +485,15 @@ class Trainer:
         kept = mask
         sums: dict[str, torch.Tensor] = {}
         if rc.rollout_is is not None:
-            weights, _ = is_weights(
-                log_ratio, mask, rc.rollout_is, rc.rollout_is_threshold,
+            weights, is_m = is_weights(
+                log_ratio,
+                mask,
+                rc.rollout_is,
+                rc.rollout_is_threshold,
                 rc.rollout_is_batch_normalize,
             )
-            sums["rc_is_weight"] = torch.where(mask, weights, torch.zeros_like(weights)).sum()
+            # verl's rollout_is_mean: the weights' mean before truncation
+            sums["rc_is_weight"] = is_m["rollout_is_mean"] * mask.sum()
         if rc.rollout_rs is not None:
             kept, _ = rejection_mask(
                 log_ratio, mask, parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)

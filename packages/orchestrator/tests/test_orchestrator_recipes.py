@@ -1,0 +1,154 @@
+"""verl's recipes in the orchestrator: rollout correction's keys and batch correction, the
+couplings verl makes between sections, DAPO's overlong shaping, and the estimators verl has."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from patrl.orchestrator.config import ConfigError, load_config
+from patrl.orchestrator.step import Sample, correct_batch, mismatch_metrics
+from patrl.trainer import PolicyBatch
+
+# ------------------------------------------------------------------ rollout correction keys
+
+
+def test_rollout_correction_keys_load_under_verls_paths() -> None:
+    cfg = load_config(
+        None,
+        [
+            "algorithm.rollout_correction.rollout_is=sequence",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+            "algorithm.rollout_correction.rollout_rs=token_k1,seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0,0.01",
+        ],
+    )
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize) == (
+        "sequence",
+        3.0,
+        True,
+    )
+    assert (rc.rollout_rs, rc.rollout_rs_threshold) == ("token_k1,seq_mean_k3", "0.5_2.0,0.01")
+    assert rc.rollout_is_threshold == 3.0 and not rc.bypass_mode
+    assert cfg.actor.policy_loss.rollout_correction is None  # decoupled: the orchestrator's
+    default = load_config(None, []).algorithm.rollout_correction
+    assert (default.rollout_is, default.rollout_is_threshold, default.loss_type) == (
+        None,
+        2.0,
+        "ppo_clip",
+    )
+
+
+def test_bypass_mode_hands_the_settings_to_the_actor_loss() -> None:
+    cfg = load_config(
+        None,
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.loss_type=reinforce",
+            "algorithm.rollout_correction.rollout_is=token",
+        ],
+    )
+    given = cfg.actor.policy_loss.rollout_correction
+    assert given is not None and given == cfg.algorithm.rollout_correction
+    # a dumped and reloaded config is the same config
+    from patrl.orchestrator.config import JobConfig
+
+    again = JobConfig.model_validate(cfg.model_dump())
+    assert again.actor.policy_loss.rollout_correction == given
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.rollout_correction.rollout_is=tokens"], "rollout_is"),
+        (["algorithm.rollout_correction.rollout_rs=token_k1"], "needs rollout_rs_threshold"),
+        (["algorithm.rollout_correction.loss_type=reinforce"], "bypass mode only"),
+        (
+            ["algorithm.rollout_correction.rollout_is=token", "trainer.mode=async"],
+            "async_rl.behaviour_weight_cap",
+        ),
+        (
+            ["actor.policy_loss.rollout_correction.bypass_mode=true"],
+            "set algorithm.rollout_correction",
+        ),
+        (
+            ["actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"],
+            r"rollout_is=token .*rollout_is_threshold=<the cap>",
+        ),
+    ],
+)
+def test_rollout_correction_refusals_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_tis_cap_off_is_accepted_silently() -> None:
+    notes: list[str] = []
+    load_config(None, ["actor_rollout_ref.actor.tis_imp_ratio_cap=-1"], notes)
+    assert notes == []
+
+
+# ------------------------------------------------------------------ the batch's correction
+
+
+def _samples() -> tuple[list[Sample], list[torch.Tensor]]:
+    """Three samples (prompt 2 tokens, responses 3, 2, 4) and trainer logprobs that differ
+    from the engine's by +0.2, +1.0 and -0.1 per token."""
+    shifts = [0.2, 1.0, -0.1]
+    samples, old = [], []
+    for i, (n, d) in enumerate(zip([3, 2, 4], shifts, strict=True)):
+        engine = [-0.5 - 0.1 * t for t in range(n)]
+        samples.append(Sample(i // 2, [1, 2], [5 + t for t in range(n)], engine, "stop", 1.0))
+        old.append(torch.tensor([0.0, 0.0] + [v + d for v in engine]))
+    return samples, old
+
+
+def _batch(samples: list[Sample], old: list[torch.Tensor]) -> PolicyBatch:
+    batch = PolicyBatch.from_responses(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], [1.0] * 3
+    )
+    batch.old_logprobs = old
+    return batch
+
+
+def test_decoupled_correction_weights_the_batch_and_drops_rejected_tokens() -> None:
+    samples, old = _samples()
+    cfg = load_config(
+        None,
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        ],
+    )
+    batch = _batch(samples, old)
+    metrics = correct_batch(cfg, batch, samples)
+    assert batch.rollout_is_weights is not None
+    for i, (s, d) in enumerate(zip(samples, [0.2, 1.0, -0.1], strict=True)):
+        w = batch.rollout_is_weights[i]
+        assert w[:2].tolist() == [0.0, 0.0]  # zero on the prompt
+        assert w[2:].tolist() == pytest.approx([min(math.exp(d), 2.0)] * len(s.token_ids))
+        # seq_mean_k1 keeps -log 2 <= mean(-(old - engine)) <= log 2: sample 1 (d = 1) goes
+        assert batch.loss_mask[i][2:].all().item() == (i != 1)
+        assert not batch.loss_mask[i][:2].any()
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 9)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3)
+    want_kl = -(0.2 * 3 + 1.0 * 2 - 0.1 * 4) / 9
+    assert metrics["rollout_corr/kl"] == pytest.approx(want_kl, rel=1e-6)
+    # verl's rollout_is_mean is taken before the truncation
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(
+        (3 * math.exp(0.2) + 2 * math.e + 4 * math.exp(-0.1)) / 9, rel=1e-6
+    )
+
+
+def test_mismatch_metrics_every_step_keep_what_the_correction_reported() -> None:
+    samples, old = _samples()
+    got = mismatch_metrics(samples, old, {})
+    assert got["rollout_corr/kl"] == pytest.approx(-(0.6 + 2.0 - 0.4) / 9, rel=1e-6)
+    seq = [0.2, 1.0, -0.1]  # per-sequence mean logprob differences (train - rollout)
+    assert got["rollout_corr/log_ppl_diff"] == pytest.approx(-sum(seq) / 3, rel=1e-6)
+    assert "rollout_corr/kl" not in mismatch_metrics(samples, old, {"rollout_corr/kl": 0.0})
