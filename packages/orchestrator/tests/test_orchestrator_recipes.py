@@ -152,3 +152,90 @@ def test_mismatch_metrics_every_step_keep_what_the_correction_reported() -> None
     seq = [0.2, 1.0, -0.1]  # per-sequence mean logprob differences (train - rollout)
     assert got["rollout_corr/log_ppl_diff"] == pytest.approx(-sum(seq) / 3, rel=1e-6)
     assert "rollout_corr/kl" not in mismatch_metrics(samples, old, {"rollout_corr/kl": 0.0})
+
+
+# ------------------------------------------------------------------ DAPO overlong shaping
+
+
+def _verl_overlong(
+    valid_response_length: int, max_resp_len: int, buffer: int, factor: float
+) -> float:
+    """verl's DAPORewardManager.__call__, the overlong part, transcribed."""
+    overlong_buffer_len = buffer
+    expected_len = max_resp_len - overlong_buffer_len
+    exceed_len = valid_response_length - expected_len
+    overlong_penalty_factor = factor
+    return min(-exceed_len / overlong_buffer_len * overlong_penalty_factor, 0)
+
+
+def test_overlong_penalty_matches_verl_and_is_added_to_the_reward() -> None:
+    from patrl.orchestrator.rewards import OverlongBuffer, RewardResult, add_overlong_penalty
+
+    ob = OverlongBuffer(buffer=4, penalty_factor=0.5, max_len=10, log=True)
+    lengths = [1, 6, 7, 9, 10]
+    result = RewardResult(rewards=[1.0, 1.0, 0.0, 2.0, 1.0], components={"f": [1.0] * 5})
+    penalties = add_overlong_penalty(result, lengths, ob)
+    for n, p in zip(lengths, penalties, strict=True):
+        assert p == _verl_overlong(n, 10, 4, 0.5)
+        # the loop twin: nothing up to 6 tokens, then linear to -0.5 at the full budget
+        assert p == pytest.approx(-0.5 * max(n - 6, 0) / 4)
+    assert result.rewards == pytest.approx([1.0, 1.0, -0.125, 1.625, 0.5])
+    m = result.metrics()
+    assert m["reward/overlong_reward/mean"] == pytest.approx(sum(penalties) / 5)
+    assert m["reward/overlong/mean"] == pytest.approx(3 / 5)
+
+
+def test_overlong_keys_load_and_bad_buffers_are_refused() -> None:
+    cfg = load_config(
+        None,
+        [
+            "data.max_response_length=16",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4",
+            "reward_model.overlong_buffer.penalty_factor=1.0",
+            "reward_model.reward_manager=dapo",
+        ],
+    )
+    from patrl.orchestrator.step import overlong_buffer
+
+    ob = overlong_buffer(cfg)
+    assert ob is not None and (ob.buffer, ob.penalty_factor, ob.max_len) == (4, 1.0, 16)
+    assert overlong_buffer(load_config(None, [])) is None
+    for length in (0, 17):
+        with pytest.raises(ConfigError, match=rf"overlong_buffer.len={length}.*<= data.max"):
+            load_config(
+                None,
+                [
+                    "data.max_response_length=16",
+                    "reward_model.overlong_buffer.enable=true",
+                    f"reward_model.overlong_buffer.len={length}",
+                ],
+            )
+
+
+def test_filter_metric_acc_compares_the_score_before_the_penalty() -> None:
+    from patrl.orchestrator.step import filter_value
+
+    s = Sample(0, [1], [2, 3], [-0.1, -0.1], "length", reward=0.5, overlong=-0.5)
+    acc = load_config(
+        None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
+    )
+    assert filter_value(acc, s) == 1.0
+    assert filter_value(load_config(None, []), s) == 0.5
+
+
+def test_gen_batch_size_sets_the_epoch_and_needs_dynamic_sampling() -> None:
+    from patrl.orchestrator.config import resolve_schedule
+
+    cfg = load_config(
+        None,
+        [
+            "data.train_batch_size=8",
+            "data.gen_batch_size=24",
+            "algorithm.filter_groups.enable=true",
+            "trainer.total_epochs=2",
+        ],
+    )
+    assert resolve_schedule(cfg, 100).trainer.total_training_steps == 2 * (100 // 24)
+    with pytest.raises(ConfigError, match=r"gen_batch_size=24 .*filter_groups\.enable=true"):
+        load_config(None, ["data.train_batch_size=8", "data.gen_batch_size=24"])

@@ -65,6 +65,12 @@ class DataConfig(_Section):
     train_batch_size: int = Field(
         8, gt=0, description="prompts per step (each sampled rollout.n times)"
     )
+    gen_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="DAPO (algorithm.filter_groups): prompts drawn per generation round, and "
+        "per epoch step; None = train_batch_size",
+    )
     val_batch_size: int | None = Field(
         None,
         gt=0,
@@ -238,6 +244,12 @@ class ActorConfig(TrainerConfig):
 
 class FilterGroupsConfig(_Section):
     enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] | None = Field(
+        None,
+        description="what must vary within a group: acc/score = the reward functions' score "
+        "before the overlong penalty; seq_reward/seq_final_reward (and None) = the reward "
+        "trained on",
+    )
     max_num_gen_batches: int = Field(4, gt=0, description="generation rounds per step at most")
 
 
@@ -339,6 +351,19 @@ class RewardModelPathConfig(_Section):
     )
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's overlong reward shaping (verl's `reward_model.overlong_buffer`): a response
+    longer than max_response_length - len tokens loses penalty_factor x (its excess / len),
+    added to its score before the advantages."""
+
+    enable: bool = Field(False, description="penalise responses that run into the buffer")
+    len: int = Field(0, ge=0, description="the buffer: the last this many tokens of the budget")
+    penalty_factor: float = Field(0.0, ge=0, description="the penalty at the full budget")
+    log: bool = Field(
+        False, description="log reward/overlong_reward/mean and reward/overlong/mean (share)"
+    )
+
+
 class RewardModelConfig(_Section):
     """A learned reward model: its score on a response's last token, times `weight`, is added
     to the rule rewards (docs/reward_models.md). Replicated on each scoring rank, or
@@ -353,6 +378,7 @@ class RewardModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="RM dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=lambda: OverlongBufferConfig())
     strategy: Literal["auto", "replicated", "fsdp", "fsdp2"] = Field(
         "auto",
         description="replicated: each scoring rank holds the whole RM; fsdp (= fsdp2): sharded "
@@ -559,12 +585,15 @@ def resolve_schedule(config: JobConfig, num_train_prompts: int | None) -> JobCon
     if steps is None and t.total_epochs is None:
         steps = DEFAULT_TOTAL_STEPS
     if steps is None and num_train_prompts is not None:
-        per_epoch = num_train_prompts // config.data.train_batch_size
+        # verl's DAPO loader draws gen_batch_size prompts per batch
+        drawn = config.data.gen_batch_size or config.data.train_batch_size
+        per_epoch = num_train_prompts // drawn
         if per_epoch == 0:
             raise ConfigError(
                 f"trainer.total_epochs={t.total_epochs}: data.train_files leaves "
-                f"{num_train_prompts} prompts, fewer than data.train_batch_size="
-                f"{config.data.train_batch_size}, so an epoch has no batch"
+                f"{num_train_prompts} prompts, fewer than the {drawn} a batch draws "
+                f"(data.train_batch_size={config.data.train_batch_size}, "
+                f"data.gen_batch_size={config.data.gen_batch_size}), so an epoch has no batch"
             )
         assert t.total_epochs is not None
         steps = t.total_epochs * per_epoch
@@ -600,6 +629,24 @@ def _resolve_verl_semantics(config: JobConfig) -> None:
             "decoupled PPO already weights each token by pi_proximal / pi_behaviour (the "
             "rollout's logprobs), capped by async_rl.behaviour_weight_cap; use that, or "
             "trainer.mode=sync for verl's rollout correction"
+        )
+    gen = config.data.gen_batch_size
+    if (
+        gen is not None
+        and gen != config.data.train_batch_size
+        and not (config.algorithm.filter_groups.enable)
+    ):
+        raise ValueError(
+            f"data.gen_batch_size={gen} differs from data.train_batch_size="
+            f"{config.data.train_batch_size} without algorithm.filter_groups.enable=true: "
+            "patrl draws gen_batch_size prompts per round only for DAPO's dynamic sampling; "
+            "leave it unset"
+        )
+    ob = config.reward_model.overlong_buffer
+    if ob.enable and not 0 < ob.len <= config.data.max_response_length:
+        raise ValueError(
+            f"reward_model.overlong_buffer.len={ob.len} with enable=true: it must be > 0 and "
+            f"<= data.max_response_length={config.data.max_response_length} (verl's bound)"
         )
     if rc.loss_type == "reinforce" and not rc.bypass_mode:
         raise ValueError(

@@ -24,7 +24,13 @@ from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
-from patrl.orchestrator.rewards import FailureSummary, RewardManager, add_model_scores
+from patrl.orchestrator.rewards import (
+    FailureSummary,
+    OverlongBuffer,
+    RewardManager,
+    add_model_scores,
+    add_overlong_penalty,
+)
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import Critic, PolicyBatch, Trainer
 from patrl.trainer.rollout_correction import correction, offpolicy_metrics
@@ -42,6 +48,7 @@ class Sample:
     reward: float
     request_id: str = ""
     baseline: float = 0.0  # remax: the reward of its prompt's greedy response
+    overlong: float = 0.0  # DAPO's overlong penalty, included in `reward`
 
 
 @dataclass(slots=True)
@@ -101,14 +108,33 @@ VALIDATION_SEED_KEY = (-1,)
 GREEDY_BASELINE_SEED_KEY = (-2,)  # remax's greedy responses (the seed is unused at temperature 0)
 
 
+def overlong_buffer(config: JobConfig) -> OverlongBuffer | None:
+    """`reward_model.overlong_buffer` as the scorer applies it (None: off)."""
+    ob = config.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    return OverlongBuffer(ob.len, ob.penalty_factor, config.data.max_response_length, ob.log)
+
+
+def filter_value(config: JobConfig, sample: Sample) -> float:
+    """What DAPO's dynamic sampling compares within a group (`algorithm.filter_groups.metric`):
+    acc/score, the score before the overlong penalty (verl's reward_extra_info "acc"); else
+    the reward trained on."""
+    if config.algorithm.filter_groups.metric in ("acc", "score"):
+        return sample.reward - sample.overlong
+    return sample.reward
+
+
 def score_outputs(
     rewards: RewardManager,
     local: Sequence[tuple[PromptItem, RequestOutput]],
     learned: LearnedReward | None = None,
+    overlong: OverlongBuffer | None = None,
 ) -> tuple[list[Sample], dict[str, float], FailureSummary]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), the reward metrics and what failed. A sharded `learned`
-    is a collective: it is called even with nothing to score."""
+    weighted score, when `learned`; plus DAPO's overlong penalty, when `overlong`), the reward
+    metrics and what failed. A sharded `learned` is a collective: it is called even with
+    nothing to score."""
     if not local:
         if learned is not None and learned.collective:
             learned.score([])
@@ -123,6 +149,9 @@ def score_outputs(
     if learned is not None:
         scores, seconds = learned.score([(item, c.token_ids) for item, _, c in flat])
         add_model_scores(result, scores, learned.weight, seconds)
+    penalties = [0.0] * len(flat)
+    if overlong is not None:
+        penalties = add_overlong_penalty(result, [len(c.token_ids) for _, _, c in flat], overlong)
     samples = [
         Sample(
             item.index,
@@ -132,8 +161,9 @@ def score_outputs(
             c.finish_reason,
             reward,
             out.request_id,
+            overlong=penalty,
         )
-        for (item, out, c), reward in zip(flat, result.rewards, strict=True)
+        for (item, out, c), reward, penalty in zip(flat, result.rewards, penalties, strict=True)
     ]
     return samples, result.metrics(), FailureSummary.of(result)
 

@@ -276,8 +276,9 @@ RULES: dict[str, Rule] = {
         "critic.ppo_micro_batch_size_per_gpu",
     ),
     "reward_model.reward_manager": Fixed(
-        ("naive",),
-        "patrl scores each sample with reward.functions, as verl's naive manager does",
+        ("naive", "dapo"),
+        "patrl scores each sample with reward.functions, as verl's naive manager does; dapo's "
+        "overlong shaping is reward_model.overlong_buffer.*",
         "reward.functions (and custom_reward_function.path)",
     ),
     "reward_model.micro_batch_size_per_gpu": Alias("reward_model.micro_batch_size"),
