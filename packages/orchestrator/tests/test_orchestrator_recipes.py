@@ -239,3 +239,43 @@ def test_gen_batch_size_sets_the_epoch_and_needs_dynamic_sampling() -> None:
     assert resolve_schedule(cfg, 100).trainer.total_training_steps == 2 * (100 // 24)
     with pytest.raises(ConfigError, match=r"gen_batch_size=24 .*filter_groups\.enable=true"):
         load_config(None, ["data.train_batch_size=8", "data.gen_batch_size=24"])
+
+
+# ------------------------------------------------------------------ verl's semantics
+
+
+def test_critic_loss_agg_mode_follows_the_actors_unless_set() -> None:
+    cfg = load_config(None, ["actor.loss_agg_mode=seq-mean-token-mean"])
+    assert cfg.critic.loss_agg_mode == "seq-mean-token-mean"
+    cfg = load_config(
+        None, ["actor.loss_agg_mode=seq-mean-token-mean", "critic.loss_agg_mode=token-mean"]
+    )
+    assert cfg.critic.loss_agg_mode == "token-mean"
+    from patrl.orchestrator.build import critic_config
+
+    assert critic_config(
+        load_config(None, ["actor.loss_agg_mode=seq-mean-token-sum"])
+    ).loss_agg_mode == ("seq-mean-token-sum")
+
+
+def test_deliberate_differences_from_verl_are_said_at_start_up() -> None:
+    notes: list[str] = []
+    load_config(None, ["actor.loss_agg_mode=seq-mean-token-sum-norm"], notes)
+    assert any("Dr.GRPO's 1/G" in n and "verl's agg_loss" in n for n in notes)
+    notes = []
+    load_config(None, ["actor.policy_loss.loss_mode=gspo"], notes)
+    assert any("gspo aggregates the policy loss seq-mean-token-mean" in n for n in notes)
+    notes = []
+    load_config(
+        None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"], notes
+    )
+    assert notes == []
+
+
+def test_gspo_aggregates_seq_mean_token_mean_whatever_loss_agg_mode_says() -> None:
+    from patrl.trainer import TrainerConfig
+    from patrl.trainer.config import PolicyLossConfig
+
+    gspo = TrainerConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), loss_agg_mode="token-mean")
+    assert gspo.policy_agg_mode == "seq-mean-token-mean"
+    assert TrainerConfig(loss_agg_mode="seq-mean-token-sum").policy_agg_mode == "seq-mean-token-sum"

@@ -381,7 +381,8 @@ def test_bypass_step_loss_follows_the_formula(loss_type: str) -> None:
     batch = make_batch(0, [3, 5, 2])
     current = _scores(trainer, batch)
     batch.old_logprobs = [
-        torch.where(m, lp - 0.5, torch.zeros_like(lp)) for lp, m in zip(current, batch.loss_mask, strict=True)
+        torch.where(m, lp - 0.5, torch.zeros_like(lp))
+        for lp, m in zip(current, batch.loss_mask, strict=True)
     ]
     metrics = trainer.train_step(batch)
     adv = torch.cat([a[m] for a, m in zip(batch.advantages, batch.loss_mask, strict=True)]).double()
@@ -433,3 +434,22 @@ def test_decoupled_weights_in_the_batch_scale_the_loss() -> None:
     weighted.rollout_is_weights = [torch.where(m, 2.0, 0.0) for m in weighted.loss_mask]
     base = Trainer(TrainerConfig(), tiny_llama()).train_step(plain)["actor/pg_loss"]
     assert trainer.train_step(weighted)["actor/pg_loss"] == pytest.approx(2 * base, rel=1e-5)
+
+
+# ---- verl's GSPO metric --------------------------------------------------------------------
+
+
+def test_gspo_ppo_kl_is_unclamped_as_verls() -> None:
+    """verl's compute_policy_loss_gspo reports masked_mean(-(log_prob - old_log_prob)) with no
+    clamp; the vanilla loss clamps its log-ratio at +-20 first (verl's too)."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    logp = torch.tensor([[-30.0, 0.5, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.ones(1, 3, dtype=torch.float64)
+    kw = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    _, gspo = policy_loss(
+        logp, old, adv, mask, agg_mode="seq-mean-token-mean", loss_mode="gspo", **kw
+    )  # type: ignore[arg-type]
+    assert gspo.ppo_kl.item() == pytest.approx((30.0 - 0.5 + 1.0) / 3, rel=1e-12)
+    _, vanilla = policy_loss(logp, old, adv, mask, agg_mode="token-mean", **kw)  # type: ignore[arg-type]
+    assert vanilla.ppo_kl.item() == pytest.approx((20.0 - 0.5 + 1.0) / 3, rel=1e-12)

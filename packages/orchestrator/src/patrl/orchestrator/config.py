@@ -703,6 +703,7 @@ def load_config(
             "trainer.logger has wandb, but wandb is not installed (pip install wandb): "
             "metrics go to metrics.jsonl and the other loggers only"
         )
+    notes += verl_differences(config)
     r = config.rollout
     if "tensor_model_parallel_size" in r.model_fields_set and r.adaptive_tp.enable:
         notes.append(
@@ -712,6 +713,26 @@ def load_config(
             "(rollout.adaptive_tp.enable=false pins it)"
         )
     return config
+
+
+def verl_differences(config: JobConfig) -> list[str]:
+    """One start-up line for each setting of `config` that patrl reads differently from verl
+    on purpose (docs/verl.md, "Where patrl differs from verl on purpose")."""
+    out = []
+    a, c = config.actor, config.critic
+    if "seq-mean-token-sum-norm" in (a.loss_agg_mode, c.loss_agg_mode):
+        out.append(
+            "loss_agg_mode=seq-mean-token-sum-norm: patrl divides the summed sequence losses by "
+            "the scale factor and the number of sequences (Dr.GRPO's 1/G); verl's agg_loss "
+            "leaves out 1/G, so verl's loss and gradient (before grad_clip) are G times patrl's"
+        )
+    if a.policy_loss.loss_mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
+        out.append(
+            f"actor.policy_loss.loss_mode=gspo aggregates the policy loss seq-mean-token-mean, "
+            f"as verl does, whatever actor.loss_agg_mode says ({a.loss_agg_mode}: used for the "
+            "entropy and KL terms only)"
+        )
+    return out
 
 
 def dump_config(config: JobConfig) -> str:
