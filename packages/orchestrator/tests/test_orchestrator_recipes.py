@@ -4,7 +4,9 @@ couplings verl makes between sections, DAPO's overlong shaping, and the estimato
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,3 +281,127 @@ def test_gspo_aggregates_seq_mean_token_mean_whatever_loss_agg_mode_says() -> No
     gspo = TrainerConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), loss_agg_mode="token-mean")
     assert gspo.policy_agg_mode == "seq-mean-token-mean"
     assert TrainerConfig(loss_agg_mode="seq-mean-token-sum").policy_agg_mode == "seq-mean-token-sum"
+
+
+# ------------------------------------------------------------------ verl's other estimators
+
+# Nine samples in three groups of 3 (one with a tie for the best), lengths for OPO.
+EST_SCORES = np.array([1.0, 0.0, 0.5, 2.0, 2.0, -1.0, 0.0, 0.25, 3.0])
+EST_GROUPS = np.array([4, 4, 4, 1, 1, 1, 9, 9, 9])
+EST_LENGTHS = [3, 1, 4, 2, 2, 5, 1, 6, 2]
+
+
+def _verl_passk(scores: torch.Tensor, index: np.ndarray, norm: bool) -> torch.Tensor:
+    """compute_grpo_passk_outcome_advantage on scores (one per sample), transcribed."""
+    epsilon = 1e-6
+    advantages = torch.zeros_like(scores)
+    id2scores: dict = defaultdict(list)
+    id2indices: dict = defaultdict(list)
+    for i in range(scores.shape[0]):
+        id2scores[index[i]].append(scores[i])
+        id2indices[index[i]].append(i)
+    for idx in id2scores:
+        rewards = torch.stack(id2scores[idx])
+        topk, topk_idx = torch.topk(rewards, 2)
+        r_max, r_second_max = topk[0], topk[1]
+        i_max = id2indices[idx][topk_idx[0].item()]
+        advantage = r_max - r_second_max
+        if norm:
+            advantage = advantage / (torch.std(rewards) + epsilon)
+        advantages[i_max] = advantage
+    return advantages
+
+
+def _verl_opo(scores: torch.Tensor, lengths: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """compute_opo_outcome_advantage, transcribed."""
+    id2score: dict = defaultdict(list)
+    id2len: dict = defaultdict(list)
+    id2bsl = {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+        id2len[index[i]].append(lengths[i])
+    for idx in id2score:
+        score_tensor = torch.stack(id2score[idx])
+        len_tensor = torch.stack(id2len[idx])
+        id2bsl[idx] = (len_tensor * score_tensor).sum() / len_tensor.sum()
+    out = scores.clone()
+    for i in range(scores.shape[0]):
+        out[i] = scores[i] - id2bsl[index[i]]
+    return out
+
+
+def _verl_gpg(scores: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """compute_gpg_outcome_advantage (f_norm 1), transcribed."""
+    id2score: dict = defaultdict(list)
+    id2mean = {}
+    bsz = scores.shape[0]
+    m = torch.count_nonzero(scores)
+    alpha = bsz / m.clamp(min=1)
+    for i in range(bsz):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
+    out = scores.clone()
+    for i in range(bsz):
+        out[i] = alpha * (scores[i] - id2mean[index[i]]) / 1.0
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_matches_verl_and_loop(norm: bool) -> None:
+    from patrl.orchestrator.advantages import compute_advantages
+
+    ours = compute_advantages("grpo_passk", EST_SCORES, EST_GROUPS, norm_adv_by_std_in_grpo=norm)
+    theirs = _verl_passk(torch.from_numpy(EST_SCORES.copy()), EST_GROUPS, norm).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=0)
+    for g in set(EST_GROUPS.tolist()):
+        idx = [i for i in range(9) if EST_GROUPS[i] == g]
+        vals = sorted((EST_SCORES[i] for i in idx), reverse=True)
+        best = max(idx, key=lambda i: (EST_SCORES[i], -i))
+        mean = sum(vals) / 3
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 2)
+        want = (vals[0] - vals[1]) / ((std + 1e-6) if norm else 1.0)
+        for i in idx:
+            assert ours[i] == pytest.approx(want if i == best else 0.0, abs=1e-12)
+
+
+def test_opo_and_gpg_match_verl_and_loop() -> None:
+    from patrl.orchestrator.advantages import compute_advantages
+
+    opo = compute_advantages("opo", EST_SCORES, EST_GROUPS, lengths=EST_LENGTHS)
+    theirs = _verl_opo(
+        torch.from_numpy(EST_SCORES.copy()),
+        torch.tensor(EST_LENGTHS, dtype=torch.float64),
+        EST_GROUPS,
+    )
+    np.testing.assert_allclose(opo, theirs.numpy(), rtol=1e-12, atol=1e-15)
+    gpg = compute_advantages("gpg", EST_SCORES, EST_GROUPS)
+    # verl divides the batch size by an integer tensor: its alpha is fp32
+    np.testing.assert_allclose(
+        gpg, _verl_gpg(torch.from_numpy(EST_SCORES.copy()), EST_GROUPS).numpy(), rtol=1e-6
+    )
+    alpha = 9 / sum(1 for r in EST_SCORES if r != 0)
+    for i in range(9):
+        group = [j for j in range(9) if EST_GROUPS[j] == EST_GROUPS[i]]
+        base = sum(EST_LENGTHS[j] * EST_SCORES[j] for j in group) / sum(
+            EST_LENGTHS[j] for j in group
+        )
+        assert opo[i] == pytest.approx(EST_SCORES[i] - base, rel=1e-12)
+        mean = sum(EST_SCORES[j] for j in group) / len(group)
+        assert gpg[i] == pytest.approx(alpha * (EST_SCORES[i] - mean), rel=1e-12)
+
+
+def test_vectorized_names_are_verls_aliases_and_estimators_load() -> None:
+    from patrl.orchestrator.advantages import compute_advantages
+
+    for alias, name in (("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")):
+        np.testing.assert_array_equal(
+            compute_advantages(alias, EST_SCORES, EST_GROUPS),
+            compute_advantages(name, EST_SCORES, EST_GROUPS),
+        )
+    for name in ("grpo_passk", "opo", "gpg", "grpo_vectorized", "rloo_vectorized"):
+        assert (
+            load_config(None, [f"algorithm.adv_estimator={name}"]).algorithm.adv_estimator == name
+        )
+        with pytest.raises(ConfigError, match="rollout.n=1"):
+            load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"])

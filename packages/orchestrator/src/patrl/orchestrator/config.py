@@ -272,7 +272,8 @@ class AlgorithmConfig(_Section):
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
         "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
         "remax (baseline: the reward of the prompt's greedy response, generated each step), "
-        "gae (PPO with a critic: the `critic` section)",
+        "grpo_passk, opo, gpg (verl's; group baselines), grpo_vectorized / rloo_vectorized "
+        "(= grpo / rloo), gae (PPO with a critic: the `critic` section)",
     )
     gamma: float = Field(
         1.0, ge=0, le=1, description="gae, reinforce_plus_plus: discount per token"
@@ -648,6 +649,11 @@ def _resolve_verl_semantics(config: JobConfig) -> None:
             f"reward_model.overlong_buffer.len={ob.len} with enable=true: it must be > 0 and "
             f"<= data.max_response_length={config.data.max_response_length} (verl's bound)"
         )
+    if config.actor.policy_loss.loss_mode == "geo_mean" and config.trainer.mode == "async":
+        raise ValueError(
+            "actor.policy_loss.loss_mode=geo_mean with trainer.mode=async: GMPO's sequence "
+            "ratio has no decoupled-PPO (behaviour-weighted) form; use trainer.mode=sync"
+        )
     if rc.loss_type == "reinforce" and not rc.bypass_mode:
         raise ValueError(
             "algorithm.rollout_correction.loss_type=reinforce applies in bypass mode only (as "
@@ -726,9 +732,10 @@ def verl_differences(config: JobConfig) -> list[str]:
             "the scale factor and the number of sequences (Dr.GRPO's 1/G); verl's agg_loss "
             "leaves out 1/G, so verl's loss and gradient (before grad_clip) are G times patrl's"
         )
-    if a.policy_loss.loss_mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
+    mode = a.policy_loss.loss_mode
+    if mode in ("gspo", "sapo") and a.loss_agg_mode != "seq-mean-token-mean":
         out.append(
-            f"actor.policy_loss.loss_mode=gspo aggregates the policy loss seq-mean-token-mean, "
+            f"actor.policy_loss.loss_mode={mode} aggregates the policy loss seq-mean-token-mean, "
             f"as verl does, whatever actor.loss_agg_mode says ({a.loss_agg_mode}: used for the "
             "entropy and KL terms only)"
         )

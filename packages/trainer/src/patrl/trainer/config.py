@@ -163,10 +163,24 @@ class PolicyLossConfig(BaseModel):
     )
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
-    # geometric mean of the token ratios), clipped per sequence.
-    loss_mode: Literal["vanilla", "gspo"] = Field(
-        default="vanilla", description="vanilla (PPO token ratio) or gspo (sequence ratio)"
+    # geometric mean of the token ratios), clipped per sequence; cispo, gpg, sapo, geo_mean
+    # (GMPO): verl's losses of those names (losses.py).
+    loss_mode: str = Field(
+        default="vanilla",
+        description="vanilla (PPO token ratio), gspo (sequence ratio), cispo, gpg, sapo, "
+        "geo_mean (GMPO)",
     )
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _known_loss(cls, mode: str) -> str:
+        from patrl.trainer.losses import LOSS_MODES, REFUSED_LOSS_MODES
+
+        if mode in REFUSED_LOSS_MODES:
+            raise ValueError(f"loss_mode={mode} is not supported: {REFUSED_LOSS_MODES[mode]}")
+        if mode not in LOSS_MODES:
+            raise ValueError(f"unknown loss_mode {mode!r}; accepted: {', '.join(LOSS_MODES)}")
+        return mode
 
 
 class TrainerConfig(BaseModel):
@@ -189,6 +203,9 @@ class TrainerConfig(BaseModel):
         default=None, ge=0, description="ratio ceiling 1 + this; None = clip_ratio"
     )
     clip_ratio_c: float | None = Field(default=3.0, gt=1)
+    # SAPO's gate temperatures (verl's actor.tau_pos / tau_neg).
+    tau_pos: float = Field(default=1.0, gt=0, description="sapo: gate temperature where A > 0")
+    tau_neg: float = Field(default=1.05, gt=0, description="sapo: gate temperature where A <= 0")
     loss_agg_mode: AggMode = "token-mean"
     # seq-mean-token-sum-norm's divisor (verl's name); None: the step's longest response.
     loss_scale_factor: float | None = Field(
@@ -223,10 +240,11 @@ class TrainerConfig(BaseModel):
 
     @property
     def policy_agg_mode(self) -> str:
-        """The policy loss's aggregation: GSPO's is always seq-mean-token-mean (verl's
-        `compute_policy_loss_gspo` ignores loss_agg_mode), the others' `loss_agg_mode`. The
+        """The policy loss's aggregation: GSPO's and SAPO's are always seq-mean-token-mean
+        (verl's `compute_policy_loss_gspo` / `_sapo` ignore loss_agg_mode), the others'
+        `loss_agg_mode` (geo_mean takes its own mean over sequences). The
         entropy and KL terms always use `loss_agg_mode` (as in verl)."""
-        if self.policy_loss.loss_mode == "gspo":
+        if self.policy_loss.loss_mode in ("gspo", "sapo"):
             return "seq-mean-token-mean"
         return self.loss_agg_mode
 

@@ -14,7 +14,17 @@ from dataclasses import dataclass
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-LOSS_MODES = ("vanilla", "gspo")
+LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean")
+# verl's policy losses patrl refuses, and why.
+REFUSED_LOSS_MODES = {
+    "clip_cov": "it picks tokens at random among those of each micro-batch whose covariance of "
+    "advantage and logprob falls in a band, so the update depends on how the batch is cut "
+    "into micro-batches (patrl's are token budgets, verl's sample counts) and on an unseeded "
+    "permutation",
+    "kl_cov": "it penalises the top kl_cov_ratio of each micro-batch's tokens by covariance, so "
+    "the update depends on how the batch is cut into micro-batches (patrl's are token budgets, "
+    "verl's sample counts)",
+}
 # verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3;
 # "abs" is |log pi - log pi_ref|.
 KL_TYPES = {
@@ -121,6 +131,8 @@ def policy_loss(
     clip_ratio_c: float | None,
     agg_mode: str,
     loss_mode: str = "vanilla",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
     behaviour_logprobs: torch.Tensor | None = None,
     behaviour_weight_cap: float | None = None,
     num_tokens: float | None = None,
@@ -129,7 +141,14 @@ def policy_loss(
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`), or with `loss_mode`
-    "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats.
+    "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats. verl's other
+    losses, by its names (r = exp(log pi - log pi_old), clamped at +-20 in the exponent):
+    "cispo": -sg(clip(r, 1 - low, 1 + high)) * A * log pi; "gpg": -A * log pi; "sapo":
+    -A * sigmoid(tau (r - 1)) * 4 / tau, tau = `tau_pos` where A > 0 else `tau_neg` (aggregate
+    it seq-mean-token-mean, as verl does); "geo_mean" (GMPO): per sequence
+    -mean_t(A) * exp(mean_t(sign(A) min(sign(A) log r, sign(A) clip(log r, -low, high)))), the
+    mean over sequences (`agg_mode` unused; IS weights enter as their per-sequence geometric
+    mean).
 
     `is_weights` (rollout correction, detached) multiply each token's loss before aggregation,
     as verl's `rollout_is_weights`. GSPO's `ppo_kl` is the unclamped mean log-ratio (verl's);
@@ -144,8 +163,25 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c must be > 1.0 (or None to disable), got {clip_ratio_c}")
     if behaviour_weight_cap is not None and behaviour_logprobs is None:
         raise ValueError("behaviour_weight_cap needs behaviour_logprobs (decoupled PPO)")
+    if loss_mode in REFUSED_LOSS_MODES:
+        raise ValueError(
+            f"loss_mode {loss_mode!r} is not supported: {REFUSED_LOSS_MODES[loss_mode]}"
+        )
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; accepted: {', '.join(LOSS_MODES)}")
+    if loss_mode == "geo_mean":
+        if behaviour_logprobs is not None:
+            raise ValueError("loss_mode 'geo_mean' has no decoupled-PPO (behaviour) form")
+        return _geo_mean_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_ratio_low,
+            clip_ratio_high,
+            is_weights,
+            num_seqs,
+        )
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     gspo = loss_mode == "gspo"
     ratio = _gspo_ratio(logprobs, old_logprobs, mask) if gspo else log_ratio.exp()
@@ -153,6 +189,21 @@ def policy_loss(
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     clipped = loss_clipped > loss_unclipped
+    if loss_mode == "cispo":
+        bounded = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        loss_ppo = -bounded.detach() * advantages * logprobs
+        clipped = ratio != bounded
+    elif loss_mode == "gpg":
+        loss_ppo = -logprobs * advantages
+        clipped = torch.zeros_like(mask)
+    elif loss_mode == "sapo":
+        tau = torch.where(
+            advantages > 0,
+            torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+            torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+        )
+        loss_ppo = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+        clipped = torch.zeros_like(mask)
     dual = torch.zeros_like(clipped)
     if clip_ratio_c is not None and loss_mode == "vanilla":
         loss_dual = -advantages * clip_ratio_c
@@ -183,6 +234,49 @@ def policy_loss(
             ppo_kl=masked_mean(old_logprobs - logprobs if gspo else -log_ratio, mask),
             behav_capped=masked_mean(capped.float(), mask),
             behav_weight=masked_mean(weight, keep),
+        )
+    return loss, stats
+
+
+def _geo_mean_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+    is_weights: torch.Tensor | None,
+    num_seqs: float | None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """verl's `compute_policy_loss_geo_mean` (GMPO), the mean taken over the step's
+    `num_seqs` sequences (None: this call's rows) so micro-batches add up to the batch's."""
+    zero = torch.zeros_like(logprobs)
+    n = mask.sum(dim=-1).to(logprobs.dtype)
+    neg_kl = torch.where(mask, logprobs - old_logprobs, zero)
+    sign = torch.sign(advantages)
+    bounded = neg_kl.clamp(-low, high)
+    chosen = sign * torch.minimum(sign * neg_kl, sign * bounded)
+    ratio = torch.exp(torch.where(mask, chosen, zero).sum(dim=-1) / (n + 1e-8))
+    adv = torch.where(mask, advantages, zero).sum(dim=-1) / (n + 1e-8)
+    per_seq = -adv * ratio
+    if is_weights is not None:
+        log_w = torch.where(mask, torch.log(is_weights.detach() + 1e-10), zero)
+        per_seq = per_seq * torch.exp(log_w.sum(dim=-1) / (n + 1e-8))
+    denom = float(logprobs.shape[0]) if num_seqs is None else max(num_seqs, 1.0)
+    loss = per_seq.sum() / denom
+    with torch.no_grad():
+        clipped = neg_kl != bounded
+        high_clip = masked_mean((clipped & (advantages > 0)).float(), mask)
+        low_clip = masked_mean((clipped & (advantages < 0)).float(), mask)
+        none = torch.zeros_like(high_clip)
+        stats = PolicyLossStats(
+            clipfrac=high_clip,  # verl's pg_clipfrac: clipped where A > 0
+            clipfrac_low=low_clip,
+            clipfrac_high=high_clip,
+            clipfrac_lower=low_clip,  # verl's pg_clipfrac_lower: clipped where A < 0
+            ppo_kl=masked_mean(-neg_kl, mask),
+            behav_capped=none,
+            behav_weight=torch.ones_like(none),
         )
     return loss, stats
 

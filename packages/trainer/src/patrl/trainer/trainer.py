@@ -440,6 +440,8 @@ class Trainer:
                 clip_ratio_high=cfg.clip_high,
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_mode=cfg.policy_loss.loss_mode,
+                tau_pos=cfg.tau_pos,
+                tau_neg=cfg.tau_neg,
                 behaviour_logprobs=behaviour,
                 behaviour_weight_cap=cfg.behav_imp_weight_cap,
                 # bypass ppo_clip: the ratio to the rollout is the correction (verl)
