@@ -403,5 +403,5 @@ def test_vectorized_names_are_verls_aliases_and_estimators_load() -> None:
         assert (
             load_config(None, [f"algorithm.adv_estimator={name}"]).algorithm.adv_estimator == name
         )
-        with pytest.raises(ConfigError, match="rollout.n=1"):
+        with pytest.raises(ConfigError, match=r"rollout\.n=1"):
             load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"])

@@ -731,6 +731,11 @@ def verl_differences(config: JobConfig) -> list[str]:
             "loss_agg_mode=seq-mean-token-sum-norm: patrl divides the summed sequence losses by "
             "the scale factor and the number of sequences (Dr.GRPO's 1/G); verl's agg_loss "
             "leaves out 1/G, so verl's loss and gradient (before grad_clip) are G times patrl's"
+            + (
+                "; the critic's scale factor is each micro-batch's padded width"
+                if c.loss_agg_mode == "seq-mean-token-sum-norm"
+                else ""
+            )
         )
     mode = a.policy_loss.loss_mode
     if mode in ("gspo", "sapo") and a.loss_agg_mode != "seq-mean-token-mean":
