@@ -407,3 +407,23 @@ def test_dapo_runs_two_steps_with_overlong_shaping_and_dynamic_sampling(
     for h in history:
         assert h["reward/overlong_reward/mean"] <= 0.0
         assert 0.0 <= h["reward/overlong/mean"] <= 1.0
+
+
+@pytest.mark.e2e
+def test_bypass_mode_anchors_on_the_rollout_and_rescores_nothing(
+    assets: Path, tmp_path: Path
+) -> None:
+    """bypass_mode: the engine's (perturbed) logprobs are PPO's anchor, so no old-logprob pass
+    runs (no timing_s/old_log_prob) and the trainer measures the mismatch inside the loss:
+    KL -1, the weights' mean e; REINFORCE with weights truncated at 2 trains the step."""
+    bypass = {
+        "algorithm.rollout_correction.bypass_mode": "true",
+        "algorithm.rollout_correction.loss_type": "reinforce",
+        "algorithm.rollout_correction.rollout_is": "token",
+    }
+    (step,) = _run(assets, tmp_path, 1, **bypass)
+    assert "timing_s/old_log_prob" not in step
+    assert "training/rollout_probs_diff_mean" not in step  # the trainer never rescored
+    assert step["rollout_corr/kl"] == pytest.approx(-SHIFT, abs=1e-3)
+    assert step["rollout_corr/rollout_is_mean"] == pytest.approx(math.e, rel=1e-3)
+    assert step["actor/grad_norm"] > 0

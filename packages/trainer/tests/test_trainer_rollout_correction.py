@@ -453,3 +453,19 @@ def test_gspo_ppo_kl_is_unclamped_as_verls() -> None:
     assert gspo.ppo_kl.item() == pytest.approx((30.0 - 0.5 + 1.0) / 3, rel=1e-12)
     _, vanilla = policy_loss(logp, old, adv, mask, agg_mode="token-mean", **kw)  # type: ignore[arg-type]
     assert vanilla.ppo_kl.item() == pytest.approx((20.0 - 0.5 + 1.0) / 3, rel=1e-12)
+
+
+def test_ragged_offpolicy_metrics_equal_the_padded_ones() -> None:
+    from patrl.trainer.rollout_correction import ragged_offpolicy_metrics
+
+    train, rollout = _logps(10)
+    rows = range(3)  # the non-empty rows
+    padded = offpolicy_metrics(train[:3], rollout[:3], MASK[:3])
+    ragged = ragged_offpolicy_metrics(
+        [train[b, : LENGTHS[b]] for b in rows], [rollout[b, : LENGTHS[b]] for b in rows]
+    )
+    assert set(padded) == set(ragged)
+    for key, value in padded.items():
+        assert ragged[key].item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15), key
+    with pytest.raises(ValueError, match="same number of tokens"):
+        ragged_offpolicy_metrics([train[0, :2]], [rollout[0, :3]])

@@ -33,7 +33,7 @@ from patrl.orchestrator.rewards import (
 )
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import Critic, PolicyBatch, Trainer
-from patrl.trainer.rollout_correction import correction, offpolicy_metrics
+from patrl.trainer.rollout_correction import correction, ragged_offpolicy_metrics
 
 
 @dataclass(slots=True)
@@ -464,14 +464,15 @@ def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) 
     `batch.loss_mask`; returns the `rollout_corr/*` metrics."""
     assert batch.old_logprobs is not None
     rc = config.algorithm.rollout_correction
+    # padded fp32 [samples, longest response], as verl's batch holds them
     width = max(len(s.token_ids) for s in samples)
-    train = torch.zeros(len(samples), width, dtype=torch.float64)
+    train = torch.zeros(len(samples), width, dtype=torch.float32)
     rollout = torch.zeros_like(train)
     mask = torch.zeros(len(samples), width, dtype=torch.bool)
     for b, (lp, s) in enumerate(zip(batch.old_logprobs, samples, strict=True)):
         n = len(s.token_ids)
-        train[b, :n] = lp[lp.numel() - n :].double()
-        rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float64)
+        train[b, :n] = lp[lp.numel() - n :].float()
+        rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
         mask[b, :n] = True
     weights, kept, metrics = correction(
         train,
@@ -677,20 +678,16 @@ def mismatch_metrics(
     samples: list[Sample], trainer_logprobs: list[torch.Tensor], already: dict[str, float]
 ) -> dict[str, float]:
     """verl's `rollout_corr/*` off-policy metrics (KL, k3 KL, perplexities, chi-squared)
-    between the trainer's logprobs of the batch and the engine's, every step; those a rollout
-    correction already reported (same inputs) are kept."""
-    width = max(len(s.token_ids) for s in samples)
-    train = torch.zeros(len(samples), width, dtype=torch.float64)
-    rollout = torch.zeros_like(train)
-    mask = torch.zeros(len(samples), width, dtype=torch.bool)
-    for b, (lp, s) in enumerate(zip(trainer_logprobs, samples, strict=True)):
-        n = len(s.token_ids)
-        train[b, :n] = lp[lp.numel() - n :].double()
-        rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float64)
-        mask[b, :n] = True
-    if not bool(mask.any()):
+    between the trainer's logprobs of the batch and the engine's, every step, over the
+    responses' own tokens (no padding); those a rollout correction already reported (same
+    inputs) are kept. Empty responses are left out."""
+    rows = [(lp, s) for lp, s in zip(trainer_logprobs, samples, strict=True) if s.token_ids]
+    if not rows:
         return {}
-    got = offpolicy_metrics(train, rollout, mask)
+    got = ragged_offpolicy_metrics(
+        [lp[lp.numel() - len(s.token_ids) :] for lp, s in rows],
+        [torch.tensor(s.logprobs, dtype=torch.float64) for _, s in rows],
+    )
     names = list(got)
     values = torch.stack([got[k] for k in names]).tolist()
     return {

@@ -260,6 +260,52 @@ def offpolicy_metrics(
     return m
 
 
+def ragged_offpolicy_metrics(
+    train_rows: list[torch.Tensor], rollout_rows: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`offpolicy_metrics` of rows of different lengths (each row's response tokens), without
+    padding them to the longest: a batch of long responses holds only its own tokens. Rows
+    must be non-empty; values as `offpolicy_metrics` gives for the padded batch."""
+    lengths = torch.tensor([t.numel() for t in train_rows])
+    if len(train_rows) != len(rollout_rows) or any(
+        a.numel() != b.numel() for a, b in zip(train_rows, rollout_rows, strict=True)
+    ):
+        raise ValueError("train and rollout logprobs need the same number of tokens per row")
+    if int(lengths.min()) < 1:
+        raise ValueError("every row needs at least one token")
+    train = torch.cat([t.detach().double().reshape(-1) for t in train_rows])
+    rollout = torch.cat([t.detach().double().reshape(-1) for t in rollout_rows])
+    rows = torch.repeat_interleave(torch.arange(len(train_rows)), lengths)
+    n_rows = len(train_rows)
+
+    def row_sum(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_rows, dtype=values.dtype).index_add_(0, rows, values)
+
+    count = lengths.to(torch.float64)
+    tokens = float(train.numel())
+    m: dict[str, torch.Tensor] = {}
+    mean_train = row_sum(train) / (count + 1e-8)
+    m["training_ppl"] = (-mean_train).exp().mean()
+    m["training_log_ppl"] = (-mean_train).mean()
+    m["kl"] = (rollout - train).sum() / (tokens + 1e-8)
+    log_ratio = train - rollout
+    m["k3_kl"] = (log_ratio.exp() - log_ratio - 1).sum() / (tokens + 1e-8)
+    mean_rollout = row_sum(rollout) / (count + 1e-8)
+    m["rollout_ppl"] = (-mean_rollout).exp().mean()
+    m["rollout_log_ppl"] = (-mean_rollout).mean()
+    diff = mean_rollout - mean_train
+    m["log_ppl_diff"] = diff.mean()
+    m["log_ppl_abs_diff"] = diff.abs().mean()
+    m["log_ppl_diff_max"] = diff.max()
+    m["log_ppl_diff_min"] = diff.min()
+    m["ppl_ratio"] = diff.exp().mean()
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    m["chi2_token"] = safe.exp().square().sum() / (tokens + 1e-8) - 1.0
+    seq_sum = row_sum(log_ratio).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    m["chi2_seq"] = (2.0 * seq_sum).exp().mean() - 1.0
+    return m
+
+
 def correction(
     train_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
