@@ -405,3 +405,18 @@ def test_vectorized_names_are_verls_aliases_and_estimators_load() -> None:
         )
         with pytest.raises(ConfigError, match=r"rollout\.n=1"):
             load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"])
+
+
+def test_a_correction_that_rejects_everything_stops_naming_the_threshold() -> None:
+    from patrl.orchestrator.errors import JobError
+
+    samples, old = _samples()
+    cfg = load_config(
+        None,
+        [
+            "algorithm.rollout_correction.rollout_rs=token_k2",
+            "algorithm.rollout_correction.rollout_rs_threshold=1e-6",
+        ],
+    )
+    with pytest.raises(JobError, match=r"rollout_rs=token_k2 rejected every token.*1e-6"):
+        correct_batch(cfg, _batch(samples, old), samples)

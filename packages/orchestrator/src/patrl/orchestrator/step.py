@@ -287,6 +287,8 @@ def ppo_update(
     """`ppo_epochs` passes over mini-batches of whole prompt groups; the mean of each metric."""
     sums: dict[str, list[float]] = {}
     for rows in mini_batches(config, samples, step):
+        if not any(bool(batch.loss_mask[i].any()) for i in rows):
+            continue  # rollout correction rejected all of it (every rank skips alike)
         metrics = trainer.train_step(batch_rows(batch, rows))
         for k, v in metrics.items():
             sums.setdefault(k, []).append(v)
@@ -484,6 +486,13 @@ def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) 
         rollout_rs=rc.rollout_rs,
         rollout_rs_threshold=rc.rollout_rs_threshold,
     )
+    if not bool(kept.any()):
+        raise JobError(
+            f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every token of "
+            f"the batch (rollout_rs_threshold={rc.rollout_rs_threshold}; "
+            f"rollout_corr/kl={metrics['rollout_corr/kl']:.4g}): nothing is left to train on; "
+            "loosen the threshold, or check the engine's and the trainer's dtypes"
+        )
     lengths = [len(s.token_ids) for s in samples]
     if weights is not None:
         batch.rollout_is_weights = _aligned(
