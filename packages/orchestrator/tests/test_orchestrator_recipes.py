@@ -420,3 +420,22 @@ def test_a_correction_that_rejects_everything_stops_naming_the_threshold() -> No
     )
     with pytest.raises(JobError, match=r"rollout_rs=token_k2 rejected every token.*1e-6"):
         correct_batch(cfg, _batch(samples, old), samples)
+
+
+def test_every_preset_row_of_docs_verl_md_loads() -> None:
+    """verl's RolloutCorrectionConfig presets, written as keys in docs/verl.md: each row loads
+    (its thresholds parse) and says what verl's constructor sets."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "verl.md").read_text()
+    table = doc.split("<!-- rollout-presets:start -->", 1)[1].split("<!-- rollout-presets:end", 1)
+    rows = [r for r in table[0].splitlines() if r.startswith("| `") and "=" in r]
+    assert len(rows) == 16
+    for row in rows:
+        keys = row.split("|")[2].strip().strip("`").split()
+        cfg = load_config(None, [f"algorithm.rollout_correction.{k}" for k in keys])
+        rc = cfg.algorithm.rollout_correction
+        for key in keys:
+            name, value = key.split("=")
+            got = getattr(rc, name)
+            assert str(got).lower() == value.lower() or got == float(value), (row, name)
