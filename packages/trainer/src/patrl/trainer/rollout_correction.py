@@ -122,9 +122,11 @@ def is_weights(
     level: str,
     threshold: float,
     batch_normalize: bool = False,
+    all_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Truncated IS weights (detached, 0 outside `mask`, at most `threshold` before
-    normalisation) and verl's `rollout_is_*` metrics (0-dim tensors)."""
+    normalisation) and verl's `rollout_is_*` metrics (0-dim tensors; `all_metrics` False:
+    `rollout_is_mean` only, the weights' mean before truncation)."""
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is={level!r}; accepted: {IS_LEVELS} or null")
     if threshold <= 0:
@@ -138,7 +140,10 @@ def is_weights(
         for_metrics = _row_sum(log_ratio, mask).unsqueeze(-1)
         weights = for_metrics.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().expand_as(log_ratio)
     weights = weights * fmask
-    metrics = _is_metrics(weights, for_metrics, mask, level, threshold)
+    if all_metrics:
+        metrics = _is_metrics(weights, for_metrics, mask, level, threshold)
+    else:
+        metrics = {"rollout_is_mean": _mean(weights, mask)}
     weights = weights.clamp(max=threshold)
     if batch_normalize:
         if level == "token":

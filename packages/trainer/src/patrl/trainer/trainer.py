@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from patrl.trainer.checkpoint import Group, load_checkpoint, save_checkpoint
-from patrl.trainer.config import TrainerConfig
+from patrl.trainer.config import RolloutCorrectionConfig, TrainerConfig
 from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.losses import aggregate, kl_penalty, policy_loss, reinforce_loss
@@ -476,7 +476,7 @@ class Trainer:
 
     @staticmethod
     def _bypass_correction(
-        logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc: Any
+        logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrectionConfig
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """Bypass mode (verl's `compute_policy_loss_bypass_mode`): IS weights and the rejection
         of this micro-batch's tokens, taken from the current policy against the rollout's
@@ -493,6 +493,7 @@ class Trainer:
                 rc.rollout_is,
                 rc.rollout_is_threshold,
                 rc.rollout_is_batch_normalize,
+                all_metrics=False,
             )
             # verl's rollout_is_mean: the weights' mean before truncation
             sums["rc_is_weight"] = is_m["rollout_is_mean"] * mask.sum()
@@ -506,7 +507,7 @@ class Trainer:
         zero = torch.zeros_like(log_ratio)
         sums["rc_kl"] = torch.where(mask, -log_ratio, zero).sum()
         sums["rc_k3_kl"] = torch.where(mask, k3, zero).sum()
-        return kept, weights, {k: v.double() for k, v in sums.items()}
+        return kept, weights, sums
 
     def _sum_dtype(self) -> torch.dtype:
         return torch.float32 if self.device.type == "mps" else torch.float64
