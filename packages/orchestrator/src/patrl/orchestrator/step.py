@@ -448,13 +448,15 @@ def update_actor(
     return {**actor_metrics, **rc_metrics}, old
 
 
-def _aligned(batch: PolicyBatch, responses: list[list[float]]) -> list[torch.Tensor]:
+def _aligned(
+    batch: PolicyBatch, responses: Sequence[Sequence[float] | torch.Tensor]
+) -> list[torch.Tensor]:
     """Per-response-token values placed in the batch's prompt + response layout (0 on the
     prompt)."""
     out = []
     for ids, values in zip(batch.input_ids, responses, strict=True):
         row = torch.zeros(ids.numel(), dtype=torch.float32)
-        row[ids.numel() - len(values) :] = torch.tensor(values, dtype=torch.float32)
+        row[ids.numel() - len(values) :] = torch.as_tensor(values, dtype=torch.float32)
         out.append(row)
     return out
 
@@ -495,9 +497,7 @@ def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) 
         )
     lengths = [len(s.token_ids) for s in samples]
     if weights is not None:
-        batch.rollout_is_weights = _aligned(
-            batch, [weights[b, :n].tolist() for b, n in enumerate(lengths)]
-        )
+        batch.rollout_is_weights = _aligned(batch, [weights[b, :n] for b, n in enumerate(lengths)])
     for b, n in enumerate(lengths):
         m = batch.loss_mask[b].clone()
         m[m.numel() - n :] &= kept[b, :n]
