@@ -439,3 +439,21 @@ def test_every_preset_row_of_docs_verl_md_loads() -> None:
             name, value = key.split("=")
             got = getattr(rc, name)
             assert str(got).lower() == value.lower() or got == float(value), (row, name)
+
+
+def test_main_ppos_reward_kwargs_form_of_the_overlong_buffer() -> None:
+    """verl's recipe/dapo/test_dapo_7b_math.sh (verl.trainer.main_ppo) passes the buffer as
+    Hydra additions under reward_kwargs.overlong_buffer_cfg."""
+    cfg = load_config(
+        None,
+        [
+            "data.max_response_length=8192",
+            "reward_model.reward_manager=dapo",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+        ],
+    )
+    ob = cfg.reward_model.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.log) == (True, 4096, 1.0, False)

@@ -755,7 +755,8 @@ def _apply_override(raw: dict[str, Any], item: str, notices: list[str]) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    key = key.strip()
+    # Hydra's `+key` / `++key` (add / force-add a key verl's schema lacks) name the same key
+    key = key.strip().lstrip("+")
     moved = _translate(key, yaml.safe_load(text) if text.strip() else None, notices)
     if moved is None:
         return

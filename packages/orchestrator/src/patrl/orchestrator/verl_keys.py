@@ -296,6 +296,13 @@ RULES: dict[str, Rule] = {
         "reward.functions (and custom_reward_function.path)",
     ),
     "reward_model.micro_batch_size_per_gpu": Alias("reward_model.micro_batch_size"),
+    # verl's main_ppo passes the DAPO manager's overlong settings as reward_kwargs
+    **{
+        f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": Alias(
+            f"reward_model.overlong_buffer.{key}"
+        )
+        for key in ("enable", "len", "penalty_factor", "log")
+    },
     "reward_model.launch_reward_fn_async": Noted(
         "patrl's reward functions run in their own worker processes (reward.num_workers)"
     ),
