@@ -457,3 +457,26 @@ def test_main_ppos_reward_kwargs_form_of_the_overlong_buffer() -> None:
     )
     ob = cfg.reward_model.overlong_buffer
     assert (ob.enable, ob.len, ob.penalty_factor, ob.log) == (True, 4096, 1.0, False)
+
+
+def test_covariance_loss_keys_are_verls_and_bypass_keeps_the_vanilla_loss() -> None:
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+            "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.002",
+            "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0",
+        ],
+    )
+    p = cfg.actor.policy_loss
+    assert (p.loss_mode, p.kl_cov_ratio, p.ppo_kl_coef, p.clip_cov_ub) == (
+        "kl_cov",
+        0.002,
+        1.0,
+        5.0,
+    )
+    with pytest.raises(ConfigError, match="bypass mode replaces the policy loss"):
+        load_config(
+            None,
+            ["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+        )

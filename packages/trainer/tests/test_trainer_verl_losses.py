@@ -1,6 +1,6 @@
-"""verl's other policy losses (cispo, gpg, sapo, geo_mean) against plain Python loops and
+"""verl's other policy losses (cispo, gpg, sapo, geo_mean, clip_cov, kl_cov) against plain Python loops and
 against verl's functions transcribed from verl/trainer/ppo/core_algos.py (commit b178a3c) on
-the same inputs; clip_cov and kl_cov refused by name."""
+the same inputs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from pydantic import ValidationError
 from trainer_testkit import make_batch, tiny_llama
 
 from patrl.trainer import Trainer, TrainerConfig, policy_loss
 from patrl.trainer.config import PolicyLossConfig
+from patrl.trainer.losses import CovSettings
 
 # Three responses padded to 5 tokens (lengths 5, 3, 1): verl's layout has no empty rows.
 LENGTHS = (5, 3, 1)
@@ -210,15 +210,125 @@ def test_geo_mean_matches_loop_twin_and_splits_over_micro_batches() -> None:
     assert parts == pytest.approx(loss.item(), rel=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
-def test_covariance_losses_are_refused_with_the_reason(mode: str) -> None:
-    with pytest.raises(ValidationError, match=rf"loss_mode={mode} is not supported: .*micro-batch"):
-        PolicyLossConfig(loss_mode=mode)
-    with pytest.raises(ValueError, match="micro-batch"):
-        _ours(mode, 0)
+def _verl_clip_cov(
+    old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cov: CovSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute_policy_loss_clip_cov (token-mean), transcribed; its random permutation picks
+    every candidate when clip_num >= their number (the case tested)."""
+    negative_approx_kl = logp - old
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    corr = torch.ones_like(adv)
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - LOW, 1 + HIGH)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (mask > 0)
+    cov_all = (adv - _verl_masked_mean(adv, mask)) * (logp - _verl_masked_mean(logp.detach(), mask))
+    cov_all[mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(cov.clip_cov_ratio * mask.sum().item()), 1)
+    top_k_idx = (cov_all < cov.clip_cov_ub) & (cov_all > cov.clip_cov_lb) & (mask > 0)
+    top_k_idx = torch.nonzero(top_k_idx)
+    assert clip_num >= len(top_k_idx)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    return _verl_token_mean(pg_losses, mask), _verl_masked_mean((corr == 0).float(), mask)
 
 
-@pytest.mark.parametrize("mode", ["cispo", "gpg", "sapo", "geo_mean"])
+def _verl_kl_cov(
+    old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cov: CovSettings
+) -> torch.Tensor:
+    """compute_policy_loss_kl_cov (token-mean), transcribed."""
+    negative_approx_kl = logp - old
+    abs_kl = negative_approx_kl.abs()
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    pg_losses_kl = -adv * ratio + cov.ppo_kl_coef * abs_kl
+    pg_losses = pg_losses1.clone()
+    all_valid = mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = adv[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = logp[all_valid].detach().reshape(-1).cpu()
+    cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+    k_percent_nums = max(1, int(len(cov_lst_all) * cov.kl_cov_ratio))
+    large_cov_idxs = torch.topk(cov_lst_all, k_percent_nums, largest=True).indices
+    large_cov_idxs = all_valid_idx[large_cov_idxs]
+    rows, cols = large_cov_idxs // adv.shape[1], large_cov_idxs % adv.shape[1]
+    pg_losses[rows, cols] = pg_losses_kl[rows, cols]
+    return _verl_token_mean(pg_losses, mask)
+
+
+def _cov_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logp, old, adv = _inputs(5)
+    return logp * 2.0, old * 2.0, adv * 3.0  # covariances reach the [lb, ub] band
+
+
+def test_clip_cov_matches_verl_when_every_candidate_is_drawn() -> None:
+    logp, old, adv = _cov_inputs()
+    cov = CovSettings(clip_cov_ratio=1.0, clip_cov_lb=0.2, clip_cov_ub=5.0)
+    ours, stats = policy_loss(
+        logp,
+        old,
+        adv,
+        MASK,
+        clip_ratio_low=LOW,
+        clip_ratio_high=HIGH,
+        clip_ratio_c=None,
+        agg_mode="token-mean",
+        loss_mode="clip_cov",
+        cov=cov,
+    )
+    theirs, frac = _verl_clip_cov(old, logp, adv, FMASK, cov)
+    assert 0 < frac.item() < 1  # the band holds some tokens, not all
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-7)
+    assert stats.clipfrac.item() == pytest.approx(frac.item(), rel=1e-6)
+
+
+def test_clip_cov_draws_the_share_it_is_asked_for_reproducibly() -> None:
+    logp, old, adv = _cov_inputs()
+    cov = CovSettings(clip_cov_ratio=1 / 9, clip_cov_lb=0.2, clip_cov_ub=5.0)  # 1 of 9 tokens
+    kw = {"clip_ratio_low": LOW, "clip_ratio_high": HIGH, "clip_ratio_c": None}
+
+    def run(seed: int) -> tuple[float, float]:
+        g = torch.Generator().manual_seed(seed)
+        loss, stats = policy_loss(
+            logp,
+            old,
+            adv,
+            MASK,
+            agg_mode="token-mean",
+            loss_mode="clip_cov",
+            cov=cov,
+            generator=g,
+            **kw,  # type: ignore[arg-type]
+        )
+        return loss.item(), stats.clipfrac.item()
+
+    assert run(0) == run(0)
+    assert run(0)[1] == pytest.approx(1 / 9)
+
+
+def test_kl_cov_matches_verl() -> None:
+    logp, old, adv = _cov_inputs()
+    cov = CovSettings(kl_cov_ratio=0.25, ppo_kl_coef=0.5)  # 2 of 9 tokens penalised
+    ours, stats = policy_loss(
+        logp,
+        old,
+        adv,
+        MASK,
+        clip_ratio_low=LOW,
+        clip_ratio_high=HIGH,
+        clip_ratio_c=None,
+        agg_mode="token-mean",
+        loss_mode="kl_cov",
+        cov=cov,
+    )
+    theirs = _verl_kl_cov(old, logp, adv, FMASK, cov)
+    plain = _verl_token_mean(-adv * torch.exp(logp - old), FMASK)
+    assert ours.item() != pytest.approx(plain.item())  # the penalty is on
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-10)
+    assert stats.ppo_kl.item() == pytest.approx(float((logp - old).abs()[MASK].mean()), rel=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
 def test_each_loss_trains_a_step(mode: str) -> None:
     trainer = Trainer(TrainerConfig(policy_loss=PolicyLossConfig(loss_mode=mode)), tiny_llama())
     metrics = trainer.train_step(make_batch(0, [3, 4, 2]))

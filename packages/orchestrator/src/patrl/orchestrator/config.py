@@ -654,6 +654,13 @@ def _resolve_verl_semantics(config: JobConfig) -> None:
             "actor.policy_loss.loss_mode=geo_mean with trainer.mode=async: GMPO's sequence "
             "ratio has no decoupled-PPO (behaviour-weighted) form; use trainer.mode=sync"
         )
+    if rc.bypass_mode and config.actor.policy_loss.loss_mode != "vanilla":
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with actor.policy_loss.loss_mode="
+            f"{config.actor.policy_loss.loss_mode}: bypass mode replaces the policy loss by "
+            "PPO's clip to the rollout (loss_type=ppo_clip) or REINFORCE (loss_type=reinforce), "
+            "as verl's apply_bypass_mode does; leave loss_mode=vanilla"
+        )
     if rc.loss_type == "reinforce" and not rc.bypass_mode:
         raise ValueError(
             "algorithm.rollout_correction.loss_type=reinforce applies in bypass mode only (as "

@@ -157,20 +157,6 @@ RULES: dict[str, Rule] = {
         "algorithm.rollout_correction.rollout_is=token "
         "algorithm.rollout_correction.rollout_is_threshold=<the cap>",
     ),
-    **{
-        f"actor.policy_loss.{key}": Noted(
-            "it configures clip_cov / kl_cov, which patrl refuses (the update would depend on "
-            "the micro-batch cut)",
-            quiet=(default,),
-        )
-        for key, default in (
-            ("clip_cov_ratio", 0.0002),
-            ("clip_cov_lb", 1.0),
-            ("clip_cov_ub", 5.0),
-            ("kl_cov_ratio", 0.0002),
-            ("ppo_kl_coef", 0.1),
-        )
-    },
     "actor.shuffle": Noted("patrl takes each step's mini-batches in sample order", quiet=(False,)),
     "actor.data_loader_seed": Noted("patrl's mini-batches are not shuffled"),
     # ---- reference policy (actor_rollout_ref.ref.*)

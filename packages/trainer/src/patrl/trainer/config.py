@@ -164,12 +164,21 @@ class PolicyLossConfig(BaseModel):
 
     # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
     # geometric mean of the token ratios), clipped per sequence; cispo, gpg, sapo, geo_mean
-    # (GMPO): verl's losses of those names (losses.py).
+    # (GMPO), clip_cov, kl_cov: verl's losses of those names (losses.py).
     loss_mode: str = Field(
         default="vanilla",
         description="vanilla (PPO token ratio), gspo (sequence ratio), cispo, gpg, sapo, "
-        "geo_mean (GMPO)",
+        "geo_mean (GMPO), clip_cov, kl_cov",
     )
+
+    # verl's covariance losses (clip_cov, kl_cov), per micro-batch as in verl.
+    clip_cov_ratio: float = Field(
+        default=0.0002, gt=0, le=1, description="clip_cov: share detached"
+    )
+    clip_cov_lb: float = Field(default=1.0, description="clip_cov: covariance band, lower")
+    clip_cov_ub: float = Field(default=5.0, description="clip_cov: covariance band, upper")
+    kl_cov_ratio: float = Field(default=0.0002, gt=0, le=1, description="kl_cov: share penalised")
+    ppo_kl_coef: float = Field(default=0.1, ge=0, description="kl_cov: the |log r| coefficient")
 
     @field_validator("loss_mode")
     @classmethod

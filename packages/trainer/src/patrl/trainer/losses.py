@@ -14,17 +14,9 @@ from dataclasses import dataclass
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean")
-# verl's policy losses patrl refuses, and why.
-REFUSED_LOSS_MODES = {
-    "clip_cov": "it picks tokens at random among those of each micro-batch whose covariance of "
-    "advantage and logprob falls in a band, so the update depends on how the batch is cut "
-    "into micro-batches (patrl's are token budgets, verl's sample counts) and on an unseeded "
-    "permutation",
-    "kl_cov": "it penalises the top kl_cov_ratio of each micro-batch's tokens by covariance, so "
-    "the update depends on how the batch is cut into micro-batches (patrl's are token budgets, "
-    "verl's sample counts)",
-}
+LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov")
+# verl's policy losses patrl refuses, and why (none at present).
+REFUSED_LOSS_MODES: dict[str, str] = {}
 # verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3;
 # "abs" is |log pi - log pi_ref|.
 KL_TYPES = {
@@ -107,6 +99,17 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str)
     return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
+@dataclass(frozen=True, slots=True)
+class CovSettings:
+    """verl's `actor.policy_loss` settings of the covariance losses (its defaults)."""
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
 @dataclass(slots=True)
 class PolicyLossStats:
     """Masked means over the loss tokens of one call (detached), for metrics."""
@@ -139,6 +142,9 @@ def policy_loss(
     num_seqs: float | None = None,
     scale_factor: float | None = None,
     is_weights: torch.Tensor | None = None,
+    cov: CovSettings | None = None,
+    num_valid: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`), or with `loss_mode`
     "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats. verl's other
@@ -148,7 +154,12 @@ def policy_loss(
     it seq-mean-token-mean, as verl does); "geo_mean" (GMPO): per sequence
     -mean_t(A) * exp(mean_t(sign(A) min(sign(A) log r, sign(A) clip(log r, -low, high)))), the
     mean over sequences (`agg_mode` unused; IS weights enter as their per-sequence geometric
-    mean).
+    mean). The covariance losses (`cov`, verl's defaults when None) work on this call's tokens
+    (a micro-batch, as in verl), with the unclamped ratio; c = (A - mean A)(log pi - mean log
+    pi): "clip_cov" detaches max(int(clip_cov_ratio x n), 1) tokens drawn at random
+    (`generator`) among those PPO did not clip with clip_cov_lb < c < clip_cov_ub; "kl_cov"
+    adds ppo_kl_coef x |log r| to the PPO loss of the max(1, int(n x kl_cov_ratio)) tokens of
+    largest c. n = `num_valid`, the call's loss tokens (None: counted, a host sync).
 
     `is_weights` (rollout correction, detached) multiply each token's loss before aggregation,
     as verl's `rollout_is_weights`. GSPO's `ppo_kl` is the unclamped mean log-ratio (verl's);
@@ -184,7 +195,13 @@ def policy_loss(
         )
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     gspo = loss_mode == "gspo"
+    covariance = loss_mode in ("clip_cov", "kl_cov")
     ratio = _gspo_ratio(logprobs, old_logprobs, mask) if gspo else log_ratio.exp()
+    kl_values = old_logprobs - logprobs if gspo else -log_ratio
+    if covariance:  # verl's covariance losses take the ratio unclamped
+        raw = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+        ratio = raw.exp()
+        kl_values = raw.abs() if loss_mode == "kl_cov" else -raw
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
@@ -204,6 +221,21 @@ def policy_loss(
         )
         loss_ppo = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
         clipped = torch.zeros_like(mask)
+    elif covariance:
+        settings = cov or CovSettings()
+        n = int(mask.sum()) if num_valid is None else num_valid
+        if loss_mode == "clip_cov":
+            dropped = _clip_cov_tokens(
+                logprobs, advantages, mask, clipped & mask, settings, n, generator
+            )
+            loss_ppo = torch.where(dropped, loss_ppo * 0.0, loss_ppo)
+            clipped = dropped  # verl's pg_clipfrac: the tokens clip_cov detached
+        else:
+            top = _kl_cov_tokens(logprobs, advantages, mask, settings.kl_cov_ratio, n)
+            loss_ppo = torch.where(
+                top, loss_unclipped + settings.ppo_kl_coef * raw.abs(), loss_unclipped
+            )
+            clipped = torch.zeros_like(mask)
     dual = torch.zeros_like(clipped)
     if clip_ratio_c is not None and loss_mode == "vanilla":
         loss_dual = -advantages * clip_ratio_c
@@ -231,11 +263,60 @@ def policy_loss(
             clipfrac_low=masked_mean((clipped & (advantages < 0)).float(), mask),
             clipfrac_high=masked_mean((clipped & (advantages > 0)).float(), mask),
             clipfrac_lower=masked_mean(dual.float(), mask),
-            ppo_kl=masked_mean(old_logprobs - logprobs if gspo else -log_ratio, mask),
+            ppo_kl=masked_mean(kl_values, mask),
             behav_capped=masked_mean(capped.float(), mask),
             behav_weight=masked_mean(weight, keep),
         )
     return loss, stats
+
+
+def _covariance(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(A - mean A)(log pi - mean log pi) per token, means over the masked tokens."""
+    lp = logprobs.detach()
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _clip_cov_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clipped_by_ppo: torch.Tensor,
+    cov: CovSettings,
+    num_valid: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """verl's clip_cov selection: min(max(int(ratio x n), 1), candidates) tokens drawn at
+    random among the candidates (masked, not clipped by PPO, lb < c < ub)."""
+    c = _covariance(logprobs, advantages, mask)
+    candidates = mask & ~clipped_by_ppo & (c < cov.clip_cov_ub) & (c > cov.clip_cov_lb)
+    if num_valid == 0:
+        return torch.zeros_like(mask)
+    count = min(max(int(cov.clip_cov_ratio * num_valid), 1), mask.numel())
+    keys = torch.rand(mask.shape, generator=generator, device=mask.device)
+    keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    picked[keys.reshape(-1).topk(count).indices] = True
+    return picked.view_as(mask) & candidates
+
+
+def _kl_cov_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: float,
+    num_valid: int,
+) -> torch.Tensor:
+    """verl's kl_cov selection: the max(1, int(n x ratio)) masked tokens of largest c."""
+    if num_valid == 0:
+        return torch.zeros_like(mask)
+    c = _covariance(logprobs, advantages, mask)
+    c = torch.where(mask, c, torch.full_like(c, float("-inf")))
+    count = min(max(1, int(num_valid * ratio)), num_valid)
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    picked[c.reshape(-1).topk(count).indices] = True
+    return picked.view_as(mask) & mask
 
 
 def _geo_mean_loss(

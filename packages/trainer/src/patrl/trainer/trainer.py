@@ -29,7 +29,7 @@ from patrl.trainer.checkpoint import Group, load_checkpoint, save_checkpoint
 from patrl.trainer.config import RolloutCorrectionConfig, TrainerConfig
 from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
-from patrl.trainer.losses import aggregate, kl_penalty, policy_loss, reinforce_loss
+from patrl.trainer.losses import CovSettings, aggregate, kl_penalty, policy_loss, reinforce_loss
 from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
 from patrl.trainer.model import (
@@ -317,9 +317,9 @@ class Trainer:
 
         # Metric sums stay on the device until the step's one read (no per-micro-batch sync).
         sums = torch.zeros(len(_SUMS), dtype=self._sum_dtype(), device=self.device)
-        for mb in micro_batches:
+        for micro_index, mb in enumerate(micro_batches):
             loss, mb_sums = self._micro_step(
-                batch, mb, old, scored, ref, (num_tokens, num_seqs, scale)
+                batch, mb, old, scored, ref, (num_tokens, num_seqs, scale), micro_index
             )
             # FSDP averages gradients over ranks; the loss is already a share of the global one.
             (loss * self.group.size).backward()
@@ -375,6 +375,7 @@ class Trainer:
         scored: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
         norms: tuple[float, float, float],
+        micro_index: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch; return its share of the step loss and its metric sums.
         With `old` None (on-policy) the ratio is taken against this forward's own detached
@@ -439,13 +440,20 @@ class Trainer:
                 clip_ratio_low=cfg.clip_low,
                 clip_ratio_high=cfg.clip_high,
                 clip_ratio_c=cfg.clip_ratio_c,
-                loss_mode=cfg.policy_loss.loss_mode,
+                # bypass mode's loss is PPO's clip (verl's apply_bypass_mode sets the loss)
+                loss_mode="vanilla" if bypass else cfg.policy_loss.loss_mode,
                 tau_pos=cfg.tau_pos,
                 tau_neg=cfg.tau_neg,
                 behaviour_logprobs=behaviour,
                 behaviour_weight_cap=cfg.behav_imp_weight_cap,
                 # bypass ppo_clip: the ratio to the rollout is the correction (verl)
                 is_weights=None if bypass else weights,
+                cov=self._cov_settings(),
+                # the host's masks: no device sync (only the covariance losses read it)
+                num_valid=sum(int(m.sum()) for m in mask_list)
+                if cfg.policy_loss.loss_mode in ("clip_cov", "kl_cov")
+                else None,
+                generator=self._clip_cov_generator(micro_index),
                 **common,
             )
         loss = pg_loss
@@ -473,6 +481,22 @@ class Trainer:
         for k in ("rc_kl", "rc_k3_kl", "rc_is_weight", "rc_masked", "rc_seq_masked"):
             values[k] = rc_sums.get(k, zero)
         return loss, torch.stack([values[k].to(dtype) for k in _SUMS])
+
+    def _cov_settings(self) -> CovSettings:
+        p = self.config.policy_loss
+        return CovSettings(
+            p.clip_cov_ratio, p.clip_cov_lb, p.clip_cov_ub, p.kl_cov_ratio, p.ppo_kl_coef
+        )
+
+    def _clip_cov_generator(self, micro_index: int) -> torch.Generator | None:
+        """clip_cov's random draw, seeded by the run's seed, step and micro-batch (every rank
+        draws its own tokens, reproducibly)."""
+        if self.config.policy_loss.loss_mode != "clip_cov":
+            return None
+        g = torch.Generator(device=self.device)
+        key = (self.config.seed, self.step, self.group.rank, micro_index)
+        g.manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
+        return g
 
     @staticmethod
     def _bypass_correction(
