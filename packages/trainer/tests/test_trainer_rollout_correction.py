@@ -469,3 +469,43 @@ def test_ragged_offpolicy_metrics_equal_the_padded_ones() -> None:
         assert ragged[key].item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15), key
     with pytest.raises(ValueError, match="same number of tokens"):
         ragged_offpolicy_metrics([train[0, :2]], [rollout[0, :3]])
+
+
+@pytest.mark.parametrize(
+    "rc",
+    [
+        None,  # decoupled: the batch carries the weights
+        RolloutCorrectionConfig(
+            bypass_mode=True, rollout_is="token", rollout_rs="token_k3", rollout_rs_threshold=0.02
+        ),
+        RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_is="token"),
+    ],
+)
+def test_corrected_step_is_the_same_in_one_micro_batch_or_eight(
+    rc: RolloutCorrectionConfig | None,
+) -> None:
+    """Token-level weights and rejection split exactly over micro-batches (the step's token
+    counts are global), so one micro-batch of 8 samples and 8 of 1 give the same update."""
+    from trainer_testkit import full_weights
+
+    batch = make_batch(4, [6, 2, 9, 4, 4, 7, 1, 5], with_old=True)
+    g = torch.Generator().manual_seed(4)
+    if rc is None:
+        batch.rollout_is_weights = [
+            torch.where(m, 0.5 + 1.5 * torch.rand(m.shape, generator=g), 0.0)
+            for m in batch.loss_mask
+        ]
+
+    def train(**kw: object) -> dict[str, torch.Tensor]:
+        cfg = TrainerConfig(
+            policy_loss=PolicyLossConfig(rollout_correction=rc),
+            ppo_max_token_len_per_gpu=100 * 8 * max(batch.lengths),
+            **kw,  # type: ignore[arg-type]
+        )
+        trainer = Trainer(cfg, tiny_llama())
+        trainer.train_step(batch)
+        return full_weights(trainer)
+
+    one, eight = train(), train(ppo_micro_batch_size_per_gpu=1)
+    for name in one:
+        torch.testing.assert_close(one[name], eight[name], atol=1e-6, rtol=0, msg=name)
