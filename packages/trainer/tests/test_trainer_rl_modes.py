@@ -203,9 +203,9 @@ def test_clip_ratio_is_the_default_for_low_and_high() -> None:
 
 def test_unknown_loss_mode_is_named() -> None:
     with pytest.raises(ValidationError, match="loss_mode"):
-        TrainerConfig.model_validate({"policy_loss": {"loss_mode": "gpg"}})
+        TrainerConfig.model_validate({"policy_loss": {"loss_mode": "ppo2"}})
     logp, old, adv = _inputs()
-    with pytest.raises(ValueError, match=r"'gpg'.*vanilla, gspo"):
+    with pytest.raises(ValueError, match=r"'ppo2'.*vanilla, gspo"):
         policy_loss(
             logp,
             old,
@@ -215,5 +215,5 @@ def test_unknown_loss_mode_is_named() -> None:
             clip_ratio_high=0.2,
             clip_ratio_c=None,
             agg_mode="token-mean",
-            loss_mode="gpg",
+            loss_mode="ppo2",
         )

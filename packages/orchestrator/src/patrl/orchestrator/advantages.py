@@ -1,5 +1,5 @@
-"""Advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ with and without baseline, ReMax) and DAPO
-dynamic sampling.
+"""Advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ with and without baseline, ReMax, Pass@k GRPO,
+OPO, GPG) and DAPO dynamic sampling.
 
 Pure numpy. Samples are flat, in any order; `group_ids[i]` names the prompt that sample i was
 drawn for (verl's `index`), so groups may have different sizes (a partial rollout can hand back
@@ -21,7 +21,17 @@ import numpy as np
 import numpy.typing as npt
 
 AdvEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "grpo_vectorized",
+    "rloo_vectorized",
 ]
 ADV_ESTIMATORS: tuple[str, ...] = (
     "grpo",
@@ -30,9 +40,25 @@ ADV_ESTIMATORS: tuple[str, ...] = (
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "grpo_vectorized",
+    "rloo_vectorized",
 )
+# verl's vectorised implementations compute the same advantages as these.
+ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 # Estimators whose baseline is the other samples of the group: no signal with rollout.n = 1.
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+GROUP_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "grpo_vectorized",
+    "rloo_vectorized",
+)
 
 FloatArray = npt.NDArray[np.float64]
 G = TypeVar("G")
@@ -70,15 +96,71 @@ def rloo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike) -> FloatAr
     return np.where(n > 1, r - others, 0.0)
 
 
+def grpo_passk_advantages(
+    rewards: npt.ArrayLike, group_ids: npt.ArrayLike, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> FloatArray:
+    """Pass@k GRPO (verl's `grpo_passk`, arXiv 2503.19595): only the best sample of a group
+    gets an advantage, r_max - r_second_max (divided by the group's unbiased std + eps with
+    `norm_by_std`); the others get 0. Ties give 0 to every sample."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    out = np.zeros_like(r)
+    for g in range(counts.size):
+        members = np.flatnonzero(inverse == g)
+        if members.size < 2:
+            continue
+        values = r[members]
+        best = int(members[np.argmax(values)])
+        top2 = np.sort(values)[-2:]
+        adv = top2[1] - top2[0]
+        if norm_by_std:
+            adv = adv / (values.std(ddof=1) + eps)
+        out[best] = adv
+    return out
+
+
+def opo_advantages(
+    rewards: npt.ArrayLike, group_ids: npt.ArrayLike, lengths: Sequence[int]
+) -> FloatArray:
+    """OPO (verl's `opo`, arXiv 2505.23585): r minus its group's length-weighted mean reward
+    sum(len_j r_j) / sum(len_j)."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    n = np.asarray(lengths, dtype=np.float64)
+    if n.shape != r.shape:
+        raise ValueError(f"{n.size} lengths for {r.size} rewards: need one per sample")
+    weighted = _group_sums(n * r, inverse, counts.size)
+    total = _group_sums(n, inverse, counts.size)
+    baseline = weighted / np.maximum(total, 1e-300)
+    return np.where(counts[inverse] > 1, r - baseline[inverse], 0.0)
+
+
+def gpg_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike) -> FloatArray:
+    """GPG (verl's `gpg`, f_norm 1): alpha (r - group mean), alpha = batch size / the number
+    of samples with a non-zero reward (at least 1)."""
+    r, inverse, counts = _grouped(rewards, group_ids)
+    alpha = r.size / max(int(np.count_nonzero(r)), 1)
+    centred = r - _group_sums(r, inverse, counts.size)[inverse] / counts[inverse]
+    return np.where(counts[inverse] > 1, alpha * centred, 0.0)
+
+
 def compute_advantages(
     estimator: str,
     rewards: npt.ArrayLike,
     group_ids: npt.ArrayLike,
     *,
     norm_adv_by_std_in_grpo: bool = True,
+    lengths: Sequence[int] | None = None,
 ) -> FloatArray:
     """One advantage per sample by name (verl's `algorithm.adv_estimator`), for the outcome
-    estimators; `token_advantages` takes every estimator."""
+    estimators; `token_advantages` takes every estimator. `lengths` (response tokens): opo's."""
+    estimator = ALIASES.get(estimator, estimator)
+    if estimator == "grpo_passk":
+        return grpo_passk_advantages(rewards, group_ids, norm_by_std=norm_adv_by_std_in_grpo)
+    if estimator == "gpg":
+        return gpg_advantages(rewards, group_ids)
+    if estimator == "opo":
+        if lengths is None:
+            raise ValueError("adv_estimator 'opo' needs the response lengths")
+        return opo_advantages(rewards, group_ids, lengths)
     if estimator == "grpo":
         return grpo_advantages(rewards, group_ids, norm_by_std=norm_adv_by_std_in_grpo)
     if estimator == "dr_grpo":
@@ -188,7 +270,11 @@ def token_advantages(
     if estimator == "reinforce_plus_plus_baseline":
         return reinforce_plus_plus_baseline_advantages(scores, group_ids, lengths)
     adv = compute_advantages(
-        estimator, scores, group_ids, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
+        estimator,
+        scores,
+        group_ids,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        lengths=lengths,
     )
     return per_token(adv, lengths)
 

@@ -31,7 +31,7 @@ from patrl.orchestrator import verl_keys
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS, AdvEstimator
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
-from patrl.trainer.config import CriticCheckpointConfig, KLType
+from patrl.trainer.config import AggMode, CriticCheckpointConfig, KLType, RolloutCorrectionConfig
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 _DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -64,6 +64,12 @@ class DataConfig(_Section):
     )
     train_batch_size: int = Field(
         8, gt=0, description="prompts per step (each sampled rollout.n times)"
+    )
+    gen_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="DAPO (algorithm.filter_groups): prompts drawn per generation round, and "
+        "per epoch step; None = train_batch_size",
     )
     val_batch_size: int | None = Field(
         None,
@@ -238,6 +244,12 @@ class ActorConfig(TrainerConfig):
 
 class FilterGroupsConfig(_Section):
     enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] | None = Field(
+        None,
+        description="what must vary within a group: acc/score = the reward functions' score "
+        "before the overlong penalty; seq_reward/seq_final_reward (and None) = the reward "
+        "trained on",
+    )
     max_num_gen_batches: int = Field(4, gt=0, description="generation rounds per step at most")
 
 
@@ -260,7 +272,8 @@ class AlgorithmConfig(_Section):
         description="grpo, dr_grpo, rloo (group baselines: need rollout.n > 1), "
         "reinforce_plus_plus, reinforce_plus_plus_baseline (batch-whitened), "
         "remax (baseline: the reward of the prompt's greedy response, generated each step), "
-        "gae (PPO with a critic: the `critic` section)",
+        "grpo_passk, opo, gpg (verl's; group baselines), grpo_vectorized / rloo_vectorized "
+        "(= grpo / rloo), gae (PPO with a critic: the `critic` section)",
     )
     gamma: float = Field(
         1.0, ge=0, le=1, description="gae, reinforce_plus_plus: discount per token"
@@ -275,6 +288,9 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = Field(default_factory=lambda: KLControlConfig())
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = Field(default_factory=lambda: FilterGroupsConfig())
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=lambda: RolloutCorrectionConfig()
+    )
 
 
 class CriticConfig(_Section):
@@ -292,7 +308,9 @@ class CriticConfig(_Section):
         None, ge=2, description="None = actor.ppo_max_token_len_per_gpu"
     )
     cliprange_value: float = Field(0.5, gt=0, description="values move at most this per update")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg_mode: AggMode | None = Field(
+        None, description="None = actor.loss_agg_mode (verl's oc.select)"
+    )
     grad_clip: float = Field(1.0, gt=0)
     checkpoint: CriticCheckpointConfig = Field(default_factory=lambda: CriticCheckpointConfig())
 
@@ -334,6 +352,19 @@ class RewardModelPathConfig(_Section):
     )
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's overlong reward shaping (verl's `reward_model.overlong_buffer`): a response
+    longer than max_response_length - len tokens loses penalty_factor x (its excess / len),
+    added to its score before the advantages."""
+
+    enable: bool = Field(False, description="penalise responses that run into the buffer")
+    len: int = Field(0, ge=0, description="the buffer: the last this many tokens of the budget")
+    penalty_factor: float = Field(0.0, ge=0, description="the penalty at the full budget")
+    log: bool = Field(
+        False, description="log reward/overlong_reward/mean and reward/overlong/mean (share)"
+    )
+
+
 class RewardModelConfig(_Section):
     """A learned reward model: its score on a response's last token, times `weight`, is added
     to the rule rewards (docs/reward_models.md). Replicated on each scoring rank, or
@@ -348,6 +379,7 @@ class RewardModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="RM dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=lambda: OverlongBufferConfig())
     strategy: Literal["auto", "replicated", "fsdp", "fsdp2"] = Field(
         "auto",
         description="replicated: each scoring rank holds the whole RM; fsdp (= fsdp2): sharded "
@@ -495,6 +527,7 @@ class JobConfig(_Section):
                 "algorithm.filter_groups.enable=true (DAPO refills): choose one"
             )
         _check_group_size(self)
+        _resolve_verl_semantics(self)
         if self.model.path is not None and self.data.train_files is None:
             raise ValueError(
                 f"model.path={self.model.path} is set but data.train_files is not: patrl would "
@@ -553,12 +586,15 @@ def resolve_schedule(config: JobConfig, num_train_prompts: int | None) -> JobCon
     if steps is None and t.total_epochs is None:
         steps = DEFAULT_TOTAL_STEPS
     if steps is None and num_train_prompts is not None:
-        per_epoch = num_train_prompts // config.data.train_batch_size
+        # verl's DAPO loader draws gen_batch_size prompts per batch
+        drawn = config.data.gen_batch_size or config.data.train_batch_size
+        per_epoch = num_train_prompts // drawn
         if per_epoch == 0:
             raise ConfigError(
                 f"trainer.total_epochs={t.total_epochs}: data.train_files leaves "
-                f"{num_train_prompts} prompts, fewer than data.train_batch_size="
-                f"{config.data.train_batch_size}, so an epoch has no batch"
+                f"{num_train_prompts} prompts, fewer than the {drawn} a batch draws "
+                f"(data.train_batch_size={config.data.train_batch_size}, "
+                f"data.gen_batch_size={config.data.gen_batch_size}), so an epoch has no batch"
             )
         assert t.total_epochs is not None
         steps = t.total_epochs * per_epoch
@@ -570,6 +606,66 @@ def resolve_schedule(config: JobConfig, num_train_prompts: int | None) -> JobCon
         if optim.total_training_steps is None:
             optim.total_training_steps = steps
     return out
+
+
+def _resolve_verl_semantics(config: JobConfig) -> None:
+    """verl's couplings between sections: the critic's loss_agg_mode is the actor's unless
+    set; rollout correction's bypass mode hands its settings to the actor's loss (verl's
+    apply_bypass_mode). Rollout correction with the async schedule is refused: its decoupled
+    PPO already weights every token by pi_proximal / pi_behaviour."""
+    if config.critic.loss_agg_mode is None:
+        config.critic.loss_agg_mode = config.actor.loss_agg_mode
+    rc = config.algorithm.rollout_correction
+    wanted = rc.model_copy() if rc.bypass_mode else None
+    given = config.actor.policy_loss.rollout_correction
+    if given is not None and given != wanted:
+        raise ValueError(
+            "actor.policy_loss.rollout_correction is set from algorithm.rollout_correction "
+            "(bypass_mode); set algorithm.rollout_correction.* instead"
+        )
+    config.actor.policy_loss.rollout_correction = wanted
+    if rc.active and config.trainer.mode == "async":
+        raise ValueError(
+            "algorithm.rollout_correction with trainer.mode=async: the async schedule's "
+            "decoupled PPO already weights each token by pi_proximal / pi_behaviour (the "
+            "rollout's logprobs), capped by async_rl.behaviour_weight_cap; use that, or "
+            "trainer.mode=sync for verl's rollout correction"
+        )
+    gen = config.data.gen_batch_size
+    if (
+        gen is not None
+        and gen != config.data.train_batch_size
+        and not (config.algorithm.filter_groups.enable)
+    ):
+        raise ValueError(
+            f"data.gen_batch_size={gen} differs from data.train_batch_size="
+            f"{config.data.train_batch_size} without algorithm.filter_groups.enable=true: "
+            "patrl draws gen_batch_size prompts per round only for DAPO's dynamic sampling; "
+            "leave it unset"
+        )
+    ob = config.reward_model.overlong_buffer
+    if ob.enable and not 0 < ob.len <= config.data.max_response_length:
+        raise ValueError(
+            f"reward_model.overlong_buffer.len={ob.len} with enable=true: it must be > 0 and "
+            f"<= data.max_response_length={config.data.max_response_length} (verl's bound)"
+        )
+    if config.actor.policy_loss.loss_mode == "geo_mean" and config.trainer.mode == "async":
+        raise ValueError(
+            "actor.policy_loss.loss_mode=geo_mean with trainer.mode=async: GMPO's sequence "
+            "ratio has no decoupled-PPO (behaviour-weighted) form; use trainer.mode=sync"
+        )
+    if rc.bypass_mode and config.actor.policy_loss.loss_mode != "vanilla":
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with actor.policy_loss.loss_mode="
+            f"{config.actor.policy_loss.loss_mode}: bypass mode replaces the policy loss by "
+            "PPO's clip to the rollout (loss_type=ppo_clip) or REINFORCE (loss_type=reinforce), "
+            "as verl's apply_bypass_mode does; leave loss_mode=vanilla"
+        )
+    if rc.loss_type == "reinforce" and not rc.bypass_mode:
+        raise ValueError(
+            "algorithm.rollout_correction.loss_type=reinforce applies in bypass mode only (as "
+            "in verl); set bypass_mode=true, or leave loss_type=ppo_clip"
+        )
 
 
 def _check_group_size(config: JobConfig) -> None:
@@ -620,6 +716,7 @@ def load_config(
             "trainer.logger has wandb, but wandb is not installed (pip install wandb): "
             "metrics go to metrics.jsonl and the other loggers only"
         )
+    notes += verl_differences(config)
     r = config.rollout
     if "tensor_model_parallel_size" in r.model_fields_set and r.adaptive_tp.enable:
         notes.append(
@@ -631,6 +728,32 @@ def load_config(
     return config
 
 
+def verl_differences(config: JobConfig) -> list[str]:
+    """One start-up line for each setting of `config` that patrl reads differently from verl
+    on purpose (docs/verl.md, "Where patrl differs from verl on purpose")."""
+    out = []
+    a, c = config.actor, config.critic
+    if "seq-mean-token-sum-norm" in (a.loss_agg_mode, c.loss_agg_mode):
+        out.append(
+            "loss_agg_mode=seq-mean-token-sum-norm: patrl divides the summed sequence losses by "
+            "the scale factor and the number of sequences (Dr.GRPO's 1/G); verl's agg_loss "
+            "leaves out 1/G, so verl's loss and gradient (before grad_clip) are G times patrl's"
+            + (
+                "; the critic's scale factor is each micro-batch's padded width"
+                if c.loss_agg_mode == "seq-mean-token-sum-norm"
+                else ""
+            )
+        )
+    mode = a.policy_loss.loss_mode
+    if mode in ("gspo", "sapo") and a.loss_agg_mode != "seq-mean-token-mean":
+        out.append(
+            f"actor.policy_loss.loss_mode={mode} aggregates the policy loss seq-mean-token-mean, "
+            f"as verl does, whatever actor.loss_agg_mode says ({a.loss_agg_mode}: used for the "
+            "entropy and KL terms only)"
+        )
+    return out
+
+
 def dump_config(config: JobConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
@@ -639,7 +762,8 @@ def _apply_override(raw: dict[str, Any], item: str, notices: list[str]) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    key = key.strip()
+    # Hydra's `+key` / `++key` (add / force-add a key verl's schema lacks) name the same key
+    key = key.strip().lstrip("+")
     moved = _translate(key, yaml.safe_load(text) if text.strip() else None, notices)
     if moved is None:
         return

@@ -209,6 +209,43 @@ def add_model_scores(
     result.model_seconds = seconds
 
 
+OVERLONG_COMPONENT = "overlong_reward"
+
+
+@dataclass(frozen=True, slots=True)
+class OverlongBuffer:
+    """DAPO's overlong shaping (verl's DAPORewardManager): a response of L tokens gets
+    min(-(L - (max_len - buffer)) / buffer x penalty_factor, 0) added to its reward."""
+
+    buffer: int
+    penalty_factor: float
+    max_len: int
+    log: bool = False
+
+    def penalty(self, length: int) -> float:
+        exceed = length - (self.max_len - self.buffer)
+        return min(-exceed / self.buffer * self.penalty_factor, 0.0)
+
+
+def add_overlong_penalty(
+    result: RewardResult, lengths: Sequence[int], overlong: OverlongBuffer
+) -> list[float]:
+    """Add each sample's overlong penalty to `result`'s rewards (a sample whose call failed
+    keeps 0.0) and return the penalties; with `overlong.log` they are a component
+    ("overlong_reward": reward/overlong_reward/mean) and their share below 0 an extra
+    ("overlong": reward/overlong/mean), verl's reward_extra_info keys."""
+    if len(lengths) != len(result.rewards):
+        raise ValueError(f"{len(lengths)} lengths for {len(result.rewards)} samples")
+    failed = {e.sample for e in result.errors}
+    penalties = [0.0 if s in failed else overlong.penalty(n) for s, n in enumerate(lengths)]
+    for s, p in enumerate(penalties):
+        result.rewards[s] += p
+    if overlong.log:
+        result.components[OVERLONG_COMPONENT] = penalties
+        result.components["overlong"] = [float(p < 0) for p in penalties]
+    return penalties
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     kind: Literal["ok", "exception", "invalid"]

@@ -24,9 +24,16 @@ from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.learned_reward import LearnedReward
-from patrl.orchestrator.rewards import FailureSummary, RewardManager, add_model_scores
+from patrl.orchestrator.rewards import (
+    FailureSummary,
+    OverlongBuffer,
+    RewardManager,
+    add_model_scores,
+    add_overlong_penalty,
+)
 from patrl.rollout import RequestOutput, SamplingParams
 from patrl.trainer import Critic, PolicyBatch, Trainer
+from patrl.trainer.rollout_correction import correction, ragged_offpolicy_metrics
 
 
 @dataclass(slots=True)
@@ -41,6 +48,7 @@ class Sample:
     reward: float
     request_id: str = ""
     baseline: float = 0.0  # remax: the reward of its prompt's greedy response
+    overlong: float = 0.0  # DAPO's overlong penalty, included in `reward`
 
 
 @dataclass(slots=True)
@@ -100,14 +108,33 @@ VALIDATION_SEED_KEY = (-1,)
 GREEDY_BASELINE_SEED_KEY = (-2,)  # remax's greedy responses (the seed is unused at temperature 0)
 
 
+def overlong_buffer(config: JobConfig) -> OverlongBuffer | None:
+    """`reward_model.overlong_buffer` as the scorer applies it (None: off)."""
+    ob = config.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    return OverlongBuffer(ob.len, ob.penalty_factor, config.data.max_response_length, ob.log)
+
+
+def filter_value(config: JobConfig, sample: Sample) -> float:
+    """What DAPO's dynamic sampling compares within a group (`algorithm.filter_groups.metric`):
+    acc/score, the score before the overlong penalty (verl's reward_extra_info "acc"); else
+    the reward trained on."""
+    if config.algorithm.filter_groups.metric in ("acc", "score"):
+        return sample.reward - sample.overlong
+    return sample.reward
+
+
 def score_outputs(
     rewards: RewardManager,
     local: Sequence[tuple[PromptItem, RequestOutput]],
     learned: LearnedReward | None = None,
+    overlong: OverlongBuffer | None = None,
 ) -> tuple[list[Sample], dict[str, float], FailureSummary]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`), the reward metrics and what failed. A sharded `learned`
-    is a collective: it is called even with nothing to score."""
+    weighted score, when `learned`; plus DAPO's overlong penalty, when `overlong`), the reward
+    metrics and what failed. A sharded `learned` is a collective: it is called even with
+    nothing to score."""
     if not local:
         if learned is not None and learned.collective:
             learned.score([])
@@ -122,6 +149,9 @@ def score_outputs(
     if learned is not None:
         scores, seconds = learned.score([(item, c.token_ids) for item, _, c in flat])
         add_model_scores(result, scores, learned.weight, seconds)
+    penalties = [0.0] * len(flat)
+    if overlong is not None:
+        penalties = add_overlong_penalty(result, [len(c.token_ids) for _, _, c in flat], overlong)
     samples = [
         Sample(
             item.index,
@@ -131,8 +161,9 @@ def score_outputs(
             c.finish_reason,
             reward,
             out.request_id,
+            overlong=penalty,
         )
-        for (item, out, c), reward in zip(flat, result.rewards, strict=True)
+        for (item, out, c), reward, penalty in zip(flat, result.rewards, penalties, strict=True)
     ]
     return samples, result.metrics(), FailureSummary.of(result)
 
@@ -256,6 +287,8 @@ def ppo_update(
     """`ppo_epochs` passes over mini-batches of whole prompt groups; the mean of each metric."""
     sums: dict[str, list[float]] = {}
     for rows in mini_batches(config, samples, step):
+        if not any(bool(batch.loss_mask[i].any()) for i in rows):
+            continue  # rollout correction rejected all of it (every rank skips alike)
         metrics = trainer.train_step(batch_rows(batch, rows))
         for k, v in metrics.items():
             sums.setdefault(k, []).append(v)
@@ -295,6 +328,7 @@ def batch_rows(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
         old_logprobs=pick(batch.old_logprobs),
         ref_logprobs=pick(batch.ref_logprobs),
         behaviour_logprobs=pick(batch.behaviour_logprobs),
+        rollout_is_weights=pick(batch.rollout_is_weights),
     )
 
 
@@ -383,21 +417,92 @@ def update_actor(
     step: int,
     timings: dict[str, float],
     decoupled: bool = False,
-) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """The actor's PPO update of `batch` (advantages set) and the old logprobs it used: from
-    the update's own forward when it makes one on-policy step and nothing scored them yet."""
+) -> tuple[dict[str, float], list[torch.Tensor] | None]:
+    """The actor's PPO update of `batch` (advantages set) and the trainer's logprobs of the
+    batch before it: from the update's own forward when it makes one on-policy step and nothing
+    scored them yet. With `algorithm.rollout_correction` (verl's): in bypass mode the samples'
+    own logprobs are the old logprobs and nothing is rescored (the logprobs returned are None:
+    the trainer never computed them); with IS weights or rejection (decoupled) the batch is
+    rescored and corrected first, its `rollout_corr/*` metrics joining the actor's."""
+    rc = config.algorithm.rollout_correction
+    if rc.bypass_mode:
+        batch.old_logprobs = _aligned(batch, [s.logprobs for s in samples])
     fused = not decoupled and batch.old_logprobs is None and single_update(config, samples)
+    if rc.active and not rc.bypass_mode:
+        fused = False
     if fused:
         if needs_reference(config) and batch.ref_logprobs is None:
             with timed(timings, "ref"):
                 batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
     else:
         score_old_and_ref(config, trainer, batch, timings)
+    rc_metrics: dict[str, float] = {}
+    if rc.active and not rc.bypass_mode:
+        rc_metrics = correct_batch(config, batch, samples)
     with timed(timings, "update_actor"):
         actor_metrics = ppo_update(config, trainer, batch, samples, step)
+    if rc.bypass_mode:
+        return {**actor_metrics, **rc_metrics}, None
     old = trainer.scored_logprobs() if fused else batch.old_logprobs
     assert old is not None
-    return actor_metrics, old
+    return {**actor_metrics, **rc_metrics}, old
+
+
+def _aligned(
+    batch: PolicyBatch, responses: Sequence[Sequence[float] | torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per-response-token values placed in the batch's prompt + response layout (0 on the
+    prompt)."""
+    out = []
+    for ids, values in zip(batch.input_ids, responses, strict=True):
+        row = torch.zeros(ids.numel(), dtype=torch.float32)
+        row[ids.numel() - len(values) :] = torch.as_tensor(values, dtype=torch.float32)
+        out.append(row)
+    return out
+
+
+def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) -> dict[str, float]:
+    """verl's decoupled rollout correction over the whole batch (its
+    `compute_rollout_correction_and_add_to_batch`): IS weights of the trainer's old logprobs
+    against the samples' own into `batch.rollout_is_weights`, rejected tokens out of
+    `batch.loss_mask`; returns the `rollout_corr/*` metrics."""
+    assert batch.old_logprobs is not None
+    rc = config.algorithm.rollout_correction
+    # padded fp32 [samples, longest response], as verl's batch holds them
+    width = max(len(s.token_ids) for s in samples)
+    train = torch.zeros(len(samples), width, dtype=torch.float32)
+    rollout = torch.zeros_like(train)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for b, (lp, s) in enumerate(zip(batch.old_logprobs, samples, strict=True)):
+        n = len(s.token_ids)
+        train[b, :n] = lp[lp.numel() - n :].float()
+        rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        mask[b, :n] = True
+    weights, kept, metrics = correction(
+        train,
+        rollout,
+        mask,
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold,
+    )
+    if not bool(kept.any()):
+        raise JobError(
+            f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every token of "
+            f"the batch (rollout_rs_threshold={rc.rollout_rs_threshold}; "
+            f"rollout_corr/kl={metrics['rollout_corr/kl']:.4g}): nothing is left to train on; "
+            "loosen the threshold, or check the engine's and the trainer's dtypes"
+        )
+    lengths = [len(s.token_ids) for s in samples]
+    if weights is not None:
+        batch.rollout_is_weights = _aligned(batch, [weights[b, :n] for b, n in enumerate(lengths)])
+    for b, n in enumerate(lengths):
+        m = batch.loss_mask[b].clone()
+        m[m.numel() - n :] &= kept[b, :n]
+        batch.loss_mask[b] = m
+    return metrics
 
 
 def _responses(logprobs: list[torch.Tensor], samples: list[Sample]) -> list[torch.Tensor]:
@@ -531,6 +636,7 @@ def step_metrics(
         metrics[f"critic/rewards/{name}"] = float(pick(summed))
     if update.old_logprobs is not None:
         metrics.update(probs_diff(samples, update.old_logprobs))
+        metrics.update(mismatch_metrics(samples, update.old_logprobs, metrics))
     tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
     metrics["perf/total_num_tokens"] = float(tokens)
     metrics["perf/throughput"] = tokens / timings["step"] / world_size
@@ -574,6 +680,29 @@ def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> d
         "training/rollout_probs_diff_mean": float(d.mean()),
         "training/rollout_probs_diff_max": float(d.max()),
         "training/rollout_probs_diff_std": float(d.std()) if d.numel() > 1 else 0.0,
+    }
+
+
+def mismatch_metrics(
+    samples: list[Sample], trainer_logprobs: list[torch.Tensor], already: dict[str, float]
+) -> dict[str, float]:
+    """verl's `rollout_corr/*` off-policy metrics (KL, k3 KL, perplexities, chi-squared)
+    between the trainer's logprobs of the batch and the engine's, every step, over the
+    responses' own tokens (no padding); those a rollout correction already reported (same
+    inputs) are kept. Empty responses are left out."""
+    rows = [(lp, s) for lp, s in zip(trainer_logprobs, samples, strict=True) if s.token_ids]
+    if not rows:
+        return {}
+    got = ragged_offpolicy_metrics(
+        [lp[lp.numel() - len(s.token_ids) :] for lp, s in rows],
+        [torch.tensor(s.logprobs, dtype=torch.float64) for _, s in rows],
+    )
+    names = list(got)
+    values = torch.stack([got[k] for k in names]).tolist()
+    return {
+        f"rollout_corr/{k}": v
+        for k, v in zip(names, values, strict=True)
+        if f"rollout_corr/{k}" not in already
     }
 
 

@@ -49,7 +49,9 @@ from patrl.orchestrator.step import (
     GREEDY_BASELINE_SEED_KEY,
     VALIDATION_SEED_KEY,
     Sample,
+    filter_value,
     merge_reward_metrics,
+    overlong_buffer,
     sampling_params,
     score_outputs,
     step_metrics,
@@ -267,7 +269,7 @@ class SyncGRPO(RunLoop):
         rounds = 0
         while True:
             rounds += 1
-            items = self.loader.next_batch()
+            items = self.loader.next_batch(self.config.data.gen_batch_size)
             before = self.engine.stats()
             with timed(timings, "gen"):
                 local = self._generate(
@@ -289,7 +291,7 @@ class SyncGRPO(RunLoop):
             for s in samples:
                 by_group.setdefault(s.prompt_index, []).append(s)
             f = filter_zero_variance_groups(
-                [s.reward for s in samples], [s.prompt_index for s in samples]
+                [filter_value(self.config, s) for s in samples], [s.prompt_index for s in samples]
             )
             kept += [by_group[int(g)] for g in f.kept_groups]  # type: ignore[call-overload]
             metrics["dapo/kept_groups"] = metrics.get("dapo/kept_groups", 0.0) + f.num_kept
@@ -495,7 +497,8 @@ class SyncGRPO(RunLoop):
         learned = self.learned if training else None
         mine: tuple[list[Sample], dict[str, float], FailureSummary] = ([], {}, FailureSummary())
         if self.rewards is not None:
-            mine = score_outputs(self.rewards, local, learned)
+            overlong = overlong_buffer(self.config) if training else None
+            mine = score_outputs(self.rewards, local, learned, overlong)
         elif learned is not None:  # a sharded RM: every rank takes part in its forwards
             learned.score([])
         shares = all_gather_objects(self.world, mine)

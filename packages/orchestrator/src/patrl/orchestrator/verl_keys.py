@@ -149,6 +149,14 @@ RULES: dict[str, Rule] = {
     "actor.use_torch_compile": _PERF_KNOB,
     "actor.entropy_from_logits_with_chunking": _PERF_KNOB,
     "actor.entropy_checkpointing": _PERF_KNOB,
+    # ---- rollout correction (algorithm.rollout_correction.* are patrl's own keys)
+    "actor.tis_imp_ratio_cap": Fixed(
+        (-1, None),
+        "verl replaced it by algorithm.rollout_correction (the same token-level truncated IS, "
+        "its weights taken against the rescored old logprobs)",
+        "algorithm.rollout_correction.rollout_is=token "
+        "algorithm.rollout_correction.rollout_is_threshold=<the cap>",
+    ),
     "actor.shuffle": Noted("patrl takes each step's mini-batches in sample order", quiet=(False,)),
     "actor.data_loader_seed": Noted("patrl's mini-batches are not shuffled"),
     # ---- reference policy (actor_rollout_ref.ref.*)
@@ -268,11 +276,19 @@ RULES: dict[str, Rule] = {
         "critic.ppo_micro_batch_size_per_gpu",
     ),
     "reward_model.reward_manager": Fixed(
-        ("naive",),
-        "patrl scores each sample with reward.functions, as verl's naive manager does",
+        ("naive", "dapo"),
+        "patrl scores each sample with reward.functions, as verl's naive manager does; dapo's "
+        "overlong shaping is reward_model.overlong_buffer.*",
         "reward.functions (and custom_reward_function.path)",
     ),
     "reward_model.micro_batch_size_per_gpu": Alias("reward_model.micro_batch_size"),
+    # verl's main_ppo passes the DAPO manager's overlong settings as reward_kwargs
+    **{
+        f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": Alias(
+            f"reward_model.overlong_buffer.{key}"
+        )
+        for key in ("enable", "len", "penalty_factor", "log")
+    },
     "reward_model.launch_reward_fn_async": Noted(
         "patrl's reward functions run in their own worker processes (reward.num_workers)"
     ),

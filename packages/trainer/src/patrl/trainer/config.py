@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -99,16 +99,97 @@ class CriticCheckpointConfig(CheckpointConfig):
     )
 
 
+class RolloutCorrectionConfig(BaseModel):
+    """verl's `algorithm.rollout_correction`: correct for the rollout engine's policy differing
+    from the trainer's (rollout_correction.py; docs/verl.md, "Rollout correction").
+
+    Decoupled (`bypass_mode` false): the trainer rescores the batch (pi_old) and the IS weights
+    pi_old / pi_rollout multiply each token's policy loss; rejected tokens leave the loss mask.
+    Bypass: the rollout's logprobs are PPO's anchor (no rescoring); the weights and the
+    rejection are taken against the current policy inside the loss, which is PPO's clipped
+    ratio (`ppo_clip`, no extra weights) or REINFORCE with the IS weights (`reinforce`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        default=None, description="truncated IS weights per token or per sequence; null = off"
+    )
+    rollout_is_threshold: float = Field(
+        default=2.0, gt=0, description="IS weights are truncated to at most this"
+    )
+    rollout_is_batch_normalize: bool = Field(
+        default=False, description="divide the IS weights by their batch mean"
+    )
+    rollout_rs: str | None = Field(
+        default=None,
+        description="rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, "
+        "seq_max_k2/3; null = off",
+    )
+    rollout_rs_threshold: str | float | None = Field(
+        default=None,
+        description="one bound per rollout_rs option (comma-separated) or one for all; k1 "
+        "options take 'lower_upper' ratios or an upper u (lower 1/u)",
+    )
+    bypass_mode: bool = Field(
+        default=False, description="the rollout's logprobs as PPO's anchor (no old-logprob pass)"
+    )
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        default="ppo_clip", description="bypass_mode's loss: PPO's clip, or REINFORCE x IS weights"
+    )
+
+    @model_validator(mode="after")
+    def _rs_parses(self) -> RolloutCorrectionConfig:
+        if self.rollout_rs is not None:
+            from patrl.trainer.rollout_correction import parse_rs
+
+            parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is corrected (weights, rejection or the bypass anchor)."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
 class PolicyLossConfig(BaseModel):
     """verl's `actor.policy_loss`: which surrogate the actor minimises."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
-    # geometric mean of the token ratios), clipped per sequence.
-    loss_mode: Literal["vanilla", "gspo"] = Field(
-        default="vanilla", description="vanilla (PPO token ratio) or gspo (sequence ratio)"
+    # Set from algorithm.rollout_correction when its bypass_mode is on (verl's
+    # apply_bypass_mode puts it here too); the loss then takes its anchor from the rollout.
+    rollout_correction: RolloutCorrectionConfig | None = Field(
+        default=None, description="set by algorithm.rollout_correction.bypass_mode; leave unset"
     )
+
+    # vanilla: PPO's token-level clipped ratio; gspo: GSPO's sequence-level ratio (the
+    # geometric mean of the token ratios), clipped per sequence; cispo, gpg, sapo, geo_mean
+    # (GMPO), clip_cov, kl_cov: verl's losses of those names (losses.py).
+    loss_mode: str = Field(
+        default="vanilla",
+        description="vanilla (PPO token ratio), gspo (sequence ratio), cispo, gpg, sapo, "
+        "geo_mean (GMPO), clip_cov, kl_cov",
+    )
+
+    # verl's covariance losses (clip_cov, kl_cov), per micro-batch as in verl.
+    clip_cov_ratio: float = Field(
+        default=0.0002, gt=0, le=1, description="clip_cov: share detached"
+    )
+    clip_cov_lb: float = Field(default=1.0, description="clip_cov: covariance band, lower")
+    clip_cov_ub: float = Field(default=5.0, description="clip_cov: covariance band, upper")
+    kl_cov_ratio: float = Field(default=0.0002, gt=0, le=1, description="kl_cov: share penalised")
+    ppo_kl_coef: float = Field(default=0.1, ge=0, description="kl_cov: the |log r| coefficient")
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _known_loss(cls, mode: str) -> str:
+        from patrl.trainer.losses import LOSS_MODES, REFUSED_LOSS_MODES
+
+        if mode in REFUSED_LOSS_MODES:
+            raise ValueError(f"loss_mode={mode} is not supported: {REFUSED_LOSS_MODES[mode]}")
+        if mode not in LOSS_MODES:
+            raise ValueError(f"unknown loss_mode {mode!r}; accepted: {', '.join(LOSS_MODES)}")
+        return mode
 
 
 class TrainerConfig(BaseModel):
@@ -131,6 +212,9 @@ class TrainerConfig(BaseModel):
         default=None, ge=0, description="ratio ceiling 1 + this; None = clip_ratio"
     )
     clip_ratio_c: float | None = Field(default=3.0, gt=1)
+    # SAPO's gate temperatures (verl's actor.tau_pos / tau_neg).
+    tau_pos: float = Field(default=1.0, gt=0, description="sapo: gate temperature where A > 0")
+    tau_neg: float = Field(default=1.05, gt=0, description="sapo: gate temperature where A <= 0")
     loss_agg_mode: AggMode = "token-mean"
     # seq-mean-token-sum-norm's divisor (verl's name); None: the step's longest response.
     loss_scale_factor: float | None = Field(
@@ -162,6 +246,16 @@ class TrainerConfig(BaseModel):
     # Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(default=3, ge=1)
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
+
+    @property
+    def policy_agg_mode(self) -> str:
+        """The policy loss's aggregation: GSPO's and SAPO's are always seq-mean-token-mean
+        (verl's `compute_policy_loss_gspo` / `_sapo` ignore loss_agg_mode), the others'
+        `loss_agg_mode` (geo_mean takes its own mean over sequences). The
+        entropy and KL terms always use `loss_agg_mode` (as in verl)."""
+        if self.policy_loss.loss_mode in ("gspo", "sapo"):
+            return "seq-mean-token-mean"
+        return self.loss_agg_mode
 
     @property
     def clip_low(self) -> float:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-LOSS_MODES = ("vanilla", "gspo")
+LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov")
+# verl's policy losses patrl refuses, and why (none at present).
+REFUSED_LOSS_MODES: dict[str, str] = {}
 # verl's spellings are accepted beside k1/k2/k3: "kl" is k1, "mse" is k2, "low_var_kl" is k3;
 # "abs" is |log pi - log pi_ref|.
 KL_TYPES = {
@@ -97,6 +99,17 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str)
     return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
+@dataclass(frozen=True, slots=True)
+class CovSettings:
+    """verl's `actor.policy_loss` settings of the covariance losses (its defaults)."""
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
 @dataclass(slots=True)
 class PolicyLossStats:
     """Masked means over the loss tokens of one call (detached), for metrics."""
@@ -121,14 +134,36 @@ def policy_loss(
     clip_ratio_c: float | None,
     agg_mode: str,
     loss_mode: str = "vanilla",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
     behaviour_logprobs: torch.Tensor | None = None,
     behaviour_weight_cap: float | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     scale_factor: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    cov: CovSettings | None = None,
+    num_valid: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO/GRPO clipped surrogate (verl's dual clip with `clip_ratio_c`), or with `loss_mode`
-    "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats.
+    "gspo" GSPO's sequence-level ratio (no dual clip); the loss and its stats. verl's other
+    losses, by its names (r = exp(log pi - log pi_old), clamped at +-20 in the exponent):
+    "cispo": -sg(clip(r, 1 - low, 1 + high)) * A * log pi; "gpg": -A * log pi; "sapo":
+    -A * sigmoid(tau (r - 1)) * 4 / tau, tau = `tau_pos` where A > 0 else `tau_neg` (aggregate
+    it seq-mean-token-mean, as verl does); "geo_mean" (GMPO): per sequence
+    -mean_t(A) * exp(mean_t(sign(A) min(sign(A) log r, sign(A) clip(log r, -low, high)))), the
+    mean over sequences (`agg_mode` unused; IS weights enter as their per-sequence geometric
+    mean). The covariance losses (`cov`, verl's defaults when None) work on this call's tokens
+    (a micro-batch, as in verl), with the unclamped ratio; c = (A - mean A)(log pi - mean log
+    pi): "clip_cov" detaches max(int(clip_cov_ratio x n), 1) tokens drawn at random
+    (`generator`) among those PPO did not clip with clip_cov_lb < c < clip_cov_ub; "kl_cov"
+    adds ppo_kl_coef x |log r| to the PPO loss of the max(1, int(n x kl_cov_ratio)) tokens of
+    largest c. n = `num_valid`, the call's loss tokens (None: counted, a host sync).
+
+    `is_weights` (rollout correction, detached) multiply each token's loss before aggregation,
+    as verl's `rollout_is_weights`. GSPO's `ppo_kl` is the unclamped mean log-ratio (verl's);
+    the vanilla loss's is clamped at +-20 as its ratio is (verl's too).
 
     With `behaviour_logprobs` (decoupled PPO) `old_logprobs` are the proximal policy's and each
     token's loss is weighted by w = exp(old - behaviour); tokens with w > `behaviour_weight_cap`
@@ -139,15 +174,68 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c must be > 1.0 (or None to disable), got {clip_ratio_c}")
     if behaviour_weight_cap is not None and behaviour_logprobs is None:
         raise ValueError("behaviour_weight_cap needs behaviour_logprobs (decoupled PPO)")
+    if loss_mode in REFUSED_LOSS_MODES:
+        raise ValueError(
+            f"loss_mode {loss_mode!r} is not supported: {REFUSED_LOSS_MODES[loss_mode]}"
+        )
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; accepted: {', '.join(LOSS_MODES)}")
+    if loss_mode == "geo_mean":
+        if behaviour_logprobs is not None:
+            raise ValueError("loss_mode 'geo_mean' has no decoupled-PPO (behaviour) form")
+        return _geo_mean_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_ratio_low,
+            clip_ratio_high,
+            is_weights,
+            num_seqs,
+        )
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     gspo = loss_mode == "gspo"
+    covariance = loss_mode in ("clip_cov", "kl_cov")
     ratio = _gspo_ratio(logprobs, old_logprobs, mask) if gspo else log_ratio.exp()
+    kl_values = old_logprobs - logprobs if gspo else -log_ratio
+    if covariance:  # verl's covariance losses take the ratio unclamped
+        raw = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+        ratio = raw.exp()
+        kl_values = raw.abs() if loss_mode == "kl_cov" else -raw
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     clipped = loss_clipped > loss_unclipped
+    if loss_mode == "cispo":
+        bounded = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        loss_ppo = -bounded.detach() * advantages * logprobs
+        clipped = ratio != bounded
+    elif loss_mode == "gpg":
+        loss_ppo = -logprobs * advantages
+        clipped = torch.zeros_like(mask)
+    elif loss_mode == "sapo":
+        tau = torch.where(
+            advantages > 0,
+            torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+            torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+        )
+        loss_ppo = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+        clipped = torch.zeros_like(mask)
+    elif covariance:
+        settings = cov or CovSettings()
+        n = int(mask.sum()) if num_valid is None else num_valid
+        if loss_mode == "clip_cov":
+            dropped = _clip_cov_tokens(
+                logprobs, advantages, mask, clipped & mask, settings, n, generator
+            )
+            loss_ppo = torch.where(dropped, loss_ppo * 0.0, loss_ppo)
+            clipped = dropped  # verl's pg_clipfrac: the tokens clip_cov detached
+        else:
+            top = _kl_cov_tokens(logprobs, advantages, mask, settings.kl_cov_ratio, n)
+            loss_ppo = torch.where(
+                top, loss_unclipped + settings.ppo_kl_coef * raw.abs(), loss_unclipped
+            )
+            clipped = torch.zeros_like(mask)
     dual = torch.zeros_like(clipped)
     if clip_ratio_c is not None and loss_mode == "vanilla":
         loss_dual = -advantages * clip_ratio_c
@@ -164,6 +252,8 @@ def policy_loss(
             capped = mask & (weight > behaviour_weight_cap)
             keep = mask & ~capped
         loss_ppo = loss_ppo * weight.detach()
+    if is_weights is not None:
+        loss_ppo = loss_ppo * is_weights.detach()
     loss_ppo = torch.where(keep, loss_ppo, torch.zeros_like(loss_ppo))
     loss = aggregate(loss_ppo, mask, agg_mode, num_tokens, num_seqs, scale_factor)
 
@@ -173,9 +263,134 @@ def policy_loss(
             clipfrac_low=masked_mean((clipped & (advantages < 0)).float(), mask),
             clipfrac_high=masked_mean((clipped & (advantages > 0)).float(), mask),
             clipfrac_lower=masked_mean(dual.float(), mask),
-            ppo_kl=masked_mean(-log_ratio, mask),
+            ppo_kl=masked_mean(kl_values, mask),
             behav_capped=masked_mean(capped.float(), mask),
             behav_weight=masked_mean(weight, keep),
+        )
+    return loss, stats
+
+
+def _covariance(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(A - mean A)(log pi - mean log pi) per token, means over the masked tokens."""
+    lp = logprobs.detach()
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _clip_cov_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clipped_by_ppo: torch.Tensor,
+    cov: CovSettings,
+    num_valid: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """verl's clip_cov selection: min(max(int(ratio x n), 1), candidates) tokens drawn at
+    random among the candidates (masked, not clipped by PPO, lb < c < ub)."""
+    c = _covariance(logprobs, advantages, mask)
+    candidates = mask & ~clipped_by_ppo & (c < cov.clip_cov_ub) & (c > cov.clip_cov_lb)
+    if num_valid == 0:
+        return torch.zeros_like(mask)
+    count = min(max(int(cov.clip_cov_ratio * num_valid), 1), mask.numel())
+    keys = torch.rand(mask.shape, generator=generator, device=mask.device)
+    keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    picked[keys.reshape(-1).topk(count).indices] = True
+    return picked.view_as(mask) & candidates
+
+
+def _kl_cov_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: float,
+    num_valid: int,
+) -> torch.Tensor:
+    """verl's kl_cov selection: the max(1, int(n x ratio)) masked tokens of largest c."""
+    if num_valid == 0:
+        return torch.zeros_like(mask)
+    c = _covariance(logprobs, advantages, mask)
+    c = torch.where(mask, c, torch.full_like(c, float("-inf")))
+    count = min(max(1, int(num_valid * ratio)), num_valid)
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    picked[c.reshape(-1).topk(count).indices] = True
+    return picked.view_as(mask) & mask
+
+
+def _geo_mean_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+    is_weights: torch.Tensor | None,
+    num_seqs: float | None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """verl's `compute_policy_loss_geo_mean` (GMPO), the mean taken over the step's
+    `num_seqs` sequences (None: this call's rows) so micro-batches add up to the batch's."""
+    zero = torch.zeros_like(logprobs)
+    n = mask.sum(dim=-1).to(logprobs.dtype)
+    neg_kl = torch.where(mask, logprobs - old_logprobs, zero)
+    sign = torch.sign(advantages)
+    bounded = neg_kl.clamp(-low, high)
+    chosen = sign * torch.minimum(sign * neg_kl, sign * bounded)
+    ratio = torch.exp(torch.where(mask, chosen, zero).sum(dim=-1) / (n + 1e-8))
+    adv = torch.where(mask, advantages, zero).sum(dim=-1) / (n + 1e-8)
+    per_seq = -adv * ratio
+    if is_weights is not None:
+        log_w = torch.where(mask, torch.log(is_weights.detach() + 1e-10), zero)
+        per_seq = per_seq * torch.exp(log_w.sum(dim=-1) / (n + 1e-8))
+    denom = float(logprobs.shape[0]) if num_seqs is None else max(num_seqs, 1.0)
+    loss = per_seq.sum() / denom
+    with torch.no_grad():
+        clipped = neg_kl != bounded
+        high_clip = masked_mean((clipped & (advantages > 0)).float(), mask)
+        low_clip = masked_mean((clipped & (advantages < 0)).float(), mask)
+        none = torch.zeros_like(high_clip)
+        stats = PolicyLossStats(
+            clipfrac=high_clip,  # verl's pg_clipfrac: clipped where A > 0
+            clipfrac_low=low_clip,
+            clipfrac_high=high_clip,
+            clipfrac_lower=low_clip,  # verl's pg_clipfrac_lower: clipped where A < 0
+            ppo_kl=masked_mean(-neg_kl, mask),
+            behav_capped=none,
+            behav_weight=torch.ones_like(none),
+        )
+    return loss, stats
+
+
+def reinforce_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg_mode: str,
+    is_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    scale_factor: float | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """verl's `compute_policy_loss_reinforce` (rollout correction's bypass mode,
+    `loss_type=reinforce`): agg(-A * log pi * w), w the detached IS weights (None: 1). No
+    clipping; `ppo_kl` is mean(log pi_rollout - log pi)."""
+    loss_tok = -advantages * logprobs
+    if is_weights is not None:
+        loss_tok = loss_tok * is_weights.detach()
+    loss = aggregate(loss_tok, mask, agg_mode, num_tokens, num_seqs, scale_factor)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        stats = PolicyLossStats(
+            clipfrac=zero,
+            clipfrac_low=zero,
+            clipfrac_high=zero,
+            clipfrac_lower=zero,
+            ppo_kl=masked_mean(rollout_logprobs - logprobs, mask),
+            behav_capped=zero,
+            behav_weight=torch.ones_like(zero),
         )
     return loss, stats
 

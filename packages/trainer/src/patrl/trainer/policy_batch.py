@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-_FLOAT_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "behaviour_logprobs")
+_FLOAT_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "behaviour_logprobs",
+    "rollout_is_weights",
+)
 
 
 @dataclass(slots=True)
@@ -23,7 +29,8 @@ class PolicyBatch:
     `old_logprobs`: what the ratio is taken against (decoupled PPO: the proximal policy); None
     is on-policy, taken from the update's own forward. `ref_logprobs`: the KL reference's; None
     lets the trainer's frozen reference score them. `behaviour_logprobs`: what the sample was
-    generated with (decoupled PPO only).
+    generated with (decoupled PPO only). `rollout_is_weights`: rollout correction's detached
+    IS weights, multiplying each token's policy loss (None: 1).
     """
 
     input_ids: list[torch.Tensor]
@@ -32,6 +39,7 @@ class PolicyBatch:
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     behaviour_logprobs: list[torch.Tensor] | None = None
+    rollout_is_weights: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from patrl.trainer.checkpoint import Group, load_checkpoint, save_checkpoint
-from patrl.trainer.config import TrainerConfig
+from patrl.trainer.config import RolloutCorrectionConfig, TrainerConfig
 from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
-from patrl.trainer.losses import aggregate, kl_penalty, policy_loss
+from patrl.trainer.losses import CovSettings, aggregate, kl_penalty, policy_loss, reinforce_loss
 from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
 from patrl.trainer.model import (
@@ -43,6 +43,7 @@ from patrl.trainer.model import (
 )
 from patrl.trainer.packing import pack, packed_token_logprobs
 from patrl.trainer.policy_batch import PolicyBatch, pad_field
+from patrl.trainer.rollout_correction import is_weights, parse_rs, rejection_mask
 from patrl.trainer.schedule import build_scheduler
 from patrl.trainer.varlen_attention import register as register_varlen
 from patrl.trainer.weights import Bucket, iter_full_weights
@@ -62,6 +63,12 @@ _SUMS = (
     "behav_capped",
     "behav_weight",
     "loss",
+    # rollout correction in bypass mode (taken against the current policy in the loss)
+    "rc_kl",
+    "rc_k3_kl",
+    "rc_is_weight",
+    "rc_masked",
+    "rc_seq_masked",
 )
 
 
@@ -310,9 +317,9 @@ class Trainer:
 
         # Metric sums stay on the device until the step's one read (no per-micro-batch sync).
         sums = torch.zeros(len(_SUMS), dtype=self._sum_dtype(), device=self.device)
-        for mb in micro_batches:
+        for micro_index, mb in enumerate(micro_batches):
             loss, mb_sums = self._micro_step(
-                batch, mb, old, scored, ref, (num_tokens, num_seqs, scale)
+                batch, mb, old, scored, ref, (num_tokens, num_seqs, scale), micro_index
             )
             # FSDP averages gradients over ranks; the loss is already a share of the global one.
             (loss * self.group.size).backward()
@@ -326,7 +333,7 @@ class Trainer:
         self._apply_or_skip(finite)
         elapsed = time.perf_counter() - start
         real = sum(batch.lengths)
-        metrics = self._metrics(sums, num_tokens, grad_norm, lr)
+        metrics = self._metrics(sums, num_tokens, grad_norm, lr, num_seqs)
         metrics.update(
             {
                 "actor/nonfinite_skipped": float(not finite),
@@ -345,6 +352,12 @@ class Trainer:
         batch.validate()  # fields may have been reassigned since construction
         if not any(bool(m.any()) for m in batch.loss_mask):
             raise ValueError("PolicyBatch has no loss tokens: every loss_mask is all False")
+        rc = self.config.policy_loss.rollout_correction
+        if rc is not None and rc.bypass_mode and batch.old_logprobs is None:
+            raise ValueError(
+                "rollout_correction.bypass_mode needs the rollout's logprobs as the batch's "
+                "old_logprobs (the anchor of the loss); none were given"
+            )
         if self.config.behav_imp_weight_cap is not None and batch.behaviour_logprobs is None:
             raise ValueError(
                 "behav_imp_weight_cap is set (decoupled PPO) but the batch has no "
@@ -362,6 +375,7 @@ class Trainer:
         scored: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
         norms: tuple[float, float, float],
+        micro_index: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch; return its share of the step loss and its metric sums.
         With `old` None (on-policy) the ratio is taken against this forward's own detached
@@ -397,22 +411,51 @@ class Trainer:
         def agg(values: torch.Tensor) -> torch.Tensor:
             return aggregate(values, mask, cfg.loss_agg_mode, num_tokens, num_seqs, scale)
 
-        pg_loss, stats = policy_loss(
-            logp,
-            old_logp,
-            pad(adv_list),
-            mask,
-            clip_ratio_low=cfg.clip_low,
-            clip_ratio_high=cfg.clip_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            agg_mode=cfg.loss_agg_mode,
-            loss_mode=cfg.policy_loss.loss_mode,
-            behaviour_logprobs=behaviour,
-            behaviour_weight_cap=cfg.behav_imp_weight_cap,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            scale_factor=scale,
-        )
+        weights = None
+        if batch.rollout_is_weights is not None:  # decoupled rollout correction
+            weights = pad([batch.rollout_is_weights[i] for i in mb] or [torch.zeros(2)])
+        rc = cfg.policy_loss.rollout_correction
+        bypass = rc is not None and rc.bypass_mode
+        loss_mask: torch.Tensor = mask
+        rc_sums: dict[str, torch.Tensor] = {}
+        if bypass:
+            assert rc is not None
+            loss_mask, weights, rc_sums = self._bypass_correction(logp, old_logp, mask, rc)
+        common: dict[str, Any] = {
+            "agg_mode": cfg.policy_agg_mode,
+            "num_tokens": num_tokens,
+            "num_seqs": num_seqs,
+            "scale_factor": scale,
+        }
+        if bypass and rc is not None and rc.loss_type == "reinforce":
+            pg_loss, stats = reinforce_loss(
+                logp, old_logp, pad(adv_list), loss_mask, is_weights=weights, **common
+            )
+        else:
+            pg_loss, stats = policy_loss(
+                logp,
+                old_logp,
+                pad(adv_list),
+                loss_mask,
+                clip_ratio_low=cfg.clip_low,
+                clip_ratio_high=cfg.clip_high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                # bypass mode's loss is PPO's clip (verl's apply_bypass_mode sets the loss)
+                loss_mode="vanilla" if bypass else cfg.policy_loss.loss_mode,
+                tau_pos=cfg.tau_pos,
+                tau_neg=cfg.tau_neg,
+                behaviour_logprobs=behaviour,
+                behaviour_weight_cap=cfg.behav_imp_weight_cap,
+                # bypass ppo_clip: the ratio to the rollout is the correction (verl)
+                is_weights=None if bypass else weights,
+                cov=self._cov_settings(),
+                # the host's masks: no device sync (only the covariance losses read it)
+                num_valid=sum(int(m.sum()) for m in mask_list)
+                if cfg.policy_loss.loss_mode in ("clip_cov", "kl_cov")
+                else None,
+                generator=self._clip_cov_generator(micro_index),
+                **common,
+            )
         loss = pg_loss
         if cfg.entropy_coeff != 0:
             loss = loss - cfg.entropy_coeff * agg(entropy)
@@ -434,7 +477,61 @@ class Trainer:
         }
         # The behaviour weight is a mean over the tokens the cap kept, not over all of them.
         values["behav_weight"] = stats.behav_weight.to(dtype) * (n - values["behav_capped"])
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        for k in ("rc_kl", "rc_k3_kl", "rc_is_weight", "rc_masked", "rc_seq_masked"):
+            values[k] = rc_sums.get(k, zero)
         return loss, torch.stack([values[k].to(dtype) for k in _SUMS])
+
+    def _cov_settings(self) -> CovSettings:
+        p = self.config.policy_loss
+        return CovSettings(
+            p.clip_cov_ratio, p.clip_cov_lb, p.clip_cov_ub, p.kl_cov_ratio, p.ppo_kl_coef
+        )
+
+    def _clip_cov_generator(self, micro_index: int) -> torch.Generator | None:
+        """clip_cov's random draw, seeded by the run's seed, step and micro-batch (every rank
+        draws its own tokens, reproducibly)."""
+        if self.config.policy_loss.loss_mode != "clip_cov":
+            return None
+        g = torch.Generator(device=self.device)
+        key = (self.config.seed, self.step, self.group.rank, micro_index)
+        g.manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
+        return g
+
+    @staticmethod
+    def _bypass_correction(
+        logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrectionConfig
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Bypass mode (verl's `compute_policy_loss_bypass_mode`): IS weights and the rejection
+        of this micro-batch's tokens, taken from the current policy against the rollout's
+        logprobs; the loss mask with rejected tokens removed, the weights (None without
+        `rollout_is`) and the metric sums (over tokens, rejected sequences counted)."""
+        log_ratio = (logp.detach() - rollout).float()
+        weights = None
+        kept = mask
+        sums: dict[str, torch.Tensor] = {}
+        if rc.rollout_is is not None:
+            weights, is_m = is_weights(
+                log_ratio,
+                mask,
+                rc.rollout_is,
+                rc.rollout_is_threshold,
+                rc.rollout_is_batch_normalize,
+                all_metrics=False,
+            )
+            # verl's rollout_is_mean: the weights' mean before truncation
+            sums["rc_is_weight"] = is_m["rollout_is_mean"] * mask.sum()
+        if rc.rollout_rs is not None:
+            kept, _ = rejection_mask(
+                log_ratio, mask, parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+            )
+            sums["rc_masked"] = (mask & ~kept).sum()
+            sums["rc_seq_masked"] = (mask & ~kept).any(dim=-1).sum()
+        k3 = log_ratio.exp() - log_ratio - 1
+        zero = torch.zeros_like(log_ratio)
+        sums["rc_kl"] = torch.where(mask, -log_ratio, zero).sum()
+        sums["rc_k3_kl"] = torch.where(mask, k3, zero).sum()
+        return kept, weights, sums
 
     def _sum_dtype(self) -> torch.dtype:
         return torch.float32 if self.device.type == "mps" else torch.float64
@@ -485,11 +582,29 @@ class Trainer:
             )
 
     def _metrics(
-        self, sums: torch.Tensor, num_tokens: float, grad_norm: float, lr: float
+        self,
+        sums: torch.Tensor,
+        num_tokens: float,
+        grad_norm: float,
+        lr: float,
+        num_seqs: float = 1.0,
     ) -> dict[str, float]:
         s = dict(zip(_SUMS, sums.tolist(), strict=True))
         per_token = {k: s[k] / num_tokens for k in _SUMS if k not in ("pg_loss", "kl_loss", "loss")}
+        rc = self.config.policy_loss.rollout_correction
+        bypass: dict[str, float] = {}
+        if rc is not None and rc.bypass_mode:
+            bypass["rollout_corr/kl"] = per_token["rc_kl"]
+            bypass["rollout_corr/k3_kl"] = per_token["rc_k3_kl"]
+            if rc.rollout_is is not None:
+                bypass["rollout_corr/rollout_is_mean"] = per_token["rc_is_weight"]
+            if rc.rollout_rs is not None:
+                bypass["rollout_corr/rollout_rs_masked_fraction"] = per_token["rc_masked"]
+                bypass["rollout_corr/rollout_rs_seq_masked_fraction"] = s["rc_seq_masked"] / max(
+                    num_seqs, 1.0
+                )
         return {
+            **bypass,
             "actor/pg_loss": s["pg_loss"],
             "actor/kl_loss": s["kl_loss"],
             "actor/entropy": per_token["entropy"],

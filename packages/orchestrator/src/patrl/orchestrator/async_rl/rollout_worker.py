@@ -31,7 +31,7 @@ from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
-from patrl.orchestrator.step import score_outputs
+from patrl.orchestrator.step import overlong_buffer, score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
 from patrl.trainer.reward_model import load_tokenizer
 
@@ -227,7 +227,7 @@ class RolloutWorker:
     def _hand_over(self, out: RequestOutput) -> None:
         flight = self.in_flight.pop(out.request_id)
         samples, reward_metrics, failures = score_outputs(
-            self.rewards, [(flight.item, out)], self.learned
+            self.rewards, [(flight.item, out)], self.learned, overlong_buffer(self.config)
         )
         versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
         record = GroupRecord(
