@@ -1,8 +1,11 @@
 """CUDA-graph decode: the bucket list, the eager twin of the static buffers and padding (CPU),
-and graphs against eager on CUDA (`gpu`)."""
+the capture code itself on CPU with only torch.cuda's stream and graph calls stood in for, and
+graphs against eager on CUDA (`gpu`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.cuda_graphs import batch_buckets
+from patrl.rollout.cuda_graphs import CudaRuntime, DecodeGraphs, batch_buckets
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
 from patrl_testkit.models import save_hf_model, tiny_hf_model
@@ -89,6 +92,58 @@ def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(
     assert_same(run(twin), expected)
     assert len(calls) >= 10 and {1, 12} <= set(calls)  # every decode step, full to one row
     assert set(graphs.graphs) >= {1, 2, 4, 8, 12}  # shrinking batches padded into buckets
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _Graph:
+    def replay(self) -> None:
+        # a stand-in cannot replay recorded kernels; the test below captures every step
+        raise AssertionError("the stand-in graph was replayed")
+
+
+@contextlib.contextmanager
+def _run_body(*args: object, **kwargs: object) -> Iterator[None]:
+    yield  # the body runs for real, as on a GPU it runs once to be recorded
+
+
+def test_the_capture_code_gives_the_eager_tokens_with_cuda_calls_stood_in(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CudaRuntime's warm-up and capture, on CPU: torch.cuda's streams and graphs are stand-ins
+    that run the body (a capture's writes are those of a real run: idempotent KV writes, the
+    output copy). Every decode step captures anew (the graphs are reset before each), so every
+    step goes through the tensor path a capture takes, including the writes into the static
+    output outside inference mode that a first CUDA decode step makes."""
+    expected = run(engine(model_dir))
+    for name, stand_in in {
+        "Stream": _Stream,
+        "current_stream": _Stream,
+        "stream": _run_body,
+        "graph": _run_body,
+        "graph_pool_handle": object,
+        "CUDAGraph": _Graph,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+    eng = engine(model_dir)
+    runner = eng.runner
+    graphs = DecodeGraphs(runner.model, runner.cache, 12, runner.max_model_len, capture=True)
+    runner.graphs = graphs
+    captured: list[int] = []
+    forward = graphs.forward
+
+    def capture_each_step(ids: torch.Tensor, ctx: Any) -> torch.Tensor:
+        graphs.reset()
+        captured.append(ctx.num_seqs)
+        return forward(ids, ctx)
+
+    graphs.forward = capture_each_step  # type: ignore[method-assign]
+    assert_same(run(eng), expected)
+    assert len(captured) >= 10 and {1, 12} <= set(captured)
+    assert isinstance(graphs.runtime, CudaRuntime) and graphs.runtime.pool is not None
 
 
 def test_graphs_are_dropped_when_the_weights_move(model_dir: Path) -> None:
