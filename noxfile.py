@@ -1,5 +1,6 @@
 """Developer sessions: `nox -s tests`, `install_check`, `lint`, `typecheck`, `bench`, `demo`,
-`gpu`, `tests_floor` (the lowest declared transformers), and `wheels` (the wheelhouse that installs any one package from this checkout).
+`gpu`, `tests_floor` (the lowest declared transformers), and `wheels` (the wheelhouse that
+installs any one package from this checkout).
 
 Every session installs the pinned CPU torch first: an unpinned torch would pull several GB of
 CUDA packages, and the packages' own `torch>=2.6` range is then satisfied by what is there.
