@@ -160,6 +160,33 @@ def test_graphs_are_dropped_when_the_weights_move(model_dir: Path) -> None:
     assert set(graphs.graphs) == {1}  # the old graphs were dropped, bucket 1 captured anew
 
 
+def test_sdpa_graphs_refuse_a_gather_of_max_model_len_for_every_row(tmp_path: Path) -> None:
+    """A graph's sdpa decode gathers max_model_len tokens of K and V for each captured row: at
+    32k tokens x 256 rows (the defaults' max_num_seqs) 2 GiB a layer for this tiny model (2 KV
+    heads of 16, fp32), refused where graphs are built; 8k tokens (0.5 GiB) and triton pass."""
+    model = tiny_hf_model("qwen2", max_position_embeddings=32768)
+    model_dir = save_hf_model(model, tmp_path / "long")
+
+    def graphs_of(backend: str, max_model_len: int) -> Any:
+        eng = Engine(
+            EngineConfig(
+                model=str(model_dir), attention_backend=backend, max_model_len=max_model_len,
+                block_size=16, num_kv_blocks=max_model_len // 16, tune_host_malloc=False,
+            )
+        )  # fmt: skip
+        assert eng.config.max_num_seqs == 256
+        return eng.runner._decode_graphs(capture=False)
+
+    with pytest.raises(ValueError, match=r"attention_backend='sdpa' with CUDA graphs") as info:
+        graphs_of("sdpa", 32768)
+    message = info.value.args[0]
+    assert "max_model_len=32768" in message and "256 captured rows: 2.0 GiB" in message
+    assert "enforce_eager=True" in message and "'triton'" in message
+    assert graphs_of("sdpa", 8192) is not None
+    if triton_interpreted():
+        assert graphs_of("triton", 32768) is not None
+
+
 def test_a_cpu_engine_runs_eagerly(model_dir: Path) -> None:
     assert engine(model_dir).runner.graphs is None
 

@@ -20,9 +20,34 @@ from typing import Any
 
 import torch
 
-from patrl.kvstore import PagedKVCache
+from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.models.causal_lm import CausalLM
+
+SDPA_GATHER_BYTES = 1 << 30
+"""The most K and V bytes one layer of a captured `sdpa` decode may gather. A graph's block
+table is `max_model_len` wide, and sdpa gathers every row's whole table (the kernels of the
+other backends read only each row's context): at 32k tokens x 256 rows that is ~17 GiB per K
+and per V, at capture and at every replay."""
+
+
+def check_graph_gather(backend: str, max_batch: int, max_model_len: int, spec: KVCacheSpec) -> None:
+    """Raise ValueError when `backend` is sdpa and a captured decode of `max_batch` rows would
+    gather more than SDPA_GATHER_BYTES of one layer's K and V (`max_model_len` tokens a row),
+    naming the numbers and what to change."""
+    if backend != "sdpa":
+        return
+    tokens = -(-max_model_len // spec.block_size) * spec.block_size
+    gathered = max_batch * tokens * spec.bytes_per_token // spec.num_layers  # K and V
+    if gathered <= SDPA_GATHER_BYTES:
+        return
+    raise ValueError(
+        f"attention_backend='sdpa' with CUDA graphs gathers max_model_len={max_model_len} "
+        f"tokens of K and V for each of {max_batch} captured rows: {gathered / (1 << 30):.1f} "
+        f"GiB a layer, over the {SDPA_GATHER_BYTES / (1 << 30):.0f} GiB limit. Use "
+        "attention_backend='triton' or 'auto' (they read each row's own context), set "
+        "enforce_eager=True, or lower max_model_len or max_num_seqs"
+    )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
