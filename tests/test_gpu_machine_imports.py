@@ -70,7 +70,6 @@ import importlib, importlib.abc, json, sys
 from pathlib import Path
 
 allowed = set(sys.stdlib_module_names) | set(json.loads(sys.argv[1])) | {"patrl"}
-allowed.add(sys.implementation._multiarch and f"_sysconfigdata_{sys.abiflags}_{sys.platform}_{sys.implementation._multiarch}")
 blocked = set()
 
 
@@ -82,7 +81,7 @@ class Hide(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
-        if top not in allowed:
+        if top not in allowed and not top.startswith("_sysconfigdata"):  # stdlib's own
             blocked.add(top)
             return None
         return self.finder.find_spec(name, path, target)
