@@ -7,9 +7,10 @@
 #
 # Python: $PY, else `python3` (the system one: no venv, no nox, no package registry needed).
 # Wheels: the dependencies that Python lacks (pydantic, math-verify, ...), as .whl files in
-#   WHEELS_DIR, else $PATRL_WHEELS, else .device_wheels/ in the repository, else
-#   ../shared/device/wheels beside it; they are unzipped onto PYTHONPATH (no pip). With none
-#   of these (patrl installed normally, say) nothing is unpacked.
+#   WHEELS_DIR, else $PATRL_WHEELS, else the first folder of .device_wheels/,
+#   shared/device/wheels/ and ../shared/device/wheels/ (from the repository root) that
+#   exists; they are unzipped onto PYTHONPATH (no pip). With none of these (patrl installed
+#   normally, say) nothing is unpacked.
 # The packages' src/ and tests/ go first on PYTHONPATH: this checkout is what is checked.
 # Results: $OUT, else benchmarks/results/gpu_check/, holds env.json, one log and one JUnit
 #   XML per step, the bench's JSON and summary.json (each step's exit status, seconds, and
@@ -39,7 +40,8 @@ OUT=$(cd "$OUT" && pwd)
 # --- wheels onto PYTHONPATH, then the packages' sources ------------------------------------
 WHEELS=${1:-${PATRL_WHEELS:-}}
 if [ -z "$WHEELS" ]; then
-  for candidate in "$ROOT/.device_wheels" "$ROOT/../shared/device/wheels"; do
+  for candidate in "$ROOT/.device_wheels" "$ROOT/shared/device/wheels" \
+    "$ROOT/../shared/device/wheels"; do
     if [ -d "$candidate" ]; then WHEELS=$candidate; break; fi
   done
 fi
