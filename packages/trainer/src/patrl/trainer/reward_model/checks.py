@@ -50,7 +50,9 @@ def load_tokenizer(path: str | os.PathLike[str], key: str = "reward_model.model.
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as err:
+    # ImportError: transformers 4.x, finding no tokenizer file, converts a slow tokenizer, which
+    # needs protobuf or tiktoken
+    except (OSError, ValueError, TypeError, ImportError) as err:
         raise ValueError(
             f"{key}={str(path)!r}: no usable tokenizer (tokenizer.json / tokenizer_config.json, "
             f"as save_pretrained writes them): {err}"
