@@ -2,8 +2,8 @@
 benchmarks/gpu/check.sh): torch, triton, transformers, safetensors, numpy, pytest, tqdm,
 pyarrow, hypothesis and what they pull in, plus the wheels check.sh unpacks (pydantic and its
 parts, math-verify and its parts). No `datasets`, no flash-attn. In a fresh process whose
-import system finds nothing else, every public module of every package imports, and a local
-.jsonl and .parquet dataset load."""
+import system finds nothing else, every public module of every package imports, so do the test
+modules check.sh runs there, and a local .jsonl and .parquet dataset load."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def top_level_modules(distributions: set[str]) -> set[str]:
 
 
 SCRIPT = r"""
-import importlib, importlib.abc, json, sys
+import importlib, importlib.abc, importlib.util, json, sys
 from pathlib import Path
 
 allowed = set(sys.stdlib_module_names) | set(json.loads(sys.argv[1])) | {"patrl"}
@@ -107,6 +107,21 @@ for path in sorted(Path(sys.argv[2]).glob("packages/*/src/patrl/*/**/*.py")):
         importlib.import_module(name)
     except Exception as err:
         failed[name] = f"{type(err).__name__}: {err}"
+
+# The test modules check.sh runs there (those holding gpu-marked tests) import too.
+root = Path(sys.argv[2])
+test_dirs = [root / "tests", *root.glob("packages/*/tests")]
+sys.path[:0] = [str(d) for d in test_dirs]
+allowed.update(p.stem for d in test_dirs for p in d.iterdir())  # the testkits: this repo's own
+for path in sorted([*root.glob("packages/*/tests/test_*.py"), *root.glob("tests/test_*.py")]):
+    if "pytest.mark.gpu" not in path.read_text():
+        continue
+    modules.append(path.name)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except BaseException as err:  # pytest's skips and failures are BaseExceptions
+        failed[path.name] = f"{type(err).__name__}: {err}"
 
 from patrl.orchestrator.data import read_rows
 
