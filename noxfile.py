@@ -1,5 +1,6 @@
 """Developer sessions: `nox -s tests`, `install_check`, `lint`, `typecheck`, `bench`, `demo`,
-`gpu`, and `wheels` (the wheelhouse that installs any one package from this checkout).
+`gpu`, `tests_floor` (the lowest declared transformers), and `wheels` (the wheelhouse that
+installs any one package from this checkout).
 
 Every session installs the pinned CPU torch first: an unpinned torch would pull several GB of
 CUDA packages, and the packages' own `torch>=2.6` range is then satisfied by what is there.
@@ -9,6 +10,7 @@ Virtualenvs are reused, so a second `nox -s tests` only re-checks the installs.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nox
@@ -203,3 +205,29 @@ def gpu(session: nox.Session) -> None:
     if "True" not in str(has_cuda):
         session.skip("no CUDA device here")
     session.run("pytest", "-m", "gpu", *session.posargs)
+
+
+def declared_floor(requirement: str) -> str:
+    """The highest `<requirement>>=X` lower bound the packages' pyprojects declare: the oldest
+    version every package that names it claims to support."""
+    floors = []
+    for name in PACKAGES:
+        text = (ROOT / "packages" / name / "pyproject.toml").read_text()
+        floors += re.findall(rf'"{re.escape(requirement)}>=([0-9][0-9.]*)', text)
+    if not floors:
+        raise ValueError(f"no package declares a {requirement}>= floor")
+    return max(floors, key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+@nox.session
+def tests_floor(session: nox.Session) -> None:
+    """The trainer's tests (and any given as arguments) against the lowest transformers the
+    packages declare, so the floor is a version that works. Not a default session: it
+    downloads that transformers and its dependencies into its own virtualenv."""
+    floor = declared_floor("transformers")
+    install_patrl(session, *TEST_DEPS, f"transformers=={floor}")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    session.run(
+        "python", "-c", "import transformers; print('transformers', transformers.__version__)"
+    )
+    session.run("pytest", *(session.posargs or ["packages/trainer/tests"]), env=env)

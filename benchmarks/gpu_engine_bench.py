@@ -125,7 +125,8 @@ def hf_decode(model: Any, batch: list[list[int]], steps: int, device: torch.devi
         sync(device)
         return time.perf_counter() - t0
 
-    return len(batch) * steps / max(timed(steps + 1) - timed(1), 1e-9)
+    elapsed = timed(steps + 1) - timed(1)
+    return len(batch) * steps / elapsed if elapsed > 0 else float("nan")  # noise won
 
 
 def roofline(model: Any, shape: dict[str, Any], batch: int, context: float, bw: float) -> float:
@@ -140,7 +141,11 @@ def roofline(model: Any, shape: dict[str, Any], batch: int, context: float, bw: 
 def make_engine(
     model_dir: Path, device: torch.device, backend: str, graphs: bool, batches: list[int], args: Any
 ) -> Engine:
-    config = EngineConfig(
+    """An engine whose KV cache holds exactly max(batches) sequences of `max_model_len` tokens
+    (`num_kv_blocks`): the bench holds several engines on one device at once, so none may take
+    its KV from the device's free memory (`gpu_memory_utilization`), or the first would leave
+    the others none."""
+    fields: dict[str, Any] = dict(
         model=str(model_dir),
         device=str(device),
         attention_backend=backend,
@@ -149,7 +154,20 @@ def make_engine(
         max_num_batched_tokens=max(8192, args.prompt_len),
         max_model_len=args.prompt_len + args.steps + 8,
     )
-    return Engine(config)
+    block_size = EngineConfig(**fields).block_size
+    blocks = max(batches) * -(-fields["max_model_len"] // block_size)
+    return Engine(EngineConfig(**fields, num_kv_blocks=blocks))
+
+
+def build_engines(
+    model_dir: Path,
+    device: torch.device,
+    variants: list[tuple[str, bool]],
+    batches: list[int],
+    args: Any,
+) -> dict[tuple[str, bool], Engine]:
+    """One engine per (attention backend, CUDA graphs) variant, all alive at once."""
+    return {(b, g): make_engine(model_dir, device, b, g, batches, args) for b, g in variants}
 
 
 def backends(device: torch.device) -> list[str]:
@@ -189,7 +207,7 @@ def main() -> None:
         variants = [(b, g) for b in backends(device) for g in (True, False)]
         if device.type != "cuda":
             variants = [("sdpa", False)]
-        engines = {(b, g): make_engine(model_dir, device, b, g, batches, args) for b, g in variants}
+        engines = build_engines(model_dir, device, variants, batches, args)
         rows = []
         for batch in batches:
             times: dict[str, list[float]] = {}

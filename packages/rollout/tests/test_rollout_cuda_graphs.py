@@ -1,8 +1,11 @@
 """CUDA-graph decode: the bucket list, the eager twin of the static buffers and padding (CPU),
-and graphs against eager on CUDA (`gpu`)."""
+the capture code itself on CPU with only torch.cuda's stream and graph calls stood in for, and
+graphs against eager on CUDA (`gpu`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.cuda_graphs import batch_buckets
+from patrl.rollout.cuda_graphs import CudaRuntime, DecodeGraphs, batch_buckets
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
 from patrl_testkit.models import save_hf_model, tiny_hf_model
@@ -91,6 +94,58 @@ def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(
     assert set(graphs.graphs) >= {1, 2, 4, 8, 12}  # shrinking batches padded into buckets
 
 
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _Graph:
+    def replay(self) -> None:
+        # a stand-in cannot replay recorded kernels; the test below captures every step
+        raise AssertionError("the stand-in graph was replayed")
+
+
+@contextlib.contextmanager
+def _run_body(*args: object, **kwargs: object) -> Iterator[None]:
+    yield  # the body runs for real, as on a GPU it runs once to be recorded
+
+
+def test_the_capture_code_gives_the_eager_tokens_with_cuda_calls_stood_in(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CudaRuntime's warm-up and capture, on CPU: torch.cuda's streams and graphs are stand-ins
+    that run the body (a capture's writes are those of a real run: idempotent KV writes, the
+    output copy). Every decode step captures anew (the graphs are reset before each), so every
+    step goes through the tensor path a capture takes, including the writes into the static
+    output outside inference mode that a first CUDA decode step makes."""
+    expected = run(engine(model_dir))
+    for name, stand_in in {
+        "Stream": _Stream,
+        "current_stream": _Stream,
+        "stream": _run_body,
+        "graph": _run_body,
+        "graph_pool_handle": object,
+        "CUDAGraph": _Graph,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+    eng = engine(model_dir)
+    runner = eng.runner
+    graphs = DecodeGraphs(runner.model, runner.cache, 12, runner.max_model_len, capture=True)
+    runner.graphs = graphs
+    captured: list[int] = []
+    forward = graphs.forward
+
+    def capture_each_step(ids: torch.Tensor, ctx: Any) -> torch.Tensor:
+        graphs.reset()
+        captured.append(ctx.num_seqs)
+        return forward(ids, ctx)
+
+    graphs.forward = capture_each_step  # type: ignore[method-assign]
+    assert_same(run(eng), expected)
+    assert len(captured) >= 10 and {1, 12} <= set(captured)
+    assert isinstance(graphs.runtime, CudaRuntime) and graphs.runtime.pool is not None
+
+
 def test_graphs_are_dropped_when_the_weights_move(model_dir: Path) -> None:
     eng = engine(model_dir)
     graphs = eng.runner.graphs = eng.runner._decode_graphs(capture=False)
@@ -103,6 +158,33 @@ def test_graphs_are_dropped_when_the_weights_move(model_dir: Path) -> None:
     while eng.has_unfinished():
         eng.step()
     assert set(graphs.graphs) == {1}  # the old graphs were dropped, bucket 1 captured anew
+
+
+def test_sdpa_graphs_refuse_a_gather_of_max_model_len_for_every_row(tmp_path: Path) -> None:
+    """A graph's sdpa decode gathers max_model_len tokens of K and V for each captured row: at
+    32k tokens x 256 rows (the defaults' max_num_seqs) 2 GiB a layer for this tiny model (2 KV
+    heads of 16, fp32), refused where graphs are built; 8k tokens (0.5 GiB) and triton pass."""
+    model = tiny_hf_model("qwen2", max_position_embeddings=32768)
+    model_dir = save_hf_model(model, tmp_path / "long")
+
+    def graphs_of(backend: str, max_model_len: int) -> Any:
+        eng = Engine(
+            EngineConfig(
+                model=str(model_dir), attention_backend=backend, max_model_len=max_model_len,
+                block_size=16, num_kv_blocks=max_model_len // 16, tune_host_malloc=False,
+            )
+        )  # fmt: skip
+        assert eng.config.max_num_seqs == 256
+        return eng.runner._decode_graphs(capture=False)
+
+    with pytest.raises(ValueError, match=r"attention_backend='sdpa' with CUDA graphs") as info:
+        graphs_of("sdpa", 32768)
+    message = info.value.args[0]
+    assert "max_model_len=32768" in message and "256 captured rows: 2.0 GiB" in message
+    assert "enforce_eager=True" in message and "'triton'" in message
+    assert graphs_of("sdpa", 8192) is not None
+    if triton_interpreted():
+        assert graphs_of("triton", 32768) is not None
 
 
 def test_a_cpu_engine_runs_eagerly(model_dir: Path) -> None:

@@ -125,6 +125,27 @@ def test_write_kv_matches_write_slots(kernels: ModuleType, dtype: torch.dtype) -
     assert torch.equal(k_cache, twin.k[0]) and torch.equal(v_cache, twin.v[0])
 
 
+def test_write_kv_reads_rows_past_two_to_the_31_elements(kernels: ModuleType) -> None:
+    """Row 2 of k starts 2**31 + 128 elements in (as row ~200k of a wide qkv output does):
+    its address needs int64, where int32 wraps to 2**31 elements before k. k lies 2**31
+    elements into an 8 GiB allocation of which only the rows written are touched (an
+    untouched page costs no memory), so a wrapped address reads zeros, not out of bounds."""
+    heads, dim, rows = 2, 16, 3
+    stride = (1 << 30) + 64
+    pad = 1 << 31
+    base = torch.empty(pad + (rows - 1) * stride + heads * dim, dtype=torch.float16, device=DEVICE)
+    k = base.as_strided((rows, heads, dim), (stride, dim, 1), pad)
+    for r in range(rows):
+        k[r] = torch.arange(heads * dim, dtype=torch.float16, device=DEVICE).view(heads, dim) + r
+    k_cache = torch.zeros(2, 4, heads, dim, dtype=torch.float32, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    kernels.write_kv(k_cache, v_cache, k, k, torch.tensor([5, 0, 2], device=DEVICE))
+    flat = k_cache.flatten(0, 1)
+    for r, slot in enumerate([5, 0, 2]):
+        assert torch.equal(flat[slot], k[r].float()), f"row {r}"
+    assert torch.equal(v_cache, k_cache)
+
+
 def test_kernels_reject_a_head_count_that_is_not_a_multiple(kernels: ModuleType) -> None:
     ctx, q, _, _ = paged_case([1], [3], 3, 2, torch.float32)
     k_cache, v_cache = ctx.paged_blocks(0)
@@ -177,10 +198,12 @@ def test_triton_backend_refuses_clearly_on_cpu_without_the_interpreter() -> None
 def generate(
     model_dir: Path, backend: str, block_size: int, count: int, max_tokens: int
 ) -> list[list[int]]:
+    """Greedy tokens in fp32 (an fp32 checkpoint's engine dtype on CUDA would be bf16, where
+    two attention kernels' roundings flip near-tie tokens from the first one on)."""
     engine = Engine(
         EngineConfig(
             model=str(model_dir), attention_backend=backend, block_size=block_size,
-            num_kv_blocks=4096 // block_size, max_model_len=256, device=DEVICE,
+            num_kv_blocks=4096 // block_size, max_model_len=256, device=DEVICE, dtype="float32",
         )
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
@@ -252,6 +275,7 @@ def test_split_decode_of_a_small_batch_matches_sdpa_on_cuda(kernels: ModuleType)
 
 @pytest.mark.gpu
 def test_engine_triton_twin_on_cuda(kernels: ModuleType, tmp_path: Path) -> None:
-    """On a GPU: greedy tokens of the triton backend (default block size) equal sdpa's."""
+    """On a GPU: greedy tokens of the triton backend (default block size) equal sdpa's, in
+    fp32 (the triton kernels' dot products are then exact fp32, "ieee", not tf32)."""
     model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
     assert generate(model_dir, "triton", 16, 3, 40) == generate(model_dir, "sdpa", 16, 3, 40)

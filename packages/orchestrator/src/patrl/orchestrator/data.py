@@ -1,7 +1,7 @@
 """Prompt datasets: files -> tokenized prompts with answers, and a resumable batch loader.
 
-Rows come from local .jsonl / .json / .parquet files (read with `datasets`), or from a hub
-dataset id when the name is not a local path. A prompt is a string or a chat message list
+Rows come from local .jsonl / .json / .parquet files (the standard library's json, pyarrow),
+or from a hub dataset id when the name is not a local path (`datasets`). A prompt is a string or a chat message list
 ([{"role": ..., "content": ...}]). With `apply_chat_template` and a tokenizer that has a chat
 template, the prompt (a string becomes one user message) is rendered with
 `add_generation_prompt=True` and tokenized without adding special tokens again (the template
@@ -185,28 +185,93 @@ def _has_column(row: Mapping[str, Any], key: str) -> bool:
 def read_rows(
     files: list[str] | str, *, split: str = "train", cache_dir: str | None = None
 ) -> list[dict[str, Any]]:
-    """All rows of the files, in order, as plain dicts."""
-    # Imported here: it is slow to import, and processes that import this package without reading
-    # data (reward workers) should not pay for it.
-    import datasets
-
+    """All rows of the files, in order, as plain dicts. Local files are read without
+    `datasets` (jsonl and json with the standard library, parquet with pyarrow); a hub dataset
+    id goes through `datasets.load_dataset` (`split`, `cache_dir`). Rows of one read share
+    their columns: a row missing a column has it as None, as a table would."""
     paths = [files] if isinstance(files, str) else list(files)
     if not paths:
         raise ValueError("no data files given")
     if len(paths) == 1 and _is_hub_id(paths[0]):
+        # Imported here: slow to import, large to install, and needed only for hub names.
+        import datasets
+
         return datasets.load_dataset(paths[0], split=split, cache_dir=cache_dir).to_list()
     rows: list[dict[str, Any]] = []
     for path in paths:
-        builder = _local_format(path)
-        if builder == "json" and path.endswith(".jsonl"):
-            check_jsonl(path)
-        table = datasets.load_dataset(
-            builder, data_files=[path], split="train", cache_dir=cache_dir
-        )
-        if len(table) == 0:
+        fmt = _local_format(path)
+        table = read_parquet(path) if fmt == "parquet" else read_json(path)
+        if not table:
             raise ValueError(f"no rows in {path}")
-        rows.extend(table.to_list())
-    return rows
+        rows.extend(table)
+    return _same_columns(rows)
+
+
+def read_json(path: str) -> list[dict[str, Any]]:
+    """Rows of a .jsonl file (one JSON object a line), or of a .json file holding a list of
+    objects or, like .jsonl, one object a line."""
+    if path.endswith(".jsonl"):
+        return _json_lines(path)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return _json_lines(path)  # JSON lines in a .json file
+    if isinstance(value, dict):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(row, dict) for row in value):
+        raise ValueError(
+            f"{path}: a JSON {type(value).__name__}, not a list of objects (one object a row)"
+        )
+    return value
+
+
+def read_parquet(path: str) -> list[dict[str, Any]]:
+    """Rows of a parquet file, read with pyarrow."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"reading {path} needs pyarrow, which is not installed: pip install pyarrow "
+            "(or give the data as .jsonl)"
+        ) from None
+    return list(pq.read_table(path).to_pylist())
+
+
+def _json_lines(path: str) -> list[dict[str, Any]]:
+    check_jsonl(path)
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row with every column any row has (in first-seen order), None where missing;
+    struct columns likewise, field by field."""
+    schema: dict[str, Any] = {}
+    for row in rows:
+        _merge_schema(schema, row)
+    return [_conform(row, schema) for row in rows]
+
+
+def _merge_schema(schema: dict[str, Any], row: Mapping[str, Any]) -> None:
+    """Add `row`'s columns to `schema` (column -> None, or a struct column's own schema)."""
+    for key, value in row.items():
+        if isinstance(value, Mapping):
+            sub = schema.get(key)
+            if sub is None:
+                sub = schema[key] = {}
+            _merge_schema(sub, value)
+        else:
+            schema.setdefault(key, None)
+
+
+def _conform(row: Mapping[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, sub in schema.items():
+        value = row.get(key)
+        out[key] = _conform(value, sub) if sub is not None and isinstance(value, Mapping) else value
+    return out
 
 
 def check_jsonl(path: str) -> None:

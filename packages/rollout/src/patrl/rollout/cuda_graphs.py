@@ -8,19 +8,46 @@ repeat row 0 (same token, position, slot and context): they write the same K/V t
 and their outputs are dropped, so no scratch block is needed. A graph is captured lazily, the
 first time its bucket is used, with that real batch (writes are idempotent, so the warm-up run
 and the replay agree), and every graph is dropped when the weights' or the KV cache's storage
-moves (a reconfigure, a rebuild, a sleep): the graphs read those addresses.
+moves (a reconfigure, a rebuild, a sleep): the graphs read those addresses. A bucket's step
+copies the model's output into one static output buffer; the CPU twin (`EagerRuntime`) runs
+that same step where CUDA would capture and replay it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from patrl.kvstore import PagedKVCache
+from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.layers.attention.context import AttentionContext
 from patrl.rollout.models.causal_lm import CausalLM
+
+SDPA_GATHER_BYTES = 1 << 30
+"""The most K and V bytes one layer of a captured `sdpa` decode may gather. A graph's block
+table is `max_model_len` wide, and sdpa gathers every row's whole table (the kernels of the
+other backends read only each row's context): at 32k tokens x 256 rows that is ~17 GiB per K
+and per V, at capture and at every replay."""
+
+
+def check_graph_gather(backend: str, max_batch: int, max_model_len: int, spec: KVCacheSpec) -> None:
+    """Raise ValueError when `backend` is sdpa and a captured decode of `max_batch` rows would
+    gather more than SDPA_GATHER_BYTES of one layer's K and V (`max_model_len` tokens a row),
+    naming the numbers and what to change."""
+    if backend != "sdpa":
+        return
+    tokens = -(-max_model_len // spec.block_size) * spec.block_size
+    gathered = max_batch * tokens * spec.bytes_per_token // spec.num_layers  # K and V
+    if gathered <= SDPA_GATHER_BYTES:
+        return
+    raise ValueError(
+        f"attention_backend='sdpa' with CUDA graphs gathers max_model_len={max_model_len} "
+        f"tokens of K and V for each of {max_batch} captured rows: {gathered / (1 << 30):.1f} "
+        f"GiB a layer, over the {SDPA_GATHER_BYTES / (1 << 30):.0f} GiB limit. Use "
+        "attention_backend='triton' or 'auto' (they read each row's own context), set "
+        "enforce_eager=True, or lower max_model_len or max_num_seqs"
+    )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -30,17 +57,62 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-@dataclass(slots=True)
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # None: the CPU twin replays eagerly
-    out: torch.Tensor  # [bucket, hidden], overwritten by every replay
+class CudaRuntime:
+    """The CUDA calls behind a decode graph: a warm-up run on a side stream, a capture into a
+    graph that shares one memory pool with the other buckets, and a replay."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None  # a CUDA graph memory pool handle shared by the buckets
+
+    def warm_up(self, step: Callable[[], None]) -> None:
+        """Run `step` once, off the graph: it also initialises lazy state (cuBLAS handles,
+        NCCL communicators) that a capture must not record."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self, step: Callable[[], None]) -> Any:
+        """A graph of `step`'s kernels; `step` itself does not run."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        return graph
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def reset(self) -> None:
+        self.pool = None
+
+
+class EagerRuntime:
+    """The CPU twin of CudaRuntime: the same calls in the same order, a "graph" being the step
+    itself, run again at each replay."""
+
+    def warm_up(self, step: Callable[[], None]) -> None:
+        step()
+
+    def capture(self, step: Callable[[], None]) -> Any:
+        return step
+
+    def replay(self, graph: Any) -> None:
+        graph()
+
+    def reset(self) -> None:
+        pass
 
 
 class DecodeGraphs:
     """Decode forwards of `model` over `cache` through per-bucket graphs (`capture=True`, CUDA)
-    or through the same static buffers eagerly (`capture=False`: the CPU twin of the padding
-    and buffer logic). `forward` returns the real rows' hidden states, a view valid until the
-    next call."""
+    or their CPU twin (`capture=False`). Both take the same tensor path: the batch is copied
+    into static input buffers, a bucket's step writes its hidden states into a static output
+    buffer, a warm-up run and a capture precede the replays. They differ only in the runtime
+    (CudaRuntime or EagerRuntime), so a CPU test runs everything a capture does but the CUDA
+    calls. `forward` returns the real rows' hidden states, a view valid until the next call."""
 
     def __init__(
         self,
@@ -62,8 +134,9 @@ class DecodeGraphs:
         self.cu_seqlens_k = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, _Graph] = {}
-        self.pool: Any = None  # a CUDA graph memory pool handle shared by the buckets
+        self.out: torch.Tensor | None = None  # [max bucket, hidden], made by the first step
+        self.graphs: dict[int, Any] = {}  # bucket -> what runtime.capture returned
+        self.runtime: CudaRuntime | EagerRuntime = CudaRuntime() if capture else EagerRuntime()
         self.signature = self._storage_signature()
 
     def can_run(self, ctx: AttentionContext) -> bool:
@@ -84,19 +157,19 @@ class DecodeGraphs:
         n = ctx.num_seqs
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(input_ids, ctx, bucket)
-        entry = self.graphs.get(bucket)
-        if entry is None:
-            entry = self.graphs[bucket] = self._capture(bucket)
-        elif entry.graph is not None:
-            entry.graph.replay()
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            self.graphs[bucket] = self._capture(bucket)
         else:
-            entry.out.copy_(self.model(self.input_ids[:bucket], self._context(bucket)))
-        return entry.out[:n]
+            self.runtime.replay(graph)
+        assert self.out is not None  # made by the first capture
+        return self.out[:n]
 
     def reset(self) -> None:
         """Drop every graph (and its memory pool); the next use of a bucket captures anew."""
         self.graphs.clear()
-        self.pool = None
+        self.runtime.reset()
+        self.out = None
         self.signature = self._storage_signature()
 
     def _fill(self, input_ids: torch.Tensor, ctx: AttentionContext, bucket: int) -> None:
@@ -138,25 +211,23 @@ class DecodeGraphs:
         ctx._block_table_tensor = self.block_table[:bucket]
         return ctx
 
-    def _capture(self, bucket: int) -> _Graph:
-        """Run `bucket` once eagerly (the real batch: its outputs are this step's), then, on
-        CUDA, capture the same forward into a graph for the next steps."""
+    def _capture(self, bucket: int) -> Any:
+        """Warm `bucket`'s step up (the real batch: its output is this step's) and capture it
+        for the next steps. The step copies the model's output into `out`, a buffer made
+        outside inference mode: the model's own output is an inference tensor that nothing
+        outside inference mode may write to."""
         ids = self.input_ids[:bucket]
-        if not self.capture:
-            return _Graph(None, self.model(ids, self._context(bucket)).clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            # also initialises lazy state (cuBLAS handles, NCCL communicators) off the graph
-            warm = self.model(ids, self._context(bucket))
-        torch.cuda.current_stream().wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(ids, self._context(bucket))
-        out.copy_(warm)
-        return _Graph(graph, out)
+        if self.out is None:  # on the current stream, outside any graph pool
+            weight = self.model.lm_head.weight
+            shape = (self.buckets[-1], self.model.config.hidden_size)
+            self.out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        out = self.out[:bucket]
+
+        def step() -> None:
+            out.copy_(self.model(ids, self._context(bucket)))
+
+        self.runtime.warm_up(step)
+        return self.runtime.capture(step)
 
     def _storage_signature(self) -> tuple[int, ...]:
         """Addresses a captured graph reads: every parameter's and every KV block tensor's."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.cuda_graphs import DecodeGraphs
+from patrl.rollout.cuda_graphs import DecodeGraphs, check_graph_gather
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.kv_budget import KVBudget, check_fits, cpu_kv_bytes, probe_for
 from patrl.rollout.layers.attention.context import AttentionContext, upload
@@ -106,6 +106,9 @@ class ModelRunner:
         if capture and (self.device.type != "cuda" or self.config.enforce_eager):
             return None
         max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        check_graph_gather(
+            self.config.attention_backend, max_batch, self.max_model_len, self.cache.spec
+        )
         return DecodeGraphs(self.model, self.cache, max_batch, self.max_model_len, capture=capture)
 
     def _build_cache(self, reuse: PagedKVCache | None = None) -> PagedKVCache:

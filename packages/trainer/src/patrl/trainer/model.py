@@ -239,7 +239,7 @@ def parallelize(
 ) -> PreTrainedModel:
     """Activation checkpointing, then FSDP2 per decoder layer and on the root (if a mesh)."""
     if activation_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if mesh is None:
         return model
     if mesh.ndim != 1:
@@ -250,6 +250,18 @@ def parallelize(
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant: FSDP2 and
+    packed rows need it), through `activation_checkpointing_enable` where transformers has it
+    (5.23 on) and its older name, `gradient_checkpointing_enable`, before that."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def freeze(model: nn.Module) -> nn.Module:

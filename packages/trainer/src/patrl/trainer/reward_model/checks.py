@@ -67,6 +67,8 @@ def load_tokenizer(path: str | os.PathLike[str], key: str = "reward_model.model.
         )
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as err:
+    # ImportError: transformers 4.x, finding no tokenizer.json, converts a slow tokenizer, which
+    # needs protobuf or tiktoken
+    except (OSError, ValueError, TypeError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{key}={str(path)!r}: no usable tokenizer ({wanted}): {first}") from None

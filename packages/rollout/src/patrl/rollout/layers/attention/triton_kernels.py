@@ -34,7 +34,8 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
-    row = tl.load(rows_ptr + i) if HAS_ROWS else i
+    # int64: row x stride passes 2**31 elements at ~200k tokens of a wide qkv row
+    row = (tl.load(rows_ptr + i) if HAS_ROWS else i).to(tl.int64)
     slot = tl.load(slots_ptr + i)
     heads, dims = tl.arange(0, HEADS_PAD), tl.arange(0, DIM_PAD)
     mask = (heads[:, None] < HEADS) & (dims[None, :] < DIM)

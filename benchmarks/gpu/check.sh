@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# patrl's one-shot device check: the `gpu`-marked tests, then gpu_engine_bench.py, in at most
+# ~8 minutes (the steps' timeouts add up to 435 s, their kill grace to 15 s, the setup takes
+# the rest), so a rerun fits in a short GPU lease. Run from anywhere:
+#
+#   bash benchmarks/gpu/check.sh [WHEELS_DIR]
+#
+# Python: $PY, else `python3` (the system one: no venv, no nox, no package registry needed).
+# Wheels: the dependencies that Python lacks (pydantic, math-verify, ...), as .whl files in
+#   WHEELS_DIR, else $PATRL_WHEELS, else the first folder of .device_wheels/,
+#   shared/device/wheels/ and ../shared/device/wheels/ (from the repository root) that
+#   exists; they are unzipped onto PYTHONPATH (no pip). With none of these (patrl installed
+#   normally, say) nothing is unpacked.
+# The packages' src/ and tests/ go first on PYTHONPATH: this checkout is what is checked.
+# Results: $OUT, else benchmarks/results/gpu_check/, holds env.json, one log and one JUnit
+#   XML per step, the bench's JSON and summary.json (each step's exit status, seconds, and
+#   test counts). Exit status: 0 when every step passed, 1 when one failed or timed out,
+#   2 without a CUDA device (nothing else runs), 3 when the environment is unusable.
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT"
+PY=${PY:-python3}
+
+# --- a CUDA device, or a clean refusal, before anything else ------------------------------
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  echo "check.sh: $PY cannot import torch; set PY to a Python with CUDA torch" >&2
+  exit 3
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "check.sh: no CUDA device (torch.cuda.is_available() is False under $PY):" \
+    "this check runs on a GPU machine; nothing was run" >&2
+  exit 2
+fi
+
+OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}
+mkdir -p "$OUT" || exit 3
+OUT=$(cd "$OUT" && pwd)
+
+# --- wheels onto PYTHONPATH, then the packages' sources ------------------------------------
+WHEELS=${1:-${PATRL_WHEELS:-}}
+if [ -z "$WHEELS" ]; then
+  for candidate in "$ROOT/.device_wheels" "$ROOT/shared/device/wheels" \
+    "$ROOT/../shared/device/wheels"; do
+    if [ -d "$candidate" ]; then WHEELS=$candidate; break; fi
+  done
+fi
+DEPS=""
+if [ -n "$WHEELS" ]; then
+  if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    echo "check.sh: no .whl files in $WHEELS" >&2
+    exit 3
+  fi
+  DEPS=$(mktemp -d "${TMPDIR:-/tmp}/patrl_deps.XXXXXX") || exit 3
+  trap 'rm -rf "$DEPS"' EXIT
+  for wheel in "$WHEELS"/*.whl; do
+    "$PY" -m zipfile -e "$wheel" "$DEPS" || { echo "check.sh: cannot unzip $wheel" >&2; exit 3; }
+  done
+fi
+SRC=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+export PYTHONPATH="$SRC:$ROOT/tests${DEPS:+:$DEPS}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+
+"$PY" - "$OUT/env.json" "${WHEELS:-}" <<'EOF' || { echo "check.sh: the environment is unusable (see above)" >&2; exit 3; }
+import datetime, json, platform, sys
+import torch, transformers
+info = {
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "host": platform.node(), "python": sys.version.split()[0], "torch": torch.__version__,
+    "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
+    "device_count": torch.cuda.device_count(),
+    "device_memory_GiB": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+    "transformers": transformers.__version__, "wheels": sys.argv[2] or None,
+}
+for name in ("triton", "pydantic", "math_verify", "flash_attn", "datasets"):
+    try:
+        module = __import__(name)
+        info[name] = getattr(module, "__version__", getattr(module, "VERSION", "present"))
+    except ImportError:
+        info[name] = None
+import patrl.orchestrator, patrl.rollout, patrl.trainer  # the packages import, or stop here
+info["patrl_from"] = patrl.rollout.__file__
+json.dump(info, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(info))
+EOF
+
+# --- the steps: (name, seconds, command...) ------------------------------------------------
+rc=0
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s, $(date -u +%T))"
+  local start=$SECONDS status=0
+  timeout -k 3 "$limit" "$@" > "$OUT/$name.log" 2>&1 || status=$?
+  echo "$name $status $((SECONDS - start))" >> "$OUT/steps.txt"
+  [ "$status" -eq 0 ] || rc=1
+  tail -n 15 "$OUT/$name.log"
+}
+gpu_tests() {  # the test files under $@ that hold gpu-marked tests
+  grep -rl --include='test_*.py' -e 'pytest.mark.gpu' "$@" 2>/dev/null | sort
+}
+PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --continue-on-collection-errors)
+: > "$OUT/steps.txt"
+
+mapfile -t ROLLOUT < <(gpu_tests packages/rollout/tests)
+mapfile -t TRAINER < <(gpu_tests packages/trainer/tests)
+mapfile -t OTHERS < <(gpu_tests packages/kvstore/tests packages/tpreshard/tests \
+  packages/lenpredict/tests packages/orchestrator/tests tests)
+tests() {  # name, seconds, files... (no files: nothing to run, and pytest must not get none)
+  local name=$1 limit=$2; shift 2
+  if [ "$#" -eq 0 ]; then echo "=== $name: no gpu-marked tests"; return; fi
+  step "$name" "$limit" "${PYTEST[@]}" --junitxml="$OUT/$name.xml" "$@"
+}
+tests tests_rollout 95 "${ROLLOUT[@]}"
+tests tests_trainer 75 "${TRAINER[@]}"
+tests tests_others 120 "${OTHERS[@]}"
+step bench_tiny 35 "$PY" benchmarks/gpu_engine_bench.py --tiny --batches 1,8 --steps 8 \
+  --repeats 1 --out "$OUT/gpu_engine_bench_tiny.json"
+step bench_llama1b 110 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
+  --repeats 1 --out "$OUT/gpu_engine_bench_llama1b.json"
+
+"$PY" - "$OUT" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out = Path(sys.argv[1])
+steps = []
+for line in (out / "steps.txt").read_text().split("\n"):
+    if not line.strip():
+        continue
+    name, status, seconds = line.split()
+    step = {"name": name, "exit_status": int(status), "timed_out": int(status) in (124, 137),
+            "seconds": int(seconds)}
+    junit = out / f"{name}.xml"
+    if junit.is_file():
+        suites = ET.parse(junit).getroot()
+        suites = [suites] if suites.tag == "testsuite" else list(suites)
+        step["tests"] = {k: sum(int(s.get(k, 0)) for s in suites)
+                         for k in ("tests", "failures", "errors", "skipped")}
+        step["failed"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites
+                          for c in s.iter("testcase")
+                          if c.find("failure") is not None or c.find("error") is not None]
+    steps.append(step)
+summary = {"passed": all(s["exit_status"] == 0 for s in steps), "steps": steps}
+(out / "summary.json").write_text(json.dumps(summary, indent=2))
+print(json.dumps(summary, indent=2))
+EOF
+echo "=== done: exit $rc, results in $OUT"
+exit $rc
