@@ -29,7 +29,7 @@ def test_truncate_in_a_forked_sequence_leaves_the_shared_prefix_alone() -> None:
     prefilled(bm, 0, [1, 2, 3, 4, 5, 6])  # a full block and a partial one
     bm.fork(0, [1, 2])
     shared = bm.block_table(0)
-    assert [bm._blocks[b].ref_count for b in shared] == [3, 3]  # noqa: SLF001
+    assert [bm.ref_count(b) for b in shared] == [3, 3]
     # the child's drafts go to its own copy of the partial block (copy-on-write) and beyond
     copies = bm.append(1, [7, 8, 9, 10, 11])
     assert copies == [(shared[1], bm.block_table(1)[1])]
@@ -86,7 +86,7 @@ def test_a_rewritten_block_is_never_a_prefix_hit_for_its_old_tokens() -> None:
 def test_truncating_the_whole_sequence_or_a_negative_count_is_an_error() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     prefilled(bm, 0, [1, 2, 3])
-    with pytest.raises(ValueError, match="cannot truncate 3 of the 3 tokens .* 0 to 2"):
+    with pytest.raises(ValueError, match=r"cannot truncate 3 of the 3 tokens .* 0 to 2"):
         bm.truncate(0, 3)
     with pytest.raises(ValueError, match="cannot truncate -1"):
         bm.truncate(0, -1)
