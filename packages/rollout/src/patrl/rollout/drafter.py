@@ -114,19 +114,42 @@ class DraftStats:
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
 
     def stats(self) -> dict[str, float]:
-        """`spec_acceptance` (accepted / drafted tokens), `spec_tokens_per_step` (tokens a
-        sample's decode step produced, on average) and each source's share of the accepted
-        tokens (`spec_accepted_share/<source>`)."""
-        drafted, accepted = sum(self.drafted.values()), sum(self.accepted.values())
+        """The totals (`spec_sample_steps`, `spec_emitted_tokens`, `spec_drafted_tokens`,
+        `spec_accepted_tokens`, and `spec_accepted_tokens/<source>`) and their ratios over
+        the engine's life (`speculation_metrics`' names without the prefix)."""
         out = {
-            "spec_acceptance": accepted / drafted if drafted else 0.0,
-            "spec_tokens_per_step": self.emitted / self.sample_steps if self.sample_steps else 0.0,
-            "spec_drafted_tokens": float(drafted),
-            "spec_accepted_tokens": float(accepted),
+            "spec_sample_steps": float(self.sample_steps),
+            "spec_emitted_tokens": float(self.emitted),
+            "spec_drafted_tokens": float(sum(self.drafted.values())),
+            "spec_accepted_tokens": float(sum(self.accepted.values())),
+            **{f"spec_accepted_tokens/{s}": float(self.accepted[s]) for s in SOURCES},
         }
-        for s in SOURCES:
-            out[f"spec_accepted_share/{s}"] = self.accepted[s] / accepted if accepted else 0.0
-        return out
+        return {**out, **speculation_metrics({}, out, prefix="")}
+
+
+def speculation_metrics(
+    before: dict[str, Any], after: dict[str, Any], prefix: str = "rollout/"
+) -> dict[str, float]:
+    """Speculation between two `Engine.stats()` (an empty `before`: since the start):
+    `spec_acceptance` (accepted / drafted tokens), `spec_tokens_per_step` (tokens a sample's
+    decode step produced, on average) and `spec_accepted_share/<source>`; nothing when the
+    engine does not speculate."""
+    if "spec_drafted_tokens" not in after:
+        return {}
+
+    def delta(key: str) -> float:
+        return float(after[key]) - float(before.get(key, 0.0))
+
+    drafted, accepted = delta("spec_drafted_tokens"), delta("spec_accepted_tokens")
+    steps = delta("spec_sample_steps")
+    out = {
+        "spec_acceptance": accepted / drafted if drafted else 0.0,
+        "spec_tokens_per_step": delta("spec_emitted_tokens") / steps if steps else 0.0,
+    }
+    for s in SOURCES:
+        share = delta(f"spec_accepted_tokens/{s}") / accepted if accepted else 0.0
+        out[f"spec_accepted_share/{s}"] = share
+    return {prefix + k: v for k, v in out.items()}
 
 
 class Drafter:
