@@ -20,6 +20,7 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.sampler import SamplingParams, make_generator, sample, verify_drafts
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
 
 TOL = 1e-5  # a verify step's logits come from a multi-token forward: rounding only
 
@@ -318,3 +319,47 @@ def test_a_sequence_without_a_draft_samples_as_the_one_token_path(kind: str) -> 
     spec = verify_drafts(logits, [[]] * 5, params, [make_generator(i) for i in range(5)])
     assert torch.equal(one.tokens, spec.tokens)
     assert torch.equal(one.logprobs, spec.logprobs)
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def _tp_speculative(rank: int, world_size: int, model_dir: str) -> list[Any]:
+    import torch.distributed as dist
+
+    from patrl.tpreshard import ParallelLayout
+
+    group = dist.new_group(list(range(world_size)))
+    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
+    config = EngineConfig(
+        model=model_dir,
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=128,
+        speculative={"enable": True, "max_num_seqs": 0},
+    )
+    e = Engine(config, layout)
+    batch = prompts(3, 250, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    out = [o for run in two_rollouts(e, batch, greedy, greedy) for o in run]
+    # unseeded: the group's first rank draws each seed, so the ranks verify the same draws
+    unseeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, ignore_eos=True, n=2)
+    out += [o for run in two_rollouts(e, batch, unseeded, unseeded) for o in run]
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in out] + [
+        e.stats()["spec_accepted_tokens"]
+    ]
+
+
+@pytest.mark.multirank
+def test_tp2_ranks_draft_and_verify_alike_and_greedy_matches_tp1(tmp_path: Path) -> None:
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    per_rank = run_ranks(_tp_speculative, world_size=2, args=(str(model),), timeout_s=180)
+    assert per_rank[0] == per_rank[1]  # a rank that drafted apart would fail the TP check
+    assert per_rank[0][-1] > 0
+    batch = prompts(3, 250, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    tp1 = [o for run in two_rollouts(engine(model, False), batch, greedy, greedy) for o in run]
+    for want, got in zip(tp1, per_rank[0][: len(tp1)], strict=True):
+        assert [c.token_ids for c in want.outputs] == [ids for ids, _ in got]
+        for c, (_, logprobs) in zip(want.outputs, got, strict=True):
+            assert logprobs == pytest.approx(c.logprobs, abs=TOL)
