@@ -51,8 +51,9 @@ RANDOM_MODEL: dict[str, Any] = dict(
 LENGTHS: dict[str, float] = dict(median=24.0, sigma=0.8, low=8, high=160)
 
 
-def demo_model() -> tuple[Path, list[list[int]]] | None:
-    """The cached demo model and its train prompts' token ids, if a complete build exists."""
+def demo_model() -> tuple[Path, list[list[int]], int] | None:
+    """The cached demo model, its train prompts' token ids and a response cap (twice its
+    longest gold response), if a complete build exists."""
     try:
         from patrl.orchestrator.demo.assets import (
             DemoAssets,
@@ -71,13 +72,16 @@ def demo_model() -> tuple[Path, list[list[int]]] | None:
 
     tok = AutoTokenizer.from_pretrained(assets.model_dir)
     rows = [json.loads(line) for line in assets.train_file.read_text().splitlines()[:64]]
-    prompts = [
+    texts = [
         tok.apply_chat_template(
-            [{"role": "user", "content": r[assets.prompt_key]}], add_generation_prompt=True
+            [{"role": "user", "content": r[assets.prompt_key]}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
         for r in rows
     ]
-    return assets.model_dir, prompts
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return assets.model_dir, prompts, 2 * assets.max_response_tokens
 
 
 def random_model(path: Path) -> Path:
@@ -105,15 +109,25 @@ def tail_lengths(n: int) -> list[int]:
 
 
 def rollout(
-    engine: Engine, prompts: list[list[int]], n: int, temperature: float, tail: int, seed: int
+    engine: Engine,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    tail: int,
+    seed: int,
+    cap: int | None,
 ) -> dict[str, Any]:
-    """One GRPO-like rollout driven step by step: wall time, tokens/s, the tail phase apart."""
+    """One GRPO-like rollout driven step by step: wall time, tokens/s, the tail phase apart.
+    `cap`: responses end at EOS within `cap` tokens (the demo); None: forced tail lengths."""
     lengths = tail_lengths(n)
     before = engine.stats()
     for i, p in enumerate(prompts):
         for j, length in enumerate(lengths):
             params = SamplingParams(
-                temperature=temperature, max_tokens=length, ignore_eos=True, seed=seed + 97 * i + j
+                temperature=temperature,
+                max_tokens=length if cap is None else cap,
+                ignore_eos=cap is None,
+                seed=seed + 97 * i + j,
             )
             engine.add_request(p, params, prompt_key=f"prompt/{i}")
     steps: list[tuple[int, float, int]] = []  # (running before, seconds, tokens)
@@ -156,21 +170,25 @@ def main() -> None:
     parser.add_argument(
         "--spec-max-seqs", type=int, default=16, help="speculative.max_num_seqs (0: always)"
     )
+    parser.add_argument("--random-model", action="store_true", help="skip the demo model")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/patrl_spec_bench_model"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    demo = demo_model()
+    demo = None if args.random_model else demo_model()
+    cap: int | None = None
     if demo is not None:
-        model_dir, pool = demo
+        model_dir, pool, cap = demo
         prompts = pool[: args.prompts]
-        model = "demo (SFT)"
+        model = "demo (SFT), responses to EOS"
     else:
         model_dir = random_model(args.model_dir)
         g = torch.Generator().manual_seed(0)
         vocab = RANDOM_MODEL["vocab_size"]
-        prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(args.prompts)]
+        prompts = [
+            torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(args.prompts)
+        ]
         model = "random llama (fp32, vocab 8192)"
 
     def make(spec: bool) -> Engine:
@@ -197,7 +215,7 @@ def main() -> None:
             for epoch in (1, 2):
                 for spec in order:
                     key = f"epoch{epoch}/{'on' if spec else 'off'}"
-                    out = rollout(engines[spec], prompts, args.n, temperature, args.tail, seed=r)
+                    out = rollout(engines[spec], prompts, args.n, temperature, args.tail, r, cap)
                     runs.setdefault(key, []).append(out)
         section: dict[str, Any] = {k: median_of(v) for k, v in runs.items()}
         for epoch in (1, 2):
@@ -212,7 +230,7 @@ def main() -> None:
         "workload": {
             "prompts": args.prompts,
             "n": args.n,
-            "lengths": tail_lengths(args.n),
+            "lengths": tail_lengths(args.n) if cap is None else f"to EOS, at most {cap}",
             "tail_max_running": args.tail,
             "num_speculative_tokens": args.draft,
         },

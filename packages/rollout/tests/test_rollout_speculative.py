@@ -161,6 +161,43 @@ def test_kv_blocks_stay_intact_through_preemption_and_rollback(tmp_path: Path) -
     assert outs[:2] == outs[2:]
 
 
+def test_requests_moved_mid_rollout_and_partial_rollouts_finish_as_without_speculation(
+    tmp_path: Path,
+) -> None:
+    """Export with KV (cut-and-migrate, reconfigure) and without (snapshot, recompute) from a
+    speculating engine into another, and a partial rollout resumed: a moved sample carries
+    no draft state (the next engine indexes its tokens on first sight), and greedy tokens
+    and logprobs are those of an engine that never speculates."""
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path)
+    batch = prompts(4, hf.config.vocab_size, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=3, logprobs=1)
+    keys = [f"m{i}" for i in range(len(batch))]
+    want = engine(model, False).generate(batch, params, prompt_keys=keys)
+    for with_kv in (True, False):
+        a, b = engine(model, True), engine(model, True)
+        a.generate(batch, params, prompt_keys=keys)  # history to draft from
+        ids = [a.add_request(p, params, prompt_key=k) for p, k in zip(batch, keys, strict=True)]
+        for _ in range(6):
+            a.step()
+        b.advance_ids(a.next_seq_id(), a.next_request_number())
+        b.import_requests(a.export_requests(ids, with_kv=with_kv))
+        assert not a.has_unfinished() and a.drafter is not None and a.drafter.num_groups() == 0
+        done: dict[str, RequestOutput] = {}
+        while b.has_unfinished():
+            for out in b.step():
+                done[out.request_id] = out
+            b.cache.blocks.check_integrity()
+        assert_same(want, [done[i] for i in ids])
+    c = engine(model, True)
+    finished, rest = c.generate_partial(batch, [params] * len(batch), quota=1)
+    later, left = c.generate_partial([], [], quota=len(batch), resume=rest)
+    assert not left
+    by_prompt = {tuple(o.prompt_token_ids): o for o in finished + later}
+    assert_same(want, [by_prompt[tuple(p)] for p in batch])
+    assert c.stats()["spec_accepted_tokens"] > 0
+
+
 def test_seeded_sampling_is_deterministic_and_its_logprobs_are_the_models(
     tmp_path: Path,
 ) -> None:
