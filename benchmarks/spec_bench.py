@@ -16,9 +16,12 @@ The model: the demo's SFT model when its build is complete in the cache ($PATRL_
 Llama (fp32, ~25M parameters, vocab 8192) and random prompts: a random model's sampled text
 gives drafts little to match (report it, don't tune for it).
 
-Per rollout: wall time, generated tokens/s, and the tail phase apart (steps that start with at
-most --tail running samples: their time and tokens/s), plus acceptance, tokens per sample step
-and the accepted share by source (`speculation_metrics`). Results: JSON on stdout and in
+Per rollout: wall time and this process's CPU time (one torch thread: CPU time is the work
+done, less disturbed than wall time by other processes on a shared machine), generated
+tokens/s, and the tail phase apart (steps that start with at most --tail running samples: their
+time and tokens/s), plus acceptance, tokens per sample step and the accepted share by source
+(`speculation_metrics`). With responses to EOS (the demo), speculation samples other (equally
+distributed) responses than the run without it, so the two rollouts' tails differ in shape. Results: JSON on stdout and in
 benchmarks/results/spec_bench.json, with the load average before and after.
 """
 
@@ -130,27 +133,39 @@ def rollout(
                 seed=seed + 97 * i + j,
             )
             engine.add_request(p, params, prompt_key=f"prompt/{i}")
-    steps: list[tuple[int, float, int]] = []  # (running before, seconds, tokens)
-    start = time.perf_counter()
+    # (running before, wall seconds, this process's CPU seconds, tokens) per step
+    steps: list[tuple[int, float, float, int]] = []
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         running = engine.scheduler.num_running_samples()
         tokens = engine.counters.generated_tokens
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
-        steps.append((running, time.perf_counter() - t0, engine.counters.generated_tokens - tokens))
-    wall = time.perf_counter() - start
-    generated = sum(s[2] for s in steps)
+        steps.append(
+            (
+                running,
+                time.perf_counter() - t0,
+                time.process_time() - c0,
+                engine.counters.generated_tokens - tokens,
+            )
+        )
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    generated = sum(s[3] for s in steps)
     tail_steps = [s for s in steps if 0 < s[0] <= tail]
     tail_s = sum(s[1] for s in tail_steps)
-    tail_tokens = sum(s[2] for s in tail_steps)
+    tail_cpu_s = sum(s[2] for s in tail_steps)
+    tail_tokens = sum(s[3] for s in tail_steps)
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
         "tokens": generated,
         "tokens_per_s": generated / wall,
         "steps": len(steps),
         "tail_s": tail_s,
+        "tail_cpu_s": tail_cpu_s,
         "tail_tokens": tail_tokens,
         "tail_tokens_per_s": tail_tokens / tail_s if tail_s else 0.0,
+        "tail_tokens_per_cpu_s": tail_tokens / tail_cpu_s if tail_cpu_s else 0.0,
         **speculation_metrics(before, engine.stats(), prefix=""),
     }
 
@@ -222,7 +237,9 @@ def main() -> None:
             off, on = section[f"epoch{epoch}/off"], section[f"epoch{epoch}/on"]
             section[f"epoch{epoch}/speedup"] = {
                 "wall": off["wall_s"] / on["wall_s"],
-                "tail": off["tail_s"] / on["tail_s"] if on["tail_s"] else None,
+                "cpu": off["cpu_s"] / on["cpu_s"],
+                "tail_wall": off["tail_s"] / on["tail_s"] if on["tail_s"] else None,
+                "tail_cpu": off["tail_cpu_s"] / on["tail_cpu_s"] if on["tail_cpu_s"] else None,
             }
         results[f"temperature_{temperature:g}"] = section
     report = {
