@@ -400,3 +400,53 @@ def test_tp2_ranks_draft_and_verify_alike_and_greedy_matches_tp1(tmp_path: Path)
         assert [c.token_ids for c in want.outputs] == [ids for ids, _ in got]
         for c, (_, logprobs) in zip(want.outputs, got, strict=True):
             assert logprobs == pytest.approx(c.logprobs, abs=TOL)
+
+
+def test_a_verify_step_makes_one_host_sync_plus_one_for_top_k_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-token path's budget (test_rollout_host_syncs): the step's copy-out, plus the
+    one copy of the top-k / top-p rows, whose acceptance then runs on host tensors."""
+    from test_rollout_host_syncs import CountSyncs
+
+    import patrl.rollout.sampler as sampler
+
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    e = engine(model, True, tune_host_malloc=False)
+    batch = prompts(3, 250, seed=2)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=40, ignore_eos=True),
+    ]
+    keys = ["a", "b", "c"]
+    e.generate(batch, params, prompt_keys=keys)  # history
+    for p, sp, k in zip(batch, params, keys, strict=True):
+        e.add_request(p, sp, prompt_key=k)
+    while e.counters.decode_steps < 2:
+        e.step()
+    mode = CountSyncs()
+
+    def paused(f: Any, count: int) -> Any:
+        def run(*args: Any) -> Any:
+            mode.count += count
+            mode.paused = True
+            try:
+                return f(*args)
+            finally:
+                mode.paused = False
+
+        return run
+
+    monkeypatch.setattr(sampler.SampleOutput, "to_host", paused(sampler.SampleOutput.to_host, 1))
+    monkeypatch.setattr(sampler, "_verify_truncated", paused(sampler._verify_truncated, 0))
+    verified = 0
+    for _ in range(6):
+        drafted = e.stats()["spec_drafted_tokens"]
+        mode.count = 0
+        with mode:
+            e.step()
+        if e.stats()["spec_drafted_tokens"] > drafted:
+            verified += 1
+            assert mode.count <= 2, mode.calls
+    assert verified >= 3
