@@ -139,3 +139,26 @@ def test_bad_settings_name_the_value() -> None:
         Drafter(max_draft=2, sources=("group", "bogus"))
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max, got 3, 2"):
         Drafter(max_draft=2, min_n=3, max_n=2)
+
+
+def test_a_step_speculates_where_its_injected_cost_says_it_pays() -> None:
+    """Weight-bound (a step costs the same whatever its tokens): drafting always pays.
+    Compute-bound (cost in proportion to tokens): never, a draft is accepted in part. Both
+    (a fixed cost plus a per-token one): in the small-batch tail, not at large batch."""
+    weights = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 1.0)
+    compute = Drafter(max_draft=4, step_cost=lambda seqs, tokens: float(tokens))
+    both = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 10.0 + tokens)
+    assert weights.acceptance() == 0.5  # the prior: one in two
+    assert weights.pays([4]) and weights.pays([4] * 64)
+    assert not compute.pays([4]) and not compute.pays([1] * 8)
+    assert both.pays([4]) and both.pays([4] * 2)
+    assert not both.pays([4] * 64)
+    assert both.pays([0] * 64)  # nothing drafted: nothing to decide
+    # a history of rejections lowers the expected gain until the tail no longer pays either
+    s = Sample(0, PROMPT, [1, 2, 3])
+    both.observe(s)
+    for _ in range(20):
+        both.record(0, Draft([9, 9, 9, 9], "group"), accepted=0, emitted=1)
+    assert both.acceptance() < 0.02
+    assert not both.pays([4])
+    assert Drafter(max_draft=4).pays([4] * 1000)  # no cost model: the batch-size rule alone

@@ -100,6 +100,20 @@ def test_greedy_tokens_and_logprobs_match_without_speculation(family: str, tmp_p
     assert spec.cache.blocks.num_used_blocks == 0
 
 
+def test_a_compute_bound_cost_turns_speculation_off_and_changes_nothing(tmp_path: Path) -> None:
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    batch = prompts(3, 250, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    want = two_rollouts(engine(model, False), batch, greedy, greedy)
+    for cost, speculates in ((lambda s, t: float(t), False), (lambda s, t: 1.0, True)):
+        e = engine(model, True)
+        assert e.drafter is not None
+        e.drafter.step_cost = cost
+        for a, b in zip(want, two_rollouts(e, batch, greedy, greedy), strict=True):
+            assert_same(a, b)
+        assert (e.stats()["spec_drafted_tokens"] > 0) is speculates
+
+
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     tokenizer = bpe_tokenizer()

@@ -33,6 +33,13 @@ from patrl.rollout.config import SpeculativeConfig
 SOURCES = ("group", "history", "prompt")
 
 
+class StepCost(Protocol):
+    """Seconds of a decode step of `num_seqs` sequences carrying `num_tokens` query tokens in
+    all (a latency profile with a query-length axis; tests inject one)."""
+
+    def __call__(self, num_seqs: int, num_tokens: int) -> float: ...
+
+
 class Sample(Protocol):
     """What the drafter reads of a sample (patrl.rollout.sequence.Sequence provides it)."""
 
@@ -171,6 +178,7 @@ class Drafter:
         history_prompts: int = 4096,
         adaptive: bool = True,
         max_num_seqs: int = 0,
+        step_cost: StepCost | None = None,
     ) -> None:
         bad = [s for s in sources if s not in SOURCES]
         if bad or not sources:
@@ -188,6 +196,7 @@ class Drafter:
         self.history_size, self.history_prompts = history_size, history_prompts
         self.adaptive = adaptive
         self.max_num_seqs = max_num_seqs
+        self.step_cost = step_cost
         self.history: OrderedDict[Hashable, list[list[int]]] = OrderedDict()
         self.counts = DraftStats()
         self._groups: dict[Hashable, _Group] = {}
@@ -218,6 +227,23 @@ class Drafter:
         """Whether a decode step of `num_seqs` sequences drafts: at most `max_num_seqs` of
         them (0: always), the tail, where a step reads every weight once whatever its rows."""
         return self.max_num_seqs == 0 or num_seqs <= self.max_num_seqs
+
+    def acceptance(self) -> float:
+        """The share of drafted tokens accepted so far, starting from one in two."""
+        drafted = sum(self.counts.drafted.values())
+        return (sum(self.counts.accepted.values()) + 1) / (drafted + 2)
+
+    def pays(self, draft_lens: Sequence[int]) -> bool:
+        """Whether a decode step whose sequences carry drafts of `draft_lens` tokens is
+        expected to emit tokens faster than the step without them: (B + expected accepted)
+        / cost(B, B + D) > B / cost(B, B), a draft of d accepting sum_k a^k tokens at the
+        acceptance a so far. Always, without a `step_cost`."""
+        b, d = len(draft_lens), sum(draft_lens)
+        if self.step_cost is None or d == 0:
+            return True
+        a = self.acceptance()
+        gain = sum(sum(a**k for k in range(1, n + 1)) for n in draft_lens)
+        return (b + gain) * self.step_cost(b, b) > b * self.step_cost(b, b + d)
 
     def propose(self, seq_id: int, context: Sequence[int], limit: int) -> Draft:
         """A draft of at most min(`limit`, the sample's draft length) tokens continuing

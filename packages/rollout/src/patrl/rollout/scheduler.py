@@ -3,8 +3,7 @@
 A step is a prefill step (new, preempted or imported sequences up to the token budget, the last
 one possibly chunked; a prompt prefills once and its other samples fork it) or a decode step (one
 token for every running sequence, plus, with a drafter, the draft each one verifies: slots for
-1 + d tokens, inside the token budget and without taking a block a later sequence of the step
-needs). Prefill goes first, so the batch refills as soon as sequences finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
+1 + d tokens, inside the token budget and the blocks left once every sequence has its slot). Prefill goes first, so the batch refills as soon as sequences finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
 recompute. The scheduler is deterministic, so every rank of a TP group derives the same schedule.
 """
 
@@ -183,11 +182,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
         copies: list[tuple[int, int]] = []
-        drafts: list[Draft] = []
         queue = list(self.running)
-        speculate = self.drafter is not None and self.drafter.speculates(len(queue))
-        # draft tokens the step may add: the token budget less one token per sequence
-        spare = self.max_num_batched_tokens - min(len(queue), self.max_num_seqs)
         while queue and len(seqs) < self.max_num_seqs:
             seq = queue.pop(0)
             while not self.blocks.can_append(seq.seq_id, 1):
@@ -196,20 +191,41 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                draft = self._draft(seq, spare, len(queue)) if speculate else Draft([])
-                spare -= len(draft.tokens)
-                copies += self.blocks.append(seq.seq_id, [seq.last_token_id, *draft.tokens])
+                copies += self.blocks.append(seq.seq_id, [seq.last_token_id])
                 seqs.append(seq)
-                drafts.append(draft)
         if not seqs:
             return None
+        drafts = self._drafts(seqs)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            copies += self.blocks.append(seq.seq_id, draft.tokens)  # no copy: already private
         counts = [1 + len(d.tokens) for d in drafts]
         return ScheduledBatch(seqs, counts, is_prefill=False, block_copies=copies, drafts=drafts)
 
-    def _draft(self, seq: Sequence, spare: int, queued: int) -> Draft:
-        """`seq`'s draft for this step: no longer than the spare token budget or than what
-        the sequence may still emit less one (the step's own token), and only when its slots
-        leave a block for each of the `queued` sequences after it (a draft never preempts)."""
+    def _drafts(self, seqs: list[Sequence]) -> list[Draft]:
+        """The step's drafts, one per sequence (empty ones where it has none): only when the
+        drafter speculates at this batch size and expects the step to pay; inside the token
+        budget and the free blocks left once every sequence has its own slot (a draft never
+        preempts)."""
+        drafter = self.drafter
+        none = [Draft([]) for _ in seqs]
+        if drafter is None or not drafter.speculates(len(seqs)):
+            return none
+        spare = self.max_num_batched_tokens - len(seqs)
+        free = self.blocks.num_free_blocks
+        drafts = []
+        for seq in seqs:
+            draft = self._draft(seq, spare)
+            needed = self.blocks.num_blocks_to_append(seq.seq_id, len(draft.tokens))
+            if needed > free:
+                draft = Draft([])
+            free -= needed
+            spare -= len(draft.tokens)
+            drafts.append(draft)
+        return drafts if drafter.pays([len(d.tokens) for d in drafts]) else none
+
+    def _draft(self, seq: Sequence, spare: int) -> Draft:
+        """`seq`'s draft: no longer than the `spare` token budget or than what the sequence
+        may still emit less one (the step's own token)."""
         assert self.drafter is not None
         room = seq.params.max_tokens - len(seq.output_token_ids)
         if self.max_model_len is not None:
@@ -218,13 +234,7 @@ class Scheduler:
         if limit <= 0:
             return Draft([])
         self.drafter.observe(seq)  # a sample imported with its KV is new here
-        draft = self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
-        if not draft.tokens:
-            return draft
-        needed = self.blocks.num_blocks_to_append(seq.seq_id, 1 + len(draft.tokens))
-        if needed + queued > self.blocks.num_free_blocks:
-            return Draft([])
-        return draft
+        return self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
