@@ -15,6 +15,12 @@ was followed by a token, so a lookup is one dict probe per n and source and a sl
 the draft length: O(draft length), never a scan of the group. Indexing a new token costs one
 probe per n. Longer matches win; among equal lengths the sources' order in `sources` decides.
 
+Whether a decode step drafts at all: `speculates` (at most `max_num_seqs` running sequences: the
+tail) and, given a `step_cost` (seconds of a step by sequences and query tokens, e.g. from a
+latency profile with a query-length axis), `pays` (the tokens the drafts are expected to add,
+at the acceptance so far, against what their query tokens cost). A sample's draft length
+adapts to its own acceptance (`record`).
+
 Drafts only decide how many tokens a step tries: the engine verifies every one against the
 model, so a draft can be stale, wrong or missing without changing any output. Everything here
 is a function of the tokens it was shown, in order, so every rank of a TP group proposes the
