@@ -7,6 +7,7 @@ one-token sampler (a sequence with no draft); a slow reference of the processed 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,38 @@ def test_stops_inside_an_accepted_run_cut_where_the_one_token_path_stops(
     assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons)
     assert finishes == {"stop", "length"}
     assert e.stats()["spec_acceptance"] > 0.5  # the drafts did run through the stops
+
+
+def test_sampled_runs_stop_at_their_first_stop_token_eos_or_max_tokens(tmp_path: Path) -> None:
+    """Sampling, where no twin gives the same tokens: every output ends at its first stop
+    token or EOS (none earlier) or at exactly max_tokens, though drafts run past them."""
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path)
+    batch = prompts(4, hf.config.vocab_size, seed=8)
+    e = engine(model, True)
+    learn = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, n=4, seed=1)
+    e.generate(batch, learn, prompt_keys=[f"s{i}" for i in range(4)])
+    eos = set(e.eos_token_ids)
+    common = [t for t, _ in Counter(t for o in e.generate(batch, learn) for c in o.outputs
+                                    for t in c.token_ids).most_common(3)]  # fmt: skip
+    params = SamplingParams(
+        temperature=0.8, max_tokens=17, n=4, seed=2, stop_token_ids=common[:2], logprobs=1
+    )
+    drafted = e.stats()["spec_drafted_tokens"]
+    outs = e.generate(batch, params, prompt_keys=[f"s{i}" for i in range(4)])
+    assert e.stats()["spec_drafted_tokens"] > drafted
+    stops = set(common[:2]) | eos
+    reasons = set()
+    for o in outs:
+        for c in o.outputs:
+            assert not stops & set(c.token_ids[:-1])
+            assert len(c.token_ids) <= 17 and len(c.logprobs) == len(c.token_ids)
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == 17 and c.token_ids[-1] not in stops
+            else:
+                assert c.token_ids[-1] in stops
+            reasons.add(c.finish_reason)
+    assert reasons == {"stop", "length"}
 
 
 def test_kv_blocks_stay_intact_through_preemption_and_rollback(tmp_path: Path) -> None:
