@@ -125,6 +125,10 @@ class BlockManager:
         bs, table = self.block_size, seq.block_table
         return [table[i // bs] * bs + i % bs for i in range(start, end)]
 
+    def ref_count(self, block_id: int) -> int:
+        """How many block-table entries point at block `block_id`."""
+        return self._blocks[block_id].ref_count
+
     def prefix_hit_rate(self) -> float:
         if self.prefix_queries_tokens == 0:
             return 0.0
@@ -210,6 +214,45 @@ class BlockManager:
             seq.block_table.append(self._take_fresh())
         return copies
 
+    def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Free blocks `append` of `num_tokens` tokens would take now (a copy-on-write
+        included)."""
+        return self._blocks_needed_to_append(self._get(seq_id), num_tokens)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Drop a sequence's last `num_tokens` tokens and their slots (rejected speculative
+        tokens), computed or not; at least one token stays.
+
+        Blocks past the new end lose this sequence's reference: freed with their last one, a
+        registered one kept findable (its KV is that of its own tokens). The block the new end
+        falls inside keeps this sequence's reference: when the sequence owns it alone it is
+        unregistered and its epoch bumped (its tail will be overwritten, so no child record may
+        match it); when it is shared it is left unchanged, and the next `append` copies it.
+        A block another sequence uses is never changed or freed.
+        """
+        seq = self._get(seq_id)
+        n = len(seq.token_ids)
+        if not 0 <= num_tokens < n:
+            raise ValueError(
+                f"cannot truncate {num_tokens} of the {n} tokens of sequence {seq_id!r}: "
+                f"accepted is 0 to {n - 1} (a sequence keeps at least one token)"
+            )
+        if num_tokens == 0:
+            return
+        end = n - num_tokens
+        del seq.token_ids[end:]
+        seq.num_computed = min(seq.num_computed, end)
+        keep = self._blocks_for(end)
+        for b in reversed(seq.block_table[keep:]):
+            self._release(b)
+        del seq.block_table[keep:]
+        del seq.block_hashes[seq.num_computed // self.block_size :]
+        if end % self.block_size:
+            last = self._blocks[seq.block_table[-1]]
+            if last.ref_count == 1:
+                self._unregister(last.block_id)
+                last.epoch += 1
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Record that the KV of the next `num_tokens` uncomputed tokens has been written.
 
@@ -259,13 +302,7 @@ class BlockManager:
             )
         # Tail first, so LRU eviction drops the ends of chains before their shared prefixes.
         for b in reversed(seq.block_table):
-            block = self._blocks[b]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._cached_free[b] = None
-                else:
-                    self._free.append(b)
+            self._release(b)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, e.g. after new weights made the stored KV stale.
@@ -378,6 +415,16 @@ class BlockManager:
             hits.append(b)
             parent = (b, block.epoch)
         return hits
+
+    def _release(self, b: int) -> None:
+        """Drop one reference to block `b`; with the last, it goes to a free pool."""
+        block = self._blocks[b]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._cached_free[b] = None
+            else:
+                self._free.append(b)
 
     def _take(self, b: int) -> None:
         block = self._blocks[b]

@@ -149,6 +149,22 @@ class ValKwargsConfig(_Section):
         return n
 
 
+class SpeculativeConfig(_Section):
+    """Speculative rollouts: decode steps verify drafts from the prompt's other samples, its
+    earlier responses and the prompt (patrl.rollout.SpeculativeConfig has the details); the
+    sampled tokens are distributed as without it. Static TP only for now."""
+
+    enable: bool = False
+    sources: list[Literal["group", "history", "prompt"]] = Field(
+        ["group", "history", "prompt"], min_length=1, description="draft sources, preferred first"
+    )
+    num_speculative_tokens: int = Field(4, gt=0, le=64, description="most draft tokens a step")
+    max_num_seqs: int = Field(
+        16, ge=0, description="speculate in decode steps of at most this many samples; 0 = always"
+    )
+    history_size: int = Field(8, ge=0, description="earlier responses kept per prompt")
+
+
 class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0)
@@ -215,6 +231,8 @@ class RolloutConfig(_Section):
         description="partial rollouts (APRIL): start this fraction more prompts, stop when the "
         "batch is full, resume the unfinished ones first next step; 0 = off",
     )
+
+    speculative: SpeculativeConfig = Field(default_factory=lambda: SpeculativeConfig())
 
     @model_validator(mode="after")
     def _block_size_fits_backend(self) -> RolloutConfig:

@@ -62,6 +62,7 @@ from patrl.orchestrator.step import (
     validation_metrics,
 )
 from patrl.rollout import AdaptiveEngine, SequenceState
+from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
@@ -281,6 +282,7 @@ class SyncGRPO(RunLoop):
             self.rollout_timeline = after["timeline"]  # the plots show a training rollout
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
+            metrics.update(speculation_metrics(before, after))
             with timed(timings, "reward"):
                 samples, reward_shares = self._score(local, failures=self._failures)
             metrics.update(self._learn_lengths(samples, rounds))

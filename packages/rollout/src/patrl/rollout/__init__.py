@@ -14,7 +14,7 @@ from patrl.rollout.adaptive import (
     make_engine,
     reconfigure,
 )
-from patrl.rollout.config import EngineConfig
+from patrl.rollout.config import EngineConfig, SpeculativeConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.models import build_model
@@ -35,6 +35,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceState",
+    "SpeculativeConfig",
     "StaticTP",
     "TPController",
     "TPDecisionRecord",

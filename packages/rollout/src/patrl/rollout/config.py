@@ -12,9 +12,59 @@ from patrl.rollout.layers.attention.registry import (
     resolve_attention_backend,
     resolve_block_size,
 )
-from patrl.rollout.tp_policy import StaticTP, TPPolicy
+from patrl.rollout.tp_policy import AdaptiveTP, StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+SpecSource = Literal["group", "history", "prompt"]
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding with drafts from the prompt's group, its history and the prompt
+    itself (patrl.rollout.drafter): each decode step verifies up to `num_speculative_tokens`
+    drafted tokens per sequence; the emitted tokens are distributed exactly as without it.
+    vLLM's n-gram names where they exist (num_speculative_tokens, prompt_lookup_min/max)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable: bool = Field(False, description="draft and verify in decode steps")
+    sources: tuple[SpecSource, ...] = Field(
+        ("group", "history", "prompt"),
+        min_length=1,
+        description="where drafts come from, in order of preference: the prompt's other "
+        "samples (in flight or finished), its earlier responses, the prompt",
+    )
+    num_speculative_tokens: int = Field(
+        4, gt=0, le=64, description="the most draft tokens a sequence verifies in one step"
+    )
+    prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram a draft matches on")
+    prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram a draft matches on")
+    adaptive_draft_length: bool = Field(
+        True,
+        description="each sequence's draft length follows its acceptance: one more after a "
+        "whole draft is accepted, one past the accepted ones after a rejection",
+    )
+    max_num_seqs: int = Field(
+        16,
+        ge=0,
+        description="speculate only in decode steps of at most this many sequences (the "
+        "tail: a larger step is compute-bound, where verifying costs more than it saves); "
+        "0 = always",
+    )
+    history_size: int = Field(
+        8, ge=0, description="earlier responses kept per prompt for the history source"
+    )
+    history_prompts: int = Field(4096, gt=0, description="prompts whose history is kept")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -81,6 +131,10 @@ class EngineConfig(BaseModel):
         "need no gather and no rebuild; off: the weights are cut in place and the rest "
         "handed back (less memory; the sync after a folded rollout rebuilds the model)",
     )
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig,
+        description="speculative decoding from group and history drafts (off by default)",
+    )
     tune_host_malloc: bool = Field(
         True,
         description="on CPU under glibc, keep freed memory for reuse instead of faulting in "
@@ -110,6 +164,15 @@ class EngineConfig(BaseModel):
             "attention_backend": backend,
             "block_size": resolved if raw is None else raw,
         }
+
+    @model_validator(mode="after")
+    def _speculation_at_static_tp(self) -> EngineConfig:
+        if self.speculative.enable and isinstance(self.tp_policy, AdaptiveTP):
+            raise ValueError(
+                "speculative.enable=True runs at static TP only (a fold's ranks would hold "
+                "different draft histories): use tp_policy=StaticTP or turn speculation off"
+            )
+        return self
 
     @field_validator("attention_backend")
     @classmethod

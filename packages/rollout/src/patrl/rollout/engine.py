@@ -29,6 +29,7 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.drafter import new_drafter
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -45,7 +46,7 @@ from patrl.rollout.request_input import (
     with_group_seed,
 )
 from patrl.rollout.sampler import SampleOutput, SamplingParams
-from patrl.rollout.scheduler import Scheduler
+from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import IdCounter, Request, new_request
 from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.torchrun import static_layout
@@ -77,6 +78,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = read_tokenizer_if_any(config.model)
         self.eos_token_ids = frozenset(read_eos_token_ids(config.model))
+        self.drafter = new_drafter(config.speculative)  # None: no speculation
         self.scheduler = self._new_scheduler()
         self.weight_version = 0
         self.counters = EngineCounters()
@@ -106,9 +108,9 @@ class Engine:
         return self.runner.device
 
     def _new_scheduler(self) -> Scheduler:
-        return Scheduler(
-            self.runner.cache.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
-        )
+        c = self.config
+        args = (c.max_num_seqs, c.max_num_batched_tokens, self.drafter, self.max_model_len)
+        return Scheduler(self.runner.cache.blocks, *args)
 
     # ------------------------------------------------------------- requests
 
@@ -125,7 +127,7 @@ class Engine:
         run (empty, too long, ids outside the vocabulary) finishes at the next `step` with
         finish_reason "rejected" and the reason in its `error`; params the engine cannot
         honour raise ValueError. Generated ids are unique across the world's replicas.
-        `prompt_key` names the prompt for a driver that learns lengths (adaptive TP)."""
+        `prompt_key` names the prompt (to learn lengths, adaptive TP; to share drafts)."""
         params = params or SamplingParams()
         self.check_params(params)
         if request_id is None:
@@ -134,7 +136,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = with_group_seed(params, self.layout, self.device)
         token_ids = encode(prompt, self.tokenizer, self.config.model)
-        request = new_request(request_id, token_ids, params, self._seq_ids)
+        request = new_request(request_id, token_ids, params, self._seq_ids, prompt_key)
         self._requests[request_id] = request
         seqs = list(request.seqs.values())
         request.error = reject_reason(token_ids, self.max_model_len, self.model.config.vocab_size)
@@ -190,7 +192,7 @@ class Engine:
                 if batch.is_prefill:
                     for i in sampled.ready:
                         self._end_prefill(batch.seqs[i])
-                self._postprocess(sampled.samplers, sampled.out)
+                self._postprocess(sampled.samplers, sampled.out, batch)
             end = time.perf_counter()
             self.counters.busy_s += end - start
             running = self.scheduler.num_running_samples()
@@ -217,16 +219,14 @@ class Engine:
             self.runner.cache.blocks.fork(leader.seq_id, children)
         self.scheduler.finish_prefill(leader)
 
-    def _postprocess(self, seqs: list[Seq], out: SampleOutput) -> None:
+    def _postprocess(self, seqs: list[Seq], out: SampleOutput, batch: ScheduledBatch) -> None:
         host = out.to_host()  # the step's one copy to the host
-        for row, seq in enumerate(seqs):
-            top = host.top(row, seq.params.logprobs)
-            seq.append_token(host.tokens[row], host.logprobs[row], top)
+        runs = host.runs([d.tokens for d in batch.drafts], len(seqs))
+        for i, (seq, rows) in enumerate(zip(seqs, runs, strict=True)):
+            n, why = seq.emit(host, rows, self.eos_token_ids, self.max_model_len, self.tokenizer)
             seq.weight_version = self.weight_version
-            self.counters.generated_tokens += 1
-            reason = seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+            self.counters.generated_tokens += n
+            self.scheduler.settle(seq, n, why, None if batch.is_prefill else batch.drafts[i])
 
     def _collect_finished(self) -> list[RequestOutput]:
         done = [r for r in self._requests.values() if r.done()]

@@ -28,6 +28,7 @@ from patrl.rollout.sampler import (
     concat_samples,
     make_generator,
     sample,
+    verify_drafts,
 )
 from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Sequence as Seq
@@ -289,6 +290,8 @@ class ModelRunner:
             hidden = self.model(ids, ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
+        if batch.is_verify:
+            return self._verify(batch, hidden)
         ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]
         if not ready:
             return None
@@ -301,6 +304,21 @@ class ModelRunner:
                 samplers.append(seq)
         out = self._agree_across_tp(self._logits_and_samples(hidden[last], rows, samplers))
         return Sampled(ready, samplers, out)
+
+    @torch.inference_mode()
+    def _verify(self, batch: ScheduledBatch, hidden: torch.Tensor) -> Sampled:
+        """A verify step's outcome: every row of `hidden` (each sequence's last sampled token
+        and its draft) is a logits row, accepted or rejected by `verify_drafts`. The engine
+        rolls back the slots of rejected tokens. It runs eagerly (CUDA graphs take one query
+        token per sequence) and unchunked: verify steps are the tail's small batches."""
+        seqs = batch.seqs
+        out = verify_drafts(
+            self.model.compute_logits(hidden),
+            [d.tokens for d in batch.drafts],
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+        )
+        return Sampled(list(range(len(seqs))), list(seqs), self._agree_across_tp(out))
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionContext, list[int]]:
         """The batch's attention context and input token ids."""
@@ -373,7 +391,10 @@ class ModelRunner:
         layout = self.layout
         if layout.tp_size == 1:
             return out
-        mine = torch.stack([out.tokens.double(), out.logprobs.double()])
+        columns = [out.tokens.double(), out.logprobs.double()]
+        if out.emitted is not None:
+            columns.append(out.emitted.double())
+        mine = torch.stack(columns)
         first = tp_broadcast(layout, mine.clone(), src=0)
         if not torch.equal(first, mine):
             raise RuntimeError(

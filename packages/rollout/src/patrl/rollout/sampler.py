@@ -25,6 +25,7 @@ __all__ = [
     "import_generator",
     "make_generator",
     "sample",
+    "verify_drafts",
 ]
 
 
@@ -114,6 +115,19 @@ class HostSamples:
     logprobs: list[float]
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    emitted: list[bool] | None = None  # verify steps: whether row i's token is emitted
+
+    def runs(self, drafts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        """The rows each of `n` sequences emits: one each, or in a verify step (`drafts`),
+        its emitted ones among its 1 + len(draft) rows."""
+        if self.emitted is None:
+            return [[i] for i in range(n)]
+        runs, start = [], 0
+        for d in drafts:
+            end = start + 1 + len(d)
+            runs.append([r for r in range(start, end) if self.emitted[r]])
+            start = end
+        return runs
 
     def top(self, row: int, k: int | None) -> dict[int, float] | None:
         """Row `row`'s logprobs by token id as `SamplingParams.logprobs` = k asks: its first
@@ -133,20 +147,27 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
+    # verify steps (`verify_drafts`): [B] bool, whether row i's token is emitted
+    emitted: torch.Tensor | None = None
 
     def to_host(self) -> HostSamples:
         """Everything in ONE device-to-host copy, a step's one deliberate sync: the columns
         packed as float64, exact for token ids (< 2**53) and for float32 logprobs."""
         columns = [self.tokens[:, None].double(), self.logprobs[:, None].double()]
+        if self.emitted is not None:
+            columns.append(self.emitted[:, None].double())
+        e = len(columns)
         k = 0
         if self.top_ids is not None and self.top_logprobs is not None:
             k = self.top_ids.shape[1]
             columns += [self.top_ids.double(), self.top_logprobs.double()]
         rows = torch.cat(columns, dim=1).cpu().tolist()
         host = HostSamples([int(r[0]) for r in rows], [r[1] for r in rows])
+        if self.emitted is not None:
+            host.emitted = [r[2] != 0 for r in rows]
         if k:
-            host.top_ids = [[int(i) for i in r[2 : 2 + k]] for r in rows]
-            host.top_logprobs = [r[2 + k :] for r in rows]
+            host.top_ids = [[int(i) for i in r[e : e + k]] for r in rows]
+            host.top_logprobs = [r[e + k :] for r in rows]
         return host
 
 
@@ -235,6 +256,156 @@ def sample(
         return SampleOutput(tokens, chosen)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+@torch.inference_mode()
+def verify_drafts(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> SampleOutput:
+    """Accept or reject each sequence's draft, losslessly: the emitted tokens are distributed
+    as sampling them one at a time would be.
+
+    Sequence i owns 1 + len(drafts[i]) consecutive rows of `logits` [R, V]: row j holds the
+    logits after its draft's first j tokens. Greedy rows accept draft token j while it is row
+    j's argmax and then emit the argmax. Sampling rows run speculative sampling with a
+    point-mass draft: draft token x at row j is accepted with probability p_j(x) under the
+    request's processed distribution (temperature, then top-k and top-p); at the first
+    rejection the row samples from p_j with x removed, renormalised; when every draft token is
+    accepted, the last row samples a bonus token from p_d. A sampling sequence draws exactly
+    len(draft) + 1 uniforms from its own generator (acceptances, then the final token), however
+    many are accepted, so a seeded request stays deterministic and no count is read back.
+
+    Returns one row per logits row: the token row j emits if reached, its logprob and top
+    logprobs under the shared convention (those the one-token path reports for that token in
+    that context), and `emitted`, true for rows 0 .. accepted (the accepted draft tokens and
+    the final token).
+    """
+    lens = [1 + len(d) for d in drafts]
+    r = sum(lens)
+    if not (len(params) == len(generators) == len(drafts) and logits.shape[0] == r):
+        raise ValueError(
+            f"{logits.shape[0]} logit rows for {len(drafts)} drafts needing {r}, "
+            f"{len(params)} sampling params, {len(generators)} generators"
+        )
+    device = logits.device
+    logits = logits.float()
+    row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
+    temperatures = [p.effective_temperature for p in row_params]
+    scaled = logits
+    if any(t != 1.0 for t in temperatures):
+        scaled = logits / upload(torch.tensor(temperatures), device)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    v = logits.shape[-1]
+    # The layout, built on the host: each row's draft token (0 on last rows), whether it has
+    # one, and the first row of its sequence.
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    x_host = [0] * r
+    has_draft = [False] * r
+    first_host: list[int] = []
+    for start, d, n in zip(starts, drafts, lens, strict=True):
+        for j, token in enumerate(d):
+            x_host[start + j] = int(token)
+            has_draft[start + j] = True
+        first_host += [start] * n
+    x = upload(torch.tensor(x_host, dtype=torch.long), device)
+    is_draft = upload(torch.tensor(has_draft), device)
+    tokens = torch.zeros(r, dtype=torch.long, device=device)
+    accept = torch.zeros(r, dtype=torch.bool, device=device)
+
+    def rows_of(seqs: list[int]) -> list[int]:
+        return [starts[i] + j for i in seqs for j in range(lens[i])]
+
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        index = _rows(rows_of(greedy), device)
+        best = logits[index].argmax(dim=-1)
+        tokens[index] = best
+        accept[index] = (best == x[index]) & is_draft[index]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
+    if plain:
+        index = _rows(rows_of(plain), device)
+        u_accept, u_final = _verify_draws([(generators[i], lens[i]) for i in plain], device)
+        probs = logprobs[index].exp()
+        xs, drafted = x[index], is_draft[index]
+        p_x = probs.gather(1, xs[:, None])[:, 0]
+        accept[index] = (u_accept < p_x) & drafted
+        residual = probs.scatter(1, xs[:, None], torch.where(drafted, 0.0, p_x)[:, None])
+        picked = _inverse_cdf(residual, u_final)
+        # only a rejection of a draft holding all the mass (rounding) leaves none: keep it
+        tokens[index] = torch.where(residual.sum(dim=-1) > 0, picked, xs)
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
+    if truncated:
+        index = _rows(rows_of(truncated), device)
+        host_rows = logprobs[index].cpu()  # one copy, as `_sample_truncated_rows` makes
+        picks: list[int] = []
+        accepts: list[bool] = []
+        at = 0
+        for i in truncated:
+            rows = host_rows[at : at + lens[i]]
+            at += lens[i]
+            t, a = _verify_truncated(rows, drafts[i], params[i], generators[i])
+            picks += t
+            accepts += a
+        tokens[index] = upload(torch.tensor(picks, dtype=torch.long), device)
+        accept[index] = upload(torch.tensor(accepts), device)
+    # Row j is emitted when no draft row of its sequence before it was rejected.
+    rejected = (is_draft & ~accept).long()
+    before = rejected.cumsum(0) - rejected
+    first = _rows(first_host, device)
+    emitted = before == before[first]
+    out = torch.where(accept, x, tokens)
+    chosen = logprobs.gather(1, out[:, None])[:, 0]
+    k = max(p.num_top_logprobs for p in params)
+    if k == 0:
+        return SampleOutput(out, chosen, emitted=emitted)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return SampleOutput(out, chosen, top_ids, top_logprobs, emitted)
+
+
+def _verify_draws(
+    seqs: Sequence[tuple[torch.Generator, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of sequences of `n` rows each: the acceptance uniform of draft row j (the j-th
+    draw; 1.0 on last rows, never used) and the sequence's final uniform (its n-th draw)."""
+    accept: list[torch.Tensor] = []
+    final: list[torch.Tensor] = []
+    for g, n in seqs:
+        draws = [torch.rand((), generator=g) for _ in range(n)]
+        accept += [*draws[:-1], torch.ones(())]
+        final += [draws[-1]] * n
+    return upload(torch.stack(accept), device), upload(torch.stack(final), device)
+
+
+def _verify_truncated(
+    rows: torch.Tensor, draft: Sequence[int], p: SamplingParams, g: torch.Generator
+) -> tuple[list[int], list[bool]]:
+    """`verify_drafts` for one top-k / top-p sequence's rows [1 + d, V] (host logprobs): each
+    row's token and whether its draft token was accepted (rows after a rejection: 0, False)."""
+    d = len(draft)
+    draws = [torch.rand((), generator=g) for _ in range(d + 1)]
+    final = draws[d][None]
+    tokens = [0] * (d + 1)
+    accepts = [False] * (d + 1)
+    for j in range(d + 1):
+        ids, kept = truncated_candidates(rows[j].exp(), p)
+        if j == d:
+            tokens[j] = int(ids[_inverse_cdf(kept[None], final)[0]])
+            break
+        x = int(draft[j])
+        is_x = ids == x
+        if draws[j] < kept[is_x].sum() / kept.sum():
+            tokens[j], accepts[j] = x, True
+            continue
+        rest, rest_ids = kept[~is_x], ids[~is_x]
+        if rest.numel() == 0 or not rest.sum() > 0:
+            tokens[j] = x  # rounding: a draft holding all the mass, rejected
+        else:
+            tokens[j] = int(rest_ids[_inverse_cdf(rest[None], final)[0]])
+        break
+    return tokens, accepts
 
 
 def _rows(rows: list[int], device: torch.device) -> torch.Tensor:

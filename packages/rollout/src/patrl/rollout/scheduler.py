@@ -2,8 +2,8 @@
 
 A step is a prefill step (new, preempted or imported sequences up to the token budget, the last
 one possibly chunked; a prompt prefills once and its other samples fork it) or a decode step (one
-token for every running sequence). Prefill goes first, so the batch refills as soon as sequences
-finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
+token for every running sequence, plus, with a drafter, the draft each one verifies: slots for
+1 + d tokens, inside the token budget and the blocks left once every sequence has its slot). Prefill goes first, so the batch refills as soon as sequences finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
 recompute. The scheduler is deterministic, so every rank of a TP group derives the same schedule.
 """
 
@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from patrl.kvstore import BlockManager
+from patrl.rollout.drafter import Draft, Drafter
 from patrl.rollout.sequence import Sequence, SequenceStatus
 
 
@@ -23,19 +24,35 @@ class ScheduledBatch:
     is_prefill: bool
     # Copy-on-write moves the KV cache must perform before the forward writes.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A verify step (decode with drafts): each sequence's draft, its tokens after the last
+    # sampled one in the batch (num_new_tokens = 1 + len(draft.tokens)); empty otherwise.
+    drafts: list[Draft] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def is_verify(self) -> bool:
+        return any(d.tokens for d in self.drafts)
+
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drafter: Drafter | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`drafter`: drafts for decode steps of at most its `max_num_seqs` running sequences
+        (0: any), each cut to what the sequence may still emit (`max_model_len`, max_tokens)."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.drafter = drafter
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # A sequence whose prefill was cut by the token budget; it holds its blocks and is
@@ -65,6 +82,7 @@ class Scheduler:
             "kv_blocks_free": self.blocks.num_free_blocks,
             "prefix_hit_rate": self.blocks.prefix_hit_rate(),
             "num_preemptions": self.num_preemptions,
+            **(self.drafter.counts.stats() if self.drafter is not None else {}),
         }
 
     def remove(self, seq: Sequence) -> None:
@@ -77,6 +95,9 @@ class Scheduler:
             self.running.remove(seq)
         if self.blocks.has(seq.seq_id):
             self.blocks.free(seq.seq_id)
+        if self.drafter is not None:  # a complete response is history for its prompt
+            remember = seq.finish_reason in ("stop", "length")
+            self.drafter.finish(seq.seq_id, seq.output_token_ids, remember)
 
     # --------------------------------------------------------------- schedule
 
@@ -174,7 +195,46 @@ class Scheduler:
                 seqs.append(seq)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False, block_copies=copies)
+        drafts = self._drafts(seqs)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            copies += self.blocks.append(seq.seq_id, draft.tokens)  # no copy: already private
+        counts = [1 + len(d.tokens) for d in drafts]
+        return ScheduledBatch(seqs, counts, is_prefill=False, block_copies=copies, drafts=drafts)
+
+    def _drafts(self, seqs: list[Sequence]) -> list[Draft]:
+        """The step's drafts, one per sequence (empty ones where it has none): only when the
+        drafter speculates at this batch size and expects the step to pay; inside the token
+        budget and the free blocks left once every sequence has its own slot (a draft never
+        preempts)."""
+        drafter = self.drafter
+        none = [Draft([]) for _ in seqs]
+        if drafter is None or not drafter.speculates(len(seqs)):
+            return none
+        spare = self.max_num_batched_tokens - len(seqs)
+        free = self.blocks.num_free_blocks
+        drafts = []
+        for seq in seqs:
+            draft = self._draft(seq, spare)
+            needed = self.blocks.num_blocks_to_append(seq.seq_id, len(draft.tokens))
+            if needed > free:
+                draft = Draft([])
+            free -= needed
+            spare -= len(draft.tokens)
+            drafts.append(draft)
+        return drafts if drafter.pays([len(d.tokens) for d in drafts]) else none
+
+    def _draft(self, seq: Sequence, spare: int) -> Draft:
+        """`seq`'s draft: no longer than the `spare` token budget or than what the sequence
+        may still emit less one (the step's own token)."""
+        assert self.drafter is not None
+        room = seq.params.max_tokens - len(seq.output_token_ids)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens)
+        limit = min(spare, room - 1)
+        if limit <= 0:
+            return Draft([])
+        self.drafter.observe(seq)  # a sample imported with its KV is new here
+        return self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -198,3 +258,18 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish(reason)
         self.remove(seq)
+
+    def settle(
+        self, seq: Sequence, emitted: int, reason: str | None, draft: Draft | None = None
+    ) -> None:
+        """After a step gave `seq` `emitted` tokens: finish it for `reason`, else roll back
+        the slots of its rejected draft tokens (`draft`: what a decode step verified; None in
+        a prefill step); the drafter indexes the new tokens and counts the step."""
+        if self.drafter is not None:
+            self.drafter.observe(seq)
+            if draft is not None:
+                self.drafter.record(seq.seq_id, draft, emitted - 1, emitted)
+        if reason is not None:
+            self.finish(seq, reason)
+        elif draft is not None and draft.tokens:
+            self.blocks.truncate(seq.seq_id, len(draft.tokens) + 1 - emitted)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from patrl.rollout.detokenizer import StopStringChecker
-from patrl.rollout.sampler import SamplingParams, make_generator
+from patrl.rollout.sampler import HostSamples, SamplingParams, make_generator
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +44,8 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     weight_version: int = 0  # policy version of the weights that sampled the latest token
+    # the request's prompt key (add_request), grouping samples of one prompt for drafts
+    prompt_key: str | None = None
     # the text so far, for a sample with stop strings (made at its first check: derived)
     stop_checker: StopStringChecker | None = None
     # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
@@ -60,6 +62,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def last_tokens(self, n: int) -> list[int]:
+        """The last `n` of `token_ids` (fewer when it is shorter), without building it."""
+        out = self.output_token_ids
+        if len(out) >= n:
+            return out[len(out) - n :]
+        return self.prompt_token_ids[max(0, len(self.prompt_token_ids) - n + len(out)) :] + out
 
     @property
     def last_token_id(self) -> int:
@@ -81,6 +90,25 @@ class Sequence:
         self.output_logprobs.append(logprob)
         if top is not None:
             self.output_top_logprobs.append(top)
+
+    def emit(
+        self,
+        host: HostSamples,
+        rows: list[int],
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        tokenizer: Any = None,
+    ) -> tuple[int, str | None]:
+        """Append the tokens of `rows` of `host` in order, up to the first that ends the
+        sequence; returns how many it appended and why it must stop (None: it goes on)."""
+        for n, row in enumerate(rows, 1):
+            self.append_token(
+                host.tokens[row], host.logprobs[row], host.top(row, self.params.logprobs)
+            )
+            reason = self.check_stop(eos_token_ids, max_model_len, tokenizer)
+            if reason is not None:
+                return n, reason
+        return len(rows), None
 
     def check_stop(
         self, eos_token_ids: frozenset[int], max_model_len: int, tokenizer: Any = None
@@ -153,15 +181,19 @@ class IdCounter:
 
 
 def new_request(
-    request_id: str, token_ids: list[int], params: SamplingParams, seq_ids: IdCounter
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    seq_ids: IdCounter,
+    prompt_key: str | None = None,
 ) -> Request:
     """A request of `params.n` fresh samples, sample i drawing from a generator seeded with
-    `params.seed + i` (a random one without a seed)."""
+    `params.seed + i` (a random one without a seed); `prompt_key` groups them for drafts."""
     request = Request(request_id, token_ids)
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
         generator = make_generator(seed)
         request.seqs[i] = Sequence(
-            seq_ids.take(), request_id, i, list(token_ids), params, generator
+            seq_ids.take(), request_id, i, list(token_ids), params, generator, prompt_key=prompt_key
         )
     return request

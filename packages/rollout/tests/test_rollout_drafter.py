@@ -1,0 +1,164 @@
+"""The drafter: n-gram drafts from a prompt's group, its history and the prompt itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from patrl.rollout.drafter import Draft, Drafter, NgramIndex
+
+
+@dataclass
+class Sample:
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_key: str | None = "p"
+
+    def context(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+PROMPT = [100, 101, 102, 103]
+
+
+def test_a_sample_drafts_from_its_siblings_continuation() -> None:
+    d = Drafter(max_draft=3, min_n=2, max_n=3)
+    a, b = Sample(0, PROMPT, [5, 6, 7, 8, 9]), Sample(1, PROMPT, [1, 6, 7])
+    d.observe(a)
+    d.observe(b)
+    assert d.propose(1, b.context(), 8) == Draft([8, 9], "group")  # a's stream ends at 9
+    assert d.propose(1, b.context(), 1) == Draft([8], "group")
+    # the first token of a response: the prompt's tail is the lead-in of every stream
+    c = Sample(2, PROMPT)
+    d.observe(c)
+    assert d.propose(2, c.context(), 3) == Draft([1, 6, 7], "group")  # the latest start
+
+
+def test_longer_matches_win_then_the_order_of_sources() -> None:
+    d = Drafter(max_draft=2, min_n=1, max_n=3, sources=("group", "history", "prompt"))
+    prompt = [7, 8, 9, 50, 7, 8, 60]
+    a = Sample(0, prompt, [1, 2, 9, 70])  # "9 70" in the group, "8 9 50" in the prompt
+    d.observe(a)
+    b = Sample(1, prompt, [3, 8, 9])
+    d.observe(b)
+    # "8 9" (n = 2) is in the prompt only; "9" (n = 1) is in the group too: longer wins
+    assert d.propose(1, b.context(), 2) == Draft([50, 7], "prompt")
+    only_group = Drafter(max_draft=2, min_n=1, max_n=3, sources=("group",))
+    only_group.observe(a)
+    only_group.observe(b)
+    assert only_group.propose(1, b.context(), 2) == Draft([70], "group")
+
+
+def test_a_sample_never_drafts_from_its_own_end_but_does_from_its_earlier_tokens() -> None:
+    d = Drafter(max_draft=4, min_n=2, max_n=2)
+    s = Sample(0, [1, 2], [3, 4, 5])
+    d.observe(s)
+    assert d.propose(0, s.context(), 4) == Draft([], None)
+    s.output_token_ids += [3, 4]
+    d.observe(s)
+    assert d.propose(0, s.context(), 4) == Draft([5, 3, 4], "group")
+
+
+def test_history_outlives_the_group_and_is_bounded() -> None:
+    d = Drafter(max_draft=4, min_n=2, max_n=2, history_size=2, history_prompts=2)
+    for i, out in enumerate([[1, 2, 3], [1, 2, 4], [1, 2, 5]]):
+        s = Sample(i, PROMPT, out)
+        d.observe(s)
+        d.finish(i, out, remember=True)
+    assert d.num_groups() == 0
+    assert d.history["p"] == [[1, 2, 4], [1, 2, 5]]  # the two latest
+    s = Sample(9, PROMPT, [1, 2])
+    d.observe(s)
+    assert d.propose(9, s.context(), 4) == Draft([5], "history")  # the latest one wins
+    d.finish(9, [1, 2, 6], remember=False)  # an abort or an export: not history
+    assert d.history["p"] == [[1, 2, 4], [1, 2, 5]]
+    for key in ("q", "r"):
+        other = Sample(20, PROMPT, [0], prompt_key=key)
+        d.observe(other)
+        d.finish(20, [0], remember=True)
+    assert list(d.history) == ["q", "r"]  # at most two prompts, least recent dropped
+
+
+def test_without_a_prompt_key_the_prompt_tokens_are_the_key() -> None:
+    d = Drafter(max_draft=4, min_n=2, max_n=2)
+    s = Sample(0, PROMPT, [1, 2, 3], prompt_key=None)
+    d.observe(s)
+    d.finish(0, [1, 2, 3], remember=True)
+    t = Sample(1, list(PROMPT), [1, 2], prompt_key=None)
+    d.observe(t)
+    assert d.propose(1, t.context(), 4) == Draft([3], "history")
+
+
+def test_state_dict_round_trips_the_history() -> None:
+    d = Drafter(max_draft=4)
+    for i, key in enumerate(["p", None]):
+        s = Sample(i, PROMPT, [1, 2, 3], prompt_key=key)
+        d.observe(s)
+        d.finish(i, [1, 2, 3], remember=True)
+    state = d.state_dict()
+    assert state["history"] == [["p", [[1, 2, 3]]], [PROMPT, [[1, 2, 3]]]]
+    e = Drafter(max_draft=4)
+    e.load_state_dict(state)
+    assert e.history == d.history
+
+
+def test_draft_length_follows_acceptance() -> None:
+    d = Drafter(max_draft=4, min_n=1, max_n=1)
+    s = Sample(0, [1], [2, 3, 4, 5, 6, 1])
+    d.observe(s)
+    assert len(d.propose(0, s.context(), 10).tokens) == 4
+    d.record(0, Draft([2, 3, 4, 5], "group"), accepted=1, emitted=2)
+    assert d.propose(0, s.context(), 10) == Draft([2, 3], "group")  # one past the accepted
+    d.record(0, Draft([2, 3], "group"), accepted=2, emitted=3)
+    assert len(d.propose(0, s.context(), 10).tokens) == 3  # a whole draft: one more
+    stats = d.counts.stats()
+    assert stats["spec_acceptance"] == pytest.approx(3 / 6)
+    assert stats["spec_tokens_per_step"] == pytest.approx(5 / 2)
+    assert stats["spec_accepted_share/group"] == 1.0
+    fixed = Drafter(max_draft=4, min_n=1, max_n=1, adaptive=False)
+    fixed.observe(s)
+    fixed.record(0, Draft([2], "group"), accepted=0, emitted=1)
+    assert len(fixed.propose(0, s.context(), 10).tokens) == 4
+
+
+def test_the_index_probes_one_entry_per_n_whatever_the_group_size() -> None:
+    """A lookup reads one dict entry per n and a slice of the draft length: the table holds
+    one (stream, position) per n-gram, the latest, however many streams repeat it."""
+    index = NgramIndex(2, 2)
+    for _ in range(100):
+        index.add_stream([1, 2, 3, 4])
+    assert len(index.table) == 2  # (1, 2) and (2, 3): (3, 4) was never followed
+    assert index.table[(1, 2)] == (99, 2)
+    assert index.lookup([9, 1, 2], 2, 5) == [3, 4]
+
+
+def test_bad_settings_name_the_value() -> None:
+    with pytest.raises(ValueError, match="draft sources must be a non-empty subset"):
+        Drafter(max_draft=2, sources=("group", "bogus"))
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max, got 3, 2"):
+        Drafter(max_draft=2, min_n=3, max_n=2)
+
+
+def test_a_step_speculates_where_its_injected_cost_says_it_pays() -> None:
+    """Weight-bound (a step costs the same whatever its tokens): drafting always pays.
+    Compute-bound (cost in proportion to tokens): never, a draft is accepted in part. Both
+    (a fixed cost plus a per-token one): in the small-batch tail, not at large batch."""
+    weights = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 1.0)
+    compute = Drafter(max_draft=4, step_cost=lambda seqs, tokens: float(tokens))
+    both = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 10.0 + tokens)
+    assert weights.acceptance() == 0.5  # the prior: one in two
+    assert weights.pays([4]) and weights.pays([4] * 64)
+    assert not compute.pays([4]) and not compute.pays([1] * 8)
+    assert both.pays([4]) and both.pays([4] * 2)
+    assert not both.pays([4] * 64)
+    assert both.pays([0] * 64)  # nothing drafted: nothing to decide
+    # a history of rejections lowers the expected gain until the tail no longer pays either
+    s = Sample(0, PROMPT, [1, 2, 3])
+    both.observe(s)
+    for _ in range(20):
+        both.record(0, Draft([9, 9, 9, 9], "group"), accepted=0, emitted=1)
+    assert both.acceptance() < 0.02
+    assert not both.pays([4])
+    assert Drafter(max_draft=4).pays([4] * 1000)  # no cost model: the batch-size rule alone
