@@ -869,6 +869,42 @@ def test_a_verl_key_on_the_command_line_is_blamed_on_the_command_line(
         assert "job.yaml line" not in message, message
 
 
+def test_a_section_check_is_blamed_on_the_keys_set_beneath_it(
+    assets: Assets, tmp_path: Path
+) -> None:
+    """A check of a whole section (rollout_correction's options with their thresholds) names
+    the keys set beneath it where they were set, not the YAML line of a parent section."""
+    config = tmp_path / "job.yaml"
+    config.write_text("algorithm:\n  adv_estimator: grpo\n")
+    overrides = [
+        *_overrides(Setup(_good(assets, tmp_path / "runs"))),
+        "algorithm.rollout_correction.rollout_rs=token_k9",
+    ]
+    with pytest.raises(ConfigError) as info:
+        preflight.load(config, overrides)
+    message = str(info.value)
+    assert "'token_k9' is unknown" in message, message
+    assert "(algorithm.rollout_correction.rollout_rs is set on the command line)" in message, (
+        message
+    )
+    assert "job.yaml line" not in message, message
+
+
+def test_speculation_with_adaptive_tp_is_refused_before_any_rank_starts(
+    assets: Assets, tmp_path: Path
+) -> None:
+    """Speculation runs at static TP: a job that would fold (2 ranks, adaptive TP on) is told
+    so by preflight, naming the key to change; with adaptive TP off it passes."""
+    overrides = _overrides(Setup(_good(assets, tmp_path / "runs")))
+    spec = [*overrides, "rollout.speculative.enable=true", "rollout.adaptive_tp.enable=true"]
+    with pytest.raises(ConfigError) as info:
+        preflight.check(preflight.load(None, spec), 2)
+    assert "rollout.speculative.enable=true runs at static TP only" in str(info.value)
+    assert "set rollout.adaptive_tp.enable=false" in str(info.value)
+    static = [*spec, "rollout.adaptive_tp.enable=false"]
+    preflight.check(preflight.load(None, static), 2)
+
+
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
     with filesystems.read_only_dir(tmp_path / "ro") as path:

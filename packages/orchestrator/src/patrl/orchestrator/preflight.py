@@ -178,9 +178,12 @@ def _walk_value(
 
 def _locations(message: str, path: str, lines: dict[str, int], overridden: set[str]) -> str:
     """Where each key the message names was set: on the command line (an override wins over
-    the file), or in the file's line (the most specific key only)."""
+    the file), or in the file's line (the most specific key only). A section the message names
+    (a check of several keys together) is blamed on the keys set beneath it."""
     keys = set(lines) | overridden
     named = [k for k in keys if re.search(rf"(?<![\w.]){re.escape(k)}(?=[:.'= ]|$)", message)]
+    for section in set(re.findall(r"(?<![\w.])[a-z_]\w*(?:\.\w+)+(?=[: ]|$)", message)):
+        named += [k for k in keys if k.startswith(section + ".")]
     named = [k for k in named if not any(o.startswith(k + ".") for o in named)]
     return "".join(
         f"\n  ({k} is set on the command line)"
@@ -233,6 +236,11 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             )
         if adaptive.profile is not None and not Path(adaptive.profile).is_file():
             problems.append(f"rollout.adaptive_tp.profile={adaptive.profile}: no such file")
+        if config.rollout.speculative.enable:  # build.engine_config's refusal, before ranks
+            problems.append(
+                f"rollout.speculative.enable=true runs at static TP only, and this job folds "
+                f"TP sizes {usable}: set rollout.adaptive_tp.enable=false"
+            )
     else:
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)
