@@ -89,6 +89,8 @@ def test_meta_build_equals_whole_model_build_bit_for_bit(
                 torch.testing.assert_close(
                     torch.from_numpy(meta[key][name]), torch.from_numpy(value), rtol=0, atol=0
                 )
+        # Bit-equal: the two builds hold bit-equal weights (checked above) and take the same
+        # step on the same batch, same ranks and shapes: the same kernels in the same order.
         assert meta["metrics"]["actor/loss"] == whole["metrics"]["actor/loss"]
         assert meta["metrics"]["actor/grad_norm"] == whole["metrics"]["actor/grad_norm"]
     # The checkpoint's values, not an initialisation: compare with the file itself.
