@@ -96,6 +96,7 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     return {"history": result.history, "changed": changed, "gap": gap, "timelines": labels}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path) -> None:
     results = run_ranks(_two_rank_run, world_size=2, args=(assets, tmp_path), timeout_s=300)
@@ -136,6 +137,7 @@ KEYS = (
 )
 
 
+@pytest.mark.e2e
 def test_resume_reproduces_the_uninterrupted_run(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -247,6 +249,7 @@ def test_cli_reports_config_errors_before_starting(capsys: pytest.CaptureFixture
     assert "n: 3" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_grpo_raises_a_dense_reward(assets: Path, tmp_path: Path) -> None:
     """Does it train? On a reward a random model can climb (share of digits in the response),
     15 GRPO steps must raise the mean reward clearly: a sign or scaling bug anywhere in

@@ -90,6 +90,7 @@ def _engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)]
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_a_two_rank_run_writes_a_model_transformers_and_the_engine_agree_on(
     tmp_path: Path,

@@ -50,6 +50,7 @@ def run(assets: Path, out: Path, steps: int, **extra: object) -> Path:
     return config.run_dir
 
 
+@pytest.mark.e2e
 def test_one_process_run_writes_what_simulate_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -108,6 +108,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return output
 
 
+@pytest.mark.e2e
 def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -123,6 +124,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -
     assert took < HEARTBEAT_S + 90  # far below the 600 s collective timeout
 
 
+@pytest.mark.e2e
 def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -134,6 +136,7 @@ def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> 
     assert "torchrun agent" in output and "is gone" in output, output[-3000:]
 
 
+@pytest.mark.e2e
 def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -147,6 +150,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Pa
     assert "KeyboardInterrupt" not in output, output[-3000:]
 
 
+@pytest.mark.e2e
 def test_a_second_job_on_the_same_run_dir_is_refused(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:

@@ -131,6 +131,7 @@ def stop(agents: list[subprocess.Popen]) -> None:
         agent.wait()
 
 
+@pytest.mark.e2e
 def test_two_nodes_keep_every_tp_group_inside_a_node(tmp_path: Path) -> None:
     assets = addition_job(tmp_path / "assets")
     profile = tmp_path / "profile.json"

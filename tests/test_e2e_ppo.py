@@ -49,6 +49,7 @@ def _rows(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return [h for h in history if "critic/score/mean" in h]
 
 
+@pytest.mark.e2e
 def test_gae_logs_the_critic_and_waits_for_critic_warmup(assets: Path, tmp_path: Path) -> None:
     extra = {**GAE, "algorithm.lam": 1.0, "trainer.critic_warmup": 1, **NO_VAL}
     loop = make_loop(assets, tmp_path, WORLD, **extra)
@@ -66,6 +67,7 @@ def test_gae_logs_the_critic_and_waits_for_critic_warmup(assets: Path, tmp_path:
     assert "timing_s/values" in first
 
 
+@pytest.mark.e2e
 def test_one_critic_step_takes_values_from_its_update(assets: Path, tmp_path: Path) -> None:
     extra = {**GAE, "actor.ppo_mini_batch_size": 4, **NO_VAL}
     rows = _rows(make_loop(assets, tmp_path, WORLD, **extra).run().history)
@@ -73,6 +75,7 @@ def test_one_critic_step_takes_values_from_its_update(assets: Path, tmp_path: Pa
     assert all(r["critic/vf_loss"] > 0 for r in rows)
 
 
+@pytest.mark.e2e
 def test_gae_with_kl_in_the_reward_penalises_the_token_rewards(
     assets: Path, tmp_path: Path
 ) -> None:
@@ -113,6 +116,7 @@ KEYS = (
 )
 
 
+@pytest.mark.e2e
 def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
     """... and with hf_model in critic.checkpoint.save_contents the checkpoint holds the critic
     as a Hugging Face token-classification model (critic/huggingface)."""
@@ -146,6 +150,7 @@ def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
     assert tail(resumed.history) == tail(straight.history)
 
 
+@pytest.mark.e2e
 def test_resume_without_a_saved_critic_says_so(assets: Path, tmp_path: Path) -> None:
     make_loop(assets, tmp_path, WORLD, **NO_VAL).run()
     extra = {**GAE, "trainer.total_training_steps": 3, **NO_VAL}
@@ -153,6 +158,7 @@ def test_resume_without_a_saved_critic_says_so(assets: Path, tmp_path: Path) -> 
         make_loop(assets, tmp_path, WORLD, **extra).run()
 
 
+@pytest.mark.e2e
 def test_preflight_names_a_bad_critic_path_and_a_checkpoint_without_critic(
     assets: Path, tmp_path: Path
 ) -> None:
@@ -176,6 +182,7 @@ def test_critic_mini_batch_must_divide_the_batch() -> None:
         load_config(None, ["critic.ppo_mini_batch_size=3"])
 
 
+@pytest.mark.e2e
 def test_the_critic_learns_the_dense_reward(assets: Path, tmp_path: Path) -> None:
     """On the digit-share reward, 15 PPO steps: the critic's explained variance must rise from
     about 0 (a new, zero head) to clearly above 0, and the reward must rise (the critic takes
@@ -214,6 +221,7 @@ def _two_rank_gae(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     return {"history": result.history, "head_norm": float(head.full_tensor().norm())}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_two_ranks_train_and_checkpoint_the_critic(assets: Path, tmp_path: Path) -> None:
     from patrl.orchestrator import checkpointing

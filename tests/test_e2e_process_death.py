@@ -200,6 +200,7 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [int(r["step"]) for r in rows if "critic/score/mean" in r]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", MODES)
 def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: str) -> None:
     """A rank dies in step 3 (sync: writing step 3's checkpoint, after its shards are staged
@@ -224,6 +225,7 @@ def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: st
     assert_checkpoints_sound(run_dir, assets / "model", steps, m.trainer_ranks)
 
 
+@pytest.mark.e2e
 def test_killed_rank_without_restarts_fails_naming_it(assets: Path, tmp_path: Path) -> None:
     """Rank 1 dies scoring step 3. Rank 0, left in a collective, must not wait out the
     collective timeout: the job ends soon after the death, and torchrun's summary blames

@@ -214,6 +214,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return addition_job(tmp_path_factory.mktemp("e2e_verl"))
 
 
+@pytest.mark.e2e
 def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     assets: Path, tmp_path: Path
 ) -> None:

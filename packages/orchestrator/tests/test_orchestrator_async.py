@@ -111,6 +111,7 @@ CRITIC_KEYS = (
 GAE = {"algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "critic.optim.lr": 3e-3}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_staleness_zero_reproduces_the_sync_loop(
@@ -186,6 +187,7 @@ def test_staleness_zero_reproduces_the_sync_loop(
         assert torch.equal(exported[name], torch.from_numpy(t)), name
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     """2 rollout + 1 trainer rank at max_staleness=2: every trained sample's oldest token is at

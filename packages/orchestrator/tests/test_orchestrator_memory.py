@@ -87,6 +87,7 @@ def _run(assets: Path, run_dir: Path, **extra: Any) -> tuple[list[dict[str, floa
             for h in history], levels  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("offload_weights", [False, True])
 def test_free_cache_engine_changes_no_token_and_no_metric(
     assets: Path, tmp_path: Path, offload_weights: bool

@@ -176,6 +176,7 @@ EXTRA: dict[str, Any] = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_preempted_rollout_rank_migrates_its_requests_and_rejoins(
     assets: Path, tmp_path: Path
@@ -218,6 +219,7 @@ def test_preempted_rollout_rank_migrates_its_requests_and_rejoins(
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_stalled_rollout_rank_is_declared_gone_and_not_waited_for(
     assets: Path, tmp_path: Path
