@@ -18,11 +18,6 @@ from patrl.orchestrator.main import main
 from patrl_testkit.jobs import addition_job, tiny_job_overrides
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("faults"))
-
-
 def always_raises(response: str, answer: str) -> float:
     raise ValueError("no answer parser for this format")
 

@@ -16,18 +16,13 @@ from typing import Any
 
 import pytest
 
-from patrl_testkit.jobs import addition_job, tiny_job_overrides
+from patrl_testkit.jobs import tiny_job_overrides
 from patrl_testkit.processes import descendants, kill_tree
 
 pytestmark = pytest.mark.multirank
 
 JOB_TIMEOUT_S = 240.0  # a hang fails the test, not the CI job
 HEARTBEAT_S = 8.0
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("liveness"))
 
 
 def overrides(assets: Path, out: Path, **extra: Any) -> list[str]:

@@ -13,7 +13,6 @@ from test_e2e_grpo import make_loop
 from patrl.orchestrator import preflight
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.distributed import World
-from patrl_testkit.jobs import addition_job
 
 GAE: dict[str, Any] = {
     "algorithm.adv_estimator": "gae",
@@ -38,11 +37,6 @@ CRITIC_KEYS = (
     "timing_s/update_critic",
 )
 WORLD = World(0, 1, 0, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e_ppo"))
 
 
 def _rows(history: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -29,7 +29,6 @@ from procdeath_faults import fault_env
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
 from patrl.trainer.checkpoint import read_marker
-from patrl_testkit.jobs import addition_job
 from patrl_testkit.processes import kill_tree
 
 pytestmark = pytest.mark.multirank
@@ -65,12 +64,6 @@ JOB_TIMEOUT_S = 300.0  # a hang must fail the test, not the CI job
 # From the death to the end of the job. The collective timeout (600 s) is far above it: passing
 # means nobody waited on a dead peer; torchrun noticed the death and stopped the survivor.
 SURVIVOR_BOUND_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return addition_job(tmp_path_factory.mktemp("procdeath"))
 
 
 def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:

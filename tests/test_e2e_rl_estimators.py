@@ -12,17 +12,7 @@ import torch
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl_testkit.jobs import addition_job, write_addition_task
-
-
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """A dense reward so advantages are non-zero even for a random model."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e_rl"))
+from patrl_testkit.jobs import write_addition_task
 
 
 def run(assets: Path, run_dir: Path, **extra: Any) -> tuple[SyncGRPO, list[dict[str, float]]]:
@@ -37,7 +27,7 @@ def run(assets: Path, run_dir: Path, **extra: Any) -> tuple[SyncGRPO, list[dict[
         "rollout.n": 2,
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 128,
-        "reward.functions": '[{name: "test_e2e_rl_estimators:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "reward.num_workers": 0,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 0,
@@ -167,7 +157,7 @@ def test_remax_baseline_is_the_greedy_response_reward(assets: Path, tmp_path: Pa
             "rollout.n=1",
             "rollout.block_size=4",
             "rollout.num_kv_blocks=128",
-            "reward.functions=[{name: test_e2e_rl_estimators:digit_reward}]",
+            "reward.functions=[{name: patrl_testkit.jobs:digit_reward}]",
             "reward.num_workers=0",
             "trainer.total_training_steps=2",
             "trainer.test_freq=1",

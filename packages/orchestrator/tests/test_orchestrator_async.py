@@ -24,46 +24,14 @@ from patrl.orchestrator.length_log import LENGTH_LOG
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
 from patrl_testkit.clock import FakeClock
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 from patrl_testkit.multirank import run_ranks
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so advantages are non-zero even for a random model."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return addition_job(tmp_path_factory.mktemp("async"))
-
-
 def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
-    base = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.val_files": assets / "val.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 16,
-        "actor.ppo_mini_batch_size": 2,
-        "actor.optim.lr": 1e-3,
-        "rollout.n": 4,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 128,
-        "rollout.adaptive_tp.enable": "false",
-        "reward.functions": '[{name: "test_orchestrator_async:digit_reward"}]',
-        "reward.num_workers": 0,
-        "trainer.total_training_steps": 3,
-        "trainer.test_freq": 0,
-        "trainer.val_before_train": "false",
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": run_dir,
-    }
-    base.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+    own = {"trainer.total_training_steps": 3, "trainer.save_freq": 0}
+    extras = {**learning_job_extras(assets), **own, **extra}
+    return load_config(None, tiny_job_overrides(assets, run_dir, **extras))
 
 
 def _async_run(

@@ -30,15 +30,9 @@ from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
 from patrl.rollout import Engine, EngineConfig, SamplingParams, SequenceState
 from patrl_testkit.clock import FakeClock
-from patrl_testkit.jobs import addition_job
 from patrl_testkit.multirank import run_ranks
 
 BATCH = 4  # data.train_batch_size of job_config
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("preempt"))
 
 
 def _mid_generation(role: RolloutWorker) -> bool:
