@@ -146,6 +146,7 @@ def _trainer_step(rank: int, world_size: int) -> dict[str, float]:
 
 def test_trainer_step_reduces_device_tensors() -> None:
     per_rank = run_ranks(_trainer_step, 2, timeout_s=240)
+    # Bit-equal: the metric is all-reduced, and every rank receives the same reduced bits.
     assert per_rank[0]["actor/pg_loss"] == per_rank[1]["actor/pg_loss"]
 
 

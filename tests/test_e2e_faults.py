@@ -18,11 +18,6 @@ from patrl.orchestrator.main import main
 from patrl_testkit.jobs import addition_job, tiny_job_overrides
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("faults"))
-
-
 def always_raises(response: str, answer: str) -> float:
     raise ValueError("no answer parser for this format")
 
@@ -50,6 +45,7 @@ def small_filesystem(path: Path, size_kib: int) -> Iterator[bool]:
             subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.e2e
 def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(
     assets: Path,
     tmp_path: Path,
@@ -87,6 +83,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(
     assert not [n for n in left if n.startswith("global_step_")], left  # no .tmp, no partial
 
 
+@pytest.mark.e2e
 def test_a_damaged_newest_checkpoint_is_skipped_and_an_explicit_one_refused(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -114,6 +111,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_an_explicit_one_refused(
     assert str(checkpointing.step_dir(tmp_path, 2)) in err and "trainer.resume_mode=disable" in err
 
 
+@pytest.mark.e2e
 def test_rewards_that_always_fail_stop_the_run_naming_the_cause(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

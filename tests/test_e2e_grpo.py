@@ -15,44 +15,20 @@ from patrl.orchestrator.main import main
 from patrl.orchestrator.run import completed
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.rollout import SamplingParams
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 from patrl_testkit.multirank import run_ranks
 from patrl_testkit.profiles import synthetic_profile
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """A dense reward so advantages are non-zero even for a random model."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e"))
-
-
 def overrides(assets: Path, run_dir: Path, **extra: Any) -> list[str]:
-    base = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.val_files": assets / "val.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 16,
-        "actor.ppo_mini_batch_size": 2,
-        "actor.optim.lr": 1e-3,
-        "rollout.n": 4,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 128,
-        "reward.functions": '[{name: "test_e2e_grpo:digit_reward"}]',
-        "reward.num_workers": 0,
+    own = {
+        "rollout.adaptive_tp.enable": "true",
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": run_dir,
+        "trainer.save_freq": 0,
+        "trainer.val_before_train": "true",
     }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_job_overrides(assets, run_dir, **{**learning_job_extras(assets), **own, **extra})
 
 
 def make_loop(assets: Path, run_dir: Path, world: World, **extra: Any) -> SyncGRPO:
@@ -96,6 +72,7 @@ def _two_rank_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
     return {"history": result.history, "changed": changed, "gap": gap, "timelines": labels}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path) -> None:
     results = run_ranks(_two_rank_run, world_size=2, args=(assets, tmp_path), timeout_s=300)
@@ -136,6 +113,7 @@ KEYS = (
 )
 
 
+@pytest.mark.e2e
 def test_resume_reproduces_the_uninterrupted_run(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -247,6 +225,7 @@ def test_cli_reports_config_errors_before_starting(capsys: pytest.CaptureFixture
     assert "n: 3" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_grpo_raises_a_dense_reward(assets: Path, tmp_path: Path) -> None:
     """Does it train? On a reward a random model can climb (share of digits in the response),
     15 GRPO steps must raise the mean reward clearly: a sign or scaling bug anywhere in

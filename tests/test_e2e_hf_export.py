@@ -25,11 +25,6 @@ PROMPTS = ["3+4=?", "9+1=?", "0+0=?"]
 NEW_TOKENS = 8
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so that a random model's advantages are non-zero and the weights move."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
 def make_loop(assets: Path, run_dir: Path, world: World, steps: int) -> SyncGRPO:
     settings = {
         "model.path": assets / "model",
@@ -43,7 +38,7 @@ def make_loop(assets: Path, run_dir: Path, world: World, steps: int) -> SyncGRPO
         "rollout.adaptive_tp.enable": False,
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 64,
-        "reward.functions": '[{name: "test_e2e_hf_export:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "reward.num_workers": 0,
         "trainer.total_training_steps": steps,
         "trainer.test_freq": 0,
@@ -90,6 +85,7 @@ def _engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)]
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_a_two_rank_run_writes_a_model_transformers_and_the_engine_agree_on(
     tmp_path: Path,

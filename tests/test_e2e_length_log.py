@@ -18,10 +18,6 @@ from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl_testkit.jobs import addition_job
 
 
-def digit_reward(response: str, answer: str, **meta: object) -> float:
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
 def run(assets: Path, out: Path, steps: int, **extra: object) -> Path:
     values = {
         "model.path": assets / "model",
@@ -33,7 +29,7 @@ def run(assets: Path, out: Path, steps: int, **extra: object) -> Path:
         "rollout.n": 4,
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 128,
-        "reward.functions": '[{name: "test_e2e_length_log:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "reward.num_workers": 0,
         "trainer.total_training_steps": steps,
         "trainer.save_freq": 2,
@@ -50,6 +46,7 @@ def run(assets: Path, out: Path, steps: int, **extra: object) -> Path:
     return config.run_dir
 
 
+@pytest.mark.e2e
 def test_one_process_run_writes_what_simulate_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

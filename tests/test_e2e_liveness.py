@@ -16,18 +16,13 @@ from typing import Any
 
 import pytest
 
-from patrl_testkit.jobs import addition_job, tiny_job_overrides
+from patrl_testkit.jobs import tiny_job_overrides
 from patrl_testkit.processes import descendants, kill_tree
 
 pytestmark = pytest.mark.multirank
 
 JOB_TIMEOUT_S = 240.0  # a hang fails the test, not the CI job
 HEARTBEAT_S = 8.0
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("liveness"))
 
 
 def overrides(assets: Path, out: Path, **extra: Any) -> list[str]:
@@ -108,6 +103,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return output
 
 
+@pytest.mark.e2e
 def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -123,6 +119,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -
     assert took < HEARTBEAT_S + 90  # far below the 600 s collective timeout
 
 
+@pytest.mark.e2e
 def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -134,6 +131,7 @@ def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> 
     assert "torchrun agent" in output and "is gone" in output, output[-3000:]
 
 
+@pytest.mark.e2e
 def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
@@ -147,6 +145,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Pa
     assert "KeyboardInterrupt" not in output, output[-3000:]
 
 
+@pytest.mark.e2e
 def test_a_second_job_on_the_same_run_dir_is_refused(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:

@@ -19,7 +19,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -34,11 +33,6 @@ NODES, PER_NODE = 2, 2
 JOB_TIMEOUT_S = 150.0  # a hang must fail the test, not the CI job
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so a random model gets non-zero advantages."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
 def job_overrides(assets: Path, out: Path, profile: Path) -> list[str]:
     return tiny_job_overrides(
         assets,
@@ -47,7 +41,7 @@ def job_overrides(assets: Path, out: Path, profile: Path) -> list[str]:
             "rollout.adaptive_tp.enable": "true",
             "rollout.adaptive_tp.candidates": "[1,2,4]",
             "rollout.adaptive_tp.profile": profile,
-            "reward.functions": '[{name: "test_e2e_multinode:digit_reward"}]',
+            "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
             "trainer.total_training_steps": 2,
             "trainer.save_freq": 0,
         },
@@ -131,6 +125,7 @@ def stop(agents: list[subprocess.Popen]) -> None:
         agent.wait()
 
 
+@pytest.mark.e2e
 def test_two_nodes_keep_every_tp_group_inside_a_node(tmp_path: Path) -> None:
     assets = addition_job(tmp_path / "assets")
     profile = tmp_path / "profile.json"

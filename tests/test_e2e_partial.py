@@ -50,6 +50,7 @@ def _history(loop: Any) -> list[dict[str, float]]:
     return [h for h in loop.run().history if "critic/score/mean" in h]
 
 
+@pytest.mark.e2e
 def test_partial_rollouts_buffer_resume_and_checkpoint(assets: Path, tmp_path: Path) -> None:
     world = World(0, 1, 0, torch.device("cpu"))
     straight = _history(

@@ -29,7 +29,6 @@ from procdeath_faults import fault_env
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.main import restart_hazard
 from patrl.trainer.checkpoint import read_marker
-from patrl_testkit.jobs import addition_job
 from patrl_testkit.processes import kill_tree
 
 pytestmark = pytest.mark.multirank
@@ -65,12 +64,6 @@ JOB_TIMEOUT_S = 300.0  # a hang must fail the test, not the CI job
 # From the death to the end of the job. The collective timeout (600 s) is far above it: passing
 # means nobody waited on a dead peer; torchrun noticed the death and stopped the survivor.
 SURVIVOR_BOUND_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return addition_job(tmp_path_factory.mktemp("procdeath"))
 
 
 def job_overrides(assets: Path, out: Path, mode: str) -> list[str]:
@@ -200,6 +193,7 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [int(r["step"]) for r in rows if "critic/score/mean" in r]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", MODES)
 def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: str) -> None:
     """A rank dies in step 3 (sync: writing step 3's checkpoint, after its shards are staged
@@ -224,6 +218,7 @@ def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: st
     assert_checkpoints_sound(run_dir, assets / "model", steps, m.trainer_ranks)
 
 
+@pytest.mark.e2e
 def test_killed_rank_without_restarts_fails_naming_it(assets: Path, tmp_path: Path) -> None:
     """Rank 1 dies scoring step 3. Rank 0, left in a collective, must not wait out the
     collective timeout: the job ends soon after the death, and torchrun's summary blames

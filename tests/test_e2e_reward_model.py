@@ -63,6 +63,7 @@ def rm_overrides(assets: Path, rm: Path, runs: Path, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
+@pytest.mark.e2e
 def test_grpo_with_a_reward_model_logs_its_scores(tmp_path: Path) -> None:
     assets, rm = rm_job(tmp_path)
     config = load_config(None, rm_overrides(assets, rm, tmp_path / "runs"))
@@ -98,6 +99,7 @@ def _two_rank_step(
     return {"history": history, "scorer": held}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_sharded_reward_model_scores_as_the_replicated_one(tmp_path: Path) -> None:
     """2 ranks, one step: the replicated RM on each of two replicas' first ranks against the RM

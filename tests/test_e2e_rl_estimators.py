@@ -12,17 +12,7 @@ import torch
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl_testkit.jobs import addition_job, write_addition_task
-
-
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """A dense reward so advantages are non-zero even for a random model."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e_rl"))
+from patrl_testkit.jobs import write_addition_task
 
 
 def run(assets: Path, run_dir: Path, **extra: Any) -> tuple[SyncGRPO, list[dict[str, float]]]:
@@ -37,7 +27,7 @@ def run(assets: Path, run_dir: Path, **extra: Any) -> tuple[SyncGRPO, list[dict[
         "rollout.n": 2,
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 128,
-        "reward.functions": '[{name: "test_e2e_rl_estimators:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "reward.num_workers": 0,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 0,
@@ -59,6 +49,7 @@ def run(assets: Path, run_dir: Path, **extra: Any) -> tuple[SyncGRPO, list[dict[
     return loop, [h for h in history if "critic/score/mean" in h]
 
 
+@pytest.mark.e2e
 def test_reinforce_plus_plus_with_adaptive_kl_in_reward(assets: Path, tmp_path: Path) -> None:
     horizon, kl_coef = 10, 0.05
     loop, steps = run(
@@ -95,6 +86,7 @@ def test_reinforce_plus_plus_with_adaptive_kl_in_reward(assets: Path, tmp_path: 
     assert second["actor/grad_norm"] > 0.0
 
 
+@pytest.mark.e2e
 def test_no_kl_term_builds_and_runs_no_reference(assets: Path, tmp_path: Path) -> None:
     loop, steps = run(assets, tmp_path, **{"trainer.total_training_steps": 1})
     assert loop.trainer.reference is None
@@ -105,6 +97,7 @@ def test_no_kl_term_builds_and_runs_no_reference(assets: Path, tmp_path: Path) -
         assert steps[0][f"critic/rewards/{key}"] == steps[0][f"critic/score/{key}"]
 
 
+@pytest.mark.e2e
 def test_baseline_estimator_with_kl_loss_and_sum_norm(assets: Path, tmp_path: Path) -> None:
     loop, steps = run(
         assets,
@@ -125,6 +118,7 @@ def test_baseline_estimator_with_kl_loss_and_sum_norm(assets: Path, tmp_path: Pa
     assert all(abs(h["critic/advantages/mean"]) < 1e-6 for h in steps)
 
 
+@pytest.mark.e2e
 def test_adaptive_kl_coefficient_survives_resume(assets: Path, tmp_path: Path) -> None:
     kl = {
         "algorithm.adv_estimator": "reinforce_plus_plus",
@@ -141,6 +135,7 @@ def test_adaptive_kl_coefficient_survives_resume(assets: Path, tmp_path: Path) -
     assert resumed[2][coeff] == pytest.approx(straight[2][coeff], rel=1e-12)
 
 
+@pytest.mark.e2e
 def test_remax_baseline_is_the_greedy_response_reward(assets: Path, tmp_path: Path) -> None:
     """ReMax with one sample per prompt on a 4-prompt set that is also the validation set:
     step k's baseline is the reward of each prompt's greedy response under the weights that
@@ -162,7 +157,7 @@ def test_remax_baseline_is_the_greedy_response_reward(assets: Path, tmp_path: Pa
             "rollout.n=1",
             "rollout.block_size=4",
             "rollout.num_kv_blocks=128",
-            "reward.functions=[{name: test_e2e_rl_estimators:digit_reward}]",
+            "reward.functions=[{name: patrl_testkit.jobs:digit_reward}]",
             "reward.num_workers=0",
             "trainer.total_training_steps=2",
             "trainer.test_freq=1",

@@ -79,6 +79,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("rlhf-cache")
 
 
+@pytest.mark.e2e  # a stage of examples/rlhf_ppo.py's pipeline
 def test_stage2_reward_model_learns_the_pairs_and_is_cached(cache: Path) -> None:
     demo = ensure_demo_assets(cache, quick=True, progress=False)
     recipe = RewardModelRecipe(num_train=128)  # stage 3 below reuses it
@@ -102,6 +103,7 @@ def load_example() -> ModuleType:
     return module
 
 
+@pytest.mark.e2e  # a stage of examples/rlhf_ppo.py's pipeline
 def test_stage3_runs_two_steps_against_the_reward_model(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

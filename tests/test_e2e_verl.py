@@ -18,7 +18,6 @@ from test_e2e_grpo import make_loop
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.main import main
-from patrl_testkit.jobs import addition_job
 from patrl_testkit.models import save_tiny_model
 
 # verl's examples/grpo_trainer/run_qwen2-7b.sh (volcengine/verl, commit b178a3c), verbatim but
@@ -209,11 +208,7 @@ def test_the_command_line_fails_naming_both_when_the_world_is_not_8_gpus(
     assert "WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2" in err
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e_verl"))
-
-
+@pytest.mark.e2e
 def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     assets: Path, tmp_path: Path
 ) -> None:

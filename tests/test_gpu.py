@@ -75,6 +75,7 @@ def test_bf16_greedy_decoding_matches_transformers(backend: str, tmp_path: Path)
     assert float(diff.mean()) <= 2e-2, f"{backend}: mean |logprob diff| {float(diff.mean()):.4f}"
 
 
+@pytest.mark.e2e
 def test_three_grpo_steps_of_a_half_billion_qwen2(tmp_path: Path) -> None:
     from patrl.orchestrator.config import load_config
     from patrl.orchestrator.demo.tokenizer import build_tokenizer

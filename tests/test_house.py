@@ -22,7 +22,7 @@ import pytest
 
 PACKAGES_DIR = Path(__file__).resolve().parents[1] / "packages"
 
-# DESIGN.md: a package never imports one to its right; these are the directions it names.
+# docs/architecture.md: a package never imports one to its right; these are its directions.
 FORBIDDEN_PACKAGES = {
     "kvstore": {"tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"},
     "tpreshard": {"kvstore", "lenpredict", "rollout", "trainer", "orchestrator"},
@@ -337,7 +337,7 @@ def _canonical(cycle: list[str]) -> tuple[str, ...]:
 
 
 def direction_violations(graph: Graph) -> list[str]:
-    """Imports against DESIGN.md's package directions, and forbidden third-party imports."""
+    """Imports against docs/architecture.md's directions, and forbidden third-party imports."""
     out = []
     for edge in (e for e in graph.edges if not e.implicit):
         source, target = _package(edge.source), _package(edge.target)
@@ -431,7 +431,9 @@ def test_no_import_cycles() -> None:
 
 
 def test_package_directions() -> None:
-    _fail_listing("imports against DESIGN.md's directions", direction_violations(_tree()))
+    _fail_listing(
+        "imports against docs/architecture.md's directions", direction_violations(_tree())
+    )
 
 
 def test_no_private_imports() -> None:

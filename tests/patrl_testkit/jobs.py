@@ -72,3 +72,23 @@ def tiny_job_overrides(assets: Path, run_dir: Path, **extra: object) -> list[str
         **extra,
     }
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def digit_reward(response: str, answer: str, **meta: object) -> float:
+    """The share of digits in `response`: a dense reward, so a random model's advantages are
+    non-zero and its weights move. Jobs name it `patrl_testkit.jobs:digit_reward`."""
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+def learning_job_extras(assets: Path) -> dict[str, object]:
+    """Keys that turn `tiny_job_overrides` into a job that learns: `digit_reward`, 4 samples of
+    at most 16 tokens, 2-sample mini-batches at lr 1e-3, 128 KV blocks, and the val rows."""
+    return {
+        "data.val_files": assets / "val.jsonl",
+        "data.max_response_length": 16,
+        "actor.ppo_mini_batch_size": 2,
+        "actor.optim.lr": 1e-3,
+        "rollout.n": 4,
+        "rollout.num_kv_blocks": 128,
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
+    }

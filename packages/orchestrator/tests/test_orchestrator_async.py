@@ -3,7 +3,7 @@ staleness bound over a whole run, the control plane's failure reports, the weigh
 
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,46 +23,15 @@ from patrl.orchestrator.distributed import World
 from patrl.orchestrator.length_log import LENGTH_LOG
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.clock import FakeClock
+from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 from patrl_testkit.multirank import run_ranks
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so advantages are non-zero even for a random model."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer hidden-64 Llama with the demo tokenizer, and a tiny a+b dataset."""
-    return addition_job(tmp_path_factory.mktemp("async"))
-
-
 def job_config(assets: Path, run_dir: Path, **extra: Any) -> Any:
-    base = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.val_files": assets / "val.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 16,
-        "actor.ppo_mini_batch_size": 2,
-        "actor.optim.lr": 1e-3,
-        "rollout.n": 4,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 128,
-        "rollout.adaptive_tp.enable": "false",
-        "reward.functions": '[{name: "test_orchestrator_async:digit_reward"}]',
-        "reward.num_workers": 0,
-        "trainer.total_training_steps": 3,
-        "trainer.test_freq": 0,
-        "trainer.val_before_train": "false",
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": run_dir,
-    }
-    base.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+    own = {"trainer.total_training_steps": 3, "trainer.save_freq": 0}
+    extras = {**learning_job_extras(assets), **own, **extra}
+    return load_config(None, tiny_job_overrides(assets, run_dir, **extras))
 
 
 def _async_run(
@@ -110,6 +79,7 @@ CRITIC_KEYS = (
 GAE = {"algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "critic.optim.lr": 3e-3}
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_staleness_zero_reproduces_the_sync_loop(
@@ -185,6 +155,7 @@ def test_staleness_zero_reproduces_the_sync_loop(
         assert torch.equal(exported[name], torch.from_numpy(t)), name
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     """2 rollout + 1 trainer rank at max_staleness=2: every trained sample's oldest token is at
@@ -226,13 +197,16 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
 
 def _stalled_peer(rank: int, world_size: int) -> str:
     """Rank 0 never beats (stalled, or its host is gone); rank 1 waits on it through the
-    job's own store, as the trainer waits for samples."""
+    job's own store, as the trainer waits for samples. Rank 0 stays (holding the store) until
+    rank 1 has its verdict, however slowly either started."""
     control = ControlPlane.of_default_group(rank, timeout_s=1.5)
     if rank == 0:
-        time.sleep(3)
+        # A blocking store wait, not `wait_until` (which beats); its deadline is a safety net.
+        control.store.wait([control.prefix + "verdict"], timedelta(seconds=150))
         return ""
     with pytest.raises(PeerFailed) as err:
         control.wait_until(lambda: control.has(["sample/0"]), "the samples of step 1", [0])
+    control.put("verdict", "1")
     return str(err.value)
 
 
@@ -254,38 +228,59 @@ def test_token_versions_follow_the_switch_points() -> None:
 
 
 def test_control_plane_reports_failures_and_stale_peers() -> None:
-    store = dist.HashStore()
-    a, b = ControlPlane(store, 0, timeout_s=0.2), ControlPlane(store, 1, timeout_s=0.2)
+    store, clock = dist.HashStore(), FakeClock()
+    # Times that floats hold exactly: the boundary below is exactly timeout_s.
+    a, b = (ControlPlane(store, r, timeout_s=0.25, clock=clock, sleep=clock.sleep) for r in (0, 1))
     a.beat()
     b.check_alive([0])  # first sight: the clock starts
-    time.sleep(0.3)
+    clock.advance(0.25)
+    b.check_alive([0])  # silent for exactly timeout_s: not yet stale
+    clock.advance(0.125)
     with pytest.raises(PeerFailed, match=r"ranks \[0\] sent no heartbeat"):
         b.check_alive([0])
-    a._last_beat = -float("inf")  # beats are rate-limited; force one now
-    a.beat()
+    a.beat()  # rate-limited: 0.375 s since the last beat, too soon for another
+    with pytest.raises(PeerFailed, match=r"ranks \[0\] sent no heartbeat"):
+        b.check_alive([0])
+    a.beat(now=True)
     b.check_alive([0])  # moved: alive again
     with pytest.raises(PeerFailed, match="while waiting for nothing"):
         a.finish()
         b.wait_until(lambda: False, "nothing", [])
-    c = ControlPlane(dist.HashStore(), 2, timeout_s=5)
+    c = ControlPlane(dist.HashStore(), 2, timeout_s=5, clock=clock, sleep=clock.sleep)
     assert not c.done()
     c.fail("boom")
     c.fail("a consequence")  # the first failure is the one reported
     with pytest.raises(PeerFailed, match="rank 2: boom"):
         c.done()
-    assert c.wait_until(lambda: True, "x", []) == pytest.approx(0.0, abs=0.05)
+    assert c.wait_until(lambda: True, "x", []) == 0.0
+    d = ControlPlane(dist.HashStore(), 3, timeout_s=5, clock=clock, sleep=clock.sleep)
+    polls = iter([False, False, True])
+    assert d.wait_until(lambda: next(polls), "x", [], poll_s=0.5) == 1.0  # two polls slept
+
+
+def test_a_wait_fails_once_its_peer_is_silent_for_timeout_s() -> None:
+    """A wait polls on the plane's clock: it fails on the poll that finds the peer silent for
+    more than timeout_s, having slept that long, and not before."""
+    store, clock = dist.HashStore(), FakeClock()
+    peer, waiter = (ControlPlane(store, r, 1.0, clock=clock, sleep=clock.sleep) for r in (0, 1))
+    peer.beat()
+    start = clock()
+    with pytest.raises(PeerFailed, match=r"ranks \[0\] sent no heartbeat"):
+        waiter.wait_until(lambda: False, "samples", [0], poll_s=0.25)
+    assert clock() - start == 1.25  # the first poll past the deadline
 
 
 def test_waiting_on_peers_that_beat_but_never_work_fails() -> None:
     """Alive is not enough: if no peer works while one waits, the wait fails by name."""
-    store = dist.HashStore()
-    waiter = ControlPlane(store, 0, timeout_s=0.2)
-    peers = [ControlPlane(store, r, timeout_s=0.2) for r in (1, 2)]
+    store, clock = dist.HashStore(), FakeClock()
+    waiter, *peers = (
+        ControlPlane(store, r, timeout_s=0.2, clock=clock, sleep=clock.sleep) for r in (0, 1, 2)
+    )
     waiter.check_progress([1, 2], "step 3")  # first sight
-    time.sleep(0.3)
+    clock.advance(0.3)
     peers[1].progress()  # one of them works: fine
     waiter.check_progress([1, 2], "step 3")
-    time.sleep(0.3)
+    clock.advance(0.3)
     with pytest.raises(PeerFailed, match=r"ranks \[1, 2\] are alive but did no work .* step 3"):
         waiter.check_progress([1, 2], "step 3")
 

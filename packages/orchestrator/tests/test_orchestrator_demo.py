@@ -218,6 +218,7 @@ def test_concurrent_callers_build_once(tmp_path: Path) -> None:
     assert results[0].manifest["build_id"] == results[1].manifest["build_id"]
 
 
+@pytest.mark.e2e
 def test_cli_builds_and_describes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--out", str(tmp_path / "demo"), "--quick", "--seed", "5"]) == 0
     printed = capsys.readouterr().out

@@ -13,44 +13,18 @@ from patrl.orchestrator.build import CPU_KV_CACHE_BYTES, engine_config
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl_testkit.jobs import addition_job
-
-
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so that a random model's advantages are not all zero."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("memory"))
+from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 
 
 def _overrides(assets: Path, run_dir: Path, **extra: Any) -> list[str]:
-    base: dict[str, Any] = {
-        "model.path": assets / "model",
-        "data.train_files": assets / "train.jsonl",
-        "data.val_files": assets / "val.jsonl",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 16,
-        "actor.ppo_mini_batch_size": 2,
-        "actor.optim.lr": 1e-3,
-        "rollout.n": 4,
+    own = {
         "rollout.temperature": 1.0,
-        "rollout.block_size": 4,
-        "rollout.num_kv_blocks": 128,
-        "rollout.adaptive_tp.enable": "false",
-        "reward.functions": '[{name: "test_orchestrator_memory:digit_reward"}]',
-        "reward.num_workers": 0,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,
-        "trainer.logger": "[jsonl]",
-        "trainer.plots": "false",
-        "trainer.default_local_dir": run_dir,
+        "trainer.save_freq": 0,
+        "trainer.val_before_train": "true",
     }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_job_overrides(assets, run_dir, **{**learning_job_extras(assets), **own, **extra})
 
 
 def test_kv_budget_is_fixed_on_cpu_and_measured_on_cuda(assets: Path, tmp_path: Path) -> None:
@@ -87,6 +61,7 @@ def _run(assets: Path, run_dir: Path, **extra: Any) -> tuple[list[dict[str, floa
             for h in history], levels  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("offload_weights", [False, True])
 def test_free_cache_engine_changes_no_token_and_no_metric(
     assets: Path, tmp_path: Path, offload_weights: bool

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from patrl.orchestrator.config import load_config
 from patrl.orchestrator.metrics import (
     MetricsLogger,
     lengths_figure,
@@ -77,6 +78,18 @@ def test_missing_tensorboard_warns_once_naming_the_extra(
 def test_no_tensorboard_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     MetricsLogger(tmp_path, ["console", "jsonl"], total_steps=1).close()
     assert "tensorboard" not in capsys.readouterr().err
+
+
+def test_the_demo_config_asks_for_no_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's first run (examples/configs/demo.yaml, a fresh install without the
+    tensorboard extra) prints no warning."""
+    demo = Path(__file__).resolve().parents[3] / "examples" / "configs" / "demo.yaml"
+    loggers = load_config(str(demo), []).trainer.logger
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the extra is missing
+    MetricsLogger(tmp_path, loggers, total_steps=1).close()
+    assert "warning" not in capsys.readouterr().err
 
 
 class _Writer:

@@ -29,15 +29,10 @@ from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.control import ControlPlane, PeerFailed
 from patrl.orchestrator.distributed import World
 from patrl.rollout import Engine, EngineConfig, SamplingParams, SequenceState
-from patrl_testkit.jobs import addition_job
+from patrl_testkit.clock import FakeClock
 from patrl_testkit.multirank import run_ranks
 
 BATCH = 4  # data.train_batch_size of job_config
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("preempt"))
 
 
 def _mid_generation(role: RolloutWorker) -> bool:
@@ -175,6 +170,7 @@ EXTRA: dict[str, Any] = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_preempted_rollout_rank_migrates_its_requests_and_rejoins(
     assets: Path, tmp_path: Path
@@ -217,6 +213,7 @@ def test_preempted_rollout_rank_migrates_its_requests_and_rejoins(
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 def test_stalled_rollout_rank_is_declared_gone_and_not_waited_for(
     assets: Path, tmp_path: Path
@@ -370,8 +367,8 @@ def test_continued_switches_keep_the_past_and_add_the_adopter() -> None:
 
 
 def test_control_plane_first_writes_claims_and_any_peer_waits() -> None:
-    store = dist.HashStore()
-    a, b = ControlPlane(store, 0, timeout_s=0.2), ControlPlane(store, 1, timeout_s=0.2)
+    store, clock = dist.HashStore(), FakeClock()
+    a, b = (ControlPlane(store, r, timeout_s=0.2, clock=clock, sleep=clock.sleep) for r in (0, 1))
     assert a.put_first("sample/1", b"a")
     assert not b.put_first("sample/1", b"b")
     assert b.get("sample/1") == b"a"
@@ -386,15 +383,15 @@ def test_control_plane_first_writes_claims_and_any_peer_waits() -> None:
         a.preempt(1, -1)
 
     # Waiting on interchangeable peers: one silent is fine, all silent fails, named.
-    peers = [ControlPlane(store, r, timeout_s=0.2) for r in (2, 3)]
+    peers = [ControlPlane(store, r, 0.2, clock=clock, sleep=clock.sleep) for r in (2, 3)]
     for p in peers:
         p.beat()
     a.check_any_alive([2, 3])  # first sight
-    time.sleep(0.3)
+    clock.advance(0.3)
     peers[0].beat(now=True)
     a.check_any_alive([2, 3])  # 2 is alive: fine, though 3 is silent
     assert a.stale_peers([3]) == [3]
-    time.sleep(0.3)
+    clock.advance(0.3)
     with pytest.raises(PeerFailed, match=r"all of ranks \[2, 3\] sent no heartbeat"):
         a.wait_until(lambda: False, "samples", [2, 3], any_peer=True)
 

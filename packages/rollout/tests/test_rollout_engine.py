@@ -319,10 +319,13 @@ def test_logprobs_none_zero_and_k_come_back_as_vllm_returns_them(llama_dir: Path
     assert first.top_logprobs is None
     for k, out in zip(asks[1:], outs[1:], strict=True):
         c = out.outputs[0]
-        assert c.token_ids == first.token_ids and c.logprobs == first.logprobs
+        # Other rows of the same batch: tokens exactly; logprobs within 1e-5, since a row's
+        # result need not be bit-equal to another row's in a GEMM (tiles, tails).
+        assert c.token_ids == first.token_ids
+        assert c.logprobs == pytest.approx(first.logprobs, rel=1e-5, abs=1e-5)
         assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
         for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
-            assert top[token] == lp
+            assert top[token] == lp  # bit-equal: both read from the same row's logprobs
             assert len(top) in (k, k + 1) and (len(top) == k) == (token in list(top)[:k])
             best = list(top.values())[:k]
             assert best == sorted(best, reverse=True)

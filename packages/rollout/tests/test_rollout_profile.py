@@ -63,6 +63,7 @@ def _check_fits(profile: Profile) -> LatencyModel:
     return latency
 
 
+@pytest.mark.e2e
 def test_quick_profile_tp1_cli_writes_a_profile_that_fits(
     models: dict[str, Any], tp1_profile_path: Path
 ) -> None:
@@ -87,6 +88,7 @@ def test_quick_profile_tp1_cli_writes_a_profile_that_fits(
     _check_fits(profile)
 
 
+@pytest.mark.e2e
 def test_profile_of_another_model_or_dtype_is_refused(
     models: dict[str, Any], tp1_profile_path: Path
 ) -> None:

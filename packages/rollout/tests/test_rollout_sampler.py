@@ -1,4 +1,8 @@
-"""Sampler: greedy, seeded per-request streams, truncation sets and the logprob convention."""
+"""Sampler: greedy, seeded per-request streams, truncation sets and the logprob convention.
+
+Floats compared bit for bit (`torch.equal`) are where the twin runs the same row-wise ops
+(log_softmax over the vocabulary, a division by the temperature, a gather, a sort) on the same
+tensor as the sampler: each row is computed alone, so its bits depend on that row only."""
 
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ def run_torchrun(args: list[str], log: Path) -> None:
         pytest.fail(f"torchrun failed with exit code {code}:\n{log.read_text()[-5000:]}")
 
 
+@pytest.mark.e2e
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_static_tp2_and_adaptive_engines_join_torchrun_by_themselves(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from patrl.tpreshard import CollectiveTimeout, GroupCache, ShmComm, shm_supported
 from patrl.tpreshard.comm import tp_all_gather, tp_all_reduce, tp_broadcast
+from patrl_testkit.clock import FakeClock
 from patrl_testkit.multirank import run_ranks
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="ShmComm is x86-64 POSIX only")
@@ -144,28 +145,33 @@ _UNREAPED: list[subprocess.Popen[bytes]] = []
 
 def _stranded(rank: int, world_size: int, kill_pid: str) -> str:
     cache = GroupCache([2], world_size=world_size, rank=rank, timeout=timedelta(seconds=2))
-    comm = cache.layout(2).tp_comm
-    assert comm is not None
-    dist.barrier()
+    tp_comm = cache.layout(2).tp_comm
+    assert tp_comm is not None and tp_comm.timeout_s == 2.0  # the cache hands its timeout on
+    pid = None
+    if rank == 1 and kill_pid:  # pretend this rank's process died: it names a finished one
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        if kill_pid == "reaped":
+            dead.wait()
+        else:  # exited and never reaped (its launcher died): a zombie answers kill(pid, 0)
+            stat = Path(f"/proc/{dead.pid}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                time.sleep(0.01)
+            _UNREAPED.append(dead)  # Popen.__del__ would reap it
+        pid = dead.pid
+    # The wait runs on a fake clock that moves 1 ms a read (its spin phase reads without
+    # sleeping): the times below are the clock's, whatever the machine's speed.
+    clock = FakeClock(tick=1e-3)
+    world = dist.group.WORLD
+    comm = ShmComm(world, timeout_s=2.0, name="stranded", pid=pid, clock=clock, sleep=clock.sleep)
     if rank == 1:
-        if kill_pid:  # pretend this rank's process died: its pid slot names a finished one
-            dead = subprocess.Popen([sys.executable, "-c", "pass"])
-            if kill_pid == "reaped":
-                dead.wait()
-            else:  # exited and never reaped (its launcher died): a zombie answers kill(pid, 0)
-                stat = Path(f"/proc/{dead.pid}/stat")
-                while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    time.sleep(0.01)
-                _UNREAPED.append(dead)  # Popen.__del__ would reap it
-            comm._pids[1] = dead.pid
         dist.barrier()
         return "skipped"  # never joins the all-reduce below (its final barrier is gloo's)
     dist.barrier()
-    start = time.perf_counter()
+    start = clock()
     try:
         comm.all_reduce(torch.ones(4))
     except CollectiveTimeout as e:
-        return f"{time.perf_counter() - start:.1f} {e}"
+        return f"{clock() - start:.3f} {e}"
     return "returned"
 
 
@@ -176,10 +182,10 @@ def test_a_missing_peer_fails_the_wait_naming_it(kill_pid: str) -> None:
     assert results[1] == "skipped"
     waited, message = results[0].split(" ", 1)
     assert "global rank 1" in message and "round 1" in message
-    if kill_pid:
-        assert "process gone" in message and float(waited) < 1.5
-    else:
-        assert "timeout_s=2.0" in message and 2.0 <= float(waited) < 5.0
+    if kill_pid:  # found at the first liveness check, 0.1 s into the wait
+        assert "process gone" in message and 0.1 <= float(waited) < 0.2
+    else:  # at the first liveness check past timeout_s
+        assert "timeout_s=2.0" in message and 2.0 < float(waited) < 2.2
 
 
 def _slow_peer(rank: int, world_size: int) -> float:

@@ -60,6 +60,7 @@ def _reshard(rank: int, world_size: int, src_tp: int, dst_tp: int, num_kv: int, 
     for key, (skip, (k, v)) in expected.items():
         tokens = out[key][0].shape[1]
         assert out[key][0].shape == (LAYERS, tokens, k.shape[2], HEAD_DIM)
+        # Bit-equal: a reshard only copies KV (no arithmetic), so every value arrives as sent.
         torch.testing.assert_close(out[key][0][:, skip:], k[:, skip:tokens], rtol=0, atol=0)
         torch.testing.assert_close(out[key][1][:, skip:], v[:, skip:tokens], rtol=0, atol=0)
     # out of TP 1 a rank holds every head of its own sequences: what it keeps is a view

@@ -180,6 +180,8 @@ def test_export_cli_writes_what_the_live_export_writes(tmp_path: Path) -> None:
     assert sorted(index["weight_map"]) == sorted(want)
     loaded = AutoModelForCausalLM.from_pretrained(shards, dtype=torch.float32)
     ids = make_batch(2, [9]).input_ids[0][None]
+    # Bit-equal: the weights are bit-equal (above), the same model class and attention
+    # implementation run the same input in one process: the same kernels on the same shapes.
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
 
@@ -219,7 +221,7 @@ def test_critic_exports_a_token_classification_model(tmp_path: Path) -> None:
     with torch.no_grad():
         want = critic.model(input_ids=ids).logits
         assert float(want.abs().max()) > 0  # the head moved off its zero init
-        assert torch.equal(loaded(input_ids=ids).logits, want)
+        assert torch.equal(loaded(input_ids=ids).logits, want)  # as above: same weights, kernels
     checkpoint = critic.save(tmp_path / "critic")
     assert export_main([str(checkpoint), str(tmp_path / "cli"), "--model", str(src)]) == 0
     got, expected = _read_dir(tmp_path / "cli"), _read_dir(live)

@@ -82,6 +82,8 @@ def test_meta_build_equals_whole_model_build_bit_for_bit(
         assert meta["sharded"] and whole["sharded"]
         assert meta["checkpointing"] and whole["checkpointing"]
         assert meta["tied"] == whole["tied"] == (kind != "untied")
+        # Bit-equal throughout: both builds load the same checkpoint on the same ranks and take
+        # the same step on the same batch, same shapes: the same kernels in the same order.
         for key in ("weights", "buffers", "stepped"):
             assert meta[key].keys() == whole[key].keys(), key
             for name, value in whole[key].items():

@@ -166,6 +166,7 @@ def write_pairs(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_bradley_terry_learns_separable_pairs_and_round_trips_through_hf(tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification
 

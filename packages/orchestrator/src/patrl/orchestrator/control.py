@@ -24,15 +24,27 @@ class PeerFailed(RuntimeError):
 
 
 class ControlPlane:
-    """Keys under `prefix` in `store`; `timeout_s` bounds every wait on a peer."""
+    """Keys under `prefix` in `store`; `timeout_s` bounds every wait on a peer. `clock` (seconds,
+    monotonic) times heartbeats and waits and `sleep` paces polling: a test passes a fake pair
+    to step time instead of waiting it out."""
 
-    def __init__(self, store: Any, rank: int, timeout_s: float, prefix: str = "async/") -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        timeout_s: float,
+        prefix: str = "async/",
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.store = store
         self.rank = rank
         self.timeout_s = timeout_s
         self.prefix = prefix
+        self.clock = clock
+        self.sleep = sleep
         self._last_beat = -float("inf")
         # (counter name, peer) -> (value, when it last moved, on this rank's clock)
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
@@ -97,14 +109,14 @@ class ControlPlane:
     def beat(self, now: bool = False) -> None:
         """Tell the others this rank is alive (rate-limited: cheap to call every loop; `now`
         beats regardless)."""
-        t = time.monotonic()
+        t = self.clock()
         if now or t - self._last_beat >= _BEAT_EVERY_S:
             self.bump(f"beat/{self.rank}")
             self._last_beat = t
 
     def progress(self) -> None:
         """Tell the others this rank did work (rate-limited like `beat`)."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_progress >= _BEAT_EVERY_S:
             self.bump(f"progress/{self.rank}")
             self._last_progress = now
@@ -167,7 +179,7 @@ class ControlPlane:
 
     def _stale(self, name: str, peers: Iterable[int]) -> list[int]:
         """Peers whose counter `name` has not moved for timeout_s (clock starts at first look)."""
-        now = time.monotonic()
+        now = self.clock()
         stale = []
         for peer in peers:
             value = self.counter(f"{name}/{peer}")
@@ -192,7 +204,7 @@ class ControlPlane:
         one can make it true), or, with `need_progress`, all stop working. This rank keeps
         beating meanwhile."""
         peers = list(peers)
-        start = time.monotonic()
+        start = self.clock()
         while not ready():
             self.beat()
             if self.done():
@@ -203,5 +215,5 @@ class ControlPlane:
                 self.check_alive(peers)
             if need_progress:
                 self.check_progress(peers, what)
-            time.sleep(poll_s)
-        return time.monotonic() - start
+            self.sleep(poll_s)
+        return self.clock() - start

@@ -55,7 +55,11 @@ class ShmComm:
 
     `slot_bytes` bounds one round; larger payloads go in chunks. A wait raises
     `CollectiveTimeout` after `timeout_s`, or sooner when a peer's process is gone. The file is
-    unlinked once every rank has mapped it, so a crash leaves nothing in /dev/shm."""
+    unlinked once every rank has mapped it, so a crash leaves nothing in /dev/shm.
+
+    `pid` is the process its peers watch for this rank (default: this one; a rank run by a
+    stand-in names the process it stands for). `clock` (monotonic seconds) times the waits
+    and `sleep` backs them off: a test passes a fake pair to step time instead of waiting."""
 
     def __init__(
         self,
@@ -64,6 +68,9 @@ class ShmComm:
         slot_bytes: int = 4 << 20,
         timeout_s: float = 300.0,
         name: str = "tp",
+        pid: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if not shm_supported():
             raise RuntimeError(
@@ -77,6 +84,8 @@ class ShmComm:
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.name = name
+        self.clock = clock
+        self.sleep = sleep
         self.global_ranks = dist.get_process_group_ranks(group)
         flag_bytes = self.size * _FLAG_STRIDE * 8
         pid_bytes = self.size * 8
@@ -102,7 +111,7 @@ class ShmComm:
         self._mem = mem  # keeps the mapping alive
         self._flags = mem[:flag_bytes].view(torch.int64).view(self.size, _FLAG_STRIDE).numpy()
         pids = mem[flag_bytes : flag_bytes + pid_bytes].view(torch.int64).numpy()
-        pids[self.rank] = os.getpid()
+        pids[self.rank] = os.getpid() if pid is None else pid
         self._pids = pids
         data = mem[flag_bytes + pid_bytes :]
         self._slots = data.view(2, self.size, slot_bytes)
@@ -134,18 +143,18 @@ class ShmComm:
         peers = self._peers
         if all(flags[r, 0] >= seq for r in peers):
             return
-        start = time.monotonic()
+        start = self.clock()
         next_check = start + _LIVENESS_EVERY_S
         sleep = 0.0
         while True:
             if all(flags[r, 0] >= seq for r in peers):
                 return
-            now = time.monotonic()
+            now = self.clock()
             if now - start < _SPIN_S:
                 os.sched_yield()
                 continue
             sleep = min(_MAX_SLEEP_S, max(sleep * 2, 2e-5))
-            time.sleep(sleep)
+            self.sleep(sleep)
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
                 self._check_peers(seq, now - start)
