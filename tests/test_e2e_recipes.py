@@ -15,7 +15,7 @@ import torch
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl_testkit.jobs import addition_job, tiny_job_overrides
+from patrl_testkit.jobs import tiny_job_overrides
 
 SHIFT = 1.0  # subtracted from every engine logprob of the perturbed step
 
@@ -163,21 +163,11 @@ LAUNCHER = (
 )
 
 
-def digit_reward(response: str, answer: str, **meta: Any) -> float:
-    """Dense, so a random model's advantages are not all 0."""
-    return sum(c.isdigit() for c in response) / max(1, len(response))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return addition_job(tmp_path_factory.mktemp("e2e_recipes"))
-
-
 def _run(assets: Path, run_dir: Path, steps: int, **extra: Any) -> list[dict[str, float]]:
     """A tiny job whose first training rollout's engine logprobs are lowered by SHIFT (a
     wrapper around the loop's generation: the engine itself is untouched)."""
     extra = {
-        "reward.functions": '[{name: "test_e2e_recipes:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "trainer.total_training_steps": steps,
         "trainer.save_freq": -1,
         **extra,
@@ -366,7 +356,7 @@ def test_dapo_runs_two_steps_with_overlong_shaping_and_dynamic_sampling(
     groups filtered on the score before the penalty (metric acc), and every training sample's
     reward carrying verl's overlong penalty (8-token budget, 4-token buffer, factor 1)."""
     extra = {
-        "reward.functions": '[{name: "test_e2e_recipes:digit_reward"}]',
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "trainer.total_training_steps": 2,
         "trainer.save_freq": -1,
         "data.gen_batch_size": 8,
