@@ -272,6 +272,32 @@ def test_deliberate_differences_from_verl_are_said_at_start_up() -> None:
         None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"], notes
     )
     assert notes == []
+    rc = "algorithm.rollout_correction"
+    for overrides, said in (
+        ([f"{rc}.bypass_mode=true", "algorithm.use_kl_in_reward=true"], "verl's takes the rollout"),
+        (
+            [
+                f"{rc}.rollout_rs=token_k1",
+                f"{rc}.rollout_rs_threshold=2.0",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+            ],
+            "count in the whitening statistics",
+        ),
+        (
+            [
+                f"{rc}.bypass_mode=true",
+                f"{rc}.rollout_is=token",
+                f"{rc}.rollout_is_batch_normalize=true",
+            ],
+            "per micro-batch on each rank",
+        ),
+    ):
+        notes = []
+        load_config(None, overrides, notes)
+        assert any(said in n for n in notes), (overrides, notes)
+    notes = []  # the same corrections where nothing differs: no note
+    load_config(None, [f"{rc}.rollout_rs=token_k1", f"{rc}.rollout_rs_threshold=2.0"], notes)
+    assert notes == []
 
 
 def test_gspo_aggregates_seq_mean_token_mean_whatever_loss_agg_mode_says() -> None:

@@ -769,6 +769,31 @@ def verl_differences(config: JobConfig) -> list[str]:
             f"as verl does, whatever actor.loss_agg_mode says ({a.loss_agg_mode}: used for the "
             "entropy and KL terms only)"
         )
+    rc = config.algorithm.rollout_correction
+    if rc.bypass_mode and config.algorithm.use_kl_in_reward:
+        out.append(
+            "algorithm.rollout_correction.bypass_mode=true with algorithm.use_kl_in_reward=true: "
+            "the reward's KL penalty takes the trainer's logprobs of the batch (a rescoring pass "
+            "runs for it); verl's takes the rollout's"
+        )
+    whitened = config.algorithm.adv_estimator in (
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "gae",
+    )
+    if rc.rollout_rs is not None and not rc.bypass_mode and whitened:
+        out.append(
+            f"algorithm.rollout_correction.rollout_rs with adv_estimator="
+            f"{config.algorithm.adv_estimator}: rejected tokens leave the loss after the "
+            "advantages are whitened, so they count in the whitening statistics; verl rejects "
+            "them before"
+        )
+    if rc.rollout_is_batch_normalize and rc.bypass_mode:
+        out.append(
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true in bypass mode: the "
+            "weights' mean is taken per micro-batch on each rank; verl's over the mini-batch "
+            "across ranks"
+        )
     return out
 
 
