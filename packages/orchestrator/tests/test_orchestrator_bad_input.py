@@ -884,6 +884,7 @@ def test_a_section_check_is_blamed_on_the_keys_set_beneath_it(
         preflight.load(config, overrides)
     message = str(info.value)
     assert "'token_k9' is unknown" in message, message
+    assert "Value error" not in message and "(config)" not in message, message
     assert "(algorithm.rollout_correction.rollout_rs is set on the command line)" in message, (
         message
     )

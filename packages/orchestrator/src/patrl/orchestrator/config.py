@@ -926,13 +926,19 @@ def _check_path(parts: list[str], written: str | None = None) -> None:
 
 
 def _describe(err: ValidationError) -> str:
+    """One line per error: the key, what is wrong and the value given. A check of several
+    keys together (a validator's ValueError) says its own words, which name the keys."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key {key!r}")
             continue
         value = e.get("input")
+        if e["type"] == "value_error":  # pydantic's "Value error, " prefix says nothing
+            message = str(e.get("ctx", {}).get("error", e["msg"]))
+            lines.append(f"{key}: {message}" if key else message)
+            continue
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         lines.append(f"{key}: {e['msg']}{shown}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
