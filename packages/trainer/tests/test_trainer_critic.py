@@ -235,8 +235,10 @@ def test_critic_fsdp_two_ranks_equals_one_process(tmp_path: Path) -> None:
         for a, b in zip(got["scored"], single.scored_values(), strict=True):
             torch.testing.assert_close(torch.from_numpy(a), b, atol=1e-5, rtol=1e-5)
         for got_m, want_m in zip(got["metrics"], metrics, strict=True):
+            # the second step's metrics come from weights that FSDP's reduce-scatter summed in
+            # another order (they agree within 1e-6): metrics within 1e-6 of one process's
             for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"):
-                assert got_m[key] == pytest.approx(want_m[key], rel=1e-5, abs=1e-7), key
+                assert got_m[key] == pytest.approx(want_m[key], rel=1e-5, abs=1e-6), key
         assert got["weights"].keys() == weights.keys()
         for name, t in weights.items():
             torch.testing.assert_close(
