@@ -54,22 +54,22 @@ from patrl.orchestrator.run import (
     run_state,
     validates,
 )
-from patrl.orchestrator.step import (
+from patrl.orchestrator.sampling import (
     GREEDY_BASELINE_SEED_KEY,
     VALIDATION_SEED_KEY,
+    sampling_params,
+    training_seed_key,
+    validation_batches,
+)
+from patrl.orchestrator.scoring import (
     Sample,
     filter_value,
     merge_reward_metrics,
     overlong_buffer,
-    sampling_params,
     score_outputs,
-    step_metrics,
-    timed,
-    training_seed_key,
-    update_policy,
-    validation_batches,
-    validation_metrics,
 )
+from patrl.orchestrator.step_metrics import step_metrics, timed, validation_metrics
+from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, SequenceState
 from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer

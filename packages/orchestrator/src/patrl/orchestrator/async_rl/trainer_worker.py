@@ -34,7 +34,9 @@ from patrl.orchestrator.run import (
     run_state,
     validates,
 )
-from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
+from patrl.orchestrator.scoring import merge_reward_metrics
+from patrl.orchestrator.step_metrics import step_metrics, timed
+from patrl.orchestrator.update import update_policy
 from patrl.trainer import Critic, Trainer
 
 
