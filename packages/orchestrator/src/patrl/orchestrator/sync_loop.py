@@ -68,7 +68,12 @@ from patrl.orchestrator.scoring import (
     overlong_buffer,
     score_outputs,
 )
-from patrl.orchestrator.step_metrics import step_metrics, timed, validation_metrics
+from patrl.orchestrator.step_metrics import (
+    PolicyUpdate,
+    step_metrics,
+    timed,
+    validation_metrics,
+)
 from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, SequenceState
 from patrl.rollout.drafter import speculation_metrics
@@ -154,6 +159,7 @@ class SyncSchedule:
         self._replica_timelines: list[dict[str, Any]] = []  # every replica's, after the steps
         self.step = 0
         self._validated = -1  # the newest step whose weights were validated
+        self._asleep = False  # the update put the engine to sleep (`_free_cache_engine`)
         self.all_lengths: list[int] = []
 
     def run(self) -> RunResult:
@@ -186,25 +192,11 @@ class SyncSchedule:
         """Step `step`, its phases in order; its metrics row."""
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        self._failures = []
         samples, metrics = self.generate_and_score(timings)
-        self._check_rewards()
         if self.config.algorithm.adv_estimator == "remax":
             metrics.update(self._greedy_baselines(samples, timings))
-        asleep = self._free_cache_engine()
-        # advantages (with KL in the reward, GAE's critic first), then the PPO epochs
-        update = update_policy(
-            self.config,
-            self.trainer,
-            samples,
-            self.step,
-            timings,
-            kl_ctrl=self.kl_ctrl,
-            critic=self.critic,
-        )
+        update = self.update(samples, timings)  # advantages, then the PPO epochs
         with timed(timings, "update_weights"):
-            if asleep:
-                self.engine.wake_up()
             self.sync_weights()
         timings["step"] = time.perf_counter() - start
         self.all_lengths += [len(s.token_ids) for s in samples]
@@ -299,7 +291,30 @@ class SyncSchedule:
         self, timings: dict[str, float]
     ) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score until the batch is full (DAPO filtering may need several rounds;
-        partial rollouts resume last step's unfinished groups)."""
+        partial rollouts resume last step's unfinished groups), then check that not every
+        reward failed (`_check_rewards`)."""
+        self._failures = []
+        samples, metrics = self._rounds(timings)
+        self._check_rewards()
+        return samples, metrics
+
+    def update(self, samples: list[Sample], timings: dict[str, float]) -> PolicyUpdate:
+        """The policy update (`update.update_policy`: advantages, with KL in the reward or
+        GAE's critic first, then the PPO epochs), the engine asleep meanwhile where
+        `rollout.free_cache_engine` says so."""
+        self._asleep = self._free_cache_engine()
+        return update_policy(
+            self.config,
+            self.trainer,
+            samples,
+            self.step,
+            timings,
+            kl_ctrl=self.kl_ctrl,
+            critic=self.critic,
+        )
+
+    def _rounds(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Generation rounds until the batch is full."""
         if self.config.rollout.over_sample_rate > 0:
             return self._collect_partial(timings)
         filt = self.config.algorithm.filter_groups
@@ -547,7 +562,11 @@ class SyncSchedule:
         return [s for scored, _, _ in shares for s in scored], [m for _, m, _ in shares if m]
 
     def sync_weights(self) -> None:
-        """Stream the trainer's full weights into the engine, one bucket at a time."""
+        """Stream the trainer's full weights into the engine, one bucket at a time (waking it
+        first if the update put it to sleep)."""
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False
         bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
         self.engine.load_weights(
             _flatten(self.trainer.iter_full_weights(bucket_bytes)), version=self.step
