@@ -1,0 +1,33 @@
+"""The embedded default of the main job: a tiny Llama with its own tokenizer, warm-started by
+SFT on a synthetic long-tailed addition task (worked solutions mixed with bare answers), with
+train/validation JSONL, built on first use and cached."""
+
+from patrl.demo.assets import (
+    DemoAssets,
+    DemoRecipe,
+    default_cache_root,
+    ensure_demo_assets,
+    ensure_demo_at,
+)
+from patrl.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
+from patrl.demo.model import ModelConfig
+from patrl.demo.sft import SFTConfig
+from patrl.demo.task import Problem, TaskConfig, generate_problems
+from patrl.demo.tokenizer import build_tokenizer
+
+__all__ = [
+    "DemoAssets",
+    "DemoRecipe",
+    "ModelConfig",
+    "PassAtOne",
+    "Problem",
+    "SFTConfig",
+    "TaskConfig",
+    "boxed_answer",
+    "build_tokenizer",
+    "default_cache_root",
+    "ensure_demo_assets",
+    "ensure_demo_at",
+    "generate_problems",
+    "pass_at_one",
+]
