@@ -19,7 +19,7 @@ from patrl.orchestrator.advantages import (
     token_level_scores,
 )
 from patrl.orchestrator.config import ConfigError, KLControlConfig, load_config
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,

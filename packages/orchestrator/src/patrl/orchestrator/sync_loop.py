@@ -36,7 +36,7 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
     needs_reference,

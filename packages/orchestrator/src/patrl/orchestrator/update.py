@@ -18,7 +18,7 @@ from patrl.orchestrator.advantages import (
 )
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.errors import JobError
-from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
+from patrl.orchestrator.kl_control import KLController, apply_kl_penalty, needs_reference
 from patrl.orchestrator.scoring import Sample
 from patrl.orchestrator.step_metrics import PolicyUpdate, timed, value_metrics
 from patrl.trainer import Critic, PolicyBatch, Trainer

@@ -18,7 +18,7 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
 from patrl.orchestrator.build import critic_config, trainer_config
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
     needs_reference,
