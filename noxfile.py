@@ -21,7 +21,7 @@ nox.options.sessions = ["tests", "install_check", "lint", "typecheck"]
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 # Order matters only for readability: pip resolves them together, the local ones first.
-PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "demo", "orchestrator"]
+PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"]
 # Triton runs the GPU paged-attention kernels' tests on CPU through its interpreter
 # (TRITON_INTERPRET=1); its wheels exist for Linux x86-64 only, elsewhere those tests skip.
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
@@ -47,7 +47,7 @@ def tests(session: nox.Session) -> None:
 
 
 def build_wheelhouse(session: nox.Session, out: Path) -> Path:
-    """The seven packages' wheels in `out`, and `out/constraints.txt` naming each one by its file
+    """The six packages' wheels in `out`, and `out/constraints.txt` naming each one by its file
     URL: `pip install -c out/constraints.txt patrl-<name>` then takes every patrl package from
     `out` (a constraint with a URL admits nothing else, so no same-named index package either)
     and everything else from the index. Returns the constraints file."""
@@ -73,7 +73,7 @@ def build_wheelhouse(session: nox.Session, out: Path) -> Path:
 
 @nox.session
 def wheels(session: nox.Session) -> None:
-    """dist/: the seven wheels and dist/constraints.txt; then any one package installs alone with
+    """dist/: the six wheels and dist/constraints.txt; then any one package installs alone with
     `pip install -c dist/constraints.txt patrl-rollout` (README, Packages)."""
     constraints = build_wheelhouse(session, ROOT / "dist")
     session.log(f"pip install -c {constraints.relative_to(ROOT)} patrl-<name>")

@@ -71,9 +71,9 @@ from typing import Any
 
 import torch
 
-from patrl.demo import DemoAssets, ensure_demo_assets
 from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.data import PromptItem, PromptLoader
+from patrl.orchestrator.demo import DemoAssets, ensure_demo_assets
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.rewards import resolve_reward_fn
 

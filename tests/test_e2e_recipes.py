@@ -257,7 +257,7 @@ def test_verls_dapo_command_line_dry_runs_to_the_same_values(
     import datasets
     import yaml
 
-    from patrl.demo.tokenizer import build_tokenizer
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
     from patrl.orchestrator.main import main
     from patrl_testkit.models import save_tiny_model
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.config import load_config
+from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl_testkit.jobs import addition_job

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from patrl.demo import ensure_demo_assets
-from patrl.demo.evaluate import is_correct
-from patrl.demo.preferences import (
+from patrl.orchestrator.demo import ensure_demo_assets
+from patrl.orchestrator.demo.evaluate import is_correct
+from patrl.orchestrator.demo.preferences import (
     DEFAULT_KINDS,
     REJECTED_KINDS,
     preference_pairs,
 )
-from patrl.demo.reward import shows_work
-from patrl.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
-from patrl.demo.task import Problem
+from patrl.orchestrator.demo.reward import shows_work
+from patrl.orchestrator.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
+from patrl.orchestrator.demo.task import Problem
 from patrl.trainer.reward_model import PreferenceKeys, check_reward_model_dir
 from patrl.trainer.reward_model.preferences import check_row
 

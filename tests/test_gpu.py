@@ -77,8 +77,8 @@ def test_bf16_greedy_decoding_matches_transformers(backend: str, tmp_path: Path)
 
 @pytest.mark.e2e
 def test_three_grpo_steps_of_a_half_billion_qwen2(tmp_path: Path) -> None:
-    from patrl.demo.tokenizer import build_tokenizer
     from patrl.orchestrator.config import load_config
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
     from patrl.orchestrator.distributed import World
     from patrl.orchestrator.sync_loop import SyncGRPO
 

@@ -24,12 +24,11 @@ PACKAGES_DIR = Path(__file__).resolve().parents[1] / "packages"
 
 # docs/architecture.md: a package never imports one to its right; these are its directions.
 FORBIDDEN_PACKAGES = {
-    "kvstore": {"tpreshard", "lenpredict", "rollout", "trainer", "orchestrator", "demo"},
-    "tpreshard": {"kvstore", "lenpredict", "rollout", "trainer", "orchestrator", "demo"},
-    "lenpredict": {"kvstore", "tpreshard", "rollout", "trainer", "orchestrator", "demo"},
-    "trainer": {"kvstore", "tpreshard", "lenpredict", "rollout", "orchestrator", "demo"},
-    "rollout": {"trainer", "orchestrator", "demo"},
-    "demo": {"orchestrator"},
+    "kvstore": {"tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"},
+    "tpreshard": {"kvstore", "lenpredict", "rollout", "trainer", "orchestrator"},
+    "lenpredict": {"kvstore", "tpreshard", "rollout", "trainer", "orchestrator"},
+    "trainer": {"kvstore", "tpreshard", "lenpredict", "rollout", "orchestrator"},
+    "rollout": {"trainer", "orchestrator"},
 }
 FORBIDDEN_THIRD_PARTY = {"lenpredict": {"torch"}}  # pure modelling and planning
 

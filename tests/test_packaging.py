@@ -1,6 +1,6 @@
-"""The seven pyprojects and the `patrl` meta-package: every third-party module a package's source
+"""The six pyprojects and the `patrl` meta-package: every third-party module a package's source
 imports is declared by that package (a dependency or one of its extras), patrl dependencies
-point only to the package's left, and the meta-package installs exactly the seven.
+point only to the package's left, and the meta-package installs exactly the six.
 
 Read from the files with `ast` and `tomllib`; nothing is installed or imported. That a package
 installs alone from the checkout and imports is `nox -s install_check`'s job.
@@ -21,7 +21,7 @@ else:  # the test dependencies bring tomli on 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "demo", "orchestrator"]
+PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"]
 # DESIGN.md's directions: the patrl packages each one may depend on.
 ALLOWED_PATRL = {
     "kvstore": set(),
@@ -29,8 +29,7 @@ ALLOWED_PATRL = {
     "lenpredict": set(),
     "rollout": {"kvstore", "tpreshard", "lenpredict"},
     "trainer": set(),
-    "demo": {"rollout", "trainer"},
-    "orchestrator": {"rollout", "trainer", "lenpredict", "demo"},
+    "orchestrator": {"rollout", "trainer", "lenpredict"},
 }
 # Import name -> distribution, where they differ.
 DISTRIBUTION = {"yaml": "pyyaml", "math_verify": "math-verify", "flash_attn": "flash-attn"}
@@ -102,7 +101,7 @@ def test_patrl_dependencies_point_left(package: str) -> None:
     assert patrl <= ALLOWED_PATRL[package], patrl - ALLOWED_PATRL[package]
 
 
-def test_meta_package_installs_exactly_the_packages_from_this_checkout() -> None:
+def test_meta_package_installs_exactly_the_six_from_this_checkout() -> None:
     deps = project(None)["dependencies"]
     assert sorted(requirement_name(d) for d in deps) == sorted(f"patrl-{p}" for p in PACKAGES)
     for dep in deps:

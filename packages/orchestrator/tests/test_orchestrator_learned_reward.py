@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from patrl.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.learned_reward import LearnedReward, rm_placement, rm_weight_bytes
 from patrl.orchestrator.rewards import RewardManager, add_model_scores

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.demo.tokenizer import build_tokenizer
+from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.trainer.reward_model import (
     BradleyTerryTrainer,
     RewardModelEncoder,

@@ -278,7 +278,7 @@ def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
 
     demo = None
     if preflight.uses_demo(config):
-        from patrl.demo import ensure_demo_assets
+        from patrl.orchestrator.demo import ensure_demo_assets
 
         # Every rank asks; a file lock lets one build while the others wait on the lock (not on
         # a collective, whose timeout a slow first build on a busy machine could exceed).

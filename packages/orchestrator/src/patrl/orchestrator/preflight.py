@@ -500,7 +500,7 @@ def _built_demo(config: JobConfig) -> Any:
     """The demo's assets if the run would use them and they are built; else None."""
     if not uses_demo(config):
         return None
-    from patrl.demo.assets import (
+    from patrl.orchestrator.demo.assets import (
         DemoAssets,
         DemoRecipe,
         default_cache_root,
@@ -583,7 +583,7 @@ def _demo_tokenizer(config: JobConfig) -> Any:
     d = config.data
     if config.model.path is not None or d.train_files in (None, DEMO_FILES):
         return None
-    from patrl.demo.tokenizer import build_tokenizer
+    from patrl.orchestrator.demo.tokenizer import build_tokenizer
 
     return build_tokenizer()
 

@@ -1,22 +1,33 @@
-"""The demo task's old import path: the task lives in the `patrl-demo` package (`patrl.demo`).
-Every module of it is importable here under its old name too (`patrl.orchestrator.demo.reward`,
-as reward paths in existing configs name it), as the same module object."""
+"""The embedded default of the main job: a tiny Llama with its own tokenizer, warm-started by
+SFT on a synthetic long-tailed addition task (worked solutions mixed with bare answers), with
+train/validation JSONL, built on first use and cached."""
 
-import importlib
-import sys
+from patrl.orchestrator.demo.assets import (
+    DemoAssets,
+    DemoRecipe,
+    default_cache_root,
+    ensure_demo_assets,
+    ensure_demo_at,
+)
+from patrl.orchestrator.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
+from patrl.orchestrator.demo.model import ModelConfig
+from patrl.orchestrator.demo.sft import SFTConfig
+from patrl.orchestrator.demo.task import Problem, TaskConfig, generate_problems
+from patrl.orchestrator.demo.tokenizer import build_tokenizer
 
-from patrl.demo import *  # noqa: F403
-from patrl.demo import __all__  # noqa: F401
-
-for _name in (
-    "assets",
-    "evaluate",
-    "model",
-    "preferences",
-    "reward",
-    "reward_model",
-    "sft",
-    "task",
-    "tokenizer",
-):
-    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"patrl.demo.{_name}")
+__all__ = [
+    "DemoAssets",
+    "DemoRecipe",
+    "ModelConfig",
+    "PassAtOne",
+    "Problem",
+    "SFTConfig",
+    "TaskConfig",
+    "boxed_answer",
+    "build_tokenizer",
+    "default_cache_root",
+    "ensure_demo_assets",
+    "ensure_demo_at",
+    "generate_problems",
+    "pass_at_one",
+]

@@ -14,7 +14,7 @@ import torch
 from math_verify import parse, verify
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from patrl.demo import (
+from patrl.orchestrator.demo import (
     DemoRecipe,
     TaskConfig,
     boxed_answer,
@@ -23,12 +23,12 @@ from patrl.demo import (
     ensure_demo_at,
     generate_problems,
 )
-from patrl.demo.__main__ import main
-from patrl.demo.assets import MANIFEST
-from patrl.demo.reward import shows_work
-from patrl.demo.sft import IGNORE, SFTConfig, iter_batches
-from patrl.demo.task import Problem, read_jsonl
-from patrl.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
+from patrl.orchestrator.demo.__main__ import main
+from patrl.orchestrator.demo.assets import MANIFEST
+from patrl.orchestrator.demo.reward import shows_work
+from patrl.orchestrator.demo.sft import IGNORE, SFTConfig, iter_batches
+from patrl.orchestrator.demo.task import Problem, read_jsonl
+from patrl.orchestrator.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from patrl.demo.reward import shows_work
-from patrl.demo.tokenizer import prompt_text
+from patrl.orchestrator.demo.reward import shows_work
+from patrl.orchestrator.demo.tokenizer import prompt_text
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
