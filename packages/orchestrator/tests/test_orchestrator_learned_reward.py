@@ -16,7 +16,7 @@ from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.learned_reward import LearnedReward, rm_placement, rm_weight_bytes
 from patrl.orchestrator.rewards import RewardManager, add_model_scores
-from patrl.orchestrator.step import merge_reward_metrics
+from patrl.orchestrator.scoring import merge_reward_metrics
 from patrl_testkit.models import save_tiny_reward_model
 
 

@@ -78,7 +78,7 @@ def _record_batches(role: TrainerWorker, records: list[GroupRecord]) -> None:
 def _slow_down(role: TrainerWorker, step_s: float) -> None:
     """Each training step takes step_s longer (beating: a big model's step, not a stall), so
     the run lasts long enough for the lost rank to come back while steps remain."""
-    train = role.train_one_step
+    train = role.train_step
 
     def slow_step() -> dict[str, float]:
         metrics = train()
@@ -88,7 +88,7 @@ def _slow_down(role: TrainerWorker, step_s: float) -> None:
             time.sleep(0.05)
         return metrics
 
-    role.train_one_step = slow_step  # type: ignore[method-assign]
+    role.train_step = slow_step  # type: ignore[method-assign]
 
 
 def _run(

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from patrl.orchestrator.config import ConfigError, load_config
-from patrl.orchestrator.step import Sample, correct_batch, mismatch_metrics
+from patrl.orchestrator.scoring import Sample
+from patrl.orchestrator.step_metrics import mismatch_metrics
+from patrl.orchestrator.update import correct_batch
 from patrl.trainer import PolicyBatch
 
 # ------------------------------------------------------------------ rollout correction keys
@@ -198,7 +200,7 @@ def test_overlong_keys_load_and_bad_buffers_are_refused() -> None:
             "reward_model.reward_manager=dapo",
         ],
     )
-    from patrl.orchestrator.step import overlong_buffer
+    from patrl.orchestrator.scoring import overlong_buffer
 
     ob = overlong_buffer(cfg)
     assert ob is not None and (ob.buffer, ob.penalty_factor, ob.max_len) == (4, 1.0, 16)
@@ -216,7 +218,7 @@ def test_overlong_keys_load_and_bad_buffers_are_refused() -> None:
 
 
 def test_filter_metric_acc_compares_the_score_before_the_penalty() -> None:
-    from patrl.orchestrator.step import filter_value
+    from patrl.orchestrator.scoring import filter_value
 
     s = Sample(0, [1], [2, 3], [-0.1, -0.1], "length", reward=0.5, overlong=-0.5)
     acc = load_config(

@@ -19,7 +19,7 @@ from patrl.orchestrator.advantages import (
     token_level_scores,
 )
 from patrl.orchestrator.config import ConfigError, KLControlConfig, load_config
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
@@ -334,7 +334,8 @@ def test_reinforce_plus_plus_runs_with_one_sample_and_kl_keys_load() -> None:
 
 def test_a_batch_of_lone_samples_stops_a_group_estimator() -> None:
     from patrl.orchestrator.errors import JobError
-    from patrl.orchestrator.step import Sample, check_groups
+    from patrl.orchestrator.scoring import Sample
+    from patrl.orchestrator.update import check_groups
 
     def sample(group: int) -> Sample:
         return Sample(group, [1, 2], [3], [-0.1], "stop", 1.0)
@@ -349,7 +350,7 @@ def test_a_batch_of_lone_samples_stops_a_group_estimator() -> None:
 def test_the_engine_s_rejection_reason_reaches_the_user() -> None:
     from patrl.orchestrator.data import PromptItem
     from patrl.orchestrator.errors import JobError
-    from patrl.orchestrator.step import check_not_rejected
+    from patrl.orchestrator.scoring import check_not_rejected
     from patrl.rollout import RequestOutput
 
     item = PromptItem(7, [1, 300], "p", "a")

@@ -28,7 +28,7 @@ from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.preflight import choose_assets, world_problems
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import saves, validates
-from patrl.orchestrator.step import sampling_params
+from patrl.orchestrator.sampling import sampling_params
 
 # ------------------------------------------------------------------------------ key paths
 
@@ -539,7 +539,7 @@ def test_without_wandb_installed_the_logger_warns_and_keeps_going(
 
 def test_validation_batches_cover_every_prompt_in_order() -> None:
     from patrl.orchestrator.data import PromptDataset
-    from patrl.orchestrator.step import validation_batches
+    from patrl.orchestrator.sampling import validation_batches
 
     items = [PromptItem(i, [1, i], f"p{i}", str(i)) for i in range(7)]
     val = PromptDataset(items, num_rows=7, num_filtered_overlong=0)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "per_token": "advantages",
     "filter_zero_variance_groups": "advantages",
     "refill": "advantages",
+    "SyncSchedule": "sync_loop",
     "SyncGRPO": "sync_loop",
     "main": "main",
 }

@@ -1,4 +1,4 @@
-"""The asynchronous GRPO schedule with bounded staleness (AReaL): generation never waits for a
+"""The asynchronous schedule (GRPO, PPO/GAE, RLOO, ...) with bounded staleness (AReaL): generation never waits for a
 full step.
 
 Ranks [0, R) only generate (R = async_rl.rollout_ranks, each its own tp=1 engine), ranks
@@ -25,8 +25,9 @@ from patrl.orchestrator.run import RunResult, validates_ever
 from patrl.orchestrator.weight_store import WeightStore
 
 
-class AsyncGRPO:
-    """The job's entry: builds this rank's role (rollout or trainer) and runs it."""
+class AsyncSchedule:
+    """The job's entry: builds this rank's role and runs it: a trainer rank's
+    `TrainerWorker` through `run.RunLoop`, a rollout rank's `RolloutWorker` loop."""
 
     def __init__(
         self,
@@ -74,6 +75,9 @@ class AsyncGRPO:
             # Peers polling the store stop at once instead of after their timeout.
             self.job.control.fail(f"{type(err).__name__}: {err}"[:500])
             raise
+
+
+AsyncGRPO = AsyncSchedule  # the name it had while it ran GRPO only
 
 
 def check_supported(config: JobConfig, world: World) -> None:

@@ -417,7 +417,9 @@ class RewardModelConfig(_Section):
 
 
 class RunConfig(_Section):
-    """verl's `trainer.*`: the run's length, logging and checkpoints."""
+    """verl's `trainer.*`: the run's length, logging and checkpoints. The key is verl's, the
+    class is named for what it holds: the policy trainer's own settings are `actor`
+    (`ActorConfig`, turned into `patrl.trainer.TrainerConfig` by `build.trainer_config`)."""
 
     total_training_steps: int | None = Field(
         None,
@@ -523,7 +525,7 @@ class JobConfig(_Section):
     critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
     reward_model: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig())
-    trainer: RunConfig = Field(default_factory=lambda: RunConfig())
+    trainer: RunConfig = Field(default_factory=lambda: RunConfig())  # the run, not the trainer
     async_rl: AsyncConfig = Field(default_factory=lambda: AsyncConfig())
 
     @model_validator(mode="after")

@@ -261,13 +261,13 @@ def restart_hazard(env: Mapping[str, str]) -> str | None:
 def run(config: JobConfig, world: World) -> Any:
     model_dir, train_files, val_files = resolve_assets(config, world)
     if config.trainer.mode == "async":
-        from patrl.orchestrator.async_loop import AsyncGRPO
+        from patrl.orchestrator.async_loop import AsyncSchedule
 
         timeout = config.async_rl.peer_timeout_s
-        return AsyncGRPO(config, world, model_dir, train_files, val_files, timeout).run()
-    from patrl.orchestrator.sync_loop import SyncGRPO
+        return AsyncSchedule(config, world, model_dir, train_files, val_files, timeout).run()
+    from patrl.orchestrator.sync_loop import SyncSchedule
 
-    loop = SyncGRPO(config, world, model_dir, train_files, val_files)
+    loop = SyncSchedule(config, world, model_dir, train_files, val_files)
     return loop.run()
 
 

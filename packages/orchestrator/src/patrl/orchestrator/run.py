@@ -1,9 +1,10 @@
-"""The run loop both schedules share: steps, logging, validation cadence, checkpoints, resume.
+"""The run loop both schedules share: resume, then per step train, validate, log and save.
 
-A schedule subclasses `RunLoop`, gives it a trainer, a loader and a length predictor, and
-fills in `train_one_step` and the hooks it needs. Checkpoints hold the trainer's state, the
-policy (and critic) as a Hugging Face directory, the loader's position and the length history
-(`checkpointing` writes them atomically)."""
+`RunLoop.run` reads top to bottom: the schedule (`sync_loop.SyncSchedule`, the async trainer
+ranks' `async_rl.trainer_worker.TrainerWorker`) is an object the loop calls, never a set of
+hooks it overrides. Checkpoints hold the trainer's state, the policy (and critic) as a Hugging
+Face directory, the schedule's `state_dict` and its own files (`checkpointing` writes them
+atomically)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator import checkpointing
@@ -77,107 +78,160 @@ def completed(config: JobConfig) -> str | None:
     )
 
 
-class RunLoop:
-    """Runs steps until `trainer.total_training_steps`, resuming first from a checkpoint; the
-    first rank (`is_first`) logs, plots and commits checkpoints, every rank trains and saves."""
+class Schedule(Protocol):
+    """What `RunLoop` drives on one rank. `step` counts the steps taken (the resumed one after
+    `load_state_dict`); `trainer` and `critic` are the models the loop checkpoints; `is_first`
+    says whether this rank logs, plots and commits checkpoints."""
 
     config: JobConfig
     run_dir: Path
-    trainer: Trainer
-    critic: Critic | None = None  # algorithm.adv_estimator=gae: checkpointed beside the actor
-    loader: PromptLoader
-    predictor: LengthPredictor
-    step: int
-    all_lengths: list[int]  # every trained response's length, for the plots
     is_first: bool
+    step: int
+    trainer: Trainer
+    critic: Critic | None
+    all_lengths: list[int]  # every trained response's length, for the plots
 
-    def train_one_step(self) -> dict[str, float]:
-        """One step of the schedule, returning its metrics: each schedule (SyncGRPO, the async
-        TrainerWorker) defines it; the base class has no step of its own."""
-        raise NotImplementedError(f"{type(self).__name__} does not define train_one_step")
+    def checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint to resume from (`find_checkpoint`), the same on every rank."""
+        ...
+
+    def begin(self) -> None:
+        """After the resume, before the first step: put the resumed weights where generation
+        reads them."""
+        ...
+
+    def train_step(self) -> dict[str, float]:
+        """Step `step`: generate, score, advantages, update, weight sync; its metrics row."""
+        ...
+
+    def validate(self, final: bool = False) -> dict[int, dict[str, float]]:
+        """The validation metrics not returned before, by the step whose weights they
+        measured (`validates` says which are due); `final`: the run is over, wait for every
+        one due."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run state a checkpoint's `state.json` holds (`run_state`)."""
+        ...
+
+    def save_files(self, staging: Path) -> None:
+        """Write the schedule's own files into a checkpoint being staged (first rank)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Restore `state_dict`'s state and the files `save_files` wrote into `checkpoint`."""
+        ...
+
+    def end(self) -> None:
+        """After the last step (every rank): what the run's end owes its peers."""
+        ...
+
+    def close(self) -> None:
+        """Release what the schedule holds, however the run ended."""
+        ...
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """Generation timelines for the plots."""
+        ...
+
+
+def run_state(step: int, loader: PromptLoader, predictor: LengthPredictor) -> dict[str, Any]:
+    """A checkpoint's `state.json`: the step, the loader's position and the length history."""
+    return {
+        "step": step,
+        "loader": loader.state_dict(),
+        "length_predictor": predictor.state_dict(),
+    }
+
+
+def load_run_state(state: dict[str, Any], loader: PromptLoader, predictor: LengthPredictor) -> int:
+    """Restore `run_state`'s loader and predictor; the step it was saved at."""
+    loader.load_state_dict(state["loader"])
+    predictor.load_state_dict(state["length_predictor"])
+    return int(state["step"])
+
+
+def find_checkpoint(config: JobConfig, is_first: bool) -> Path | None:
+    """The checkpoint the `trainer.resume_*` settings name, or None (warnings on the first
+    rank)."""
+    t = config.trainer
+    return checkpointing.resume_target(
+        config.run_dir, t.resume_mode, t.resume_from_path, warn=_warn if is_first else None
+    )
+
+
+class RunLoop:
+    """Runs `schedule`'s steps until `trainer.total_training_steps`, resuming first from a
+    checkpoint; the first rank (`is_first`) logs, plots and commits checkpoints, every rank
+    trains and saves."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.config = schedule.config
+        self.run_dir = schedule.run_dir
 
     def run(self) -> RunResult:
-        cfg = self.config.trainer
-        total = self.config.total_steps
+        s, total = self.schedule, self.config.total_steps
         self.resume()
-        self.started()
-        logger = (
-            MetricsLogger(
-                self.run_dir,
-                cfg.logger,
-                total,
-                self.step,
-                label=self.config.algorithm.adv_estimator,
-                wandb_init={
-                    "project": cfg.project_name,
-                    "name": cfg.experiment_name,
-                    "config": self.config.model_dump(mode="json"),
-                },
-            )
-            if self.is_first
-            else None
-        )
+        s.begin()
+        logger = self._open_logger() if s.is_first else None
         try:
-            self.before_steps(logger)
-            while self.step < total:
-                self.step += 1
-                self.log_step(logger, self.train_one_step())
-                if saves(self.config, self.step):
+            self._log_rows(logger, s.validate())  # before training: trainer.val_before_train
+            while s.step < total:
+                s.step += 1
+                metrics = s.train_step()  # generate, score, advantages, update, weight sync
+                validated = s.validate()
+                self._log(logger, s.step, metrics | validated.pop(s.step, {}))
+                self._log_rows(logger, validated)  # earlier steps' (async: validated beside)
+                if saves(self.config, s.step):
                     self.save()
-            self.after_steps(logger)
+            self._log_rows(logger, s.validate(final=True))
+            s.end()
         finally:
             if logger is not None:
                 logger.close()
-            self.close()
+            s.close()
         if logger is None:
-            return RunResult(self.step, [], self.run_dir)
+            return RunResult(s.step, [], self.run_dir)
+        self._report(logger)
+        return RunResult(s.step, logger.history, self.run_dir)
+
+    def _open_logger(self) -> MetricsLogger:
+        cfg = self.config.trainer
+        return MetricsLogger(
+            self.run_dir,
+            cfg.logger,
+            self.config.total_steps,
+            self.schedule.step,
+            label=self.config.algorithm.adv_estimator,
+            wandb_init={
+                "project": cfg.project_name,
+                "name": cfg.experiment_name,
+                "config": self.config.model_dump(mode="json"),
+            },
+        )
+
+    @staticmethod
+    def _log(logger: MetricsLogger | None, step: int, metrics: dict[str, float]) -> None:
+        if logger is not None:
+            logger.log(step, metrics)
+
+    def _log_rows(self, logger: MetricsLogger | None, rows: dict[int, dict[str, float]]) -> None:
+        for step in sorted(rows):
+            self._log(logger, step, rows[step])
+
+    def _report(self, logger: MetricsLogger) -> None:
+        """The summary table, and the plots with `trainer.plots`."""
         print("\n" + logger.summary())
-        if cfg.plots:
+        if self.config.trainer.plots:
             written = plot_run(
                 logger.history,
-                self.all_lengths,
-                self.timelines(),
+                self.schedule.all_lengths,
+                self.schedule.timelines(),
                 self.run_dir,
                 self.config.data.max_response_length,
             )
             print("plots: " + ", ".join(str(p) for p in written))
-        return RunResult(self.step, logger.history, self.run_dir)
-
-    # ------------------------------------------------------------------- hooks
-
-    def started(self) -> None:
-        """After resume, before the logger opens."""
-
-    def before_steps(self, logger: MetricsLogger | None) -> None:
-        """Before the first step of this run."""
-
-    def log_step(self, logger: MetricsLogger | None, metrics: dict[str, float]) -> None:
-        """Log the row of the step just taken."""
-        if logger is not None:
-            logger.log(self.step, metrics)
-
-    def after_steps(self, logger: MetricsLogger | None) -> None:
-        """After the last step, before the logger closes."""
-
-    def close(self) -> None:
-        """Release what the schedule holds, however the run ended."""
-
-    def timelines(self) -> list[dict[str, Any]]:
-        """Generation timelines for the plots."""
-        return []
-
-    def find_checkpoint(self) -> Path | None:
-        """The checkpoint to resume from (the `trainer.resume_*` settings), or None."""
-        t = self.config.trainer
-        return checkpointing.resume_target(
-            self.run_dir, t.resume_mode, t.resume_from_path, warn=_warn if self.is_first else None
-        )
-
-    def save_extra(self, staging: Path) -> None:
-        """Write the schedule's own files into a checkpoint being staged (first rank)."""
-
-    def restored(self, checkpoint: Path) -> None:
-        """Read the schedule's own files back after a resume to `self.step`."""
 
     # ------------------------------------------------------------- checkpoints
 
@@ -186,10 +240,11 @@ class RunLoop:
         Hugging Face export's gathers; the first writes the HF directories and commits.
         Weights holding inf/NaN are never saved; a failed write leaves no staging behind, and
         a full disk is said so (JobError)."""
-        for model in (self.trainer, self.critic):
+        s = self.schedule
+        for model in (s.trainer, s.critic):
             if model is not None:
                 model.check_finite()
-        staging = checkpointing.staging_dir(self.run_dir, self.step)
+        staging = checkpointing.staging_dir(self.run_dir, s.step)
         try:
             return self._write_checkpoint(staging)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -198,7 +253,7 @@ class RunLoop:
             if full is None or isinstance(err, KeyboardInterrupt):
                 raise
             raise JobError(
-                f"{full} while writing the checkpoint of step {self.step} to {staging}. Nothing "
+                f"{full} while writing the checkpoint of step {s.step} to {staging}. Nothing "
                 "of it was kept; the newest complete checkpoint is "
                 f"{checkpointing.latest_checkpoint(self.run_dir) or 'none'}. Free space (or "
                 "lower trainer.max_checkpoints_to_keep, or move trainer.default_local_dir) and "
@@ -210,7 +265,7 @@ class RunLoop:
         """About what one checkpoint takes: per model, fp32 weights and two AdamW moments,
         and its Hugging Face export when it is saved."""
         total = 0
-        for model in (self.trainer, self.critic):
+        for model in (self.schedule.trainer, self.schedule.critic):
             if model is None:
                 continue
             numel = sum(p.numel() for p in model.model.parameters())
@@ -220,28 +275,24 @@ class RunLoop:
         return total
 
     def _write_checkpoint(self, staging: Path) -> Path:
-        if self.is_first:
-            checkpointing.prepare_staging(self.run_dir, self.step)
-        self.trainer.group.barrier()
-        self.trainer.save(staging / checkpointing.TRAINER_DIR)
-        self._export(self.trainer, checkpointing.hf_dir(staging))
-        if self.critic is not None:
+        s = self.schedule
+        if s.is_first:
+            checkpointing.prepare_staging(self.run_dir, s.step)
+        s.trainer.group.barrier()
+        s.trainer.save(staging / checkpointing.TRAINER_DIR)
+        self._export(s.trainer, checkpointing.hf_dir(staging))
+        if s.critic is not None:
             critic_dir = staging / checkpointing.CRITIC_DIR
-            self.critic.save(critic_dir)
-            self._export(self.critic, critic_dir / checkpointing.HF_DIR)
-        self.trainer.group.barrier()
-        if self.is_first:
-            self.save_extra(staging)
-            state = {
-                "step": self.step,
-                "loader": self.loader.state_dict(),
-                "length_predictor": self.predictor.state_dict(),
-            }
+            s.critic.save(critic_dir)
+            self._export(s.critic, critic_dir / checkpointing.HF_DIR)
+        s.trainer.group.barrier()
+        if s.is_first:
+            s.save_files(staging)
             checkpointing.commit(
-                self.run_dir, self.step, state, self.config.trainer.max_checkpoints_to_keep
+                self.run_dir, s.step, s.state_dict(), self.config.trainer.max_checkpoints_to_keep
             )
-        self.trainer.group.barrier()
-        return checkpointing.step_dir(self.run_dir, self.step)
+        s.trainer.group.barrier()
+        return checkpointing.step_dir(self.run_dir, s.step)
 
     @staticmethod
     def _export(trainer: Trainer, path: Path) -> None:
@@ -251,8 +302,10 @@ class RunLoop:
         trainer.export_hf(path, weights="hf_model" in trainer.config.checkpoint.save_contents)
 
     def resume(self) -> None:
-        """Continue from the checkpoint `find_checkpoint` names, if any."""
-        found = self.find_checkpoint()
+        """Continue from the checkpoint the schedule names (`checkpoint_to_resume`), if any:
+        the models, then the schedule's state (`load_state_dict`), `step` included."""
+        s = self.schedule
+        found = s.checkpoint_to_resume()
         if found is None:
             return
         if not (found / checkpointing.STATE_FILE).is_file():
@@ -261,21 +314,18 @@ class RunLoop:
             )
         checkpointing.check_sound(found)
         state = checkpointing.read_state(found)
-        self.trainer.load(found / checkpointing.TRAINER_DIR)
-        if self.critic is not None:
+        s.trainer.load(found / checkpointing.TRAINER_DIR)
+        if s.critic is not None:
             if not (found / checkpointing.CRITIC_DIR).is_dir():
                 raise ValueError(
                     f"{found} has no {checkpointing.CRITIC_DIR}/ (saved without a critic) but "
                     "this run trains one (algorithm.adv_estimator=gae); resume it with the "
                     "estimator it was saved with, or start afresh (trainer.resume_mode=disable)"
                 )
-            self.critic.load(found / checkpointing.CRITIC_DIR)
-        self.loader.load_state_dict(state["loader"])
-        self.predictor.load_state_dict(state["length_predictor"])
-        self.step = int(state["step"])
-        self.restored(found)
-        if self.is_first:
-            print(f"resumed from {found} at step {self.step}")
+            s.critic.load(found / checkpointing.CRITIC_DIR)
+        s.load_state_dict(state, found)
+        if s.is_first:
+            print(f"resumed from {found} at step {s.step}")
 
 
 def _warn(message: str) -> None:

@@ -1,726 +1,83 @@
-"""The pieces of one RL step, shared by the sync and async schedules: sampling parameters,
-scoring, KL in the reward, advantages, the trainer's batch, the PPO update and the step's
-metrics."""
+"""The names of one step's pieces under the module that held them before they were split by
+job: `sampling` (sampling parameters, seed keys), `scoring` (`Sample`, rewards), `update`
+(advantages, the PPO epochs) and `step_metrics` (the metrics row). Import from those."""
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
-
-from patrl.orchestrator.advantages import (
-    GROUP_ESTIMATORS,
-    gae_advantages,
-    token_advantages,
-    token_level_scores,
+from patrl.orchestrator.sampling import (
+    GREEDY_BASELINE_SEED_KEY,
+    VALIDATION_SEED_KEY,
+    sampling_params,
+    training_seed_key,
+    validation_batches,
 )
-from patrl.orchestrator.config import JobConfig
-from patrl.orchestrator.data import PromptDataset, PromptItem
-from patrl.orchestrator.errors import JobError
-from patrl.orchestrator.kl_reward import KLController, apply_kl_penalty, needs_reference
-from patrl.orchestrator.learned_reward import LearnedReward
-from patrl.orchestrator.rewards import (
-    FailureSummary,
-    OverlongBuffer,
-    RewardManager,
-    add_model_scores,
-    add_overlong_penalty,
+from patrl.orchestrator.scoring import (
+    Sample,
+    check_not_rejected,
+    filter_value,
+    merge_reward_metrics,
+    overlong_buffer,
+    score_outputs,
 )
-from patrl.rollout import RequestOutput, SamplingParams
-from patrl.trainer import Critic, PolicyBatch, Trainer
-from patrl.trainer.rollout_correction import correction, ragged_offpolicy_metrics
-
-
-@dataclass(slots=True)
-class Sample:
-    """One scored response, as gathered on every rank."""
-
-    prompt_index: int  # PromptItem.index: the group id
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    reward: float
-    request_id: str = ""
-    baseline: float = 0.0  # remax: the reward of its prompt's greedy response
-    overlong: float = 0.0  # DAPO's overlong penalty, included in `reward`
-
-
-@dataclass(slots=True)
-class PolicyUpdate:
-    """What one update left for the step's metrics: the batch's rewards, its advantages (every
-    response token's), the actor's (and critic's) metrics, and the trainer's logprobs of the
-    batch before the update (None when the actor did not update: critic warmup)."""
-
-    rewards: np.ndarray
-    advantages: np.ndarray
-    actor_metrics: dict[str, float]
-    old_logprobs: list[torch.Tensor] | None
-    critic_metrics: dict[str, float] = field(default_factory=dict)
-    # each response's summed token rewards after the KL penalty (None: no KL in the reward)
-    sequence_rewards: np.ndarray | None = None
-
-
-@contextlib.contextmanager
-def timed(timings: dict[str, float], key: str) -> Iterator[None]:
-    """Add the block's wall time to `timings[key]`."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
-
-
-def sampling_params(
-    config: JobConfig,
-    item: PromptItem,
-    n: int,
-    temperature: float,
-    seed_key: tuple[int, ...],
-    validation: bool = False,
-) -> SamplingParams:
-    """How `item` is sampled (top-p/top-k of `rollout`, or of `rollout.val_kwargs` for a
-    `validation`); the seed depends on `seed_key` and the prompt only, so a resumed run, or the
-    other schedule, samples the same tokens."""
-    s = config.rollout.val_kwargs if validation else config.rollout
-    return SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=s.top_p if temperature > 0 else 1.0,
-        top_k=s.top_k if temperature > 0 and s.top_k > 0 else 0,  # verl's -1 (and 0): off
-        max_tokens=config.data.max_response_length,
-        # Python's hash of a tuple of ints is the same in every process and run.
-        seed=hash((*seed_key, item.index)) & 0x7FFF_FFFF_FFFF,
-    )
-
-
-def training_seed_key(config: JobConfig, step: int, round_: int = 1) -> tuple[int, ...]:
-    """The seed key of step `step`'s prompts in generation round `round_`."""
-    return (config.trainer.seed, step, round_)
-
-
-VALIDATION_SEED_KEY = (-1,)
-GREEDY_BASELINE_SEED_KEY = (-2,)  # remax's greedy responses (the seed is unused at temperature 0)
-
-
-def overlong_buffer(config: JobConfig) -> OverlongBuffer | None:
-    """`reward_model.overlong_buffer` as the scorer applies it (None: off)."""
-    ob = config.reward_model.overlong_buffer
-    if not ob.enable:
-        return None
-    return OverlongBuffer(ob.len, ob.penalty_factor, config.data.max_response_length, ob.log)
-
-
-def filter_value(config: JobConfig, sample: Sample) -> float:
-    """What DAPO's dynamic sampling compares within a group (`algorithm.filter_groups.metric`):
-    acc/score, the score before the overlong penalty (verl's reward_extra_info "acc"); else
-    the reward trained on."""
-    if config.algorithm.filter_groups.metric in ("acc", "score"):
-        return sample.reward - sample.overlong
-    return sample.reward
-
-
-def score_outputs(
-    rewards: RewardManager,
-    local: Sequence[tuple[PromptItem, RequestOutput]],
-    learned: LearnedReward | None = None,
-    overlong: OverlongBuffer | None = None,
-) -> tuple[list[Sample], dict[str, float], FailureSummary]:
-    """Every completion of `local` scored by the reward functions (plus the reward model's
-    weighted score, when `learned`; plus DAPO's overlong penalty, when `overlong`), the reward
-    metrics and what failed. A sharded `learned` is a collective: it is called even with
-    nothing to score."""
-    if not local:
-        if learned is not None and learned.collective:
-            learned.score([])
-        return [], {}, FailureSummary()
-    check_not_rejected(local)
-    flat = [(item, out, c) for item, out in local for c in out.outputs]
-    result = rewards.score(
-        [c.text if c.text is not None else "" for _, _, c in flat],
-        [item.answer for item, _, _ in flat],
-        [dict(item.extra) for item, _, _ in flat],
-    )
-    if learned is not None:
-        scores, seconds = learned.score([(item, c.token_ids) for item, _, c in flat])
-        add_model_scores(result, scores, learned.weight, seconds)
-    penalties = [0.0] * len(flat)
-    if overlong is not None:
-        penalties = add_overlong_penalty(result, [len(c.token_ids) for _, _, c in flat], overlong)
-    samples = [
-        Sample(
-            item.index,
-            item.prompt_token_ids,
-            c.token_ids,
-            c.logprobs,
-            c.finish_reason,
-            reward,
-            out.request_id,
-            overlong=penalty,
-        )
-        for (item, out, c), reward, penalty in zip(flat, result.rewards, penalties, strict=True)
-    ]
-    return samples, result.metrics(), FailureSummary.of(result)
-
-
-def check_not_rejected(local: Sequence[tuple[PromptItem, RequestOutput]]) -> None:
-    """Raise JobError (this rank's) with the engine's own reason when it refused to run a
-    prompt: an empty response would fail far from its cause."""
-    rejected = [(item, out) for item, out in local if out.error is not None]
-    if rejected:
-        item, out = rejected[0]
-        raise JobError(
-            f"the rollout engine rejected {len(rejected)} of {len(local)} prompts; the first, "
-            f"row {item.index} ({len(item.prompt_token_ids)} tokens): {out.error}",
-            collective=False,
-        )
-
-
-def merge_reward_metrics(into: dict[str, float], shares: list[dict[str, float]]) -> None:
-    """Add up counters across replicas (and rounds); average means; max of maxima, min of
-    minima; the slowest replica's time."""
-    for key in {k for share in shares for k in share}:
-        values = [share[key] for share in shares if key in share]
-        if key.endswith("/mean"):
-            into[key] = float(np.mean(values))
-        elif key.endswith(("/max", "/min")):
-            pick = max if key.endswith("/max") else min
-            into[key] = pick([*values, into.get(key, values[0])])
-        elif key.startswith("timing_s/"):
-            into[key] = into.get(key, 0.0) + max(values)
-        else:
-            into[key] = into.get(key, 0.0) + sum(values)
-
-
-def policy_batch(
-    config: JobConfig,
-    samples: list[Sample],
-    behaviour: bool = False,
-    token_rewards: list[np.ndarray] | None = None,
-) -> tuple[PolicyBatch, np.ndarray, np.ndarray]:
-    """Advantages of scored samples, and the trainer's batch (with the samples' own logprobs
-    as behaviour logprobs, for decoupled PPO, when `behaviour`). `token_rewards`: each
-    response's token-level rewards (None: its score on the last token)."""
-    rewards = np.array([s.reward for s in samples], dtype=np.float64)
-    if token_rewards is None:
-        token_rewards = token_level_scores(rewards, [len(s.token_ids) for s in samples])
-    algo = config.algorithm
-    check_groups(algo.adv_estimator, samples)
-    advantages = token_advantages(
-        algo.adv_estimator,
-        token_rewards,
-        np.array([s.prompt_index for s in samples]),
-        gamma=algo.gamma,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        baselines=[s.baseline for s in samples],
-    )
-    batch = PolicyBatch.from_responses(
-        [s.prompt_token_ids for s in samples],
-        [s.token_ids for s in samples],
-        [a.tolist() for a in advantages],
-        behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
-    )
-    return batch, rewards, np.concatenate(advantages)
-
-
-def check_groups(estimator: str, samples: list[Sample]) -> None:
-    """A group estimator on a batch whose every group holds one sample has no signal: every
-    advantage would be 0 and the run would learn nothing while reporting success. The config
-    refuses rollout.n=1; this is the guard for a batch that got there another way."""
-    if estimator not in GROUP_ESTIMATORS or not samples:
-        return
-    sizes = Counter(s.prompt_index for s in samples)
-    if max(sizes.values()) == 1:
-        raise JobError(
-            f"algorithm.adv_estimator={estimator}: every one of the {len(sizes)} groups of this "
-            "batch holds a single sample, so every advantage is 0 and nothing is learned; "
-            "sample rollout.n > 1 per prompt, or use reinforce_plus_plus, remax or gae"
-        )
-
-
-def single_update(config: JobConfig, samples: list[Sample], critic: bool = False) -> bool:
-    """Whether `ppo_update` (`critic`: `critic_update`) makes exactly one optimizer step over
-    the whole batch."""
-    prompts = len({s.prompt_index for s in samples})
-    mini, epochs = _mini_and_epochs(config, critic)
-    return epochs == 1 and prompts_per_mini_batch(config, prompts, mini) >= prompts
-
-
-def _mini_and_epochs(config: JobConfig, critic: bool) -> tuple[int, int]:
-    actor, c = config.actor, config.critic
-    if not critic:
-        return actor.ppo_mini_batch_size, actor.ppo_epochs
-    return c.ppo_mini_batch_size or actor.ppo_mini_batch_size, c.ppo_epochs or actor.ppo_epochs
-
-
-def prompts_per_mini_batch(config: JobConfig, prompts: int, mini: int | None = None) -> int:
-    """A mini-batch's prompts: its share of the batch, which may hold more or fewer prompts
-    than train_batch_size (dynamic sampling, over-sampling)."""
-    mini = config.actor.ppo_mini_batch_size if mini is None else mini
-    return max(1, prompts * mini // max(1, config.data.train_batch_size))
-
-
-def mini_batches(
-    config: JobConfig, samples: list[Sample], step: int, critic: bool = False
-) -> Iterator[list[int]]:
-    """The sample rows of each mini-batch of whole prompt groups, over all epochs (the actor's
-    sizes, or the critic's with `critic`); shuffled per epoch when there are several."""
-    mini, epochs = _mini_and_epochs(config, critic)
-    prompts = sorted({s.prompt_index for s in samples})
-    per_mini = prompts_per_mini_batch(config, len(prompts), mini)
-    rng = np.random.default_rng(config.trainer.seed * 7919 + step + (1 << 20) * critic)
-    for _ in range(epochs):
-        order = rng.permutation(len(prompts)) if epochs > 1 else np.arange(len(prompts))
-        for start in range(0, len(prompts), per_mini):
-            chosen = {prompts[i] for i in order[start : start + per_mini]}
-            yield [i for i, s in enumerate(samples) if s.prompt_index in chosen]
-
-
-def ppo_update(
-    config: JobConfig, trainer: Trainer, batch: PolicyBatch, samples: list[Sample], step: int
-) -> dict[str, float]:
-    """`ppo_epochs` passes over mini-batches of whole prompt groups; the mean of each metric."""
-    sums: dict[str, list[float]] = {}
-    for rows in mini_batches(config, samples, step):
-        if not any(bool(batch.loss_mask[i].any()) for i in rows):
-            continue  # rollout correction rejected all of it (every rank skips alike)
-        metrics = trainer.train_step(batch_rows(batch, rows))
-        for k, v in metrics.items():
-            sums.setdefault(k, []).append(v)
-    return {k: float(np.mean(v)) for k, v in sums.items()}
-
-
-def critic_update(
-    config: JobConfig,
-    critic: Critic,
-    batch: PolicyBatch,
-    samples: list[Sample],
-    step: int,
-    rewards: list[torch.Tensor],
-    values: list[torch.Tensor],
-) -> dict[str, float]:
-    """The critic's epochs over its mini-batches, returns from the pre-update `values`."""
-    a = config.algorithm
-    sums: dict[str, list[float]] = {}
-    for rows in mini_batches(config, samples, step, critic=True):
-        picked = ([rewards[i] for i in rows], [values[i] for i in rows])
-        metrics = critic.update(batch_rows(batch, rows), picked[0], a.gamma, a.lam, picked[1])
-        for k, v in metrics.items():
-            sums.setdefault(k, []).append(v)
-    return {k: float(np.mean(v)) for k, v in sums.items()}
-
-
-def batch_rows(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
-    """The rows `rows` of `batch`, every field alike."""
-
-    def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        return None if values is None else [values[i] for i in rows]
-
-    return PolicyBatch(
-        input_ids=[batch.input_ids[i] for i in rows],
-        loss_mask=[batch.loss_mask[i] for i in rows],
-        advantages=[batch.advantages[i] for i in rows],
-        old_logprobs=pick(batch.old_logprobs),
-        ref_logprobs=pick(batch.ref_logprobs),
-        behaviour_logprobs=pick(batch.behaviour_logprobs),
-        rollout_is_weights=pick(batch.rollout_is_weights),
-    )
-
-
-def update_policy(
-    config: JobConfig,
-    trainer: Trainer,
-    samples: list[Sample],
-    step: int,
-    timings: dict[str, float],
-    decoupled: bool = False,
-    kl_ctrl: KLController | None = None,
-    critic: Critic | None = None,
-) -> PolicyUpdate:
-    """Advantages, the batch, and the PPO update of one step (timed into `timings`); with a
-    `critic`, `update_with_critic`.
-
-    The PPO "old" logprobs come from a scoring pass before the first update, or, when the batch
-    makes a single on-policy optimizer step and the reward needs no KL, from that update's own
-    forward (as TRL does with num_iterations=1). `decoupled` (async data) always scores: those
-    are the proximal logprobs, and the samples' own logprobs are the behaviour policy's. The
-    reference scores the batch only when a KL term needs it; `kl_ctrl` sets the KL-in-reward
-    coefficient (required with `algorithm.use_kl_in_reward`). With a `critic`: PPO with GAE
-    (`update_with_critic`)."""
-    if critic is not None:
-        return update_with_critic(
-            config, trainer, critic, samples, step, timings, kl_ctrl, decoupled
-        )
-    batch, rewards, advantages = policy_batch(config, samples, behaviour=decoupled)
-    kl_metrics: dict[str, float] = {}
-    summed: np.ndarray | None = None
-    if config.algorithm.use_kl_in_reward:
-        token_rewards, kl_metrics = kl_penalized_rewards(
-            config, trainer, batch, samples, rewards, timings, kl_ctrl
-        )
-        summed = np.array([t.sum() for t in token_rewards], dtype=np.float64)
-        with timed(timings, "adv"):
-            scored, _, advantages = policy_batch(config, samples, decoupled, token_rewards)
-            batch.advantages = scored.advantages
-    actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
-    return PolicyUpdate(
-        rewards, advantages, {**actor_metrics, **kl_metrics}, old, sequence_rewards=summed
-    )
-
-
-def kl_penalized_rewards(
-    config: JobConfig,
-    trainer: Trainer,
-    batch: PolicyBatch,
-    samples: list[Sample],
-    rewards: np.ndarray,
-    timings: dict[str, float],
-    kl_ctrl: KLController | None,
-) -> tuple[list[np.ndarray], dict[str, float]]:
-    """Each response's token rewards (its score on the last token) minus the KL penalty, and
-    verl's KL metrics; scores the batch's old and reference logprobs into `batch` first."""
-    if kl_ctrl is None:
-        raise ValueError("algorithm.use_kl_in_reward needs a KL controller (kl_ctrl)")
-    score_old_and_ref(config, trainer, batch, timings)
-    assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-    return apply_kl_penalty(
-        token_level_scores(rewards, [len(s.token_ids) for s in samples]),
-        _responses(batch.old_logprobs, samples),
-        _responses(batch.ref_logprobs, samples),
-        kl_ctrl,
-        config.algorithm.kl_penalty,
-    )
-
-
-def score_old_and_ref(
-    config: JobConfig, trainer: Trainer, batch: PolicyBatch, timings: dict[str, float]
-) -> None:
-    """The batch's old logprobs, and the reference's when a KL term needs them, unless set."""
-    if batch.old_logprobs is None:
-        with timed(timings, "old_log_prob"):
-            batch.old_logprobs = trainer.compute_logprobs(batch)
-    if needs_reference(config) and batch.ref_logprobs is None:
-        with timed(timings, "ref"):
-            batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
-
-
-def update_actor(
-    config: JobConfig,
-    trainer: Trainer,
-    batch: PolicyBatch,
-    samples: list[Sample],
-    step: int,
-    timings: dict[str, float],
-    decoupled: bool = False,
-) -> tuple[dict[str, float], list[torch.Tensor] | None]:
-    """The actor's PPO update of `batch` (advantages set) and the trainer's logprobs of the
-    batch before it: from the update's own forward when it makes one on-policy step and nothing
-    scored them yet. With `algorithm.rollout_correction` (verl's): in bypass mode the samples'
-    own logprobs are the old logprobs and nothing is rescored (the logprobs returned are None:
-    the trainer never computed them); with IS weights or rejection (decoupled) the batch is
-    rescored and corrected first, its `rollout_corr/*` metrics joining the actor's."""
-    rc = config.algorithm.rollout_correction
-    if rc.bypass_mode:
-        batch.old_logprobs = _aligned(batch, [s.logprobs for s in samples])
-    fused = not decoupled and batch.old_logprobs is None and single_update(config, samples)
-    if rc.active and not rc.bypass_mode:
-        fused = False
-    if fused:
-        if needs_reference(config) and batch.ref_logprobs is None:
-            with timed(timings, "ref"):
-                batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
-    else:
-        score_old_and_ref(config, trainer, batch, timings)
-    rc_metrics: dict[str, float] = {}
-    if rc.active and not rc.bypass_mode:
-        rc_metrics = correct_batch(config, batch, samples)
-    with timed(timings, "update_actor"):
-        actor_metrics = ppo_update(config, trainer, batch, samples, step)
-    if rc.bypass_mode:
-        return {**actor_metrics, **rc_metrics}, None
-    old = trainer.scored_logprobs() if fused else batch.old_logprobs
-    assert old is not None
-    return {**actor_metrics, **rc_metrics}, old
-
-
-def _aligned(
-    batch: PolicyBatch, responses: Sequence[Sequence[float] | torch.Tensor]
-) -> list[torch.Tensor]:
-    """Per-response-token values placed in the batch's prompt + response layout (0 on the
-    prompt)."""
-    out = []
-    for ids, values in zip(batch.input_ids, responses, strict=True):
-        row = torch.zeros(ids.numel(), dtype=torch.float32)
-        row[ids.numel() - len(values) :] = torch.as_tensor(values, dtype=torch.float32)
-        out.append(row)
-    return out
-
-
-def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) -> dict[str, float]:
-    """verl's decoupled rollout correction over the whole batch (its
-    `compute_rollout_correction_and_add_to_batch`): IS weights of the trainer's old logprobs
-    against the samples' own into `batch.rollout_is_weights`, rejected tokens out of
-    `batch.loss_mask`; returns the `rollout_corr/*` metrics."""
-    assert batch.old_logprobs is not None
-    rc = config.algorithm.rollout_correction
-    # padded fp32 [samples, longest response], as verl's batch holds them
-    width = max(len(s.token_ids) for s in samples)
-    train = torch.zeros(len(samples), width, dtype=torch.float32)
-    rollout = torch.zeros_like(train)
-    mask = torch.zeros(len(samples), width, dtype=torch.bool)
-    for b, (lp, s) in enumerate(zip(batch.old_logprobs, samples, strict=True)):
-        n = len(s.token_ids)
-        train[b, :n] = lp[lp.numel() - n :].float()
-        rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        mask[b, :n] = True
-    weights, kept, metrics = correction(
-        train,
-        rollout,
-        mask,
-        rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-        rollout_rs=rc.rollout_rs,
-        rollout_rs_threshold=rc.rollout_rs_threshold,
-    )
-    if not bool(kept.any()):
-        raise JobError(
-            f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every token of "
-            f"the batch (rollout_rs_threshold={rc.rollout_rs_threshold}; "
-            f"rollout_corr/kl={metrics['rollout_corr/kl']:.4g}): nothing is left to train on; "
-            "loosen the threshold, or check the engine's and the trainer's dtypes"
-        )
-    lengths = [len(s.token_ids) for s in samples]
-    if weights is not None:
-        batch.rollout_is_weights = _aligned(batch, [weights[b, :n] for b, n in enumerate(lengths)])
-    for b, n in enumerate(lengths):
-        m = batch.loss_mask[b].clone()
-        m[m.numel() - n :] &= kept[b, :n]
-        batch.loss_mask[b] = m
-    return metrics
-
-
-def _responses(logprobs: list[torch.Tensor], samples: list[Sample]) -> list[torch.Tensor]:
-    """The response tokens' part of per-sample logprobs aligned to prompt + response."""
-    return [lp[lp.numel() - len(s.token_ids) :] for lp, s in zip(logprobs, samples, strict=True)]
-
-
-def update_with_critic(
-    config: JobConfig,
-    trainer: Trainer,
-    critic: Critic,
-    samples: list[Sample],
-    step: int,
-    timings: dict[str, float],
-    kl_ctrl: KLController | None = None,
-    decoupled: bool = False,
-) -> PolicyUpdate:
-    """PPO with a critic (verl's order): values of the batch, the critic's update on GAE
-    returns, whitened GAE advantages, then the actor's update unless `step` is within
-    `trainer.critic_warmup`. When the critic makes one step its update's forward is the
-    values pass (no separate one), as the actor's is for the old logprobs. With
-    `algorithm.use_kl_in_reward` the token rewards carry the KL penalty first. `decoupled`
-    (async data): the samples' own logprobs are the behaviour policy's, as in
-    `update_policy`; the critic is trained on-policy for itself either way (its values are
-    its current ones)."""
-    a = config.algorithm
-    batch = PolicyBatch.from_responses(
-        [s.prompt_token_ids for s in samples],
-        [s.token_ids for s in samples],
-        [0.0] * len(samples),
-        behaviour_logprobs=[s.logprobs for s in samples] if decoupled else None,
-    )
-    rewards = np.array([s.reward for s in samples], dtype=np.float64)
-    token_rewards = [
-        _score_on_last_token(ids.numel(), float(r))
-        for ids, r in zip(batch.input_ids, rewards, strict=True)
-    ]
-    kl_metrics: dict[str, float] = {}
-    summed: np.ndarray | None = None
-    if a.use_kl_in_reward:
-        penalized, kl_metrics = kl_penalized_rewards(
-            config, trainer, batch, samples, rewards, timings, kl_ctrl
-        )
-        summed = np.array([t.sum() for t in penalized], dtype=np.float64)
-        token_rewards = [
-            _on_response(ids.numel(), r) for ids, r in zip(batch.input_ids, penalized, strict=True)
-        ]
-    if single_update(config, samples, critic=True):
-        with timed(timings, "update_critic"):
-            critic_metrics = critic.update(batch, token_rewards, a.gamma, a.lam)
-        values = critic.scored_values()
-    else:
-        with timed(timings, "values"):
-            values = critic.compute_values(batch)
-        with timed(timings, "update_critic"):
-            critic_metrics = critic_update(
-                config, critic, batch, samples, step, token_rewards, values
-            )
-    lengths = [len(s.token_ids) for s in samples]
-    advantages, returns = gae_advantages(
-        [t[-n:].numpy() for t, n in zip(token_rewards, lengths, strict=True)],
-        [v[-n:].double().numpy() for v, n in zip(values, lengths, strict=True)],
-        gamma=a.gamma,
-        lam=a.lam,
-    )
-    batch.advantages = [
-        _on_response(ids.numel(), adv) for ids, adv in zip(batch.input_ids, advantages, strict=True)
-    ]
-    critic_metrics.update(value_metrics(values, returns, lengths))
-    actor_metrics: dict[str, float] = {}
-    old: list[torch.Tensor] | None = None
-    if step > config.trainer.critic_warmup:
-        actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
-    flat = np.concatenate(advantages)
-    return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics, summed)
-
-
-def _score_on_last_token(length: int, score: float) -> torch.Tensor:
-    """verl's token-level rewards: the sequence's score on its last token, 0 elsewhere."""
-    out = torch.zeros(length, dtype=torch.float32)
-    out[-1] = score
-    return out
-
-
-def _on_response(length: int, values: np.ndarray) -> torch.Tensor:
-    out = torch.zeros(length, dtype=torch.float32)
-    out[length - len(values) :] = torch.from_numpy(values).float()
-    return out
-
-
-def value_metrics(
-    values: list[torch.Tensor], returns: list[np.ndarray], lengths: list[int]
-) -> dict[str, float]:
-    """verl's critic/values/*, critic/returns/* and critic/vf_explained_var over the response
-    tokens: 1 - var(returns - values) / var(returns), variances unbiased."""
-    v = np.concatenate([t[-n:].double().numpy() for t, n in zip(values, lengths, strict=True)])
-    r = np.concatenate(returns)
-    ddof = 1 if r.size > 1 else 0
-    return {
-        "critic/values/mean": float(v.mean()),
-        "critic/values/max": float(v.max()),
-        "critic/values/min": float(v.min()),
-        "critic/returns/mean": float(r.mean()),
-        "critic/returns/max": float(r.max()),
-        "critic/returns/min": float(r.min()),
-        "critic/vf_explained_var": float(1.0 - (r - v).var(ddof=ddof) / (r.var(ddof=ddof) + 1e-5)),
-    }
-
-
-def step_metrics(
-    config: JobConfig,
-    timings: dict[str, float],
-    samples: list[Sample],
-    update: PolicyUpdate,
-    world_size: int,
-    *parts: dict[str, float],
-) -> dict[str, float]:
-    """The metrics row of a step (verl's names): timings, the schedule's own `parts`, the
-    actor's, the batch's, the rollout/trainer probability gap and the throughput."""
-    metrics = {f"timing_s/{k}": v for k, v in timings.items()}
-    for part in parts:
-        metrics.update(part)
-    metrics.update(update.actor_metrics)
-    metrics.update(update.critic_metrics)
-    metrics.update(
-        batch_metrics(samples, update.rewards, update.advantages, config.data.max_response_length)
-    )
-    # verl's critic/rewards/*: the summed token-level rewards, after the KL penalty if any.
-    summed = update.rewards if update.sequence_rewards is None else update.sequence_rewards
-    for name, pick in (("mean", np.mean), ("max", np.max), ("min", np.min)):
-        metrics[f"critic/rewards/{name}"] = float(pick(summed))
-    if update.old_logprobs is not None:
-        metrics.update(probs_diff(samples, update.old_logprobs))
-        metrics.update(mismatch_metrics(samples, update.old_logprobs, metrics))
-    tokens = sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
-    metrics["perf/total_num_tokens"] = float(tokens)
-    metrics["perf/throughput"] = tokens / timings["step"] / world_size
-    return metrics
-
-
-def batch_metrics(
-    samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray, max_len: int
-) -> dict[str, float]:
-    """Scores, advantages and lengths of the trained batch."""
-    lengths = np.array([len(s.token_ids) for s in samples], dtype=np.float64)
-    prompts = np.array([len(s.prompt_token_ids) for s in samples], dtype=np.float64)
-    return {
-        "critic/score/mean": float(rewards.mean()),
-        "critic/score/max": float(rewards.max()),
-        "critic/score/min": float(rewards.min()),
-        "critic/advantages/mean": float(advantages.mean()),
-        "critic/advantages/max": float(advantages.max()),
-        "critic/advantages/min": float(advantages.min()),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/min": float(lengths.min()),
-        "response_length/p90": float(np.percentile(lengths, 90)),
-        "response_length/clip_ratio": float(
-            np.mean([s.finish_reason == "length" for s in samples])
-        ),
-        "prompt_length/mean": float(prompts.mean()),
-    }
-
-
-def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> dict[str, float]:
-    """How far the engine's token probabilities are from the trainer's (verl's names)."""
-    diffs = []
-    for s, lp in zip(samples, trainer_logprobs, strict=True):
-        n = len(s.token_ids)
-        trainer = lp[-n:].double().exp()
-        engine = torch.tensor(s.logprobs, dtype=torch.float64).exp()
-        diffs.append((trainer - engine).abs())
-    d = torch.cat(diffs)
-    return {
-        "training/rollout_probs_diff_mean": float(d.mean()),
-        "training/rollout_probs_diff_max": float(d.max()),
-        "training/rollout_probs_diff_std": float(d.std()) if d.numel() > 1 else 0.0,
-    }
-
-
-def mismatch_metrics(
-    samples: list[Sample], trainer_logprobs: list[torch.Tensor], already: dict[str, float]
-) -> dict[str, float]:
-    """verl's `rollout_corr/*` off-policy metrics (KL, k3 KL, perplexities, chi-squared)
-    between the trainer's logprobs of the batch and the engine's, every step, over the
-    responses' own tokens (no padding); those a rollout correction already reported (same
-    inputs) are kept. Empty responses are left out."""
-    rows = [(lp, s) for lp, s in zip(trainer_logprobs, samples, strict=True) if s.token_ids]
-    if not rows:
-        return {}
-    got = ragged_offpolicy_metrics(
-        [lp[lp.numel() - len(s.token_ids) :] for lp, s in rows],
-        [torch.tensor(s.logprobs, dtype=torch.float64) for _, s in rows],
-    )
-    names = list(got)
-    values = torch.stack([got[k] for k in names]).tolist()
-    return {
-        f"rollout_corr/{k}": v
-        for k, v in zip(names, values, strict=True)
-        if f"rollout_corr/{k}" not in already
-    }
-
-
-def validation_batches(config: JobConfig, val_set: PromptDataset) -> list[list[PromptItem]]:
-    """Every validation prompt, in order, in batches of `data.val_batch_size` (verl's
-    validation dataloader; None: one batch of all)."""
-    items = list(val_set.items)
-    size = config.data.val_batch_size or len(items)
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def validation_metrics(samples: list[Sample], start: float) -> dict[str, float]:
-    """pass@1 and mean length of a validation run that began at `start` (perf_counter)."""
-    scores = [s.reward for s in samples]
-    return {
-        "val-core/acc/mean@1": float(np.mean(scores)) if scores else 0.0,
-        "val/response_length/mean": float(np.mean([len(s.token_ids) for s in samples]))
-        if samples
-        else 0.0,
-        "timing_s/testing": time.perf_counter() - start,
-    }
+from patrl.orchestrator.step_metrics import (
+    PolicyUpdate,
+    batch_metrics,
+    mismatch_metrics,
+    probs_diff,
+    step_metrics,
+    timed,
+    validation_metrics,
+    value_metrics,
+)
+from patrl.orchestrator.update import (
+    batch_rows,
+    check_groups,
+    correct_batch,
+    critic_update,
+    kl_penalized_rewards,
+    mini_batches,
+    policy_batch,
+    ppo_update,
+    prompts_per_mini_batch,
+    score_old_and_ref,
+    single_update,
+    update_actor,
+    update_policy,
+    update_with_critic,
+)
+
+__all__ = [
+    "GREEDY_BASELINE_SEED_KEY",
+    "VALIDATION_SEED_KEY",
+    "PolicyUpdate",
+    "Sample",
+    "batch_metrics",
+    "batch_rows",
+    "check_groups",
+    "check_not_rejected",
+    "correct_batch",
+    "critic_update",
+    "filter_value",
+    "kl_penalized_rewards",
+    "merge_reward_metrics",
+    "mini_batches",
+    "mismatch_metrics",
+    "overlong_buffer",
+    "policy_batch",
+    "ppo_update",
+    "probs_diff",
+    "prompts_per_mini_batch",
+    "sampling_params",
+    "score_old_and_ref",
+    "score_outputs",
+    "single_update",
+    "step_metrics",
+    "timed",
+    "training_seed_key",
+    "update_actor",
+    "update_policy",
+    "update_with_critic",
+    "validation_batches",
+    "validation_metrics",
+    "value_metrics",
+]

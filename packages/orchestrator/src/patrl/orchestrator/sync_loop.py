@@ -1,11 +1,13 @@
-"""The synchronous, colocated GRPO schedule: every rank generates, then every rank trains.
+"""The synchronous, colocated schedule (GRPO, and PPO/GAE, RLOO, ReMax, ... alike): every rank
+generates, then every rank trains.
 
-One step: draw `data.train_batch_size` prompts (every rank the same ones) and hand each DP
+One step (`SyncSchedule.train_step`): draw `data.train_batch_size` prompts (every rank the same ones) and hand each DP
 rollout replica its share, a prompt's `rollout.n` samples kept together; generate (with
 `rollout.adaptive_tp` the planner may fold replicas into larger TP groups for the long tail);
 score on each replica's first rank; gather every sample on every rank; update the policy
 (`step.update_policy`), the engine asleep meanwhile with `rollout.free_cache_engine`; stream
-the new weights into the engine. `run.RunLoop` logs, validates and checkpoints. Partial
+the new weights into the engine. `run.RunLoop` calls it, then `validate`, logs and
+checkpoints. Partial
 rollouts (APRIL) and dynamic sampling (DAPO) are rounds of the generate-and-score part.
 """
 
@@ -34,7 +36,7 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
     needs_reference,
@@ -42,25 +44,37 @@ from patrl.orchestrator.kl_reward import (
 )
 from patrl.orchestrator.learned_reward import build_learned_reward
 from patrl.orchestrator.length_log import append_lengths
-from patrl.orchestrator.metrics import MetricsLogger, replica_timelines
+from patrl.orchestrator.metrics import replica_timelines
 from patrl.orchestrator.rewards import FailureGuard, FailureSummary, RewardManager
-from patrl.orchestrator.run import RunLoop, validates
-from patrl.orchestrator.step import (
+from patrl.orchestrator.run import (
+    RunLoop,
+    RunResult,
+    find_checkpoint,
+    load_run_state,
+    run_state,
+    validates,
+)
+from patrl.orchestrator.sampling import (
     GREEDY_BASELINE_SEED_KEY,
     VALIDATION_SEED_KEY,
+    sampling_params,
+    training_seed_key,
+    validation_batches,
+)
+from patrl.orchestrator.scoring import (
     Sample,
     filter_value,
     merge_reward_metrics,
     overlong_buffer,
-    sampling_params,
     score_outputs,
+)
+from patrl.orchestrator.step_metrics import (
+    PolicyUpdate,
     step_metrics,
     timed,
-    training_seed_key,
-    update_policy,
-    validation_batches,
     validation_metrics,
 )
+from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, SequenceState
 from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
@@ -76,9 +90,10 @@ class Partial:
     states: list[SequenceState]
 
 
-class SyncGRPO(RunLoop):
+class SyncSchedule:
     """The colocated job: every rank holds a rollout engine (one TP group of the world's
-    layout) and a shard of the FSDP2 trainer, and takes part in every phase of a step."""
+    layout) and a shard of the FSDP2 trainer, and takes part in every phase of a step. A
+    `run.Schedule`: `run()` drives it through `run.RunLoop`."""
 
     def __init__(
         self, config: JobConfig, world: World, model_dir: str, train_files: Any, val_files: Any
@@ -143,7 +158,17 @@ class SyncGRPO(RunLoop):
         self.rollout_decisions: list[dict[str, Any]] = []
         self._replica_timelines: list[dict[str, Any]] = []  # every replica's, after the steps
         self.step = 0
+        self._validated = -1  # the newest step whose weights were validated
+        self._asleep = False  # the update put the engine to sleep (`_free_cache_engine`)
         self.all_lengths: list[int] = []
+
+    def run(self) -> RunResult:
+        """Resume, train every step, validate, log and save (`run.RunLoop`)."""
+        return RunLoop(self).run()
+
+    def resume(self) -> None:
+        """Continue from the checkpoint the `trainer.resume_*` settings name, if any."""
+        RunLoop(self).resume()
 
     @property
     def _scores(self) -> bool:
@@ -161,32 +186,77 @@ class SyncGRPO(RunLoop):
 
         return init_device_mesh(self.world.device.type, (self.world.size,))
 
-    # ------------------------------------------------------------- run hooks
+    # ------------------------------------------------------------------ step
 
-    def before_steps(self, logger: MetricsLogger | None) -> None:
-        if self.step == 0 and self.val_set is not None and validates(self.config, 0):
-            self._log(logger, 0, self.validate())
+    def train_step(self) -> dict[str, float]:
+        """Step `step`, its phases in order; its metrics row."""
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        samples, metrics = self.generate_and_score(timings)
+        if self.config.algorithm.adv_estimator == "remax":
+            metrics.update(self._greedy_baselines(samples, timings))
+        update = self.update(samples, timings)  # advantages, then the PPO epochs
+        with timed(timings, "update_weights"):
+            self.sync_weights()
+        timings["step"] = time.perf_counter() - start
+        self.all_lengths += [len(s.token_ids) for s in samples]
+        return step_metrics(self.config, timings, samples, update, self.world.size, metrics)
 
-    def log_step(self, logger: MetricsLogger | None, metrics: dict[str, float]) -> None:
-        if self.val_set is not None and self.step > 0 and validates(self.config, self.step):
-            metrics.update(self.validate())
-        self._log(logger, self.step, metrics)
+    train_one_step = train_step  # its name before `run.Schedule`
 
-    def _log(self, logger: MetricsLogger | None, step: int, metrics: dict[str, float]) -> None:
-        if logger is not None:
-            logger.log(step, metrics)
+    def validate(self, final: bool = False) -> dict[int, dict[str, float]]:
+        """The validation of the weights of step `step` when it is due (`run.validates`) and
+        not done yet, by step; every rank takes part. `final` changes nothing: this schedule
+        validates as it goes."""
+        if self.val_set is None or self.step <= self._validated:
+            return {}
+        if not validates(self.config, self.step):
+            return {}
+        self._validated = self.step
+        return {self.step: self._validate()}
+
+    # ------------------------------------------------------------- run state
+
+    def checkpoint_to_resume(self) -> Path | None:
+        found = find_checkpoint(self.config, self.is_first) if self.is_first else None
+        return broadcast_object(self.world, found)
+
+    def state_dict(self) -> dict[str, Any]:
+        return run_state(self.step, self.loader, self.predictor)
+
+    def save_files(self, staging: Path) -> None:
+        torch.save(
+            {"partials": self.partials, "stale_tokens": self._stale_tokens},
+            staging / PARTIALS_FILE,
+        )
+        save_kl_state(self.kl_ctrl, staging)
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.step = load_run_state(state, self.loader, self.predictor)
+        if (checkpoint / PARTIALS_FILE).is_file():
+            saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
+            self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
+        load_kl_state(self.kl_ctrl, checkpoint)
+
+    def begin(self) -> None:
+        """A resumed run's weights into the engine; nothing was validated since."""
+        if self.step > 0:
+            self.sync_weights()
+            self._validated = self.step
+
+    def end(self) -> None:
+        """Every replica's last training rollout, for the plots (a collective: every rank,
+        with `trainer.plots`)."""
+        if self.config.trainer.plots:
+            gathered = all_gather_objects(self.world, self._rank_timeline())
+            self._replica_timelines = replica_timelines(gathered)
 
     def close(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
 
-    def after_steps(self, logger: MetricsLogger | None) -> None:
-        if self.config.trainer.plots:  # the same on every rank: all or none gather
-            gathered = all_gather_objects(self.world, self._rank_timeline())
-            self._replica_timelines = replica_timelines(gathered)
-
     def timelines(self) -> list[dict[str, Any]]:
-        """The last training rollout of every replica (gathered by `after_steps`)."""
+        """The last training rollout of every replica (gathered by `end`)."""
         return self._replica_timelines
 
     def _rank_timeline(self) -> dict[str, Any]:
@@ -202,50 +272,7 @@ class SyncGRPO(RunLoop):
             ],
         }
 
-    def find_checkpoint(self) -> Path | None:
-        return broadcast_object(self.world, super().find_checkpoint() if self.is_first else None)
-
-    def save_extra(self, staging: Path) -> None:
-        torch.save(
-            {"partials": self.partials, "stale_tokens": self._stale_tokens},
-            staging / PARTIALS_FILE,
-        )
-        save_kl_state(self.kl_ctrl, staging)
-
-    def restored(self, checkpoint: Path) -> None:
-        if (checkpoint / PARTIALS_FILE).is_file():
-            saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
-            self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
-        load_kl_state(self.kl_ctrl, checkpoint)
-        self.sync_weights()
-
-    # ------------------------------------------------------------------ step
-
-    def train_one_step(self) -> dict[str, float]:
-        timings: dict[str, float] = {}
-        start = time.perf_counter()
-        self._failures = []
-        samples, gen_metrics = self._collect_samples(timings)
-        self._check_rewards()
-        if self.config.algorithm.adv_estimator == "remax":
-            gen_metrics.update(self._greedy_baselines(samples, timings))
-        asleep = self._free_cache_engine()
-        update = update_policy(
-            self.config,
-            self.trainer,
-            samples,
-            self.step,
-            timings,
-            kl_ctrl=self.kl_ctrl,
-            critic=self.critic,
-        )
-        with timed(timings, "update_weights"):
-            if asleep:
-                self.engine.wake_up()
-            self.sync_weights()
-        timings["step"] = time.perf_counter() - start
-        self.all_lengths += [len(s.token_ids) for s in samples]
-        return step_metrics(self.config, timings, samples, update, self.world.size, gen_metrics)
+    # ------------------------------------------------------------ the phases
 
     def _free_cache_engine(self) -> bool:
         """Put the engine to sleep for the policy update where `rollout.free_cache_engine`
@@ -260,8 +287,34 @@ class SyncGRPO(RunLoop):
             self.engine.sleep(level=2 if r.offload_weights else 1)
         return free
 
-    def _collect_samples(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
-        """Generate and score until the batch is full (DAPO filtering may need several rounds)."""
+    def generate_and_score(
+        self, timings: dict[str, float]
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Generate and score until the batch is full (DAPO filtering may need several rounds;
+        partial rollouts resume last step's unfinished groups), then check that not every
+        reward failed (`_check_rewards`)."""
+        self._failures = []
+        samples, metrics = self._rounds(timings)
+        self._check_rewards()
+        return samples, metrics
+
+    def update(self, samples: list[Sample], timings: dict[str, float]) -> PolicyUpdate:
+        """The policy update (`update.update_policy`: advantages, with KL in the reward or
+        GAE's critic first, then the PPO epochs), the engine asleep meanwhile where
+        `rollout.free_cache_engine` says so."""
+        self._asleep = self._free_cache_engine()
+        return update_policy(
+            self.config,
+            self.trainer,
+            samples,
+            self.step,
+            timings,
+            kl_ctrl=self.kl_ctrl,
+            critic=self.critic,
+        )
+
+    def _rounds(self, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Generation rounds until the batch is full."""
         if self.config.rollout.over_sample_rate > 0:
             return self._collect_partial(timings)
         filt = self.config.algorithm.filter_groups
@@ -509,13 +562,17 @@ class SyncGRPO(RunLoop):
         return [s for scored, _, _ in shares for s in scored], [m for _, m, _ in shares if m]
 
     def sync_weights(self) -> None:
-        """Stream the trainer's full weights into the engine, one bucket at a time."""
+        """Stream the trainer's full weights into the engine, one bucket at a time (waking it
+        first if the update put it to sleep)."""
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False
         bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
         self.engine.load_weights(
             _flatten(self.trainer.iter_full_weights(bucket_bytes)), version=self.step
         )
 
-    def validate(self) -> dict[str, float]:
+    def _validate(self) -> dict[str, float]:
         """pass@1 on every validation prompt, `data.val_batch_size` prompts generated at a
         time, sampled as `rollout.val_kwargs` says (greedy by default)."""
         assert self.val_set is not None
@@ -565,3 +622,6 @@ def _tp_metrics(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
         "rollout/tp_control_fraction": control / decode if decode > 0 else 0.0,
         "timing_s/tp_reconfig": after["tp_reconfig_s"] - before["tp_reconfig_s"],
     }
+
+
+SyncGRPO = SyncSchedule  # the name it had while it ran GRPO only

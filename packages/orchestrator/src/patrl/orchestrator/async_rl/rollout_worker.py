@@ -31,7 +31,7 @@ from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
-from patrl.orchestrator.step import overlong_buffer, score_outputs
+from patrl.orchestrator.scoring import overlong_buffer, score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
 from patrl.trainer.reward_model import load_tokenizer
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.rewards import FailureSummary
-from patrl.orchestrator.step import Sample, sampling_params, training_seed_key
+from patrl.orchestrator.sampling import sampling_params, training_seed_key
+from patrl.orchestrator.scoring import Sample
 from patrl.rollout import SamplingParams
 
 # What a trained ticket's sample key holds afterwards: a late duplicate cannot be written.

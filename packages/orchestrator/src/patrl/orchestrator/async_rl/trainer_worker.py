@@ -1,6 +1,7 @@
 """An async trainer rank: takes each step's tickets from the store in ticket order, trains on
 them with decoupled PPO and publishes the new weights; the first trainer rank logs (rollout
-rank 0's validations too), checkpoints and ends the run (docs/async.md)."""
+rank 0's validations too), checkpoints and ends the run (docs/async.md). A `run.Schedule`:
+`run.RunLoop` drives it as it drives the sync schedule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pickle
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -16,21 +18,29 @@ from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
 from patrl.orchestrator.build import critic_config, trainer_config
-from patrl.orchestrator.kl_reward import (
+from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
     needs_reference,
     save_kl_state,
 )
 from patrl.orchestrator.length_log import append_lengths
-from patrl.orchestrator.metrics import MetricsLogger
 from patrl.orchestrator.rewards import FailureGuard, FailureSummary
-from patrl.orchestrator.run import RunLoop, validates
-from patrl.orchestrator.step import merge_reward_metrics, step_metrics, timed, update_policy
+from patrl.orchestrator.run import (
+    RunLoop,
+    RunResult,
+    find_checkpoint,
+    load_run_state,
+    run_state,
+    validates,
+)
+from patrl.orchestrator.scoring import merge_reward_metrics
+from patrl.orchestrator.step_metrics import step_metrics, timed
+from patrl.orchestrator.update import update_policy
 from patrl.trainer import Critic, Trainer
 
 
-class TrainerWorker(RunLoop):
+class TrainerWorker:
     """Trains step s on tickets [(s-1)B, sB) once all are in, then publishes version s."""
 
     def __init__(self, job: AsyncJob, group: dist.ProcessGroup) -> None:
@@ -80,61 +90,79 @@ class TrainerWorker(RunLoop):
         self._waited_us = 0
         self._val_logged = -1  # the newest validated version logged
 
-    # ------------------------------------------------------------- run hooks
+    def run(self) -> RunResult:
+        """Resume, train every step, log (rank 0's validations too) and save (`run.RunLoop`)."""
+        return RunLoop(self).run()
 
-    def started(self) -> None:
-        """Weights of a resumed step, the ticket counter and the loader, then "start"."""
+    # ------------------------------------------------------------- run state
+
+    def checkpoint_to_resume(self) -> Path | None:
+        return find_checkpoint(self.config, self.is_first)
+
+    def state_dict(self) -> dict[str, Any]:
+        return run_state(self.step, self.loader, self.predictor)
+
+    def save_files(self, staging: Path) -> None:
+        save_kl_state(self.kl_ctrl, staging)
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.step = load_run_state(state, self.loader, self.predictor)
+        load_kl_state(self.kl_ctrl, checkpoint)
+
+    def begin(self) -> None:
+        """Weights of a resumed step, the ticket counter and the loader, then "start"; a
+        resumed run's validations were logged before it stopped."""
         if self.step > 0:
             self._publish(self.step)
         if self.is_first:
             self.control.bump("tickets", self.step * self.batch_size)
             start = {"step": self.step, "loader": self.loader.state_dict()}
             self.control.put("start", pickle.dumps(start))
-
-    def save_extra(self, staging: Path) -> None:
-        save_kl_state(self.kl_ctrl, staging)
-
-    def restored(self, checkpoint: Path) -> None:
-        load_kl_state(self.kl_ctrl, checkpoint)
-
-    def before_steps(self, logger: MetricsLogger | None) -> None:
         self._val_logged = self.step if self.step > 0 else -1
 
-    def log_step(self, logger: MetricsLogger | None, metrics: dict[str, float]) -> None:
-        if logger is not None:
-            logger.log(self.step, metrics)
-            self._log_validation(logger, wait=False)
-
-    def after_steps(self, logger: MetricsLogger | None) -> None:
-        if logger is not None:
-            self._log_validation(logger, wait=True)
-        if self.is_first:
-            self.control.finish()
-
-    def _log_validation(self, logger: MetricsLogger, wait: bool) -> None:
-        """Log the validations rank 0 finished, in version order; with `wait`, all that are
-        due up to the current step (the run's end)."""
+    def validate(self, final: bool = False) -> dict[int, dict[str, float]]:
+        """The validations rank 0 finished (first trainer rank; others: none), in version
+        order up to the first not yet in; with `final`, waits for all that are due up to the
+        current step."""
+        if not self.is_first:
+            return {}
         due = [
             v
             for v in range(self._val_logged + 1, self.step + 1)
             if self.job.val_set is not None and validates(self.config, v)
         ]
+        done: dict[int, dict[str, float]] = {}
         for v in due:
             key = f"val/{v}"
 
             def arrived(key: str = key) -> bool:
                 return self.control.has([key])
 
-            if wait:
+            if final:
                 self.control.wait_until(arrived, f"validation {v}", [0])
             elif not arrived():
-                return
-            logger.log(v, pickle.loads(self.control.get(key)))
+                break
+            done[v] = pickle.loads(self.control.get(key))
             self._val_logged = v
+        return done
+
+    def end(self) -> None:
+        """The first trainer rank tells every rank the run is over."""
+        if self.is_first:
+            self.control.finish()
+
+    def close(self) -> None:
+        """Nothing held beyond the run."""
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """No generation timelines: the trainer ranks do not generate."""
+        return []
 
     # ------------------------------------------------------------------ step
 
-    def train_one_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, float]:
+        """Step `step`: wait for its tickets' scored groups, update (advantages, decoupled PPO
+        epochs), publish the weights; its metrics row."""
         cfg = self.config
         timings: dict[str, float] = {}
         start = time.perf_counter()
@@ -178,6 +206,8 @@ class TrainerWorker(RunLoop):
         if self.is_first:
             append_lengths(self.run_dir, self.step, samples)
         return metrics
+
+    train_one_step = train_step  # its name before `run.Schedule`
 
     def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
         """This step's groups, in ticket order; waits (idle) until all of them are in."""

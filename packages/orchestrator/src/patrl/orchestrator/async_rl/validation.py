@@ -12,14 +12,9 @@ from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.rewards import RewardManager
-from patrl.orchestrator.step import (
-    VALIDATION_SEED_KEY,
-    Sample,
-    sampling_params,
-    score_outputs,
-    validation_batches,
-    validation_metrics,
-)
+from patrl.orchestrator.sampling import VALIDATION_SEED_KEY, sampling_params, validation_batches
+from patrl.orchestrator.scoring import Sample, score_outputs
+from patrl.orchestrator.step_metrics import validation_metrics
 from patrl.rollout import Engine, RequestOutput
 
 

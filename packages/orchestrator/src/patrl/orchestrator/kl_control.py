@@ -1,4 +1,6 @@
-"""KL to the reference policy in the reward (verl's `algorithm.use_kl_in_reward`).
+"""KL control: the coefficient beta of the KL to the reference policy in the reward (verl's
+`algorithm.use_kl_in_reward`, `algorithm.kl_ctrl`), its controllers and their checkpoint state,
+the penalty it scales, and whether a KL term needs the reference at all.
 
 Each response token's reward becomes score - beta * kl_t, the score sitting on the last token
 and kl_t a per-token estimate of KL(pi_old || pi_ref) (`patrl.trainer.kl_penalty`). beta comes
