@@ -212,3 +212,125 @@ def test_a_continuation_prefills_only_what_the_prefix_cache_lacks(models: dict[s
     assert second_prefill == second_len - (computed // BLOCK) * BLOCK
     assert second_prefill < BLOCK + (second_len - first_len - len(call_turn)) + len(call_turn)
     print(f"turn 2: {second_len} tokens submitted, {second_prefill} prefilled")
+
+
+def observation(tok: Any, rec: Recorder) -> str:
+    """The text of the (one) tool turn: between <tool_response>\\n and \\n</tool_response>."""
+    (tool_turn,) = [t for kind, t, _ in rec.turns if kind == "tool"]
+    text = tok.decode(tool_turn, skip_special_tokens=False)
+    return str(text.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0])
+
+
+@pytest.fixture
+def released_hang() -> Iterator[None]:
+    HangingTool.gate.clear()
+    yield
+    HangingTool.gate.set()  # let the abandoned thread end
+
+
+@pytest.mark.parametrize(
+    ("model", "tool", "expected", "error"),
+    [
+        ("malformed", None, "Error when executing tool: the tool call is not valid JSON", 1),
+        ("unknown", None, "Error when executing tool: unknown tool 'search'", 1),
+        ("call", "RaisingTool", "Error when executing tool: the calculator is broken", 1),
+        ("call", "HangingTool", "Error when executing tool: calculator timed out after 0.5s", 1),
+    ],
+)
+def test_a_faulty_call_gets_verls_error_observation_and_the_sample_goes_on(
+    models: dict[str, Path],
+    tmp_path: Path,
+    released_hang: None,
+    model: str,
+    tool: str | None,
+    expected: str,
+    error: int,
+) -> None:
+    tools = (
+        load_tools(tool_config(tmp_path / "tools.yaml", f"agent_scripted.{tool}"))
+        if tool
+        else [CalculatorTool()]
+    )
+    out, rec, tok = run_one(models[model], ToolPool(tools, timeout_s=0.5))
+    check_tito(out, rec)
+    assert observation(tok, rec).startswith(expected)
+    assert [k for k, _, _ in rec.turns] == ["model", "tool", "model"]  # it went on
+    assert tok.decode(rec.turns[-1][1], skip_special_tokens=False) == f"{ANSWER}<|im_end|>"
+    assert out.metrics["tool_errors"] == error
+
+
+@pytest.mark.parametrize(
+    ("side", "expected"),
+    [
+        ("left", "01234567890123456789...(truncated)"),
+        ("right", "(truncated)...01234567890123456789"),
+        ("middle", "0123456789...(truncated)...0123456789"),
+    ],
+)
+def test_a_huge_answer_is_truncated_as_verl_does(
+    models: dict[str, Path], tmp_path: Path, side: Any, expected: str
+) -> None:
+    tools = load_tools(tool_config(tmp_path / "tools.yaml", "agent_scripted.HugeTool"))
+    pool = ToolPool(tools, max_response_length=20, truncate_side=side)
+    out, rec, tok = run_one(models["call"], pool)
+    check_tito(out, rec)
+    assert observation(tok, rec) == expected
+    assert out.metrics == {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 1}
+
+
+def test_a_slow_tool_does_not_stall_the_other_samples(models: dict[str, Path], tmp_path: Path) -> None:
+    """The first call blocks until every other sample has finished (their decoding, their
+    tools and their last turns ran meanwhile); a loop that waited on it would never get
+    there, and the blocked call would answer "stalled"."""
+    GatedTool.gate.clear()
+    GatedTool.calls = 0
+    tools = load_tools(tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    eng = engine(models["call"])
+    runner = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng, ToolPool(tools))})
+    order: list[int] = []
+    n = len(QUESTIONS)
+
+    def on_finish(i: int, out: AgentLoopOutput) -> None:
+        order.append(i)
+        if len(order) == n - 1:
+            GatedTool.gate.set()
+
+    try:
+        outs = runner.run(samples(), GREEDY, on_finish=on_finish)
+    finally:
+        GatedTool.gate.set()
+    assert len(order) == n and GatedTool.calls == n
+    tok = eng.tokenizer
+    texts = [tok.decode(o.response_ids, skip_special_tokens=False) for o in outs]
+    assert all("stalled" not in t and "\n42\n" in t for t in texts)
+    blocked = order[-1]  # the sample whose call waited finished last, and correctly
+    assert texts[blocked].endswith(f"{ANSWER}<|im_end|>")
+    assert outs[blocked].response_ids == outs[order[0]].response_ids
+
+
+def test_a_turn_without_calls_ends_the_sample(tmp_path: Path, tokenizer: Any) -> None:
+    model = save_scripted_model(tmp_path / "answer", tokenizer, call=None)
+    eng = engine(model)
+    (out,) = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng)}).run(samples(1), GREEDY)
+    assert tokenizer.decode(out.response_ids, skip_special_tokens=False) == f"{ANSWER}<|im_end|>"
+    assert out.response_mask == [1, 1] and out.num_turns == 2
+
+
+def test_turn_limits_and_the_response_budget_end_a_sample(models: dict[str, Path]) -> None:
+    out, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]), max_user_turns=1)
+    assert [k for k, _, _ in rec.turns] == ["model", "tool", "model"]  # ended by EOS anyway
+    out, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]), max_assistant_turns=1)
+    assert [k for k, _, _ in rec.turns] == ["model"] and sum(out.response_mask) == 3
+    # the tool turn is rendered, but does not fit in 20 ids after the call's 3: verl's rule,
+    # a trajectory never ends on a tool turn
+    out, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]), response_length=20)
+    assert len(rec.turns[1][1]) > 17
+    assert out.response_ids == rec.turns[0][1] and out.response_mask == [1, 1, 1]
+
+
+def test_an_unknown_agent_name_is_refused_before_anything_runs(models: dict[str, Path]) -> None:
+    eng = engine(models["call"])
+    runner = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng)})
+    with pytest.raises(ValueError, match="agent_name='react' is not one of"):
+        runner.run([{"raw_prompt": [{"role": "user", "content": "x"}], "agent_name": "react"}], GREEDY)
+    assert not eng.has_unfinished()
