@@ -95,7 +95,11 @@ def save_scripted_model(
     eos = tokenizer.eos_token_id
     chain: list[tuple[int, int]] = []
     if call is not None:
-        chain += [(t("\n"), t("<tool_call>")), (t("<tool_call>"), t(call)), (t(call), t("</tool_call>"))]
+        chain += [
+            (t("\n"), t("<tool_call>")),
+            (t("<tool_call>"), t(call)),
+            (t(call), t("</tool_call>")),
+        ]
     else:
         chain += [(t("\n"), t(answer))]
     chain += [(t(" "), t(answer)), (t(answer), eos)]
@@ -169,6 +173,10 @@ def tool_config(path: Path, class_name: str) -> Path:
 
     from patrl.orchestrator.agent.calculator import SCHEMA
 
-    entry = {"class_name": class_name, "config": {"type": "native"}, "tool_schema": SCHEMA.model_dump()}
+    entry = {
+        "class_name": class_name,
+        "config": {"type": "native"},
+        "tool_schema": SCHEMA.model_dump(),
+    }
     path.write_text(yaml.safe_dump({"tools": [entry]}))
     return path

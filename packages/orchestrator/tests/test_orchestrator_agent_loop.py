@@ -92,7 +92,9 @@ class Recorder:
         async def recording_generate(request_id: str, **kw: Any) -> TokenOutput:
             before = server.engine.counters.prefill_tokens
             out = await generate(request_id, **kw)
-            self.prefill.append((len(kw["prompt_ids"]), server.engine.counters.prefill_tokens - before))
+            self.prefill.append(
+                (len(kw["prompt_ids"]), server.engine.counters.prefill_tokens - before)
+            )
             self.turns.append(("model", out.token_ids, out.log_probs))
             return out
 
@@ -150,12 +152,16 @@ def test_a_tool_turn_is_appended_as_tokens_and_the_model_goes_on(
         {"role": "tool", "content": "42"},
     ]
     tools = [CalculatorTool().tool_schema.model_dump(exclude_unset=True, exclude_none=True)]
-    rendered = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     expected = tok.encode(rendered, add_special_tokens=False) + answer_turn
     assert out.prompt_ids + out.response_ids == expected
 
 
-def slow_twin(model: Path, question: str, max_turns: int) -> tuple[list[int], list[int], list[float]]:
+def slow_twin(
+    model: Path, question: str, max_turns: int
+) -> tuple[list[int], list[int], list[float]]:
     """The same conversation kept as messages, each turn re-rendered by the chat template and
     prefilled from scratch on an engine without prefix caching: (every id, the mask and the
     logprobs over the response)."""
@@ -165,7 +171,9 @@ def slow_twin(model: Path, question: str, max_turns: int) -> tuple[list[int], li
     messages: list[dict[str, str]] = [{"role": "user", "content": question}]
     spans: list[tuple[int, list[float]]] = []  # (start, logprobs) of each model turn
     for turn in range(max_turns):
-        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         ids = tok.encode(text, add_special_tokens=False)
         if turn == 0:
             prompt_len = len(ids)
@@ -202,7 +210,7 @@ def test_greedy_trajectories_equal_a_twin_that_reprefills_every_turn(
 
 
 def test_a_continuation_prefills_only_what_the_prefix_cache_lacks(models: dict[str, Path]) -> None:
-    out, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]))
+    _, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]))
     (first_len, first_prefill), (second_len, second_prefill) = rec.prefill
     assert first_prefill == first_len  # a cold cache
     call_turn = rec.turns[0][1]
@@ -278,7 +286,9 @@ def test_a_huge_answer_is_truncated_as_verl_does(
     assert out.metrics == {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 1}
 
 
-def test_a_slow_tool_does_not_stall_the_other_samples(models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_slow_tool_does_not_stall_the_other_samples(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     """The first call blocks until every other sample has finished (their decoding, their
     tools and their last turns ran meanwhile); a loop that waited on it would never get
     there, and the blocked call would answer "stalled"."""
@@ -332,5 +342,7 @@ def test_an_unknown_agent_name_is_refused_before_anything_runs(models: dict[str,
     eng = engine(models["call"])
     runner = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng)})
     with pytest.raises(ValueError, match="agent_name='react' is not one of"):
-        runner.run([{"raw_prompt": [{"role": "user", "content": "x"}], "agent_name": "react"}], GREEDY)
+        runner.run(
+            [{"raw_prompt": [{"role": "user", "content": "x"}], "agent_name": "react"}], GREEDY
+        )
     assert not eng.has_unfinished()

@@ -35,7 +35,14 @@ CALCULATOR = "patrl.orchestrator.agent.calculator.CalculatorTool"
 
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("6*7", 42), ("(3 + 4) * 12", 84), ("-2 ** 3", -8), ("7 / 2", 3.5), ("7 // 2", 3), ("2**10 % 7", 2)],
+    [
+        ("6*7", 42),
+        ("(3 + 4) * 12", 84),
+        ("-2 ** 3", -8),
+        ("7 / 2", 3.5),
+        ("7 // 2", 3),
+        ("2**10 % 7", 2),
+    ],
 )
 def test_the_calculator_evaluates_arithmetic(expression: str, value: float) -> None:
     assert evaluate(expression) == value
@@ -78,7 +85,10 @@ def test_hermes_calls_are_parsed_in_order_and_bad_ones_kept_with_their_error() -
     assert calls[2].error is not None and "not valid JSON" in calls[2].error
     assert calls[3].error == 'the tool call has no "name"'
     assert calls[4].error == '"arguments" is not a JSON object'
-    assert extract_tool_calls("no calls <tool_call> unclosed") == ("no calls <tool_call> unclosed", [])
+    assert extract_tool_calls("no calls <tool_call> unclosed") == (
+        "no calls <tool_call> unclosed",
+        [],
+    )
     with pytest.raises(ValueError, match="'gpt-oss' is not supported; use one of"):
         extract_tool_calls("", "gpt-oss")
 
@@ -141,8 +151,11 @@ def test_the_pool_answers_every_fault_and_bounds_its_workers() -> None:
     assert (raised.text, raised.error) == ("Error when executing tool: 'boom'", "exception")
     assert Recording.released == 5  # release ran after each execute, raising or not
     unknown = asyncio.run(pool.call(FunctionCall("search", {})))
-    assert unknown.text == "Error when executing tool: unknown tool 'search'; the tools are ['calculator']"
-    malformed = asyncio.run(pool.call(FunctionCall(None, None, "the tool call has no \"name\"")))
+    assert (
+        unknown.text
+        == "Error when executing tool: unknown tool 'search'; the tools are ['calculator']"
+    )
+    malformed = asyncio.run(pool.call(FunctionCall(None, None, 'the tool call has no "name"')))
     assert malformed.error == "malformed"
     with pytest.raises(ValueError, match="truncate_side must be left, middle or right"):
         ToolPool([tool], truncate_side="top")  # type: ignore[arg-type]
@@ -157,7 +170,12 @@ def write(path: Path, data: Any) -> Path:
 
 
 def entry(**overrides: Any) -> dict[str, Any]:
-    return {"class_name": CALCULATOR, "config": {"type": "native"}, "tool_schema": SCHEMA.model_dump(), **overrides}
+    return {
+        "class_name": CALCULATOR,
+        "config": {"type": "native"},
+        "tool_schema": SCHEMA.model_dump(),
+        **overrides,
+    }
 
 
 def test_verls_tool_config_loads_with_and_without_a_schema(tmp_path: Path) -> None:
@@ -173,19 +191,28 @@ def test_verls_tool_config_loads_with_and_without_a_schema(tmp_path: Path) -> No
         (None, "no such file"),
         ("tools: [", "is not valid YAML"),
         ({"tool": []}, "a mapping with a `tools` list"),
-        ({"tools": [entry(class_name="nowhere.Tool")]}, "tools.0.class_name='nowhere.Tool': cannot import 'nowhere'"),
+        (
+            {"tools": [entry(class_name="nowhere.Tool")]},
+            "tools.0.class_name='nowhere.Tool': cannot import 'nowhere'",
+        ),
         (
             {"tools": [entry(class_name="patrl.orchestrator.agent.calculator.Nope")]},
             "tools.0.class_name=.*has no 'Nope'",
         ),
-        ({"tools": [entry(class_name="pathlib.Path")]}, "tools.0.class_name='pathlib.Path' is not a subclass"),
+        (
+            {"tools": [entry(class_name="pathlib.Path")]},
+            "tools.0.class_name='pathlib.Path' is not a subclass",
+        ),
         ({"tools": [entry(class_name="Calculator")]}, "give a dotted path"),
         (
             {"tools": [entry(tool_schema={"type": "function", "function": {"description": "x"}})]},
             "tools.0.tool_schema.function.name is missing",
         ),
         ({"tools": [entry(), entry()]}, "tools.1: a second tool named 'calculator'"),
-        ({"tools": [entry(config={"type": "mcp"})]}, "tools.0.config.type='mcp': patrl runs native tools only"),
+        (
+            {"tools": [entry(config={"type": "mcp"})]},
+            "tools.0.config.type='mcp': patrl runs native tools only",
+        ),
         ({"tools": [entry(extra=1)]}, r"tools.0: unknown keys \['extra'\]"),
     ],
 )
@@ -221,18 +248,25 @@ def test_verls_multi_turn_keys_are_patrls_and_validated(tmp_path: Path) -> None:
     assert (mt.tool_response_truncate_side, mt.format) == ("left", "hermes")
     assert mt.tool_config_path == str(tmp_path / "t.yaml")
     for bad in ("tool_response_truncate_side=top", "format=gpt-oss", "max_parallel_calls=0"):
-        with pytest.raises(ConfigError, match="rollout.multi_turn"):
+        with pytest.raises(ConfigError, match=r"rollout\.multi_turn"):
             load_config(None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.{bad}"])
 
 
 def test_preflight_checks_the_tool_config_and_refuses_enable_until_wired(tmp_path: Path) -> None:
     good = write(tmp_path / "good.yaml", {"tools": [entry()]})
     bad = write(tmp_path / "bad.yaml", {"tools": [entry(class_name="nowhere.Tool")]})
-    config = load_config(None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.tool_config_path={good}"])
+    config = load_config(
+        None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.tool_config_path={good}"]
+    )
     assert multi_turn_problems(config) == []
-    config = load_config(None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.tool_config_path={bad}"])
+    config = load_config(
+        None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.tool_config_path={bad}"]
+    )
     (problem,) = multi_turn_problems(config)
-    assert problem.startswith("rollout.multi_turn.tool_config_path: ") and "tools.0.class_name" in problem
+    assert (
+        problem.startswith("rollout.multi_turn.tool_config_path: ")
+        and "tools.0.class_name" in problem
+    )
     config = load_config(None, ["data.train_files=/d.jsonl", "rollout.multi_turn.enable=true"])
     (problem,) = multi_turn_problems(config)
     assert "available as a library (patrl.orchestrator.agent" in problem

@@ -295,7 +295,10 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
     if mt.tool_config_path is not None:
         from patrl.orchestrator.agent.tool_config import check_tool_config
 
-        problems += [f"rollout.multi_turn.tool_config_path: {p}" for p in check_tool_config(mt.tool_config_path)]
+        problems += [
+            f"rollout.multi_turn.tool_config_path: {p}"
+            for p in check_tool_config(mt.tool_config_path)
+        ]
     if mt.enable:
         problems.append(
             "rollout.multi_turn.enable=true: multi-turn tool rollouts are available as a "

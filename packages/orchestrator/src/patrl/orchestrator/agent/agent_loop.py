@@ -84,7 +84,9 @@ class LLMServer:
     ) -> TokenOutput:
         """Sample one model turn continuing `prompt_ids` (n must be 1)."""
         if sampling_params.n != 1:
-            raise ValueError(f"an agent loop samples one turn at a time: n must be 1, got {sampling_params.n}")
+            raise ValueError(
+                f"an agent loop samples one turn at a time: n must be 1, got {sampling_params.n}"
+            )
         if self._wake is None:
             raise RuntimeError("LLMServer.generate runs inside AgentLoopRunner.run")
         self.submitted_tokens += len(prompt_ids)
@@ -96,7 +98,9 @@ class LLMServer:
         out = (await future).outputs[0]
         if out.finish_reason == "rejected":
             raise ValueError(f"the engine rejected turn {request_id}: {(await future).error}")
-        return TokenOutput(list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason)
+        return TokenOutput(
+            list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
+        )
 
     async def step_until(self, done: asyncio.Event) -> None:
         """Step the engine while it has requests; sleep until a sample submits one; return

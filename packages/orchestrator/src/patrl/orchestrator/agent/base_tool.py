@@ -36,7 +36,9 @@ class BaseTool:
         """The tool's schema (a subclass may build it instead of reading it from config)."""
         return getattr(self, "tool_schema", None)
 
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+    async def create(
+        self, instance_id: str | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
         """Start an instance for one call (one trajectory's state); returns its id (the given
         one, or a fresh uuid) and an initial response (unused by the loop)."""
         return (instance_id if instance_id is not None else str(uuid4())), ToolResponse()

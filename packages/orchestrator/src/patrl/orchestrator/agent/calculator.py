@@ -61,10 +61,12 @@ def evaluate(expression: str) -> int | float:
 
 
 def _value(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value  # type: ignore[no-any-return]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        if isinstance(node.value, bool):
+            raise ValueError(f"only numbers are allowed, got {node.value!r}")
+        return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_value(node.operand))  # type: ignore[no-any-return]
+        return _UNARY[type(node.op)](_value(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _value(node.left), _value(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
@@ -75,7 +77,7 @@ def _value(node: ast.AST) -> int | float:
             raise ValueError("division by zero") from e
         if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
             raise ValueError("result out of range")
-        return result  # type: ignore[no-any-return]
+        return result
     raise ValueError(f"only numbers and + - * / // % ** are allowed, got {ast.unparse(node)!r}")
 
 
@@ -84,7 +86,9 @@ class CalculatorTool(BaseTool):
     it could not be evaluated (an answer the model reads, not an exception)."""
 
     def __init__(
-        self, config: dict[str, Any] | None = None, tool_schema: OpenAIFunctionToolSchema | None = None
+        self,
+        config: dict[str, Any] | None = None,
+        tool_schema: OpenAIFunctionToolSchema | None = None,
     ) -> None:
         super().__init__(config or {}, tool_schema or SCHEMA)
 

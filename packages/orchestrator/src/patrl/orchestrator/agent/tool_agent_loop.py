@@ -66,7 +66,8 @@ class ToolAgentLoop(AgentLoop):
         self.stop_at_tool_call = stop_at_tool_call
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.tool_schemas = [
-            t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in pool.tools.values()
+            t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+            for t in pool.tools.values()
         ]
         self._base = self._render(_BASE, add_generation_prompt=False)
         self._closing = self._base[self._base.rindex(_MARK) + len(_MARK) :]
@@ -79,7 +80,9 @@ class ToolAgentLoop(AgentLoop):
         messages = kwargs["raw_prompt"]
         tools_kwargs: Mapping[str, Any] = kwargs.get("tools_kwargs") or {}
         prompt_ids = self.prompt_ids(messages)
-        ids, mask, logprobs = list(prompt_ids), [], []
+        ids = list(prompt_ids)
+        mask: list[int] = []
+        logprobs: list[float] = []
         assistant_turns = user_turns = 0
         calls = errors = truncated = 0
         request = f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}"
@@ -152,7 +155,9 @@ class ToolAgentLoop(AgentLoop):
         if ended_with_eos:
             eos_text = self._eos_text(closing)
             closing = closing[len(eos_text) :]
-        return list(self.tokenizer.encode(closing + full[len(self._base) :], add_special_tokens=False))
+        return list(
+            self.tokenizer.encode(closing + full[len(self._base) :], add_special_tokens=False)
+        )
 
     def _eos_text(self, closing: str) -> str:
         """The text of the EOS token that opens the turn's closing ("" if none does)."""

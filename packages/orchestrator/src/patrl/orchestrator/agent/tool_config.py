@@ -59,7 +59,9 @@ def check_tool_config(path: str | Path) -> list[str]:
 
 def _read(path: Path) -> Sequence[Any]:
     if not path.is_file():
-        raise ToolConfigError(f"tool config {path}: no such file (rollout.multi_turn.tool_config_path)")
+        raise ToolConfigError(
+            f"tool config {path}: no such file (rollout.multi_turn.tool_config_path)"
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -70,7 +72,7 @@ def _read(path: Path) -> Sequence[Any]:
             "(each item: class_name, config, tool_schema), got "
             f"{type(data).__name__ if not isinstance(data, dict) else 'no tools list'}"
         )
-    return data["tools"]  # type: ignore[no-any-return]
+    return data["tools"]
 
 
 def _build(path: str | Path, i: int, entry: Any) -> BaseTool:
@@ -79,7 +81,9 @@ def _build(path: str | Path, i: int, entry: Any) -> BaseTool:
         raise ToolConfigError(f"{where}: each tool is a mapping of class_name, config, tool_schema")
     unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
     if unknown:
-        raise ToolConfigError(f"{where}: unknown keys {unknown}; use class_name, config, tool_schema")
+        raise ToolConfigError(
+            f"{where}: unknown keys {unknown}; use class_name, config, tool_schema"
+        )
     cls = tool_class(entry.get("class_name"), f"{where}.class_name")
     config = entry.get("config") or {}
     if not isinstance(config, dict):

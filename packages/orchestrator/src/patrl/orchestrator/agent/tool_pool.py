@@ -84,7 +84,9 @@ class ToolPool:
         self.num_abandoned = 0  # timed-out calls whose threads may still run
         self._slots: asyncio.Semaphore | None = None
 
-    async def call(self, call: FunctionCall, create_kwargs: Mapping[str, Any] | None = None) -> ToolOutcome:
+    async def call(
+        self, call: FunctionCall, create_kwargs: Mapping[str, Any] | None = None
+    ) -> ToolOutcome:
         """Answer one call: a parse error, an unknown name, an exception or the deadline give
         verl's error observation; a long answer is truncated."""
         if call.error is not None or call.name is None or call.arguments is None:
@@ -117,7 +119,9 @@ class ToolPool:
         return ToolOutcome(cut, float(reward), dict(metrics or {}), truncated=cut != text)
 
 
-def _start(tool: BaseTool, arguments: dict[str, Any], create_kwargs: dict[str, Any]) -> concurrent.futures.Future[Any]:
+def _start(
+    tool: BaseTool, arguments: dict[str, Any], create_kwargs: dict[str, Any]
+) -> concurrent.futures.Future[Any]:
     """Run create -> execute -> release of one call in a daemon thread; its future."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
