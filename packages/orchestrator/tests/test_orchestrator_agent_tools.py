@@ -271,3 +271,22 @@ def test_preflight_checks_the_tool_config_and_refuses_enable_until_wired(tmp_pat
     (problem,) = multi_turn_problems(config)
     assert "available as a library (patrl.orchestrator.agent" in problem
     assert "not yet wired into training" in problem
+
+
+def test_a_training_job_with_multi_turn_enabled_is_refused_by_preflight(
+    assets: Path, tmp_path: Path
+) -> None:
+    from patrl_testkit.jobs import tiny_job_overrides
+
+    from patrl.orchestrator import preflight
+
+    bad = write(tmp_path / "bad.yaml", {"tools": [entry(tool_schema={"function": {}})]})
+    extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": bad}
+    config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
+    with pytest.raises(preflight.PreflightError) as info:
+        preflight.check(config, 1)
+    schema, refusal = info.value.problems
+    assert "tools.0.tool_schema.function.name is missing" in schema and str(bad) in schema
+    assert "not yet wired into training" in refusal
+    config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run"))
+    preflight.check(config, 1)  # the control: the same job, single-turn, passes
