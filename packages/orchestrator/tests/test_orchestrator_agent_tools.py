@@ -276,9 +276,8 @@ def test_preflight_checks_the_tool_config_and_refuses_enable_until_wired(tmp_pat
 def test_a_training_job_with_multi_turn_enabled_is_refused_by_preflight(
     assets: Path, tmp_path: Path
 ) -> None:
-    from patrl_testkit.jobs import tiny_job_overrides
-
     from patrl.orchestrator import preflight
+    from patrl_testkit.jobs import tiny_job_overrides
 
     bad = write(tmp_path / "bad.yaml", {"tools": [entry(tool_schema={"function": {}})]})
     extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": bad}
