@@ -68,11 +68,17 @@ def one_token(tokenizer: Any, text: str) -> int:
 
 
 def save_scripted_model(
-    path: Path, tokenizer: Any, call: str | None = CALL, answer: str = ANSWER, seed: int = 0
+    path: Path,
+    tokenizer: Any,
+    call: str | None = CALL,
+    answer: str = ANSWER,
+    seed: int = 0,
+    eos_after_call: bool = False,
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
-    it answers at once) and `answer<|im_end|>` after "\\n "; saved with `tokenizer`."""
+    it answers at once) and `answer<|im_end|>` after "\\n "; with `eos_after_call`, EOS
+    after `</tool_call>` (verl's way to end a turn with calls); saved with `tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     v = len(tokenizer)
@@ -102,6 +108,8 @@ def save_scripted_model(
         ]
     else:
         chain += [(t("\n"), t(answer))]
+    if eos_after_call:
+        chain += [(t("</tool_call>"), eos)]
     chain += [(t(" "), t(answer)), (t(answer), eos)]
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()

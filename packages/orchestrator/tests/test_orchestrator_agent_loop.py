@@ -346,3 +346,45 @@ def test_an_unknown_agent_name_is_refused_before_anything_runs(models: dict[str,
             [{"raw_prompt": [{"role": "user", "content": "x"}], "agent_name": "react"}], GREEDY
         )
     assert not eng.has_unfinished()
+
+
+def test_verls_way_ends_the_turn_at_eos_and_the_eos_is_not_appended_again(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    model = save_scripted_model(tmp_path / "eos", tokenizer, eos_after_call=True)
+    out, rec, tok = run_one(model, ToolPool([CalculatorTool()]), stop_at_tool_call=False)
+    check_tito(out, rec)
+    call_turn, tool_turn, _ = (t for _, t, _ in rec.turns)
+    assert (
+        tok.decode(call_turn, skip_special_tokens=False)
+        == f"<tool_call>{CALL}</tool_call><|im_end|>"
+    )
+    assert tok.decode(tool_turn, skip_special_tokens=False).startswith("\n<|im_start|>user\n")
+
+
+class Failing(ToolAgentLoop):
+    """Raises after its first model turn, for sample 0 only."""
+
+    async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
+        if kwargs["sample_index"] == 0:
+            await self.server_manager.generate(
+                "failing",
+                prompt_ids=self.prompt_ids(kwargs["raw_prompt"]),
+                sampling_params=sampling_params,
+            )
+            raise RuntimeError("this loop is broken")
+        return await super().run(sampling_params, **kwargs)
+
+
+def test_a_loop_that_raises_stops_the_run_and_leaves_the_engine_idle(
+    models: dict[str, Path],
+) -> None:
+    eng = engine(models["call"])
+    loop = Failing(
+        eng.tokenizer, ToolPool([CalculatorTool()]), sorted(eng.eos_token_ids), response_length=400
+    )
+    with pytest.raises(RuntimeError, match="this loop is broken"):
+        AgentLoopRunner(eng, {"tool_agent": loop}).run(samples(), GREEDY)
+    assert not eng.has_unfinished()
+    (out,) = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng)}).run(samples(1), GREEDY)
+    assert sum(out.response_mask) == 5  # the engine serves the next run
