@@ -388,3 +388,27 @@ def test_a_loop_that_raises_stops_the_run_and_leaves_the_engine_idle(
     assert not eng.has_unfinished()
     (out,) = AgentLoopRunner(eng, {"tool_agent": tool_loop(eng)}).run(samples(1), GREEDY)
     assert sum(out.response_mask) == 5  # the engine serves the next run
+
+
+def test_a_runner_and_its_pool_serve_run_after_run(models: dict[str, Path]) -> None:
+    """Each run has its own event loop; the pool's worker bound (1 here, 3 samples calling
+    at once) follows it."""
+    eng = engine(models["call"])
+    runner = AgentLoopRunner(
+        eng, {"tool_agent": tool_loop(eng, ToolPool([CalculatorTool()], max_workers=1))}
+    )
+    first = runner.run(samples(), GREEDY)
+    second = runner.run(samples(), GREEDY)
+    assert [o.response_ids for o in first] == [o.response_ids for o in second]
+    assert all(sum(o.response_mask) == 5 for o in second)
+
+
+def test_a_tool_turn_that_would_not_fit_max_model_len_ends_the_sample(
+    models: dict[str, Path],
+) -> None:
+    eng = engine(models["call"])
+    loop = tool_loop(eng)
+    prompt = len(loop.prompt_ids(samples(1)[0]["raw_prompt"]))
+    small = Engine(eng.config.model_copy(update={"max_model_len": prompt + 10}))
+    (out,) = AgentLoopRunner(small, {"tool_agent": tool_loop(small)}).run(samples(1), GREEDY)
+    assert out.response_mask == [1, 1, 1]  # the call; its answer did not fit

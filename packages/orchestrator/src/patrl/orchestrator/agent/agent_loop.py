@@ -79,6 +79,11 @@ class LLMServer:
         self.cached_prefix_tokens = 0  # at submission, by the prefix cache's count
         self.submitted_tokens = 0
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt and response tokens of one request at most (the engine's)."""
+        return int(self.engine.max_model_len)
+
     async def generate(
         self, request_id: str, *, prompt_ids: Sequence[int], sampling_params: SamplingParams
     ) -> TokenOutput:

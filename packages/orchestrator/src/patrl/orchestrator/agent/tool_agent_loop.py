@@ -2,7 +2,8 @@
 turn (EOS) or at `</tool_call>`; the turn's calls are parsed (hermes), run in the tool pool,
 and their answers rendered by the tokenizer's chat template as tool messages and appended as
 token ids; then the model goes on, until a turn without calls, `max_assistant_turns`,
-`max_user_turns` or `response_length` tokens.
+`max_user_turns`, `response_length` tokens, or a tool turn that would leave the engine's
+max_model_len no room.
 
 Tokens in, tokens out: the trajectory is exactly the sampled ids plus the appended ids; model
 text is decoded only to find the calls, never encoded again. The appended ids are the
@@ -115,7 +116,10 @@ class ToolAgentLoop(AgentLoop):
             errors += sum(o.error is not None for o in outcomes)
             truncated += sum(o.truncated for o in outcomes)
             appended = self.tool_turn_ids(outcomes, self._ended_with_eos(turn))
-            if len(mask) + len(appended) >= self.response_length:
+            if (
+                len(mask) + len(appended) >= self.response_length
+                or len(ids) + len(appended) >= self.server_manager.max_model_len
+            ):
                 break  # verl's rule: the trajectory never ends on a tool turn
             ids += appended
             mask += [0] * len(appended)
@@ -200,5 +204,4 @@ class ToolAgentLoop(AgentLoop):
             turn.finish_reason == "stop"
             and bool(turn.token_ids)
             and turn.token_ids[-1] in self.eos_token_ids
-            and turn.stop_reason is None
         )

@@ -82,7 +82,7 @@ class ToolPool:
         self.max_response_length = max_response_length
         self.truncate_side: TruncateSide = truncate_side
         self.num_abandoned = 0  # timed-out calls whose threads may still run
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def call(
         self, call: FunctionCall, create_kwargs: Mapping[str, Any] | None = None
@@ -98,9 +98,10 @@ class ToolPool:
                 f"{ERROR_PREFIX}unknown tool {call.name!r}; the tools are {known}",
                 error="unknown_tool",
             )
-        if self._slots is None:  # bound to the running loop on first use
-            self._slots = asyncio.Semaphore(self.max_workers)
-        async with self._slots:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:  # each run has its own loop
+            self._slots = (loop, asyncio.Semaphore(self.max_workers))
+        async with self._slots[1]:
             future = _start(tool, call.arguments, dict(create_kwargs or {}))
             try:
                 response, reward, metrics = await asyncio.wait_for(
