@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -289,3 +289,23 @@ def test_a_training_job_with_multi_turn_enabled_is_refused_by_preflight(
     assert "not yet wired into training" in refusal
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run"))
     preflight.check(config, 1)  # the control: the same job, single-turn, passes
+
+
+class Remembering(BaseTool):
+    """Answers with what `create` got (verl's tools_kwargs[name]["create_kwargs"])."""
+
+    seen: ClassVar[dict[str, Any]] = {}
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> Any:
+        instance_id, response = await super().create(instance_id, **kwargs)
+        Remembering.seen[instance_id] = kwargs["create_kwargs"]
+        return instance_id, response
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        return ToolResponse(text=repr(Remembering.seen.pop(instance_id))), 0.0, {}
+
+
+def test_a_call_creates_its_instance_with_verls_create_kwargs() -> None:
+    pool = ToolPool([Remembering({}, SCHEMA)])
+    outcome = asyncio.run(pool.call(FunctionCall("calculator", {}), {"ground_truth": "42"}))
+    assert outcome.text == "{'ground_truth': '42'}" and Remembering.seen == {}
