@@ -165,6 +165,32 @@ class SpeculativeConfig(_Section):
     history_size: int = Field(8, ge=0, description="earlier responses kept per prompt")
 
 
+class MultiTurnConfig(_Section):
+    """verl's `rollout.multi_turn`: multi-turn rollouts with tools (patrl.orchestrator.agent,
+    docs/agent_loop.md). Turn limits of None mean no limit. Not wired into training yet:
+    preflight refuses `enable=true`."""
+
+    enable: bool = Field(
+        False, description="multi-turn tool rollouts (not wired into training yet: refused)"
+    )
+    max_assistant_turns: int | None = Field(None, gt=0, description="model turns at most")
+    max_user_turns: int | None = Field(None, gt=0, description="tool turns at most")
+    tool_config_path: str | None = Field(
+        None, description="YAML of tools: [{class_name, config, tool_schema}] (verl's)"
+    )
+    max_parallel_calls: int = Field(1, gt=0, description="tool calls run per model turn at most")
+    max_tool_response_length: int = Field(
+        256, gt=0, description="characters of a tool answer kept; longer ones are truncated"
+    )
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        "middle", description="what a truncation keeps: the start, both ends, or the end"
+    )
+    format: Literal["hermes"] = Field(
+        "hermes", description="tool call syntax: <tool_call>{json}</tool_call>"
+    )
+    tool_timeout_s: float = Field(30.0, gt=0, description="deadline of one tool call")
+
+
 class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0)
@@ -233,6 +259,7 @@ class RolloutConfig(_Section):
     )
 
     speculative: SpeculativeConfig = Field(default_factory=lambda: SpeculativeConfig())
+    multi_turn: MultiTurnConfig = Field(default_factory=lambda: MultiTurnConfig())
 
     @model_validator(mode="after")
     def _block_size_fits_backend(self) -> RolloutConfig:

@@ -220,6 +220,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     local = local_world_size or world_size
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
+    problems += multi_turn_problems(config)
     problems += _async_problems(config, world_size)
     adaptive = config.rollout.adaptive_tp
     # what build.engine_config offers: no fold larger than a node; default candidates the
@@ -283,6 +284,29 @@ def _async_problems(config: JobConfig, world_size: int) -> list[str]:
     from patrl.orchestrator.async_loop import unsupported
 
     return unsupported(config, world_size)
+
+
+def multi_turn_problems(config: JobConfig) -> list[str]:
+    """`rollout.multi_turn`: its tool config loads (the file, each class_name's import, each
+    schema's name), and `enable=true` is refused while the training loop is not wired to the
+    agent loop."""
+    mt = config.rollout.multi_turn
+    problems: list[str] = []
+    if mt.tool_config_path is not None:
+        from patrl.orchestrator.agent.tool_config import check_tool_config
+
+        problems += [
+            f"rollout.multi_turn.tool_config_path: {p}"
+            for p in check_tool_config(mt.tool_config_path)
+        ]
+    if mt.enable:
+        problems.append(
+            "rollout.multi_turn.enable=true: multi-turn tool rollouts are available as a "
+            "library (patrl.orchestrator.agent: AgentLoopRunner with ToolAgentLoop, see "
+            "docs/agent_loop.md) but not yet wired into training; set "
+            "rollout.multi_turn.enable=false"
+        )
+    return problems
 
 
 def _reward_problems(config: JobConfig) -> list[str]:

@@ -197,8 +197,16 @@ RULES: dict[str, Rule] = {
         "patrl validates at rollout.val_kwargs.temperature (0 = greedy), as verl's agent-loop "
         "rollout does; do_sample is not read"
     ),
-    "rollout.multi_turn.enable": Fixed(
-        (False,), "patrl's rollouts are single-turn", "single-turn prompts"
+    # rollout.multi_turn.* are patrl's own keys (config.MultiTurnConfig); these are verl's rest
+    "rollout.multi_turn.tokenization_sanity_check_mode": Noted(
+        "patrl's agent loop never re-tokenizes model text (tokens in, tokens out)",
+        quiet=("strict", "disable"),
+    ),
+    "rollout.multi_turn.use_inference_chat_template": Noted(
+        "patrl renders tool turns with the tokenizer's chat template", quiet=(False,)
+    ),
+    "rollout.multi_turn.interaction_config_path": Fixed(
+        (None,), "patrl's agent loop has tools, not verl's interactions", "null"
     ),
     "rollout.ignore_eos": Fixed((False,), "patrl's rollouts stop at EOS", "ignore_eos=false"),
     "rollout.val_temperature": Alias("rollout.val_kwargs.temperature"),  # patrl's earlier name

@@ -1,0 +1,38 @@
+"""Multi-turn rollouts with tools (verl's agent loop and tools), over patrl's engine; a library
+the training loop is not wired to yet. See docs/agent_loop.md."""
+
+from patrl.orchestrator.agent.agent_loop import (
+    AgentLoop,
+    AgentLoopOutput,
+    AgentLoopRunner,
+    LLMServer,
+    TokenOutput,
+)
+from patrl.orchestrator.agent.base_tool import BaseTool
+from patrl.orchestrator.agent.calculator import CalculatorTool
+from patrl.orchestrator.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
+from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
+from patrl.orchestrator.agent.tool_config import ToolConfigError, check_tool_config, load_tools
+from patrl.orchestrator.agent.tool_parser import FunctionCall, extract_tool_calls
+from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool, truncate
+
+__all__ = [
+    "AgentLoop",
+    "AgentLoopOutput",
+    "AgentLoopRunner",
+    "BaseTool",
+    "CalculatorTool",
+    "FunctionCall",
+    "LLMServer",
+    "OpenAIFunctionToolSchema",
+    "TokenOutput",
+    "ToolAgentLoop",
+    "ToolConfigError",
+    "ToolOutcome",
+    "ToolPool",
+    "ToolResponse",
+    "check_tool_config",
+    "extract_tool_calls",
+    "load_tools",
+    "truncate",
+]

@@ -1,0 +1,219 @@
+"""Agent loops over patrl's engine: many samples' multi-turn conversations, one engine, tokens
+in and tokens out. verl's shape (`verl.experimental.agent_loop`): an `AgentLoop` subclass
+writes one sample's logic as `async def run(...) -> AgentLoopOutput`, awaiting
+`self.server_manager.generate(...)` for each model turn; `AgentLoopRunner` runs every sample's
+`run` at once on one event loop and steps the engine between them, so while one sample awaits
+its tool, the engine keeps decoding the others (continuous batching is never held up).
+
+Each generation is submitted as the whole conversation's token ids; with prefix caching on,
+the engine finds the conversation's full KV blocks computed by the sample's earlier turns and
+prefills only the rest (the KV is not yet kept inside the engine between turns).
+See docs/agent_loop.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from patrl.rollout import Engine, SamplingParams
+from patrl.rollout.outputs import RequestOutput
+
+
+@dataclass(slots=True)
+class AgentLoopOutput:
+    """One sample's trajectory (verl's AgentLoopOutput): `prompt_ids` (the rendered prompt)
+    then `response_ids` (every model turn and every appended tool turn, in order).
+    `response_mask[i]` is 1 where response_ids[i] was sampled by the engine, 0 where it was
+    appended (tool answers, chat-template glue); `response_logprobs[i]` is the engine's
+    logprob of a sampled token, 0.0 on appended ones. The three lists have one length."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    num_turns: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    reward_score: float | None = None
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One model turn (verl's TokenOutput): the sampled ids, their logprobs, and why the turn
+    ended (the engine's finish_reason and stop_reason)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    stop_reason: int | str | None = None
+
+
+class AgentLoop:
+    """One sample's conversation logic (verl's AgentLoopBase). Subclasses implement `run`,
+    awaiting `self.server_manager.generate` for model turns; one instance serves every sample
+    of a run (per-sample state lives in `run`'s locals)."""
+
+    server_manager: LLMServer
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
+        """Run one sample to its end; `kwargs` are the sample's fields (e.g. `raw_prompt`,
+        the chat messages, and `tools_kwargs`)."""
+        raise NotImplementedError
+
+
+class LLMServer:
+    """One engine, shared by the samples of a run (verl's AsyncLLMServerManager): `generate`
+    queues a request and resolves when the engine finishes it; the runner's step task drives
+    the engine. Only the event loop's thread touches the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._pending: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._wake: asyncio.Event | None = None
+        self.cached_prefix_tokens = 0  # at submission, by the prefix cache's count
+        self.submitted_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt and response tokens of one request at most (the engine's)."""
+        return int(self.engine.max_model_len)
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: Sequence[int], sampling_params: SamplingParams
+    ) -> TokenOutput:
+        """Sample one model turn continuing `prompt_ids` (n must be 1)."""
+        if sampling_params.n != 1:
+            raise ValueError(
+                f"an agent loop samples one turn at a time: n must be 1, got {sampling_params.n}"
+            )
+        if self._wake is None:
+            raise RuntimeError("LLMServer.generate runs inside AgentLoopRunner.run")
+        self.submitted_tokens += len(prompt_ids)
+        self.cached_prefix_tokens += self.engine.cache.blocks.num_cached_prefix(prompt_ids)
+        rid = self.engine.add_request(list(prompt_ids), sampling_params, request_id=request_id)
+        future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        self._wake.set()
+        out = (await future).outputs[0]
+        if out.finish_reason == "rejected":
+            raise ValueError(f"the engine rejected turn {request_id}: {(await future).error}")
+        return TokenOutput(
+            list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
+        )
+
+    async def step_until(self, done: asyncio.Event) -> None:
+        """Step the engine while it has requests; sleep until a sample submits one; return
+        once `done` is set and no request is left."""
+        self._wake = asyncio.Event()
+        while True:
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._pending.pop(out.request_id).set_result(out)
+                await asyncio.sleep(0)  # let the samples whose turn ended go on
+            elif done.is_set():
+                return
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    def finish(self, done: asyncio.Event) -> None:
+        """Set `done` and wake the step task, so that it returns once the engine is idle."""
+        done.set()
+        if self._wake is not None:
+            self._wake.set()
+
+    def fail_pending(self, error: BaseException) -> None:
+        """Wake every waiting sample with `error` (the engine failed)."""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+
+Sample = Mapping[str, Any]
+
+
+class AgentLoopRunner:
+    """Runs many samples' agent loops over one engine at once: `run(samples, params)` ->
+    their AgentLoopOutputs in order. Each sample picks its loop by its `agent_name` field
+    (verl's), `default_agent` when it has none; the other fields are passed to the loop's
+    `run`. `on_finish(index, output)` is called as each sample ends."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        agent_loops: Mapping[str, AgentLoop],
+        default_agent: str = "tool_agent",
+    ) -> None:
+        if not agent_loops:
+            raise ValueError("AgentLoopRunner needs at least one agent loop")
+        self.server = LLMServer(engine)
+        self.agent_loops = dict(agent_loops)
+        self.default_agent = default_agent
+        for loop in self.agent_loops.values():
+            loop.server_manager = self.server
+
+    def run(
+        self,
+        samples: Sequence[Sample],
+        sampling_params: SamplingParams,
+        on_finish: Callable[[int, AgentLoopOutput], None] | None = None,
+    ) -> list[AgentLoopOutput]:
+        """Every sample to its end; raises what a loop raises (after stopping the others)."""
+        for i, s in enumerate(samples):
+            name = s.get("agent_name", self.default_agent)
+            if name not in self.agent_loops:
+                raise ValueError(
+                    f"sample {i}: agent_name={name!r} is not one of {sorted(self.agent_loops)}"
+                )
+        if self.server.engine.has_unfinished():
+            raise RuntimeError("AgentLoopRunner.run needs an idle engine")
+        return asyncio.run(self._run(samples, sampling_params, on_finish))
+
+    async def _run(
+        self,
+        samples: Sequence[Sample],
+        params: SamplingParams,
+        on_finish: Callable[[int, AgentLoopOutput], None] | None,
+    ) -> list[AgentLoopOutput]:
+        done = asyncio.Event()
+        stepper = asyncio.create_task(self.server.step_until(done))
+
+        async def one(i: int, sample: Sample) -> AgentLoopOutput:
+            fields = {k: v for k, v in sample.items() if k != "agent_name"}
+            loop = self.agent_loops[sample.get("agent_name", self.default_agent)]
+            out = await loop.run(params, sample_index=i, **fields)
+            if on_finish is not None:
+                on_finish(i, out)
+            return out
+
+        tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(samples)]
+        watched: set[asyncio.Task[Any]] = {stepper, *tasks}
+        try:
+            while tasks and not all(t.done() for t in tasks):
+                finished, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for t in finished:
+                    watched.discard(t)
+                    if t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+                if stepper.done():
+                    raise RuntimeError("the engine's step loop ended with samples still running")
+            self.server.finish(done)
+            await stepper
+            return [t.result() for t in tasks]
+        except BaseException as e:
+            self.server.fail_pending(e)
+            for t in [*tasks, stepper]:
+                t.cancel()
+            await asyncio.gather(*tasks, stepper, return_exceptions=True)
+            for rid in self.server.engine.request_ids():
+                self.server.engine.abort(rid)
+            while self.server.engine.has_unfinished():
+                self.server.engine.step()
+            raise

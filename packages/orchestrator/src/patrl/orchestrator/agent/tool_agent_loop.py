@@ -1,0 +1,207 @@
+"""verl's ToolAgentLoop on patrl's engine: the model turn ends at the end of the assistant's
+turn (EOS) or at `</tool_call>`; the turn's calls are parsed (hermes), run in the tool pool,
+and their answers rendered by the tokenizer's chat template as tool messages and appended as
+token ids; then the model goes on, until a turn without calls, `max_assistant_turns`,
+`max_user_turns`, `response_length` tokens, or a tool turn that would leave the engine's
+max_model_len no room.
+
+Tokens in, tokens out: the trajectory is exactly the sampled ids plus the appended ids; model
+text is decoded only to find the calls, never encoded again. The appended ids are the
+template's rendering of what follows the model's turn: the end of the assistant's turn (less
+the EOS the model sampled), the tool messages, and the next assistant turn's opening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+from uuid import uuid4
+
+from patrl.orchestrator.agent.agent_loop import AgentLoop, AgentLoopOutput, TokenOutput
+from patrl.orchestrator.agent.tool_parser import TOOL_CALL_END, extract_tool_calls
+from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
+from patrl.rollout import SamplingParams
+
+_MARK = "\x00patrl-assistant-turn\x00"
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+
+
+class ToolAgentLoop(AgentLoop):
+    """verl's `tool_agent` loop. `pool` holds the tools; the keys are verl's
+    `rollout.multi_turn.*` (0 turns = no limit) and `response_length` (model and tool tokens
+    of a trajectory, verl's rollout.response_length). `eos_token_ids`: the ids that end an
+    assistant turn (the engine's). `stop_at_tool_call`: end a model turn at `</tool_call>`
+    (one call a turn; off: at EOS only, verl's way, several calls a turn)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        pool: ToolPool,
+        eos_token_ids: Sequence[int],
+        response_length: int,
+        max_assistant_turns: int | None = None,
+        max_user_turns: int | None = None,
+        max_parallel_calls: int = 1,
+        format: str = "hermes",
+        stop_at_tool_call: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(tokenizer)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tool agent loop needs a tokenizer with a chat template")
+        if response_length < 1 or max_parallel_calls < 1:
+            raise ValueError(
+                f"response_length ({response_length}) and max_parallel_calls "
+                f"({max_parallel_calls}) must be >= 1"
+            )
+        extract_tool_calls("", format)  # names an unsupported format now
+        self.pool = pool
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.response_length = response_length
+        self.max_assistant_turns = max_assistant_turns
+        self.max_user_turns = max_user_turns
+        self.max_parallel_calls = max_parallel_calls
+        self.format = format
+        self.stop_at_tool_call = stop_at_tool_call
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.tool_schemas = [
+            t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+            for t in pool.tools.values()
+        ]
+        self._base = self._render(_BASE, add_generation_prompt=False)
+        self._closing = self._base[self._base.rindex(_MARK) + len(_MARK) :]
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
+        """One sample: `raw_prompt` (its chat messages), optional `tools_kwargs` (verl's:
+        per tool name, {"create_kwargs": {...}}), `sample_index` (names its requests)."""
+        messages = kwargs["raw_prompt"]
+        tools_kwargs: Mapping[str, Any] = kwargs.get("tools_kwargs") or {}
+        prompt_ids = self.prompt_ids(messages)
+        ids = list(prompt_ids)
+        mask: list[int] = []
+        logprobs: list[float] = []
+        assistant_turns = user_turns = 0
+        calls = errors = truncated = 0
+        request = f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}"
+        while True:
+            params = self._turn_params(sampling_params, len(mask), assistant_turns)
+            turn = await self.server_manager.generate(
+                f"{request}-{assistant_turns}", prompt_ids=ids, sampling_params=params
+            )
+            ids += turn.token_ids
+            mask += [1] * len(turn.token_ids)
+            logprobs += turn.log_probs
+            assistant_turns += 1
+            if len(mask) >= self.response_length:
+                break
+            if self.max_assistant_turns and assistant_turns >= self.max_assistant_turns:
+                break
+            if self.max_user_turns and user_turns >= self.max_user_turns:
+                break
+            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+            _, parsed = extract_tool_calls(text, self.format)
+            if not parsed:
+                break
+            outcomes = await asyncio.gather(
+                *(
+                    self.pool.call(c, (tools_kwargs.get(c.name or "") or {}).get("create_kwargs"))
+                    for c in parsed[: self.max_parallel_calls]
+                )
+            )
+            calls += len(outcomes)
+            errors += sum(o.error is not None for o in outcomes)
+            truncated += sum(o.truncated for o in outcomes)
+            appended = self.tool_turn_ids(outcomes, self._ended_with_eos(turn))
+            if (
+                len(mask) + len(appended) >= self.response_length
+                or len(ids) + len(appended) >= self.server_manager.max_model_len
+            ):
+                break  # verl's rule: the trajectory never ends on a tool turn
+            ids += appended
+            mask += [0] * len(appended)
+            logprobs += [0.0] * len(appended)
+            user_turns += 1
+        n = len(prompt_ids)
+        return AgentLoopOutput(
+            prompt_ids=ids[:n],
+            response_ids=ids[n:],
+            response_mask=mask,
+            response_logprobs=logprobs,
+            num_turns=user_turns + assistant_turns + 1,
+            metrics={"tool_calls": calls, "tool_errors": errors, "tool_truncated": truncated},
+        )
+
+    # -------------------------------------------------------- chat template
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt: `messages` rendered with the tools' schemas and the assistant's turn
+        opened, encoded once."""
+        text = self._render(messages, add_generation_prompt=True, tools=self.tool_schemas or None)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def tool_turn_ids(self, outcomes: Sequence[ToolOutcome], ended_with_eos: bool) -> list[int]:
+        """What the template puts after a model turn that made calls: the rest of the
+        assistant's turn (its closing, less the EOS the model sampled), one tool message per
+        answer, and the next assistant turn's opening; encoded without special tokens added."""
+        tool_messages = [{"role": "tool", "content": o.text} for o in outcomes]
+        full = self._render([*_BASE, *tool_messages], add_generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError(
+                "the chat template renders a conversation followed by tool messages so that it "
+                "no longer starts with the conversation's own rendering; tool turns cannot be "
+                "appended as tokens with it"
+            )
+        closing = self._closing
+        if ended_with_eos:
+            eos_text = self._eos_text(closing)
+            closing = closing[len(eos_text) :]
+        return list(
+            self.tokenizer.encode(closing + full[len(self._base) :], add_special_tokens=False)
+        )
+
+    def _eos_text(self, closing: str) -> str:
+        """The text of the EOS token that opens the turn's closing ("" if none does)."""
+        for t in self.eos_token_ids:
+            text = self.tokenizer.decode([t], skip_special_tokens=False)
+            if text and closing.startswith(text):
+                return str(text)
+        return ""
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, **kwargs, **self.template_kwargs
+            )
+        )
+
+    # ---------------------------------------------------------------- turns
+
+    def _turn_params(self, params: SamplingParams, used: int, turn: int) -> SamplingParams:
+        """This turn's params: at most the response budget left, one sample, stopping at the
+        end of a call; a seeded sample draws turn t from seed + t."""
+        stop = tuple(params.stop)
+        stop_ids = set(params.stop_token_ids)
+        if self.stop_at_tool_call:
+            stop += (TOOL_CALL_END,) if TOOL_CALL_END not in stop else ()
+            end = self.tokenizer.encode(TOOL_CALL_END, add_special_tokens=False)
+            if len(end) == 1:  # a special token that decoding might hide
+                stop_ids.add(end[0])
+        return dataclasses.replace(
+            params,
+            n=1,
+            max_tokens=max(1, min(params.max_tokens, self.response_length - used)),
+            stop=stop,
+            stop_token_ids=frozenset(stop_ids),
+            seed=None if params.seed is None else (params.seed + turn) % (1 << 62),
+        )
+
+    def _ended_with_eos(self, turn: TokenOutput) -> bool:
+        return (
+            turn.finish_reason == "stop"
+            and bool(turn.token_ids)
+            and turn.token_ids[-1] in self.eos_token_ids
+        )
