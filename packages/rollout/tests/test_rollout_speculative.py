@@ -16,8 +16,10 @@ import torch
 from pydantic import ValidationError
 from rollout_tokenizers import bpe_tokenizer, save_text_model
 
+import patrl.rollout.model_runner as model_runner
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
+from patrl.rollout.model_runner import verify_chunks
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.sampler import SamplingParams, make_generator, sample, verify_drafts
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_hf_model
@@ -113,6 +115,55 @@ def test_a_compute_bound_cost_turns_speculation_off_and_changes_nothing(tmp_path
         for a, b in zip(want, two_rollouts(e, batch, greedy, greedy), strict=True):
             assert_same(a, b)
         assert (e.stats()["spec_drafted_tokens"] > 0) is speculates
+
+
+def test_verify_rows_sampled_in_chunks_give_what_one_pass_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU a verify step's logits go through `verify_drafts` in chunks of whole sequences'
+    rows under `sample_chunk_bytes`, as the one-token path's do: chunks of at most 5 rows
+    (a sequence of 1 + 4 fits; longer drafts are a chunk of their own) give the tokens of one
+    pass, bit for bit for the greedy and seeded requests (each sequence draws from its own
+    generator and the same logits rows), and logprobs within TOL (the chunked head is one
+    matmul into a kept buffer instead of the layer's forward)."""
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path)
+    batch = prompts(4, hf.config.vocab_size, seed=12)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=3, logprobs=2),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True, n=3),
+        SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=30, ignore_eos=True, n=2),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, n=2),
+    ]
+    runs, calls = [], []
+    for chunked in (False, True):
+        e = engine(model, True, speculative={"enable": True, "max_num_seqs": 0,
+                                             "num_speculative_tokens": 6})  # fmt: skip
+        vocab = e.model.config.vocab_size
+        e.runner.sample_chunk_bytes = 4 * 6 * vocab if chunked else None  # 5 rows a chunk
+        seen: list[tuple[int, int]] = []  # (logit rows, sequences) of each verify_drafts call
+
+        def spy(logits: torch.Tensor, drafts: Any, *rest: Any, seen: list = seen) -> Any:
+            seen.append((len(logits), len(drafts)))
+            return verify_drafts(logits, drafts, *rest)
+
+        monkeypatch.setattr(model_runner, "verify_drafts", spy)
+        runs.append(two_rollouts(e, batch, params, params))
+        assert e.stats()["spec_accepted_tokens"] > 0
+        calls.append(seen)
+    whole, parts = calls
+    # the same schedule (same tokens, same drafts), each verify step split into several calls
+    assert sum(r for r, _ in whole) == sum(r for r, _ in parts) and len(parts) > len(whole)
+    assert all(r <= 5 or n == 1 for r, n in parts)  # a longer draft is verified alone
+    assert any(r > 5 for r, _ in parts)
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert_same(a, b)
+
+
+def test_verify_chunks_keep_sequences_whole() -> None:
+    assert verify_chunks([1, 5, 3, 2, 7, 1], 5) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)]
+    assert verify_chunks([2, 2, 1], 5) == [(0, 3)]
+    assert verify_chunks([9], 5) == [(0, 1)]
 
 
 @pytest.fixture(scope="module")
