@@ -108,7 +108,7 @@ def test_a_compute_bound_cost_turns_speculation_off_and_changes_nothing(tmp_path
     batch = prompts(3, 250, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
     want = two_rollouts(engine(model, False), batch, greedy, greedy)
-    for cost, speculates in ((lambda s, t: float(t), False), (lambda s, t: 1.0, True)):
+    for cost, speculates in ((lambda s, t, c: float(t), False), (lambda s, t, c: 1.0, True)):
         e = engine(model, True)
         assert e.drafter is not None
         e.drafter.step_cost = cost
@@ -164,6 +164,54 @@ def test_verify_chunks_keep_sequences_whole() -> None:
     assert verify_chunks([1, 5, 3, 2, 7, 1], 5) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)]
     assert verify_chunks([2, 2, 1], 5) == [(0, 3)]
     assert verify_chunks([9], 5) == [(0, 1)]
+
+
+def test_a_latency_profile_turns_speculation_on_or_off_and_is_checked(tmp_path: Path) -> None:
+    """`speculative.latency_profile`: a profile of this model whose steps cost the same
+    whatever their rows (weight-bound) lets every step draft; one whose steps cost in
+    proportion to their rows (compute-bound) lets none; the tokens are the same either way.
+    A profile of another model or an unreadable file is refused naming the key."""
+    from patrl.lenpredict import ProfileMismatchError
+    from patrl.rollout.profile import model_info
+    from patrl_testkit.profiles import profile_from
+
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path / "m")
+    batch = prompts(3, hf.config.vocab_size, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    want = two_rollouts(engine(model, False), batch, greedy, greedy)
+    info = model_info(model, engine(model, False))
+    for name, step, speculates in (
+        ("flat", lambda tp, b, c: 0.01, True),
+        ("linear", lambda tp, b, c: 1e-3 * b, False),
+    ):
+        profile = profile_from(step, tp_sizes=(1,)).model_copy(update={"model": info})
+        profile.save(tmp_path / f"{name}.json")
+        spec = {
+            "enable": True,
+            "max_num_seqs": 0,
+            "latency_profile": str(tmp_path / f"{name}.json"),
+        }
+        e = engine(model, True, speculative=spec)
+        for a, b in zip(want, two_rollouts(e, batch, greedy, greedy), strict=True):
+            assert_same(a, b)
+        assert (e.stats()["spec_drafted_tokens"] > 0) is speculates
+    other = profile_from(lambda tp, b, c: 0.01, tp_sizes=(1,))  # the kit's TINY shape
+    other.save(tmp_path / "other.json")
+    with pytest.raises(
+        ProfileMismatchError,
+        match=r"latency_profile=.*other\.json. is a profile of a model with \w+=\d+, the engine",
+    ):
+        engine(
+            model,
+            True,
+            speculative={"enable": True, "latency_profile": str(tmp_path / "other.json")},
+        )
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"latency_profile=.*bad\.json. is not a readable"):
+        engine(
+            model, True, speculative={"enable": True, "latency_profile": str(tmp_path / "bad.json")}
+        )
 
 
 @pytest.fixture(scope="module")

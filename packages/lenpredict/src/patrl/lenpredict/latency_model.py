@@ -5,7 +5,9 @@ running sequences, C their total context, M the longest one's; the padded term e
 gathers blocks padded to the longest) and up to two knees are kept only when cross-validation
 says they predict held-out rows better. Coefficients are fitted on relative error (the planner
 compares ratios of times) and the slope never drops below zero. Prefill of sequences of T_i
-tokens: a + Σ_i (s + b·T_i + c·T_i²). Collectives: α + bytes/β per (op, group size).
+tokens: a + Σ_i (s + b·T_i + c·T_i²). A speculative verify step of B sequences carrying Q query
+tokens in all: the decode step's t(B, C) + v·(Q − B), v ≥ 0 fitted on the verify rows' excess
+over the decode fit. Collectives: α + bytes/β per (op, group size).
 See docs/adaptive_tp.md.
 """
 
@@ -25,6 +27,7 @@ from patrl.lenpredict.profile_schema import (
     PrefillRow,
     Profile,
     SwitchRow,
+    VerifyRow,
 )
 
 
@@ -269,6 +272,9 @@ class LatencyModel:
     switch_per_seq_s: dict[tuple[int, int], float] = field(default_factory=dict)
     # (src tp, dst tp) -> seconds each context token in flight adds beyond its KV bytes
     switch_per_token_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    # tp -> seconds each query token past the first of a sequence adds to a decode step
+    # (fitted on verify rows; a tp without them prices its extra tokens as sequences)
+    verify_per_token_s: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, profile: Profile, context_form: ContextForm | None = None) -> LatencyModel:
@@ -296,6 +302,10 @@ class LatencyModel:
             prefill_coef=prefill_coef,
             collective_coef=collective_coef,
         )
+        for tp in sorted({r.tp for r in profile.verify} & set(step_fits)):
+            latency.verify_per_token_s[tp] = latency._fit_verify(
+                [r for r in profile.verify if r.tp == tp]
+            )
         for pair in {(r.src_tp, r.dst_tp) for r in profile.switches}:
             pair_rows = [r for r in profile.switches if (r.src_tp, r.dst_tp) == pair]
             fit = latency._fit_switch(pair_rows)
@@ -331,6 +341,35 @@ class LatencyModel:
         if not empty:
             return float(np.median(beyond)), 0.0, 0.0
         return fixed, max(0.0, float(np.median((beyond - fixed) / n))), 0.0
+
+    def _fit_verify(self, rows: Sequence[VerifyRow]) -> float:
+        """v of the module docstring: the least-squares slope through the origin of each verify
+        row's excess over the decode fit at its batch and context against its extra query
+        tokens, B·(q − 1); never below 0 (more query tokens never make a step cheaper)."""
+        extra = np.array([r.batch * (r.query_len - 1) for r in rows], dtype=float)
+        decode = self.step_time(
+            rows[0].tp,
+            np.array([r.batch for r in rows], dtype=float),
+            np.array([r.context_tokens for r in rows], dtype=float),
+        )
+        excess = np.array([r.seconds for r in rows]) - decode
+        return max(0.0, float(extra @ excess / (extra @ extra)))
+
+    def verify_time(
+        self, tp: int, batch: float, query_tokens: float, context_tokens: float
+    ) -> float:
+        """Seconds of a decode step of `batch` sequences carrying `query_tokens` query tokens in
+        all (`batch`: a plain decode step; more: a speculative verify step) over
+        `context_tokens` of context. With verify rows for `tp`: the decode fit plus the fitted
+        price of each extra token. Without: the extra tokens priced as that many more decode
+        sequences holding no more context (their rows through the layers and the sampler),
+        an estimate that measured verify rows replace."""
+        if query_tokens < batch:
+            raise ValueError(f"query_tokens={query_tokens} < batch={batch}: one token at least")
+        per_token = self.verify_per_token_s.get(tp)
+        if per_token is None:
+            return float(self.step_time(tp, query_tokens, context_tokens))
+        return float(self.step_time(tp, batch, context_tokens)) + per_token * (query_tokens - batch)
 
     @property
     def tp_sizes(self) -> list[int]:

@@ -56,6 +56,13 @@ class SpeculativeConfig(BaseModel):
         8, ge=0, description="earlier responses kept per prompt for the history source"
     )
     history_prompts: int = Field(4096, gt=0, description="prompts whose history is kept")
+    latency_profile: str | None = Field(
+        None,
+        description="a latency profile (python -m patrl.rollout.profile) that prices each "
+        "step: a step drafts only when the tokens its drafts are expected to add beat what "
+        "their query tokens cost (so large batches stay off by themselves); None = every "
+        "step of at most max_num_seqs sequences drafts",
+    )
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:

@@ -41,9 +41,10 @@ SOURCES = ("group", "history", "prompt")
 
 class StepCost(Protocol):
     """Seconds of a decode step of `num_seqs` sequences carrying `num_tokens` query tokens in
-    all (a latency profile with a query-length axis; tests inject one)."""
+    all over `context_tokens` of context (`profile_step_cost`: a latency profile's verify
+    prices; tests inject one)."""
 
-    def __call__(self, num_seqs: int, num_tokens: int) -> float: ...
+    def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int) -> float: ...
 
 
 class Sample(Protocol):
@@ -239,17 +240,19 @@ class Drafter:
         drafted = sum(self.counts.drafted.values())
         return (sum(self.counts.accepted.values()) + 1) / (drafted + 2)
 
-    def pays(self, draft_lens: Sequence[int]) -> bool:
-        """Whether a decode step whose sequences carry drafts of `draft_lens` tokens is
-        expected to emit tokens faster than the step without them: (B + expected accepted)
-        / cost(B, B + D) > B / cost(B, B), a draft of d accepting sum_k a^k tokens at the
-        acceptance a so far. Always, without a `step_cost`."""
+    def pays(self, draft_lens: Sequence[int], context_tokens: int = 0) -> bool:
+        """Whether a decode step whose sequences carry drafts of `draft_lens` tokens over
+        `context_tokens` of context is expected to emit tokens faster than the step without
+        them: (B + expected accepted) / cost(B, B + D, C) > B / cost(B, B, C), a draft of d
+        accepting sum_k a^k tokens at the acceptance a so far. Always, without a
+        `step_cost`."""
         b, d = len(draft_lens), sum(draft_lens)
         if self.step_cost is None or d == 0:
             return True
         a = self.acceptance()
         gain = sum(sum(a**k for k in range(1, n + 1)) for n in draft_lens)
-        return (b + gain) * self.step_cost(b, b) > b * self.step_cost(b, b + d)
+        cost = self.step_cost
+        return (b + gain) * cost(b, b, context_tokens) > b * cost(b, b + d, context_tokens)
 
     def propose(self, seq_id: int, context: Sequence[int], limit: int) -> Draft:
         """A draft of at most min(`limit`, the sample's draft length) tokens continuing
@@ -349,8 +352,9 @@ class Drafter:
         return group
 
 
-def new_drafter(config: SpeculativeConfig) -> Drafter | None:
-    """The drafter `config` asks for; None when speculation is off."""
+def new_drafter(config: SpeculativeConfig, step_cost: StepCost | None = None) -> Drafter | None:
+    """The drafter `config` asks for, pricing steps with `step_cost` (None: every step of at
+    most `max_num_seqs` sequences speculates); None when speculation is off."""
     if not config.enable:
         return None
     return Drafter(
@@ -362,4 +366,5 @@ def new_drafter(config: SpeculativeConfig) -> Drafter | None:
         config.history_prompts,
         config.adaptive_draft_length,
         config.max_num_seqs,
+        step_cost,
     )
