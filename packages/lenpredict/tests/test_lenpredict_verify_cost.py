@@ -13,16 +13,16 @@ def gpu_like(tp: int, batch: int, context: int) -> float:
     return 0.01 + 1e-4 * max(0, batch - 64) + 1e-9 * context
 
 
-def with_verify(profile: Profile, per_token_s: float) -> Profile:
-    """`profile` plus verify rows that cost the decode step plus `per_token_s` a query token
-    past each sequence's first."""
+def with_verify(profile: Profile, per_token_s: float, fixed_s: float = 0.0) -> Profile:
+    """`profile` plus verify rows that cost the decode step plus `fixed_s` plus `per_token_s` a
+    query token past each sequence's first."""
     rows = [
         VerifyRow(
             tp=1,
             batch=b,
             query_len=q,
             context_tokens=c,
-            seconds=gpu_like(1, b, c) + per_token_s * b * (q - 1),
+            seconds=gpu_like(1, b, c) + fixed_s + per_token_s * b * (q - 1),
         )
         for b in (1, 4, 16)
         for q in (2, 5)
@@ -31,22 +31,25 @@ def with_verify(profile: Profile, per_token_s: float) -> Profile:
     return profile.model_copy(update={"verify": rows})
 
 
-def test_verify_rows_price_each_extra_query_token() -> None:
-    latency = LatencyModel.fit(with_verify(profile_from(gpu_like, tp_sizes=(1,)), 2e-5))
-    assert latency.verify_per_token_s[1] == pytest.approx(2e-5, rel=1e-3)
-    want = float(latency.step_time(1, 4, 2048)) + 2e-5 * 12
+def test_verify_rows_price_verifying_and_each_extra_query_token() -> None:
+    latency = LatencyModel.fit(with_verify(profile_from(gpu_like, tp_sizes=(1,)), 2e-5, 3e-4))
+    assert latency.verify_s[1] == pytest.approx((3e-4, 2e-5), rel=1e-3)
+    want = float(latency.step_time(1, 4, 2048)) + 3e-4 + 2e-5 * 12
     assert latency.verify_time(1, 4, 16, 2048) == pytest.approx(want, rel=1e-3)
     assert latency.verify_time(1, 4, 4, 2048) == pytest.approx(float(latency.step_time(1, 4, 2048)))
 
 
 def test_verify_rows_cheaper_than_the_decode_fit_price_nothing_below_zero() -> None:
     latency = LatencyModel.fit(with_verify(profile_from(gpu_like, tp_sizes=(1,)), -1e-4))
-    assert latency.verify_per_token_s[1] == 0.0
+    assert latency.verify_s[1] == (0.0, 0.0)
+    latency = LatencyModel.fit(with_verify(profile_from(gpu_like, tp_sizes=(1,)), -1e-5, 1e-3))
+    fixed, per_token = latency.verify_s[1]
+    assert per_token == 0.0 and fixed > 0.0
 
 
 def test_without_verify_rows_extra_tokens_are_priced_as_sequences() -> None:
     latency = LatencyModel.fit(profile_from(gpu_like, tp_sizes=(1, 2)))
-    assert latency.verify_per_token_s == {}
+    assert latency.verify_s == {}
     for batch, tokens in ((2, 10), (128, 640)):
         want = float(latency.step_time(1, tokens, 4096))
         assert latency.verify_time(1, batch, tokens, 4096) == pytest.approx(want)

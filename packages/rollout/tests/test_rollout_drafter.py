@@ -181,3 +181,28 @@ def test_a_profiles_step_cost_speculates_in_the_tail_and_never_at_large_batch() 
     assert not drafter.pays([4] * 256, 25600) and not drafter.pays([1] * 256, 25600)
     with pytest.raises(KeyError, match="tp=2"):
         profile_step_cost(LatencyModel.fit(profile_from(gpu_like, tp_sizes=(1,))), 2)
+
+
+def test_a_profiles_step_cost_is_the_latency_models_verify_time() -> None:
+    """`profile_step_cost` evaluates the fit in plain Python; its twin is `verify_time`, with
+    and without verify rows, on a fit with knees."""
+    from patrl_testkit.profiles import profile_from
+
+    from patrl.lenpredict import LatencyModel, VerifyRow
+    from patrl.rollout.spec_cost import profile_step_cost
+
+    def knees(tp: int, batch: int, context: int) -> float:
+        return 0.01 + 1e-4 * max(0, batch - 8) - 5e-5 * max(0, batch - 64) + 1e-9 * context
+
+    plain = profile_from(knees, tp_sizes=(1,))
+    rows = [
+        VerifyRow(tp=1, batch=b, query_len=q, context_tokens=c, seconds=knees(1, b, c) + 3e-4 * q)
+        for b in (1, 4, 16)
+        for q in (2, 5)
+        for c in (100, 1000)
+    ]
+    for profile in (plain, plain.model_copy(update={"verify": rows})):
+        latency = LatencyModel.fit(profile)
+        cost = profile_step_cost(latency, 1)
+        for b, q, c in ((1, 1, 50), (3, 3, 900), (2, 10, 300), (40, 200, 8000), (200, 900, 10**5)):
+            assert cost(b, q, c) == pytest.approx(latency.verify_time(1, b, q, c), rel=1e-9)

@@ -31,11 +31,23 @@ _SHAPE = {
 
 
 def profile_step_cost(latency: LatencyModel, tp: int) -> StepCost:
-    """The drafter's `step_cost` at TP size `tp`: `latency.verify_time`."""
-    latency.step_time(tp, 1, 0)  # a tp the profile lacks raises here, naming what it has
+    """The drafter's `step_cost` at TP size `tp`: `latency.verify_time`, evaluated in plain
+    Python from the fit's coefficients (a scheduler calls it twice a decode step, where
+    numpy's per-call overhead would show; tests hold it to `verify_time`)."""
+    fixed, per_seq, per_token, per_padded, knees, changes = latency.step_coefficients(tp)
+    bends = list(zip(knees, changes, strict=True))
+    verify = latency.verify_s.get(tp)
+
+    def step(num_seqs: float, context_tokens: float) -> float:
+        t = fixed + per_seq * num_seqs + (per_token + per_padded) * context_tokens
+        return t + sum(change * max(0.0, num_seqs - knee) for knee, change in bends)
 
     def cost(num_seqs: int, num_tokens: int, context_tokens: int) -> float:
-        return latency.verify_time(tp, num_seqs, num_tokens, context_tokens)
+        if num_tokens == num_seqs:
+            return step(num_seqs, context_tokens)
+        if verify is None:
+            return step(num_tokens, context_tokens)
+        return step(num_seqs, context_tokens) + verify[0] + verify[1] * (num_tokens - num_seqs)
 
     return cost
 
