@@ -186,10 +186,9 @@ def test_a_profiles_step_cost_speculates_in_the_tail_and_never_at_large_batch() 
 def test_a_profiles_step_cost_is_the_latency_models_verify_time() -> None:
     """`profile_step_cost` evaluates the fit in plain Python; its twin is `verify_time`, with
     and without verify rows, on a fit with knees."""
-    from patrl_testkit.profiles import profile_from
-
     from patrl.lenpredict import LatencyModel, VerifyRow
     from patrl.rollout.spec_cost import profile_step_cost
+    from patrl_testkit.profiles import profile_from
 
     def knees(tp: int, batch: int, context: int) -> float:
         return 0.01 + 1e-4 * max(0, batch - 8) - 5e-5 * max(0, batch - 64) + 1e-9 * context
