@@ -548,6 +548,76 @@ def test_tp2_ranks_draft_and_verify_alike_and_greedy_matches_tp1(tmp_path: Path)
             assert logprobs == pytest.approx(c.logprobs, abs=TOL)
 
 
+def _fold_body(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    """Two TP-1 replicas draft from histories that differ under the same prompt keys (each
+    saw other prompts as "k0".."k2"; one sample a prompt, so drafts come from history), then
+    fold into one TP-2 group mid-rollout: its ranks must draft alike from there on (else
+    their steps differ in size and a collective or the TP check fails)."""
+    from patrl.rollout.adaptive import reconfigure
+    from patrl.tpreshard import GroupCache
+
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    config = EngineConfig(
+        model=model_dir,
+        block_size=4,
+        num_kv_blocks=256,
+        max_model_len=128,
+        speculative={"enable": True, "max_num_seqs": 0},
+    )
+    e = Engine(config, groups.layout(1), groups)
+    mine = prompts(3, 250, seed=20 + rank)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    keys = [f"k{i}" for i in range(3)]
+    e.generate(mine, greedy, prompt_keys=keys)  # history, other on each replica
+    ids = [
+        e.add_request(p, greedy, request_id=f"r{rank}-{i}", prompt_key=k)
+        for i, (p, k) in enumerate(zip(mine, keys, strict=True))
+    ]
+    done: dict[str, Any] = {}
+    for _ in range(4):
+        for out in e.step():
+            done[out.request_id] = out
+    before = e.stats()["spec_accepted_tokens"]
+    reconfigure(e, 2)
+    assert e.layout.tp_size == 2 and not done and e.drafter is not None
+    merged = (e.drafter.state_dict(), e.drafter.acceptance())
+    while e.has_unfinished():
+        for out in e.step():
+            done[out.request_id] = out
+    assert set(ids) <= set(done)
+    return {
+        "outputs": {
+            rid: [(c.token_ids, c.logprobs) for c in out.outputs] for rid, out in done.items()
+        },
+        "merged": merged,
+        "accepted_before": before,
+        "accepted_after": e.stats()["spec_accepted_tokens"] - before,
+    }
+
+
+@pytest.mark.multirank
+def test_greedy_tokens_across_a_fold_match_an_engine_without_speculation(tmp_path: Path) -> None:
+    """Adaptive TP with speculation: two speculating replicas fold into one TP-2 group
+    mid-rollout (`reconfigure`, KV migrated); both ranks return the same tokens, speculation
+    ran before and after the fold, and every greedy output equals one engine's without
+    speculation (tokens exactly, logprobs within TOL)."""
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    per_rank = run_ranks(_fold_body, world_size=2, args=(str(model),), timeout_s=240)
+    assert per_rank[0]["merged"] == per_rank[1]["merged"]  # the drafters were made alike
+    assert per_rank[0]["outputs"] == per_rank[1]["outputs"]
+    assert len(per_rank[0]["outputs"]) == 3 * 2
+    assert all(r["accepted_before"] > 0 and r["accepted_after"] > 0 for r in per_rank)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    off = engine(model, False)
+    for rank in range(2):
+        want = off.generate(prompts(3, 250, seed=20 + rank), greedy)
+        for i, w in enumerate(want):
+            got = per_rank[0]["outputs"][f"r{rank}-{i}"]
+            assert [c.token_ids for c in w.outputs] == [ids for ids, _ in got]
+            for c, (_, logprobs) in zip(w.outputs, got, strict=True):
+                assert logprobs == pytest.approx(c.logprobs, abs=TOL)
+
+
 def test_a_verify_step_makes_one_host_sync_plus_one_for_top_k_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

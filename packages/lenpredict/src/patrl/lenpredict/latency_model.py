@@ -304,9 +304,7 @@ class LatencyModel:
             collective_coef=collective_coef,
         )
         for tp in sorted({r.tp for r in profile.verify} & set(step_fits)):
-            latency.verify_s[tp] = latency._fit_verify(
-                [r for r in profile.verify if r.tp == tp]
-            )
+            latency.verify_s[tp] = latency._fit_verify([r for r in profile.verify if r.tp == tp])
         for pair in {(r.src_tp, r.dst_tp) for r in profile.switches}:
             pair_rows = [r for r in profile.switches if (r.src_tp, r.dst_tp) == pair]
             fit = latency._fit_switch(pair_rows)

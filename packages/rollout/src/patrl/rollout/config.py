@@ -12,7 +12,7 @@ from patrl.rollout.layers.attention.registry import (
     resolve_attention_backend,
     resolve_block_size,
 )
-from patrl.rollout.tp_policy import AdaptiveTP, StaticTP, TPPolicy
+from patrl.rollout.tp_policy import StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -171,15 +171,6 @@ class EngineConfig(BaseModel):
             "attention_backend": backend,
             "block_size": resolved if raw is None else raw,
         }
-
-    @model_validator(mode="after")
-    def _speculation_at_static_tp(self) -> EngineConfig:
-        if self.speculative.enable and isinstance(self.tp_policy, AdaptiveTP):
-            raise ValueError(
-                "speculative.enable=True runs at static TP only (a fold's ranks would hold "
-                "different draft histories): use tp_policy=StaticTP or turn speculation off"
-            )
-        return self
 
     @field_validator("attention_backend")
     @classmethod

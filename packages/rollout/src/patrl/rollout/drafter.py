@@ -24,7 +24,8 @@ adapts to its own acceptance (`record`).
 Drafts only decide how many tokens a step tries: the engine verifies every one against the
 model, so a draft can be stale, wrong or missing without changing any output. Everything here
 is a function of the tokens it was shown, in order, so every rank of a TP group proposes the
-same drafts.
+same drafts; a fold (adaptive TP) makes its merged group's ranks alike again
+(`merge_reset`).
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ class Drafter:
         self.step_cost = step_cost
         self.history: OrderedDict[Hashable, list[list[int]]] = OrderedDict()
         self.counts = DraftStats()
+        self._tally = [0, 0]  # accepted, drafted tokens: what `acceptance` reads
         self._groups: dict[Hashable, _Group] = {}
         self._samples: dict[int, _Sample] = {}
 
@@ -236,9 +238,19 @@ class Drafter:
         return self.max_num_seqs == 0 or num_seqs <= self.max_num_seqs
 
     def acceptance(self) -> float:
-        """The share of drafted tokens accepted so far, starting from one in two."""
-        drafted = sum(self.counts.drafted.values())
-        return (sum(self.counts.accepted.values()) + 1) / (drafted + 2)
+        """The share of drafted tokens accepted so far (since the last `merge_reset`),
+        starting from one in two."""
+        accepted, drafted = self._tally
+        return (accepted + 1) / (drafted + 2)
+
+    def merge_reset(self) -> None:
+        """Forget what the ranks of a merged TP group may hold apart (a fold brings together
+        ranks of replicas that drafted for other prompts): the history and the acceptance
+        `pays` reads, on every rank of the new group alike. In-flight groups are already
+        gone (every sample was exported); imported samples join afresh on first sight, in
+        the scheduler's order, the same on every rank. `counts` (metrics) stay."""
+        self.history.clear()
+        self._tally = [0, 0]
 
     def pays(self, draft_lens: Sequence[int], context_tokens: int = 0) -> bool:
         """Whether a decode step whose sequences carry drafts of `draft_lens` tokens over
@@ -281,6 +293,8 @@ class Drafter:
             return
         self.counts.drafted[draft.source] += len(draft.tokens)
         self.counts.accepted[draft.source] += accepted
+        self._tally[0] += accepted
+        self._tally[1] += len(draft.tokens)
         sample = self._samples.get(seq_id)
         if sample is None or not self.adaptive:
             return
