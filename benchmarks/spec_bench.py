@@ -185,6 +185,12 @@ def main() -> None:
     parser.add_argument(
         "--spec-max-seqs", type=int, default=16, help="speculative.max_num_seqs (0: always)"
     )
+    parser.add_argument(
+        "--latency-profile",
+        type=Path,
+        help="speculative.latency_profile: steps draft only where the profile says it pays "
+        "(python -m patrl.rollout.profile ... --query-lens 2 3 5 measures verify rows)",
+    )
     parser.add_argument("--random-model", action="store_true", help="skip the demo model")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/patrl_spec_bench_model"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench.json"))
@@ -217,6 +223,7 @@ def main() -> None:
                     "enable": spec,
                     "num_speculative_tokens": args.draft,
                     "max_num_seqs": args.spec_max_seqs,
+                    "latency_profile": args.latency_profile and str(args.latency_profile),
                 },
             )
         )
@@ -250,6 +257,8 @@ def main() -> None:
             "lengths": tail_lengths(args.n) if cap is None else f"to EOS, at most {cap}",
             "tail_max_running": args.tail,
             "num_speculative_tokens": args.draft,
+            "spec_max_seqs": args.spec_max_seqs,
+            "latency_profile": args.latency_profile and str(args.latency_profile),
         },
         "threads": args.threads,
         "repeats": args.repeats,

@@ -145,9 +145,9 @@ def test_a_step_speculates_where_its_injected_cost_says_it_pays() -> None:
     """Weight-bound (a step costs the same whatever its tokens): drafting always pays.
     Compute-bound (cost in proportion to tokens): never, a draft is accepted in part. Both
     (a fixed cost plus a per-token one): in the small-batch tail, not at large batch."""
-    weights = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 1.0)
-    compute = Drafter(max_draft=4, step_cost=lambda seqs, tokens: float(tokens))
-    both = Drafter(max_draft=4, step_cost=lambda seqs, tokens: 10.0 + tokens)
+    weights = Drafter(max_draft=4, step_cost=lambda seqs, tokens, context: 1.0)
+    compute = Drafter(max_draft=4, step_cost=lambda seqs, tokens, context: float(tokens))
+    both = Drafter(max_draft=4, step_cost=lambda seqs, tokens, context: 10.0 + tokens)
     assert weights.acceptance() == 0.5  # the prior: one in two
     assert weights.pays([4]) and weights.pays([4] * 64)
     assert not compute.pays([4]) and not compute.pays([1] * 8)
@@ -162,3 +162,46 @@ def test_a_step_speculates_where_its_injected_cost_says_it_pays() -> None:
     assert both.acceptance() < 0.02
     assert not both.pays([4])
     assert Drafter(max_draft=4).pays([4] * 1000)  # no cost model: the batch-size rule alone
+
+
+def test_a_profiles_step_cost_speculates_in_the_tail_and_never_at_large_batch() -> None:
+    """The default cost from a latency profile (no verify rows: extra query tokens priced as
+    decode sequences): a GPU-like step, flat up to batch 64 and compute-bound past it, drafts
+    at batch 2 and 8 and stays off at 256, where the same drafts cost more than they add."""
+    from patrl.lenpredict import LatencyModel
+    from patrl.rollout.spec_cost import profile_step_cost
+    from patrl_testkit.profiles import profile_from
+
+    def gpu_like(tp: int, batch: int, context: int) -> float:
+        return 0.01 + 1e-4 * max(0, batch - 64) + 1e-9 * context
+
+    cost = profile_step_cost(LatencyModel.fit(profile_from(gpu_like, tp_sizes=(1,))), 1)
+    drafter = Drafter(max_draft=4, step_cost=cost)
+    assert drafter.pays([4, 4], 200) and drafter.pays([4] * 8, 800)
+    assert not drafter.pays([4] * 256, 25600) and not drafter.pays([1] * 256, 25600)
+    with pytest.raises(KeyError, match="tp=2"):
+        profile_step_cost(LatencyModel.fit(profile_from(gpu_like, tp_sizes=(1,))), 2)
+
+
+def test_a_profiles_step_cost_is_the_latency_models_verify_time() -> None:
+    """`profile_step_cost` evaluates the fit in plain Python; its twin is `verify_time`, with
+    and without verify rows, on a fit with knees."""
+    from patrl.lenpredict import LatencyModel, VerifyRow
+    from patrl.rollout.spec_cost import profile_step_cost
+    from patrl_testkit.profiles import profile_from
+
+    def knees(tp: int, batch: int, context: int) -> float:
+        return 0.01 + 1e-4 * max(0, batch - 8) - 5e-5 * max(0, batch - 64) + 1e-9 * context
+
+    plain = profile_from(knees, tp_sizes=(1,))
+    rows = [
+        VerifyRow(tp=1, batch=b, query_len=q, context_tokens=c, seconds=knees(1, b, c) + 3e-4 * q)
+        for b in (1, 4, 16)
+        for q in (2, 5)
+        for c in (100, 1000)
+    ]
+    for profile in (plain, plain.model_copy(update={"verify": rows})):
+        latency = LatencyModel.fit(profile)
+        cost = profile_step_cost(latency, 1)
+        for b, q, c in ((1, 1, 50), (3, 3, 900), (2, 10, 300), (40, 200, 8000), (200, 900, 10**5)):
+            assert cost(b, q, c) == pytest.approx(latency.verify_time(1, b, q, c), rel=1e-9)

@@ -82,14 +82,42 @@ def _paged_batch(
         ([1, 1, 1], [9, 2, 13]),  # decode only (the batched path)
         ([1], [6]),  # one decode (the per-sequence path)
         ([6, 2], [6, 10]),
+        ([5, 1, 3, 2], [21, 9, 3, 14]),  # a verify step: 1 + d queries over cached context
+        ([70, 2, 1, 4], [70, 9, 5, 30]),  # a query too long to batch beside small ones
     ],
 )
+@pytest.mark.parametrize("max_batched_query", [65, 1])
 def test_sdpa_over_a_paged_cache_matches_the_naive_twin(
-    query_lens: list[int], context_lens: list[int]
+    query_lens: list[int], context_lens: list[int], max_batched_query: int
 ) -> None:
+    """Both the padded batched path (65: every query up to a verify step's 1 + 64) and the
+    per-sequence path (1: only decodes batched) against the definition."""
     ctx, q, k, v, twin = _paged_batch(query_lens, context_lens)
-    out = SdpaBackend().forward(q, k, v, 0, ctx)
+    out = SdpaBackend(max_batched_query).forward(q, k, v, 0, ctx)
     torch.testing.assert_close(out, torch.cat(twin), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_batched_small_queries_equal_the_per_sequence_path(dtype: torch.dtype) -> None:
+    """A verify-shaped batch on a real PagedKVCache (every slot random, tables with a padded
+    tail) through the padded path equals the per-sequence path it replaces, within rounding
+    (1e-5 in fp32, 2e-2 in bf16: the calls reduce in different orders), for three seeds; a
+    second call on the same context (a model's next layer) reuses its kept layout."""
+    lens, ctxs = [5, 1, 3, 2, 5], [37, 12, 4, 19, 5]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for seed in range(3):
+        ctx, q, k, v = random_paged_batch(lens, ctxs, HQ, HK, dtype, seed=seed)
+        fast = SdpaBackend().forward(q, k, v, 0, ctx)
+        ctx2, *_ = random_paged_batch(lens, ctxs, HQ, HK, dtype, seed=seed)
+        slow = SdpaBackend(max_batched_query=1).forward(q, k, v, 0, ctx2)
+        torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
+        again = SdpaBackend().forward(q, k, v, 0, ctx)  # the kept layout
+        assert torch.equal(again, fast)  # same inputs, same calls: bit for bit
+
+
+def test_sdpa_rejects_a_batched_query_limit_below_one() -> None:
+    with pytest.raises(ValueError, match="max_batched_query must be >= 1, got 0"):
+        SdpaBackend(0)
 
 
 def test_sdpa_writes_the_new_tokens_into_the_cache() -> None:

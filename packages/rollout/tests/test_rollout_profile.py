@@ -18,8 +18,10 @@ from patrl.rollout.profile import (
     engine_dtype,
     main,
     measure_decode,
+    measure_verify,
     model_info,
     profile_distributed,
+    profile_single,
     quick_grid,
 )
 from patrl_testkit.models import save_hf_model, tiny_hf_model
@@ -133,6 +135,36 @@ def test_decode_cells_of_shared_prompts_prefill_each_prompt_once(
     assert [r.num_tokens for r in engine.timeline if not r.is_prefill] == [7, 7, 7]
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 1, got 0"):
         ProfileGrid(samples_per_prompt=0)
+
+
+def test_verify_cells_carry_their_query_length_and_price_the_extra_tokens(
+    models: dict[str, Any],
+) -> None:
+    """A verify cell's timed steps carry batch x q query tokens (FixedDrafts), the engine's own
+    drafter (none) comes back after, and a grid with query_lens writes verify rows that fit
+    into non-negative prices of verifying and of each extra token (the clock is this thread's CPU time)."""
+    engine = Engine(EngineConfig(model=str(models["tiny"]), dtype="float32", device="cpu"))
+    assert measure_verify(engine, 3, 20, 4, 3, seed=0) > 0
+    decodes = [r.num_tokens for r in engine.timeline if not r.is_prefill]
+    assert decodes[:3] == [12, 12, 12] and engine.drafter is None
+    assert engine.scheduler.drafter is None and engine.stats().get("spec_drafted_tokens") is None
+    grid = ProfileGrid(
+        batch_sizes=(1, 4),
+        contexts=(16,),
+        prefill_tokens=(8,),
+        prefill_seqs=(1,),
+        decode_steps=3,
+        passes=1,
+        warmup_steps=2,
+        query_lens=(3,),
+        clock="cpu",
+    )
+    profile = profile_single(EngineConfig(model=str(models["tiny"]), dtype="float32"), grid)
+    assert {(r.batch, r.query_len) for r in profile.verify} == {(1, 3), (4, 3)}
+    assert min(LatencyModel.fit(profile).verify_s[1]) >= 0.0
+    assert grid.max_model_len == 16 + 3 * 3 + 1
+    with pytest.raises(ValueError, match=r"query_lens must be integers > 1, got \(1,\)"):
+        ProfileGrid(query_lens=(1,))
 
 
 def _profile_body(rank: int, world_size: int, model: str) -> str | None:

@@ -16,8 +16,10 @@ import torch
 from pydantic import ValidationError
 from rollout_tokenizers import bpe_tokenizer, save_text_model
 
+import patrl.rollout.model_runner as model_runner
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
+from patrl.rollout.model_runner import verify_chunks
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.sampler import SamplingParams, make_generator, sample, verify_drafts
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_hf_model
@@ -106,13 +108,110 @@ def test_a_compute_bound_cost_turns_speculation_off_and_changes_nothing(tmp_path
     batch = prompts(3, 250, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
     want = two_rollouts(engine(model, False), batch, greedy, greedy)
-    for cost, speculates in ((lambda s, t: float(t), False), (lambda s, t: 1.0, True)):
+    for cost, speculates in ((lambda s, t, c: float(t), False), (lambda s, t, c: 1.0, True)):
         e = engine(model, True)
         assert e.drafter is not None
         e.drafter.step_cost = cost
         for a, b in zip(want, two_rollouts(e, batch, greedy, greedy), strict=True):
             assert_same(a, b)
         assert (e.stats()["spec_drafted_tokens"] > 0) is speculates
+
+
+def test_verify_rows_sampled_in_chunks_give_what_one_pass_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU a verify step's logits go through `verify_drafts` in chunks of whole sequences'
+    rows under `sample_chunk_bytes`, as the one-token path's do: chunks of at most 5 rows
+    (a sequence of 1 + 4 fits; longer drafts are a chunk of their own) give the tokens of one
+    pass, bit for bit for the greedy and seeded requests (each sequence draws from its own
+    generator and the same logits rows), and logprobs within TOL (the chunked head is one
+    matmul into a kept buffer instead of the layer's forward)."""
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path)
+    batch = prompts(4, hf.config.vocab_size, seed=12)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=3, logprobs=2),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True, n=3),
+        SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=30, ignore_eos=True, n=2),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, n=2),
+    ]
+    runs, calls = [], []
+    for chunked in (False, True):
+        e = engine(model, True, speculative={"enable": True, "max_num_seqs": 0,
+                                             "num_speculative_tokens": 6})  # fmt: skip
+        vocab = e.model.config.vocab_size
+        e.runner.sample_chunk_bytes = 4 * 6 * vocab if chunked else None  # 5 rows a chunk
+        seen: list[tuple[int, int]] = []  # (logit rows, sequences) of each verify_drafts call
+
+        def spy(logits: torch.Tensor, drafts: Any, *rest: Any, seen: list = seen) -> Any:
+            seen.append((len(logits), len(drafts)))
+            return verify_drafts(logits, drafts, *rest)
+
+        monkeypatch.setattr(model_runner, "verify_drafts", spy)
+        runs.append(two_rollouts(e, batch, params, params))
+        assert e.stats()["spec_accepted_tokens"] > 0
+        calls.append(seen)
+    whole, parts = calls
+    # the same schedule (same tokens, same drafts), each verify step split into several calls
+    assert sum(r for r, _ in whole) == sum(r for r, _ in parts) and len(parts) > len(whole)
+    assert all(r <= 5 or n == 1 for r, n in parts)  # a longer draft is verified alone
+    assert any(r > 5 for r, _ in parts)
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert_same(a, b)
+
+
+def test_verify_chunks_keep_sequences_whole() -> None:
+    assert verify_chunks([1, 5, 3, 2, 7, 1], 5) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)]
+    assert verify_chunks([2, 2, 1], 5) == [(0, 3)]
+    assert verify_chunks([9], 5) == [(0, 1)]
+
+
+def test_a_latency_profile_turns_speculation_on_or_off_and_is_checked(tmp_path: Path) -> None:
+    """`speculative.latency_profile`: a profile of this model whose steps cost the same
+    whatever their rows (weight-bound) lets every step draft; one whose steps cost in
+    proportion to their rows (compute-bound) lets none; the tokens are the same either way.
+    A profile of another model or an unreadable file is refused naming the key."""
+    from patrl.lenpredict import ProfileMismatchError
+    from patrl.rollout.profile import model_info
+    from patrl_testkit.profiles import profile_from
+
+    hf = tiny_hf_model("llama")
+    model = save_hf_model(hf, tmp_path / "m")
+    batch = prompts(3, hf.config.vocab_size, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    want = two_rollouts(engine(model, False), batch, greedy, greedy)
+    info = model_info(model, engine(model, False))
+    for name, step, speculates in (
+        ("flat", lambda tp, b, c: 0.01, True),
+        ("linear", lambda tp, b, c: 1e-3 * b, False),
+    ):
+        profile = profile_from(step, tp_sizes=(1,)).model_copy(update={"model": info})
+        profile.save(tmp_path / f"{name}.json")
+        spec = {
+            "enable": True,
+            "max_num_seqs": 0,
+            "latency_profile": str(tmp_path / f"{name}.json"),
+        }
+        e = engine(model, True, speculative=spec)
+        for a, b in zip(want, two_rollouts(e, batch, greedy, greedy), strict=True):
+            assert_same(a, b)
+        assert (e.stats()["spec_drafted_tokens"] > 0) is speculates
+    other = profile_from(lambda tp, b, c: 0.01, tp_sizes=(1,))  # the kit's TINY shape
+    other.save(tmp_path / "other.json")
+    with pytest.raises(
+        ProfileMismatchError,
+        match=r"latency_profile=.*other\.json. is a profile of a model with \w+=\d+, the engine",
+    ):
+        engine(
+            model,
+            True,
+            speculative={"enable": True, "latency_profile": str(tmp_path / "other.json")},
+        )
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"latency_profile=.*bad\.json. is not a readable"):
+        engine(
+            model, True, speculative={"enable": True, "latency_profile": str(tmp_path / "bad.json")}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +546,76 @@ def test_tp2_ranks_draft_and_verify_alike_and_greedy_matches_tp1(tmp_path: Path)
         assert [c.token_ids for c in want.outputs] == [ids for ids, _ in got]
         for c, (_, logprobs) in zip(want.outputs, got, strict=True):
             assert logprobs == pytest.approx(c.logprobs, abs=TOL)
+
+
+def _fold_body(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    """Two TP-1 replicas draft from histories that differ under the same prompt keys (each
+    saw other prompts as "k0".."k2"; one sample a prompt, so drafts come from history), then
+    fold into one TP-2 group mid-rollout: its ranks must draft alike from there on (else
+    their steps differ in size and a collective or the TP check fails)."""
+    from patrl.rollout.adaptive import reconfigure
+    from patrl.tpreshard import GroupCache
+
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    config = EngineConfig(
+        model=model_dir,
+        block_size=4,
+        num_kv_blocks=256,
+        max_model_len=128,
+        speculative={"enable": True, "max_num_seqs": 0},
+    )
+    e = Engine(config, groups.layout(1), groups)
+    mine = prompts(3, 250, seed=20 + rank)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    keys = [f"k{i}" for i in range(3)]
+    e.generate(mine, greedy, prompt_keys=keys)  # history, other on each replica
+    ids = [
+        e.add_request(p, greedy, request_id=f"r{rank}-{i}", prompt_key=k)
+        for i, (p, k) in enumerate(zip(mine, keys, strict=True))
+    ]
+    done: dict[str, Any] = {}
+    for _ in range(4):
+        for out in e.step():
+            done[out.request_id] = out
+    before = e.stats()["spec_accepted_tokens"]
+    reconfigure(e, 2)
+    assert e.layout.tp_size == 2 and not done and e.drafter is not None
+    merged = (e.drafter.state_dict(), e.drafter.acceptance())
+    while e.has_unfinished():
+        for out in e.step():
+            done[out.request_id] = out
+    assert set(ids) <= set(done)
+    return {
+        "outputs": {
+            rid: [(c.token_ids, c.logprobs) for c in out.outputs] for rid, out in done.items()
+        },
+        "merged": merged,
+        "accepted_before": before,
+        "accepted_after": e.stats()["spec_accepted_tokens"] - before,
+    }
+
+
+@pytest.mark.multirank
+def test_greedy_tokens_across_a_fold_match_an_engine_without_speculation(tmp_path: Path) -> None:
+    """Adaptive TP with speculation: two speculating replicas fold into one TP-2 group
+    mid-rollout (`reconfigure`, KV migrated); both ranks return the same tokens, speculation
+    ran before and after the fold, and every greedy output equals one engine's without
+    speculation (tokens exactly, logprobs within TOL)."""
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    per_rank = run_ranks(_fold_body, world_size=2, args=(str(model),), timeout_s=240)
+    assert per_rank[0]["merged"] == per_rank[1]["merged"]  # the drafters were made alike
+    assert per_rank[0]["outputs"] == per_rank[1]["outputs"]
+    assert len(per_rank[0]["outputs"]) == 3 * 2
+    assert all(r["accepted_before"] > 0 and r["accepted_after"] > 0 for r in per_rank)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    off = engine(model, False)
+    for rank in range(2):
+        want = off.generate(prompts(3, 250, seed=20 + rank), greedy)
+        for i, w in enumerate(want):
+            got = per_rank[0]["outputs"][f"r{rank}-{i}"]
+            assert [c.token_ids for c in w.outputs] == [ids for ids, _ in got]
+            for c, (_, logprobs) in zip(w.outputs, got, strict=True):
+                assert logprobs == pytest.approx(c.logprobs, abs=TOL)
 
 
 def test_a_verify_step_makes_one_host_sync_plus_one_for_top_k_rows(

@@ -38,6 +38,7 @@ from patrl.lenpredict.profile_schema import (
     Profile,
     ProfileMismatchError,
     SwitchRow,
+    VerifyRow,
 )
 from patrl.lenpredict.rollout_sim import (
     AdaptivePolicy,
@@ -88,6 +89,7 @@ __all__ = [
     "SimResult",
     "StaticPolicy",
     "SwitchRow",
+    "VerifyRow",
     "adaptive_ceiling",
     "assign_prompts",
     "assign_replicas",

@@ -5,7 +5,9 @@ running sequences, C their total context, M the longest one's; the padded term e
 gathers blocks padded to the longest) and up to two knees are kept only when cross-validation
 says they predict held-out rows better. Coefficients are fitted on relative error (the planner
 compares ratios of times) and the slope never drops below zero. Prefill of sequences of T_i
-tokens: a + Σ_i (s + b·T_i + c·T_i²). Collectives: α + bytes/β per (op, group size).
+tokens: a + Σ_i (s + b·T_i + c·T_i²). A speculative verify step of B sequences carrying Q query
+tokens in all: the decode step's t(B, C) + f + v·(Q − B), f, v ≥ 0 fitted on the verify rows'
+excess over the decode fit (f: what verifying costs at all, v: each extra token). Collectives: α + bytes/β per (op, group size).
 See docs/adaptive_tp.md.
 """
 
@@ -25,6 +27,7 @@ from patrl.lenpredict.profile_schema import (
     PrefillRow,
     Profile,
     SwitchRow,
+    VerifyRow,
 )
 
 
@@ -269,6 +272,10 @@ class LatencyModel:
     switch_per_seq_s: dict[tuple[int, int], float] = field(default_factory=dict)
     # (src tp, dst tp) -> seconds each context token in flight adds beyond its KV bytes
     switch_per_token_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    # tp -> (seconds a verify step adds to a decode step at all, seconds each query token
+    # past a sequence's first adds), fitted on verify rows; a tp without them prices its
+    # extra tokens as sequences
+    verify_s: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, profile: Profile, context_form: ContextForm | None = None) -> LatencyModel:
@@ -296,6 +303,8 @@ class LatencyModel:
             prefill_coef=prefill_coef,
             collective_coef=collective_coef,
         )
+        for tp in sorted({r.tp for r in profile.verify} & set(step_fits)):
+            latency.verify_s[tp] = latency._fit_verify([r for r in profile.verify if r.tp == tp])
         for pair in {(r.src_tp, r.dst_tp) for r in profile.switches}:
             pair_rows = [r for r in profile.switches if (r.src_tp, r.dst_tp) == pair]
             fit = latency._fit_switch(pair_rows)
@@ -331,6 +340,46 @@ class LatencyModel:
         if not empty:
             return float(np.median(beyond)), 0.0, 0.0
         return fixed, max(0.0, float(np.median((beyond - fixed) / n))), 0.0
+
+    def _fit_verify(self, rows: Sequence[VerifyRow]) -> tuple[float, float]:
+        """(f, v) of the module docstring: least squares of each verify row's excess over the
+        decode fit at its batch and context against [1, B·(q − 1)], both kept >= 0 (a term
+        that fits negative is dropped and the other refitted: verifying more tokens never makes
+        a step cheaper)."""
+        extra = np.array([r.batch * (r.query_len - 1) for r in rows], dtype=float)
+        decode = self.step_time(
+            rows[0].tp,
+            np.array([r.batch for r in rows], dtype=float),
+            np.array([r.context_tokens for r in rows], dtype=float),
+        )
+        excess = np.array([r.seconds for r in rows]) - decode
+        x = np.stack([np.ones_like(extra), extra], axis=-1)
+        (f, v), *_ = np.linalg.lstsq(x, excess, rcond=None)
+        if f < 0:
+            f, v = 0.0, float(extra @ excess / (extra @ extra))
+        elif v < 0:
+            f, v = float(np.mean(excess)), 0.0
+        return max(0.0, float(f)), max(0.0, float(v))
+
+    def verify_time(
+        self, tp: int, batch: float, query_tokens: float, context_tokens: float
+    ) -> float:
+        """Seconds of a decode step of `batch` sequences carrying `query_tokens` query tokens in
+        all (`batch`: a plain decode step; more: a speculative verify step) over
+        `context_tokens` of context. With verify rows for `tp`: the decode fit plus the fitted
+        price of verifying and of each extra token. Without: the extra tokens priced as that
+        many more decode sequences holding no more context (their rows through the layers and
+        the sampler), an estimate that measured verify rows replace."""
+        if query_tokens < batch:
+            raise ValueError(f"query_tokens={query_tokens} < batch={batch}: one token at least")
+        decode = float(self.step_time(tp, batch, context_tokens))
+        if query_tokens == batch:
+            return decode
+        fit = self.verify_s.get(tp)
+        if fit is None:
+            return float(self.step_time(tp, query_tokens, context_tokens))
+        fixed, per_token = fit
+        return decode + fixed + per_token * (query_tokens - batch)
 
     @property
     def tp_sizes(self) -> list[int]:

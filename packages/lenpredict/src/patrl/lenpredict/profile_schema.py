@@ -101,6 +101,19 @@ class PrefillRow(_Strict):
     num_seqs: int = Field(default=1, gt=0)
 
 
+class VerifyRow(_Strict):
+    """One speculative verify step: `batch` sequences each carrying `query_len` query tokens
+    (its last sampled token and query_len - 1 drafted ones) over `context_tokens` of context
+    in all. Against the decode rows of the same batch and context, these price the extra
+    query tokens a step verifies."""
+
+    tp: int = Field(gt=0)
+    batch: int = Field(gt=0)
+    query_len: int = Field(gt=1)
+    context_tokens: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+
+
 class CollectiveRow(_Strict):
     """One collective in a group of `group_size` ranks. `nbytes` is the size of the result each
     rank holds (the reduced tensor, the gathered tensor, the broadcast or sent tensor)."""
@@ -135,6 +148,7 @@ class Profile(_Strict):
     prefill: list[PrefillRow] = Field(min_length=1)
     collectives: list[CollectiveRow] = Field(default_factory=list)
     switches: list[SwitchRow] = Field(default_factory=list)
+    verify: list[VerifyRow] = Field(default_factory=list)
     notes: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")

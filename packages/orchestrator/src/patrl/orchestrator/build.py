@@ -189,11 +189,6 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
                 "node; running static TP"
             )
         return base
-    if r.speculative.enable:  # a fold's ranks would hold different draft histories
-        raise ValueError(
-            f"rollout.speculative.enable=true runs at static TP only, and this job folds TP "
-            f"sizes {candidates}: set rollout.adaptive_tp.enable=false"
-        )
     profile = a.profile or job_profile(config, model_dir, base, world, candidates)
     keep_run_profile(profile, config.run_dir, world)
     policy = AdaptiveTP(

@@ -237,11 +237,6 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
             )
         if adaptive.profile is not None and not Path(adaptive.profile).is_file():
             problems.append(f"rollout.adaptive_tp.profile={adaptive.profile}: no such file")
-        if config.rollout.speculative.enable:  # build.engine_config's refusal, before ranks
-            problems.append(
-                f"rollout.speculative.enable=true runs at static TP only, and this job folds "
-                f"TP sizes {usable}: set rollout.adaptive_tp.enable=false"
-            )
     else:
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)

@@ -12,7 +12,7 @@ from patrl.rollout.layers.attention.registry import (
     resolve_attention_backend,
     resolve_block_size,
 )
-from patrl.rollout.tp_policy import AdaptiveTP, StaticTP, TPPolicy
+from patrl.rollout.tp_policy import StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +56,13 @@ class SpeculativeConfig(BaseModel):
         8, ge=0, description="earlier responses kept per prompt for the history source"
     )
     history_prompts: int = Field(4096, gt=0, description="prompts whose history is kept")
+    latency_profile: str | None = Field(
+        None,
+        description="a latency profile (python -m patrl.rollout.profile) that prices each "
+        "step: a step drafts only when the tokens its drafts are expected to add beat what "
+        "their query tokens cost (so large batches stay off by themselves); None = every "
+        "step of at most max_num_seqs sequences drafts",
+    )
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:
@@ -164,15 +171,6 @@ class EngineConfig(BaseModel):
             "attention_backend": backend,
             "block_size": resolved if raw is None else raw,
         }
-
-    @model_validator(mode="after")
-    def _speculation_at_static_tp(self) -> EngineConfig:
-        if self.speculative.enable and isinstance(self.tp_policy, AdaptiveTP):
-            raise ValueError(
-                "speculative.enable=True runs at static TP only (a fold's ranks would hold "
-                "different draft histories): use tp_policy=StaticTP or turn speculation off"
-            )
-        return self
 
     @field_validator("attention_backend")
     @classmethod

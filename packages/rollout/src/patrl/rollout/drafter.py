@@ -24,7 +24,8 @@ adapts to its own acceptance (`record`).
 Drafts only decide how many tokens a step tries: the engine verifies every one against the
 model, so a draft can be stale, wrong or missing without changing any output. Everything here
 is a function of the tokens it was shown, in order, so every rank of a TP group proposes the
-same drafts.
+same drafts; a fold (adaptive TP) makes its merged group's ranks alike again
+(`merge_reset`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ SOURCES = ("group", "history", "prompt")
 
 class StepCost(Protocol):
     """Seconds of a decode step of `num_seqs` sequences carrying `num_tokens` query tokens in
-    all (a latency profile with a query-length axis; tests inject one)."""
+    all over `context_tokens` of context (`profile_step_cost`: a latency profile's verify
+    prices; tests inject one)."""
 
-    def __call__(self, num_seqs: int, num_tokens: int) -> float: ...
+    def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int) -> float: ...
 
 
 class Sample(Protocol):
@@ -205,6 +207,7 @@ class Drafter:
         self.step_cost = step_cost
         self.history: OrderedDict[Hashable, list[list[int]]] = OrderedDict()
         self.counts = DraftStats()
+        self._tally = [0, 0]  # accepted, drafted tokens: what `acceptance` reads
         self._groups: dict[Hashable, _Group] = {}
         self._samples: dict[int, _Sample] = {}
 
@@ -235,21 +238,33 @@ class Drafter:
         return self.max_num_seqs == 0 or num_seqs <= self.max_num_seqs
 
     def acceptance(self) -> float:
-        """The share of drafted tokens accepted so far, starting from one in two."""
-        drafted = sum(self.counts.drafted.values())
-        return (sum(self.counts.accepted.values()) + 1) / (drafted + 2)
+        """The share of drafted tokens accepted so far (since the last `merge_reset`),
+        starting from one in two."""
+        accepted, drafted = self._tally
+        return (accepted + 1) / (drafted + 2)
 
-    def pays(self, draft_lens: Sequence[int]) -> bool:
-        """Whether a decode step whose sequences carry drafts of `draft_lens` tokens is
-        expected to emit tokens faster than the step without them: (B + expected accepted)
-        / cost(B, B + D) > B / cost(B, B), a draft of d accepting sum_k a^k tokens at the
-        acceptance a so far. Always, without a `step_cost`."""
+    def merge_reset(self) -> None:
+        """Forget what the ranks of a merged TP group may hold apart (a fold brings together
+        ranks of replicas that drafted for other prompts): the history and the acceptance
+        `pays` reads, on every rank of the new group alike. In-flight groups are already
+        gone (every sample was exported); imported samples join afresh on first sight, in
+        the scheduler's order, the same on every rank. `counts` (metrics) stay."""
+        self.history.clear()
+        self._tally = [0, 0]
+
+    def pays(self, draft_lens: Sequence[int], context_tokens: int = 0) -> bool:
+        """Whether a decode step whose sequences carry drafts of `draft_lens` tokens over
+        `context_tokens` of context is expected to emit tokens faster than the step without
+        them: (B + expected accepted) / cost(B, B + D, C) > B / cost(B, B, C), a draft of d
+        accepting sum_k a^k tokens at the acceptance a so far. Always, without a
+        `step_cost`."""
         b, d = len(draft_lens), sum(draft_lens)
         if self.step_cost is None or d == 0:
             return True
         a = self.acceptance()
         gain = sum(sum(a**k for k in range(1, n + 1)) for n in draft_lens)
-        return (b + gain) * self.step_cost(b, b) > b * self.step_cost(b, b + d)
+        cost = self.step_cost
+        return (b + gain) * cost(b, b, context_tokens) > b * cost(b, b + d, context_tokens)
 
     def propose(self, seq_id: int, context: Sequence[int], limit: int) -> Draft:
         """A draft of at most min(`limit`, the sample's draft length) tokens continuing
@@ -278,6 +293,8 @@ class Drafter:
             return
         self.counts.drafted[draft.source] += len(draft.tokens)
         self.counts.accepted[draft.source] += accepted
+        self._tally[0] += accepted
+        self._tally[1] += len(draft.tokens)
         sample = self._samples.get(seq_id)
         if sample is None or not self.adaptive:
             return
@@ -349,8 +366,9 @@ class Drafter:
         return group
 
 
-def new_drafter(config: SpeculativeConfig) -> Drafter | None:
-    """The drafter `config` asks for; None when speculation is off."""
+def new_drafter(config: SpeculativeConfig, step_cost: StepCost | None = None) -> Drafter | None:
+    """The drafter `config` asks for, pricing steps with `step_cost` (None: every step of at
+    most `max_num_seqs` sequences speculates); None when speculation is off."""
     if not config.enable:
         return None
     return Drafter(
@@ -362,4 +380,5 @@ def new_drafter(config: SpeculativeConfig) -> Drafter | None:
         config.history_prompts,
         config.adaptive_draft_length,
         config.max_num_seqs,
+        step_cost,
     )

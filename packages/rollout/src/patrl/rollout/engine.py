@@ -29,7 +29,6 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
-from patrl.rollout.drafter import new_drafter
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -49,6 +48,7 @@ from patrl.rollout.sampler import SampleOutput, SamplingParams
 from patrl.rollout.scheduler import ScheduledBatch, Scheduler
 from patrl.rollout.sequence import IdCounter, Request, new_request
 from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.spec_cost import drafter_for
 from patrl.rollout.torchrun import static_layout
 from patrl.rollout.transfer import export_requests, import_requests, snapshot_requests
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
@@ -72,21 +72,19 @@ class Engine:
         over torchrun's world if need be: `static_layout`); `groups`: the GroupCache it comes
         from, for other layouts (reconfigure). Every rank builds its engine at once."""
         layout, groups = static_layout(config, layout, groups)
-        self.config = config
-        self.groups = groups
+        self.config, self.groups = config, groups
         self.runner = ModelRunner(config, layout or single_process_layout(), groups)
-        self.max_model_len = self.runner.max_model_len
+        self.max_model_len, mc = self.runner.max_model_len, self.model.config
         self.tokenizer = read_tokenizer_if_any(config.model)
         self.eos_token_ids = frozenset(read_eos_token_ids(config.model))
-        self.drafter = new_drafter(config.speculative)  # None: no speculation
+        self.drafter = drafter_for(config.speculative, self.model, self.layout.tp_size, mc)
         self.scheduler = self._new_scheduler()
         self.weight_version = 0
         self.counters = EngineCounters()
         self._requests: dict[str, Request] = {}
         self.timeline: list[StepRecord] = []  # steps of the latest `generate` call
         self._timeline_start = time.perf_counter()
-        self._seq_ids = IdCounter()
-        self._request_ids = IdCounter()
+        self._seq_ids, self._request_ids = IdCounter(), IdCounter()
 
     @property
     def layout(self) -> ParallelLayout:
@@ -357,9 +355,11 @@ class Engine:
         self._request_ids.next = max(next_request, self._request_ids.next)
 
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
-        """Start over at `layout`, the model already cut for it (or `model`): a fresh KV
-        cache and scheduler. Every unfinished request must have been exported first."""
+        """Start over at `layout`, the model cut for it (or `model`): a fresh KV cache and
+        scheduler, drafters made alike in a larger group. Unfinished requests left first."""
         preemptions = self.scheduler.num_preemptions
+        if self.drafter is not None and layout.tp_size > self.layout.tp_size:
+            self.drafter.merge_reset()
         self.runner.rebuild(layout, model)
         self.scheduler = self._new_scheduler()
         self.scheduler.num_preemptions = preemptions

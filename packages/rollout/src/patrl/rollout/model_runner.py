@@ -48,6 +48,20 @@ class Sampled:
     out: SampleOutput
 
 
+def verify_chunks(lens: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive runs [lo, hi) of sequences whose rows (`lens`) sum to at most `limit` each,
+    taken greedily; a sequence with more rows than `limit` is a run of its own."""
+    chunks: list[tuple[int, int]] = []
+    lo, rows = 0, 0
+    for i, n in enumerate(lens):
+        if i > lo and rows + n > limit:
+            chunks.append((lo, i))
+            lo, rows = i, 0
+        rows += n
+    chunks.append((lo, len(lens)))
+    return chunks
+
+
 class ModelRunner:
     """Model, KV cache and layout of one rank; `run` is the forward of one batch."""
 
@@ -310,15 +324,35 @@ class ModelRunner:
         """A verify step's outcome: every row of `hidden` (each sequence's last sampled token
         and its draft) is a logits row, accepted or rejected by `verify_drafts`. The engine
         rolls back the slots of rejected tokens. It runs eagerly (CUDA graphs take one query
-        token per sequence) and unchunked: verify steps are the tail's small batches."""
+        token per sequence). With `sample_chunk_bytes` (CPU), as in `_logits_and_samples`: one
+        head matmul into the kept buffer, then the TP gather and `verify_drafts` on chunks of
+        whole sequences' rows (a sequence's rows are verified together; every sequence is
+        verified on its own, so chunks change no token)."""
         seqs = batch.seqs
-        out = verify_drafts(
-            self.model.compute_logits(hidden),
-            [d.tokens for d in batch.drafts],
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-        )
+        drafts = [d.tokens for d in batch.drafts]
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        lens = [1 + len(d) for d in drafts]
+        chunks = verify_chunks(lens, self._chunk_rows(len(hidden)))
+        if len(chunks) == 1:
+            out = verify_drafts(self.model.compute_logits(hidden), drafts, params, generators)
+        else:
+            head = self.model.lm_head
+            local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
+            parts, row = [], 0
+            for lo, hi in chunks:
+                end = row + sum(lens[lo:hi])
+                logits = head.gather(local[row:end])
+                parts.append(verify_drafts(logits, drafts[lo:hi], params[lo:hi], generators[lo:hi]))
+                row = end
+            out = concat_samples(parts)
         return Sampled(list(range(len(seqs))), list(seqs), self._agree_across_tp(out))
+
+    def _chunk_rows(self, rows: int) -> int:
+        """The most full-vocabulary logit rows sampled at once: all `rows` without
+        `sample_chunk_bytes`, else as many as keep a chunk's fp32 temporaries under it."""
+        if self.sample_chunk_bytes is None:
+            return rows
+        return max(1, self.sample_chunk_bytes // (4 * self.model.lm_head.vocab_size) - 1)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionContext, list[int]]:
         """The batch's attention context and input token ids."""
@@ -354,9 +388,7 @@ class ModelRunner:
         params = [s.params for s in samplers]
         generators = [s.generator for s in samplers]
         head = self.model.lm_head
-        limit = len(samplers)
-        if self.sample_chunk_bytes is not None:
-            limit = max(1, self.sample_chunk_bytes // (4 * head.vocab_size) - 1)
+        limit = self._chunk_rows(len(samplers))
         if len(samplers) <= limit:
             return sample(self.model.compute_logits(hidden)[self._index(rows)], params, generators)
         local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))

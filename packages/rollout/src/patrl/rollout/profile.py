@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 2 -m patrl.rollout.profile --model DIR --out p.json --tp-sizes 1 2
 
 A decode row: the median `engine.step()` of B sequences holding C tokens (scheduling and
-sampling included). A prefill row: one `step()` prefilling N sequences of T tokens. Passes are
+sampling included). A verify row (grid `query_lens`): the same with every sequence carrying q
+query tokens, its last one and q - 1 drafted ones (verification and rollback included), which
+prices speculation (`rollout.speculative.latency_profile`). A prefill row: one `step()` prefilling N sequences of T tokens. Passes are
 interleaved so a burst of load hits one sample of a row. Under torchrun every TP group of a
 size measures at once, as a rollout's replicas run; rank 0's group's rows are kept.
 """
@@ -39,9 +41,11 @@ from patrl.lenpredict import (
     PrefillRow,
     Profile,
     SwitchRow,
+    VerifyRow,
 )
 from patrl.rollout.adaptive.reconfig import reconfigure
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.drafter import Draft, Drafter
 from patrl.rollout.engine import Engine
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import StaticTP
@@ -85,6 +89,9 @@ class ProfileGrid:
     # prompt's KV blocks shared as in a rollout; 1: every sequence its own prompt. Also what
     # makes a long context affordable to profile: a cell prefills ceil(batch / n) prompts.
     samples_per_prompt: int = 1
+    # query tokens per sequence of verify rows (speculative decoding), each > 1, measured at
+    # every decode cell; () measures none
+    query_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         names = ("tp_sizes", "batch_sizes", "contexts", "prefill_tokens", "prefill_seqs")
@@ -95,26 +102,37 @@ class ProfileGrid:
         for name in ("decode_steps", "passes", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if any(q < 2 for q in self.query_lens):
+            raise ValueError(f"query_lens must be integers > 1, got {self.query_lens}")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
 
     @property
+    def decode_tokens(self) -> int:
+        """The most tokens a cell decodes after its prompt (a verify cell's q a step)."""
+        return self.decode_steps * max((1, *self.query_lens)) + 1
+
+    @property
     def max_model_len(self) -> int:
-        return max(max(self.contexts) + self.decode_steps + 1, max(self.prefill_tokens) + 1)
+        return max(max(self.contexts) + self.decode_tokens, max(self.prefill_tokens) + 1)
 
     def fit_to(self, max_len: int) -> ProfileGrid:
         """The grid without the cells a model of `max_len` positions cannot run."""
-        contexts = tuple(c for c in self.contexts if c + self.decode_steps + 1 <= max_len)
+        contexts = tuple(c for c in self.contexts if c + self.decode_tokens <= max_len)
         prefill = tuple(t for t in self.prefill_tokens if t + 1 <= max_len)
         if not contexts or not prefill:
             raise ValueError(
                 f"no grid cell fits max_position_embeddings={max_len}: contexts={self.contexts} "
-                f"(+{self.decode_steps + 1} decode tokens), prefill_tokens={self.prefill_tokens}"
+                f"(+{self.decode_tokens} decode tokens), prefill_tokens={self.prefill_tokens}"
             )
         return dataclasses.replace(self, contexts=contexts, prefill_tokens=prefill)
 
     def decode_cells(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.batch_sizes for c in self.contexts]
+
+    def verify_cells(self) -> list[tuple[int, int, int]]:
+        """(batch, context, query tokens per sequence) of every verify row."""
+        return [(b, c, q) for b, c in self.decode_cells() for q in self.query_lens]
 
     def prefill_cells(self) -> list[tuple[int, int]]:
         """(sequences, tokens each) of every prefill row."""
@@ -212,7 +230,7 @@ def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig
     """The engine as the user runs it (model, dtype, device, attention backend, block size,
     prefix caching all change step times), with budgets that admit every grid cell in one
     prefill and never preempt."""
-    longest = max(grid.contexts) + grid.decode_steps + 1
+    longest = max(grid.contexts) + grid.decode_tokens
     batch = max(grid.batch_sizes)
     block = base.block_size
     prefill_blocks = max(n * -(-(t + 1) // block) for n, t in grid.prefill_cells())
@@ -233,6 +251,18 @@ def profile_engine_config(base: EngineConfig, grid: ProfileGrid) -> EngineConfig
 class _Samples:
     decode: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     prefill: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    verify: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)
+
+
+class FixedDrafts(Drafter):
+    """Drafts `length` tokens (token 0, mostly rejected) for every sequence at every step and
+    always verifies them: the verify rows' drafter, whose steps carry a known query length."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length, adaptive=False)
+
+    def propose(self, seq_id: int, context: Sequence[int], limit: int) -> Draft:
+        return Draft([0] * min(limit, self.max_draft), "group")
 
 
 def _prompts(engine: Engine, count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -285,6 +315,45 @@ def measure_decode(
     return statistics.median(decode)
 
 
+def measure_verify(
+    engine: Engine,
+    batch: int,
+    context: int,
+    query_len: int,
+    steps: int,
+    seed: int,
+    clock: Callable[[], float] = time.perf_counter,
+    temperature: float = 1.0,
+    samples_per_prompt: int = 1,
+) -> float:
+    """Median seconds of a verify step of `batch` sequences of `context` prompt tokens, each
+    carrying `query_len` query tokens (`FixedDrafts`), over up to `steps` such steps. The
+    engine's own drafter is put back after."""
+    own = engine.drafter
+    engine.drafter = engine.scheduler.drafter = FixedDrafts(query_len - 1)
+    try:
+        prompts = _prompts(engine, -(-batch // samples_per_prompt), context, seed)
+        for i, prompt in enumerate(prompts):
+            n = min(samples_per_prompt, batch - i * samples_per_prompt)
+            params = SamplingParams(
+                temperature=temperature,
+                seed=seed + i,
+                ignore_eos=True,
+                max_tokens=steps * query_len + 1,
+                n=n,
+            )
+            engine.add_request(prompt, params)
+        full = batch * query_len
+        verify = [
+            s for s, is_prefill, n in timed_steps(engine, clock) if not is_prefill and n == full
+        ]
+    finally:
+        engine.drafter = engine.scheduler.drafter = own
+    if not verify:
+        raise RuntimeError(f"no verify step of {batch} sequences x {query_len} query tokens ran")
+    return statistics.median(verify[:steps])
+
+
 def measure_prefill(
     engine: Engine,
     tokens: int,
@@ -313,8 +382,9 @@ def decode_context_tokens(batch: int, context: int, steps: int) -> int:
 
 def measure_engine(
     engine: Engine, grid: ProfileGrid, tick: Callable[[], None] = lambda: None
-) -> tuple[list[DecodeRow], list[PrefillRow]]:
-    """Decode and prefill rows of one engine (every rank of its TP group calls this)."""
+) -> tuple[list[DecodeRow], list[PrefillRow], list[VerifyRow]]:
+    """Decode, prefill and verify rows of one engine (every rank of its TP group calls
+    this)."""
     tp, clock = engine.layout.tp_size, CLOCKS[grid.clock]
     n = grid.samples_per_prompt
     measure_decode(
@@ -337,6 +407,13 @@ def measure_engine(
             )
             seed += 1
             tick()
+        for batch, context, q in grid.verify_cells():
+            seconds = measure_verify(
+                engine, batch, context, q, grid.decode_steps, seed, clock, grid.temperature, n
+            )
+            samples.verify.setdefault((batch, context, q), []).append(seconds)
+            seed += 1
+            tick()
     decode = [
         DecodeRow(
             tp=tp,
@@ -350,7 +427,17 @@ def measure_engine(
         PrefillRow(tp=tp, tokens=t, num_seqs=n, seconds=statistics.median(s))
         for (n, t), s in samples.prefill.items()
     ]
-    return decode, prefill
+    verify = [
+        VerifyRow(
+            tp=tp,
+            batch=b,
+            query_len=q,
+            context_tokens=decode_context_tokens(b, c, grid.decode_steps),
+            seconds=statistics.median(t),
+        )
+        for (b, c, q), t in samples.verify.items()
+    ]
+    return decode, prefill, verify
 
 
 # --------------------------------------------------------------------- collectives
@@ -453,7 +540,8 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 def _num_ticks(grid: ProfileGrid, tp_sizes: Sequence[int]) -> int:
-    per_tp = grid.passes * (len(grid.decode_cells()) + len(grid.prefill_cells()))
+    cells = len(grid.decode_cells()) + len(grid.prefill_cells()) + len(grid.verify_cells())
+    per_tp = grid.passes * cells
     ops = [len(COLLECTIVE_OPS) - (tp != 2) for tp in tp_sizes if tp > 1]
     return per_tp * len(tp_sizes) + sum(ops) * len(grid.collective_bytes)
 
@@ -467,10 +555,10 @@ def profile_single(base: EngineConfig, grid: ProfileGrid, progress: bool = False
         )
     engine = Engine(profile_engine_config(base, grid), single_process_layout())
     bar = _progress(_num_ticks(grid, (1,)), progress)
-    decode, prefill = measure_engine(engine, grid, _ticker(bar))
+    decode, prefill, verify = measure_engine(engine, grid, _ticker(bar))
     if bar is not None:
         bar.close()
-    return _profile(base.model, engine, 1, "none", decode, prefill, [], grid)
+    return _profile(base.model, engine, 1, "none", decode, prefill, [], grid, verify=verify)
 
 
 def profile_distributed(
@@ -493,6 +581,7 @@ def profile_distributed(
     tick = _ticker(bar)
     decode: list[DecodeRow] = []
     prefill: list[PrefillRow] = []
+    verify: list[VerifyRow] = []
     collectives: list[CollectiveRow] = []
     identity: Engine | None = None
     for tp in grid.tp_sizes:
@@ -508,6 +597,7 @@ def profile_distributed(
         if rank < tp:
             decode += rows[0]
             prefill += rows[1]
+            verify += rows[2]
             collectives += group_collectives
             identity = identity or engine
         del engine
@@ -520,8 +610,9 @@ def profile_distributed(
     assert identity is not None  # rank 0 is in a group of every size
     backend = str(dist.get_backend(world))
     return _profile(
-        base.model, identity, world_size, backend, decode, prefill, collectives, grid, switches
-    )
+        base.model, identity, world_size, backend, decode, prefill, collectives, grid, switches,
+        verify,
+    )  # fmt: skip
 
 
 def measure_switches(
@@ -602,6 +693,7 @@ def _profile(
     collectives: list[CollectiveRow],
     grid: ProfileGrid,
     switches: list[SwitchRow] | None = None,
+    verify: list[VerifyRow] | None = None,
 ) -> Profile:
     return Profile(
         source="measured",
@@ -612,6 +704,7 @@ def _profile(
         prefill=prefill,
         collectives=collectives,
         switches=switches or [],
+        verify=verify or [],
         notes={
             "profiler": "patrl.rollout.profile",
             "grid": repr(grid),
@@ -656,6 +749,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prefill-seqs", type=int, nargs="+", help="sequences per prefill row (default 1 4)"
     )
     p.add_argument("--passes", type=int, help="interleaved passes over the grid (medians)")
+    p.add_argument(
+        "--query-lens", type=int, nargs="+", help="verify rows: query tokens per sequence (> 1)"
+    )
     p.add_argument("--quick", action="store_true", help="a small grid (seconds on a tiny model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
@@ -678,6 +774,7 @@ def grid_from_args(args: argparse.Namespace, world_size: int) -> ProfileGrid:
         "prefill_tokens": args.prefill_tokens,
         "prefill_seqs": args.prefill_seqs,
         "passes": args.passes,
+        "query_lens": args.query_lens,
         "clock": args.clock,
     }
     kept = {k: v for k, v in overrides.items() if v is not None}

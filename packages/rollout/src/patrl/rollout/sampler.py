@@ -173,12 +173,17 @@ class SampleOutput:
 
 def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
     """The outputs of consecutive chunks of one batch as one; top-logprob columns padded to
-    the widest chunk's K (a row reads only the first K it asked for)."""
+    the widest chunk's K (a row reads only the first K it asked for); `emitted` when every
+    chunk has it (a verify step's), else none may."""
     tokens = torch.cat([p.tokens for p in parts])
     logprobs = torch.cat([p.logprobs for p in parts])
+    flags = [p.emitted for p in parts if p.emitted is not None]
+    if flags and len(flags) != len(parts):
+        raise ValueError("chunks of one batch either all are a verify step's or none is")
+    emitted = torch.cat(flags) if flags else None
     k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
     if k == 0:
-        return SampleOutput(tokens, logprobs)
+        return SampleOutput(tokens, logprobs, emitted=emitted)
     ids, values = [], []
     for p in parts:
         n, have = len(p.tokens), 0 if p.top_ids is None else p.top_ids.shape[1]
@@ -186,7 +191,7 @@ def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
         pad = torch.full((n, k - have), -torch.inf, device=tokens.device)
         ids.append(pad_ids if p.top_ids is None else torch.cat([p.top_ids, pad_ids], dim=1))
         values.append(pad if p.top_logprobs is None else torch.cat([p.top_logprobs, pad], dim=1))
-    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values))
+    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values), emitted)
 
 
 def make_generator(seed: int | None = None) -> torch.Generator:

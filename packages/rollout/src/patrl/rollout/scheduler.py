@@ -221,7 +221,8 @@ class Scheduler:
             free -= needed
             spare -= len(draft.tokens)
             drafts.append(draft)
-        return drafts if drafter.pays([len(d.tokens) for d in drafts]) else none
+        context = sum(s.num_tokens for s in seqs)
+        return drafts if drafter.pays([len(d.tokens) for d in drafts], context) else none
 
     def _draft(self, seq: Sequence, spare: int) -> Draft:
         """`seq`'s draft: no longer than the `spare` token budget or than what the sequence

@@ -68,6 +68,10 @@ class PagedKVTensors(KVCache, Protocol):
     v: list[torch.Tensor]
 
 
+PaddedQueries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""`AttentionContext.padded_queries`' layout: (index [T], limit [B, Qmax], block tables)."""
+
+
 @dataclass(slots=True)
 class AttentionContext:
     """Per-forward attention metadata; build it with `AttentionContext.build`."""
@@ -82,6 +86,7 @@ class AttentionContext:
     block_tables: list[list[int]] | None = None
     kv_cache: KVCache | None = None
     _block_table_tensor: torch.Tensor | None = field(default=None, repr=False)
+    _padded: dict[tuple[int, ...] | None, PaddedQueries] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -181,6 +186,40 @@ class AttentionContext:
                 table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             self._block_table_tensor = upload(table, self.positions.device)
         return self._block_table_tensor
+
+    def padded_queries(self, seqs: Sequence[int] | None = None) -> PaddedQueries:
+        """The layout of sequences `seqs` (None = all; their queries taken in order) with their
+        queries padded to the longest, Qmax, for one batched attention call:
+        - index [T] int64: the padded row (b * Qmax + j) of each of their T query tokens;
+        - limit [B, Qmax] int64: the last key position row (b, j) may see, L - Q + j for
+          query j of a sequence with Q new tokens and context L, and L - 1 on padding rows;
+        - their block tables, [B, max_blocks] int32.
+        Built on the host from `query_lens` and `context_lens`, uploaded once and kept for the
+        forward's other layers."""
+        key = None if seqs is None else tuple(seqs)
+        found = self._padded.get(key)
+        if found is not None:
+            return found
+        chosen = range(self.num_seqs) if seqs is None else seqs
+        q_lens = [self.query_lens[i] for i in chosen]
+        width = max(q_lens)
+        index: list[int] = []
+        limit: list[list[int]] = []
+        for b, i in enumerate(chosen):
+            n, c = self.query_lens[i], self.context_lens[i]
+            index += range(b * width, b * width + n)
+            limit.append([c - n + min(j, n - 1) for j in range(width)])
+        device = self.positions.device
+        tables = self.block_table_tensor()
+        if seqs is not None:
+            tables = tables[upload(torch.tensor(list(seqs), dtype=torch.long), device)]
+        found = (
+            upload(torch.tensor(index, dtype=torch.long), device),
+            upload(torch.tensor(limit, dtype=torch.long), device),
+            tables,
+        )
+        self._padded[key] = found
+        return found
 
 
 def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
