@@ -135,6 +135,19 @@ class EngineConfig(BaseModel):
         default_factory=SpeculativeConfig,
         description="speculative decoding from group and history drafts (off by default)",
     )
+    # ---- LoRA: adapters on the decoder's linear layers (layers/linear.py, layers/lora.py)
+    lora_rank: int = Field(0, ge=0, description="LoRA rank of the adapters; 0 = no adapters")
+    lora_alpha: float = Field(16.0, gt=0, description="adapter scale = lora_alpha / lora_rank")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"],
+        description="HF projections that carry adapters (a fused layer adapts all its parts)",
+    )  # fmt: skip
+    lora_merged: bool = Field(
+        False,
+        description="fold the adapters into the weights after each load (no LoRA cost per "
+        "step; each adapter load unmerges exactly, loads, merges again)",
+    )
     tune_host_malloc: bool = Field(
         True,
         description="on CPU under glibc, keep freed memory for reuse instead of faulting in "
@@ -164,6 +177,13 @@ class EngineConfig(BaseModel):
             "attention_backend": backend,
             "block_size": resolved if raw is None else raw,
         }
+
+    def lora_kwargs(self) -> dict[str, Any]:
+        """`load_model`'s LoRA arguments: none without adapters."""
+        if self.lora_rank == 0:
+            return {}
+        targets = tuple(self.lora_target_modules)
+        return {"lora": (self.lora_rank, self.lora_alpha, targets), "lora_merged": self.lora_merged}
 
     @model_validator(mode="after")
     def _speculation_at_static_tp(self) -> EngineConfig:
