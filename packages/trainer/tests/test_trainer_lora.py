@@ -228,3 +228,42 @@ def test_fsdp2_two_ranks_equal_one_process(base_dir: Path) -> None:
     for n, t in _adapters(lone).items():
         torch.testing.assert_close(torch.from_numpy(ranks[0]["adapters"][n]), t, **TOL)
         torch.testing.assert_close(torch.from_numpy(ranks[1]["adapters"][n]), t, **TOL)
+
+
+def test_save_resume_and_export_cli_merge(base_dir: Path, tmp_path: Path) -> None:
+    """Every save writes the PEFT adapter directory; a resume restores adapters and AdamW
+    state (the next step equals an uninterrupted run's); the export CLI writes the merged
+    model `Trainer.export_hf` writes."""
+    from safetensors.torch import load_file
+
+    from patrl.trainer.export import export_checkpoint
+
+    cfg = config(lora=LORA, use_remove_padding=False)
+    batches = [make_batch(s, [5, 3, 6]) for s in range(3)]
+    first = Trainer(cfg, base_dir)
+    for b in batches[:2]:
+        first.train_step(b)
+    ckpt = first.save(tmp_path / "ckpt")
+    adapter = ckpt / "lora_adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").is_file()
+    first.train_step(batches[2])
+
+    resumed = Trainer(cfg, base_dir)
+    resumed.load(ckpt)
+    resumed.train_step(batches[2])
+    want, got = _adapters(first), _adapters(resumed)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+
+    out = export_checkpoint(ckpt, tmp_path / "merged_cli", model=base_dir, dtype=torch.float32)
+    reloaded = Trainer(cfg, base_dir)
+    reloaded.load(ckpt)
+    direct = reloaded.export_hf(tmp_path / "merged_direct", dtype=torch.float32)
+    cli, live = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(direct / "model.safetensors")),
+    )
+    assert cli.keys() == live.keys() and not any("lora" in n for n in cli)
+    for n in cli:
+        torch.testing.assert_close(cli[n], live[n], rtol=1e-6, atol=1e-7)

@@ -37,6 +37,8 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"
+# A LoRA run's trainer checkpoint holds its adapter as a PEFT directory under this name.
+LORA_ADAPTER_DIR = "lora_adapter"
 # The model's output layers, never adapted by "all-linear" (PEFT leaves the LM head out too).
 _OUTPUT_LAYERS = ("lm_head", "score")
 

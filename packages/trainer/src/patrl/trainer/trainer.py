@@ -30,6 +30,7 @@ from patrl.trainer.config import RolloutCorrectionConfig, TrainerConfig
 from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
 from patrl.trainer.lora import (
+    LORA_ADAPTER_DIR,
     adapter_config,
     adapters_disabled,
     add_adapters,
@@ -198,7 +199,7 @@ class Trainer:
                 head=self.head,
                 seed=cfg.seed,
                 # passed only when on: a full run's build call is unchanged
-                **({"lora": lora} if lora is not None else {}),
+                **({"lora": lora} if lora is not None else {}),  # type: ignore[arg-type]
             )
         else:
             model = build_model(source, self.attn_implementation, cfg.seed, head=self.head)
@@ -749,10 +750,6 @@ class Trainer:
         dtype = dtype or self.export_dtype
         config = hf_config(self.model.config, self.head, dtype)
         return export_hf(path, self.model, config, self.source_dir, self.group, dtype, weights)
-
-
-# A LoRA run's checkpoint holds its adapter as a PEFT directory here.
-LORA_ADAPTER_DIR = "lora_adapter"
 
 
 # Two tokens: the least a causal-LM forward needs to produce one prediction.
