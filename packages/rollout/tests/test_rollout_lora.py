@@ -168,3 +168,12 @@ def test_greedy_tokens_equal_transformers_with_peft(case: dict[str, Any], merged
             pad_token_id=0,
         )
         assert result.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_merged_mode_is_refused_with_adaptive_tp(case: dict[str, Any]) -> None:
+    from patrl.rollout import AdaptiveTP
+
+    with pytest.raises(ValueError, match="lora_merged=True runs at static TP only"):
+        EngineConfig(
+            model=str(case["base"]), lora_rank=RANK, lora_merged=True, tp_policy=AdaptiveTP()
+        )

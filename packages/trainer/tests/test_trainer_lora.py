@@ -108,10 +108,17 @@ def test_loss_and_adapter_gradients_equal_peft(base_dir: Path) -> None:
         torch.testing.assert_close(g, peft_grads[n], **TOL)
 
 
-def test_train_step_equals_peft_with_adamw(base_dir: Path) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_train_step_equals_peft_with_adamw(base_dir: Path, checkpointing: bool) -> None:
     """One on-policy GRPO step (ratio 1, token-mean): the pg loss, the adapters' grad norm and
-    the adapters after AdamW equal PEFT's under the same loss and optimizer."""
-    cfg = config(lora=LORA, use_remove_padding=False, grad_clip=1e6)
+    the adapters after AdamW equal PEFT's under the same loss and optimizer (also with
+    activation checkpointing, which reruns the adapters' hooks in the backward)."""
+    cfg = config(
+        lora=LORA,
+        use_remove_padding=False,
+        grad_clip=1e6,
+        enable_gradient_checkpointing=checkpointing,
+    )
     trainer = Trainer(cfg, base_dir)
     _randomise_b(trainer)
     ref = _peft_model(base_dir, trainer, LORA)

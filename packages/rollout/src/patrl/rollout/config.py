@@ -186,6 +186,16 @@ class EngineConfig(BaseModel):
         return {"lora": (self.lora_rank, self.lora_alpha, targets), "lora_merged": self.lora_merged}
 
     @model_validator(mode="after")
+    def _merged_lora_at_static_tp(self) -> EngineConfig:
+        if self.lora_merged and self.lora_rank and isinstance(self.tp_policy, AdaptiveTP):
+            raise ValueError(
+                "lora_merged=True runs at static TP only (a fold would re-cut merged weights "
+                "whose unmerged copies keep the old cut): use tp_policy=StaticTP or "
+                "lora_merged=False"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _speculation_at_static_tp(self) -> EngineConfig:
         if self.speculative.enable and isinstance(self.tp_policy, AdaptiveTP):
             raise ValueError(

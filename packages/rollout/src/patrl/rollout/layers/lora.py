@@ -63,7 +63,10 @@ def is_merged(model: nn.Module) -> bool:
 
 
 def merge_lora(model: nn.Module) -> None:
-    """Merged mode: fold every adapter into its weight (the forward then has no LoRA cost)."""
+    """Merged mode: fold every adapter into its weight (the forward then has no LoRA cost).
+    The engine merges before it captures CUDA graphs (`EngineConfig.lora_merged`) and
+    `load_weights` restores the mode it found, so captured graphs match the mode; merging a
+    live engine by hand would leave graphs that still add the adapters."""
     for m in lora_layers(model):
         m.merge_lora()
 
