@@ -177,3 +177,10 @@ def test_merged_mode_is_refused_with_adaptive_tp(case: dict[str, Any]) -> None:
         EngineConfig(
             model=str(case["base"]), lora_rank=RANK, lora_merged=True, tp_policy=AdaptiveTP()
         )
+    with pytest.raises(ValueError, match="needs keep_full_weights=True"):
+        EngineConfig(
+            model=str(case["base"]),
+            lora_rank=RANK,
+            keep_full_weights=False,
+            tp_policy=AdaptiveTP(),
+        )
