@@ -26,7 +26,8 @@ PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchest
 # (TRITON_INTERPRET=1); its wheels exist for Linux x86-64 only, elsewhere those tests skip.
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
 TOMLI = "tomli>=2; python_version < '3.11'"  # tests/test_packaging.py reads the pyprojects
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", TRITON, TOMLI]
+# peft: the LoRA tests hold patrl's adapters to PEFT's math and files (patrl does not import it).
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "peft==0.21.2", TRITON, TOMLI]
 
 
 def install_patrl(session: nox.Session, *extra: str) -> None:

@@ -174,7 +174,6 @@ def test_an_alias_sets_patrls_key(verl: str, key: str, value: Any) -> None:
             "more ranks",
         ),
         ("critic.model.fsdp_config.param_offload=True", "on the device", "more ranks"),
-        ("actor_rollout_ref.model.lora_rank=64", "full weights (no LoRA)", "full fine-tuning"),
         ("actor_rollout_ref.actor.strategy=megatron", "FSDP2", "strategy=fsdp2"),
         (
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",

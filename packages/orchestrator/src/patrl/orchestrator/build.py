@@ -80,7 +80,29 @@ def trainer_config(config: JobConfig) -> TrainerConfig:
         values["ppo_micro_batch_size_per_gpu"] = None
     if values.get("loss_scale_factor") is None:  # verl pads responses to this length
         values["loss_scale_factor"] = float(config.data.max_response_length)
+    values["lora"] = lora_settings(config)
     return TrainerConfig(**values)
+
+
+LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path")
+
+
+def lora_settings(config: JobConfig) -> dict[str, Any]:
+    """The trainer's `lora` section from verl's `model.lora_*` keys."""
+    return {k: getattr(config.model, k) for k in LORA_KEYS}
+
+
+def engine_lora(config: JobConfig) -> dict[str, Any]:
+    """EngineConfig's LoRA fields: adapters on the projections a target list names (their last
+    name component); on all of them for 'all-linear' or a regex (an untargeted one's B stays
+    zero, so it adds nothing)."""
+    m = config.model
+    if m.lora_rank <= 0:
+        return {}
+    out: dict[str, Any] = {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
+    if isinstance(m.target_modules, list):
+        out["lora_target_modules"] = sorted({t.rsplit(".", 1)[-1] for t in m.target_modules})
+    return out
 
 
 # The critic's build, micro-batching and packing follow the actor's unless `critic.*` says.
@@ -171,6 +193,7 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         enforce_eager=r.enforce_eager,
         keep_full_weights=r.adaptive_tp.keep_full_weights,
         speculative=r.speculative.model_dump(),
+        **engine_lora(config),
     )
     a = r.adaptive_tp
     candidates = tp_candidates(config, world.size, world.node_size, model_dir)

@@ -32,6 +32,7 @@ from patrl.orchestrator.advantages import GROUP_ESTIMATORS, AdvEstimator
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
 from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import AggMode, CriticCheckpointConfig, KLType, RolloutCorrectionConfig
+from patrl.trainer.lora import LoraConfig
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 _DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
@@ -96,6 +97,25 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(
         None, description="Hugging Face model directory; None = the demo model"
+    )
+
+
+class PolicyModelConfig(ModelConfig):
+    """verl's `actor_rollout_ref.model`: the policy's model, and LoRA on it."""
+
+    # ---- LoRA (verl's actor_rollout_ref.model.lora_*; patrl.trainer.lora, rollout layers)
+    lora_rank: int = Field(0, description="LoRA rank; 0 = off (full fine-tuning)")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scale = lora_alpha / lora_rank")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="LoRA targets: 'all-linear', a list of module names / suffixes (q_proj), "
+        "or a regex a module's full name matches (PEFT's rule)",
+    )
+    exclude_modules: str | list[str] | None = Field(
+        None, description="modules LoRA leaves out: names / suffixes, or a regex"
+    )
+    lora_adapter_path: str | None = Field(
+        None, description="a PEFT adapter directory to start from; None = fresh adapters"
     )
 
 
@@ -274,7 +294,18 @@ class RolloutConfig(_Section):
 
 
 class ActorConfig(TrainerConfig):
-    """The policy trainer (patrl.trainer.TrainerConfig) plus the PPO loop's sizes."""
+    """The policy trainer (patrl.trainer.TrainerConfig) plus the PPO loop's sizes. LoRA is
+    set by verl's `model.lora_*` keys (build.trainer_config), not here."""
+
+    lora: LoraConfig = Field(default_factory=lambda: LoraConfig(), exclude=True)
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_is_the_models(cls, value: Any) -> Any:
+        raise ValueError(
+            "LoRA is set by model.lora_rank, model.lora_alpha, "
+            "model.target_modules, model.exclude_modules, model.lora_adapter_path"
+        )
 
     ppo_mini_batch_size: int = Field(
         8, gt=0, description="prompts per optimizer step (times rollout.n samples)"
@@ -545,7 +576,7 @@ class AsyncConfig(_Section):
 
 class JobConfig(_Section):
     data: DataConfig = Field(default_factory=lambda: DataConfig())
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    model: PolicyModelConfig = Field(default_factory=lambda: PolicyModelConfig())
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
     actor: ActorConfig = Field(default_factory=lambda: ActorConfig())
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
@@ -990,6 +1021,8 @@ def _reference_rows(prefix: str, model: type[BaseModel]) -> list[str]:
     defaults = model().model_dump(mode="json")
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        if field.exclude:  # set elsewhere (actor.lora: model.lora_*)
+            continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += _reference_rows(f"{prefix}.{name}", annotation)
             continue

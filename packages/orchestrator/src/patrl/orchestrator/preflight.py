@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import re
 import typing
 from collections.abc import Callable, Iterator
@@ -22,9 +23,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import yaml
 from pydantic import BaseModel
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from patrl.lenpredict import usable_tp_sizes
 from patrl.orchestrator import checkpointing, verl_keys
@@ -38,8 +41,16 @@ from patrl.orchestrator.config import (
 )
 from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.orchestrator.learned_reward import reward_model_problems
+from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
 from patrl.rollout.model_config import ModelConfig
+from patrl.trainer.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    LoraConfig,
+    select_targets,
+)
 
 T = TypeVar("T")
 # What reading a user's files raises when the files are wrong (not when our code is).
@@ -245,6 +256,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
         problems += _resume_problems(config, model)
     problems += reward_model_problems(config)
     problems += _critic_problems(config, tokenizer)
+    problems += lora_problems(config, model_dir if model is not None else None)
     if problems:
         raise PreflightError(problems)
     return resolve_schedule(config, num_train)
@@ -640,3 +652,119 @@ def _read_only(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
+    """verl's `model.lora_*` keys: a rank that is not 0 (off) or positive; adapter settings
+    without a rank; target_modules entries that match no linear layer of the model (or one the
+    engine cannot adapt); an adapter directory that is not a PEFT LoRA of this model (rank,
+    base model, tensor shapes); adaptive TP that would rebuild the engine from a sync that
+    brings adapters only. `model_dir` None (the demo, built later) skips the model's checks."""
+    m = config.model
+    if m.lora_rank < 0:
+        return [f"model.lora_rank={m.lora_rank}: accepted: 0 (LoRA off) or a positive rank"]
+    if m.lora_rank == 0:
+        if m.lora_adapter_path is not None:
+            return [
+                f"model.lora_adapter_path={m.lora_adapter_path} needs model.lora_rank > 0 "
+                "(0 is full fine-tuning); set model.lora_rank to the adapter's r"
+            ]
+        return []
+    problems: list[str] = []
+    if config.rollout.adaptive_tp.enable and not config.rollout.adaptive_tp.keep_full_weights:
+        problems.append(
+            "model.lora_rank > 0 with rollout.adaptive_tp.keep_full_weights=false: the sync "
+            "after a folded rollout would rebuild the engine from the adapters alone; set "
+            "keep_full_weights=true or rollout.adaptive_tp.enable=false"
+        )
+    if model_dir is None:
+        return problems
+    linears = _attempt(problems, "model.target_modules", lambda: _lora_targets(config, model_dir))
+    if linears is not None and m.lora_adapter_path is not None:
+        problems += _adapter_problems(config, model_dir, linears)
+    return problems
+
+
+def _lora_targets(config: JobConfig, model_dir: str) -> dict[str, tuple[int, int]]:
+    """Full name -> (in, out) of each linear module LoRA adapts, from the model built on the
+    meta device (no weights read). Raises ValueError naming the key and accepted values."""
+    m = config.model
+    lora = LoraConfig(
+        lora_rank=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        target_modules=m.target_modules,
+        exclude_modules=m.exclude_modules,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    targets = select_targets(model, lora)
+    unsupported = sorted({t.rsplit(".", 1)[-1] for t in targets} - set(LORA_TARGETS))
+    if unsupported:
+        raise ValueError(
+            f"model.target_modules={m.target_modules!r} selects {unsupported}, which the rollout "
+            f"engine cannot adapt; accepted: 'all-linear' or names among {list(LORA_TARGETS)}"
+        )
+    out = {}
+    for name in targets:
+        mod = model.get_submodule(name)
+        out[name] = (int(mod.in_features), int(mod.out_features))
+    return out
+
+
+def _adapter_problems(
+    config: JobConfig, model_dir: str, linears: dict[str, tuple[int, int]]
+) -> list[str]:
+    """The adapter directory against the model: a PEFT LoRA config of the same rank, a base
+    model that is this one (where it names a local directory), and every tensor's shape."""
+    m = config.model
+    key = f"model.lora_adapter_path={m.lora_adapter_path}"
+    root = Path(str(m.lora_adapter_path))
+    cfg_file, weights = root / ADAPTER_CONFIG, root / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights.is_file():
+        return [
+            f"{key}: not a PEFT adapter directory (accepted: one holding {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS}, as save_pretrained writes them)"
+        ]
+    about = json.loads(cfg_file.read_text())
+    if about.get("peft_type") not in (None, "LORA") or about.get("r") != m.lora_rank:
+        return [
+            f"{key}: a {about.get('peft_type')} adapter of r={about.get('r')}; accepted: a LORA "
+            f"adapter of r = model.lora_rank={m.lora_rank}"
+        ]
+    problems = []
+    base = about.get("base_model_name_or_path")
+    if base and Path(base).is_dir() and not _same_model(Path(base), Path(model_dir)):
+        problems.append(
+            f"{key}: the adapter's base model {base} differs from model.path={model_dir} "
+            "(config.json disagrees); accepted: an adapter trained on model.path"
+        )
+    try:
+        with safe_open(str(weights), "pt") as f:
+            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    except SafetensorError as err:
+        return [*problems, f"{key}: {weights.name} is not readable safetensors: {err}"]
+    for name, (fan_in, fan_out) in linears.items():
+        want = {
+            f"{PEFT_PREFIX}{name}.lora_A.weight": (m.lora_rank, fan_in),
+            f"{PEFT_PREFIX}{name}.lora_B.weight": (fan_out, m.lora_rank),
+        }
+        for tensor, shape in want.items():
+            if shapes.get(tensor) != shape:
+                got = "missing" if tensor not in shapes else f"shape {list(shapes[tensor])}"
+                problems.append(
+                    f"{key}: {tensor} is {got}, this model's adapter needs {list(shape)}: the "
+                    "adapter's base model, rank or target modules differ from model.path, "
+                    "model.lora_rank and model.target_modules"
+                )
+                return problems
+    return problems
+
+
+def _same_model(a: Path, b: Path) -> bool:
+    """Whether two model directories hold the same architecture (config.json's sizes)."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    try:
+        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    except (OSError, ValueError):
+        return True  # nothing to compare: the shape check decides
+    return all(ca.get(k) == cb.get(k) for k in keys)

@@ -122,9 +122,6 @@ RULES: dict[str, Rule] = {
     # ---- model (actor_rollout_ref.model.*)
     "model.use_remove_padding": Alias("actor.use_remove_padding"),
     "model.enable_gradient_checkpointing": Alias("actor.enable_gradient_checkpointing"),
-    "model.lora_rank": Fixed(
-        (0,), "patrl trains full weights (no LoRA)", "full fine-tuning (leave lora_rank unset)"
-    ),
     "model.external_lib": Fixed(
         (None,),
         "patrl loads Llama, Qwen2 and Qwen3 checkpoints itself",

@@ -12,7 +12,7 @@ from patrl.rollout.layers.attention.registry import (
     resolve_attention_backend,
     resolve_block_size,
 )
-from patrl.rollout.tp_policy import StaticTP, TPPolicy
+from patrl.rollout.tp_policy import AdaptiveTP, StaticTP, TPPolicy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,6 +142,19 @@ class EngineConfig(BaseModel):
         default_factory=SpeculativeConfig,
         description="speculative decoding from group and history drafts (off by default)",
     )
+    # ---- LoRA: adapters on the decoder's linear layers (layers/linear.py, layers/lora.py)
+    lora_rank: int = Field(0, ge=0, description="LoRA rank of the adapters; 0 = no adapters")
+    lora_alpha: float = Field(16.0, gt=0, description="adapter scale = lora_alpha / lora_rank")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"],
+        description="HF projections that carry adapters (a fused layer adapts all its parts)",
+    )  # fmt: skip
+    lora_merged: bool = Field(
+        False,
+        description="fold the adapters into the weights after each load (no LoRA cost per "
+        "step; each adapter load unmerges exactly, loads, merges again)",
+    )
     tune_host_malloc: bool = Field(
         True,
         description="on CPU under glibc, keep freed memory for reuse instead of faulting in "
@@ -171,6 +184,28 @@ class EngineConfig(BaseModel):
             "attention_backend": backend,
             "block_size": resolved if raw is None else raw,
         }
+
+    def lora_kwargs(self) -> dict[str, Any]:
+        """`load_model`'s LoRA arguments: none without adapters."""
+        if self.lora_rank == 0:
+            return {}
+        targets = tuple(self.lora_target_modules)
+        return {"lora": (self.lora_rank, self.lora_alpha, targets), "lora_merged": self.lora_merged}
+
+    @model_validator(mode="after")
+    def _merged_lora_at_static_tp(self) -> EngineConfig:
+        if self.lora_merged and self.lora_rank and isinstance(self.tp_policy, AdaptiveTP):
+            raise ValueError(
+                "lora_merged=True runs at static TP only (a fold would re-cut merged weights "
+                "whose unmerged copies keep the old cut): use tp_policy=StaticTP or "
+                "lora_merged=False"
+            )
+        if self.lora_rank and isinstance(self.tp_policy, AdaptiveTP) and not self.keep_full_weights:
+            raise ValueError(
+                "lora_rank > 0 with adaptive TP needs keep_full_weights=True: without the kept "
+                "weights the way back rebuilds the model from a sync that brings adapters only"
+            )
+        return self
 
     @field_validator("attention_backend")
     @classmethod

@@ -6,12 +6,14 @@ names. Each parameter's `weight_loader` cuts the tensor for this rank's layout.
 `check_model_dir` validates a directory from its headers alone (no tensor is read), so a job
 can reject a wrong one before it starts any work.
 Nothing here touches the network: directories are read with `local_files_only=True`.
+LoRA adapters (layers/lora.py) load through `load_weights` too, under the trainer's or PEFT's
+names (`<module>.lora_A.weight`); a LoRA run's sync sends only those, so the base never changes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,14 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
+from patrl.rollout.layers.lora import (
+    adapter_param_name,
+    enable_lora,
+    is_adapter_key,
+    is_merged,
+    merge_lora,
+    unmerge_lora,
+)
 from patrl.rollout.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from patrl.rollout.models import build_model
 from patrl.rollout.models.causal_lm import CausalLM
@@ -82,15 +92,33 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load full tensors under their HF names; return the keys loaded (see `weight_keys`)."""
+    """Load full tensors under their HF names; return the keys loaded (see `weight_keys`).
+    A model in LoRA's merged mode is unmerged for the load and merged again after it."""
     forget_full(model)  # full tensors kept by a fold would go stale as the shards change
+    merged = is_merged(model)
+    if merged:
+        unmerge_lora(model)
+    try:
+        return _load(model, named_tensors)
+    finally:
+        if merged:
+            merge_lora(model)
+
+
+def _load(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, full in named_tensors:
         if hf_name.endswith(_DERIVED_SUFFIXES):
             continue
-        name, part = _map_name(hf_name, model)
+        adapter = adapter_param_name(hf_name)
+        name, part = _map_name(adapter or hf_name, model)
         param = params.get(name)
+        if param is None and adapter is not None:
+            raise KeyError(
+                f"adapter tensor {hf_name!r}: this engine has no LoRA adapter {name!r}; build "
+                "it with EngineConfig.lora_rank > 0 and lora_target_modules naming the module"
+            )
         if param is None:
             raise KeyError(
                 f"checkpoint tensor {hf_name!r} matches no parameter of this "
@@ -122,15 +150,24 @@ def load_model(
     attention: str | AttentionBackend = "auto",
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    lora: tuple[int, float, Sequence[str]] | None = None,
+    lora_merged: bool = False,
 ) -> CausalLM:
-    """Build the model for `model_dir`'s config and load its safetensors, cut for `layout`."""
+    """Build the model for `model_dir`'s config and load its safetensors, cut for `layout`.
+    `lora` (rank, alpha, target HF projections): adapters on those layers, zero (no update)
+    until `load_weights` brings them; `lora_merged`: in merged mode from the start."""
     config = read_config(model_dir)
     model = build_model(
         config, layout, attention=attention, dtype=dtype or _config_dtype(config), device=device
     )
-    missing = weight_keys(model) - load_weights(model, iter_checkpoint(model_dir))
+    if lora is not None and lora[0] > 0:
+        enable_lora(model, lora[0], lora[1], lora[2], model.packed_modules_mapping)
+    expected = {k for k in weight_keys(model) if not is_adapter_key(k)}
+    missing = expected - load_weights(model, iter_checkpoint(model_dir))
     if missing:
         raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+    if lora_merged:
+        merge_lora(model)
     return model
 
 

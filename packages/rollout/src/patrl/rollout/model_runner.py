@@ -87,6 +87,7 @@ class ModelRunner:
             attention=config.attention_backend,
             dtype=dtype,
             device=self.device,
+            **config.lora_kwargs(),
         )
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from patrl.trainer.lora import LoraConfig
+
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -198,6 +200,8 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    # LoRA (verl's actor_rollout_ref.model.lora_*): rank 0 trains the full weights.
+    lora: LoraConfig = Field(default_factory=lambda: LoraConfig())
     grad_clip: float = Field(default=1.0, gt=0)
     # Micro-batches: padded tokens per micro-batch on one rank, and optionally a sample cap.
     ppo_max_token_len_per_gpu: int = Field(default=16384, ge=2)

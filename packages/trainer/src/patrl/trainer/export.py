@@ -7,6 +7,9 @@ tensors at a time, and writes OUT as hf_export.py describes: the tensors `Traine
 would write, in the same dtype. Config, generation config and tokenizer come from `--model DIR`
 when given, else from the checkpoint's own HF directory (`huggingface/` beside `trainer/`, or
 inside a trainer checkpoint), else from the source model directory the checkpoint recorded.
+A LoRA run's checkpoint is exported merged (each adapter folded into its base weight, in fp32,
+at the scale its `lora_adapter/adapter_config.json` records): a plain HF model. Its PEFT
+adapter directory is `lora_adapter/` of the checkpoint itself.
 
     python -m patrl.trainer.export runs/patrl/grpo/checkpoints/global_step_20 ./my-model
 """
@@ -36,6 +39,7 @@ from patrl.trainer.hf_export import (
     source_dtype,
     write_hf_dir,
 )
+from patrl.trainer.lora import LORA_ADAPTER_DIR
 from patrl.trainer.model import Head, build_on_meta, with_head
 
 RUN_POLICY_DIR = "trainer"  # a run checkpoint's policy (patrl.orchestrator.checkpointing)
@@ -90,8 +94,15 @@ def export_checkpoint(
         f"--model {str(model)!r}" if model is not None else repr(str(source or metadata_from))
     )
     stored = _stored_tensors(trainer_dir)
+    adapters = {n: m for n, m in stored.items() if ".lora_A." in n or ".lora_B." in n}
+    stored = {n: m for n, m in stored.items() if n not in adapters}
     _check_tensors(trainer_dir, stored, shapes, names, config_from)
-    tensors = _read_tensors(trainer_dir, stored, list(shapes), dtype, max_shard_bytes)
+    if adapters:  # read in fp32, merged, then cast
+        scaling = _lora_scaling(trainer_dir)
+        full = _read_tensors(trainer_dir, stored, list(shapes), torch.float32, max_shard_bytes)
+        tensors = _merged(full, trainer_dir, adapters, scaling, dtype)
+    else:
+        tensors = _read_tensors(trainer_dir, stored, list(shapes), dtype, max_shard_bytes)
     return write_hf_dir(out, tensors, config, source, metadata_from, max_shard_bytes)
 
 
@@ -234,6 +245,36 @@ def _read_tensors(
             dcp.load(state, storage_reader=reader, no_dist=True)
         for n in group:
             yield n, state.pop(f"model.{n}").to(dtype)
+
+
+def _lora_scaling(trainer_dir: Path) -> float:
+    """lora_alpha / r of the adapter directory `Trainer.save` wrote beside the shards."""
+    path = trainer_dir / LORA_ADAPTER_DIR / "adapter_config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"checkpoint {str(trainer_dir)!r} holds LoRA adapters but no {path.name} in "
+            f"{LORA_ADAPTER_DIR}/ (their scale); it was not written by Trainer.save"
+        )
+    about = json.loads(path.read_text())
+    return float(about["lora_alpha"]) / float(about["r"])
+
+
+def _merged(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    trainer_dir: Path,
+    adapters: dict[str, TensorStorageMetadata],
+    scaling: float,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """fp32 `tensors`, each adapted weight replaced by W + scaling * B @ A, cast to `dtype`
+    (the merge `Trainer.export_hf` writes)."""
+    for name, tensor in tensors:
+        module = name.removesuffix(".weight")
+        a_name, b_name = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+        if a_name in adapters and b_name in adapters:
+            pair = dict(_read_tensors(trainer_dir, adapters, [a_name, b_name], torch.float32, 1))
+            tensor = tensor + scaling * (pair[b_name] @ pair[a_name])
+        yield name, tensor.to(dtype)
 
 
 def _groups(names: list[str], nbytes: dict[str, int], max_bytes: int) -> Iterator[list[str]]:

@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from patrl.trainer.checkpoint import Group, replace_dir
-from patrl.trainer.weights import iter_full_weights
+from patrl.trainer.weights import iter_merged_weights
 
 # Tokenizer files copied verbatim from the source model directory.
 TOKENIZER_FILES = (
@@ -226,7 +226,8 @@ def export_hf(
     writes config, generation config and tokenizer only. `dtype` None: the master dtype.
     """
     final = Path(path)
-    buckets = iter_full_weights(model, bucket_bytes, dtype) if weights else None
+    # A LoRA model exports merged: a plain HF model of the base with the adapters folded in.
+    buckets = iter_merged_weights(model, bucket_bytes, dtype) if weights else None
     if group.rank != 0:
         for _ in buckets or ():  # the gathers are collectives: take part, keep nothing
             pass

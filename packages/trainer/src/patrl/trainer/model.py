@@ -32,6 +32,13 @@ from transformers import (
     PreTrainedModel,
 )
 
+from patrl.trainer.lora import (
+    LoraConfig,
+    add_adapters,
+    init_adapters,
+    is_adapter_name,
+    load_adapter,
+)
 from patrl.trainer.shard_loader import checkpoint_index, load_shards, shard_rows
 
 ModelSource = str | os.PathLike[str] | PretrainedConfig
@@ -129,10 +136,12 @@ def build_sharded(
     head: Head = "lm",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    lora: LoraConfig | None = None,
 ) -> PreTrainedModel:
     """The model of a local HF directory, its parameters in `dtype` (fp32: the trainer's master
     weights; an inference-only model may keep its compute dtype), FSDP2-sharded over `mesh` on
-    `device`.
+    `device`. With an enabled `lora`, adapters go on the meta model before sharding (so each
+    decoder layer's FSDP unit holds its adapters) and are initialised or loaded after the base.
 
     Each rank reads only its own shards, cast to `dtype` whatever the checkpoint's; buffers
     (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
@@ -140,13 +149,27 @@ def build_sharded(
     """
     path = model_dir(source)
     model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head, dtype)
+    if lora is not None and lora.enabled:
+        add_adapters(model, lora)
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
     materialize(model, device)
     fresh_head = head == "value" and not _has_value_head(path)
-    load_shards(model, path, skip=VALUE_HEAD if fresh_head else ())
+    adapters = {n for n, _ in model.named_parameters() if is_adapter_name(n)}
+    load_shards(model, path, skip=(*(VALUE_HEAD if fresh_head else ()), *adapters))
     if fresh_head:
         init_value_head(model, seed)
+    if adapters:
+        start_adapters(model, lora, seed)
     return model
+
+
+def start_adapters(model: nn.Module, lora: LoraConfig | None, seed: int) -> None:
+    """Fill the adapters `add_adapters` made: from `lora.lora_adapter_path`, else PEFT's
+    init drawn from `seed`."""
+    if lora is not None and lora.lora_adapter_path is not None:
+        load_adapter(model, lora.lora_adapter_path)
+    else:
+        init_adapters(model, seed)
 
 
 def build_on_meta(

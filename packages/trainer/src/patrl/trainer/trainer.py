@@ -29,6 +29,14 @@ from patrl.trainer.checkpoint import Group, load_checkpoint, save_checkpoint
 from patrl.trainer.config import RolloutCorrectionConfig, TrainerConfig
 from patrl.trainer.hf_export import export_hf, hf_config, read_source_config, source_dtype
 from patrl.trainer.logprobs import token_logprobs
+from patrl.trainer.lora import (
+    LORA_ADAPTER_DIR,
+    adapter_config,
+    adapters_disabled,
+    add_adapters,
+    select_targets,
+    write_adapter_dir,
+)
 from patrl.trainer.losses import CovSettings, aggregate, kl_penalty, policy_loss, reinforce_loss
 from patrl.trainer.memory_plan import step_memory_bytes, use_checkpointing
 from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
@@ -40,13 +48,14 @@ from patrl.trainer.model import (
     freeze,
     model_dir,
     parallelize,
+    start_adapters,
 )
 from patrl.trainer.packing import pack, packed_token_logprobs
 from patrl.trainer.policy_batch import PolicyBatch, pad_field
 from patrl.trainer.rollout_correction import is_weights, parse_rs, rejection_mask
 from patrl.trainer.schedule import build_scheduler
 from patrl.trainer.varlen_attention import register as register_varlen
-from patrl.trainer.weights import Bucket, iter_full_weights
+from patrl.trainer.weights import Bucket, iter_adapter_weights, iter_full_weights
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +115,16 @@ class Trainer:
         )
         if reference is None:
             reference = config.use_kl_loss
-        self.reference = self._build(model, trainable=False) if reference else None
+        # With LoRA the reference is the policy with its adapters off: no second model.
+        self.has_reference = bool(reference)
+        self.lora = self.config.lora if self.config.lora.enabled and self.head == "lm" else None
+        self.reference = (
+            self._build(model, trainable=False) if reference and self.lora is None else None
+        )
         opt = config.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            # Only what trains has optimizer state (with LoRA: the adapters).
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=opt.lr,
             betas=opt.betas,
             eps=opt.eps,
@@ -172,6 +187,7 @@ class Trainer:
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
         cfg = self.config
         checkpointing = trainable and self.checkpointing
+        lora = cfg.lora if trainable and cfg.lora.enabled and self.head == "lm" else None
         if self.mesh is not None and self.source_dir is not None:
             model = build_sharded(
                 self.source_dir,
@@ -182,9 +198,14 @@ class Trainer:
                 checkpointing,
                 head=self.head,
                 seed=cfg.seed,
+                # passed only when on: a full run's build call is unchanged
+                **({"lora": lora} if lora is not None else {}),  # type: ignore[arg-type]
             )
         else:
             model = build_model(source, self.attn_implementation, cfg.seed, head=self.head)
+            if lora is not None:
+                add_adapters(model, lora)
+                start_adapters(model, lora, cfg.seed)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
@@ -259,12 +280,22 @@ class Trainer:
     def compute_ref_logprobs(self, batch: PolicyBatch) -> list[torch.Tensor]:
         """The frozen reference policy's logprobs of `batch`, in `compute_logprobs`' layout.
         Raises RuntimeError when the trainer was built without a reference."""
-        if self.reference is None:
+        if not self.has_reference:
             raise RuntimeError(
                 "no reference policy: build the Trainer with use_kl_loss or reference=True"
             )
         batch.validate()
-        return self._gather(self._score(self.reference, batch, self._plan(batch)), len(batch))
+        return self._gather(self._score_reference(batch, self._plan(batch)), len(batch))
+
+    def _score_reference(
+        self, batch: PolicyBatch, micro_batches: list[list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """The reference's logprobs: the frozen model, or with LoRA the policy's base (its
+        adapters off)."""
+        if self.reference is not None:
+            return self._score(self.reference, batch, micro_batches)
+        with adapters_disabled(self.model):
+            return self._score(self.model, batch, micro_batches)
 
     def scored_logprobs(self) -> list[torch.Tensor]:
         """The logprobs the last on-policy `train_step` took its ratio against (the policy
@@ -310,10 +341,8 @@ class Trainer:
         self._scored = None
         ref = None
         if cfg.use_kl_loss:
-            assert self.reference is not None
-            ref = self._given(batch.ref_logprobs) or self._score(
-                self.reference, batch, micro_batches
-            )
+            assert self.has_reference
+            ref = self._given(batch.ref_logprobs) or self._score_reference(batch, micro_batches)
 
         # Metric sums stay on the device until the step's one read (no per-micro-batch sync).
         sums = torch.zeros(len(_SUMS), dtype=self._sum_dtype(), device=self.device)
@@ -634,8 +663,27 @@ class Trainer:
     def iter_full_weights(
         self, bucket_bytes: int, dtype: torch.dtype | None = None
     ) -> Iterator[Bucket]:
-        """Buckets of `(hf_name, full_tensor)`, on every rank of the trainer (see weights.py)."""
+        """Buckets of `(hf_name, full_tensor)`, on every rank of the trainer (see weights.py).
+        With LoRA only the adapters (`<module>.lora_A.weight`, `.lora_B.weight`): the engine's
+        base never changes."""
+        if self.lora is not None:
+            return iter_adapter_weights(self.model, bucket_bytes, dtype)
         return iter_full_weights(self.model, bucket_bytes, dtype)
+
+    def save_adapter(self, path: str | Path) -> Path | None:
+        """With LoRA: a PEFT adapter directory (`adapter_config.json`,
+        `adapter_model.safetensors`) at `path`, written atomically by the first rank; None
+        without LoRA. Collective over the trainer's ranks."""
+        if self.lora is None:
+            return None
+        tensors = {n: t for bucket in iter_adapter_weights(self.model, 1 << 62) for n, t in bucket}
+        out = None
+        if self.group.rank == 0:
+            base = None if self.source_dir is None else str(self.source_dir.resolve())
+            targets = select_targets(self.model, self.lora)
+            out = write_adapter_dir(path, adapter_config(self.lora, targets, base), tensors)
+        self.group.barrier()
+        return out
 
     def check_finite(self) -> None:
         """Raise NonFiniteError when any weight holds inf or NaN, on any rank (a collective
@@ -672,7 +720,7 @@ class Trainer:
             "head": self.head,
             "source": None if self.source_dir is None else str(self.source_dir.resolve()),
         }
-        return save_checkpoint(
+        out = save_checkpoint(
             path,
             self.model,
             self.optimizer,
@@ -681,6 +729,8 @@ class Trainer:
             self.config.checkpoint.save_contents,
             about,
         )
+        self.save_adapter(Path(path) / LORA_ADAPTER_DIR)
+        return out
 
     def load(self, path: str | Path) -> None:
         """Restore a checkpoint `save` wrote, at this or any other number of trainer ranks."""

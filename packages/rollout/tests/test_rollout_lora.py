@@ -1,0 +1,186 @@
+"""The engine's LoRA path against the merged-weights model (its slow twin) at TP 1 and 2, its
+merged mode, and greedy tokens against transformers + PEFT on the same adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from rollout_testkit import Driver, hf_reference, max_diff_prefill_and_decode, workload
+from safetensors.torch import load_file
+
+from patrl.rollout import Engine, EngineConfig
+from patrl.rollout.layers.lora import LORA_TARGETS, merge_lora, unmerge_lora
+from patrl.rollout.loader import load_model, load_weights
+from patrl.rollout.sampler import SamplingParams
+from patrl.tpreshard import ParallelLayout
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.multirank import run_ranks
+
+peft = pytest.importorskip("peft", reason="peft is a test dependency (noxfile TEST_DEPS)")
+
+RANK, ALPHA = 4, 8.0
+LORA = (RANK, ALPHA, LORA_TARGETS)
+EXACT = 1e-5  # fp32: the adapter path and the merged weights are the same sums, reordered
+HF_TOL = 1e-4  # against transformers' kernels (test_rollout_models' tolerance)
+
+
+def _peft(family: str, root: Path) -> dict[str, Any]:
+    """Base, PEFT adapter (random A and B, so every projection changes) and the merged model,
+    each saved; the adapter's tensors under PEFT's names."""
+    base = save_hf_model(tiny_hf_model(family), root / "base")
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0)
+    model = peft.get_peft_model(tiny_hf_model(family), cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(tuple(p.shape), generator=g) * 0.05)
+    model.save_pretrained(root / "adapter")
+    adapter = load_file(str(root / "adapter" / "adapter_model.safetensors"))
+    prompts, conts = workload(model.config.vocab_size)
+    refs = hf_reference(model, prompts, conts)
+    merged = save_hf_model(model.merge_and_unload(), root / "merged")
+    return {
+        "base": base,
+        "adapter": adapter,
+        "adapter_dir": root / "adapter",
+        "merged": merged,
+        "prompts": prompts,
+        "conts": conts,
+        "refs": refs,
+    }
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _peft(request.param, tmp_path_factory.mktemp(f"lora_{request.param}"))
+
+
+@torch.no_grad()
+def _logits(model: Any, prompts: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
+    """Every position's logits, each sequence prefilled whole."""
+    seqs = [p + c for p, c in zip(prompts, conts, strict=True)]
+    return Driver(model, len(seqs), "dense").step(seqs)
+
+
+def _compare(c: dict[str, Any], layout: ParallelLayout | None) -> dict[str, float]:
+    """Worst logit differences: adapter path vs merged-weights model, merged mode vs the same,
+    adapter path vs transformers + PEFT; and whether unmerge restored every weight exactly."""
+    p, q = c["prompts"], c["conts"]
+    twin = load_model(c["merged"], layout, attention="sdpa", dtype=torch.float32)
+    refs = _logits(twin, p, q)
+    model = load_model(c["base"], layout, attention="sdpa", dtype=torch.float32, lora=LORA)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    load_weights(model, c["adapter"].items())
+    out = {
+        "lora": max_diff_prefill_and_decode(model, refs, p, q, "paged"),
+        "hf": max_diff_prefill_and_decode(model, c["refs"], p, q, "paged"),
+    }
+    adapters = {n: t.clone() for n, t in model.state_dict().items() if "lora_" in n}
+    merge_lora(model)
+    out["merged"] = max_diff_prefill_and_decode(model, refs, p, q, "paged")
+    unmerge_lora(model)
+    out["unmerge_exact"] = float(
+        all(
+            torch.equal(t, adapters[n] if "lora_" in n else before[n])
+            for n, t in model.state_dict().items()
+        )
+    )
+    return out
+
+
+def test_lora_forward_equals_merged_weights_at_tp1(case: dict[str, Any]) -> None:
+    got = _compare(case, None)
+    assert got["lora"] <= EXACT and got["merged"] <= EXACT, got
+    assert got["hf"] <= HF_TOL, got
+    assert got["unmerge_exact"] == 1.0
+
+
+def _tp_body(rank: int, world_size: int, c: dict[str, Any]) -> dict[str, float]:
+    group = dist.new_group(list(range(world_size)))
+    return _compare(c, ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group))
+
+
+@pytest.mark.multirank
+def test_lora_forward_equals_merged_weights_at_tp2(case: dict[str, Any]) -> None:
+    for got in run_ranks(_tp_body, 2, args=(case,), timeout_s=240):
+        assert got["lora"] <= EXACT and got["merged"] <= EXACT, got
+        assert got["hf"] <= HF_TOL, got
+        assert got["unmerge_exact"] == 1.0
+
+
+def test_an_adapter_load_in_merged_mode_unmerges_first(case: dict[str, Any]) -> None:
+    """Loading adapters into a merged model (twice, different values) gives the weights a
+    fresh merge of the last adapter gives: no update is folded in twice."""
+    fresh = load_model(case["base"], dtype=torch.float32, lora=LORA)
+    load_weights(fresh, case["adapter"].items())
+    merge_lora(fresh)
+    model = load_model(case["base"], dtype=torch.float32, lora=LORA, lora_merged=True)
+    halved = {n: t * 0.5 for n, t in case["adapter"].items()}
+    load_weights(model, halved.items())
+    load_weights(model, case["adapter"].items())
+    want = fresh.state_dict()
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, want[n]), n
+
+
+def test_adapters_need_lora_on_the_engine(case: dict[str, Any]) -> None:
+    model = load_model(case["base"], dtype=torch.float32)
+    with pytest.raises(KeyError, match="lora_rank > 0"):
+        load_weights(model, case["adapter"].items())
+    with pytest.raises(ValueError, match=r"accepted:.*q_proj"):
+        load_model(case["base"], dtype=torch.float32, lora=(2, 4.0, ("lm_head",)))
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_greedy_tokens_equal_transformers_with_peft(case: dict[str, Any], merged: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(
+        EngineConfig(
+            model=str(case["base"]),
+            block_size=4,
+            num_kv_blocks=128,
+            max_model_len=128,
+            lora_rank=RANK,
+            lora_alpha=ALPHA,
+            lora_merged=merged,
+        )
+    )
+    engine.load_weights(case["adapter"].items(), version=1)
+    prompts = case["prompts"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    out = engine.generate(prompts, params)
+    base = AutoModelForCausalLM.from_pretrained(case["base"], dtype=torch.float32)
+    ref_model = peft.PeftModel.from_pretrained(base, case["adapter_dir"]).eval()
+    for prompt, result in zip(prompts, out, strict=True):
+        ids = torch.tensor([prompt])
+        ref = ref_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert result.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_merged_mode_is_refused_with_adaptive_tp(case: dict[str, Any]) -> None:
+    from patrl.rollout import AdaptiveTP
+
+    with pytest.raises(ValueError, match="lora_merged=True runs at static TP only"):
+        EngineConfig(
+            model=str(case["base"]), lora_rank=RANK, lora_merged=True, tp_policy=AdaptiveTP()
+        )
+    with pytest.raises(ValueError, match="needs keep_full_weights=True"):
+        EngineConfig(
+            model=str(case["base"]),
+            lora_rank=RANK,
+            keep_full_weights=False,
+            tp_policy=AdaptiveTP(),
+        )

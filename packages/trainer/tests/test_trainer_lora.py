@@ -1,0 +1,276 @@
+"""LoRA in the trainer against PEFT itself on the same base model, adapter and batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from trainer_testkit import LLAMA, config, make_batch
+
+from patrl.trainer import Trainer
+from patrl.trainer.lora import LoraConfig, peft_name, select_targets
+from patrl_testkit.models import save_tiny_model
+from patrl_testkit.multirank import run_ranks
+
+peft = pytest.importorskip("peft", reason="peft is a test dependency (noxfile TEST_DEPS)")
+
+LORA: dict[str, Any] = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, the same math in a different op order
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("lora") / "base", "llama", "plain", **LLAMA)
+
+
+def _randomise_b(trainer: Trainer, seed: int = 1) -> None:
+    """B starts at zero (the identity update); a random B makes A's gradient non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(tuple(p.shape), generator=g) * 0.1)
+
+
+def _adapters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in trainer.iter_full_weights(1 << 30) for n, t in b}
+
+
+def _peft_model(base_dir: Path, trainer: Trainer, lora: dict[str, Any]) -> Any:
+    """PEFT's model of the same base with the trainer's adapter values."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(
+        r=lora["lora_rank"],
+        lora_alpha=lora["lora_alpha"],
+        target_modules=lora["target_modules"],
+        exclude_modules=lora.get("exclude_modules"),
+        lora_dropout=0.0,
+    )
+    model = peft.get_peft_model(base, cfg)
+    state = {peft_name(n): t for n, t in _adapters(trainer).items()}
+    result = peft.set_peft_model_state_dict(model, state)
+    assert not result.unexpected_keys, result.unexpected_keys
+    return model
+
+
+def _logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_only_adapters_train_and_hold_optimizer_state(base_dir: Path) -> None:
+    trainer = Trainer(config(lora=LORA), base_dir)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # all-linear: the 7 projections of each of the 2 layers, never the LM head
+    assert len(trainable) == 2 * 7 * 2
+    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    base_before = {n: p.clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train_step(make_batch(0, [5, 3, 7]))
+    state_ids = set(map(id, trainer.optimizer.state))
+    assert state_ids == held
+    for n, p in trainer.model.named_parameters():
+        if not p.requires_grad:
+            torch.testing.assert_close(p, base_before[n], rtol=0, atol=0)
+
+
+def test_loss_and_adapter_gradients_equal_peft(base_dir: Path) -> None:
+    lora = {**LORA, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    trainer = Trainer(config(lora=lora, use_remove_padding=False), base_dir)
+    _randomise_b(trainer)
+    ref = _peft_model(base_dir, trainer, lora)
+    ids = make_batch(3, [6, 6]).input_ids
+    x = torch.stack(ids)
+    adv = torch.tensor([1.0, -0.5])[:, None]
+
+    def loss_of(model: Any) -> torch.Tensor:
+        return -(adv * _logp(model(input_ids=x).logits, x)).mean()
+
+    ours, theirs = loss_of(trainer.model), loss_of(ref)
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ours.backward()
+    theirs.backward()
+    peft_grads = {
+        n.replace(".default", "").removeprefix("base_model.model."): p.grad
+        for n, p in ref.named_parameters()
+        if p.requires_grad
+    }
+    our_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert our_grads.keys() == peft_grads.keys()
+    for n, g in our_grads.items():
+        assert g is not None and g.abs().sum() > 0, n
+        torch.testing.assert_close(g, peft_grads[n], **TOL)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_train_step_equals_peft_with_adamw(base_dir: Path, checkpointing: bool) -> None:
+    """One on-policy GRPO step (ratio 1, token-mean): the pg loss, the adapters' grad norm and
+    the adapters after AdamW equal PEFT's under the same loss and optimizer (also with
+    activation checkpointing, which reruns the adapters' hooks in the backward)."""
+    cfg = config(
+        lora=LORA,
+        use_remove_padding=False,
+        grad_clip=1e6,
+        enable_gradient_checkpointing=checkpointing,
+    )
+    trainer = Trainer(cfg, base_dir)
+    _randomise_b(trainer)
+    ref = _peft_model(base_dir, trainer, LORA)
+    batch = make_batch(5, [4, 4, 4])
+    metrics = trainer.train_step(batch)
+
+    opt = cfg.optim
+    params = [p for p in ref.parameters() if p.requires_grad]
+    adamw = torch.optim.AdamW(
+        params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    x = torch.stack(batch.input_ids)
+    logp = _logp(ref(input_ids=x).logits, x)
+    mask = torch.stack(batch.loss_mask)[:, 1:].float()
+    adv = torch.stack(batch.advantages)[:, 1:]
+    ratio = (logp - logp.detach()).exp()  # 1, with the gradient of logp
+    loss = -(adv * ratio * mask).sum() / mask.sum()
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    adamw.step()
+    assert metrics["actor/pg_loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    after = {
+        n.replace(".default", "").removeprefix("base_model.model."): p.detach()
+        for n, p in ref.named_parameters()
+        if p.requires_grad
+    }
+    for n, t in _adapters(trainer).items():
+        torch.testing.assert_close(t, after[n], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_is_the_base_with_adapters_off(base_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(config(lora=LORA, use_kl_loss=True), base_dir)
+    assert trainer.reference is None  # no second model
+    _randomise_b(trainer)
+    batch = make_batch(7, [5, 2, 6])
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    ref = trainer.compute_ref_logprobs(batch)
+    policy = trainer.compute_logprobs(batch)
+    for ids, r, p in zip(batch.input_ids, ref, policy, strict=True):
+        want = _logp(base(input_ids=ids[None]).logits, ids[None])[0]
+        torch.testing.assert_close(r[1:], want, **TOL)
+        assert not torch.allclose(p[1:], want, rtol=1e-4, atol=1e-4)  # the adapters count
+
+
+def test_adapter_dir_loads_in_peft_and_merged_export_in_transformers(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    lora = {**LORA, "exclude_modules": ["layers.0.mlp.up_proj"]}
+    trainer = Trainer(config(lora=lora, use_remove_padding=False), base_dir)
+    _randomise_b(trainer)
+    out = trainer.save_adapter(tmp_path / "adapter")
+    assert out is not None
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    x = torch.stack(make_batch(9, [7, 7]).input_ids)
+    with torch.no_grad():
+        ours = trainer.model(input_ids=x).logits
+        torch.testing.assert_close(loaded(input_ids=x).logits, ours, **TOL)
+        names = {n for n, _ in loaded.named_parameters() if "lora_A" in n}
+        assert not any("layers.0.mlp.up_proj" in n for n in names)
+        merged_dir = trainer.export_hf(tmp_path / "merged", dtype=torch.float32)
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(input_ids=x).logits, ours, **TOL)
+
+
+def test_start_from_an_adapter_path(base_dir: Path, tmp_path: Path) -> None:
+    first = Trainer(config(lora=LORA), base_dir)
+    _randomise_b(first)
+    out = first.save_adapter(tmp_path / "adapter")
+    second = Trainer(config(lora={**LORA, "lora_adapter_path": str(out)}), base_dir)
+    want, got = _adapters(first), _adapters(second)
+    assert want.keys() == got.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+
+
+def test_target_entry_matching_nothing_is_an_error(base_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    with pytest.raises(ValueError, match=r"model.target_modules entries \['qproj'\].*q_proj"):
+        select_targets(model, LoraConfig(lora_rank=2, target_modules=["q_proj", "qproj"]))
+
+
+def _fsdp_rank(rank: int, world: int, base_dir: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    trainer = Trainer(config(lora=LORA, use_kl_loss=True), base_dir, mesh=mesh)
+    metrics = [trainer.train_step(make_batch(s, [5, 3, 7, 2])) for s in range(2)]
+    return {
+        "metrics": metrics,
+        "adapters": {n: t.numpy().copy() for n, t in _adapters(trainer).items()},
+        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
+    }
+
+
+@pytest.mark.multirank
+def test_fsdp2_two_ranks_equal_one_process(base_dir: Path) -> None:
+    """The sharded build (meta, per-layer FSDP2, then load; adapters from the seed) takes the
+    same steps as a lone process."""
+    ranks = run_ranks(_fsdp_rank, 2, (str(base_dir),), timeout_s=240)
+    lone = Trainer(config(lora=LORA, use_kl_loss=True), base_dir)
+    metrics = [lone.train_step(make_batch(s, [5, 3, 7, 2])) for s in range(2)]
+    for got, want in zip(ranks[0]["metrics"], metrics, strict=True):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    for n, t in _adapters(lone).items():
+        torch.testing.assert_close(torch.from_numpy(ranks[0]["adapters"][n]), t, **TOL)
+        torch.testing.assert_close(torch.from_numpy(ranks[1]["adapters"][n]), t, **TOL)
+
+
+def test_save_resume_and_export_cli_merge(base_dir: Path, tmp_path: Path) -> None:
+    """Every save writes the PEFT adapter directory; a resume restores adapters and AdamW
+    state (the next step equals an uninterrupted run's); the export CLI writes the merged
+    model `Trainer.export_hf` writes."""
+    from safetensors.torch import load_file
+
+    from patrl.trainer.export import export_checkpoint
+
+    cfg = config(lora=LORA, use_remove_padding=False)
+    batches = [make_batch(s, [5, 3, 6]) for s in range(3)]
+    first = Trainer(cfg, base_dir)
+    for b in batches[:2]:
+        first.train_step(b)
+    ckpt = first.save(tmp_path / "ckpt")
+    adapter = ckpt / "lora_adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").is_file()
+    first.train_step(batches[2])
+
+    resumed = Trainer(cfg, base_dir)
+    resumed.load(ckpt)
+    resumed.train_step(batches[2])
+    want, got = _adapters(first), _adapters(resumed)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+
+    out = export_checkpoint(ckpt, tmp_path / "merged_cli", model=base_dir, dtype=torch.float32)
+    reloaded = Trainer(cfg, base_dir)
+    reloaded.load(ckpt)
+    direct = reloaded.export_hf(tmp_path / "merged_direct", dtype=torch.float32)
+    cli, live = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(direct / "model.safetensors")),
+    )
+    assert cli.keys() == live.keys() and not any("lora" in n for n in cli)
+    for n in cli:
+        torch.testing.assert_close(cli[n], live[n], rtol=1e-6, atol=1e-7)
