@@ -262,6 +262,14 @@ def adaptive_profile_missing(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **extra), world_size=2)
 
 
+def spec_profile_missing(a: Assets, tmp: Path, run: Path) -> Setup:
+    extra = {
+        "rollout.speculative.enable": "true",
+        "rollout.speculative.latency_profile": tmp / "nowhere.json",
+    }
+    return Setup(_good(a, run, **extra))
+
+
 def async_without_trainer(a: Assets, tmp: Path, run: Path) -> Setup:
     extra = {"trainer.mode": "async", "async_rl.rollout_ranks": 2}
     return Setup(_good(a, run, **extra), world_size=2)
@@ -613,6 +621,10 @@ CASES: list[tuple[Builder, list[str]]] = [
         ],
     ),
     (adaptive_profile_missing, ["rollout.adaptive_tp.profile=", "nowhere.json: no such file"]),
+    (
+        spec_profile_missing,
+        ["rollout.speculative.latency_profile=", "nowhere.json: no such file"],
+    ),
     (async_without_trainer, ["async_rl.rollout_ranks=2 leaves no trainer rank", "use 1..1"]),
     (
         rm_without_path,

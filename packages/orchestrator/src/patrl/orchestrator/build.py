@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from patrl.lenpredict import LengthPredictor, usable_tp_sizes
+from patrl.lenpredict import LengthPredictor, Profile, usable_tp_sizes
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
@@ -19,9 +19,11 @@ from patrl.orchestrator.latency_profile import (
     ensure_profile,
     job_grid,
     keep_run_profile,
+    spec_query_lens,
 )
 from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
+from patrl.rollout.config import SpeculativeConfig
 from patrl.rollout.loader import read_config
 from patrl.rollout.model_config import ModelConfig
 from patrl.tpreshard.groups import GroupCache
@@ -174,7 +176,8 @@ def _splits(model: ModelConfig, tp: int) -> bool:
 
 def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConfig:
     """The rollout engine of this job; under adaptive TP with its latency profile (measured
-    now, every rank taking part, unless cached or given)."""
+    now, every rank taking part, unless cached or given), which also prices speculation
+    (`speculation_profile`)."""
     r, d = config.rollout, config.data
     base = EngineConfig(
         model=model_dir,
@@ -200,18 +203,16 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
     if not a.enable or len(candidates) < 2:
         if a.enable and not world.distributed:
             # one process has nothing to fold; its TP-1 profile is for the simulator
-            keep_run_profile(
-                a.profile or job_profile(config, model_dir, base, world, (1,)),
-                config.run_dir,
-                world,
-            )
-        elif a.enable and world.is_first:
+            profile = a.profile or job_profile(config, model_dir, base, world, (1,))
+            keep_run_profile(profile, config.run_dir, world)
+            return with_speculation_profile(config, base, profile)
+        if a.enable and world.is_first:
             print(
                 f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
                 f"dividing the world size {world.size} and the {world.node_size} ranks per "
                 "node; running static TP"
             )
-        return base
+        return with_speculation_profile(config, base, None)
     profile = a.profile or job_profile(config, model_dir, base, world, candidates)
     keep_run_profile(profile, config.run_dir, world)
     policy = AdaptiveTP(
@@ -222,17 +223,47 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
         kv_policy=a.kv_policy,
         profile=profile,
     )
-    return base.model_copy(update={"tp_policy": policy})
+    return with_speculation_profile(config, base, profile).model_copy(update={"tp_policy": policy})
+
+
+def speculation_profile(config: JobConfig, job_profile: str | None) -> str | None:
+    """The latency profile that prices the engine's drafts: `rollout.speculative
+    .latency_profile` if set, else the job's own (adaptive TP's) `job_profile` when it has
+    verify rows, else None (the drafter drafts whenever the batch is small enough)."""
+    spec = config.rollout.speculative
+    if not spec.enable:
+        return None
+    if spec.latency_profile is not None:
+        return spec.latency_profile
+    if job_profile is not None and Profile.load(job_profile).verify:
+        return str(job_profile)
+    return None
+
+
+def with_speculation_profile(
+    config: JobConfig, engine: EngineConfig, job_profile: str | None
+) -> EngineConfig:
+    """`engine` with `speculation_profile` as its speculation's latency profile."""
+    path = speculation_profile(config, job_profile)
+    if path is None:
+        return engine
+    spec = engine.speculative.model_copy(update={"latency_profile": path})
+    return engine.model_copy(update={"speculative": spec})
 
 
 def job_profile(
     config: JobConfig, model_dir: str, base: EngineConfig, world: World, tp_sizes: tuple[int, ...]
 ) -> str:
-    """The cached profile of this job's shape at `tp_sizes`, measured now if not cached."""
+    """The cached profile of this job's shape at `tp_sizes`, measured now if not cached; a
+    speculating job's has verify rows too (`spec_query_lens`), measured with the engine's own
+    drafter off (the profiler drafts for them itself)."""
     r, d = config.rollout, config.data
     per_replica = -(-d.train_batch_size // world.size) * r.n
-    grid = job_grid(tp_sizes, per_replica, d.max_prompt_length + d.max_response_length)
-    return str(ensure_profile(model_dir, base, world, grid, cache_root()))
+    spec = r.speculative
+    query_lens = spec_query_lens(spec.num_speculative_tokens) if spec.enable else ()
+    grid = job_grid(tp_sizes, per_replica, d.max_prompt_length + d.max_response_length, query_lens)
+    plain = base.model_copy(update={"speculative": SpeculativeConfig()})
+    return str(ensure_profile(model_dir, plain, world, grid, cache_root()))
 
 
 def build_engine(

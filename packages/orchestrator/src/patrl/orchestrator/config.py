@@ -172,7 +172,9 @@ class ValKwargsConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative rollouts: decode steps verify drafts from the prompt's other samples, its
     earlier responses and the prompt (patrl.rollout.SpeculativeConfig has the details); the
-    sampled tokens are distributed as without it. Static TP only for now."""
+    sampled tokens are distributed as without it. Whether a step drafts is priced by
+    `latency_profile`, else by the job's adaptive-TP profile (measured with verify rows when
+    speculation is on), else by the batch size alone."""
 
     enable: bool = False
     sources: list[Literal["group", "history", "prompt"]] = Field(
@@ -183,6 +185,11 @@ class SpeculativeConfig(_Section):
         16, ge=0, description="speculate in decode steps of at most this many samples; 0 = always"
     )
     history_size: int = Field(8, ge=0, description="earlier responses kept per prompt")
+    latency_profile: str | None = Field(
+        None,
+        description="latency profile (python -m patrl.rollout.profile) pricing each step's "
+        "drafts; None = the job's own adaptive-TP profile, else drafts whenever the batch allows",
+    )
 
 
 class MultiTurnConfig(_Section):

@@ -34,8 +34,23 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "patrl"
 
 
-def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> ProfileGrid:
-    """A grid that spans the rollout's batch sizes and lengths, small enough for start-up.
+def spec_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
+    """The verify rows' query lengths for a job that drafts up to `num_speculative_tokens`
+    tokens: one draft token, two, and the most it drafts (capped at 8), enough to fit the
+    fixed and the per-token price of verifying (lenpredict's `verify_time`)."""
+    longest = 1 + min(num_speculative_tokens, 8)
+    return tuple(sorted({2, min(3, longest), longest}))
+
+
+def job_grid(
+    tp_sizes: tuple[int, ...],
+    max_batch: int,
+    max_model_len: int,
+    query_lens: tuple[int, ...] = (),
+) -> ProfileGrid:
+    """A grid that spans the rollout's batch sizes and lengths, small enough for start-up;
+    with `query_lens` (a speculating job) verify rows too, else the grid (and its cache key)
+    is that of a job without speculation.
 
     Batches 2 and 3 are where a replica's tail runs, and where the planner prices staying
     against a fold; on a CPU each row there costs about as much as one more row, which a fit
@@ -53,6 +68,7 @@ def job_grid(tp_sizes: tuple[int, ...], max_batch: int, max_model_len: int) -> P
         decode_steps=6,
         passes=2,
         warmup_steps=3,
+        query_lens=query_lens,
     )
     return grid.fit_to(max_model_len)
 

@@ -251,6 +251,13 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     else:
         tp = config.rollout.tensor_model_parallel_size
         problems += layout_problems(tp, world_size, local, model)
+    spec = config.rollout.speculative
+    if (
+        spec.enable
+        and spec.latency_profile is not None
+        and not Path(spec.latency_profile).is_file()
+    ):
+        problems.append(f"rollout.speculative.latency_profile={spec.latency_profile}: no such file")
     if model is not None:
         problems += _length_problems(config, model)
         problems += _resume_problems(config, model)
