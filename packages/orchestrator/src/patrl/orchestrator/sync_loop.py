@@ -76,10 +76,28 @@ from patrl.orchestrator.step_metrics import (
 )
 from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, SequenceState
-from patrl.rollout.drafter import speculation_metrics
+from patrl.rollout.drafter import Drafter, speculation_metrics
 from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
+DRAFTER_FILE = "drafter.pt"  # the speculation drafter's history, in each checkpoint
+
+
+def save_drafter(drafter: Drafter | None, staging: Path) -> None:
+    """Write the drafter's history (`Drafter.state_dict`: plain lists) into a checkpoint being
+    staged (first rank: its replica's history; with several replicas the others' is not
+    kept); nothing without speculation."""
+    if drafter is not None:
+        torch.save(drafter.state_dict(), staging / DRAFTER_FILE)
+
+
+def load_drafter(drafter: Drafter | None, checkpoint: Path) -> None:
+    """Restore `save_drafter`'s history into `drafter` on every rank (so every rank of a TP
+    group drafts alike); nothing without speculation or without the file (a run saved without
+    speculation starts with no history)."""
+    path = checkpoint / DRAFTER_FILE
+    if drafter is not None and path.is_file():
+        drafter.load_state_dict(torch.load(path, weights_only=True))
 
 
 @dataclass(slots=True)
@@ -230,6 +248,7 @@ class SyncSchedule:
             staging / PARTIALS_FILE,
         )
         save_kl_state(self.kl_ctrl, staging)
+        save_drafter(self.engine.drafter, staging)
 
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.step = load_run_state(state, self.loader, self.predictor)
@@ -237,6 +256,7 @@ class SyncSchedule:
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
         load_kl_state(self.kl_ctrl, checkpoint)
+        load_drafter(self.engine.drafter, checkpoint)
 
     def begin(self) -> None:
         """A resumed run's weights into the engine; nothing was validated since."""

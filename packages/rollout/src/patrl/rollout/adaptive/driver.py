@@ -28,6 +28,7 @@ from patrl.rollout.adaptive.setup import open_controller
 from patrl.rollout.adaptive.switch_plan import Row
 from patrl.rollout.adaptive.way_back import WayBack
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.drafter import Drafter
 from patrl.rollout.engine import Engine
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState
@@ -97,6 +98,11 @@ class AdaptiveEngine:
     def layout(self) -> ParallelLayout:
         """The layout the engine is at now (it changes during a rollout)."""
         return self.engine.layout
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The engine's drafter (None: speculation off); it outlives folds."""
+        return self.engine.drafter
 
     @property
     def device(self) -> torch.device:
