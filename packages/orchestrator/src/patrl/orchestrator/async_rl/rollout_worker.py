@@ -22,6 +22,7 @@ from patrl.orchestrator.async_rl.tickets import (
     admission_limit,
     request_id,
     sample_key,
+    spec_totals,
     ticket_params,
     token_versions,
 )
@@ -54,6 +55,7 @@ class RolloutWorker:
         self.control = job.control
         self.batch_size = job.config.data.train_batch_size
         self.engine = self._new_engine()
+        self.spec_seen: dict[str, float] = {}  # spec_totals at the last hand-over
         self.rewards = RewardManager(
             [(f.name, f.weight) for f in self.config.reward.functions],
             num_workers=self.config.reward.num_workers,
@@ -240,6 +242,7 @@ class RolloutWorker:
             flight.migrated_from,
             flight.migrated_tokens,
             failures,
+            self._spec_counts(),
         )
         # First writer wins: a woken rank and the peer that adopted its ticket may both finish.
         if self.control.put_first(sample_key(flight.ticket), pickle.dumps(record)):
@@ -247,6 +250,13 @@ class RolloutWorker:
         else:
             self.duplicates += 1
             self.control.bump("duplicates")
+
+    def _spec_counts(self) -> dict[str, float]:
+        """What the engine's drafter counted since the previous hand-over (or since the
+        engine was made: a rejoin's new engine counts from zero)."""
+        now, seen = spec_totals(self.engine.drafter), self.spec_seen
+        self.spec_seen = now
+        return {k: v - seen.get(k, 0.0) for k, v in now.items()}
 
     # --------------------------------------------------------------- migration
 
@@ -369,6 +379,7 @@ class RolloutWorker:
         self._stay_away(down_s)
         if not self.control.done():
             self.engine = self._new_engine()
+            self.spec_seen = {}
             self._rejoin()
 
     def _stay_away(self, down_s: float) -> None:

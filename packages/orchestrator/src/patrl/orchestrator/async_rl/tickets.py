@@ -14,6 +14,7 @@ from patrl.orchestrator.rewards import FailureSummary
 from patrl.orchestrator.sampling import sampling_params, training_seed_key
 from patrl.orchestrator.scoring import Sample
 from patrl.rollout import SamplingParams
+from patrl.rollout.drafter import SOURCES, Drafter, speculation_metrics
 
 # What a trained ticket's sample key holds afterwards: a late duplicate cannot be written.
 TRAINED = b"trained"
@@ -32,6 +33,39 @@ class GroupRecord:
     migrated_from: int | None = None  # the lost rank it was taken over from, if any
     migrated_tokens: int = 0  # tokens the adopter kept from that rank's report
     failures: FailureSummary = field(default_factory=FailureSummary)  # its reward calls'
+    # the speculation counts (SPEC_COUNTS) its rank's engine added since that rank's previous
+    # hand-over; empty without speculation
+    spec_counts: dict[str, float] = field(default_factory=dict)
+
+
+# The drafter's counters that add up across engines and intervals (`DraftStats.stats`).
+SPEC_COUNTS = (
+    "spec_sample_steps",
+    "spec_emitted_tokens",
+    "spec_drafted_tokens",
+    "spec_accepted_tokens",
+    *(f"spec_accepted_tokens/{s}" for s in SOURCES),
+)
+
+
+def spec_totals(drafter: Drafter | None) -> dict[str, float]:
+    """The drafter's running `SPEC_COUNTS` since it was made; empty without speculation."""
+    if drafter is None:
+        return {}
+    stats = drafter.counts.stats()
+    return {k: stats[k] for k in SPEC_COUNTS}
+
+
+def spec_metrics(records: Sequence[GroupRecord]) -> dict[str, float]:
+    """The sync loop's `rollout/spec_*` metrics (`speculation_metrics`) over the counts the
+    records carry, summed: every counted step lands in exactly one handed-over record (the
+    interval before it), so a step's row prices the rollout work that produced its groups,
+    give or take the in-flight groups at each hand-over. Empty when no record carries counts."""
+    total: dict[str, float] = {}
+    for r in records:
+        for k, v in r.spec_counts.items():
+            total[k] = total.get(k, 0.0) + v
+    return speculation_metrics({}, total)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,13 @@ import torch.distributed as dist
 
 from patrl.lenpredict import LengthPredictor
 from patrl.orchestrator.async_rl.job import AsyncJob
-from patrl.orchestrator.async_rl.tickets import TRAINED, GroupRecord, sample_key, step_tickets
+from patrl.orchestrator.async_rl.tickets import (
+    TRAINED,
+    GroupRecord,
+    sample_key,
+    spec_metrics,
+    step_tickets,
+)
 from patrl.orchestrator.build import critic_config, trainer_config
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
@@ -202,6 +208,7 @@ class TrainerWorker:
         metrics = step_metrics(cfg, timings, samples, update, self.world.size, waits)
         metrics.update(self._staleness(records))
         metrics.update(self._migrations(records))
+        metrics.update(spec_metrics(records))
         self.all_lengths += [len(s.token_ids) for s in samples]
         if self.is_first:
             append_lengths(self.run_dir, self.step, samples)
