@@ -18,7 +18,12 @@ import patrl.orchestrator.build as build
 from patrl.lenpredict import Profile, VerifyRow
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
-from patrl.orchestrator.latency_profile import ensure_profile, profile_key, spec_query_lens
+from patrl.orchestrator.latency_profile import (
+    ensure_profile,
+    job_grid,
+    profile_key,
+    spec_query_lens,
+)
 from patrl.rollout import Engine, EngineConfig
 from patrl.rollout.profile import ProfileGrid, model_info
 from patrl_testkit.models import save_tiny_model
@@ -116,11 +121,12 @@ def test_a_job_without_speculation_measures_the_grid_it_always_did(
     model = save_tiny_model(tmp_path / "model", "llama", "plain")
     grids = seeded(flat_profile(model, verify=True))
     engine = build.engine_config(job(tmp_path), str(model), WORLD)
-    assert grids[-1].query_lens == ()
+    # batches of 2 prompts x 2 samples, 128 positions: the grid a job always measured
+    assert grids[-1] == job_grid((1,), 4, 128) and not grids[-1].query_lens
     assert not engine.speculative.enable and engine.speculative.latency_profile is None
     spec = job(tmp_path, "rollout.speculative.enable=true")
     build.engine_config(spec, str(model), WORLD)
-    assert grids[-1].query_lens and grids[-1].batch_sizes == grids[0].batch_sizes
+    assert grids[-1] == job_grid((1,), 4, 128, (2, 3, 5))
 
 
 def test_the_users_latency_profile_wins_without_adaptive_tp_too(tmp_path: Path) -> None:
