@@ -26,6 +26,7 @@ import torch
 
 from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.build import (
     build_engine,
     critic_config,
@@ -75,7 +76,7 @@ from patrl.orchestrator.step_metrics import (
     validation_metrics,
 )
 from patrl.orchestrator.update import update_policy
-from patrl.rollout import AdaptiveEngine, SequenceState
+from patrl.rollout import AdaptiveEngine, Engine, SequenceState
 from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
 
@@ -119,6 +120,12 @@ class SyncSchedule:
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
+        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
+        # TP 1, which preflight requires: no collective inside a turn)
+        self.multi_turn: MultiTurnRollout | None = None
+        if config.rollout.multi_turn.enable:
+            assert isinstance(self.engine, Engine)
+            self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
             trainer_config(config),
@@ -336,6 +343,9 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
+            if self.multi_turn is not None:  # every replica's tool calls and turns
+                shares = all_gather_objects(self.world, self.multi_turn.metrics)
+                merge_reward_metrics(metrics, [m for m in shares if m])
             with timed(timings, "reward"):
                 samples, reward_shares = self._score(local, failures=self._failures)
             metrics.update(self._learn_lengths(samples, rounds))
@@ -472,10 +482,13 @@ class SyncSchedule:
         n: int | None = None,
         split: str = "train",
     ) -> list[tuple[PromptItem, Any]]:
-        """This replica's share of `items`, generated. With adaptive TP every rank takes part,
+        """This replica's share of `items`, generated (with `rollout.multi_turn`: by the agent
+        loop, as `scoring.TrajectoryOutput`s). With adaptive TP every rank takes part,
         including ranks whose replica got no prompt."""
         mine = self._my_share(items, n or self.config.rollout.n)
         if not mine and not self._online_lengths:
+            if self.multi_turn is not None:
+                self.multi_turn.metrics = {}
             return []
         params = [
             sampling_params(
@@ -488,6 +501,8 @@ class SyncSchedule:
             )
             for item in mine
         ]
+        if self.multi_turn is not None:
+            return list(zip(mine, self.multi_turn.generate(mine, params), strict=True))
         outputs = self.engine.generate(
             [item.prompt_token_ids for item in mine],
             params,
