@@ -221,3 +221,47 @@ def test_a_multi_turn_job_runs_two_steps(tmp_path: Path, model_dir: Path) -> Non
         assert all(
             r[k] == r[k] for k in ("actor/pg_loss", "actor/entropy", "critic/score/mean")
         )  # finite numbers, not NaN
+
+
+def test_rollout_correction_and_gap_metrics_read_model_tokens_only() -> None:
+    """Rollout correction, `training/rollout_probs_diff_*` and `rollout_corr/*` are the same
+    whatever the tool tokens' logprobs are (the engine's 0.0, or anything)."""
+    from patrl.orchestrator.step_metrics import mismatch_metrics, probs_diff
+    from patrl.orchestrator.update import correct_batch
+
+    cfg = load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        ],
+    )
+    mask = [1, 1, 0, 0, 0, 1]
+    engine = [-0.5, -1.0, 0.0, 0.0, 0.0, -0.25]
+
+    def case(tool_value: float) -> tuple[dict[str, float], list[torch.Tensor], list[bool]]:
+        lp = [tool_value if m == 0 else x for x, m in zip(engine, mask, strict=True)]
+        s = Sample(0, [5, 6], [7, 8, 9, 10, 11, 12], lp, "stop", 1.0, response_mask=mask)
+        batch, _, _ = policy_batch(cfg, [s, s])
+        # the trainer's old logprobs: the engine's + 0.1 on model tokens, anything on tool ones
+        old = [torch.tensor([0.0, 0.0, *[x + 0.1 for x in lp]]) for _ in range(2)]
+        for o in old:
+            o[2:][torch.tensor(mask) == 0] = tool_value * 2 - 1.0
+        batch.old_logprobs = old
+        metrics = correct_batch(cfg, batch, [s, s])
+        metrics |= probs_diff([s, s], old) | mismatch_metrics([s, s], old, {})
+        assert batch.rollout_is_weights is not None
+        return metrics, batch.rollout_is_weights, batch.loss_mask[0].tolist()
+
+    base, weights, loss_mask = case(0.0)
+    assert loss_mask == [False, False, True, True, False, False, False, True]
+    moved, moved_weights, moved_mask = case(-7.0)
+    assert moved_mask == loss_mask and base.keys() == moved.keys()
+    for key in base:
+        assert moved[key] == pytest.approx(base[key], rel=1e-6, abs=1e-9), key
+    on_model = torch.tensor(loss_mask)
+    for w, mw in zip(weights, moved_weights, strict=True):
+        torch.testing.assert_close(mw[on_model], w[on_model], rtol=1e-6, atol=0.0)
+    assert base["rollout_corr/kl"] == pytest.approx(-0.1, rel=1e-5)  # 0.1 on every model token
