@@ -57,9 +57,8 @@ def job(tools: Path, *overrides: str) -> JobConfig:
     )
 
 
-def trajectories(config: JobConfig, model_dir: Path) -> list[Sample]:
-    """Two greedy trajectories of QUESTION, scored by the digit share of their text."""
-    engine = Engine(
+def engine_of(model_dir: Path) -> Engine:
+    return Engine(
         EngineConfig(
             model=str(model_dir),
             dtype="float32",
@@ -69,6 +68,11 @@ def trajectories(config: JobConfig, model_dir: Path) -> list[Sample]:
             max_model_len=1024,
         )
     )
+
+
+def trajectories(config: JobConfig, model_dir: Path) -> list[Sample]:
+    """Two greedy trajectories of QUESTION, scored by the digit share of their text."""
+    engine = engine_of(model_dir)
     rollout = MultiTurnRollout(config, engine)
     item = PromptItem(7, [], "What is 6*7?", "42", {}, QUESTION)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
@@ -146,6 +150,18 @@ def test_tool_tokens_are_out_of_the_loss_mask_and_do_not_move_the_loss(
     # the control: moving the model tokens' old logprobs changes the loss
     model_moved = loss(samples, 1)
     assert model_moved["actor/pg_loss"] != pytest.approx(base["actor/pg_loss"], rel=1e-3)
+
+
+def test_a_rows_verl_tools_kwargs_reach_the_tools_create(tmp_path: Path, model_dir: Path) -> None:
+    config = job(tool_config(tmp_path / "tools.yaml", "agent_scripted.RememberingTool"))
+    rollout = MultiTurnRollout(config, engine_of(model_dir))
+    kwargs = {"calculator": {"create_kwargs": {"ground_truth": "42"}}}
+    with_kwargs = PromptItem(1, [], "q", "42", {"extra_info": {"tools_kwargs": kwargs}}, QUESTION)
+    without = PromptItem(2, [], "q", "42", {}, QUESTION)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=64, seed=3)
+    first, second = rollout.generate([with_kwargs, without], [greedy, greedy])
+    assert "{'ground_truth': '42'}" in first.outputs[0].text
+    assert "<tool_response>\n{}\n" in second.outputs[0].text  # no create kwargs
 
 
 def test_preflight_refuses_what_is_not_wired_naming_the_key(tmp_path: Path) -> None:

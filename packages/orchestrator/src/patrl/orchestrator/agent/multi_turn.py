@@ -2,7 +2,8 @@
 through `AgentLoopRunner` + `ToolAgentLoop` on its engine instead of `Engine.generate`, and come
 back as `scoring.TrajectoryOutput`s, one per prompt, for `scoring.score_outputs`.
 
-Each prompt's chat messages (`PromptItem.messages`) are the conversation; its `n` samples are
+Each prompt's chat messages (`PromptItem.messages`) are the conversation, its row's
+`extra_info.tools_kwargs` (verl's) the tools' create kwargs; its `n` samples are
 separate agent-loop samples, sample k seeded from the prompt's seed and k (so a group's samples
 differ and a rerun samples the same tokens). The trajectory is exactly the engine's tokens and
 the appended tool tokens; the reward sees their decoding.
@@ -67,8 +68,12 @@ class MultiTurnRollout:
         rows: list[dict[str, Any]] = []
         row_params: list[SamplingParams] = []
         for item, p in zip(items, params, strict=True):
+            row: dict[str, Any] = {"raw_prompt": item.messages}
+            tools_kwargs = _tools_kwargs(item)
+            if tools_kwargs:
+                row["tools_kwargs"] = tools_kwargs
             for k in range(p.n):
-                rows.append({"raw_prompt": item.messages})
+                rows.append(row)
                 seed = None if p.seed is None else hash((p.seed, k)) & 0x7FFF_FFFF_FFFF
                 row_params.append(dataclasses.replace(p, n=1, seed=seed))
         outs = self.runner.run(rows, row_params) if rows else []
@@ -97,6 +102,15 @@ class MultiTurnRollout:
             str(self.tokenizer.decode(out.response_ids, skip_special_tokens=True)),
             list(out.response_mask),
         )
+
+
+def _tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
+    """The row's per-tool kwargs, where verl's data keeps them (`extra_info.tools_kwargs`, or
+    a `tools_kwargs` column): {tool name: {"create_kwargs": {...}}}."""
+    info = item.extra.get("extra_info")
+    found = info.get("tools_kwargs") if isinstance(info, dict) else None
+    found = found or item.extra.get("tools_kwargs")
+    return dict(found) if isinstance(found, dict) else None
 
 
 def _metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
