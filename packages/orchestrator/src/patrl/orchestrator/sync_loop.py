@@ -37,6 +37,7 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -124,7 +125,13 @@ class SyncSchedule:
         # TP 1, which preflight requires: no collective inside a turn)
         self.multi_turn: MultiTurnRollout | None = None
         if config.rollout.multi_turn.enable:
-            assert isinstance(self.engine, Engine)
+            r = config.rollout
+            if not isinstance(self.engine, Engine) or r.tensor_model_parallel_size != 1:
+                raise JobError(
+                    "rollout.multi_turn.enable=true runs on a static TP 1 layout only: set "
+                    "rollout.adaptive_tp.enable=false and rollout.tensor_model_parallel_size=1 "
+                    f"(got {r.adaptive_tp.enable} and {r.tensor_model_parallel_size})"
+                )
             self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
