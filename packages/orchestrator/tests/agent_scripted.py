@@ -175,6 +175,21 @@ class GatedTool(BaseTool):
         return ToolResponse(text="42"), 0.0, {}
 
 
+class RememberingTool(BaseTool):
+    """Answers with the create kwargs its call's instance got (verl's
+    tools_kwargs[name]["create_kwargs"])."""
+
+    seen: dict[str, Any] = {}  # noqa: RUF012
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> Any:
+        instance_id, response = await super().create(instance_id, **kwargs)
+        RememberingTool.seen[instance_id] = kwargs.get("create_kwargs")
+        return instance_id, response
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        return ToolResponse(text=repr(RememberingTool.seen.pop(instance_id))), 0.0, {}
+
+
 def tool_config(path: Path, class_name: str) -> Path:
     """A verl tool config of one tool `class_name` under the calculator's schema."""
     import yaml

@@ -1,6 +1,6 @@
 """Tools as verl defines them: the calculator (arithmetic by its syntax tree, nothing else),
 hermes parsing, the tool pool's faults and truncation, the tool config YAML's errors (naming
-file and key), and `rollout.multi_turn`'s keys, verl's spelling and preflight's refusal."""
+file and key), and `rollout.multi_turn`'s keys, verl's spelling and preflight's checks."""
 
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def test_verls_multi_turn_keys_are_patrls_and_validated(tmp_path: Path) -> None:
             load_config(None, ["data.train_files=/d.jsonl", f"rollout.multi_turn.{bad}"])
 
 
-def test_preflight_checks_the_tool_config_and_refuses_enable_until_wired(tmp_path: Path) -> None:
+def test_preflight_checks_the_tool_config_and_what_enable_needs(tmp_path: Path) -> None:
     good = write(tmp_path / "good.yaml", {"tools": [entry()]})
     bad = write(tmp_path / "bad.yaml", {"tools": [entry(class_name="nowhere.Tool")]})
     config = load_config(
@@ -268,27 +268,33 @@ def test_preflight_checks_the_tool_config_and_refuses_enable_until_wired(tmp_pat
         and "tools.0.class_name" in problem
     )
     config = load_config(None, ["data.train_files=/d.jsonl", "rollout.multi_turn.enable=true"])
-    (problem,) = multi_turn_problems(config)
-    assert "available as a library (patrl.orchestrator.agent" in problem
-    assert "not yet wired into training" in problem
+    unset, adaptive = multi_turn_problems(config)  # the defaults: no tools, adaptive TP
+    assert "rollout.multi_turn.tool_config_path is unset" in unset
+    assert "rollout.adaptive_tp.enable=true" in adaptive and "static TP 1" in adaptive
 
 
-def test_a_training_job_with_multi_turn_enabled_is_refused_by_preflight(
+def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(
     assets: Path, tmp_path: Path
 ) -> None:
     from patrl.orchestrator import preflight
     from patrl_testkit.jobs import tiny_job_overrides
 
     bad = write(tmp_path / "bad.yaml", {"tools": [entry(tool_schema={"function": {}})]})
-    extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": bad}
+    extra = {
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": bad,
+        "algorithm.use_kl_in_reward": "true",
+    }
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
     with pytest.raises(preflight.PreflightError) as info:
         preflight.check(config, 1)
     schema, refusal = info.value.problems
     assert "tools.0.tool_schema.function.name is missing" in schema and str(bad) in schema
-    assert "not yet wired into training" in refusal
-    config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run"))
-    preflight.check(config, 1)  # the control: the same job, single-turn, passes
+    assert refusal.startswith("rollout.multi_turn.enable=true with algorithm.use_kl_in_reward")
+    good = write(tmp_path / "good.yaml", {"tools": [entry()]})
+    extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": good}
+    config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
+    preflight.check(config, 1)  # the control: static TP 1, sync, a good tool config passes
 
 
 class Remembering(BaseTool):

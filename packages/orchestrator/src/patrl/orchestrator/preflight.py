@@ -300,10 +300,15 @@ def _async_problems(config: JobConfig, world_size: int) -> list[str]:
     return unsupported(config, world_size)
 
 
+# estimators that read every response token (whitening, length weights): not masked yet
+_MULTI_TURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
+
+
 def multi_turn_problems(config: JobConfig) -> list[str]:
     """`rollout.multi_turn`: its tool config loads (the file, each class_name's import, each
-    schema's name), and `enable=true` is refused while the training loop is not wired to the
-    agent loop."""
+    schema's name); and `enable=true` is wired into the sync schedule on a static TP 1 layout
+    with a sequence-level advantage estimator only: every other combination is refused,
+    naming its key."""
     mt = config.rollout.multi_turn
     problems: list[str] = []
     if mt.tool_config_path is not None:
@@ -313,13 +318,41 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
             f"rollout.multi_turn.tool_config_path: {p}"
             for p in check_tool_config(mt.tool_config_path)
         ]
-    if mt.enable:
-        problems.append(
-            "rollout.multi_turn.enable=true: multi-turn tool rollouts are available as a "
-            "library (patrl.orchestrator.agent: AgentLoopRunner with ToolAgentLoop, see "
-            "docs/agent_loop.md) but not yet wired into training; set "
-            "rollout.multi_turn.enable=false"
-        )
+    if not mt.enable:
+        return problems
+    r, a = config.rollout, config.algorithm
+    refused = [
+        (
+            mt.tool_config_path is None,
+            "rollout.multi_turn.tool_config_path is unset",
+            "name a tool config YAML",
+        ),
+        (config.trainer.mode == "async", "trainer.mode=async", "use trainer.mode=sync"),
+        (r.adaptive_tp.enable, "rollout.adaptive_tp.enable=true", "set it false"),
+        (
+            r.tensor_model_parallel_size != 1,
+            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}",
+            "set it 1",
+        ),
+        (r.speculative.enable, "rollout.speculative.enable=true", "set it false"),
+        (
+            r.over_sample_rate > 0,
+            f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
+            "set it 0",
+        ),
+        (
+            a.adv_estimator in _MULTI_TURN_ESTIMATORS,
+            f"algorithm.adv_estimator={a.adv_estimator}",
+            "use a sequence-level estimator (grpo, rloo, remax, ...)",
+        ),
+        (a.use_kl_in_reward, "algorithm.use_kl_in_reward=true", "use actor.use_kl_loss instead"),
+    ]
+    problems += [
+        f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
+        f"sync schedule on a static TP 1 layout only (docs/agent_loop.md); {fix}"
+        for bad, what, fix in refused
+        if bad
+    ]
     return problems
 
 

@@ -5,7 +5,7 @@ metrics and what failed; replicas' reward metrics are merged here too."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,47 @@ class Sample:
     request_id: str = ""
     baseline: float = 0.0  # remax: the reward of its prompt's greedy response
     overlong: float = 0.0  # DAPO's overlong penalty, included in `reward`
+    # multi-turn: 1 where token_ids[i] was sampled by the engine, 0 on appended tool tokens
+    # (whose logprobs are 0.0); None: every token is the model's
+    response_mask: list[int] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """How many of `token_ids` the model sampled (the trained ones)."""
+        return len(self.token_ids) if self.response_mask is None else sum(self.response_mask)
+
+
+def model_token_mask(sample: Sample) -> np.ndarray:
+    """Which of the sample's response tokens the model sampled (bool, one per token): all of
+    them, but a multi-turn sample's appended tool tokens."""
+    if sample.response_mask is None:
+        return np.ones(len(sample.token_ids), dtype=bool)
+    return np.asarray(sample.response_mask, dtype=bool)
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One multi-turn sample as `score_outputs` reads it (a CompletionOutput's fields, plus
+    `response_mask`): `token_ids` are the model's and the appended tool tokens in order,
+    `text` their decoding (what the reward sees), `logprobs` 0.0 on tool tokens."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    response_mask: list[int]
+
+
+@dataclass(slots=True)
+class TrajectoryOutput:
+    """A prompt's multi-turn samples (a RequestOutput's fields): `prompt_token_ids` are the
+    agent loop's rendering of the prompt (with the tools' schemas), the trained prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Trajectory] = field(default_factory=list)
+    error: str | None = None
 
 
 def overlong_buffer(config: JobConfig) -> OverlongBuffer | None:
@@ -57,14 +98,14 @@ def filter_value(config: JobConfig, sample: Sample) -> float:
 
 def score_outputs(
     rewards: RewardManager,
-    local: Sequence[tuple[PromptItem, RequestOutput]],
+    local: Sequence[tuple[PromptItem, RequestOutput | TrajectoryOutput]],
     learned: LearnedReward | None = None,
     overlong: OverlongBuffer | None = None,
 ) -> tuple[list[Sample], dict[str, float], FailureSummary]:
     """Every completion of `local` scored by the reward functions (plus the reward model's
     weighted score, when `learned`; plus DAPO's overlong penalty, when `overlong`), the reward
     metrics and what failed. A sharded `learned` is a collective: it is called even with
-    nothing to score."""
+    nothing to score. A `TrajectoryOutput`'s samples keep its prompt ids and their masks."""
     if not local:
         if learned is not None and learned.collective:
             learned.score([])
@@ -85,20 +126,23 @@ def score_outputs(
     samples = [
         Sample(
             item.index,
-            item.prompt_token_ids,
+            out.prompt_token_ids if isinstance(out, TrajectoryOutput) else item.prompt_token_ids,
             c.token_ids,
             c.logprobs,
             c.finish_reason,
             reward,
             out.request_id,
             overlong=penalty,
+            response_mask=c.response_mask if isinstance(c, Trajectory) else None,
         )
         for (item, out, c), reward, penalty in zip(flat, result.rewards, penalties, strict=True)
     ]
     return samples, result.metrics(), FailureSummary.of(result)
 
 
-def check_not_rejected(local: Sequence[tuple[PromptItem, RequestOutput]]) -> None:
+def check_not_rejected(
+    local: Sequence[tuple[PromptItem, RequestOutput | TrajectoryOutput]],
+) -> None:
     """Raise JobError (this rank's) with the engine's own reason when it refused to run a
     prompt: an empty response would fail far from its cause."""
     rejected = [(item, out) for item, out in local if out.error is not None]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from patrl.orchestrator.config import JobConfig
-from patrl.orchestrator.scoring import Sample
+from patrl.orchestrator.scoring import Sample, model_token_mask
 from patrl.trainer.rollout_correction import ragged_offpolicy_metrics
 
 
@@ -76,10 +76,17 @@ def step_metrics(
 def batch_metrics(
     samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray, max_len: int
 ) -> dict[str, float]:
-    """Scores, advantages and lengths of the trained batch."""
+    """Scores, advantages and lengths of the trained batch. `response_length/*` count every
+    response token (verl's: a multi-turn response's tool tokens too); with multi-turn samples,
+    `response_length/model_tokens/*` count the trained ones."""
     lengths = np.array([len(s.token_ids) for s in samples], dtype=np.float64)
     prompts = np.array([len(s.prompt_token_ids) for s in samples], dtype=np.float64)
-    return {
+    out: dict[str, float] = {}
+    if any(s.response_mask is not None for s in samples):
+        model = np.array([s.model_tokens for s in samples], dtype=np.float64)
+        out["response_length/model_tokens/mean"] = float(model.mean())
+        out["response_length/model_tokens/max"] = float(model.max())
+    return out | {
         "critic/score/mean": float(rewards.mean()),
         "critic/score/max": float(rewards.max()),
         "critic/score/min": float(rewards.min()),
@@ -117,12 +124,14 @@ def value_metrics(
 
 
 def probs_diff(samples: list[Sample], trainer_logprobs: list[torch.Tensor]) -> dict[str, float]:
-    """How far the engine's token probabilities are from the trainer's (verl's names)."""
+    """How far the engine's token probabilities are from the trainer's (verl's names), over the
+    model's tokens."""
     diffs = []
     for s, lp in zip(samples, trainer_logprobs, strict=True):
         n = len(s.token_ids)
-        trainer = lp[-n:].double().exp()
-        engine = torch.tensor(s.logprobs, dtype=torch.float64).exp()
+        model = torch.from_numpy(model_token_mask(s))  # tool tokens have no engine logprob
+        trainer = lp[lp.numel() - n :].double().exp()[model]
+        engine = torch.tensor(s.logprobs, dtype=torch.float64).exp()[model]
         diffs.append((trainer - engine).abs())
     d = torch.cat(diffs)
     return {
@@ -137,14 +146,18 @@ def mismatch_metrics(
 ) -> dict[str, float]:
     """verl's `rollout_corr/*` off-policy metrics (KL, k3 KL, perplexities, chi-squared)
     between the trainer's logprobs of the batch and the engine's, every step, over the
-    responses' own tokens (no padding); those a rollout correction already reported (same
-    inputs) are kept. Empty responses are left out."""
-    rows = [(lp, s) for lp, s in zip(trainer_logprobs, samples, strict=True) if s.token_ids]
+    responses' own model tokens (no padding, no tool tokens); those a rollout correction
+    already reported (same inputs) are kept. Responses without model tokens are left out."""
+    rows = [
+        (lp, s, torch.from_numpy(model_token_mask(s)))
+        for lp, s in zip(trainer_logprobs, samples, strict=True)
+        if s.model_tokens
+    ]
     if not rows:
         return {}
     got = ragged_offpolicy_metrics(
-        [lp[lp.numel() - len(s.token_ids) :] for lp, s in rows],
-        [torch.tensor(s.logprobs, dtype=torch.float64) for _, s in rows],
+        [lp[lp.numel() - len(s.token_ids) :][m] for lp, s, m in rows],
+        [torch.tensor(s.logprobs, dtype=torch.float64)[m] for _, s, m in rows],
     )
     names = list(got)
     values = torch.stack([got[k] for k in names]).tolist()

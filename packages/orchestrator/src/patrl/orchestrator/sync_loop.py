@@ -26,6 +26,7 @@ import torch
 
 from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.build import (
     build_engine,
     critic_config,
@@ -36,6 +37,7 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -75,7 +77,7 @@ from patrl.orchestrator.step_metrics import (
     validation_metrics,
 )
 from patrl.orchestrator.update import update_policy
-from patrl.rollout import AdaptiveEngine, SequenceState
+from patrl.rollout import AdaptiveEngine, Engine, SequenceState
 from patrl.rollout.drafter import Drafter, speculation_metrics
 from patrl.trainer import Critic, Trainer
 
@@ -137,6 +139,18 @@ class SyncSchedule:
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
+        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
+        # TP 1, which preflight requires: no collective inside a turn)
+        self.multi_turn: MultiTurnRollout | None = None
+        if config.rollout.multi_turn.enable:
+            r = config.rollout
+            if not isinstance(self.engine, Engine) or r.tensor_model_parallel_size != 1:
+                raise JobError(
+                    "rollout.multi_turn.enable=true runs on a static TP 1 layout only: set "
+                    "rollout.adaptive_tp.enable=false and rollout.tensor_model_parallel_size=1 "
+                    f"(got {r.adaptive_tp.enable} and {r.tensor_model_parallel_size})"
+                )
+            self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
             trainer_config(config),
@@ -356,6 +370,9 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
+            if self.multi_turn is not None:  # every replica's tool calls and turns
+                shares = all_gather_objects(self.world, self.multi_turn.metrics)
+                merge_reward_metrics(metrics, [m for m in shares if m])
             with timed(timings, "reward"):
                 samples, reward_shares = self._score(local, failures=self._failures)
             metrics.update(self._learn_lengths(samples, rounds))
@@ -492,10 +509,13 @@ class SyncSchedule:
         n: int | None = None,
         split: str = "train",
     ) -> list[tuple[PromptItem, Any]]:
-        """This replica's share of `items`, generated. With adaptive TP every rank takes part,
+        """This replica's share of `items`, generated (with `rollout.multi_turn`: by the agent
+        loop, as `scoring.TrajectoryOutput`s). With adaptive TP every rank takes part,
         including ranks whose replica got no prompt."""
         mine = self._my_share(items, n or self.config.rollout.n)
         if not mine and not self._online_lengths:
+            if self.multi_turn is not None:
+                self.multi_turn.metrics = {}
             return []
         params = [
             sampling_params(
@@ -508,6 +528,8 @@ class SyncSchedule:
             )
             for item in mine
         ]
+        if self.multi_turn is not None:
+            return list(zip(mine, self.multi_turn.generate(mine, params), strict=True))
         outputs = self.engine.generate(
             [item.prompt_token_ids for item in mine],
             params,

@@ -19,7 +19,7 @@ from patrl.orchestrator.advantages import (
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_control import KLController, apply_kl_penalty, needs_reference
-from patrl.orchestrator.scoring import Sample
+from patrl.orchestrator.scoring import Sample, model_token_mask
 from patrl.orchestrator.step_metrics import PolicyUpdate, timed, value_metrics
 from patrl.trainer import Critic, PolicyBatch, Trainer
 from patrl.trainer.rollout_correction import correction
@@ -91,6 +91,7 @@ def update_with_critic(
         [0.0] * len(samples),
         behaviour_logprobs=[s.logprobs for s in samples] if decoupled else None,
     )
+    mask_tool_tokens(batch, samples)
     rewards = np.array([s.reward for s in samples], dtype=np.float64)
     lengths = [len(s.token_ids) for s in samples]
     scores = token_level_scores(rewards, lengths)
@@ -201,7 +202,21 @@ def policy_batch(
         [a.tolist() for a in advantages],
         behaviour_logprobs=[s.logprobs for s in samples] if behaviour else None,
     )
-    return batch, rewards, np.concatenate(advantages)
+    mask_tool_tokens(batch, samples)
+    trained = [a[model_token_mask(s)] for a, s in zip(advantages, samples, strict=True)]
+    return batch, rewards, np.concatenate(trained)
+
+
+def mask_tool_tokens(batch: PolicyBatch, samples: Sequence[Sample]) -> None:
+    """Multi-turn samples' appended tool tokens out of `batch.loss_mask` (the response part of
+    row b is `samples[b]`'s tokens): the trainer's loss, entropy, KL loss and token counts all
+    read the loss mask, so tool tokens are never trained on nor counted."""
+    for b, s in enumerate(samples):
+        if s.response_mask is None:
+            continue
+        m = batch.loss_mask[b].clone()
+        m[m.numel() - len(s.token_ids) :] &= torch.as_tensor(s.response_mask, dtype=torch.bool)
+        batch.loss_mask[b] = m
 
 
 def check_groups(estimator: str, samples: list[Sample]) -> None:
@@ -271,7 +286,7 @@ def correct_batch(config: JobConfig, batch: PolicyBatch, samples: list[Sample]) 
         n = len(s.token_ids)
         train[b, :n] = lp[lp.numel() - n :].float()
         rollout[b, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        mask[b, :n] = True
+        mask[b, :n] = torch.from_numpy(model_token_mask(s))  # tool tokens have no rollout logprob
     weights, kept, metrics = correction(
         train,
         rollout,

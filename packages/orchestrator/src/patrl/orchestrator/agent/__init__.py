@@ -1,5 +1,6 @@
-"""Multi-turn rollouts with tools (verl's agent loop and tools), over patrl's engine; a library
-the training loop is not wired to yet. See docs/agent_loop.md."""
+"""Multi-turn rollouts with tools (verl's agent loop and tools), over patrl's engine; the sync
+schedule's generate phase with `rollout.multi_turn.enable` (`multi_turn.MultiTurnRollout`,
+imported from its module: it needs the job's config). See docs/agent_loop.md."""
 
 from patrl.orchestrator.agent.agent_loop import (
     AgentLoop,

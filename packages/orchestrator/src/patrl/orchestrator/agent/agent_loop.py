@@ -143,7 +143,8 @@ class AgentLoopRunner:
     """Runs many samples' agent loops over one engine at once: `run(samples, params)` ->
     their AgentLoopOutputs in order. Each sample picks its loop by its `agent_name` field
     (verl's), `default_agent` when it has none; the other fields are passed to the loop's
-    `run`. `on_finish(index, output)` is called as each sample ends."""
+    `run`. `sampling_params` is one for every sample or one per sample (each sample of a group
+    its own seed). `on_finish(index, output)` is called as each sample ends."""
 
     def __init__(
         self,
@@ -162,10 +163,19 @@ class AgentLoopRunner:
     def run(
         self,
         samples: Sequence[Sample],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | Sequence[SamplingParams],
         on_finish: Callable[[int, AgentLoopOutput], None] | None = None,
     ) -> list[AgentLoopOutput]:
         """Every sample to its end; raises what a loop raises (after stopping the others)."""
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(samples)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(samples):
+                raise ValueError(
+                    f"{len(params)} sampling params for {len(samples)} samples: need one, or "
+                    "one per sample"
+                )
         for i, s in enumerate(samples):
             name = s.get("agent_name", self.default_agent)
             if name not in self.agent_loops:
@@ -174,12 +184,12 @@ class AgentLoopRunner:
                 )
         if self.server.engine.has_unfinished():
             raise RuntimeError("AgentLoopRunner.run needs an idle engine")
-        return asyncio.run(self._run(samples, sampling_params, on_finish))
+        return asyncio.run(self._run(samples, params, on_finish))
 
     async def _run(
         self,
         samples: Sequence[Sample],
-        params: SamplingParams,
+        params: Sequence[SamplingParams],
         on_finish: Callable[[int, AgentLoopOutput], None] | None,
     ) -> list[AgentLoopOutput]:
         done = asyncio.Event()
@@ -188,7 +198,7 @@ class AgentLoopRunner:
         async def one(i: int, sample: Sample) -> AgentLoopOutput:
             fields = {k: v for k, v in sample.items() if k != "agent_name"}
             loop = self.agent_loops[sample.get("agent_name", self.default_agent)]
-            out = await loop.run(params, sample_index=i, **fields)
+            out = await loop.run(params[i], sample_index=i, **fields)
             if on_finish is not None:
                 on_finish(i, out)
             return out
