@@ -45,3 +45,16 @@ def test_a_resumed_run_keeps_the_drafters_history(tmp_path: Path) -> None:
     assert resumed.step == 2
     assert resumed.engine.drafter is not None
     assert resumed.engine.drafter.state_dict() == kept
+
+
+@pytest.mark.e2e
+def test_partial_rollouts_log_the_speculation_metrics(tmp_path: Path) -> None:
+    """The partial-rollout path (rollout.over_sample_rate > 0) logs what the plain one does."""
+    assets = addition_job(tmp_path / "assets")
+    world = World(0, 1, 0, torch.device("cpu"))
+    extra = {"rollout.over_sample_rate": 0.5, "trainer.save_freq": -1}
+    loop = make_loop(assets, tmp_path / "run", world, **{**SPEC, **extra})
+    steps = [h for h in loop.run().history if "critic/score/mean" in h]
+    assert steps and all("partial/finished_groups" in h for h in steps)
+    assert all("rollout/spec_acceptance" in h for h in steps)
+    assert all("rollout/spec_tokens_per_step" in h for h in steps)

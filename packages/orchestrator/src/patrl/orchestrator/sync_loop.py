@@ -413,6 +413,7 @@ class SyncSchedule:
         resume = [st for _, _, states in mine for st in states]
         seed_base = training_seed_key(self.config, self.step)
         item_of = {rid: item for rid, item, _ in entries}
+        before = self.engine.stats()
         with timed(timings, "gen"):
             done, rest = self.engine.generate_partial(
                 [item.prompt_token_ids for _, item in new],
@@ -447,6 +448,7 @@ class SyncSchedule:
             for rid, p in self.partials.items()
         }
         metrics = self._learn_lengths(samples, 1)
+        metrics.update(speculation_metrics(before, stats))
         merge_reward_metrics(metrics, reward_shares)
         total = sum(len(s.token_ids) for s in samples)
         metrics["partial/resumed_groups"] = float(sum(1 for rid, _, st in entries if st))
