@@ -59,11 +59,24 @@ def job(args: list[str], nproc: int = 2) -> Iterator[subprocess.Popen[str]]:
             proc.communicate()
 
 
-def wait_for(condition: Any, what: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+def wait_for(
+    condition: Any,
+    what: str,
+    timeout_s: float = JOB_TIMEOUT_S,
+    proc: subprocess.Popen[str] | None = None,
+) -> None:
+    """Poll `condition` until it holds; fail after `timeout_s`, or at once when `proc` (the
+    job) has ended first, with the job's output in the message either way."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
+        ended = proc is not None and proc.poll() is not None
+        if ended or time.monotonic() > deadline:
+            output = ""
+            if proc is not None:
+                kill_tree(proc.pid)
+                output, _ = proc.communicate()
+            why = f"the job ended (exit {proc.returncode})" if ended and proc else "timed out"
+            pytest.fail(f"{why} waiting for {what}; its output:\n{output[-4000:]}")
         time.sleep(0.2)
 
 
@@ -107,7 +120,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
 def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
-        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint", proc=proc)
         ranks = workers(proc.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1], signal.SIGSTOP)
@@ -123,7 +136,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends(assets: Path, tmp_path: Path) -
 def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
-        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint", proc=proc)
         ranks = workers(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         wait_for(lambda: not any(alive(p) for p in ranks.values()), "the ranks to exit", 60)
@@ -135,7 +148,7 @@ def test_ranks_stop_when_their_agent_is_killed(assets: Path, tmp_path: Path) -> 
 def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
-        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint", proc=proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
         output = finish(proc, timeout_s=120)
     stopped = [line for line in output.splitlines() if line.startswith("patrl: ")]
@@ -149,7 +162,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint(assets: Path, tmp_path: Pa
 def test_a_second_job_on_the_same_run_dir_is_refused(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path
     with job(overrides(assets, tmp_path)) as proc:
-        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint")
+        wait_for(lambda: trained_a_step(run_dir), "the first checkpoint", proc=proc)
         second = subprocess.run(
             # Not resuming: the first job's checkpoints are not what stops it.
             [
