@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -33,19 +33,7 @@ AdvEstimator = Literal[
     "grpo_vectorized",
     "rloo_vectorized",
 ]
-ADV_ESTIMATORS: tuple[str, ...] = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "grpo_passk",
-    "opo",
-    "gpg",
-    "grpo_vectorized",
-    "rloo_vectorized",
-)
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 # verl's vectorised implementations compute the same advantages as these.
 ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 # Estimators whose baseline is the other samples of the group: no signal with rollout.n = 1.
