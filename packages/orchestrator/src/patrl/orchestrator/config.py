@@ -14,6 +14,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -777,16 +780,19 @@ def load_config(
     """Read a YAML file (optional), apply `key.sub=value` overrides, validate. verl's key paths
     are read as patrl's (verl_keys.py); keys accepted without effect, a wandb logger that is not
     installed and a TP size that adaptive TP overrides add a line each to `notices`."""
+    settings = yaml_settings(Path(path).read_text(), str(path)) if path is not None else []
+    return config_from_settings(settings, overrides, notices)
+
+
+def config_from_settings(
+    settings: list[Setting],
+    overrides: list[str] | None = None,
+    notices: list[str] | None = None,
+) -> JobConfig:
+    """`load_config` on a YAML file's `yaml_settings` (so a caller that judged them, with their
+    lines, does not read the file twice)."""
     notes: list[str] = [] if notices is None else notices
-    raw: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
-            )
-        raw = _translate_tree(loaded, notes)
+    raw = _translate_tree(settings, notes)
     for item in overrides or []:
         _apply_override(raw, item, notes)
     try:
@@ -898,21 +904,25 @@ def _translate(written: str, value: Any, notices: list[str]) -> tuple[list[str],
         raise ConfigError(str(err)) from None
 
 
-def _translate_tree(tree: dict[str, Any], notices: list[str]) -> dict[str, Any]:
-    """A YAML file's sections with verl's keys moved to patrl's paths (nested verl sections,
-    `actor_rollout_ref: {actor: {...}}`, included). A key reached twice (patrl's and verl's
-    name for one setting) is an error naming both."""
+def _translate_tree(settings: list[Setting], notices: list[str]) -> dict[str, Any]:
+    """A YAML file's settings (`yaml_settings`) as sections with verl's keys moved to patrl's
+    paths (nested verl sections, `actor_rollout_ref: {actor: {...}}`, included). A key reached
+    twice under two names (patrl's and verl's for one setting) is an error naming both; a key
+    written twice keeps its last value, as YAML's own reading does."""
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}  # patrl key -> the key as written
-    for written, value in _leaves(tree, []):
-        moved = _translate(written, value, notices)
+    for setting in settings:
+        if setting.kind != "value":
+            continue
+        written = setting.key
+        moved = _translate(written, setting.value, notices)
         if moved is None:
             continue
         parts, value = moved
         if parts[0] != verl_keys.CUSTOM_REWARD:
             _check_path(parts, written)
         dotted = ".".join(parts)
-        if dotted in origin:
+        if origin.get(dotted, written) != written:
             raise ConfigError(
                 f"{origin[dotted]} and {written} both set {dotted}: they are one setting "
                 "(verl's name and patrl's); keep one"
@@ -927,18 +937,71 @@ def _translate_tree(tree: dict[str, Any], notices: list[str]) -> dict[str, Any]:
     return out
 
 
-def _leaves(tree: dict[str, Any], prefix: list[str]) -> list[tuple[str, Any]]:
-    """(dotted key as written, value) of every setting: a mapping is descended into where it
-    is one of patrl's sections or leads to verl keys; anything else is a value."""
-    out: list[tuple[str, Any]] = []
-    for key, value in tree.items():
-        written = [*prefix, str(key)]
+SettingKind = Literal["section", "value", "entry"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One key of a YAML file: `key` dotted as written (verl's spelling stays verl's), `line`
+    (1-based) where it is written, and `kind`: a "section" (a mapping the walk descends into:
+    its keys follow, `value` is None), a "value" (what the key sets), or an "entry" (a key
+    inside a list of sections, `reward.functions.0.name`: the list's own "value" setting holds
+    it; it is listed for its line and to be checked as a key)."""
+
+    key: str
+    value: Any
+    line: int
+    kind: SettingKind
+
+
+def yaml_settings(text: str, path: str) -> list[Setting]:
+    """Every key a YAML file sets, in the file's order: the one walk over a config file
+    (load_config builds the config from it, preflight names lines from it). A mapping is
+    descended into where it is one of patrl's sections or leads to verl keys; anything else is
+    a value. Raises ConfigError for malformed YAML (its line and column) or a top level that
+    is not a mapping."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({err.context})" if err.context else ""
+        raise ConfigError(f"{path}{at}: malformed YAML: {err.problem}{context}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: malformed YAML: {err}") from None
+    if root is None:
+        return []
+    if not isinstance(root, yaml.MappingNode):
+        top = _construct(root)
+        if not top:  # `false`, `0`, `""`: no settings, as an empty file
+            return []
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections, got {type(top).__name__}"
+        )
+    return list(_walk_yaml(root, [], entry=False))
+
+
+def _walk_yaml(node: yaml.MappingNode, prefix: list[str], entry: bool) -> Iterator[Setting]:
+    for key_node, value_node in node.value:
+        written = [*prefix, str(key_node.value)]
+        key, line = ".".join(written), key_node.start_mark.line + 1
         parts = verl_keys.patrl_parts(written)
-        if isinstance(value, dict) and (_is_section(parts) or verl_keys.is_section(parts)):
-            out += _leaves(value, written)
-        else:
-            out.append((".".join(written), value))
-    return out
+        if isinstance(value_node, yaml.MappingNode) and (
+            _is_section(parts) or verl_keys.is_section(parts)
+        ):
+            yield Setting(key, None, line, "section")
+            yield from _walk_yaml(value_node, written, entry)
+            continue
+        yield Setting(key, _construct(value_node), line, "entry" if entry else "value")
+        if isinstance(value_node, yaml.SequenceNode) and _is_section_list(parts):
+            for i, item in enumerate(value_node.value):
+                if isinstance(item, yaml.MappingNode):
+                    yield from _walk_yaml(item, [*written, str(i)], entry=True)
+
+
+def _construct(node: yaml.Node) -> Any:
+    """The Python value of a composed YAML node, as yaml.safe_load reads it."""
+    return yaml.SafeLoader("").construct_document(node)
 
 
 def _field_model(parts: list[str]) -> tuple[bool, type[BaseModel] | None]:
@@ -950,13 +1013,22 @@ def _field_model(parts: list[str]) -> tuple[bool, type[BaseModel] | None]:
             return True, None  # inside a value (a list of reward functions, ...)
         if part not in model.model_fields:
             return False, None
-        annotation = model.model_fields[part].annotation
-        model = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
+        model = _section_model(model.model_fields[part].annotation)
     return True, model
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    return (
+        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    )
+
+
+def _list_item_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a list of sections' entries (`reward.functions`), else None."""
+    if typing.get_origin(annotation) is not list:
+        return None
+    (item,) = typing.get_args(annotation)
+    return _section_model(item)
 
 
 def _is_own_key(parts: list[str]) -> bool:
@@ -967,29 +1039,62 @@ def _is_section(parts: list[str]) -> bool:
     return _field_model(parts)[1] is not None
 
 
-def _check_path(parts: list[str], written: str | None = None) -> None:
-    """Unknown keys fail here with suggestions, before pydantic's generic message. `written`:
-    the key as the user wrote it, when that was a verl path."""
+def _is_section_list(parts: list[str]) -> bool:
+    """Whether `parts` is a patrl key holding a list of sections (`reward.functions`)."""
+    parent = _field_model(parts[:-1])[1]
+    field = parent.model_fields.get(parts[-1]) if parent is not None else None
+    return field is not None and _list_item_model(field.annotation) is not None
+
+
+def unknown_part(parts: list[str]) -> int | None:
+    """The index of the first of `parts` that is none of JobConfig's keys; None where all are
+    (or lead into a value). A list of sections' entries are keyed by index
+    (`reward.functions.1.name`)."""
+    found = _first_unknown(parts)
+    return None if found is None else found[0]
+
+
+def _first_unknown(parts: list[str]) -> tuple[int, type[BaseModel]] | None:
+    """(index of the first part that is no key, the section that lacks it), or None."""
     model: type[BaseModel] | None = JobConfig
-    for depth, part in enumerate(parts):
-        if model is None:
-            return
+    depth = 0
+    while depth < len(parts) and model is not None:
         fields = model.model_fields
-        if part not in fields:
-            where = ".".join(parts[:depth]) or "the top level"
-            close = difflib.get_close_matches(part, list(fields), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            key = ".".join(parts[: depth + 1])
-            named = repr(key)
-            if written not in (None, ".".join(parts)):
-                named = f"{written!r} (patrl's {key!r})"
-            raise ConfigError(f"unknown key {named}: {where} accepts {sorted(fields)}{hint}")
-        annotation = fields[part].annotation
-        model = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
+        if parts[depth] not in fields:
+            return depth, model
+        annotation = fields[parts[depth]].annotation
+        model = _section_model(annotation)
+        item = _list_item_model(annotation)
+        if item is not None and depth + 1 < len(parts) and parts[depth + 1].isdigit():
+            model, depth = item, depth + 1  # an entry of a list of sections
+        depth += 1
+    return None
+
+
+def unknown_key(parts: list[str], written: str | None = None) -> str | None:
+    """Why `parts` is not one of JobConfig's keys, with the close matches ("did you mean"): the
+    one wording of an unknown key. None where it is one. `written`: the key as the user wrote
+    it, when that was a verl path."""
+    found = _first_unknown(parts)
+    if found is None:
+        return None
+    depth, model = found
+    fields = list(model.model_fields)
+    where = ".".join(parts[:depth]) or "the top level"
+    close = difflib.get_close_matches(parts[depth], fields, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    key = ".".join(parts[: depth + 1])
+    named = repr(key)
+    if written not in (None, ".".join(parts)):
+        named = f"{written!r} (patrl's {key!r})"
+    return f"unknown key {named}: {where} accepts {sorted(fields)}{hint}"
+
+
+def _check_path(parts: list[str], written: str | None = None) -> None:
+    """Unknown keys fail here with suggestions, before pydantic's generic message."""
+    problem = unknown_key(parts, written)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _describe(err: ValidationError) -> str:

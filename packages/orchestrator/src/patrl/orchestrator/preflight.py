@@ -14,18 +14,14 @@ the run (`datasets` may fill its own cache), and raise one PreflightError listin
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import re
-import typing
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import yaml
-from pydantic import BaseModel
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,8 +32,13 @@ from patrl.orchestrator.config import (
     DEMO_FILES,
     ConfigError,
     JobConfig,
+    Setting,
+    config_from_settings,
     load_config,
     resolve_schedule,
+    unknown_key,
+    unknown_part,
+    yaml_settings,
 )
 from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.orchestrator.learned_reward import reward_model_problems
@@ -84,107 +85,51 @@ def load(
         text = Path(path).read_text()
     except OSError as err:
         raise ConfigError(f"config file {str(path)!r}: {err.strerror}") from None
-    lines = key_lines(str(path), text)
     try:
-        return load_config(path, overrides, notices)
+        settings = yaml_settings(text, str(path))
+    except ConfigError as err:
+        raise PreflightError([str(err)]) from None
+    lines = key_lines(str(path), settings)
+    try:
+        return config_from_settings(settings, overrides, notices)
     except ConfigError as err:
         written = [item.partition("=")[0].strip() for item in overrides or []]
         overridden = set(written) | {_patrl_key(key) for key in written}
         raise ConfigError(str(err) + _locations(str(err), str(path), lines, overridden)) from None
 
 
-def key_lines(path: str, text: str) -> dict[str, int]:
-    """Dotted key -> line, for every known key the YAML sets; raises PreflightError for a
-    syntax error or for unknown or repeated keys (all of them, each with its line)."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        context = f" ({err.context})" if err.context else ""
-        raise PreflightError([f"{path}{at}: malformed YAML: {err.problem}{context}"]) from None
-    except yaml.YAMLError as err:
-        raise PreflightError([f"{path}: malformed YAML: {err}"]) from None
+def key_lines(path: str, settings: list[Setting]) -> dict[str, int]:
+    """Patrl's dotted key -> line, for every known key of a YAML file's `settings` (a verl key
+    under the patrl key it is read as); raises PreflightError for unknown or repeated keys (all
+    of them, each with its line). A verl-spelled key that is no key is load_config's to name."""
     lines: dict[str, int] = {}
     problems: list[str] = []
-    _walk_value(root, JobConfig, [], path, lines, problems)
+    for s in settings:
+        parts = s.key.split(".")
+        depth = unknown_part(parts)
+        if depth is None and s.key in lines:
+            problems.append(
+                f"{path} line {s.line}: key {s.key!r} is set twice (first on line "
+                f"{lines[s.key]}); keep one"
+            )
+        elif depth is None:
+            lines[s.key] = s.line
+        elif verl_keys.is_section(verl_keys.patrl_parts(parts[: depth + 1])):
+            if s.kind != "section":  # a verl key: where it lands
+                lines.setdefault(_patrl_key(s.key), s.line)
+        else:
+            problems.append(f"{path} line {s.line}: {unknown_key(parts)}")
     if problems:
         raise PreflightError(problems)
     return lines
 
 
-def _walk(
-    node: Any,
-    model: type[BaseModel],
-    prefix: list[str],
-    path: str,
-    lines: dict[str, int],
-    problems: list[str],
-) -> None:
-    if not isinstance(node, yaml.MappingNode):
-        return  # not a section: pydantic reports a wrong type with the dotted key
-    fields = model.model_fields
-    for key_node, value_node in node.value:
-        key = str(key_node.value)
-        dotted = ".".join([*prefix, key])
-        line = key_node.start_mark.line + 1
-        if key not in fields and verl_keys.is_section(verl_keys.patrl_parts([*prefix, key])):
-            _walk_verl(value_node, [*prefix, key], lines, line)
-        elif key not in fields:
-            where = ".".join(prefix) or "the top level"
-            close = difflib.get_close_matches(key, list(fields), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            problems.append(
-                f"{path} line {line}: unknown key {dotted!r}: {where} accepts "
-                f"{sorted(fields)}{hint}"
-            )
-        elif dotted in lines:
-            problems.append(
-                f"{path} line {line}: key {dotted!r} is set twice (first on line "
-                f"{lines[dotted]}); keep one"
-            )
-        else:
-            lines[dotted] = line
-            _walk_value(value_node, fields[key].annotation, [*prefix, key], path, lines, problems)
-
-
-def _walk_verl(node: Any, written: list[str], lines: dict[str, int], line: int) -> None:
-    """verl's keys under `written`: each that lands on a patrl key (its own after the section
-    rename, or an alias) records its line there; load_config judges the rest."""
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            child = [*written, str(key_node.value)]
-            _walk_verl(value_node, child, lines, key_node.start_mark.line + 1)
-        return
-    parts = verl_keys.patrl_parts(written)
-    rule = verl_keys.rule_for(parts)
-    target = rule.target if isinstance(rule, verl_keys.Alias) else ".".join(parts)
-    lines.setdefault(target, line)
-
-
 def _patrl_key(written: str) -> str:
-    """The patrl key a command-line key lands on: itself, or for verl's spelling of a key the
-    patrl key it is read as (as `_walk_verl` records a verl key of the YAML)."""
+    """The patrl key a verl-spelled key (on the command line or in the YAML) lands on: itself
+    after the section rename, or the patrl key an alias reads it as."""
     parts = verl_keys.patrl_parts(written.split("."))
     rule = verl_keys.rule_for(parts)
     return rule.target if isinstance(rule, verl_keys.Alias) else ".".join(parts)
-
-
-def _walk_value(
-    node: Any,
-    annotation: Any,
-    prefix: list[str],
-    path: str,
-    lines: dict[str, int],
-    problems: list[str],
-) -> None:
-    """A section, or a list of sections (reward.functions), is walked; a plain value is not."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        _walk(node, annotation, prefix, path, lines, problems)
-    elif typing.get_origin(annotation) is list and isinstance(node, yaml.SequenceNode):
-        (item,) = typing.get_args(annotation)
-        for i, child in enumerate(node.value):
-            _walk_value(child, item, [*prefix, str(i)], path, lines, problems)
 
 
 def _locations(message: str, path: str, lines: dict[str, int], overridden: set[str]) -> str:
