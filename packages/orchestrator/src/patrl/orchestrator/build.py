@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from patrl.lenpredict import LengthPredictor, Profile, usable_tp_sizes
-from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptDataset, PromptLoader, dataset_for
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.latency_profile import (
@@ -32,8 +32,10 @@ from patrl.trainer import CriticConfig, TrainerConfig
 
 @dataclass(slots=True)
 class JobData:
-    """The tokenizer, the prompt sets and the loader that draws each step's prompts."""
+    """The tokenizer, the prompt sets and the loader that draws each step's prompts, and the
+    job's config with the run's length resolved (`resolve_schedule`) on this train set."""
 
+    config: JobConfig
     tokenizer: Any
     train_set: PromptDataset
     val_set: PromptDataset | None
@@ -50,7 +52,10 @@ def load_data(
     config: JobConfig, model_dir: str, train_files: Any, val_files: Any, announce: bool = False
 ) -> JobData:
     """The job's prompts, tokenized with the model's tokenizer (no validation set without
-    `val_files`); `announce` prints each set's size and what was filtered."""
+    `val_files`); `announce` prints each set's size and what was filtered. The config comes
+    back as it is where its run's length is resolved already (preflight read the train set),
+    else resolved on the train set loaded here: the one place a job's length is fixed after
+    preflight."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -69,7 +74,9 @@ def load_data(
         shuffle=config.data.shuffle,
         seed=config.data.seed,
     )
-    return JobData(tokenizer, train_set, val_set, loader)
+    if not config.schedule_resolved:
+        config = resolve_schedule(config, len(train_set))
+    return JobData(config, tokenizer, train_set, val_set, loader)
 
 
 def trainer_config(config: JobConfig) -> TrainerConfig:

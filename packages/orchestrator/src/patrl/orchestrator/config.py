@@ -652,6 +652,16 @@ class JobConfig(_Section):
         return Path("runs") / t.project_name / t.experiment_name
 
     @property
+    def schedule_resolved(self) -> bool:
+        """Whether `resolve_schedule` has fixed the run's length (and each optimizer's horizon):
+        resolving again would change nothing."""
+        return None not in (
+            self.trainer.total_training_steps,
+            self.actor.optim.total_training_steps,
+            self.critic.optim.total_training_steps,
+        )
+
+    @property
     def total_steps(self) -> int:
         """The run's length in steps, once `resolve_schedule` has fixed it."""
         steps = self.trainer.total_training_steps

@@ -3,7 +3,7 @@
 `load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
 matches) and the dotted key of wrong types. `check` validates the model directory, data files,
 reward functions, TP layout, world shape, resume checkpoint, critic and reward models, what
-async mode does not do, an explicit KV cache and the run directory's writability against the
+the job's schedule does not run (support.py), an explicit KV cache and the run directory's writability against the
 world the job will run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
 train set's size). Both run on every rank before a process group is joined, write nothing of
 the run (`datasets` may fill its own cache), and raise one PreflightError listing every problem:
@@ -42,6 +42,7 @@ from patrl.orchestrator.config import (
 )
 from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.orchestrator.learned_reward import reward_model_problems
+from patrl.orchestrator.support import multi_turn_refusals, unsupported
 from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
 from patrl.rollout.model_config import ModelConfig
@@ -176,8 +177,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     local = local_world_size or world_size
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
-    problems += multi_turn_problems(config)
-    problems += _async_problems(config, world_size)
+    problems += tool_config_problems(config)
+    problems += unsupported(config, world_size)  # what the job's schedule does not run
     adaptive = config.rollout.adaptive_tp
     # what build.engine_config offers: no fold larger than a node; default candidates the
     # model cannot split into are dropped, explicit ones are judged below
@@ -236,69 +237,21 @@ def world_problems(config: JobConfig, world_size: int, local_world_size: int) ->
     ]
 
 
-def _async_problems(config: JobConfig, world_size: int) -> list[str]:
-    """What async mode does not do (async_loop.unsupported owns the list)."""
-    if config.trainer.mode != "async":
-        return []
-    from patrl.orchestrator.async_loop import unsupported
-
-    return unsupported(config, world_size)
-
-
-# estimators that read every response token (whitening, length weights): not masked yet
-_MULTI_TURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
-
-
 def multi_turn_problems(config: JobConfig) -> list[str]:
-    """`rollout.multi_turn`: its tool config loads (the file, each class_name's import, each
-    schema's name); and `enable=true` is wired into the sync schedule on a static TP 1 layout
-    with a sequence-level advantage estimator only: every other combination is refused,
-    naming its key."""
-    mt = config.rollout.multi_turn
-    problems: list[str] = []
-    if mt.tool_config_path is not None:
-        from patrl.orchestrator.agent.tool_config import check_tool_config
+    """`rollout.multi_turn`: its tool config loads (`tool_config_problems`), and what
+    `enable=true` needs (`support.multi_turn_refusals`)."""
+    return [*tool_config_problems(config), *multi_turn_refusals(config)]
 
-        problems += [
-            f"rollout.multi_turn.tool_config_path: {p}"
-            for p in check_tool_config(mt.tool_config_path)
-        ]
-    if not mt.enable:
-        return problems
-    r, a = config.rollout, config.algorithm
-    refused = [
-        (
-            mt.tool_config_path is None,
-            "rollout.multi_turn.tool_config_path is unset",
-            "name a tool config YAML",
-        ),
-        (config.trainer.mode == "async", "trainer.mode=async", "use trainer.mode=sync"),
-        (r.adaptive_tp.enable, "rollout.adaptive_tp.enable=true", "set it false"),
-        (
-            r.tensor_model_parallel_size != 1,
-            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}",
-            "set it 1",
-        ),
-        (r.speculative.enable, "rollout.speculative.enable=true", "set it false"),
-        (
-            r.over_sample_rate > 0,
-            f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
-            "set it 0",
-        ),
-        (
-            a.adv_estimator in _MULTI_TURN_ESTIMATORS,
-            f"algorithm.adv_estimator={a.adv_estimator}",
-            "use a sequence-level estimator (grpo, rloo, remax, ...)",
-        ),
-        (a.use_kl_in_reward, "algorithm.use_kl_in_reward=true", "use actor.use_kl_loss instead"),
-    ]
-    problems += [
-        f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
-        f"sync schedule on a static TP 1 layout only (docs/agent_loop.md); {fix}"
-        for bad, what, fix in refused
-        if bad
-    ]
-    return problems
+
+def tool_config_problems(config: JobConfig) -> list[str]:
+    """`rollout.multi_turn.tool_config_path`, where set: the file, each class_name's import,
+    each schema's name."""
+    path = config.rollout.multi_turn.tool_config_path
+    if path is None:
+        return []
+    from patrl.orchestrator.agent.tool_config import check_tool_config
+
+    return [f"rollout.multi_turn.tool_config_path: {p}" for p in check_tool_config(path)]
 
 
 def _reward_problems(config: JobConfig) -> list[str]:

@@ -34,10 +34,9 @@ from patrl.orchestrator.build import (
     seed_everything,
     trainer_config,
 )
-from patrl.orchestrator.config import JobConfig, resolve_schedule
+from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
-from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -76,6 +75,7 @@ from patrl.orchestrator.step_metrics import (
     timed,
     validation_metrics,
 )
+from patrl.orchestrator.support import check_supported
 from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, Engine, SequenceState
 from patrl.rollout.drafter import Drafter, speculation_metrics
@@ -118,14 +118,14 @@ class SyncSchedule:
     def __init__(
         self, config: JobConfig, world: World, model_dir: str, train_files: Any, val_files: Any
     ) -> None:
-        self.config = config
+        check_supported(config, world.size)  # preflight's refusals, for callers that skipped it
         self.world = world
         self.is_first = world.is_first
         self.run_dir = config.run_dir
         self.model_dir = model_dir
         seed_everything(config.trainer.seed)
         data = load_data(config, model_dir, train_files, val_files, announce=world.is_first)
-        self.config = config = resolve_schedule(config, len(data.train_set))
+        self.config = config = data.config
         self.tokenizer, self.train_set, self.val_set = data.tokenizer, data.train_set, data.val_set
         self.loader = data.loader
         self._items_by_index = {item.index: item for item in self.train_set.items}
@@ -140,16 +140,10 @@ class SyncSchedule:
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
-        # TP 1, which preflight requires: no collective inside a turn)
+        # TP 1, which check_supported requires: no collective inside a turn)
         self.multi_turn: MultiTurnRollout | None = None
         if config.rollout.multi_turn.enable:
-            r = config.rollout
-            if not isinstance(self.engine, Engine) or r.tensor_model_parallel_size != 1:
-                raise JobError(
-                    "rollout.multi_turn.enable=true runs on a static TP 1 layout only: set "
-                    "rollout.adaptive_tp.enable=false and rollout.tensor_model_parallel_size=1 "
-                    f"(got {r.adaptive_tp.enable} and {r.tensor_model_parallel_size})"
-                )
+            assert isinstance(self.engine, Engine)  # adaptive TP was refused above
             self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
