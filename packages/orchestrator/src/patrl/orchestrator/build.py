@@ -215,22 +215,15 @@ def engine_config(config: JobConfig, model_dir: str, world: World) -> EngineConf
             return with_speculation_profile(config, base, profile)
         if a.enable and world.is_first:
             print(
-                f"rollout.adaptive_tp: candidates {a.candidates} leave fewer than two TP sizes "
+                f"rollout.adaptive_tp: candidates {list(a.candidates)} leave fewer than two TP sizes "
                 f"dividing the world size {world.size} and the {world.node_size} ranks per "
                 "node; running static TP"
             )
         return with_speculation_profile(config, base, None)
     profile = a.profile or job_profile(config, model_dir, base, world, candidates)
     keep_run_profile(profile, config.run_dir, world)
-    policy = AdaptiveTP(
-        candidates=candidates,
-        check_every=a.check_every,
-        check_budget=a.check_budget,
-        margin=a.margin,
-        kv_policy=a.kv_policy,
-        profile=profile,
-    )
-    return with_speculation_profile(config, base, profile).model_copy(update={"tp_policy": policy})
+    engine = with_speculation_profile(config, base, profile)
+    return engine.model_copy(update={"tp_policy": a.policy(candidates, profile)})
 
 
 def speculation_profile(config: JobConfig, job_profile: str | None) -> str | None:

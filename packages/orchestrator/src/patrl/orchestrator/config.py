@@ -33,6 +33,7 @@ from pydantic import (
 from patrl.orchestrator import verl_keys
 from patrl.orchestrator.advantages import GROUP_ESTIMATORS, AdvEstimator
 from patrl.orchestrator.errors import IN_PROCESS_TIMEOUT
+from patrl.rollout.tp_policy import AdaptiveTP
 from patrl.trainer import OptimConfig, TrainerConfig
 from patrl.trainer.config import AggMode, CriticCheckpointConfig, KLType, RolloutCorrectionConfig
 from patrl.trainer.lora import LoraConfig
@@ -122,27 +123,22 @@ class PolicyModelConfig(ModelConfig):
     )
 
 
-class AdaptiveTPConfig(_Section):
+class AdaptiveTPConfig(AdaptiveTP):
     """Adaptive TP (PAT): start with the most data-parallel replicas, fold them into larger TP
-    groups when the planner predicts the long tail finishes sooner that way."""
+    groups when the planner predicts the long tail finishes sooner that way. The engine's own
+    policy (patrl.rollout.AdaptiveTP: its fields are these keys) plus the job's: whether to use
+    it, and the fold's weights; `policy` hands the engine its part."""
 
+    model_config = ConfigDict(
+        extra="forbid", frozen=False, validate_assignment=True, allow_inf_nan=False
+    )
+
+    kind: Literal["adaptive"] = Field("adaptive", exclude=True)  # the engine's tag, not a key
     enable: bool = Field(True, description="off: static TP of rollout.tensor_model_parallel_size")
-    candidates: list[int] = Field(
-        default_factory=lambda: [1, 2],
+    candidates: tuple[int, ...] = Field(
+        (1, 2),
         description="TP sizes to choose from; those that divide the world size and a node are used",
     )
-    check_every: int = Field(
-        64, gt=0, description="decode steps between planner checks (each is a world sync point)"
-    )
-    check_budget: float = Field(
-        0.005,
-        ge=0,
-        lt=1,
-        description="checks further apart than check_every where one costs more than this "
-        "fraction of the decode time between two (0: exactly check_every)",
-    )
-    margin: float = Field(0.2, ge=0, description="switch when gain > overhead x (1 + margin)")
-    kv_policy: Literal["auto", "migrate", "recompute"] = "auto"
     profile: str | None = Field(
         None, description="latency profile JSON; None = measure this machine once, cached"
     )
@@ -151,6 +147,26 @@ class AdaptiveTPConfig(_Section):
         description="a fold keeps each rank's full weights, so the weight sync after it is "
         "free (off: less memory while folded, and the sync rebuilds the model)",
     )
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _no_kind(cls, value: Any) -> Any:
+        raise ValueError(
+            "is the engine's policy tag, not a key of the job; rollout.adaptive_tp.enable turns "
+            "adaptive TP on or off"
+        )
+
+    @model_validator(mode="after")
+    def _candidates_ok(self) -> AdaptiveTPConfig:
+        """Replaces AdaptiveTP's check: the job's candidates are judged against the world and
+        the model (build.tp_candidates, preflight); fewer than two usable ones run static TP."""
+        return self
+
+    def policy(self, candidates: tuple[int, ...], profile: str) -> AdaptiveTP:
+        """The engine's policy: these settings on the `candidates` this job can use and the
+        latency `profile` given or measured."""
+        mine = {name: getattr(self, name) for name in AdaptiveTP.model_fields}
+        return AdaptiveTP(**{**mine, "candidates": candidates, "profile": profile})
 
 
 class ValKwargsConfig(_Section):
@@ -823,7 +839,7 @@ def config_from_settings(
         notes.append(
             f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is the static "
             "layout; with rollout.adaptive_tp.enable=true (the default) the engine chooses "
-            f"among rollout.adaptive_tp.candidates {r.adaptive_tp.candidates} as it generates "
+            f"among rollout.adaptive_tp.candidates {list(r.adaptive_tp.candidates)} as it generates "
             "(rollout.adaptive_tp.enable=false pins it)"
         )
     return config
