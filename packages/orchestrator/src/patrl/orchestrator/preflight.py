@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from patrl.lenpredict import usable_tp_sizes
-from patrl.orchestrator import checkpointing, verl_keys
+from patrl.orchestrator import checkpointing, support, verl_keys
 from patrl.orchestrator.build import tp_candidates
 from patrl.orchestrator.config import (
     DEMO_FILES,
@@ -42,7 +42,6 @@ from patrl.orchestrator.config import (
 )
 from patrl.orchestrator.data import PromptDataset, dataset_for
 from patrl.orchestrator.learned_reward import reward_model_problems
-from patrl.orchestrator.support import multi_turn_refusals, unsupported
 from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
 from patrl.rollout.model_config import ModelConfig
@@ -178,7 +177,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
     problems += tool_config_problems(config)
-    problems += unsupported(config, world_size)  # what the job's schedule does not run
+    problems += support.unsupported(config, world_size)  # what the job's schedule does not run
     adaptive = config.rollout.adaptive_tp
     # what build.engine_config offers: no fold larger than a node; default candidates the
     # model cannot split into are dropped, explicit ones are judged below
@@ -240,7 +239,7 @@ def world_problems(config: JobConfig, world_size: int, local_world_size: int) ->
 def multi_turn_problems(config: JobConfig) -> list[str]:
     """`rollout.multi_turn`: its tool config loads (`tool_config_problems`), and what
     `enable=true` needs (`support.multi_turn_refusals`)."""
-    return [*tool_config_problems(config), *multi_turn_refusals(config)]
+    return [*tool_config_problems(config), *support.multi_turn_refusals(config)]
 
 
 def tool_config_problems(config: JobConfig) -> list[str]:

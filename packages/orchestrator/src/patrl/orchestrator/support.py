@@ -2,9 +2,10 @@
 each refusal naming its keys and what is accepted.
 
 `preflight.check` reports every refusal before any rank starts; the schedules call
-`check_supported` again when they are built, for callers that skipped preflight. A combination
-that is contradictory whatever schedule runs it (a mini-batch that does not divide the batch,
-...) is refused when the config is read, by config.py's validators.
+`check_supported` again when they are built, for callers that skipped preflight. What the config
+alone decides is refused when it is read, by config.py's validators: contradictions whatever
+schedule runs the job (a mini-batch that does not divide the batch, ...), and the async
+schedule's refusal of rollout correction and of geo_mean's loss, so that load_config names them.
 """
 
 from __future__ import annotations
