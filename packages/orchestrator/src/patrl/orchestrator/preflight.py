@@ -1,11 +1,12 @@
 """Everything about a job's inputs that can be checked before any work starts.
 
-`load` reads the configuration, naming the file line of bad YAML and unknown keys (with close
-matches) and the dotted key of wrong types. `check` validates the model directory, data files,
-reward functions, TP layout, world shape, resume checkpoint, critic and reward models, what
-the job's schedule does not run (support.py), an explicit KV cache and the run directory's writability against the
-world the job will run in, and returns the config with the run's length resolved (`trainer.total_epochs` needs the
-train set's size). Both run on every rank before a process group is joined, write nothing of
+`load` reads the configuration (config.yaml_settings, the one walk over the file), naming the
+file line of bad YAML and unknown keys (with close matches) and the dotted key of wrong types.
+`check` validates the model directory, data files, reward functions, TP layout, world shape,
+resume checkpoint, critic and reward models, what the job's schedule does not run (support.py),
+an explicit KV cache and the run directory's writability against the world the job will run in,
+and returns the config with the run's length resolved (`trainer.total_epochs` needs the train
+set's size). Both run on every rank before a process group is joined, write nothing of
 the run (`datasets` may fill its own cache), and raise one PreflightError listing every problem:
 
     config = preflight.check(preflight.load("job.yaml", ["rollout.n=8"]), world_size=2)
