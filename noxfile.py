@@ -102,6 +102,15 @@ assert has_torch == (torch_expected == "torch"), f"torch installed: {has_torch}"
 print(f"{package}: imports; {', '.join(sorted(dists))} from the wheelhouse; torch: {has_torch}")
 """
 
+# Run in the orchestrator's virtualenv (no examples project there): the default job, which asks
+# for the demo task, is refused before any work, naming how to install it.
+_CHECK_NO_DEMO = """
+import subprocess, sys
+run = subprocess.run([sys.executable, "-m", "patrl.orchestrator", "--dry-run"], capture_output=True, text=True)
+assert run.returncode == 2 and "pip install -e examples" in run.stderr, (run.returncode, run.stderr)
+print("patrl-orchestrator without patrl-examples: the default job is refused, naming `pip install -e examples`")
+"""
+
 # A higher-versioned `patrl-lenpredict` with no code: a same-named package on an index, which
 # pip would prefer to the checkout's 0.1.0 without the wheelhouse's constraints.
 _DECOY = """
@@ -132,7 +141,8 @@ def install_check(session: nox.Session) -> None:
     """patrl-lenpredict, patrl-rollout and patrl-orchestrator, each alone, into a fresh
     virtualenv from the wheelhouse, the way the README's Packages section says: each imports,
     its patrl dependencies come from this checkout even with a higher-versioned same-named
-    package on offer, the orchestrator comes without patrl-examples, and lenpredict brings no
+    package on offer, the orchestrator comes without patrl-examples (and refuses the default
+    job, which asks for its demo task, saying how to install it), and lenpredict brings no
     torch (rollout and orchestrator get the pinned CPU torch, as every session does)."""
     tmp = Path(session.create_tmp())
     constraints = build_wheelhouse(session, tmp / "wheels")
@@ -162,6 +172,8 @@ def install_check(session: nox.Session) -> None:
             "torch" if with_torch else "no torch",
             external=True,
         )  # fmt: skip
+        if package == "patrl-orchestrator":
+            session.run(python, "-c", _CHECK_NO_DEMO, external=True)
 
 
 @nox.session
