@@ -2,6 +2,9 @@
 `gpu`, `tests_floor` (the lowest declared transformers), and `wheels` (the wheelhouse that
 installs any one package from this checkout).
 
+The sessions that run code install the six packages and the examples project (examples/: the
+demo task the main job and the tests' kit use); `install_check` installs packages without it.
+
 Every session installs the pinned CPU torch first: an unpinned torch would pull several GB of
 CUDA packages, and the packages' own `torch>=2.6` range is then satisfied by what is there.
 Virtualenvs are reused, so a second `nox -s tests` only re-checks the installs.
@@ -22,6 +25,9 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 # Order matters only for readability: pip resolves them together, the local ones first.
 PACKAGES = ["kvstore", "tpreshard", "lenpredict", "rollout", "trainer", "orchestrator"]
+# Not one of the packages: patrl_examples (the demo task), found by the orchestrator through
+# its `patrl.assets` entry point.
+EXAMPLES = "examples"
 # Triton runs the GPU paged-attention kernels' tests on CPU through its interpreter
 # (TRITON_INTERPRET=1); its wheels exist for Linux x86-64 only, elsewhere those tests skip.
 TRITON = "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
@@ -35,7 +41,7 @@ def install_patrl(session: nox.Session, *extra: str) -> None:
     editable: list[str] = []
     for name in PACKAGES:
         editable += ["-e", f"packages/{name}"]
-    session.install(*editable, *extra)
+    session.install(*editable, "-e", EXAMPLES, *extra)
 
 
 @nox.session
@@ -96,6 +102,15 @@ assert has_torch == (torch_expected == "torch"), f"torch installed: {has_torch}"
 print(f"{package}: imports; {', '.join(sorted(dists))} from the wheelhouse; torch: {has_torch}")
 """
 
+# Run in the orchestrator's virtualenv (no examples project there): the default job, which asks
+# for the demo task, is refused before any work, naming how to install it.
+_CHECK_NO_DEMO = """
+import subprocess, sys
+run = subprocess.run([sys.executable, "-m", "patrl.orchestrator", "--dry-run"], capture_output=True, text=True)
+assert run.returncode == 2 and "pip install -e examples" in run.stderr, (run.returncode, run.stderr)
+print("patrl-orchestrator without patrl-examples: the default job is refused, naming `pip install -e examples`")
+"""
+
 # A higher-versioned `patrl-lenpredict` with no code: a same-named package on an index, which
 # pip would prefer to the checkout's 0.1.0 without the wheelhouse's constraints.
 _DECOY = """
@@ -116,16 +131,19 @@ _ALONE = {
         ["patrl-rollout", "patrl-kvstore", "patrl-tpreshard", "patrl-lenpredict"],
         True,
     ),
+    # The library without the examples project (the demo task is found, not imported).
+    "patrl-orchestrator": (["patrl-" + name for name in PACKAGES], True),
 }
 
 
 @nox.session
 def install_check(session: nox.Session) -> None:
-    """patrl-lenpredict and patrl-rollout, each alone, into a fresh virtualenv from the
-    wheelhouse, the way the README's Packages section says: each imports, its patrl
-    dependencies come from this checkout even with a higher-versioned same-named package on
-    offer, and lenpredict brings no torch (rollout gets the pinned CPU torch, as every session
-    does)."""
+    """patrl-lenpredict, patrl-rollout and patrl-orchestrator, each alone, into a fresh
+    virtualenv from the wheelhouse, the way the README's Packages section says: each imports,
+    its patrl dependencies come from this checkout even with a higher-versioned same-named
+    package on offer, the orchestrator comes without patrl-examples (and refuses the default
+    job, which asks for its demo task, saying how to install it), and lenpredict brings no
+    torch (rollout and orchestrator get the pinned CPU torch, as every session does)."""
     tmp = Path(session.create_tmp())
     constraints = build_wheelhouse(session, tmp / "wheels")
     wheelhouse = (tmp / "wheels").resolve().as_uri()
@@ -154,6 +172,8 @@ def install_check(session: nox.Session) -> None:
             "torch" if with_torch else "no torch",
             external=True,
         )  # fmt: skip
+        if package == "patrl-orchestrator":
+            session.run(python, "-c", _CHECK_NO_DEMO, external=True)
 
 
 @nox.session
@@ -166,9 +186,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over every package's sources."""
+    """mypy over every package's sources and the examples project's."""
     install_patrl(session, "mypy>=1.10")
-    session.run("mypy", *[f"packages/{name}/src" for name in PACKAGES])
+    session.run(
+        "mypy", *[f"packages/{name}/src" for name in PACKAGES], f"{EXAMPLES}/src/patrl_examples"
+    )
 
 
 @nox.session

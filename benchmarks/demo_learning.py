@@ -24,7 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GAIN = 0.15
-SHOWS_WORK = "reward/patrl.orchestrator.demo.reward:shows_work/mean"
+SHOWS_WORK = "reward/patrl_examples.demo.reward:shows_work/mean"
 
 
 def main() -> None:

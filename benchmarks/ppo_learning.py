@@ -30,7 +30,7 @@ TARGET_RM_ACC = 0.8
 RM_SCORE = "reward_model/score/mean"
 VAL = "val-core/acc/mean@1"
 EXPLAINED_VAR = "critic/vf_explained_var"
-SHOWS_WORK = "reward/patrl.orchestrator.demo.reward:shows_work/mean"
+SHOWS_WORK = "reward/patrl_examples.demo.reward:shows_work/mean"
 _RM_LINE = re.compile(r"\[rlhf\] stage 2: reward model \S+ held-out accuracy ([0-9.]+)")
 
 

@@ -58,7 +58,7 @@ def demo_model() -> tuple[Path, list[list[int]], int] | None:
     """The cached demo model, its train prompts' token ids and a response cap (twice its
     longest gold response), if a complete build exists."""
     try:
-        from patrl.orchestrator.demo.assets import (
+        from patrl_examples.demo.assets import (
             DemoAssets,
             DemoRecipe,
             default_cache_root,

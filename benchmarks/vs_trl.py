@@ -73,9 +73,9 @@ import torch
 
 from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.data import PromptItem, PromptLoader
-from patrl.orchestrator.demo import DemoAssets, ensure_demo_assets
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.rewards import resolve_reward_fn
+from patrl_examples.demo import DemoAssets, ensure_demo_assets
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

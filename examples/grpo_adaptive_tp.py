@@ -12,6 +12,8 @@ tokenizer, warm-started by SFT on a synthetic arithmetic task whose solutions ha
 lengths, and trains it with GRPO; the reward is the exactness of the final \\boxed{} answer
 (math-verify). Settings come from examples/configs/demo.yaml; any key can be overridden on the
 command line, and `model.path=... data.train_files=...` points it at a real model and dataset.
+That task is this examples project's `patrl_examples.demo` (`pip install -e examples`; `nox -s
+demo` installs it), which the orchestrator finds through its `patrl.assets` entry point.
 
 Rollouts use adaptive TP (rollout.adaptive_tp, on by default with 2+ ranks): each starts with
 one data-parallel replica per rank, and the planner folds replicas into a TP group when its

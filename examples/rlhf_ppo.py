@@ -85,8 +85,8 @@ def stage3_overrides(choice: str) -> list[str]:
 
 
 def run(argv: list[str]) -> int:
-    from patrl.orchestrator.demo import ensure_demo_assets
-    from patrl.orchestrator.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
+    from patrl_examples.demo import ensure_demo_assets
+    from patrl_examples.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
 
     args, overrides = parse_args(argv)
     first = int(os.environ.get("RANK", "0")) == 0

@@ -257,8 +257,8 @@ def test_verls_dapo_command_line_dry_runs_to_the_same_values(
     import datasets
     import yaml
 
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
     from patrl.orchestrator.main import main
+    from patrl_examples.demo.tokenizer import build_tokenizer
     from patrl_testkit.models import save_tiny_model
 
     train, test = tmp_path / "dapo-math-17k.parquet", tmp_path / "aime-2024.parquet"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from patrl.orchestrator.config import load_config
-from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
+from patrl_examples.demo.tokenizer import build_tokenizer
 from patrl_testkit.jobs import addition_job
 from patrl_testkit.models import save_tiny_reward_model
 from patrl_testkit.multirank import run_ranks

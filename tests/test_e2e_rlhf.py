@@ -13,18 +13,18 @@ from typing import Any
 
 import pytest
 
-from patrl.orchestrator.demo import ensure_demo_assets
-from patrl.orchestrator.demo.evaluate import is_correct
-from patrl.orchestrator.demo.preferences import (
+from patrl.trainer.reward_model import PreferenceKeys, check_reward_model_dir
+from patrl.trainer.reward_model.preferences import check_row
+from patrl_examples.demo import ensure_demo_assets
+from patrl_examples.demo.evaluate import is_correct
+from patrl_examples.demo.preferences import (
     DEFAULT_KINDS,
     REJECTED_KINDS,
     preference_pairs,
 )
-from patrl.orchestrator.demo.reward import shows_work
-from patrl.orchestrator.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
-from patrl.orchestrator.demo.task import Problem
-from patrl.trainer.reward_model import PreferenceKeys, check_reward_model_dir
-from patrl.trainer.reward_model.preferences import check_row
+from patrl_examples.demo.reward import shows_work
+from patrl_examples.demo.reward_model import RewardModelRecipe, ensure_demo_reward_model
+from patrl_examples.demo.task import Problem
 
 pytestmark = pytest.mark.slow
 

@@ -103,7 +103,7 @@ def test_verls_gsm8k_grpo_command_line_dry_runs_to_the_same_values(
 ) -> None:
     import datasets
 
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     data = tmp_path / "data"
     (data / "gsm8k").mkdir(parents=True)

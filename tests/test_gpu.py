@@ -78,9 +78,9 @@ def test_bf16_greedy_decoding_matches_transformers(backend: str, tmp_path: Path)
 @pytest.mark.e2e
 def test_three_grpo_steps_of_a_half_billion_qwen2(tmp_path: Path) -> None:
     from patrl.orchestrator.config import load_config
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
     from patrl.orchestrator.distributed import World
     from patrl.orchestrator.sync_loop import SyncGRPO
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -60,10 +60,11 @@ def declared(package: str) -> set[str]:
     return {requirement_name(r) for r in [*p["dependencies"], *(r for e in extras for r in e)]}
 
 
-def imported(package: str) -> dict[str, str]:
-    """Top-level third-party module -> one place it is imported, over the package's sources."""
+def imported(package: str, src: Path | None = None) -> dict[str, str]:
+    """Top-level third-party module -> one place it is imported, over the package's sources
+    (or those under `src`)."""
     found: dict[str, str] = {}
-    src = ROOT / "packages" / package / "src"
+    src = src or ROOT / "packages" / package / "src"
     for path in sorted(src.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
@@ -108,3 +109,22 @@ def test_meta_package_installs_exactly_the_six_from_this_checkout() -> None:
         name = requirement_name(dep).removeprefix("patrl-")
         assert dep.endswith(f"@ {{root:uri}}/packages/{name}"), dep
     assert sorted(p.name for p in (ROOT / "packages").iterdir() if p.is_dir()) == sorted(PACKAGES)
+
+
+def test_the_examples_project_declares_its_imports_and_registers_the_demo() -> None:
+    """examples/ (patrl-examples, the demo task) is not one of the six: the orchestrator finds
+    its demo through the `patrl.assets` entry point it registers, never by import (the
+    orchestrator declares no patrl-examples, so `test_every_import_is_declared` catches one)."""
+    examples = tomllib.loads((ROOT / "examples" / "pyproject.toml").read_text())["project"]
+    assert examples["name"] == "patrl-examples"
+    names = {requirement_name(r) for r in examples["dependencies"]}
+    missing = {
+        module: where
+        for module, where in imported("examples", ROOT / "examples" / "src").items()
+        if module != "patrl_examples"
+        and DISTRIBUTION.get(module, module).replace("_", "-") not in names
+    }
+    assert not missing, f"examples/pyproject.toml does not declare {missing}"
+    target = examples["entry-points"]["patrl.assets"]["demo"]
+    assert (ROOT / "examples" / "src" / (target.replace(".", "/") + ".py")).is_file(), target
+    assert "patrl-examples" not in declared("orchestrator")

@@ -49,7 +49,7 @@ def test_plain_flavour_keeps_hf_init_and_overrides_win(family: str) -> None:
 
 
 def test_saved_model_takes_its_vocab_from_the_tokenizer(tmp_path: Path) -> None:
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     path = save_tiny_model(tmp_path / "m", "qwen3", "plain", tokenizer=tok)

@@ -13,7 +13,7 @@ from patrl_testkit.models import save_tiny_model
 def save_demo_llama(path: Path) -> Path:
     """The kit's plain tiny Llama (128 positions) with the demo tokenizer and its special
     token ids, saved to `path` -> path."""
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     return save_tiny_model(

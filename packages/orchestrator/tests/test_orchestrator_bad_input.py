@@ -46,7 +46,7 @@ class Assets:
 
 
 def _save_llama(path: Path, **changes: Any) -> None:
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     save_tiny_model(
@@ -280,7 +280,7 @@ def _reward_model(path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def _save_rm(path: Path, num_labels: int = 1) -> Path:
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
+    from patrl_examples.demo.tokenizer import build_tokenizer
 
     return save_tiny_reward_model(path, build_tokenizer(), num_labels=num_labels)
 

@@ -12,11 +12,11 @@ from transformers import AutoModelForSequenceClassification
 
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.data import PromptItem
-from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.learned_reward import LearnedReward, rm_placement, rm_weight_bytes
 from patrl.orchestrator.rewards import RewardManager, add_model_scores
 from patrl.orchestrator.scoring import merge_reward_metrics
+from patrl_examples.demo.tokenizer import build_tokenizer
 from patrl_testkit.models import save_tiny_reward_model
 
 

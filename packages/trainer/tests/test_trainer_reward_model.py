@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.orchestrator.demo.tokenizer import build_tokenizer
 from patrl.trainer.reward_model import (
     BradleyTerryTrainer,
     RewardModelEncoder,
@@ -22,6 +21,7 @@ from patrl.trainer.reward_model import (
     tokenize_pairs,
 )
 from patrl.trainer.reward_model.__main__ import main as train_main
+from patrl_examples.demo.tokenizer import build_tokenizer
 from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model
 from patrl_testkit.multirank import run_ranks

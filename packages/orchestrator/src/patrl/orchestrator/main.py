@@ -272,17 +272,16 @@ def run(config: JobConfig, world: World) -> Any:
 
 
 def resolve_assets(config: JobConfig, world: World) -> tuple[str, Any, Any]:
-    """The model and data to use; the embedded demo task fills in whatever is not given."""
+    """The model and data to use; the demo task (its installed provider: `demo_provider`)
+    fills in whatever is not given."""
     from patrl.orchestrator import preflight
     from patrl.orchestrator.distributed import barrier
 
     demo = None
     if preflight.uses_demo(config):
-        from patrl.orchestrator.demo import ensure_demo_assets
-
         # Every rank asks; a file lock lets one build while the others wait on the lock (not on
         # a collective, whose timeout a slow first build on a busy machine could exceed).
-        demo = ensure_demo_assets(progress=world.is_first)
+        demo = preflight.demo_provider_for(config).ensure_assets(progress=world.is_first)
         barrier(world)
     model, train, val = preflight.choose_assets(config, demo)
     assert model is not None  # given, or the demo's

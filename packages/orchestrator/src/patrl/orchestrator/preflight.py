@@ -42,6 +42,12 @@ from patrl.orchestrator.config import (
     yaml_settings,
 )
 from patrl.orchestrator.data import PromptDataset, dataset_for
+from patrl.orchestrator.demo_provider import (
+    DemoAssets,
+    DemoProvider,
+    DemoUnavailable,
+    load_demo_provider,
+)
 from patrl.orchestrator.learned_reward import reward_model_problems
 from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
@@ -163,12 +169,13 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     its build (which makes known-good assets) when not; data of the job's own given with the
     demo's model is read with the demo's tokenizer either way."""
     problems: list[str] = []
-    model_dir, train_files, val_files = choose_assets(config, _built_demo(config))
+    demo = _demo_provider(config, problems)
+    model_dir, train_files, val_files = choose_assets(config, _built_demo(demo))
     model, tokenizer = _model(model_dir, problems) if model_dir is not None else (None, None)
     num_train = None
     # The demo's model is built later (minutes of SFT): data given with it is read with the
     # demo's tokenizer now, so a bad file is named before that build, not after.
-    data_tokenizer = tokenizer if model_dir is not None else _demo_tokenizer(config)
+    data_tokenizer = tokenizer if model_dir is not None else _demo_tokenizer(config, demo)
     if data_tokenizer is not None:
         data_problems, num_train = _data_problems(config, data_tokenizer, train_files, val_files)
         problems += data_problems
@@ -265,7 +272,7 @@ def _reward_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
+def choose_assets(config: JobConfig, demo: DemoAssets | None) -> tuple[str | None, Any, Any]:
     """(model dir, train files, val files): the configured ones, the demo's for what is not
     configured or is named `demo` (None where that is needed and `demo` is None)."""
     model, train, val = config.model.path, config.data.train_files, config.data.val_files
@@ -282,13 +289,30 @@ def choose_assets(config: JobConfig, demo: Any) -> tuple[str | None, Any, Any]:
 
 
 def uses_demo(config: JobConfig) -> bool:
-    """Whether the job takes anything from the embedded demo task."""
+    """Whether the job takes anything from the demo task."""
+    return bool(demo_keys(config))
+
+
+def demo_keys(config: JobConfig) -> list[str]:
+    """The settings that take something from the demo task, phrased for the user (e.g.
+    "model.path is unset"); empty when the job brings its own model and data."""
     d = config.data
-    return (
-        config.model.path is None
-        or d.train_files in (None, DEMO_FILES)
-        or d.val_files == DEMO_FILES
-    )
+    keys = []
+    if config.model.path is None:
+        keys.append("model.path is unset")
+    if d.train_files is None:
+        keys.append("data.train_files is unset")
+    elif d.train_files == DEMO_FILES:
+        keys.append(f"data.train_files={DEMO_FILES}")
+    if d.val_files == DEMO_FILES:
+        keys.append(f"data.val_files={DEMO_FILES}")
+    return keys
+
+
+def demo_provider_for(config: JobConfig) -> DemoProvider:
+    """The installed demo task's provider (`demo_provider.load_demo_provider`) for a job that
+    uses it; DemoUnavailable naming the settings that ask for it when none is installed."""
+    return load_demo_provider(" and ".join(demo_keys(config)))
 
 
 def layout_problems(
@@ -465,20 +489,22 @@ def _tokenizer(model_dir: str) -> Any:
         ) from None
 
 
-def _built_demo(config: JobConfig) -> Any:
-    """The demo's assets if the run would use them and they are built; else None."""
+def _demo_provider(config: JobConfig, problems: list[str]) -> DemoProvider | None:
+    """The demo task's provider if the run would use it; else None, with the problem added to
+    `problems` when it would and none is installed."""
     if not uses_demo(config):
         return None
-    from patrl.orchestrator.demo.assets import (
-        DemoAssets,
-        DemoRecipe,
-        default_cache_root,
-        is_complete,
-    )
+    try:
+        return demo_provider_for(config)
+    except DemoUnavailable as err:
+        problems.append(str(err))
+        return None
 
-    recipe = DemoRecipe.default()
-    root = default_cache_root() / f"demo-{recipe.key()}"
-    return DemoAssets.load(root) if is_complete(root, recipe) else None
+
+def _built_demo(demo: DemoProvider | None) -> DemoAssets | None:
+    """The demo's assets if the run uses them (`demo` is its provider) and they are built;
+    else None."""
+    return demo.built_assets() if demo is not None else None
 
 
 def _attempt(problems: list[str], key: str, fn: Callable[[], T]) -> T | None:
@@ -546,15 +572,13 @@ def _vocab_size(config_json: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _demo_tokenizer(config: JobConfig) -> Any:
+def _demo_tokenizer(config: JobConfig, demo: DemoProvider | None) -> Any:
     """The demo model's tokenizer (built in memory: no file is read or written) where the job
-    uses the demo's model with data of its own; else None."""
+    uses the demo's model with data of its own (`demo` is its provider); else None."""
     d = config.data
-    if config.model.path is not None or d.train_files in (None, DEMO_FILES):
+    if demo is None or config.model.path is not None or d.train_files in (None, DEMO_FILES):
         return None
-    from patrl.orchestrator.demo.tokenizer import build_tokenizer
-
-    return build_tokenizer()
+    return demo.build_tokenizer()
 
 
 def run_dir_problems(run_dir: Path) -> list[str]:

@@ -20,8 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from patrl.orchestrator.demo.task import Problem, TaskConfig, iter_problems
-from patrl.orchestrator.demo.tokenizer import prompt_text
+from patrl_examples.demo.task import Problem, TaskConfig, iter_problems
+from patrl_examples.demo.tokenizer import prompt_text
 
 IGNORE = -100
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from patrl.orchestrator.demo.reward import shows_work
-from patrl.orchestrator.demo.tokenizer import prompt_text
 from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl_examples.demo.reward import shows_work
+from patrl_examples.demo.tokenizer import prompt_text
 
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 

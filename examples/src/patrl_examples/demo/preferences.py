@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from patrl.orchestrator.demo.task import LABELS, Problem, TaskConfig, draw_problem
+from patrl_examples.demo.task import LABELS, Problem, TaskConfig, draw_problem
 
 REJECTED_KINDS = ("bare", "bare_wrong", "slip", "wrong_box")
 DEFAULT_KINDS = ("bare", "bare_wrong")

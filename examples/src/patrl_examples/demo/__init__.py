@@ -2,18 +2,18 @@
 SFT on a synthetic long-tailed addition task (worked solutions mixed with bare answers), with
 train/validation JSONL, built on first use and cached."""
 
-from patrl.orchestrator.demo.assets import (
+from patrl_examples.demo.assets import (
     DemoAssets,
     DemoRecipe,
     default_cache_root,
     ensure_demo_assets,
     ensure_demo_at,
 )
-from patrl.orchestrator.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
-from patrl.orchestrator.demo.model import ModelConfig
-from patrl.orchestrator.demo.sft import SFTConfig
-from patrl.orchestrator.demo.task import Problem, TaskConfig, generate_problems
-from patrl.orchestrator.demo.tokenizer import build_tokenizer
+from patrl_examples.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
+from patrl_examples.demo.model import ModelConfig
+from patrl_examples.demo.sft import SFTConfig
+from patrl_examples.demo.task import Problem, TaskConfig, generate_problems
+from patrl_examples.demo.tokenizer import build_tokenizer
 
 __all__ = [
     "DemoAssets",

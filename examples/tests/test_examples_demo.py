@@ -14,7 +14,8 @@ import torch
 from math_verify import parse, verify
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from patrl.orchestrator.demo import (
+from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl_examples.demo import (
     DemoRecipe,
     TaskConfig,
     boxed_answer,
@@ -22,14 +23,14 @@ from patrl.orchestrator.demo import (
     ensure_demo_assets,
     ensure_demo_at,
     generate_problems,
+    provider,
 )
-from patrl.orchestrator.demo.__main__ import main
-from patrl.orchestrator.demo.assets import MANIFEST
-from patrl.orchestrator.demo.reward import shows_work
-from patrl.orchestrator.demo.sft import IGNORE, SFTConfig, iter_batches
-from patrl.orchestrator.demo.task import Problem, read_jsonl
-from patrl.orchestrator.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
-from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl_examples.demo.__main__ import main
+from patrl_examples.demo.assets import MANIFEST
+from patrl_examples.demo.reward import shows_work
+from patrl_examples.demo.sft import IGNORE, SFTConfig, iter_batches
+from patrl_examples.demo.task import Problem, read_jsonl
+from patrl_examples.demo.tokenizer import CHARACTERS, VOCAB_SIZE, prompt_text
 
 
 @pytest.fixture(scope="module")
@@ -356,3 +357,34 @@ def test_a_rank_other_than_zero_builds_a_whole_demo(tmp_path: Path) -> None:
     files = run_ranks(_build_on, 2, args=(str(tmp_path),), timeout_s=300)[1]
     assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)
     assert "tokenizer.json" in files
+
+
+# ------------------------------------------------------------------- the orchestrator's hook
+
+
+def test_the_project_registers_the_demo_where_the_orchestrator_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The installed examples project is the `demo` of the `patrl.assets` entry points: the
+    orchestrator's lookup finds this module; with an empty cache it has nothing built and
+    writes nothing; its tokenizer is the demo's."""
+    from patrl.orchestrator.demo_provider import load_demo_provider
+
+    monkeypatch.setenv("PATRL_CACHE_DIR", str(tmp_path))
+    found = load_demo_provider("model.path is unset")
+    assert found is provider
+    assert found.built_assets() is None and list(tmp_path.iterdir()) == []
+    assert found.build_tokenizer().get_vocab() == build_tokenizer().get_vocab()
+
+
+def test_built_assets_finds_exactly_a_complete_build_of_the_recipe(quick_demo) -> None:
+    quick = DemoRecipe.default(quick=True)
+    found = provider.built_assets(quick_demo.root.parent, quick)
+    assert found is not None and found.root == quick_demo.root
+    assert (found.model_dir, found.train_file, found.val_file) == (
+        quick_demo.model_dir,
+        quick_demo.train_file,
+        quick_demo.val_file,
+    )
+    # another recipe's (the default, here never built) is not there
+    assert provider.built_assets(quick_demo.root.parent) is None

@@ -3,7 +3,7 @@
 The demo's warm start answers some prompts with the numbered lines and some with a bare
 `\\boxed{N}` (SFTConfig.direct_fraction). The reward (math-verify) only says whether the total
 is right; listing `shows_work` beside it with weight 0 logs, every step, the share of responses
-that wrote the lines: `reward/patrl.orchestrator.demo.reward:shows_work/mean`. That share going
+that wrote the lines: `reward/patrl_examples.demo.reward:shows_work/mean`. That share going
 up while the reward goes up is RL finding out that working it out pays.
 """
 

@@ -1,4 +1,4 @@
-"""`python -m patrl.orchestrator.demo [--out DIR]`: build the demo and say what was built."""
+"""`python -m patrl_examples.demo [--out DIR]`: build the demo and say what was built."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from patrl.orchestrator.demo.assets import (
+from patrl_examples.demo.assets import (
     DemoAssets,
     DemoRecipe,
     ensure_demo_assets,
@@ -17,7 +17,7 @@ from patrl.orchestrator.demo.assets import (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m patrl.orchestrator.demo",
+        prog="python -m patrl_examples.demo",
         description="Build (or find cached) the demo model and dataset of the main job.",
     )
     parser.add_argument(

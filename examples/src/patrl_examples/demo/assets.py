@@ -29,17 +29,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
-from patrl.orchestrator.demo.evaluate import pass_at_one
-from patrl.orchestrator.demo.model import ModelConfig, build_model
-from patrl.orchestrator.demo.sft import SFTConfig, train_sft
-from patrl.orchestrator.demo.task import (
+from patrl_examples.demo.evaluate import pass_at_one
+from patrl_examples.demo.model import ModelConfig, build_model
+from patrl_examples.demo.sft import SFTConfig, train_sft
+from patrl_examples.demo.task import (
     Problem,
     TaskConfig,
     generate_problems,
     read_jsonl,
     write_jsonl,
 )
-from patrl.orchestrator.demo.tokenizer import build_tokenizer, prompt_text
+from patrl_examples.demo.tokenizer import build_tokenizer, prompt_text
 
 # Bump when the build code changes what it produces in a way the recipe does not capture.
 BUILD_VERSION = 2

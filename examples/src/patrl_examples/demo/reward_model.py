@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from patrl.orchestrator.demo.assets import DemoAssets, file_lock, torch_threads
-from patrl.orchestrator.demo.preferences import (
+from patrl_examples.demo.assets import DemoAssets, file_lock, torch_threads
+from patrl_examples.demo.preferences import (
     DEFAULT_KINDS,
     REJECTED_KINDS,
     write_preference_splits,
