@@ -69,6 +69,9 @@ def test_the_thread_exits_the_rank_and_says_why(capfd: pytest.CaptureFixture[str
 
 
 def test_the_agents_death_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parent is faked from the start: a test process may itself be an orphan (parent 1, as
+    # under a detached shell), where the real getppid would never change.
+    monkeypatch.setattr(os, "getppid", lambda: 4242)
     dog = Watchdog(None, 0, 1, timeout_s=5.0, watch_parent=True)
     assert dog.check(now=0.0) is None
     monkeypatch.setattr(os, "getppid", lambda: 1)  # re-parented: the agent is gone
