@@ -74,11 +74,13 @@ def save_scripted_model(
     answer: str = ANSWER,
     seed: int = 0,
     eos_after_call: bool = False,
+    call_after_tool: bool = False,
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
     it answers at once) and `answer<|im_end|>` after "\\n "; with `eos_after_call`, EOS
-    after `</tool_call>` (verl's way to end a turn with calls); saved with `tokenizer`."""
+    after `</tool_call>` (verl's way to end a turn with calls); with `call_after_tool`, the
+    call again after "\\n " (every turn calls, until a turn limit); saved with `tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     v = len(tokenizer)
@@ -110,7 +112,10 @@ def save_scripted_model(
         chain += [(t("\n"), t(answer))]
     if eos_after_call:
         chain += [(t("</tool_call>"), eos)]
-    chain += [(t(" "), t(answer)), (t(answer), eos)]
+    if call_after_tool:
+        chain += [(t(" "), t("<tool_call>"))]
+    else:
+        chain += [(t(" "), t(answer)), (t(answer), eos)]
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()
         model.model.embed_tokens.weight[:, :v].copy_(torch.eye(v))
