@@ -39,9 +39,10 @@ HERMES_TEMPLATE = (
 )
 
 
-def hermes_tokenizer() -> Any:
+def hermes_tokenizer(extra_scripts: Sequence[str] = ()) -> Any:
     """Characters, the chat specials (EOS <|im_end|>), the hermes tags and the scripted
-    texts as single tokens (not special: they survive decoding, as Qwen's tags do)."""
+    texts (and `extra_scripts`) as single tokens (not special: they survive decoding, as
+    Qwen's tags do)."""
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -56,7 +57,7 @@ def hermes_tokenizer() -> Any:
         pad_token="<pad>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tok.add_tokens(TAGS + SCRIPTS)
+    tok.add_tokens(TAGS + SCRIPTS + list(extra_scripts))
     tok.chat_template = HERMES_TEMPLATE
     return tok
 
@@ -75,6 +76,7 @@ def save_scripted_model(
     seed: int = 0,
     eos_after_call: bool = False,
     call_after_tool: bool = False,
+    max_position_embeddings: int = 1024,
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
@@ -92,7 +94,7 @@ def save_scripted_model(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
