@@ -210,3 +210,36 @@ def tool_config(path: Path, class_name: str) -> Path:
     }
     path.write_text(yaml.safe_dump({"tools": [entry]}))
     return path
+
+
+class FlakyTool(BaseTool):
+    """Fails in turn by call number (of a process, all instances): the first calls follow
+    `first` ("raise", "hang": blocks until `gate` or `patience` s, "huge": 10,000 characters,
+    "ok": "42"), every later one `then`, cycled. `reset()` starts over."""
+
+    first = ("raise", "hang", "huge", "ok")
+    then = ("raise", "hang")
+    gate = threading.Event()
+    patience = 60.0
+    calls = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.gate.clear()
+        cls.calls = 0
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        with FlakyTool.lock:
+            i = FlakyTool.calls
+            FlakyTool.calls += 1
+        first, then = FlakyTool.first, FlakyTool.then
+        what = first[i] if i < len(first) else then[(i - len(first)) % len(then)]
+        if what == "raise":
+            raise RuntimeError(f"call {i} broke")
+        if what == "hang":
+            FlakyTool.gate.wait(FlakyTool.patience)
+            return ToolResponse(text="too late"), 0.0, {}
+        if what == "huge":
+            return ToolResponse(text="0123456789" * 1000), 0.0, {}
+        return ToolResponse(text="42"), 0.0, {}
