@@ -32,7 +32,7 @@ prefix cache held at submission, the prefill that leaves (submitted - cached), a
 new to the engine: the tool's appended ids plus the previous turn's last sampled token (its KV
 is computed only when it is fed back). With prefix caching the prefill exceeds the new tokens
 only by the part of the last KV block that was not full (< block size). The model: a random
-Llama (fp32, ~7M parameters, vocab 4096), built once under --model-dir. Results: JSON on
+Llama (fp32, 5.2M parameters, vocab 4096), built once under --model-dir. Results: JSON on
 stdout and in --out, with the load average before and after.
 """
 
