@@ -334,18 +334,21 @@ def test_verls_gsm8k_multiturn_command_line_runs_two_steps(
 def test_each_rows_ground_truth_reaches_the_tool_through_its_tools_kwargs(
     verl_project: dict[str, str],
 ) -> None:
-    """The rows' extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth is the
-    tool instance's: the same call (answer 42) is right for row 0 and wrong for row 1."""
+    """The parquet rows' extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth,
+    read as the job reads data.train_files, is the tool instance's: the same call (answer 42)
+    is right for row 0 (truth 42) and wrong for row 1 (truth 41)."""
     from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
     from patrl.orchestrator.config import load_config
-    from patrl.orchestrator.data import PromptItem
+    from patrl.orchestrator.data import dataset_for
     from patrl.rollout import Engine, EngineConfig, SamplingParams
 
     tools = Path(verl_project["CONFIG_PATH"]) / "tool_config" / "gsm8k_tool_config.yaml"
+    train = Path(verl_project["HOME"]) / "data" / "gsm8k" / "train.parquet"
     config = load_config(
         None,
         [
-            "data.train_files=/d.jsonl",
+            f"data.train_files={train}",
+            "data.max_prompt_length=1024",
             "data.max_response_length=160",
             "rollout.adaptive_tp.enable=false",
             "rollout.multi_turn.enable=true",
@@ -362,18 +365,8 @@ def test_each_rows_ground_truth_reaches_the_tool_through_its_tools_kwargs(
             max_model_len=2048,
         )
     )
-    rows = gsm8k_rows("train", 2)
-    items = [
-        PromptItem(
-            i,
-            [],
-            "",
-            r["reward_model"]["ground_truth"],
-            {"extra_info": r["extra_info"]},
-            r["prompt"],
-        )
-        for i, r in enumerate(rows)
-    ]
+    items = dataset_for(config, engine.tokenizer, str(train)).items[:2]
+    assert [i.extra["extra_info"]["need_tools_kwargs"] for i in items] == [True, True]
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=160, seed=0)
     right, wrong = MultiTurnRollout(config, engine).generate(items, [greedy, greedy])
     assert "Current parsed answer='42' reward=1.0" in right.outputs[0].text
