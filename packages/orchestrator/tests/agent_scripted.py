@@ -77,12 +77,15 @@ def save_scripted_model(
     eos_after_call: bool = False,
     call_after_tool: bool = False,
     max_position_embeddings: int = 1024,
+    other_calls: Sequence[str] = (),
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
     it answers at once) and `answer<|im_end|>` after "\\n "; with `eos_after_call`, EOS
     after `</tool_call>` (verl's way to end a turn with calls); with `call_after_tool`, the
-    call again after "\\n " (every turn calls, until a turn limit); saved with `tokenizer`."""
+    call again after "\\n " (every turn calls, until a turn limit); `other_calls` tie with
+    `call` after `<tool_call>` (a sampled call is any of them, each as likely); saved with
+    `tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     v = len(tokenizer)
@@ -110,6 +113,8 @@ def save_scripted_model(
             (t("<tool_call>"), t(call)),
             (t(call), t("</tool_call>")),
         ]
+        for other in other_calls:
+            chain += [(t("<tool_call>"), t(other)), (t(other), t("</tool_call>"))]
     else:
         chain += [(t("\n"), t(answer))]
     if eos_after_call:
