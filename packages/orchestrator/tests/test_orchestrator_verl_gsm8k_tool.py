@@ -297,6 +297,30 @@ def test_a_hydra_config_with_other_defaults_is_refused_naming_them(
     assert "nothere.yaml" in capsys.readouterr().err
 
 
+def test_the_command_line_overrides_the_hydra_config(
+    verl_project: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = Path(verl_project["CONFIG_PATH"])
+    train = Path(verl_project["HOME"]) / "data" / "gsm8k" / "train.parquet"
+    (config / "mine.yaml").write_text(
+        "defaults: [ppo_trainer, _self_]\n"
+        f"data: {{max_prompt_length: 1024, train_files: {train}}}\n"
+        f"actor_rollout_ref: {{model: {{path: {verl_project['MODEL']}}}, "
+        "rollout: {n: 3, adaptive_tp: {enable: false}}}\n"
+        "trainer: {logger: [console]}\n"
+    )
+    hydra = [f"--config-path={config}", "--config-name=mine"]
+
+    def dry_run(*overrides: str) -> Any:
+        assert main(["--dry-run", *hydra, *overrides]) == 0
+        return yaml.safe_load(capsys.readouterr().out)
+
+    plain = dry_run()
+    assert plain["rollout"]["n"] == 3 and plain["trainer"]["logger"] == ["console"]
+    assert plain["rollout"]["adaptive_tp"]["enable"] is False
+    assert dry_run("actor_rollout_ref.rollout.n=5")["rollout"]["n"] == 5
+
+
 @pytest.mark.e2e
 def test_verls_gsm8k_multiturn_command_line_runs_two_steps(
     verl_project: dict[str, str],
