@@ -3,7 +3,8 @@
 Bad input (configuration, model, data, layout, resume checkpoint: preflight.py) fails on every
 rank, naming the culprit, before any process group is joined or anything is written;
 `--dry-run` runs the same checks and prints the resolved config. verl's key paths are accepted
-(verl_keys.py); the first rank prints a note for each one that has no effect here. A rank that dies (even by
+(verl_keys.py), and verl's Hydra `--config-path DIR --config-name NAME` file is read as overrides
+before the command line's; the first rank prints a note for each key that has no effect here. A rank that dies (even by
 SIGKILL) takes the job down, and torchrun names the rank that failed first; with
 `--max-restarts N` the workers restart and resume from the newest complete checkpoint
 (`trainer.resume_mode=auto`), losing at most the step in progress. A run whose checkpoint is
