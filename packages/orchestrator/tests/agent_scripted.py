@@ -39,9 +39,10 @@ HERMES_TEMPLATE = (
 )
 
 
-def hermes_tokenizer() -> Any:
+def hermes_tokenizer(extra_scripts: Sequence[str] = ()) -> Any:
     """Characters, the chat specials (EOS <|im_end|>), the hermes tags and the scripted
-    texts as single tokens (not special: they survive decoding, as Qwen's tags do)."""
+    texts (and `extra_scripts`) as single tokens (not special: they survive decoding, as
+    Qwen's tags do)."""
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -56,7 +57,7 @@ def hermes_tokenizer() -> Any:
         pad_token="<pad>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tok.add_tokens(TAGS + SCRIPTS)
+    tok.add_tokens(TAGS + SCRIPTS + list(extra_scripts))
     tok.chat_template = HERMES_TEMPLATE
     return tok
 
@@ -74,11 +75,17 @@ def save_scripted_model(
     answer: str = ANSWER,
     seed: int = 0,
     eos_after_call: bool = False,
+    call_after_tool: bool = False,
+    max_position_embeddings: int = 1024,
+    other_calls: Sequence[str] = (),
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
     it answers at once) and `answer<|im_end|>` after "\\n "; with `eos_after_call`, EOS
-    after `</tool_call>` (verl's way to end a turn with calls); saved with `tokenizer`."""
+    after `</tool_call>` (verl's way to end a turn with calls); with `call_after_tool`, the
+    call again after "\\n " (every turn calls, until a turn limit); `other_calls` tie with
+    `call` after `<tool_call>` (a sampled call is any of them, each as likely); saved with
+    `tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     v = len(tokenizer)
@@ -90,7 +97,7 @@ def save_scripted_model(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
@@ -106,11 +113,16 @@ def save_scripted_model(
             (t("<tool_call>"), t(call)),
             (t(call), t("</tool_call>")),
         ]
+        for other in other_calls:
+            chain += [(t("<tool_call>"), t(other)), (t(other), t("</tool_call>"))]
     else:
         chain += [(t("\n"), t(answer))]
     if eos_after_call:
         chain += [(t("</tool_call>"), eos)]
-    chain += [(t(" "), t(answer)), (t(answer), eos)]
+    if call_after_tool:
+        chain += [(t(" "), t("<tool_call>"))]
+    else:
+        chain += [(t(" "), t(answer)), (t(answer), eos)]
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()
         model.model.embed_tokens.weight[:, :v].copy_(torch.eye(v))
@@ -203,3 +215,36 @@ def tool_config(path: Path, class_name: str) -> Path:
     }
     path.write_text(yaml.safe_dump({"tools": [entry]}))
     return path
+
+
+class FlakyTool(BaseTool):
+    """Fails in turn by call number (of a process, all instances): the first calls follow
+    `first` ("raise", "hang": blocks until `gate` or `patience` s, "huge": 10,000 characters,
+    "ok": "42"), every later one `then`, cycled. `reset()` starts over."""
+
+    first = ("raise", "hang", "huge", "ok")
+    then = ("raise", "hang")
+    gate = threading.Event()
+    patience = 60.0
+    calls = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.gate.clear()
+        cls.calls = 0
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        with FlakyTool.lock:
+            i = FlakyTool.calls
+            FlakyTool.calls += 1
+        first, then = FlakyTool.first, FlakyTool.then
+        what = first[i] if i < len(first) else then[(i - len(first)) % len(then)]
+        if what == "raise":
+            raise RuntimeError(f"call {i} broke")
+        if what == "hang":
+            FlakyTool.gate.wait(FlakyTool.patience)
+            return ToolResponse(text="too late"), 0.0, {}
+        if what == "huge":
+            return ToolResponse(text="0123456789" * 1000), 0.0, {}
+        return ToolResponse(text="42"), 0.0, {}

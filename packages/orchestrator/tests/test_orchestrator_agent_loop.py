@@ -143,7 +143,13 @@ def test_a_tool_turn_is_appended_as_tokens_and_the_model_goes_on(
     )
     assert tok.decode(answer_turn, skip_special_tokens=False) == f"{ANSWER}<|im_end|>"
     assert out.num_turns == 4  # verl's count: prompt + 2 assistant turns + 1 tool turn
-    assert out.metrics == {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 0}
+    assert out.metrics == {
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "tool_truncated": 0,
+        "tool_exceptions": 0,
+        "tool_timeouts": 0,
+    }
     # the trajectory is the chat template's rendering of the conversation up to the last
     # turn's opening, then the last turn's sampled tokens
     messages = [
@@ -237,12 +243,22 @@ def released_hang() -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("model", "tool", "expected", "error"),
+    ("model", "tool", "expected", "kind"),
     [
-        ("malformed", None, "Error when executing tool: the tool call is not valid JSON", 1),
-        ("unknown", None, "Error when executing tool: unknown tool 'search'", 1),
-        ("call", "RaisingTool", "Error when executing tool: the calculator is broken", 1),
-        ("call", "HangingTool", "Error when executing tool: calculator timed out after 0.5s", 1),
+        ("malformed", None, "Error when executing tool: the tool call is not valid JSON", None),
+        ("unknown", None, "Error when executing tool: unknown tool 'search'", None),
+        (
+            "call",
+            "RaisingTool",
+            "Error when executing tool: the calculator is broken",
+            "exceptions",
+        ),
+        (
+            "call",
+            "HangingTool",
+            "Error when executing tool: calculator timed out after 0.5s",
+            "timeouts",
+        ),
     ],
 )
 def test_a_faulty_call_gets_verls_error_observation_and_the_sample_goes_on(
@@ -252,7 +268,7 @@ def test_a_faulty_call_gets_verls_error_observation_and_the_sample_goes_on(
     model: str,
     tool: str | None,
     expected: str,
-    error: int,
+    kind: str | None,
 ) -> None:
     tools = (
         load_tools(tool_config(tmp_path / "tools.yaml", f"agent_scripted.{tool}"))
@@ -264,7 +280,10 @@ def test_a_faulty_call_gets_verls_error_observation_and_the_sample_goes_on(
     assert observation(tok, rec).startswith(expected)
     assert [k for k, _, _ in rec.turns] == ["model", "tool", "model"]  # it went on
     assert tok.decode(rec.turns[-1][1], skip_special_tokens=False) == f"{ANSWER}<|im_end|>"
-    assert out.metrics["tool_errors"] == error
+    assert out.metrics["tool_errors"] == 1
+    # the tool's own failures are counted apart (the tool guard's); the model's are not
+    assert out.metrics["tool_exceptions"] == (kind == "exceptions")
+    assert out.metrics["tool_timeouts"] == (kind == "timeouts")
 
 
 @pytest.mark.parametrize(
@@ -283,7 +302,13 @@ def test_a_huge_answer_is_truncated_as_verl_does(
     out, rec, tok = run_one(models["call"], pool)
     check_tito(out, rec)
     assert observation(tok, rec) == expected
-    assert out.metrics == {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 1}
+    assert out.metrics == {
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "tool_truncated": 1,
+        "tool_exceptions": 0,
+        "tool_timeouts": 0,
+    }
 
 
 def test_a_slow_tool_does_not_stall_the_other_samples(

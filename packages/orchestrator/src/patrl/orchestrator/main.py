@@ -3,7 +3,8 @@
 Bad input (configuration, model, data, layout, resume checkpoint: preflight.py) fails on every
 rank, naming the culprit, before any process group is joined or anything is written;
 `--dry-run` runs the same checks and prints the resolved config. verl's key paths are accepted
-(verl_keys.py); the first rank prints a note for each one that has no effect here. A rank that dies (even by
+(verl_keys.py), and verl's Hydra `--config-path DIR --config-name NAME` file is read as overrides
+before the command line's; the first rank prints a note for each key that has no effect here. A rank that dies (even by
 SIGKILL) takes the job down, and torchrun names the rank that failed first; with
 `--max-restarts N` the workers restart and resume from the newest complete checkpoint
 (`trainer.resume_mode=auto`), losing at most the step in progress. A run whose checkpoint is
@@ -41,6 +42,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--config", help="YAML file with the job's sections (data, rollout, actor, ...)"
     )
     parser.add_argument(
+        "--config-path",
+        help="verl's (Hydra's) config directory; with --config-name, that YAML's keys are "
+        "read as overrides before the command line's",
+    )
+    parser.add_argument("--config-name", help="verl's (Hydra's) config name in --config-path")
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="check the config, model, data, layout and resume checkpoint; print the config",
@@ -59,7 +66,8 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     rank = int(os.environ.get("RANK", "0"))
     notices: list[str] = []
     try:
-        config = preflight.load(args.config or default_config, args.overrides, notices)
+        overrides = [*hydra_overrides(args.config_path, args.config_name), *args.overrides]
+        config = preflight.load(args.config or default_config, overrides, notices)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         config = preflight.check(config, world_size, local)
@@ -88,6 +96,54 @@ def main(argv: Sequence[str] | None = None, default_config: str | None = None) -
     if code == 0:
         close_world(world)
     return code
+
+
+HYDRA_DEFAULTS = ("ppo_trainer", "_self_")  # verl's defaults list, which patrl's defaults are
+
+
+def hydra_overrides(config_path: str | None, config_name: str | None) -> list[str]:
+    """verl's `--config-path DIR --config-name NAME` (a Hydra config on top of verl's
+    ppo_trainer defaults) as `key=value` overrides, one per setting of DIR/NAME(.yaml), in
+    the file's order; Hydra's own `hydra:` section is not read. A defaults list naming
+    anything but ppo_trainer and _self_, or a missing file, is a ConfigError naming it."""
+    import json
+
+    import yaml
+
+    from patrl.orchestrator.config import ConfigError
+
+    if config_path is None and config_name is None:
+        return []
+    if config_path is None or config_name is None:
+        raise ConfigError("--config-path and --config-name go together (verl's Hydra config)")
+    path = Path(config_path) / config_name
+    if path.suffix not in (".yaml", ".yml"):
+        path = path.with_name(path.name + ".yaml")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"--config-path/--config-name: {str(path)!r}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree.pop("hydra", None)
+    defaults = tree.pop("defaults", list(HYDRA_DEFAULTS))
+    other = [d for d in defaults or [] if d not in HYDRA_DEFAULTS]
+    if other:
+        raise ConfigError(
+            f"{path}: defaults {other} are not verl's ppo_trainer config; patrl's defaults are "
+            f"verl's ppo_trainer, so the accepted defaults are {list(HYDRA_DEFAULTS)}"
+        )
+
+    def leaves(node: dict[str, Any], prefix: str) -> Iterator[str]:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}={json.dumps(value)}"
+
+    return list(leaves(tree, ""))
 
 
 def run_and_report(config: JobConfig, world: World) -> int:

@@ -27,6 +27,7 @@ import torch
 from patrl.lenpredict import LengthPredictor, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+from patrl.orchestrator.agent.tool_guard import ToolFailureGuard
 from patrl.orchestrator.build import (
     build_engine,
     critic_config,
@@ -177,6 +178,7 @@ class SyncSchedule:
         )
         self.learned = build_learned_reward(config, self.tokenizer, world, self._scores, mesh)
         self.reward_guard = FailureGuard(config.reward.max_failed_steps)
+        self.tool_guard = ToolFailureGuard(config.reward.max_failed_steps)  # multi-turn only
         self._failures: list[FailureSummary] = []  # this step's training scorings
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
@@ -324,6 +326,8 @@ class SyncSchedule:
         self._failures = []
         samples, metrics = self._rounds(timings)
         self._check_rewards()
+        if self.multi_turn is not None:
+            self._check_tools(metrics)
         return samples, metrics
 
     def update(self, samples: list[Sample], timings: dict[str, float]) -> PolicyUpdate:
@@ -573,6 +577,15 @@ class SyncSchedule:
             FailureSummary.total(self._failures),
             last=self.step == self.config.total_steps,
         )
+        if line is not None and self.is_first:
+            print(f"patrl: error: {line}", file=sys.stderr, flush=True)
+
+    def _check_tools(self, metrics: dict[str, float]) -> None:
+        """Say so (an error line, rank 0) when every tool call of this step failed; stop the
+        run (ToolsFailed, every rank alike: the counters are every replica's) after
+        reward.max_failed_steps such steps in a row (agent.tool_guard)."""
+        last = self.step == self.config.total_steps
+        line = self.tool_guard.observe(self.step, metrics, last=last)
         if line is not None and self.is_first:
             print(f"patrl: error: {line}", file=sys.stderr, flush=True)
 

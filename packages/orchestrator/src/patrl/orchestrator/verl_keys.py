@@ -174,6 +174,9 @@ RULES: dict[str, Rule] = {
         "patrl's engine loads the checkpoint's safetensors, then receives the trainer's weights"
     ),
     "rollout.layered_summon": Noted("patrl streams weights to the engine bucket by bucket"),
+    "rollout.multi_stage_wake_up": Noted(
+        "patrl's engine sleeps and wakes in one step (rollout.free_cache_engine)", quiet=(False,)
+    ),
     "rollout.log_prob_micro_batch_size_per_gpu": _LOGPROB_BATCHES,
     "rollout.log_prob_micro_batch_size": _LOGPROB_BATCHES,
     "rollout.log_prob_use_dynamic_bsz": _LOGPROB_BATCHES,

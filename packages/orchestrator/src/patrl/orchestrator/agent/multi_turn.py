@@ -125,6 +125,9 @@ def _metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
         "multi_turn/tool_calls": float(sum(o.metrics.get("tool_calls", 0) for o in outs)),
         "multi_turn/tool_errors": float(sum(o.metrics.get("tool_errors", 0) for o in outs)),
         "multi_turn/tool_truncated": float(sum(o.metrics.get("tool_truncated", 0) for o in outs)),
+        # the tools' own failures (raised, past the deadline): tool_guard.ToolFailureGuard's
+        "multi_turn/tool_exceptions": float(sum(o.metrics.get("tool_exceptions", 0) for o in outs)),
+        "multi_turn/tool_timeouts": float(sum(o.metrics.get("tool_timeouts", 0) for o in outs)),
         "multi_turn/num_turns/mean": sum(o.num_turns for o in outs) / n,
         "multi_turn/model_tokens/mean": model / n,
         "multi_turn/tool_tokens/mean": (total - model) / n,

@@ -85,7 +85,7 @@ class ToolAgentLoop(AgentLoop):
         mask: list[int] = []
         logprobs: list[float] = []
         assistant_turns = user_turns = 0
-        calls = errors = truncated = 0
+        calls = errors = truncated = exceptions = timeouts = 0
         request = f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}"
         while True:
             params = self._turn_params(sampling_params, len(mask), assistant_turns)
@@ -115,6 +115,8 @@ class ToolAgentLoop(AgentLoop):
             calls += len(outcomes)
             errors += sum(o.error is not None for o in outcomes)
             truncated += sum(o.truncated for o in outcomes)
+            exceptions += sum(o.error == "exception" for o in outcomes)
+            timeouts += sum(o.error == "timeout" for o in outcomes)
             appended = self.tool_turn_ids(outcomes, self._ended_with_eos(turn))
             if (
                 len(mask) + len(appended) >= self.response_length
@@ -132,7 +134,13 @@ class ToolAgentLoop(AgentLoop):
             response_mask=mask,
             response_logprobs=logprobs,
             num_turns=user_turns + assistant_turns + 1,
-            metrics={"tool_calls": calls, "tool_errors": errors, "tool_truncated": truncated},
+            metrics={
+                "tool_calls": calls,
+                "tool_errors": errors,
+                "tool_truncated": truncated,
+                "tool_exceptions": exceptions,
+                "tool_timeouts": timeouts,
+            },
         )
 
     # -------------------------------------------------------- chat template
