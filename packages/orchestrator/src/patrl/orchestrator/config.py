@@ -218,6 +218,17 @@ class MultiTurnConfig(_Section):
     tool_timeout_s: float = Field(30.0, gt=0, description="deadline of one tool call")
 
 
+class AgentConfig(_Section):
+    """verl's `rollout.agent`: the agent loops a multi-turn job's data rows pick by their
+    `agent_name` (docs/agent_loop.md)."""
+
+    agent_loop_config_path: str | None = Field(
+        None,
+        description="YAML list of {name, _target_: module.AgentLoopClass} (verl's), added to "
+        "the built-in tool_agent and single_turn_agent",
+    )
+
+
 class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0)
@@ -287,6 +298,7 @@ class RolloutConfig(_Section):
 
     speculative: SpeculativeConfig = Field(default_factory=lambda: SpeculativeConfig())
     multi_turn: MultiTurnConfig = Field(default_factory=lambda: MultiTurnConfig())
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
 
     @model_validator(mode="after")
     def _block_size_fits_backend(self) -> RolloutConfig:

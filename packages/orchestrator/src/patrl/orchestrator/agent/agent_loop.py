@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from patrl.rollout import Engine, SamplingParams
 from patrl.rollout.outputs import RequestOutput
@@ -51,15 +51,35 @@ class TokenOutput:
     stop_reason: int | str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AgentLoopContext:
+    """What a training job gives an agent loop class to build itself (`AgentLoop.build`):
+    the engine's tokenizer and EOS ids, the job's tool pool (a `ToolPool`), the trajectory's
+    token budget (`data.max_response_length`) and the `rollout.multi_turn` section."""
+
+    tokenizer: Any
+    tool_pool: Any
+    eos_token_ids: tuple[int, ...]
+    response_length: int
+    multi_turn: Any
+
+
 class AgentLoop:
     """One sample's conversation logic (verl's AgentLoopBase). Subclasses implement `run`,
     awaiting `self.server_manager.generate` for model turns; one instance serves every sample
-    of a run (per-sample state lives in `run`'s locals)."""
+    of a run (per-sample state lives in `run`'s locals). `@register(name)` (verl's) makes a
+    subclass selectable by a data row's `agent_name`."""
 
     server_manager: LLMServer
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+
+    @classmethod
+    def build(cls, context: AgentLoopContext) -> AgentLoop:
+        """The instance a training job runs (`MultiTurnRollout`): `cls(tokenizer)` unless a
+        subclass needs more of `context`."""
+        return cls(context.tokenizer)
 
     async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
         """Run one sample to its end; `kwargs` are the sample's fields (e.g. `raw_prompt`,
@@ -137,6 +157,36 @@ class LLMServer:
 
 
 Sample = Mapping[str, Any]
+
+L = TypeVar("L", bound=type[AgentLoop])
+_REGISTRY: dict[str, type[AgentLoop]] = {}
+
+
+def register(name: str) -> Callable[[L], L]:
+    """Class decorator (verl's `@register("tool_agent")`): a data row whose `agent_name` is
+    `name` runs this AgentLoop subclass. A second class under one name is a ValueError (a
+    module imported twice re-registers its own class, which is allowed)."""
+
+    def add(cls: L) -> L:
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+            raise TypeError(f"@register({name!r}) decorates AgentLoop subclasses, not {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(
+                f"agent loop name {name!r} is taken by {old.__module__}.{old.__qualname__}"
+            )
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def registered_agent_loops() -> dict[str, type[AgentLoop]]:
+    """Every `@register`ed agent loop class by name (those of modules imported so far)."""
+    return dict(_REGISTRY)
 
 
 class AgentLoopRunner:
