@@ -1,5 +1,6 @@
 """Multi-turn rollouts composed with the rest of patrl (issue 46): a data row's `agent_name`
-picks its registered agent loop (verl's per-sample selection).
+picks its registered agent loop (verl's per-sample selection); at static TP 2 the group's
+first rank runs the loops and tools and drives its peer, which samples what TP 1 samples.
 
 The model is agent_scripted's tiny Llama: greedy, it calls the calculator, reads the answer
 and answers, so a tool_agent trajectory holds model tokens, tool tokens, then model tokens.
@@ -8,6 +9,9 @@ and answers, so a tool_agent trajectory holds model tokens, tool tokens, then mo
 from __future__ import annotations
 
 import json
+import os
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +19,19 @@ import pytest
 import yaml
 from agent_scripted import CALL, hermes_tokenizer, save_scripted_model, tool_config
 
-from patrl.orchestrator.agent import AgentLoop, AgentLoopOutput, register
+from patrl.orchestrator.agent import (
+    AgentLoop,
+    AgentLoopOutput,
+    BaseTool,
+    ToolResponse,
+    register,
+)
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout, agent_loop_classes
 from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.preflight import PreflightError, check, multi_turn_problems
 from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl_testkit.multirank import run_ranks
 
 CALCULATOR = "patrl.orchestrator.agent.calculator.CalculatorTool"
 QUESTION = [{"role": "user", "content": "What is 6*7?"}]
@@ -179,3 +190,108 @@ def test_an_agent_loop_config_that_does_not_load_is_a_preflight_error(
     (problem,) = multi_turn_problems(config)
     assert problem.startswith(f"rollout.agent.agent_loop_config_path: {loops}: "), problem
     assert named in problem, problem
+
+
+# ------------------------------------------------------------------------- static TP > 1
+
+
+class PidTool(BaseTool):
+    """Nondeterministic: answers with its process id and a random number, and counts its
+    calls in this process."""
+
+    calls = 0
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        PidTool.calls += 1
+        time.sleep(0.05)  # the group's peer waits: the heartbeat path (HEARTBEAT_S is 0)
+        return ToolResponse(text=f"{os.getpid()}-{random.random()}"), 0.0, {}
+
+
+@register("raising_agent")
+class RaisingAgentLoop(AgentLoop):
+    """Generates one turn, then raises (on the TP group's first rank, where loops run)."""
+
+    async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
+        prompt = list(self.tokenizer.encode("What is 6*7?\n"))
+        await self.server_manager.generate(
+            f"raising-{kwargs['sample_index']}",
+            prompt_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=3),
+        )
+        raise RuntimeError("the loop broke")
+
+
+def _tp_rollout(
+    rank: int, world_size: int, model_dir: str, tools: str, pid_tools: str
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from patrl.orchestrator.agent import agent_loop
+    from patrl.tpreshard import ParallelLayout
+
+    agent_loop.HEARTBEAT_S = 0.0  # every wait on a tool pings the peer
+    group = dist.new_group(list(range(world_size)))
+    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
+    engine = Engine(
+        EngineConfig(
+            model=model_dir,
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=512,
+            max_model_len=1024,
+        ),
+        layout,
+    )
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
+    calculator = MultiTurnRollout(job(Path(tools)), engine)
+    out = calculator.generate([item(0), item(1, agent_name="single_turn_agent")], [greedy] * 2)
+    result: dict[str, Any] = {
+        "tokens": [[c.token_ids for c in o.outputs] for o in out],
+        "masks": [[c.response_mask for c in o.outputs] for o in out],
+        "tool_calls": calculator.metrics.get("multi_turn/tool_calls"),
+    }
+    random_tool = MultiTurnRollout(job(Path(pid_tools)), engine)
+    out = random_tool.generate([item(2)], [greedy])
+    result["random_text"] = [c.text for c in out[0].outputs]
+    result["pid_tool_calls"] = PidTool.calls
+    try:  # a loop that raises on the first rank: every rank raises, no rank hangs
+        random_tool.generate([item(3, agent_name="raising_agent")], [greedy])
+    except RuntimeError as e:
+        result["error"] = str(e)
+    result["idle_after_error"] = not engine.has_unfinished()
+    out = calculator.generate([item(4)], [greedy])  # and the group goes on in step
+    result["after_error"] = [c.token_ids for c in out[0].outputs]
+    return result
+
+
+@pytest.mark.multirank
+def test_tp2_runs_tools_once_per_group_and_samples_what_tp1_samples(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    tools = tool_config(tmp_path / "tools.yaml", CALCULATOR)
+    pid_tools = tool_config(tmp_path / "pid.yaml", f"{__name__}.PidTool")
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
+    tp1 = MultiTurnRollout(job(tools), engine_of(model_dir))
+    out = tp1.generate([item(0), item(1, agent_name="single_turn_agent")], [greedy] * 2)
+    expected = [[c.token_ids for c in o.outputs] for o in out]
+    expected_masks = [[c.response_mask for c in o.outputs] for o in out]
+    assert 0 in expected_masks[0][0]  # a tool turn in the trajectory
+
+    leader, peer = run_ranks(
+        _tp_rollout,
+        world_size=2,
+        args=(str(model_dir), str(tools), str(pid_tools)),
+        timeout_s=300,
+    )
+    for rank in (leader, peer):
+        assert rank["tokens"] == expected and rank["masks"] == expected_masks
+        assert rank["tool_calls"] == 2.0  # the group's calls, on every rank's metrics
+        assert rank["after_error"] == expected[0]
+        assert rank["idle_after_error"]
+    # the random tool ran on the first rank only, and both ranks hold its answers
+    assert leader["pid_tool_calls"] == 2 and peer["pid_tool_calls"] == 0
+    assert leader["random_text"] == peer["random_text"]
+    assert leader["random_text"][0] != leader["random_text"][1]  # two calls, two answers
+    assert leader["error"] == "the loop broke"
+    assert peer["error"].startswith("the TP group's first rank failed its agent loops: ")
+    assert "RuntimeError: the loop broke" in peer["error"]

@@ -306,7 +306,7 @@ _MULTI_TURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_bas
 
 def multi_turn_problems(config: JobConfig) -> list[str]:
     """`rollout.multi_turn`: its tool config loads (the file, each class_name's import, each
-    schema's name); and `enable=true` is wired into the sync schedule on a static TP 1 layout
+    schema's name); and `enable=true` is wired into the sync schedule on a static TP layout
     with a sequence-level advantage estimator only: every other combination is refused,
     naming its key."""
     mt = config.rollout.multi_turn
@@ -337,11 +337,6 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
         ),
         (config.trainer.mode == "async", "trainer.mode=async", "use trainer.mode=sync"),
         (r.adaptive_tp.enable, "rollout.adaptive_tp.enable=true", "set it false"),
-        (
-            r.tensor_model_parallel_size != 1,
-            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}",
-            "set it 1",
-        ),
         (r.speculative.enable, "rollout.speculative.enable=true", "set it false"),
         (
             r.over_sample_rate > 0,
@@ -357,7 +352,7 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
     ]
     problems += [
         f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
-        f"sync schedule on a static TP 1 layout only (docs/agent_loop.md); {fix}"
+        f"sync schedule on a static TP layout only (docs/agent_loop.md); {fix}"
         for bad, what, fix in refused
         if bad
     ]

@@ -139,16 +139,15 @@ class SyncSchedule:
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
-        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
-        # TP 1, which preflight requires: no collective inside a turn)
+        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (a
+        # static layout, which preflight requires; at TP > 1 the group's first rank runs the
+        # loops and tools and drives its peers)
         self.multi_turn: MultiTurnRollout | None = None
         if config.rollout.multi_turn.enable:
-            r = config.rollout
-            if not isinstance(self.engine, Engine) or r.tensor_model_parallel_size != 1:
+            if not isinstance(self.engine, Engine):
                 raise JobError(
-                    "rollout.multi_turn.enable=true runs on a static TP 1 layout only: set "
-                    "rollout.adaptive_tp.enable=false and rollout.tensor_model_parallel_size=1 "
-                    f"(got {r.adaptive_tp.enable} and {r.tensor_model_parallel_size})"
+                    "rollout.multi_turn.enable=true runs on a static TP layout only: set "
+                    "rollout.adaptive_tp.enable=false"
                 )
             self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
@@ -370,8 +369,9 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
-            if self.multi_turn is not None:  # every replica's tool calls and turns
-                shares = all_gather_objects(self.world, self.multi_turn.metrics)
+            if self.multi_turn is not None:  # every replica's tool calls and turns, once
+                mine = self.multi_turn.metrics if self._scores else {}
+                shares = all_gather_objects(self.world, mine)
                 merge_reward_metrics(metrics, [m for m in shares if m])
             with timed(timings, "reward"):
                 samples, reward_shares = self._score(local, failures=self._failures)
