@@ -15,10 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import yaml
 from agent_scripted import CALL, hermes_tokenizer, save_scripted_model, tool_config
 
+from patrl.orchestrator.advantages import gae_advantages, token_advantages, token_level_scores
 from patrl.orchestrator.agent import (
     AgentLoop,
     AgentLoopOutput,
@@ -29,7 +32,9 @@ from patrl.orchestrator.agent import (
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout, agent_loop_classes
 from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.kl_control import AdaptiveKLController
 from patrl.orchestrator.preflight import PreflightError, check, multi_turn_problems
+from patrl.orchestrator.scoring import Sample
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl_testkit.multirank import run_ranks
 
@@ -295,3 +300,194 @@ def test_tp2_runs_tools_once_per_group_and_samples_what_tp1_samples(
     assert leader["error"] == "the loop broke"
     assert peer["error"].startswith("the TP group's first rank failed its agent loops: ")
     assert "RuntimeError: the loop broke" in peer["error"]
+
+
+# ------------------------------------------- masked estimators and KL in the reward
+# The slow twin of each: the same function on the model's tokens alone (the tool tokens cut
+# out of every response), its result put back in place (0 on tool tokens).
+
+MASKS = [
+    np.array([1, 1, 0, 0, 1, 1, 0, 1], dtype=bool),
+    np.array([1, 0, 0, 1, 1], dtype=bool),
+    np.array([1, 1, 1], dtype=bool),
+    np.array([0, 1, 1, 0, 0, 1], dtype=bool),
+]
+GROUPS = np.array([0, 0, 1, 1])
+
+
+def cut(arrays: list[Any]) -> list[np.ndarray]:
+    return [np.asarray(a)[m] for a, m in zip(arrays, MASKS, strict=True)]
+
+
+def put_back(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    out = []
+    for a, m in zip(arrays, MASKS, strict=True):
+        full = np.zeros(m.size)
+        full[m] = a
+        out.append(full)
+    return out
+
+
+def token_rewards(seed: int) -> list[np.ndarray]:
+    """Per-token rewards on the model's tokens (a score and KL-like terms), 0 on tool ones."""
+    rng = np.random.default_rng(seed)
+    return [np.where(m, rng.normal(size=m.size), 0.0) for m in MASKS]
+
+
+def assert_lists_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)  # float64, the same sums
+
+
+@pytest.mark.parametrize(
+    "estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo"]
+)
+def test_token_estimators_read_the_model_tokens_only(estimator: str) -> None:
+    rewards = token_rewards(1)
+    got = token_advantages(estimator, rewards, GROUPS, gamma=0.9, masks=MASKS)
+    twin = put_back(token_advantages(estimator, cut(rewards), GROUPS, gamma=0.9))
+    unmasked = token_advantages(estimator, rewards, GROUPS, gamma=0.9)
+    if estimator in ("opo", "grpo"):
+        # outcome estimators: one value over every token (the loss mask drops tool tokens)
+        assert all(np.ptp(g) == 0 for g in got)
+        got = [np.where(m, g, 0.0) for g, m in zip(got, MASKS, strict=True)]
+    assert_lists_close(got, twin)
+    # the control: without the masks the tool tokens change the answer (grpo never reads them)
+    differs = not all(
+        np.allclose(u[m], t[m]) for u, t, m in zip(unmasked, twin, MASKS, strict=True)
+    )
+    assert differs == (estimator != "grpo")
+
+
+def test_gae_skips_the_tool_tokens_as_on_the_model_tokens_alone() -> None:
+    rewards = token_rewards(2)
+    values = [np.random.default_rng(3 + i).normal(size=m.size) for i, m in enumerate(MASKS)]
+    adv, ret = gae_advantages(rewards, values, gamma=0.9, lam=0.8, masks=MASKS)
+    twin_adv, twin_ret = gae_advantages(cut(rewards), cut(values), gamma=0.9, lam=0.8)
+    assert_lists_close(adv, put_back(twin_adv))
+    assert_lists_close(ret, put_back(twin_ret))
+    plain, _ = gae_advantages(rewards, values, gamma=0.9, lam=0.8)
+    assert not np.allclose(plain[0][MASKS[0]], twin_adv[0])  # the control
+
+
+def test_kl_in_the_reward_is_masked_and_its_metric_is_the_model_tokens_mean() -> None:
+    from patrl.orchestrator.kl_control import apply_kl_penalty
+
+    rng = np.random.default_rng(4)
+    scores = token_level_scores([1.0, 0.0, 0.5, 1.0], [m.size for m in MASKS])
+    old = [torch.tensor(rng.normal(size=m.size) - 2.0) for m in MASKS]
+    ref = [torch.tensor(rng.normal(size=m.size) - 2.0) for m in MASKS]
+    masked = AdaptiveKLController(0.1, target_kl=0.01, horizon=100)
+    rewards, metrics = apply_kl_penalty(scores, old, ref, masked, "kl", masks=MASKS)
+    twin = AdaptiveKLController(0.1, target_kl=0.01, horizon=100)
+    cut_old = [o[torch.from_numpy(m)] for o, m in zip(old, MASKS, strict=True)]
+    cut_ref = [r[torch.from_numpy(m)] for r, m in zip(ref, MASKS, strict=True)]
+    twin_rewards, twin_metrics = apply_kl_penalty(cut(scores), cut_old, cut_ref, twin, "kl")
+    for got, score, want, m in zip(rewards, scores, twin_rewards, MASKS, strict=True):
+        np.testing.assert_allclose(got[m], want, rtol=1e-12, atol=1e-12)
+        assert (got[~m] == score[~m]).all()  # no penalty on a tool token
+    assert metrics == pytest.approx(twin_metrics, rel=1e-12)
+    assert masked.value == pytest.approx(twin.value, rel=1e-12)
+
+
+def test_policy_batch_and_the_kl_reward_use_the_samples_masks() -> None:
+    """The wiring in update.py: multi-turn samples give what their model tokens alone give."""
+    from patrl.orchestrator.update import kl_penalized_rewards, policy_batch
+
+    def samples(masked: bool) -> list[Sample]:
+        out = []
+        for i, m in enumerate(MASKS):
+            ids = list(range(10, 10 + m.size))
+            lps = [-0.5] * m.size
+            if not masked:
+                ids, lps = [t for t, k in zip(ids, m, strict=True) if k], [-0.5] * int(m.sum())
+            mask = [int(k) for k in m] if masked else None
+            out.append(
+                Sample(int(GROUPS[i]), [1, 2], ids, lps, "stop", float(i % 3), response_mask=mask)
+            )
+        return out
+
+    config = load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "algorithm.gamma=0.9",
+            "algorithm.use_kl_in_reward=true",
+        ],
+    )
+    with_tools, alone = samples(True), samples(False)
+    _, _, adv = policy_batch(config, with_tools)
+    _, _, twin = policy_batch(config, alone)
+    np.testing.assert_allclose(adv, twin, rtol=1e-12, atol=1e-12)
+
+    rng = np.random.default_rng(5)
+    old = [torch.tensor(rng.normal(size=2 + m.size)) for m in MASKS]
+    ref = [torch.tensor(rng.normal(size=2 + m.size)) for m in MASKS]
+
+    def kl_rewards(batch_samples: list[Sample]) -> tuple[list[np.ndarray], dict[str, float]]:
+        batch, rewards, _ = policy_batch(config, batch_samples)
+        keep = [
+            np.r_[True, True, m] if s.response_mask is None else np.ones(2 + m.size, bool)
+            for s, m in zip(batch_samples, MASKS, strict=True)
+        ]
+        batch.old_logprobs = [o[torch.from_numpy(k)] for o, k in zip(old, keep, strict=True)]
+        batch.ref_logprobs = [r[torch.from_numpy(k)] for r, k in zip(ref, keep, strict=True)]
+        ctrl = AdaptiveKLController(0.1, target_kl=0.01, horizon=100)
+        return kl_penalized_rewards(config, None, batch, batch_samples, rewards, {}, ctrl)  # type: ignore[arg-type]
+
+    got, metrics = kl_rewards(with_tools)
+    want, twin_metrics = kl_rewards(alone)
+    assert_lists_close(cut(got), want)
+    assert metrics == pytest.approx(twin_metrics, rel=1e-12)
+
+
+def test_ppo_with_a_critic_gae_reads_the_model_tokens_only(model_dir: Path) -> None:
+    """update_with_critic on multi-turn samples: its advantages (model tokens) and value
+    metrics are GAE's on the model tokens alone, over the critic's values of the batch."""
+    from patrl.orchestrator.build import critic_config
+    from patrl.orchestrator.update import update_with_critic
+    from patrl.trainer import Critic, PolicyBatch
+
+    config = load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "algorithm.adv_estimator=gae",
+            "algorithm.gamma=0.9",
+            "algorithm.lam=0.8",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+        ],
+    )
+    samples = [
+        Sample(
+            0,
+            [5, 6, 7],
+            list(range(20, 20 + m.size)),
+            [-0.5] * m.size,
+            "stop",
+            float(i),
+            response_mask=[int(k) for k in m],
+        )
+        for i, m in enumerate(MASKS)
+    ]
+    critic = Critic(critic_config(config), str(model_dir))
+    batch = PolicyBatch.from_responses(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], [0.0] * 4
+    )
+    values = [
+        v[-m.size :].double().numpy()
+        for v, m in zip(critic.compute_values(batch), MASKS, strict=True)
+    ]
+    # step 0 is within critic_warmup=0's reach: the critic updates, the actor does not
+    update = update_with_critic(config, None, critic, samples, 0, {})  # type: ignore[arg-type]
+    rewards = token_level_scores([s.reward for s in samples], [m.size for m in MASKS])
+    twin_adv, twin_ret = gae_advantages(cut(rewards), cut(values), gamma=0.9, lam=0.8)
+    np.testing.assert_allclose(update.advantages, np.concatenate(twin_adv), rtol=1e-4, atol=1e-5)
+    m = update.critic_metrics
+    assert m["critic/values/mean"] == pytest.approx(np.concatenate(cut(values)).mean(), abs=1e-5)
+    assert m["critic/returns/max"] == pytest.approx(np.concatenate(twin_ret).max(), abs=1e-5)
+    assert update.old_logprobs is None and update.actor_metrics == {}

@@ -300,15 +300,10 @@ def _async_problems(config: JobConfig, world_size: int) -> list[str]:
     return unsupported(config, world_size)
 
 
-# estimators that read every response token (whitening, length weights): not masked yet
-_MULTI_TURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
-
-
 def multi_turn_problems(config: JobConfig) -> list[str]:
     """`rollout.multi_turn`: its tool config loads (the file, each class_name's import, each
     schema's name); and `enable=true` is wired into the sync schedule on a static TP layout
-    with a sequence-level advantage estimator only: every other combination is refused,
-    naming its key."""
+    only: every other combination is refused, naming its key."""
     mt = config.rollout.multi_turn
     problems: list[str] = []
     if mt.tool_config_path is not None:
@@ -328,7 +323,7 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
             problems.append(f"rollout.agent.agent_loop_config_path: {e}")
     if not mt.enable:
         return problems
-    r, a = config.rollout, config.algorithm
+    r = config.rollout
     refused = [
         (
             mt.tool_config_path is None,
@@ -343,12 +338,6 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
             f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
             "set it 0",
         ),
-        (
-            a.adv_estimator in _MULTI_TURN_ESTIMATORS,
-            f"algorithm.adv_estimator={a.adv_estimator}",
-            "use a sequence-level estimator (grpo, rloo, remax, ...)",
-        ),
-        (a.use_kl_in_reward, "algorithm.use_kl_in_reward=true", "use actor.use_kl_loss instead"),
     ]
     problems += [
         f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
