@@ -491,3 +491,77 @@ def test_ppo_with_a_critic_gae_reads_the_model_tokens_only(model_dir: Path) -> N
     assert m["critic/values/mean"] == pytest.approx(np.concatenate(cut(values)).mean(), abs=1e-5)
     assert m["critic/returns/max"] == pytest.approx(np.concatenate(twin_ret).max(), abs=1e-5)
     assert update.old_logprobs is None and update.actor_metrics == {}
+
+
+@pytest.mark.e2e
+def test_a_multi_turn_job_at_tp2_with_reinforce_pp_and_kl_in_the_reward_runs_two_steps(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """torchrun, 2 ranks, one TP 2 group: the sync schedule drives the agent loop from the
+    group's first rank; REINFORCE++ and the KL reward read the model's tokens; the group's
+    tool calls are counted once (2 prompts x 2 samples, at most one call each)."""
+    import subprocess
+    import sys
+
+    from patrl_testkit.processes import kill_tree
+
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    overrides: dict[str, Any] = {
+        "model.path": model_dir,
+        "data.train_files": data,
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 512,  # the tools' schemas are in the rendered prompt
+        "data.max_response_length": 48,
+        "actor.ppo_mini_batch_size": 2,
+        "algorithm.adv_estimator": "reinforce_plus_plus",
+        "algorithm.use_kl_in_reward": "true",
+        "rollout.n": 2,
+        "rollout.temperature": 0.05,  # the scripted calls, nearly always
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "false",
+        "rollout.tensor_model_parallel_size": 2,
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": tool_config(tmp_path / "tools.yaml", CALCULATOR),
+        "rollout.multi_turn.max_assistant_turns": 3,
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 0,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": run,
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", "-m", "patrl.orchestrator"]
+    command += [f"{k}={v}" for k, v in overrides.items()]
+    here = Path(__file__).resolve().parent
+    paths = [str(here), str(here.parents[2] / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, output[-4000:]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert 0 < r["multi_turn/tool_calls"] <= 4  # counted once per TP group, not per rank
+        assert r["multi_turn/tool_tokens/mean"] > 0
+        assert r["response_length/model_tokens/mean"] < r["response_length/mean"]
+        for key in ("actor/pg_loss", "actor/reward_kl_penalty", "critic/advantages/mean"):
+            assert r[key] == r[key], key  # a finite number, not NaN

@@ -324,25 +324,46 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
     if not mt.enable:
         return problems
     r = config.rollout
+    # (refused, the key, why not yet, what to do)
     refused = [
         (
             mt.tool_config_path is None,
             "rollout.multi_turn.tool_config_path is unset",
+            "the tool agent loop needs its tools",
             "name a tool config YAML",
         ),
-        (config.trainer.mode == "async", "trainer.mode=async", "use trainer.mode=sync"),
-        (r.adaptive_tp.enable, "rollout.adaptive_tp.enable=true", "set it false"),
-        (r.speculative.enable, "rollout.speculative.enable=true", "set it false"),
+        (
+            config.trainer.mode == "async",
+            "trainer.mode=async",
+            "a sample's turn state (its conversation so far, held by the agent loop) is not "
+            "yet carried across weight pulls nor saved in the flight reports a peer resumes",
+            "use trainer.mode=sync",
+        ),
+        (
+            r.adaptive_tp.enable,
+            "rollout.adaptive_tp.enable=true",
+            "a TP group's first rank runs its samples' agent loops, and adaptive TP's folds "
+            "move requests between groups mid-rollout: turn state does not follow them yet",
+            "set it false (static TP of any size works)",
+        ),
+        (
+            r.speculative.enable,
+            "rollout.speculative.enable=true",
+            "speculative rollouts are not yet tested with agent-loop turns",
+            "set it false",
+        ),
         (
             r.over_sample_rate > 0,
             f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
+            "an agent loop cannot yet stop mid-conversation and resume from saved turn state "
+            "at the next step",
             "set it 0",
         ),
     ]
     problems += [
-        f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
-        f"sync schedule on a static TP layout only (docs/agent_loop.md); {fix}"
-        for bad, what, fix in refused
+        f"rollout.multi_turn.enable=true with {what}: not wired yet: {why} "
+        f"(docs/agent_loop.md); {fix}"
+        for bad, what, why, fix in refused
         if bad
     ]
     return problems
