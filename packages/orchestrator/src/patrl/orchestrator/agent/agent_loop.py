@@ -158,7 +158,7 @@ class LLMServer:
             self._add(request_id, prompt_ids, params)
         return self.engine.step()
 
-    def _tell(self, message: tuple[str, Any]) -> None:
+    def tell(self, message: tuple[str, Any]) -> None:
         """The group's first rank's `message` to its peers (TP > 1)."""
         layout = self.engine.layout
         broadcast_obj(layout.tp_comm, layout.tp_group, message)
@@ -172,7 +172,7 @@ class LLMServer:
             if self._queued or self.engine.has_unfinished():
                 ops, self._queued = self._queued, []
                 if self.tp_size > 1:
-                    self._tell(("step", ops))
+                    self.tell(("step", ops))
                 for out in self._apply(ops):
                     self._pending.pop(out.request_id).set_result(out)
                 await asyncio.sleep(0)  # let the samples whose turn ended go on
@@ -186,7 +186,7 @@ class LLMServer:
                 try:
                     await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
                 except TimeoutError:
-                    self._tell(("wait", None))
+                    self.tell(("wait", None))
 
     def follow(self) -> list[AgentLoopOutput]:
         """A TP group peer's part of a run: add and step as the group's first rank says,
@@ -319,11 +319,11 @@ class AgentLoopRunner:
             outs = asyncio.run(self._run(samples, params, on_finish))
         except BaseException as e:
             if self.server.tp_size > 1:
-                self.server._tell(("error", f"{type(e).__name__}: {e}"))
+                self.server.tell(("error", f"{type(e).__name__}: {e}"))
                 self.server.drain()
             raise
         if self.server.tp_size > 1:
-            self.server._tell(("done", outs))
+            self.server.tell(("done", outs))
         return outs
 
     async def _run(
