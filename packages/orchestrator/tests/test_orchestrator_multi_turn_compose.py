@@ -97,6 +97,15 @@ class DecoratedAgentLoop(PrefixAgentLoop):
     """A loop registered by verl's decorator (its module imported)."""
 
 
+@register("needs_more_agent")
+class NeedsMoreAgentLoop(PrefixAgentLoop):
+    """Registered, never named by a row, and not buildable from a job's context: a job builds
+    only the loops its rows name, so it does not fail on this one."""
+
+    def __init__(self, tokenizer: Any, extra: int) -> None:
+        super().__init__(tokenizer)
+
+
 def item(index: int, **extra: Any) -> PromptItem:
     return PromptItem(index, [], "What is 6*7?", "42", extra, QUESTION)
 
@@ -181,6 +190,10 @@ def test_an_unknown_agent_name_is_an_error_naming_the_value_and_the_registered_n
         ("- {name: x, _target_: json.JSONDecoder}", "is not a subclass of"),
         ("- {_target_: json.JSONDecoder}", "0.name is missing"),
         ("{name: x}", "is a list of {name, _target_}"),
+        (
+            f"- {{name: tool_agent, _target_: {__name__}.PrefixAgentLoop}}",
+            "0.name='tool_agent' is a built-in agent loop",
+        ),
     ],
 )
 def test_an_agent_loop_config_that_does_not_load_is_a_preflight_error(

@@ -275,10 +275,15 @@ class AgentLoopRunner:
         if not agent_loops:
             raise ValueError("AgentLoopRunner needs at least one agent loop")
         self.server = LLMServer(engine)
-        self.agent_loops = dict(agent_loops)
+        self.agent_loops: dict[str, AgentLoop] = {}
         self.default_agent = default_agent
-        for loop in self.agent_loops.values():
-            loop.server_manager = self.server
+        for name, loop in agent_loops.items():
+            self.add_loop(name, loop)
+
+    def add_loop(self, name: str, loop: AgentLoop) -> None:
+        """Samples whose `agent_name` is `name` run `loop` from the next `run` on."""
+        loop.server_manager = self.server
+        self.agent_loops[name] = loop
 
     def run(
         self,

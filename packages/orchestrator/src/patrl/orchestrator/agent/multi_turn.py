@@ -66,14 +66,10 @@ class MultiTurnRollout:
             self.response_length,
             mt,
         )
-        self.loops: dict[str, AgentLoop] = {
-            name: cls.build(context) for name, cls in agent_loop_classes(config).items()
-        }
-        loop = self.loops[DEFAULT_AGENT]
-        if not isinstance(loop, ToolAgentLoop):
-            raise TypeError(f"{DEFAULT_AGENT!r} must be a ToolAgentLoop, got {type(loop)}")
-        self.loop = loop
-        self.runner = AgentLoopRunner(engine, self.loops, default_agent=DEFAULT_AGENT)
+        self.context = context
+        self.classes = agent_loop_classes(config)  # built on first use (`_loops_for`)
+        self.loop = ToolAgentLoop.build(context)
+        self.runner = AgentLoopRunner(engine, {DEFAULT_AGENT: self.loop}, DEFAULT_AGENT)
         self.metrics: dict[str, float] = {}  # the last `generate`'s, summed over its samples
 
     def generate(
@@ -82,9 +78,7 @@ class MultiTurnRollout:
         """Each of `items` with its `params` (n samples each): one TrajectoryOutput per item,
         its samples in order. Sets `metrics` (tool calls, errors, truncations, turns, and the
         model's and the tools' tokens)."""
-        problems = agent_name_problems(items, self.loops)
-        if problems:
-            raise ValueError("; ".join(problems))
+        self._loops_for(items)
         rows: list[dict[str, Any]] = []
         row_params: list[SamplingParams] = []
         for item, p in zip(items, params, strict=True):
@@ -113,6 +107,17 @@ class MultiTurnRollout:
                 )
             )
         return result
+
+    def _loops_for(self, items: Sequence[PromptItem]) -> None:
+        """Build the agent loops `items` name that the runner does not hold yet; ValueError
+        naming a row's unknown `agent_name` and the registered names."""
+        problems = agent_name_problems(items, self.classes)
+        if problems:
+            raise ValueError("; ".join(problems))
+        for item in items:
+            name = item.extra.get("agent_name")
+            if name is not None and name not in self.runner.agent_loops:
+                self.runner.add_loop(name, self.classes[name].build(self.context))
 
     def _trajectory(self, k: int, out: AgentLoopOutput) -> Trajectory:
         full = len(out.response_ids) >= self.response_length
@@ -173,6 +178,10 @@ def agent_loop_classes(config: JobConfig) -> dict[str, type[AgentLoop]]:
             raise ToolConfigError(
                 f"{where}._target_={target!r} is not a subclass of "
                 "patrl.orchestrator.agent.AgentLoop"
+            )
+        if entry["name"] in BUILT_IN:
+            raise ToolConfigError(
+                f"{where}.name={entry['name']!r} is a built-in agent loop; give yours another name"
             )
         classes[entry["name"]] = cls
     return classes
