@@ -270,7 +270,7 @@ def test_preflight_checks_the_tool_config_and_what_enable_needs(tmp_path: Path) 
     config = load_config(None, ["data.train_files=/d.jsonl", "rollout.multi_turn.enable=true"])
     unset, adaptive = multi_turn_problems(config)  # the defaults: no tools, adaptive TP
     assert "rollout.multi_turn.tool_config_path is unset" in unset
-    assert "rollout.adaptive_tp.enable=true" in adaptive and "static TP 1" in adaptive
+    assert "rollout.adaptive_tp.enable=true" in adaptive and "not wired yet" in adaptive
 
 
 def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(
@@ -283,18 +283,18 @@ def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(
     extra = {
         "rollout.multi_turn.enable": "true",
         "rollout.multi_turn.tool_config_path": bad,
-        "algorithm.use_kl_in_reward": "true",
+        "rollout.over_sample_rate": "0.5",
     }
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
     with pytest.raises(preflight.PreflightError) as info:
         preflight.check(config, 1)
     schema, refusal = info.value.problems
     assert "tools.0.tool_schema.function.name is missing" in schema and str(bad) in schema
-    assert refusal.startswith("rollout.multi_turn.enable=true with algorithm.use_kl_in_reward")
+    assert refusal.startswith("rollout.multi_turn.enable=true with rollout.over_sample_rate")
     good = write(tmp_path / "good.yaml", {"tools": [entry()]})
     extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": good}
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
-    preflight.check(config, 1)  # the control: static TP 1, sync, a good tool config passes
+    preflight.check(config, 1)  # the control: static TP, sync, a good tool config passes
 
 
 class Remembering(BaseTool):

@@ -167,14 +167,19 @@ def test_a_rows_verl_tools_kwargs_reach_the_tools_create(tmp_path: Path, model_d
 def test_preflight_refuses_what_is_not_wired_naming_the_key(tmp_path: Path) -> None:
     tools = tool_config(tmp_path / "tools.yaml", CALCULATOR)
     assert multi_turn_problems(job(tools)) == []
+    for accepted in (
+        "rollout.tensor_model_parallel_size=2",
+        "algorithm.adv_estimator=gae",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "algorithm.adv_estimator=opo",
+        "algorithm.use_kl_in_reward=true",
+    ):
+        assert multi_turn_problems(job(tools, accepted)) == [], accepted
     refused = {
         "trainer.mode=async": "trainer.mode=async",
         "rollout.adaptive_tp.enable=true": "rollout.adaptive_tp.enable=true",
-        "rollout.tensor_model_parallel_size=2": "rollout.tensor_model_parallel_size=2",
         "rollout.speculative.enable=true": "rollout.speculative.enable=true",
         "rollout.over_sample_rate=0.5": "rollout.over_sample_rate=0.5",
-        "algorithm.adv_estimator=gae": "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=true": "algorithm.use_kl_in_reward=true",
     }
     for override, named in refused.items():
         (problem,) = multi_turn_problems(job(tools, override))

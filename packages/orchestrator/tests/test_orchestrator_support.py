@@ -73,7 +73,7 @@ def test_a_schedule_refuses_what_preflight_refuses_before_building(
     with pytest.raises(support.UnsupportedJob) as err:
         schedule(config, CPU1, str(assets / "model"), config.data.train_files, None)
     assert str(err.value) == "; ".join(support.unsupported(config, 1))
-    assert "rollout.adaptive_tp.enable=true: multi-turn rollouts are wired" in str(err.value)
+    assert "with rollout.adaptive_tp.enable=true: not wired yet" in str(err.value)
     assert isinstance(err.value, JobError) and isinstance(err.value, ValueError)
 
 

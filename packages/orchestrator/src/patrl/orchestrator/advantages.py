@@ -187,32 +187,44 @@ def token_level_scores(scores: npt.ArrayLike, response_lengths: Sequence[int]) -
 
 
 def reinforce_plus_plus_advantages(
-    token_rewards: Sequence[npt.ArrayLike], gamma: float = 1.0
+    token_rewards: Sequence[npt.ArrayLike],
+    gamma: float = 1.0,
+    masks: Sequence[npt.ArrayLike] | None = None,
 ) -> list[FloatArray]:
     """REINFORCE++: each token's discounted return-to-go, whitened over every response token
-    of the batch (verl's masked_whiten: unbiased variance, 1e-8 under the root)."""
+    of the batch (verl's masked_whiten: unbiased variance, 1e-8 under the root). `masks`
+    (bool, one per response token; multi-turn: False on appended tool tokens): the returns
+    run over the masked tokens only, skipping the others as GAE does (a model token before a
+    tool turn discounts once to the next model token), the whitening reads the masked tokens
+    only, and the others get 0: as the estimator computed on the model's tokens alone."""
+    keep = _masks(token_rewards, masks)
     returns = []
-    for rewards in token_rewards:
+    for rewards, m in zip(token_rewards, keep, strict=True):
         r = np.asarray(rewards, dtype=np.float64)
         ret = np.zeros_like(r)
         running = 0.0
         for t in range(r.size - 1, -1, -1):
-            running = r[t] + gamma * running
-            ret[t] = running
+            if m[t]:
+                running = r[t] + gamma * running
+                ret[t] = running
         returns.append(ret)
-    return _whiten(returns)
+    return _whiten(returns, keep)
 
 
 def reinforce_plus_plus_baseline_advantages(
-    rewards: npt.ArrayLike, group_ids: npt.ArrayLike, response_lengths: Sequence[int]
+    rewards: npt.ArrayLike,
+    group_ids: npt.ArrayLike,
+    response_lengths: Sequence[int],
+    masks: Sequence[npt.ArrayLike] | None = None,
 ) -> list[FloatArray]:
     """REINFORCE++-baseline: r - group mean (a group of one keeps r, as verl: the batch-wide
     whitening then baselines it), broadcast over the response and whitened over every
-    response token of the batch."""
+    response token of the batch; with `masks`, over the masked tokens only (the others 0)."""
     r, inverse, counts = _grouped(rewards, group_ids)
     mean = _group_sums(r, inverse, counts.size)[inverse] / counts[inverse]
     centred = np.where(counts[inverse] > 1, r - mean, r)
-    return _whiten(per_token(centred, response_lengths))
+    tokens = per_token(centred, response_lengths)
+    return _whiten(tokens, _masks(tokens, masks))
 
 
 def remax_advantages(
@@ -243,40 +255,66 @@ def token_advantages(
     gamma: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     baselines: npt.ArrayLike | None = None,
+    masks: Sequence[npt.ArrayLike] | None = None,
 ) -> list[FloatArray]:
     """Per-token advantages of every response by estimator name, from token-level rewards
     (the outcome estimators score a response by the sum of its token rewards, as verl).
-    `baselines`: remax only, each response's greedy-response reward."""
+    `baselines`: remax only, each response's greedy-response reward. `masks` (bool, one per
+    response token; multi-turn: False on tool tokens, whose rewards must be 0): the
+    token-level estimators read the masked tokens only (REINFORCE++'s returns and whitening,
+    its baseline variant's whitening, opo's lengths), as on the model's tokens alone; the
+    outcome estimators are unchanged (the loss mask drops the other tokens)."""
+    keep = _masks(token_rewards, masks)
     lengths = [int(np.asarray(t).size) for t in token_rewards]
     if estimator == "remax":
         if baselines is None:
             raise ValueError("adv_estimator 'remax' needs baselines (greedy-response rewards)")
         return remax_advantages(token_rewards, baselines)
     if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus_advantages(token_rewards, gamma)
+        return reinforce_plus_plus_advantages(token_rewards, gamma, keep)
     scores = np.array([float(np.sum(t)) for t in token_rewards], dtype=np.float64)
     if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline_advantages(scores, group_ids, lengths)
+        return reinforce_plus_plus_baseline_advantages(scores, group_ids, lengths, keep)
     adv = compute_advantages(
         estimator,
         scores,
         group_ids,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        lengths=lengths,
+        lengths=[int(m.sum()) for m in keep],  # opo's length weights: the model's tokens
     )
     return per_token(adv, lengths)
 
 
-def _whiten(values: list[FloatArray], eps: float = 1e-8) -> list[FloatArray]:
-    """(x - mean) / sqrt(unbiased var + eps) over all entries of all arrays; fewer than two
-    entries have no spread to whiten by and give zeros (verl raises there)."""
-    flat = np.concatenate(values) if values else np.zeros(0)
-    if flat.size < 2:
+def _masks(
+    arrays: Sequence[npt.ArrayLike], masks: Sequence[npt.ArrayLike] | None
+) -> list[npt.NDArray[np.bool_]]:
+    """`masks` as bool arrays, one per array of its length (None: all True)."""
+    if masks is None:
+        return [np.ones(np.asarray(a).size, dtype=bool) for a in arrays]
+    out = [np.asarray(m, dtype=bool) for m in masks]
+    if len(out) != len(arrays) or any(
+        m.shape != (np.asarray(a).size,) for m, a in zip(out, arrays, strict=True)
+    ):
+        raise ValueError("masks need one bool per response token of each response")
+    return out
+
+
+def _whiten(
+    values: list[FloatArray],
+    masks: Sequence[npt.NDArray[np.bool_]] | None = None,
+    eps: float = 1e-8,
+) -> list[FloatArray]:
+    """(x - mean) / sqrt(unbiased var + eps) over all masked entries of all arrays (None: every
+    entry), 0 on the others; fewer than two entries have no spread to whiten by and give
+    zeros (verl raises there)."""
+    keep = _masks(values, masks)
+    flat = np.concatenate([v[m] for v, m in zip(values, keep, strict=True)]) if values else None
+    if flat is None or flat.size < 2:
         return [np.zeros_like(v) for v in values]
     mean = flat.mean()
     var = np.square(flat - mean).mean() * flat.size / (flat.size - 1)
     scale = 1.0 / np.sqrt(var + eps)
-    return [(v - mean) * scale for v in values]
+    return [np.where(m, (v - mean) * scale, 0.0) for v, m in zip(values, keep, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,11 +419,15 @@ def gae_advantages(
     *,
     gamma: float,
     lam: float,
+    masks: Sequence[npt.ArrayLike] | None = None,
 ) -> tuple[list[FloatArray], list[FloatArray]]:
     """GAE (verl's `compute_gae_advantage_return`): per response, its per-token advantages and
     returns from token-level `rewards` and the critic's `values` (one entry per response token).
     Advantages are whitened over every token of the batch (verl's `masked_whiten`: mean 0,
-    unbiased variance 1); with fewer than two tokens they are only centred."""
+    unbiased variance 1); with fewer than two tokens they are only centred. `masks` (bool, one
+    per response token; multi-turn: False on tool tokens): the recursion skips the unmasked
+    tokens (verl's: their values and TD errors are not used), the whitening reads the masked
+    ones, and unmasked tokens get advantage 0 and return 0: as on the model's tokens alone."""
     import torch
 
     from patrl.trainer import gae
@@ -397,17 +439,20 @@ def gae_advantages(
         raise ValueError("rewards and values need one entry per response token of each response")
     if min(lengths, default=0) < 1:
         raise ValueError(f"every response needs >= 1 token, got lengths {lengths}")
+    keep = _masks(rewards, masks)
     width = max(lengths)
     r_pad, v_pad = np.zeros((len(lengths), width)), np.zeros((len(lengths), width))
     mask = np.zeros((len(lengths), width), dtype=bool)
-    for i, (r, v, n) in enumerate(zip(rewards, values, lengths, strict=True)):
-        r_pad[i, :n], v_pad[i, :n], mask[i, :n] = r, v, True
+    for i, (r, v, n, m) in enumerate(zip(rewards, values, lengths, keep, strict=True)):
+        r_pad[i, :n], v_pad[i, :n], mask[i, :n] = r, v, m
+    if not mask.any():
+        raise ValueError("every response token is masked out: no token to estimate on")
     adv_t, ret_t = gae(
         torch.from_numpy(r_pad), torch.from_numpy(v_pad), torch.from_numpy(mask), gamma, lam
     )
-    adv, ret = adv_t.numpy(), ret_t.numpy()
+    adv, ret = adv_t.numpy(), np.where(mask, ret_t.numpy(), 0.0)
     valid = adv[mask]
-    centred = adv - valid.mean()
+    centred = np.where(mask, adv - valid.mean(), 0.0)
     if valid.size > 1:
         centred = centred / np.sqrt(valid.var(ddof=1) + 1e-8)
     return [centred[i, :n] for i, n in enumerate(lengths)], [

@@ -214,10 +214,10 @@ class SpeculativeConfig(_Section):
 class MultiTurnConfig(_Section):
     """verl's `rollout.multi_turn`: multi-turn rollouts with tools (patrl.orchestrator.agent,
     docs/agent_loop.md). Turn limits of None mean no limit. Wired into the sync schedule on a
-    static TP 1 layout (preflight refuses the rest)."""
+    static TP layout (preflight refuses the rest)."""
 
     enable: bool = Field(
-        False, description="multi-turn tool rollouts (sync schedule, static TP 1 only)"
+        False, description="multi-turn tool rollouts (sync schedule, static TP only)"
     )
     max_assistant_turns: int | None = Field(None, gt=0, description="model turns at most")
     max_user_turns: int | None = Field(None, gt=0, description="tool turns at most")
@@ -235,6 +235,17 @@ class MultiTurnConfig(_Section):
         "hermes", description="tool call syntax: <tool_call>{json}</tool_call>"
     )
     tool_timeout_s: float = Field(30.0, gt=0, description="deadline of one tool call")
+
+
+class AgentConfig(_Section):
+    """verl's `rollout.agent`: the agent loops a multi-turn job's data rows pick by their
+    `agent_name` (docs/agent_loop.md)."""
+
+    agent_loop_config_path: str | None = Field(
+        None,
+        description="YAML list of {name, _target_: module.AgentLoopClass} (verl's), added to "
+        "the built-in tool_agent and single_turn_agent",
+    )
 
 
 class RolloutConfig(_Section):
@@ -306,6 +317,7 @@ class RolloutConfig(_Section):
 
     speculative: SpeculativeConfig = Field(default_factory=lambda: SpeculativeConfig())
     multi_turn: MultiTurnConfig = Field(default_factory=lambda: MultiTurnConfig())
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig())
 
     @model_validator(mode="after")
     def _block_size_fits_backend(self) -> RolloutConfig:

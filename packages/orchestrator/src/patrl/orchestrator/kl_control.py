@@ -86,9 +86,13 @@ def apply_kl_penalty(
     ref_logprobs: Sequence[torch.Tensor],
     controller: KLController,
     kl_type: str,
+    masks: Sequence[npt.ArrayLike] | None = None,
 ) -> tuple[list[npt.NDArray[np.float64]], dict[str, float]]:
     """Token rewards score_t - beta * kl_t of each response (logprobs: its response tokens),
-    verl's metrics, and the controller updated with the batch's mean per-sequence KL."""
+    verl's metrics, and the controller updated with the batch's mean per-sequence KL.
+    `masks` (bool, one per response token; multi-turn: False on tool tokens): verl's
+    response_mask, the KL is 0 off it and each sequence's KL is its mean over the masked
+    tokens (a sequence with none counts 0)."""
     beta = controller.value
     rewards, seq_kls = [], []
     for i, (scores, old, ref) in enumerate(
@@ -100,9 +104,12 @@ def apply_kl_penalty(
                 f"response {i}: {s.size} token scores but logprobs of shape "
                 f"{tuple(old.shape)} / {tuple(ref.shape)}"
             )
-        kl = kl_penalty(old.double(), ref.double(), kl_type).numpy()
+        m = np.ones(s.size, dtype=bool) if masks is None else np.asarray(masks[i], dtype=bool)
+        if m.shape != (s.size,):
+            raise ValueError(f"response {i}: {s.size} token scores but a mask of {m.shape}")
+        kl = np.where(m, kl_penalty(old.double(), ref.double(), kl_type).numpy(), 0.0)
         rewards.append(s - beta * kl)
-        seq_kls.append(float(kl.mean()) if kl.size else 0.0)
+        seq_kls.append(float(kl[m].mean()) if m.any() else 0.0)
     current_kl = float(np.mean(seq_kls)) if seq_kls else 0.0
     controller.update(current_kl, n_steps=len(seq_kls))
     return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

@@ -247,7 +247,11 @@ def world_problems(config: JobConfig, world_size: int, local_world_size: int) ->
 def multi_turn_problems(config: JobConfig) -> list[str]:
     """`rollout.multi_turn`: its tool config loads (`tool_config_problems`), and what
     `enable=true` needs (`support.multi_turn_refusals`)."""
-    return [*tool_config_problems(config), *support.multi_turn_refusals(config)]
+    return [
+        *tool_config_problems(config),
+        *agent_loop_config_problems(config),
+        *support.multi_turn_refusals(config),
+    ]
 
 
 def tool_config_problems(config: JobConfig) -> list[str]:
@@ -259,6 +263,20 @@ def tool_config_problems(config: JobConfig) -> list[str]:
     from patrl.orchestrator.agent.tool_config import check_tool_config
 
     return [f"rollout.multi_turn.tool_config_path: {p}" for p in check_tool_config(path)]
+
+
+def agent_loop_config_problems(config: JobConfig) -> list[str]:
+    """`rollout.agent.agent_loop_config_path`, where set: the file and each entry's class."""
+    if config.rollout.agent.agent_loop_config_path is None:
+        return []
+    from patrl.orchestrator.agent.multi_turn import agent_loop_classes
+    from patrl.orchestrator.agent.tool_config import ToolConfigError
+
+    try:
+        agent_loop_classes(config)
+    except ToolConfigError as e:
+        return [f"rollout.agent.agent_loop_config_path: {e}"]
+    return []
 
 
 def _reward_problems(config: JobConfig) -> list[str]:
@@ -430,10 +448,27 @@ def _data_problems(
         )
         if train is not None:
             problems += _batch_problems(config, train)
+            problems += _agent_name_problems(config, "data.train_files", train)
             size = len(train)
     if val_files:
-        _attempt(problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer))
+        val = _attempt(problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer))
+        if val is not None:
+            problems += _agent_name_problems(config, "data.val_files", val)
     return problems, size
+
+
+def _agent_name_problems(config: JobConfig, key: str, data: PromptDataset) -> list[str]:
+    """A multi-turn job's rows name registered agent loops (`agent_name`, verl's)."""
+    if not config.rollout.multi_turn.enable:
+        return []
+    from patrl.orchestrator.agent.multi_turn import agent_loop_classes, agent_name_problems
+    from patrl.orchestrator.agent.tool_config import ToolConfigError
+
+    try:
+        names = agent_loop_classes(config)
+    except ToolConfigError:
+        return []  # multi_turn_problems names it
+    return [f"{key}: {p}" for p in agent_name_problems(data.items, names)]
 
 
 def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:

@@ -105,12 +105,19 @@ def batch_metrics(
 
 
 def value_metrics(
-    values: list[torch.Tensor], returns: list[np.ndarray], lengths: list[int]
+    values: list[torch.Tensor],
+    returns: list[np.ndarray],
+    lengths: list[int],
+    masks: list[np.ndarray] | None = None,
 ) -> dict[str, float]:
     """verl's critic/values/*, critic/returns/* and critic/vf_explained_var over the response
-    tokens: 1 - var(returns - values) / var(returns), variances unbiased."""
-    v = np.concatenate([t[-n:].double().numpy() for t, n in zip(values, lengths, strict=True)])
-    r = np.concatenate(returns)
+    tokens (with `masks`, bool per response token: the masked ones, the model's tokens of a
+    multi-turn sample): 1 - var(returns - values) / var(returns), variances unbiased."""
+    keep = masks or [np.ones(n, dtype=bool) for n in lengths]
+    v = np.concatenate(
+        [t[-n:].double().numpy()[m] for t, n, m in zip(values, lengths, keep, strict=True)]
+    )
+    r = np.concatenate([ret[m] for ret, m in zip(returns, keep, strict=True)])
     ddof = 1 if r.size > 1 else 0
     return {
         "critic/values/mean": float(v.mean()),

@@ -13,9 +13,6 @@ from __future__ import annotations
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.errors import JobError
 
-# estimators that read every response token (whitening, length weights): not masked yet
-MULTI_TURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
-
 
 class UnsupportedJob(JobError, ValueError):
     """A job no schedule runs as configured (a JobError: printed as one line; a ValueError: a
@@ -35,41 +32,51 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
-    """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP 1 layout
-    with a sequence-level advantage estimator only: every other combination, named by key."""
-    mt, r, a = config.rollout.multi_turn, config.rollout, config.algorithm
+    """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP layout
+    (any size): every other combination is refused, named by key, with why not yet."""
+    mt, r = config.rollout.multi_turn, config.rollout
     if not mt.enable:
         return []
+    # (refused, the key, why not yet, what to do)
     refused = [
         (
             mt.tool_config_path is None,
             "rollout.multi_turn.tool_config_path is unset",
+            "the tool agent loop needs its tools",
             "name a tool config YAML",
         ),
-        (config.trainer.mode == "async", "trainer.mode=async", "use trainer.mode=sync"),
-        (r.adaptive_tp.enable, "rollout.adaptive_tp.enable=true", "set it false"),
         (
-            r.tensor_model_parallel_size != 1,
-            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}",
-            "set it 1",
+            config.trainer.mode == "async",
+            "trainer.mode=async",
+            "a sample's turn state (its conversation so far, held by the agent loop) is not "
+            "yet carried across weight pulls nor saved in the flight reports a peer resumes",
+            "use trainer.mode=sync",
         ),
-        (r.speculative.enable, "rollout.speculative.enable=true", "set it false"),
+        (
+            r.adaptive_tp.enable,
+            "rollout.adaptive_tp.enable=true",
+            "a TP group's first rank runs its samples' agent loops, and adaptive TP's folds "
+            "move requests between groups mid-rollout: turn state does not follow them yet",
+            "set it false (static TP of any size works)",
+        ),
+        (
+            r.speculative.enable,
+            "rollout.speculative.enable=true",
+            "speculative rollouts are not yet tested with agent-loop turns",
+            "set it false",
+        ),
         (
             r.over_sample_rate > 0,
             f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
+            "an agent loop cannot yet stop mid-conversation and resume from saved turn state "
+            "at the next step",
             "set it 0",
         ),
-        (
-            a.adv_estimator in MULTI_TURN_ESTIMATORS,
-            f"algorithm.adv_estimator={a.adv_estimator}",
-            "use a sequence-level estimator (grpo, rloo, remax, ...)",
-        ),
-        (a.use_kl_in_reward, "algorithm.use_kl_in_reward=true", "use actor.use_kl_loss instead"),
     ]
     return [
-        f"rollout.multi_turn.enable=true with {what}: multi-turn rollouts are wired into the "
-        f"sync schedule on a static TP 1 layout only (docs/agent_loop.md); {fix}"
-        for bad, what, fix in refused
+        f"rollout.multi_turn.enable=true with {what}: not wired yet: {why} "
+        f"(docs/agent_loop.md); {fix}"
+        for bad, what, why, fix in refused
         if bad
     ]
 

@@ -140,11 +140,12 @@ class SyncSchedule:
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
-        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
-        # TP 1, which check_supported requires: no collective inside a turn)
+        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (a
+        # static layout, which preflight requires; at TP > 1 the group's first rank runs the
+        # loops and tools and drives its peers)
         self.multi_turn: MultiTurnRollout | None = None
         if config.rollout.multi_turn.enable:
-            assert isinstance(self.engine, Engine)  # adaptive TP was refused above
+            assert isinstance(self.engine, Engine)  # check_supported refused adaptive TP
             self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
@@ -368,8 +369,9 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
-            if self.multi_turn is not None:  # every replica's tool calls and turns
-                shares = all_gather_objects(self.world, self.multi_turn.metrics)
+            if self.multi_turn is not None:  # every replica's tool calls and turns, once
+                mine = self.multi_turn.metrics if self._scores else {}
+                shares = all_gather_objects(self.world, mine)
                 merge_reward_metrics(metrics, [m for m in shares if m])
             with timed(timings, "reward"):
                 samples, reward_shares = self._score(local, failures=self._failures)

@@ -117,21 +117,23 @@ def update_with_critic(
             critic_metrics = critic_update(
                 config, critic, batch, samples, step, token_rewards, values
             )
+    masks = [model_token_mask(s) for s in samples]  # GAE skips tool tokens (verl's)
     advantages, returns = gae_advantages(
         [t[-n:].numpy() for t, n in zip(token_rewards, lengths, strict=True)],
         [v[-n:].double().numpy() for v, n in zip(values, lengths, strict=True)],
         gamma=a.gamma,
         lam=a.lam,
+        masks=masks,
     )
     batch.advantages = [
         _on_response(ids.numel(), adv) for ids, adv in zip(batch.input_ids, advantages, strict=True)
     ]
-    critic_metrics.update(value_metrics(values, returns, lengths))
+    critic_metrics.update(value_metrics(values, returns, lengths, masks))
     actor_metrics: dict[str, float] = {}
     old: list[torch.Tensor] | None = None
     if step > config.trainer.critic_warmup:
         actor_metrics, old = update_actor(config, trainer, batch, samples, step, timings, decoupled)
-    flat = np.concatenate(advantages)
+    flat = np.concatenate([adv[m] for adv, m in zip(advantages, masks, strict=True)])
     return PolicyUpdate(rewards, flat, {**actor_metrics, **kl_metrics}, old, critic_metrics, summed)
 
 
@@ -195,6 +197,7 @@ def policy_batch(
         gamma=algo.gamma,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         baselines=[s.baseline for s in samples],
+        masks=[model_token_mask(s) for s in samples],
     )
     batch = PolicyBatch.from_responses(
         [s.prompt_token_ids for s in samples],
@@ -255,6 +258,7 @@ def kl_penalized_rewards(
         _responses(batch.ref_logprobs, samples),
         kl_ctrl,
         config.algorithm.kl_penalty,
+        masks=[model_token_mask(s) for s in samples],  # no KL on tool tokens
     )
 
 

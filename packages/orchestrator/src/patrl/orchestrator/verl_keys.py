@@ -208,6 +208,10 @@ RULES: dict[str, Rule] = {
     "rollout.multi_turn.interaction_config_path": Fixed(
         (None,), "patrl's agent loop has tools, not verl's interactions", "null"
     ),
+    # rollout.agent.agent_loop_config_path is patrl's own key (config.AgentConfig)
+    "rollout.agent.num_workers": Noted(
+        "a rank runs its agent loops on one event loop beside its engine (no worker actors)"
+    ),
     "rollout.ignore_eos": Fixed((False,), "patrl's rollouts stop at EOS", "ignore_eos=false"),
     "rollout.val_temperature": Alias("rollout.val_kwargs.temperature"),  # patrl's earlier name
     # ---- data

@@ -4,14 +4,18 @@ imported from its module: it needs the job's config). See docs/agent_loop.md."""
 
 from patrl.orchestrator.agent.agent_loop import (
     AgentLoop,
+    AgentLoopContext,
     AgentLoopOutput,
     AgentLoopRunner,
     LLMServer,
     TokenOutput,
+    register,
+    registered_agent_loops,
 )
 from patrl.orchestrator.agent.base_tool import BaseTool
 from patrl.orchestrator.agent.calculator import CalculatorTool
 from patrl.orchestrator.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
+from patrl.orchestrator.agent.single_turn_agent_loop import SingleTurnAgentLoop
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
 from patrl.orchestrator.agent.tool_config import ToolConfigError, check_tool_config, load_tools
 from patrl.orchestrator.agent.tool_parser import FunctionCall, extract_tool_calls
@@ -19,6 +23,7 @@ from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool, truncate
 
 __all__ = [
     "AgentLoop",
+    "AgentLoopContext",
     "AgentLoopOutput",
     "AgentLoopRunner",
     "BaseTool",
@@ -26,6 +31,7 @@ __all__ = [
     "FunctionCall",
     "LLMServer",
     "OpenAIFunctionToolSchema",
+    "SingleTurnAgentLoop",
     "TokenOutput",
     "ToolAgentLoop",
     "ToolConfigError",
@@ -35,5 +41,7 @@ __all__ = [
     "check_tool_config",
     "extract_tool_calls",
     "load_tools",
+    "register",
+    "registered_agent_loops",
     "truncate",
 ]

@@ -8,7 +8,13 @@ its tool, the engine keeps decoding the others (continuous batching is never hel
 Each generation is submitted as the whole conversation's token ids; with prefix caching on,
 the engine finds the conversation's full KV blocks computed by the sample's earlier turns and
 prefills only the rest (the KV is not yet kept inside the engine between turns).
-See docs/agent_loop.md.
+
+At TP > 1 the TP group's first rank runs the agent loops and the tools alone and drives its
+peers: before each engine step it broadcasts the requests its samples submitted since the
+last one, and every rank then adds them and steps, so all ranks make the same engine calls in
+the same order (the engine's SPMD contract) whatever the tools' timing or answers; at the end
+it broadcasts the outputs. Tools run once per group, so a nondeterministic tool cannot make
+the ranks diverge, and a tool's side effects happen once. See docs/agent_loop.md.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from patrl.rollout import Engine, SamplingParams
 from patrl.rollout.outputs import RequestOutput
+from patrl.tpreshard.comm import broadcast_obj
+
+# While every sample of a TP group awaits a tool, the group's first rank tells its peers so
+# this often (seconds), so that none waits in one collective for a whole tool call.
+HEARTBEAT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -51,15 +62,35 @@ class TokenOutput:
     stop_reason: int | str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AgentLoopContext:
+    """What a training job gives an agent loop class to build itself (`AgentLoop.build`):
+    the engine's tokenizer and EOS ids, the job's tool pool (a `ToolPool`), the trajectory's
+    token budget (`data.max_response_length`) and the `rollout.multi_turn` section."""
+
+    tokenizer: Any
+    tool_pool: Any
+    eos_token_ids: tuple[int, ...]
+    response_length: int
+    multi_turn: Any
+
+
 class AgentLoop:
     """One sample's conversation logic (verl's AgentLoopBase). Subclasses implement `run`,
     awaiting `self.server_manager.generate` for model turns; one instance serves every sample
-    of a run (per-sample state lives in `run`'s locals)."""
+    of a run (per-sample state lives in `run`'s locals). `@register(name)` (verl's) makes a
+    subclass selectable by a data row's `agent_name`."""
 
     server_manager: LLMServer
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+
+    @classmethod
+    def build(cls, context: AgentLoopContext) -> AgentLoop:
+        """The instance a training job runs (`MultiTurnRollout`): `cls(tokenizer)` unless a
+        subclass needs more of `context`."""
+        return cls(context.tokenizer)
 
     async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
         """Run one sample to its end; `kwargs` are the sample's fields (e.g. `raw_prompt`,
@@ -70,12 +101,16 @@ class AgentLoop:
 class LLMServer:
     """One engine, shared by the samples of a run (verl's AsyncLLMServerManager): `generate`
     queues a request and resolves when the engine finishes it; the runner's step task drives
-    the engine. Only the event loop's thread touches the engine."""
+    the engine. Only the event loop's thread touches the engine. At TP > 1 this is the TP
+    group's first rank's server; its peers `follow` it (see the module's docstring)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._pending: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wake: asyncio.Event | None = None
+        layout = engine.layout
+        self.tp_size, self.is_leader = layout.tp_size, layout.is_tp_first
+        self._queued: list[tuple[str, list[int], SamplingParams]] = []  # TP > 1: next step's
         self.cached_prefix_tokens = 0  # at submission, by the prefix cache's count
         self.submitted_tokens = 0
 
@@ -94,9 +129,14 @@ class LLMServer:
             )
         if self._wake is None:
             raise RuntimeError("LLMServer.generate runs inside AgentLoopRunner.run")
-        self.submitted_tokens += len(prompt_ids)
-        self.cached_prefix_tokens += self.engine.cache.blocks.num_cached_prefix(prompt_ids)
-        rid = self.engine.add_request(list(prompt_ids), sampling_params, request_id=request_id)
+        if request_id in self._pending or request_id in self.engine.request_ids():
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tp_size > 1:  # added by every rank at the next step (`_apply`)
+            self.engine.check_params(sampling_params)
+            self._queued.append((request_id, list(prompt_ids), sampling_params))
+            rid = request_id
+        else:
+            rid = self._add(request_id, list(prompt_ids), sampling_params)
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         self._wake.set()
@@ -107,20 +147,70 @@ class LLMServer:
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
 
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str:
+        self.submitted_tokens += len(prompt_ids)
+        self.cached_prefix_tokens += self.engine.cache.blocks.num_cached_prefix(prompt_ids)
+        return self.engine.add_request(prompt_ids, params, request_id=request_id)
+
+    def _apply(self, ops: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
+        """One step of the group's protocol, the same on every rank: add `ops`, then step."""
+        for request_id, prompt_ids, params in ops:
+            self._add(request_id, prompt_ids, params)
+        return self.engine.step()
+
+    def tell(self, message: tuple[str, Any]) -> None:
+        """The group's first rank's `message` to its peers (TP > 1)."""
+        layout = self.engine.layout
+        broadcast_obj(layout.tp_comm, layout.tp_group, message)
+
     async def step_until(self, done: asyncio.Event) -> None:
         """Step the engine while it has requests; sleep until a sample submits one; return
-        once `done` is set and no request is left."""
+        once `done` is set and no request is left. At TP > 1 each step's new requests go to
+        the peers first, and a quiet wait pings them every HEARTBEAT_S."""
         self._wake = asyncio.Event()
         while True:
-            if self.engine.has_unfinished():
-                for out in self.engine.step():
+            if self._queued or self.engine.has_unfinished():
+                ops, self._queued = self._queued, []
+                if self.tp_size > 1:
+                    self.tell(("step", ops))
+                for out in self._apply(ops):
                     self._pending.pop(out.request_id).set_result(out)
                 await asyncio.sleep(0)  # let the samples whose turn ended go on
             elif done.is_set():
                 return
             else:
                 self._wake.clear()
-                await self._wake.wait()
+                if self.tp_size == 1:
+                    await self._wake.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
+                except TimeoutError:
+                    self.tell(("wait", None))
+
+    def follow(self) -> list[AgentLoopOutput]:
+        """A TP group peer's part of a run: add and step as the group's first rank says,
+        until it sends the run's outputs (returned) or its error (raised, after aborting and
+        draining the engine as the first rank does)."""
+        while True:
+            kind, payload = broadcast_obj(
+                self.engine.layout.tp_comm, self.engine.layout.tp_group, None
+            )
+            if kind == "step":
+                self._apply(payload)
+            elif kind == "done":
+                return list(payload)
+            elif kind == "error":
+                self.drain()
+                raise RuntimeError(f"the TP group's first rank failed its agent loops: {payload}")
+
+    def drain(self) -> None:
+        """Abort every request and step until the engine is idle (after a failure)."""
+        self._queued = []
+        for rid in self.engine.request_ids():
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
 
     def finish(self, done: asyncio.Event) -> None:
         """Set `done` and wake the step task, so that it returns once the engine is idle."""
@@ -137,6 +227,36 @@ class LLMServer:
 
 
 Sample = Mapping[str, Any]
+
+L = TypeVar("L", bound=type[AgentLoop])
+_REGISTRY: dict[str, type[AgentLoop]] = {}
+
+
+def register(name: str) -> Callable[[L], L]:
+    """Class decorator (verl's `@register("tool_agent")`): a data row whose `agent_name` is
+    `name` runs this AgentLoop subclass. A second class under one name is a ValueError (a
+    module imported twice re-registers its own class, which is allowed)."""
+
+    def add(cls: L) -> L:
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+            raise TypeError(f"@register({name!r}) decorates AgentLoop subclasses, not {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(
+                f"agent loop name {name!r} is taken by {old.__module__}.{old.__qualname__}"
+            )
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def registered_agent_loops() -> dict[str, type[AgentLoop]]:
+    """Every `@register`ed agent loop class by name (those of modules imported so far)."""
+    return dict(_REGISTRY)
 
 
 class AgentLoopRunner:
@@ -155,10 +275,15 @@ class AgentLoopRunner:
         if not agent_loops:
             raise ValueError("AgentLoopRunner needs at least one agent loop")
         self.server = LLMServer(engine)
-        self.agent_loops = dict(agent_loops)
+        self.agent_loops: dict[str, AgentLoop] = {}
         self.default_agent = default_agent
-        for loop in self.agent_loops.values():
-            loop.server_manager = self.server
+        for name, loop in agent_loops.items():
+            self.add_loop(name, loop)
+
+    def add_loop(self, name: str, loop: AgentLoop) -> None:
+        """Samples whose `agent_name` is `name` run `loop` from the next `run` on."""
+        loop.server_manager = self.server
+        self.agent_loops[name] = loop
 
     def run(
         self,
@@ -184,7 +309,27 @@ class AgentLoopRunner:
                 )
         if self.server.engine.has_unfinished():
             raise RuntimeError("AgentLoopRunner.run needs an idle engine")
-        return asyncio.run(self._run(samples, params, on_finish))
+        if not self.server.is_leader:  # a TP peer: the first rank runs the loops
+            outs = self.server.follow()
+            if len(outs) != len(samples):
+                raise RuntimeError(
+                    f"the TP group's first rank ran {len(outs)} samples, this rank has "
+                    f"{len(samples)}: every rank of a TP group runs the same samples"
+                )
+            for i, out in enumerate(outs):
+                if on_finish is not None:
+                    on_finish(i, out)
+            return outs
+        try:
+            outs = asyncio.run(self._run(samples, params, on_finish))
+        except BaseException as e:
+            if self.server.tp_size > 1:
+                self.server.tell(("error", f"{type(e).__name__}: {e}"))
+                self.server.drain()
+            raise
+        if self.server.tp_size > 1:
+            self.server.tell(("done", outs))
+        return outs
 
     async def _run(
         self,
@@ -222,8 +367,6 @@ class AgentLoopRunner:
             for t in [*tasks, stepper]:
                 t.cancel()
             await asyncio.gather(*tasks, stepper, return_exceptions=True)
-            for rid in self.server.engine.request_ids():
-                self.server.engine.abort(rid)
-            while self.server.engine.has_unfinished():
-                self.server.engine.step()
+            if self.server.tp_size == 1:  # else `run` tells the peers first
+                self.server.drain()
             raise

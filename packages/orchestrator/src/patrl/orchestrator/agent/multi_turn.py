@@ -3,7 +3,9 @@ through `AgentLoopRunner` + `ToolAgentLoop` on its engine instead of `Engine.gen
 back as `scoring.TrajectoryOutput`s, one per prompt, for `scoring.score_outputs`.
 
 Each prompt's chat messages (`PromptItem.messages`) are the conversation, its row's
-`extra_info.tools_kwargs` (verl's) the tools' create kwargs; its `n` samples are
+`extra_info.tools_kwargs` (verl's) the tools' create kwargs, its row's `agent_name` (verl's)
+the registered agent loop it runs (`tool_agent` when it has none; `single_turn_agent` is
+built in, and `rollout.agent.agent_loop_config_path` adds a job's own); its `n` samples are
 separate agent-loop samples, sample k seeded from the prompt's seed and k (so a group's samples
 differ and a rerun samples the same tokens). The trajectory is exactly the engine's tokens and
 the appended tool tokens; the reward sees their decoding.
@@ -12,12 +14,23 @@ the appended tool tokens; the reward sees their decoding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import importlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from patrl.orchestrator.agent.agent_loop import AgentLoopOutput, AgentLoopRunner
+import yaml
+
+from patrl.orchestrator.agent.agent_loop import (
+    AgentLoop,
+    AgentLoopContext,
+    AgentLoopOutput,
+    AgentLoopRunner,
+    registered_agent_loops,
+)
+from patrl.orchestrator.agent.single_turn_agent_loop import SingleTurnAgentLoop
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
-from patrl.orchestrator.agent.tool_config import load_tools
+from patrl.orchestrator.agent.tool_config import ToolConfigError, load_tools
 from patrl.orchestrator.agent.tool_pool import ToolPool
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
@@ -46,17 +59,17 @@ class MultiTurnRollout:
             truncate_side=mt.tool_response_truncate_side,
         )
         self.response_length = config.data.max_response_length
-        self.loop = ToolAgentLoop(
+        context = AgentLoopContext(
             self.tokenizer,
             self.pool,
-            sorted(engine.eos_token_ids),
-            response_length=self.response_length,
-            max_assistant_turns=mt.max_assistant_turns,
-            max_user_turns=mt.max_user_turns,
-            max_parallel_calls=mt.max_parallel_calls,
-            format=mt.format,
+            tuple(sorted(engine.eos_token_ids)),
+            self.response_length,
+            mt,
         )
-        self.runner = AgentLoopRunner(engine, {"tool_agent": self.loop})
+        self.context = context
+        self.classes = agent_loop_classes(config)  # built on first use (`_loops_for`)
+        self.loop = ToolAgentLoop.build(context)
+        self.runner = AgentLoopRunner(engine, {DEFAULT_AGENT: self.loop}, DEFAULT_AGENT)
         self.metrics: dict[str, float] = {}  # the last `generate`'s, summed over its samples
 
     def generate(
@@ -65,10 +78,13 @@ class MultiTurnRollout:
         """Each of `items` with its `params` (n samples each): one TrajectoryOutput per item,
         its samples in order. Sets `metrics` (tool calls, errors, truncations, turns, and the
         model's and the tools' tokens)."""
+        self._loops_for(items)
         rows: list[dict[str, Any]] = []
         row_params: list[SamplingParams] = []
         for item, p in zip(items, params, strict=True):
             row: dict[str, Any] = {"raw_prompt": item.messages}
+            if item.extra.get("agent_name") is not None:
+                row["agent_name"] = item.extra["agent_name"]
             tools_kwargs = _tools_kwargs(item)
             if tools_kwargs:
                 row["tools_kwargs"] = tools_kwargs
@@ -92,6 +108,17 @@ class MultiTurnRollout:
             )
         return result
 
+    def _loops_for(self, items: Sequence[PromptItem]) -> None:
+        """Build the agent loops `items` name that the runner does not hold yet; ValueError
+        naming a row's unknown `agent_name` and the registered names."""
+        problems = agent_name_problems(items, self.classes)
+        if problems:
+            raise ValueError("; ".join(problems))
+        for item in items:
+            name = item.extra.get("agent_name")
+            if name is not None and name not in self.runner.agent_loops:
+                self.runner.add_loop(name, self.classes[name].build(self.context))
+
     def _trajectory(self, k: int, out: AgentLoopOutput) -> Trajectory:
         full = len(out.response_ids) >= self.response_length
         return Trajectory(
@@ -102,6 +129,78 @@ class MultiTurnRollout:
             str(self.tokenizer.decode(out.response_ids, skip_special_tokens=True)),
             list(out.response_mask),
         )
+
+
+DEFAULT_AGENT = "tool_agent"  # verl's, for a row without `agent_name`
+BUILT_IN = {"tool_agent": ToolAgentLoop, "single_turn_agent": SingleTurnAgentLoop}
+
+
+def agent_loop_classes(config: JobConfig) -> dict[str, type[AgentLoop]]:
+    """The agent loops a job's rows may name: every `@register`ed one (the built-in
+    `tool_agent` and `single_turn_agent` among them) and those of
+    `rollout.agent.agent_loop_config_path` (verl's YAML: a list of `{name, _target_}`, the
+    target a dotted path to an AgentLoop subclass). ToolConfigError naming the file and the
+    entry's key for one that does not load."""
+    classes = {**registered_agent_loops(), **BUILT_IN}  # BUILT_IN: their modules imported
+    path = config.rollout.agent.agent_loop_config_path
+    if path is None:
+        return classes
+    file = Path(path)
+    if not file.is_file():
+        raise ToolConfigError(f"rollout.agent.agent_loop_config_path={path}: no such file")
+    try:
+        entries = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ToolConfigError(f"agent loop config {path} is not valid YAML: {e}") from e
+    if not isinstance(entries, list):
+        raise ToolConfigError(
+            f"{path}: an agent loop config is a list of {{name, _target_}}, got "
+            f"{type(entries).__name__}"
+        )
+    for i, entry in enumerate(entries):
+        where = f"{path}: {i}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ToolConfigError(f"{where}.name is missing: each entry is {{name, _target_}}")
+        target = entry.get("_target_")
+        if not isinstance(target, str) or "." not in target:
+            raise ToolConfigError(
+                f"{where}._target_={target!r}: give a dotted path, package.module.ClassName"
+            )
+        module_name, _, attr = target.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise ToolConfigError(
+                f"{where}._target_={target!r}: cannot import {module_name!r}: {e!r}"
+            ) from e
+        cls = getattr(module, attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+            raise ToolConfigError(
+                f"{where}._target_={target!r} is not a subclass of "
+                "patrl.orchestrator.agent.AgentLoop"
+            )
+        if entry["name"] in BUILT_IN:
+            raise ToolConfigError(
+                f"{where}.name={entry['name']!r} is a built-in agent loop; give yours another name"
+            )
+        classes[entry["name"]] = cls
+    return classes
+
+
+def agent_name_problems(items: Iterable[PromptItem], names: Iterable[str]) -> list[str]:
+    """One line per distinct unknown `agent_name` of `items` (rows without one run
+    `tool_agent`): the value, the first row that has it, and the registered names."""
+    known = sorted(names)
+    bad: dict[str, int] = {}  # repr of the value (data may hold any value) -> first row
+    for item in items:
+        name = item.extra.get("agent_name")
+        if name is not None and name not in known:
+            bad.setdefault(repr(name), item.index)
+    return [
+        f"row {row}: agent_name={name} is not a registered agent loop; registered: {known} "
+        "(add one with rollout.agent.agent_loop_config_path)"
+        for name, row in bad.items()
+    ]
 
 
 def _tools_kwargs(item: PromptItem) -> dict[str, Any] | None:

@@ -19,7 +19,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import uuid4
 
-from patrl.orchestrator.agent.agent_loop import AgentLoop, AgentLoopOutput, TokenOutput
+from patrl.orchestrator.agent.agent_loop import (
+    AgentLoop,
+    AgentLoopContext,
+    AgentLoopOutput,
+    TokenOutput,
+    register,
+)
 from patrl.orchestrator.agent.tool_parser import TOOL_CALL_END, extract_tool_calls
 from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
 from patrl.rollout import SamplingParams
@@ -28,6 +34,7 @@ _MARK = "\x00patrl-assistant-turn\x00"
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
 
+@register("tool_agent")
 class ToolAgentLoop(AgentLoop):
     """verl's `tool_agent` loop. `pool` holds the tools; the keys are verl's
     `rollout.multi_turn.*` (0 turns = no limit) and `response_length` (model and tool tokens
@@ -72,6 +79,21 @@ class ToolAgentLoop(AgentLoop):
         ]
         self._base = self._render(_BASE, add_generation_prompt=False)
         self._closing = self._base[self._base.rindex(_MARK) + len(_MARK) :]
+
+    @classmethod
+    def build(cls, context: AgentLoopContext) -> ToolAgentLoop:
+        """The job's tool loop: its tool pool, budget and `rollout.multi_turn` limits."""
+        mt = context.multi_turn
+        return cls(
+            context.tokenizer,
+            context.tool_pool,
+            context.eos_token_ids,
+            response_length=context.response_length,
+            max_assistant_turns=mt.max_assistant_turns,
+            max_user_turns=mt.max_user_turns,
+            max_parallel_calls=mt.max_parallel_calls,
+            format=mt.format,
+        )
 
     # ------------------------------------------------------------------ run
 
