@@ -77,7 +77,7 @@ from patrl.orchestrator.step_metrics import (
     validation_metrics,
 )
 from patrl.orchestrator.update import update_policy
-from patrl.rollout import AdaptiveEngine, Engine, SequenceState
+from patrl.rollout import AdaptiveEngine, Engine, RolloutEngine, SequenceState
 from patrl.rollout.drafter import Drafter, speculation_metrics
 from patrl.trainer import Critic, Trainer
 
@@ -133,7 +133,7 @@ class SyncSchedule:
         # engine all-gathers them as samples finish; else every step's samples are gathered),
         # so all ranks hold the same predictor and derive the same prompt assignment.
         self.predictor = LengthPredictor()
-        self.engine = build_engine(config, model_dir, world, lengths=self.predictor)
+        self.engine: RolloutEngine = build_engine(config, model_dir, world, lengths=self.predictor)
         self.layout = self.engine.layout if world.distributed else None
         self._online_lengths = (
             isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
