@@ -277,7 +277,7 @@ class AdaptiveEngine:
         stepping = 0.0  # in engine.step (scheduling included: a static rollout pays it too)
         switching_before = c.stats.reconfig_s
         steps_left, deadline, stepped, opened = 0, math.inf, False, False
-        here = Layout(dp=engine.layout.dp_size, tp=engine.layout.tp_size)
+        here = Layout.of(engine.layout)
         if not c.partial and c.never_switches(here, engine.max_model_len):
             # no check could ever switch from here: none until this rank is done (the last
             # one, which ends the rollout everywhere and feeds the length model, stays)
