@@ -13,7 +13,7 @@ import torch
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
-from patrl.rollout import SamplingParams
+from patrl.rollout import AdaptiveEngine, SamplingParams
 from patrl.trainer import PolicyBatch
 from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 from patrl_testkit.multirank import run_ranks
@@ -41,8 +41,11 @@ def _run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, A
     config = load_config(None, tiny_job_overrides(assets, run_dir, **extra))
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
 
+    assert isinstance(loop.engine, AdaptiveEngine)
+    wrapped = loop.engine.engine  # the one-layout engine it drives holds the model
+
     def base() -> dict[str, torch.Tensor]:
-        return {n: p.clone() for n, p in loop.engine.model.named_parameters() if "lora_" not in n}
+        return {n: p.clone() for n, p in wrapped.model.named_parameters() if "lora_" not in n}
 
     before = base()
     result = loop.run()

@@ -107,7 +107,7 @@ def tell_oracle(engines: Engines, workload: Workload, mine: list[int], world: An
     """Every rank's request ids of the coming rollout with their lengths, to every rank (rank
     0 plans for all replicas)."""
     engine = engines.oracle
-    first = engine.next_request_number()
+    first = engine.engine.next_request_number()
     rank = dist.get_rank(world)
     lengths = {
         (f"req-{rank}-{first + j}", k): workload.lengths[i]
@@ -143,7 +143,8 @@ def rollout(
     # in it (the model rebuilt there from the full tensors), as it does in the RL loop
     dist.barrier(group=world)
     start = time.perf_counter()
-    engine.load_weights(iter_checkpoint(engine.config.model), engine.weight_version + 1)
+    version = (engine.engine if isinstance(engine, AdaptiveEngine) else engine).weight_version
+    engine.load_weights(iter_checkpoint(engine.config.model), version + 1)
     sync_s = time.perf_counter() - start
     before = engine.stats()
     dist.barrier(group=world)

@@ -143,7 +143,7 @@ def _forced(
         lengths=predictor,
     )
     assert engine.layout.tp_size == 1
-    storage = [p.untyped_storage().data_ptr() for p in engine.model.parameters()]
+    storage = [p.untyped_storage().data_ptr() for p in engine.engine.model.parameters()]
     got = engine.generate(prompts, params, prompt_keys=[f"p{rank}-{i}" for i in range(4)])
     stats = engine.stats()
     names = [f"p{r}-{i}" for r in range(2) for i in range(4)]
@@ -157,7 +157,7 @@ def _forced(
     created = groups.num_created
     engine.load_weights(iter_checkpoint(model_dir), version=1)
     reloaded = engine.layout.tp_size
-    kept = storage == [p.untyped_storage().data_ptr() for p in engine.model.parameters()]
+    kept = storage == [p.untyped_storage().data_ptr() for p in engine.engine.model.parameters()]
     assert groups.num_created == created
     third = engine.generate(prompts, params)
     # no seed: under a TP>1 opening the submitting rank draws one for the whole group (else the
@@ -839,7 +839,9 @@ def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
 
     def recording(verdict: Any) -> None:
         switch(verdict)
-        placed.append(sorted({(s.request_id, s.num_tokens) for s in engine.unfinished_seqs()}))
+        placed.append(
+            sorted({(s.request_id, s.num_tokens) for s in engine.engine.unfinished_seqs()})
+        )
 
     engine._switch = recording  # type: ignore[method-assign]
     got = [_tokens(engine.generate(prompts, params)) for _ in range(2)]

@@ -4,16 +4,42 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class RankLayout(Protocol):
+    """A rank's place in a dp x tp grid, as far as the grid's shape goes
+    (patrl.tpreshard.ParallelLayout)."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Layout:
+    """The shape of a rollout world's grid: `dp` replicas of `tp` ranks (the planner's unit).
+
+    Its rank-level twin is `patrl.tpreshard.ParallelLayout`: one rank's coordinates on the
+    same two axes (`dp_size`/`dp_rank`, `tp_size`/`tp_rank`) with their process groups. They
+    stay two objects because lenpredict imports neither torch nor another patrl package (the
+    planner runs without a GPU stack) and tpreshard imports no other patrl package; the
+    relation is: `Layout.of(parallel)` is the grid a rank's layout belongs to, and
+    `GroupCache.layout(grid.tp)` is this rank's place in `grid` (a round trip)."""
+
     dp: int
     tp: int
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1:
             raise ValueError(f"Layout needs dp >= 1 and tp >= 1, got dp={self.dp} tp={self.tp}")
+
+    @classmethod
+    def of(cls, parallel: RankLayout) -> Layout:
+        """The grid `parallel` (a rank's `ParallelLayout`) is a place in."""
+        return cls(dp=parallel.dp_size, tp=parallel.tp_size)
 
     @property
     def world_size(self) -> int:

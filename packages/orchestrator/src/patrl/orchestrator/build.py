@@ -22,7 +22,7 @@ from patrl.orchestrator.latency_profile import (
     spec_query_lens,
 )
 from patrl.orchestrator.topology import record_topology
-from patrl.rollout import AdaptiveEngine, AdaptiveTP, Engine, EngineConfig, make_engine
+from patrl.rollout import AdaptiveTP, EngineConfig, RolloutEngine, make_engine
 from patrl.rollout.config import SpeculativeConfig
 from patrl.rollout.loader import read_config
 from patrl.rollout.model_config import ModelConfig
@@ -272,7 +272,7 @@ def build_engine(
     world: World,
     lengths: LengthPredictor | None = None,
     span_world: bool = True,
-) -> Engine | AdaptiveEngine:
+) -> RolloutEngine:
     """This rank's rollout engine. With `span_world` (the sync schedule) its TP groups are cut
     from the whole world, every rank making every group at once; without (an async rollout
     rank) it runs on this rank alone. `lengths` feeds adaptive TP's planner."""

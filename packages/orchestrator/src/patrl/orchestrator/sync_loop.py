@@ -78,7 +78,8 @@ from patrl.orchestrator.step_metrics import (
 )
 from patrl.orchestrator.support import check_supported
 from patrl.orchestrator.update import update_policy
-from patrl.rollout import AdaptiveEngine, Engine, SequenceState
+from patrl.rollout import AdaptiveEngine, Engine, RolloutEngine, SequenceState
+from patrl.rollout.adaptive import LengthGroups
 from patrl.rollout.drafter import Drafter, speculation_metrics
 from patrl.trainer import Critic, Trainer
 
@@ -134,10 +135,16 @@ class SyncSchedule:
         # engine all-gathers them as samples finish; else every step's samples are gathered),
         # so all ranks hold the same predictor and derive the same prompt assignment.
         self.predictor = LengthPredictor()
-        self.engine = build_engine(config, model_dir, world, lengths=self.predictor)
+        self.engine: RolloutEngine = build_engine(config, model_dir, world, lengths=self.predictor)
         self.layout = self.engine.layout if world.distributed else None
-        self._online_lengths = (
-            isinstance(self.engine, AdaptiveEngine) and self.engine.controller is not None
+        controller = self.engine.controller if isinstance(self.engine, AdaptiveEngine) else None
+        # an adaptive engine's rollouts are world collectives: every rank generates, even with
+        # no prompt of its own
+        self._collective = controller is not None
+        # the predictor's one writer: the adaptive controller's (it learns during the
+        # rollout), else the schedule's own; `_learn_lengths` reports every finished response
+        self.length_groups = (
+            controller.length_groups if controller else LengthGroups(self.predictor)
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
         # rollout.multi_turn: prompts run through the agent loop on this rank's engine (a
@@ -515,7 +522,7 @@ class SyncSchedule:
         loop, as `scoring.TrajectoryOutput`s). With adaptive TP every rank takes part,
         including ranks whose replica got no prompt."""
         mine = self._my_share(items, n or self.config.rollout.n)
-        if not mine and not self._online_lengths:
+        if not mine and not self._collective:
             if self.multi_turn is not None:
                 self.multi_turn.metrics = {}
             return []
@@ -551,8 +558,9 @@ class SyncSchedule:
         return [item for item, r in zip(items, replica, strict=True) if r == dp_rank]
 
     def _learn_lengths(self, samples: list[Sample], round_: int) -> dict[str, float]:
-        """Feed finished lengths to the predictor and the run's length log; report how well
-        it predicted this batch."""
+        """Report finished lengths to the predictor's writer (which learns those it has not
+        learnt during the rollout) and the run's length log; report how well it predicted
+        this batch."""
         if self.is_first:
             append_lengths(self.run_dir, self.step, samples, round_ - 1)
         groups: dict[int, list[Sample]] = {}
@@ -562,12 +570,10 @@ class SyncSchedule:
         for pidx, group in groups.items():
             predicted = self._predicted.get(pidx, self.predictor.expected_length(f"train/{pidx}"))
             errors.append(abs(predicted - np.mean([len(s.token_ids) for s in group])))
-            if self._online_lengths:
-                continue  # the adaptive engine learnt these lengths as they finished
-            gid = f"{self.step}:{round_}:{pidx}"
-            self.predictor.start_group(gid, f"train/{pidx}", len(group))
-            for i, s in enumerate(group):
-                self.predictor.observe_finished(f"{gid}:{i}", gid, len(s.token_ids))
+        self.length_groups.learn_groups(
+            (f"train/{pidx}", [(s.request_id, len(s.token_ids)) for s in group])
+            for pidx, group in groups.items()
+        )
         return {"lenpredict/prompt_mean_abs_error": float(np.mean(errors)) if errors else 0.0}
 
     def _check_rewards(self) -> None:

@@ -20,6 +20,7 @@ from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.models import build_model
 from patrl.rollout.outputs import CompletionOutput, RequestOutput, SequenceState
 from patrl.rollout.plot import plot_timeline
+from patrl.rollout.rollout_engine import RolloutEngine
 from patrl.rollout.sampler import SamplingParams
 from patrl.rollout.tp_policy import AdaptiveTP, StaticTP
 
@@ -33,6 +34,7 @@ __all__ = [
     "OracleLengths",
     "ReconfigReport",
     "RequestOutput",
+    "RolloutEngine",
     "SamplingParams",
     "SequenceState",
     "SpeculativeConfig",

@@ -19,7 +19,12 @@ __all__ = ["ParallelLayout", "single_process_layout"]
 
 @dataclass(frozen=True, slots=True)
 class ParallelLayout:
-    """One rank's coordinates: its TP group (shards a model) and its DP group (replicas)."""
+    """One rank's coordinates: its TP group (shards a model) and its DP group (replicas).
+
+    The grid it is a place in, `dp_size` x `tp_size`, is `patrl.lenpredict.Layout.of(self)`
+    (the planner's `Layout`, axes `dp` and `tp`); `GroupCache.layout(tp)` goes back. Not one
+    object: tpreshard imports no other patrl package, and lenpredict no torch (process
+    groups are torch objects)."""
 
     tp_size: int
     tp_rank: int

@@ -30,12 +30,9 @@ from patrl.rollout.adaptive.way_back import WayBack
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.drafter import Drafter
 from patrl.rollout.engine import Engine
-from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.outputs import RequestOutput, SequenceState
-from patrl.rollout.records import EngineCounters, StepRecord
 from patrl.rollout.request_input import Conversation, check_batch, progress_bar, render_chat
 from patrl.rollout.sampler import SamplingParams
-from patrl.rollout.sequence import Sequence as Seq
 from patrl.rollout.sequence import SequenceStatus
 from patrl.rollout.tp_policy import AdaptiveTP, StaticTP
 from patrl.tpreshard import GroupCache, ParallelLayout, gather_objects
@@ -59,9 +56,10 @@ def make_engine(
 
 
 class AdaptiveEngine:
-    """An engine under `tp_policy=adaptive`: the same calls as `Engine`, whose one-layout
-    work it delegates to `self.engine`, while a `TPController` folds the world's replicas
-    into larger TP groups as a rollout's batch drains (PAT). `generate`, `chat` and
+    """An engine under `tp_policy=adaptive`: a `RolloutEngine` (plus `chat`) whose one-layout
+    work is done by `self.engine`, the `Engine` it wraps (reach it there for the step-level
+    API: `add_request`, `step`, moving requests, the model), while a `TPController` folds the
+    world's replicas into larger TP groups as a rollout's batch drains (PAT). `generate`, `chat` and
     `generate_partial` are collectives over the world: every rank calls them, each with its
     own replica's prompts (possibly none), and gets its own prompts' outputs back, whichever
     replica finished them. Sampled tokens do not depend on the switches (each sample keeps
@@ -87,12 +85,7 @@ class AdaptiveEngine:
         self.engine = Engine(static, start, self.groups)
         self.way_back = WayBack(self.engine)
 
-    # ----------------------------------------------------- the engine's own
-
-    @property
-    def model(self) -> CausalLM:
-        """The engine's model, cut for the layout it is at now."""
-        return self.engine.model
+    # ------------------------------------------------------- RolloutEngine
 
     @property
     def layout(self) -> ParallelLayout:
@@ -104,67 +97,6 @@ class AdaptiveEngine:
         """The engine's drafter (None: speculation off); it outlives folds."""
         return self.engine.drafter
 
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model directory's tokenizer, or None."""
-        return self.engine.tokenizer
-
-    @property
-    def timeline(self) -> list[StepRecord]:
-        """`Engine.timeline`: the steps of the latest rollout."""
-        return self.engine.timeline
-
-    @property
-    def counters(self) -> EngineCounters:
-        return self.engine.counters
-
-    @property
-    def weight_version(self) -> int:
-        """The version of the weights loaded last (`load_weights`)."""
-        return self.engine.weight_version
-
-    @weight_version.setter
-    def weight_version(self, version: int) -> None:
-        self.engine.weight_version = version
-
-    def step(self) -> list[RequestOutput]:
-        """`Engine.step` at the current layout (no planner check: `generate` runs those)."""
-        return self.engine.step()
-
-    def abort(self, request_id: str) -> None:
-        """`Engine.abort`."""
-        self.engine.abort(request_id)
-
-    def has_unfinished(self) -> bool:
-        """`Engine.has_unfinished`."""
-        return self.engine.has_unfinished()
-
-    def request_ids(self) -> list[str]:
-        """`Engine.request_ids`."""
-        return self.engine.request_ids()
-
-    def unfinished_seqs(self) -> list[Seq]:
-        """`Engine.unfinished_seqs`."""
-        return self.engine.unfinished_seqs()
-
-    def next_request_number(self) -> int:
-        """`Engine.next_request_number`."""
-        return self.engine.next_request_number()
-
-    def export_requests(
-        self, request_ids: Iterable[str], with_kv: bool = True, include_finished: bool = False
-    ) -> list[SequenceState]:
-        """`Engine.export_requests`."""
-        return self.engine.export_requests(request_ids, with_kv, include_finished)
-
-    def import_requests(self, states: Iterable[SequenceState]) -> None:
-        """`Engine.import_requests`."""
-        self.engine.import_requests(states)
-
     def sleep(self, level: int = 1) -> None:
         """`Engine.sleep` at the layout the engine is at (a return owed stays owed)."""
         self.engine.sleep(level)
@@ -172,25 +104,6 @@ class AdaptiveEngine:
     def wake_up(self) -> None:
         """`Engine.wake_up`."""
         self.engine.wake_up()
-
-    def snapshot_requests(self, request_ids: Iterable[str]) -> list[SequenceState]:
-        """`Engine.snapshot_requests`."""
-        return self.engine.snapshot_requests(request_ids)
-
-    def add_request(
-        self,
-        prompt: Sequence[int] | str,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        prompt_key: str | None = None,
-    ) -> str:
-        """`Engine.add_request`; within a rollout the controller learns the request's
-        length group from `prompt_key` (the same key in later rollouts: its history)."""
-        request_id = self.engine.add_request(prompt, params, request_id, prompt_key)
-        if self.controller is not None and self.controller.in_rollout:
-            n = (params or SamplingParams()).n
-            self.controller.note_request(request_id, prompt_key or request_id, n)
-        return request_id
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats, plus every planner decision of the latest rollout with its
@@ -236,10 +149,10 @@ class AdaptiveEngine:
             return self.engine.generate(prompts, params, progress, prompt_keys)
         params, keys = check_batch(prompts, params, prompt_keys, self.engine.check_params)
         self.engine.reset_timeline()
-        if self.has_unfinished():
+        if self.engine.has_unfinished():
             raise RuntimeError(
-                "adaptive generate() needs an idle engine: requests added with add_request() "
-                "are still unfinished"
+                "adaptive generate() needs an idle engine: requests added to its engine "
+                "(add_request) are still unfinished"
             )
         controller.stats.reset_s += self.settle_layout()
         controller.begin()
@@ -268,7 +181,7 @@ class AdaptiveEngine:
         **template: Any,
     ) -> list[RequestOutput]:
         """`Engine.chat`, through this engine's `generate` (a collective over the world)."""
-        prompts = render_chat(self.tokenizer, self.config.model, messages, **template)
+        prompts = render_chat(self.engine.tokenizer, self.config.model, messages, **template)
         return self.generate(prompts, params, progress)
 
     def generate_partial(
@@ -288,7 +201,7 @@ class AdaptiveEngine:
             return self.engine.generate_partial(
                 prompts, params, quota, request_ids, prompt_keys, resume
             )
-        if self.has_unfinished():
+        if self.engine.has_unfinished():
             raise RuntimeError("generate_partial() needs an idle engine")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -300,7 +213,8 @@ class AdaptiveEngine:
         for rid, key, sp in zip(added, keys, params, strict=True):
             controller.note_request(rid, key or rid, sp.n)
         finished = list(self._run().values())
-        rest = self.export_requests(self.request_ids(), with_kv=False, include_finished=True)
+        engine = self.engine
+        rest = engine.export_requests(engine.request_ids(), with_kv=False, include_finished=True)
         self._end()
         return finished, rest
 
@@ -318,7 +232,7 @@ class AdaptiveEngine:
         layout = self.layout
         if layout.tp_size == 1:
             return [
-                self.add_request(p, sp, prompt_key=k)
+                self._add_request(p, sp, prompt_key=k)
                 for p, sp, k in zip(prompts, params, keys, strict=True)
             ]
         assert self.groups is not None
@@ -334,8 +248,22 @@ class AdaptiveEngine:
         self.engine.advance_ids(next_seq_id=max(g[1] for g in gathered))
         for part, _ in gathered:
             for p, sp, k, rid in part:
-                self.add_request(p, sp, request_id=rid, prompt_key=k)
+                self._add_request(p, sp, request_id=rid, prompt_key=k)
         return [m[3] for m in mine]
+
+    def _add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_key: str | None = None,
+    ) -> str:
+        """`Engine.add_request` within a rollout: the controller learns the request's length
+        group from `prompt_key` (the same key in later rollouts: its history)."""
+        request_id = self.engine.add_request(prompt, params, request_id, prompt_key)
+        if self.controller is not None and self.controller.in_rollout:
+            self.controller.note_request(request_id, prompt_key or request_id, params.n)
+        return request_id
 
     def _run(
         self, on_finished: Callable[[RequestOutput], Any] | None = None
@@ -349,7 +277,7 @@ class AdaptiveEngine:
         stepping = 0.0  # in engine.step (scheduling included: a static rollout pays it too)
         switching_before = c.stats.reconfig_s
         steps_left, deadline, stepped, opened = 0, math.inf, False, False
-        here = Layout(dp=engine.layout.dp_size, tp=engine.layout.tp_size)
+        here = Layout.of(engine.layout)
         if not c.partial and c.never_switches(here, engine.max_model_len):
             # no check could ever switch from here: none until this rank is done (the last
             # one, which ends the rollout everywhere and feeds the length model, stays)

@@ -1,6 +1,9 @@
-"""The length groups (GRPO groups) of a rollout's requests, as the length model learns them."""
+"""The length groups (GRPO groups) of a rollout's requests, as the length model learns them:
+the one writer of a run's length model."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 from patrl.rollout.adaptive.protocols import Lengths
 
@@ -9,7 +12,13 @@ class LengthGroups:
     """Tells `lengths` which requests form a group and how its samples end. The requests of
     one prompt key in one rollout form one group, so n requests of one sample each (TRL's way
     of asking for a group, or a per-sample replay) are siblings as n samples of one request
-    are. Every rank feeds it the same reports in the same order, so all learn alike."""
+    are. Every rank feeds it the same reports in the same order, so all learn alike.
+
+    It is the only writer of the length model. An adaptive engine's controller feeds it
+    during a rollout (`learn`: the planner predicts from siblings that have finished); the
+    schedule reports every finished response after the rollout (`learn_groups`), and what was
+    not learnt during it is learnt then: each finished response updates the model once,
+    whichever engine ran it."""
 
     def __init__(self, lengths: Lengths) -> None:
         self.lengths = lengths
@@ -17,10 +26,12 @@ class LengthGroups:
         self.of_request: dict[str, tuple[str, list[int]]] = {}  # id -> (group, [unreported])
         self._by_key: dict[str, str] = {}  # prompt key -> its group in this rollout
         self._count = 0
+        self.learnt: set[str] = set()  # requests `learn` observed in this rollout
 
     def new_rollout(self) -> None:
         """Requests of a key seen in an earlier rollout start a new group."""
         self._by_key = {}
+        self.learnt = set()
 
     def group_of(self, request_id: str) -> str:
         return self.of_request[request_id][0]
@@ -34,6 +45,20 @@ class LengthGroups:
             self._start(rid, key, n)
         for rid, index, length, reason in finished:
             self._finish(rid, index, length, reason)
+
+    def learn_groups(self, groups: Iterable[tuple[str, Sequence[tuple[str, int]]]]) -> None:
+        """Finished groups after a rollout, each (prompt key, [(request id, length) of each
+        finished sample]): the samples of requests `learn` did not observe in this rollout
+        form one group of the key, learnt whole (and closed) now."""
+        for key, samples in groups:
+            lengths = [length for rid, length in samples if rid not in self.learnt]
+            if not lengths:
+                continue
+            self._count += 1
+            gid = f"{key}@{self._count}"
+            self.lengths.start_group(gid, key, len(lengths))
+            for i, length in enumerate(lengths):
+                self.lengths.observe_finished(f"{gid}:{i}", gid, length)
 
     def _start(self, rid: str, key: str, n: int) -> None:
         gid = self._by_key.get(key)
@@ -54,6 +79,7 @@ class LengthGroups:
         if request is None:
             return
         gid, unreported = request
+        self.learnt.add(rid)
         entry = self.open[gid]
         if reason in ("stop", "length"):
             self.lengths.observe_finished(f"{rid}#{index}", gid, length)
