@@ -698,8 +698,7 @@ def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
     """verl's `model.lora_*` keys: a rank that is not 0 (off) or positive; adapter settings
     without a rank; target_modules entries that match no linear layer of the model (or one the
     engine cannot adapt); an adapter directory that is not a PEFT LoRA of this model (rank,
-    base model, tensor shapes); adaptive TP that would rebuild the engine from a sync that
-    brings adapters only. `model_dir` None (the demo, built later) skips the model's checks."""
+    base model, tensor shapes). `model_dir` None (the demo, built later) skips the model's checks."""
     m = config.model
     if m.lora_rank < 0:
         return [f"model.lora_rank={m.lora_rank}: accepted: 0 (LoRA off) or a positive rank"]
@@ -711,12 +710,6 @@ def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
             ]
         return []
     problems: list[str] = []
-    if config.rollout.adaptive_tp.enable and not config.rollout.adaptive_tp.keep_full_weights:
-        problems.append(
-            "model.lora_rank > 0 with rollout.adaptive_tp.keep_full_weights=false: the sync "
-            "after a folded rollout would rebuild the engine from the adapters alone; set "
-            "keep_full_weights=true or rollout.adaptive_tp.enable=false"
-        )
     if model_dir is None:
         return problems
     linears = _attempt(problems, "model.target_modules", lambda: _lora_targets(config, model_dir))
