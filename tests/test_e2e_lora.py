@@ -1,6 +1,6 @@
 """A 2-rank LoRA GRPO run through the real loop: adapters train, the engine gets only them
-(its base never changes), it folds to TP 2 with them, and each checkpoint holds a PEFT
-adapter directory and a merged Hugging Face model."""
+(its base never changes), it folds to TP 2 with them, each checkpoint holds a PEFT adapter
+directory and a merged Hugging Face model, and the run resumes on another number of ranks."""
 
 from __future__ import annotations
 
@@ -22,23 +22,28 @@ from patrl_testkit.profiles import synthetic_profile
 peft = pytest.importorskip("peft", reason="peft is a test dependency (noxfile TEST_DEPS)")
 
 
-def _run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
-    world = World(rank, world_size, rank, torch.device("cpu"))
-    profile = run_dir / "profile.json"
-    if rank == 0:  # tp 2 always pays: the rollouts fold, adapters resharded with the base
-        synthetic_profile(str(assets / "model"), tp2_speedup=20.0).save(profile)
-    torch.distributed.barrier()
-    extra = {
+def _extra(assets: Path, run_dir: Path, steps: int) -> dict[str, object]:
+    return {
         **learning_job_extras(assets),
         "model.lora_rank": 8,
         "model.lora_alpha": 16,
         "actor.optim.lr": 1e-2,
         "rollout.adaptive_tp.enable": "true",
-        "rollout.adaptive_tp.profile": profile,
-        "trainer.total_training_steps": 2,
+        "rollout.adaptive_tp.profile": run_dir / "profile.json",
+        "trainer.total_training_steps": steps,
         "trainer.save_freq": 2,
     }
-    config = load_config(None, tiny_job_overrides(assets, run_dir, **extra))
+
+
+def _run(rank: int, world_size: int, assets: Path, run_dir: Path, steps: int = 2) -> dict[str, Any]:
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    if rank == 0 and world_size > 1:  # tp 2 always pays: the rollouts fold, adapters and all
+        synthetic_profile(str(assets / "model"), tp2_speedup=20.0).save(run_dir / "profile.json")
+    if world.distributed:
+        torch.distributed.barrier()
+    config = load_config(
+        None, tiny_job_overrides(assets, run_dir, **_extra(assets, run_dir, steps))
+    )
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
 
     def base() -> dict[str, torch.Tensor]:
@@ -55,6 +60,7 @@ def _run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, A
     adapters = {n for b in loop.trainer.iter_full_weights(1 << 30) for n, _ in b}
     return {
         "history": result.history,
+        "steps": result.steps,
         "gap": float((trainer_lp - torch.tensor(sample.logprobs)).abs().max()),
         "base_same_layout": before.keys() == after.keys()
         and all(before[n].shape == after[n].shape for n in before),
@@ -93,3 +99,15 @@ def test_two_rank_lora_grpo_run(assets: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
         with loaded.disable_adapter():  # from_pretrained adapted `base` in place
             assert (loaded(input_ids=ids).logits - want).abs().max() > 1e-3
+    # The world-size change, as for full runs: the 2-rank checkpoint resumes on 1 rank (DCP
+    # reshards the adapters and their AdamW state), the engine gets the resumed adapters and
+    # step 3 trains on.
+    resumed = _run(0, 1, assets, tmp_path, steps=3)
+    assert resumed["steps"] == 3
+    # the run's history: the 2-rank steps read back from its metrics, then the resumed step
+    assert [h["step"] for h in resumed["history"] if "actor/pg_loss" in h] == [1.0, 2.0, 3.0]
+    assert resumed["synced_only_adapters"] and resumed["base_unchanged"]
+    assert resumed["gap"] < 1e-4, resumed["gap"]
+    # step 3 sampled with the resumed adapters: its rollout probabilities are the trainer's
+    (last,) = [h for h in resumed["history"] if h["step"] == 3.0 and "actor/pg_loss" in h]
+    assert last["training/rollout_probs_diff_max"] < 1e-4, last

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from trainer_testkit import LLAMA, config, make_batch
+from trainer_testkit import LLAMA, config, full_optimizer_state, make_batch
 
 from patrl.trainer import Trainer
 from patrl.trainer.lora import LoraConfig, peft_name, select_targets
@@ -274,3 +274,56 @@ def test_save_resume_and_export_cli_merge(base_dir: Path, tmp_path: Path) -> Non
     assert cli.keys() == live.keys() and not any("lora" in n for n in cli)
     for n in cli:
         torch.testing.assert_close(cli[n], live[n], rtol=1e-6, atol=1e-7)
+
+
+def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """As numpy arrays: a rank process's tensors die with it (file descriptors)."""
+    return {n: t.detach().numpy().copy() for n, t in tensors.items()}
+
+
+def _lora_state(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "adapters": _numpy(_adapters(trainer)),
+        "optim": _numpy(full_optimizer_state(trainer)),
+        "step": trainer.step,
+    }
+
+
+def _resume_on_two(rank: int, world: int, base_dir: str, tmp: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    trainer = Trainer(config(lora=LORA, use_kl_loss=True), base_dir, mesh=mesh)
+    trainer.load(Path(tmp) / "one")
+    loaded = _lora_state(trainer)
+    trainer.train_step(make_batch(1, [5, 3, 7, 2]))
+    trainer.save(Path(tmp) / "two")
+    return {"loaded": loaded, "saved": _lora_state(trainer)}
+
+
+@pytest.mark.multirank
+def test_lora_checkpoints_resume_at_another_world_size(base_dir: Path, tmp_path: Path) -> None:
+    """As for full runs (test_trainer_fsdp): saved by 1 process, loaded by 2 ranks; saved by
+    those 2, loaded by 1 process. Adapters and their AdamW state equal bit for bit each time
+    (DCP reshards), the optimizer holds the adapters' state only, and the 2-rank step in
+    between is the step the lone process takes."""
+    cfg = config(lora=LORA, use_kl_loss=True)
+    lone = Trainer(cfg, base_dir)
+    lone.train_step(make_batch(0, [5, 3, 7, 2]))
+    lone.save(tmp_path / "one")
+    saved_one = _lora_state(lone)
+    assert saved_one["optim"] and all(".lora_" in n for n in saved_one["optim"])
+    ranks = run_ranks(_resume_on_two, 2, (str(base_dir), str(tmp_path)), timeout_s=240)
+    resumed = Trainer(cfg, base_dir)
+    resumed.load(tmp_path / "two")
+    saved_two = _lora_state(resumed)
+    lone.train_step(make_batch(1, [5, 3, 7, 2]))
+    for got in ranks:
+        assert got["loaded"]["step"] == 1 and got["saved"]["step"] == 2
+        for part in ("adapters", "optim"):
+            assert got["loaded"][part].keys() == saved_one[part].keys()
+            for n, t in saved_one[part].items():
+                assert (got["loaded"][part][n] == t).all(), (part, n)
+            for n, t in got["saved"][part].items():
+                assert (saved_two[part][n] == t).all(), (part, n)
+    assert saved_two["step"] == 2
+    for n, t in _adapters(lone).items():
+        torch.testing.assert_close(torch.from_numpy(saved_two["adapters"][n]), t, **TOL)
