@@ -15,7 +15,12 @@ from safetensors.torch import load_file
 
 from patrl.rollout import Engine, EngineConfig
 from patrl.rollout.adaptive import WayBack, reconfigure
-from patrl.rollout.layers.lora import LORA_TARGETS, merge_lora, unmerge_lora
+from patrl.rollout.layers.lora import (
+    LORA_TARGETS,
+    merge_lora,
+    saved_base_weights,
+    unmerge_lora,
+)
 from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.sampler import SamplingParams
 from patrl.tpreshard import GroupCache, ParallelLayout
@@ -144,6 +149,37 @@ def test_adapters_need_lora_on_the_engine(case: dict[str, Any]) -> None:
         load_weights(model, case["adapter"].items())
     with pytest.raises(ValueError, match=r"accepted:.*q_proj"):
         load_model(case["base"], dtype=torch.float32, lora=(2, 4.0, ("lm_head",)))
+
+
+def test_merged_mode_sleeps_its_saved_base_weights_too(case: dict[str, Any]) -> None:
+    """sleep(2) moves the base weights merged mode keeps (for the unmerge) to the host with
+    the others; after wake_up the engine's tokens and its exact unmerge are unchanged."""
+    config = EngineConfig(
+        model=str(case["base"]),
+        block_size=4,
+        num_kv_blocks=64,
+        max_model_len=64,
+        lora_rank=RANK,
+        lora_alpha=ALPHA,
+        lora_merged=True,
+    )
+    engine = Engine(config)
+    engine.load_weights(case["adapter"].items(), version=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine.generate(case["prompts"], params)]
+    saved = saved_base_weights(engine.model)
+    assert saved and all(t.untyped_storage().nbytes() > 0 for t in saved)
+    engine.sleep(level=2)
+    assert all(t.untyped_storage().nbytes() == 0 for t in saved)
+    engine.wake_up()
+    after = [o.outputs[0].token_ids for o in engine.generate(case["prompts"], params)]
+    assert after == before
+    unmerge_lora(engine.model)
+    fresh = load_model(case["base"], dtype=torch.float32, lora=LORA)
+    want = {n: t for n, t in fresh.state_dict().items() if "lora_" not in n}
+    for n, t in engine.model.state_dict().items():
+        if n in want:
+            assert torch.equal(t, want[n]), n
 
 
 @pytest.mark.parametrize("merged", [False, True])

@@ -97,11 +97,15 @@ def lora_settings(config: JobConfig) -> dict[str, Any]:
 def engine_lora(config: JobConfig) -> dict[str, Any]:
     """EngineConfig's LoRA fields: adapters on the projections a target list names (their last
     name component); on all of them for 'all-linear' or a regex (an untargeted one's B stays
-    zero, so it adds nothing)."""
+    zero, so it adds nothing); merged mode from `model.lora.merge`."""
     m = config.model
     if m.lora_rank <= 0:
         return {}
-    out: dict[str, Any] = {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
+    out: dict[str, Any] = {
+        "lora_rank": m.lora_rank,
+        "lora_alpha": m.lora_alpha,
+        "lora_merged": m.lora.merge,
+    }
     if isinstance(m.target_modules, list):
         out["lora_target_modules"] = sorted({t.rsplit(".", 1)[-1] for t in m.target_modules})
     return out

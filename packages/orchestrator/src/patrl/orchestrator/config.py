@@ -100,6 +100,18 @@ class ModelConfig(_Section):
     )
 
 
+class LoraServingConfig(_Section):
+    """verl's `actor_rollout_ref.model.lora` section, of which patrl reads `merge` (the rank,
+    alpha and targets are the flat `model.lora_*` keys, verl's FSDP ones)."""
+
+    merge: bool = Field(
+        False,
+        description="serve the rollout with the adapters folded into the engine's base weights "
+        "(verl's lora.merge: no LoRA cost per generated token; each sync still sends adapters "
+        "only and the engine unmerges exactly, loads, merges again); static TP only",
+    )
+
+
 class PolicyModelConfig(ModelConfig):
     """verl's `actor_rollout_ref.model`: the policy's model, and LoRA on it."""
 
@@ -117,6 +129,7 @@ class PolicyModelConfig(ModelConfig):
     lora_adapter_path: str | None = Field(
         None, description="a PEFT adapter directory to start from; None = fresh adapters"
     )
+    lora: LoraServingConfig = Field(default_factory=lambda: LoraServingConfig())
 
 
 class AdaptiveTPConfig(_Section):

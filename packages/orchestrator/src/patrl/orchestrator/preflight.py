@@ -698,7 +698,8 @@ def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
     """verl's `model.lora_*` keys: a rank that is not 0 (off) or positive; adapter settings
     without a rank; target_modules entries that match no linear layer of the model (or one the
     engine cannot adapt); an adapter directory that is not a PEFT LoRA of this model (rank,
-    base model, tensor shapes). `model_dir` None (the demo, built later) skips the model's checks."""
+    base model, tensor shapes); `model.lora.merge` without a rank or with adaptive TP.
+    `model_dir` None (the demo, built later) skips the model's checks."""
     m = config.model
     if m.lora_rank < 0:
         return [f"model.lora_rank={m.lora_rank}: accepted: 0 (LoRA off) or a positive rank"]
@@ -708,8 +709,19 @@ def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
                 f"model.lora_adapter_path={m.lora_adapter_path} needs model.lora_rank > 0 "
                 "(0 is full fine-tuning); set model.lora_rank to the adapter's r"
             ]
+        if m.lora.merge:
+            return [
+                "model.lora.merge=true needs model.lora_rank > 0 (0 is full fine-tuning: "
+                "there are no adapters to merge); set model.lora_rank or model.lora.merge=false"
+            ]
         return []
     problems: list[str] = []
+    if m.lora.merge and config.rollout.adaptive_tp.enable:
+        problems.append(
+            "model.lora.merge=true runs the engine at a static TP (a fold would re-cut merged "
+            "weights whose unmerged copies keep the old cut); set "
+            "rollout.adaptive_tp.enable=false or model.lora.merge=false"
+        )
     if model_dir is None:
         return problems
     linears = _attempt(problems, "model.target_modules", lambda: _lora_targets(config, model_dir))
