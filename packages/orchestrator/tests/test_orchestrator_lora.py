@@ -207,3 +207,23 @@ def test_merged_mode_syncs_adapters_and_unmerges_to_the_exact_base(base_dir: Pat
     for n, p in engine.model.named_parameters():
         if n in base:
             assert torch.equal(p, base[n]), n
+
+
+def test_critic_lora_keys_reach_the_critic_and_preflight_names_them(base_dir: Path) -> None:
+    """verl's critic.model.lora_rank / lora_alpha / target_modules: the critic's trainer gets
+    them (tested against PEFT in test_trainer_lora); a target matching nothing is a preflight
+    problem naming the critic's key."""
+    from patrl.orchestrator.build import critic_config
+
+    gae = ("algorithm.adv_estimator=gae", f"model.path={base_dir}")
+    job = _job(*gae, "critic.model.lora_rank=4", "critic.model.lora_alpha=8")
+    lora = critic_config(job).lora  # type: ignore[arg-type]
+    assert (lora.lora_rank, lora.lora_alpha, lora.target_modules) == (4, 8.0, "all-linear")
+    assert critic_config(_job(*gae)).lora.lora_rank == 0  # type: ignore[arg-type]
+    assert trainer_config(job).lora.lora_rank == 0  # type: ignore[arg-type]  # the actor's own
+    assert lora_problems(job, str(base_dir)) == []  # type: ignore[arg-type]
+    bad = _job(*gae, "critic.model.lora_rank=4", "critic.model.target_modules=[q_proj,qkv]")
+    [msg] = lora_problems(bad, str(base_dir))  # type: ignore[arg-type]
+    assert msg.startswith("critic.model.target_modules") and "['qkv']" in msg
+    with pytest.raises(ConfigError, match=r"critic\.model\.lora_rank"):
+        _job("critic.model.lora_rank=-1")

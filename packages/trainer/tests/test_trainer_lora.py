@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from trainer_testkit import LLAMA, config, full_optimizer_state, make_batch
 
 from patrl.trainer import Trainer
-from patrl.trainer.lora import LoraConfig, peft_name, select_targets
+from patrl.trainer.lora import PEFT_PREFIX, LoraConfig, peft_name, select_targets
 from patrl_testkit.models import save_tiny_model
 from patrl_testkit.multirank import run_ranks
 
@@ -327,3 +327,125 @@ def test_lora_checkpoints_resume_at_another_world_size(base_dir: Path, tmp_path:
     assert saved_two["step"] == 2
     for n, t in _adapters(lone).items():
         torch.testing.assert_close(torch.from_numpy(saved_two["adapters"][n]), t, **TOL)
+
+
+def test_critic_lora_trains_adapters_and_its_head_over_a_frozen_base_as_peft(
+    base_dir: Path,
+) -> None:
+    """verl's critic.model.lora_*: the value model's adapters train with its head (PEFT's
+    TOKEN_CLS task keeps the head in `modules_to_save`), the base stays frozen. Its head output
+    and every trainable gradient equal PEFT's on the same base, adapters and head; an update
+    moves only those, and only they hold AdamW state."""
+    from transformers import AutoModelForTokenClassification
+
+    from patrl.trainer import Critic, CriticConfig
+    from patrl.trainer.model import init_value_head
+
+    cfg = CriticConfig.model_validate(
+        {"optim": {"lr": 1e-3, "eps": 1e-6}, "lora": LORA, "use_remove_padding": False}
+    )
+    critic = Critic(cfg, base_dir)
+    init_value_head(critic.model, seed=3, std=0.3)  # a zero head would give no gradient
+    _randomise_b(critic)
+    trainable = {n for n, p in critic.model.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if ".lora_" in n}
+    assert len(adapters) == 2 * 7 * 2 and trainable - adapters == {"score.weight", "score.bias"}
+
+    hf = AutoModelForTokenClassification.from_pretrained(base_dir, num_labels=1)
+    peft_cfg = peft.LoraConfig(
+        r=LORA["lora_rank"],
+        lora_alpha=LORA["lora_alpha"],
+        # PEFT's all-linear would adapt the TOKEN_CLS head too; patrl's (as PEFT's for an LM)
+        # leaves the output layer out: the decoder's projections, named
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+        task_type="TOKEN_CLS",
+    )
+    ref = peft.get_peft_model(hf, peft_cfg)
+    # the adapters and the head, under the names PEFT saves them (the head: modules_to_save)
+    state = {
+        peft_name(n): p.detach().clone()
+        for n, p in critic.model.named_parameters()
+        if n in trainable
+    }
+    assert not peft.set_peft_model_state_dict(ref, state).unexpected_keys
+    x = torch.stack(make_batch(2, [6, 6]).input_ids)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    ours = (critic.model(input_ids=x).logits[..., 0] * w).sum()
+    theirs = (ref(input_ids=x).logits[..., 0] * w).sum()
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ours.backward()
+    theirs.backward()
+    peft_grads = {
+        n.replace(".default", "").replace(".modules_to_save", "").removeprefix(PEFT_PREFIX): p.grad
+        for n, p in ref.named_parameters()
+        if p.requires_grad
+    }
+    assert peft_grads.keys() == trainable
+    for n, p in critic.model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+            torch.testing.assert_close(p.grad, peft_grads[n], **TOL)
+    critic.optimizer.zero_grad(set_to_none=True)
+
+    before = {n: p.detach().clone() for n, p in critic.model.named_parameters()}
+    batch = make_batch(4, [3, 5, 2])
+    rewards = [torch.zeros(m.shape) for m in batch.loss_mask]
+    for r in rewards:
+        r[-1] = 1.0
+    assert critic.update(batch, rewards, 1.0, 1.0)["critic/grad_norm"] > 0
+    for n, p in critic.model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in trainable), n
+    held = {id(p) for p in critic.optimizer.state}
+    assert held == {id(p) for p in critic.model.parameters() if p.requires_grad}
+
+
+def _critic(mesh: Any, base_dir: str) -> Any:
+    from patrl.trainer import Critic, CriticConfig
+
+    cfg = CriticConfig.model_validate(
+        {"optim": {"lr": 1e-3, "eps": 1e-6}, "lora": LORA, "ppo_max_token_len_per_gpu": 40}
+    )
+    return Critic(cfg, base_dir, mesh=mesh)
+
+
+def _critic_batch() -> tuple[Any, list[torch.Tensor]]:
+    batch = make_batch(4, [3, 5, 2, 7])
+    rewards = [torch.zeros(m.shape) for m in batch.loss_mask]
+    for i, r in enumerate(rewards):
+        r[-1] = float(i % 2)
+    return batch, rewards
+
+
+def _critic_rank(rank: int, world: int, base_dir: str) -> dict[str, Any]:
+    critic = _critic(init_device_mesh("cpu", (world,)), base_dir)
+    batch, rewards = _critic_batch()
+    metrics = [critic.update(batch, rewards, 1.0, 1.0) for _ in range(2)]
+    values = critic.compute_values(batch)
+    return {"metrics": metrics, "values": [v.numpy().copy() for v in values]}
+
+
+@pytest.mark.multirank
+def test_critic_lora_fsdp2_two_ranks_equal_one_process(base_dir: Path) -> None:
+    """The sharded build (adapters on the meta model, the new head trainable beside them)
+    takes the lone process's two value steps."""
+    ranks = run_ranks(_critic_rank, 2, (str(base_dir),), timeout_s=240)
+    lone = _critic(None, str(base_dir))
+    batch, rewards = _critic_batch()
+    metrics = [lone.update(batch, rewards, 1.0, 1.0) for _ in range(2)]
+    values = lone.compute_values(batch)
+    assert metrics[1]["critic/grad_norm"] > 0
+    for got in ranks:
+        for g, w in zip(got["metrics"], metrics, strict=True):
+            for key in ("critic/vf_loss", "critic/grad_norm"):
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-7), key
+        for g, w in zip(got["values"], values, strict=True):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-6)

@@ -138,8 +138,19 @@ def critic_config(config: JobConfig) -> CriticConfig:
         if actor.use_dynamic_bsz
         else c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
         seed=config.trainer.seed,
+        lora=critic_lora_settings(config),
     )
     return CriticConfig(**values)
+
+
+def critic_lora_settings(config: JobConfig) -> dict[str, Any]:
+    """The critic's `lora` section from verl's `critic.model.lora_*` keys."""
+    m = config.critic.model
+    return {
+        "lora_rank": m.lora_rank,
+        "lora_alpha": m.lora_alpha,
+        "target_modules": m.target_modules,
+    }
 
 
 # the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None

@@ -132,6 +132,20 @@ class PolicyModelConfig(ModelConfig):
     lora: LoraServingConfig = Field(default_factory=lambda: LoraServingConfig())
 
 
+class CriticModelConfig(ModelConfig):
+    """verl's `critic.model`: the value model, and LoRA on it (verl's critic.model.lora_*)."""
+
+    lora_rank: int = Field(
+        0, ge=0, description="critic LoRA rank; 0 = off (the critic trains every weight)"
+    )
+    lora_alpha: float = Field(16.0, gt=0, description="critic LoRA scale = lora_alpha / lora_rank")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="critic LoRA targets, as model.target_modules (the value head is never "
+        "adapted: it trains whole beside the adapters)",
+    )
+
+
 class AdaptiveTPConfig(_Section):
     """Adaptive TP (PAT): start with the most data-parallel replicas, fold them into larger TP
     groups when the planner predicts the long tail finishes sooner that way."""
@@ -393,7 +407,7 @@ class CriticConfig(_Section):
     """verl's `critic.*`: the value model of `algorithm.adv_estimator=gae`, FSDP2-sharded on
     the actor's ranks, with its own optimizer and schedule. Unset sizes follow the actor's."""
 
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    model: CriticModelConfig = Field(default_factory=lambda: CriticModelConfig())
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int | None = Field(
         None, gt=0, description="prompts per critic step; None = actor.ppo_mini_batch_size"

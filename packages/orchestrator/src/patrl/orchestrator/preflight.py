@@ -695,6 +695,35 @@ def _read_only(path: Path) -> bool:
 
 
 def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
+    """verl's LoRA keys: the policy's (`model.lora_*`, `_policy_lora_problems`) and the
+    critic's (`critic.model.lora_*`: target_modules entries that match no linear layer of the
+    critic's model). `model_dir` None (the demo, built later) skips the models' checks."""
+    problems = _policy_lora_problems(config, model_dir)
+    c = config.critic.model
+    source = c.path or model_dir
+    # a critic.model.path without a config.json is _critic_problems' to report
+    if (
+        config.use_critic
+        and c.lora_rank > 0
+        and source
+        and (Path(source) / "config.json").is_file()
+    ):
+        lora = LoraConfig(
+            lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, target_modules=c.target_modules
+        )
+        key = "critic.model.target_modules"
+        _attempt(problems, key, lambda: _meta_targets(source, lora, "critic.model"))
+    return problems
+
+
+def _meta_targets(model_dir: str, lora: LoraConfig, key: str) -> list[str]:
+    """`select_targets` on `model_dir`'s model built on the meta device (no weights read)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return select_targets(model, lora, key)
+
+
+def _policy_lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
     """verl's `model.lora_*` keys: a rank that is not 0 (off) or positive; adapter settings
     without a rank; target_modules entries that match no linear layer of the model (or one the
     engine cannot adapt); an adapter directory that is not a PEFT LoRA of this model (rank,
