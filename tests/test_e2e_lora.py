@@ -111,3 +111,58 @@ def test_two_rank_lora_grpo_run(assets: Path, tmp_path: Path) -> None:
     # step 3 sampled with the resumed adapters: its rollout probabilities are the trainer's
     (last,) = [h for h in resumed["history"] if h["step"] == 3.0 and "actor/pg_loss" in h]
     assert last["training/rollout_probs_diff_max"] < 1e-4, last
+
+
+def _async_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
+    from patrl.orchestrator.async_loop import AsyncGRPO
+    from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
+
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    extra = {
+        **learning_job_extras(assets),
+        "model.lora_rank": 8,
+        "model.lora_alpha": 16,
+        "actor.optim.lr": 1e-2,
+        "trainer.mode": "async",
+        "async_rl.max_staleness": 0,
+        "async_rl.rollout_ranks": 1,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 0,
+    }
+    config = load_config(None, tiny_job_overrides(assets, run_dir, **extra))
+    loop = AsyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
+    result = loop.run()
+    if not isinstance(loop.role, TrainerWorker):
+        from patrl.rollout.loader import load_model
+
+        fresh = dict(load_model(assets / "model", dtype=torch.float32).named_parameters())
+        engine = dict(loop.role.engine.model.named_parameters())
+        base = [n for n in engine if "lora_" not in n]
+        return {
+            "role": "rollout",
+            "base_unchanged": base == list(fresh)
+            and all(torch.equal(engine[n], fresh[n]) for n in base),
+        }
+    store = loop.role.job.weights
+    return {
+        "role": "trainer",
+        "history": result.history,
+        "published": {n for v in store.versions() for n, _ in store.load(v)},
+    }
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_lora_in_the_async_schedule(assets: Path, tmp_path: Path) -> None:
+    """1 rollout + 1 trainer rank at max_staleness=0: the trainer publishes adapters only, the
+    rollout engine (built with adapters) samples with exactly the trainer's policy (decoupled
+    PPO's behaviour weight is 1) and its base never changes."""
+    results = run_ranks(_async_run, world_size=2, args=(assets, tmp_path), timeout_s=400)
+    assert [r["role"] for r in results] == ["rollout", "trainer"]
+    steps = [h for h in results[1]["history"] if "actor/pg_loss" in h]
+    assert [h["step"] for h in steps] == [1.0, 2.0]
+    assert results[1]["published"] and all(".lora_" in n for n in results[1]["published"])
+    for h in steps:
+        assert h["actor/grad_norm"] > 0
+        assert h["actor/behav_imp_weight"] == pytest.approx(1.0, abs=1e-4), h
+    assert results[0]["base_unchanged"]
