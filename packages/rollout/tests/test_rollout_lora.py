@@ -313,3 +313,39 @@ def test_lora_forward_equals_merged_weights_across_live_reconfigures(
             assert got["tp_after_way_back"] == opening, got
             for stage in ("opening", "moved", "synced", "back", "way_back"):
                 assert got[stage] <= EXACT, (opening, stage, got)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_adapter_loads_keep_the_decode_graphs(case: dict[str, Any], merged: bool) -> None:
+    """An adapter sync writes into the tensors captured graphs read (the adapters, and in
+    merged mode the weights, in place): the graphs stay (none is dropped or captured anew) and
+    their path (the CPU twin of the capture's static buffers) gives an eager engine's tokens and
+    logprobs of the new adapters."""
+    from patrl.rollout.cuda_graphs import DecodeGraphs
+
+    def engine() -> Engine:
+        config = EngineConfig(
+            model=str(case["base"]), block_size=4, num_kv_blocks=128, max_model_len=64,
+            max_num_seqs=8, lora_rank=RANK, lora_alpha=ALPHA, lora_merged=merged,
+        )  # fmt: skip
+        return Engine(config)
+
+    def run(eng: Engine) -> tuple[list[list[int]], list[float]]:
+        params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=10, ignore_eos=True)
+        outs = [c for o in eng.generate(case["prompts"], params) for c in o.outputs]
+        return [c.token_ids for c in outs], [lp for c in outs for lp in c.logprobs]
+
+    graphed = engine()
+    runner = graphed.runner
+    graphs = runner.graphs = DecodeGraphs(
+        runner.model, runner.cache, 8, runner.max_model_len, capture=False
+    )
+    for step, adapter in enumerate((case["adapter"], case["adapter_half"])):
+        eager = engine()
+        eager.load_weights(adapter.items(), version=step + 1)
+        graphed.load_weights(adapter.items(), version=step + 1)
+        before = dict(graphs.graphs)
+        got, want = run(graphed), run(eager)
+        assert got[0] == want[0]
+        assert got[1] == pytest.approx(want[1], abs=1e-5)
+        assert graphs.graphs and all(graphs.graphs[b] is g for b, g in before.items())
