@@ -113,6 +113,47 @@ def test_two_rank_lora_grpo_run(assets: Path, tmp_path: Path) -> None:
     assert last["training/rollout_probs_diff_max"] < 1e-4, last
 
 
+def _random_adapter(model_dir: Path, out: Path, rank: int) -> Path:
+    """A PEFT adapter of `model_dir` (all-linear, r=`rank`) whose A and B are random: a
+    policy unlike the base."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    )
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(tuple(p.shape), generator=g) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_run_from_an_adapter_gives_it_to_the_engine_before_the_first_rollout(
+    assets: Path, tmp_path: Path
+) -> None:
+    """model.lora_adapter_path: the trainer starts from the adapter, and so must the engine
+    (it loads model.path, the base): the schedule's start syncs it, so the first rollout
+    samples from the trainer's policy."""
+    adapter = _random_adapter(assets / "model", tmp_path / "adapter", rank=4)
+    extra = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.lora_adapter_path": adapter}
+    config = load_config(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
+    world = World(0, 1, 0, torch.device("cpu"))
+    loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
+    loop.begin()  # as RunLoop.run calls it, before the first validation and step
+    prompt = [1, 70, 71]
+    out = loop.engine.generate([prompt], SamplingParams(seed=5, max_tokens=8, ignore_eos=True))
+    sample = out[0].outputs[0]
+    batch = PolicyBatch.from_responses([prompt], [sample.token_ids], [0.0])
+    trainer_lp = loop.trainer.compute_logprobs(batch)[0][-len(sample.token_ids) :]
+    assert float((trainer_lp - torch.tensor(sample.logprobs)).abs().max()) < 1e-4
+    # and that policy is not the base's: the engine holds the adapter's non-zero B
+    engine_b = [p for n, p in loop.engine.model.named_parameters() if n.endswith("lora_B")]
+    assert engine_b and all(float(p.abs().max()) > 0 for p in engine_b)
+
+
 def _async_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[str, Any]:
     from patrl.orchestrator.async_loop import AsyncGRPO
     from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
@@ -128,6 +169,8 @@ def _async_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[
         "async_rl.rollout_ranks": 1,
         "trainer.total_training_steps": 2,
         "trainer.save_freq": 0,
+        # from an adapter: the rollout rank must get it before its first rollout
+        "model.lora_adapter_path": run_dir / "adapter",
     }
     config = load_config(None, tiny_job_overrides(assets, run_dir, **extra))
     loop = AsyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
@@ -154,9 +197,11 @@ def _async_run(rank: int, world_size: int, assets: Path, run_dir: Path) -> dict[
 @pytest.mark.e2e
 @pytest.mark.multirank
 def test_lora_in_the_async_schedule(assets: Path, tmp_path: Path) -> None:
-    """1 rollout + 1 trainer rank at max_staleness=0: the trainer publishes adapters only, the
-    rollout engine (built with adapters) samples with exactly the trainer's policy (decoupled
-    PPO's behaviour weight is 1) and its base never changes."""
+    """1 rollout + 1 trainer rank at max_staleness=0, from a PEFT adapter: the trainer
+    publishes adapters only (the start's too), the rollout engine (built with adapters) samples
+    with exactly the trainer's policy from step 1 on (decoupled PPO's behaviour weight is 1)
+    and its base never changes."""
+    _random_adapter(assets / "model", tmp_path / "adapter", rank=8)
     results = run_ranks(_async_run, world_size=2, args=(assets, tmp_path), timeout_s=400)
     assert [r["role"] for r in results] == ["rollout", "trainer"]
     steps = [h for h in results[1]["history"] if "actor/pg_loss" in h]

@@ -94,6 +94,13 @@ def lora_settings(config: JobConfig) -> dict[str, Any]:
     return {k: getattr(config.model, k) for k in LORA_KEYS}
 
 
+def starts_from_adapter(config: JobConfig) -> bool:
+    """Whether a fresh run's policy is not what the engine loads from `model.path` (the base
+    with zero adapters): LoRA from `model.lora_adapter_path`, which the engine gets by a sync
+    before the first rollout."""
+    return config.model.lora_rank > 0 and config.model.lora_adapter_path is not None
+
+
 def engine_lora(config: JobConfig) -> dict[str, Any]:
     """EngineConfig's LoRA fields: adapters on the projections a target list names (their last
     name component); on all of them for 'all-linear' or a regex (an untargeted one's B stays
