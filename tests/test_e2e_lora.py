@@ -14,6 +14,7 @@ from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.rollout import SamplingParams
+from patrl.rollout.layers.lora import is_merged
 from patrl.trainer import PolicyBatch
 from patrl_testkit.jobs import learning_job_extras, tiny_job_overrides
 from patrl_testkit.multirank import run_ranks
@@ -131,18 +132,25 @@ def _random_adapter(model_dir: Path, out: Path, rank: int) -> Path:
     return out
 
 
+@pytest.mark.parametrize("merge", [False, True])
 def test_a_run_from_an_adapter_gives_it_to_the_engine_before_the_first_rollout(
-    assets: Path, tmp_path: Path
+    assets: Path, tmp_path: Path, merge: bool
 ) -> None:
     """model.lora_adapter_path: the trainer starts from the adapter, and so must the engine
     (it loads model.path, the base): the schedule's start syncs it, so the first rollout
-    samples from the trainer's policy."""
+    samples from the trainer's policy; also in merged mode (model.lora.merge)."""
     adapter = _random_adapter(assets / "model", tmp_path / "adapter", rank=4)
-    extra = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.lora_adapter_path": adapter}
+    extra = {
+        "model.lora_rank": 4,
+        "model.lora_alpha": 8,
+        "model.lora_adapter_path": adapter,
+        "model.lora.merge": str(merge).lower(),
+    }
     config = load_config(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
     world = World(0, 1, 0, torch.device("cpu"))
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
     loop.begin()  # as RunLoop.run calls it, before the first validation and step
+    assert is_merged(loop.engine.model) == merge
     prompt = [1, 70, 71]
     out = loop.engine.generate([prompt], SamplingParams(seed=5, max_tokens=8, ignore_eos=True))
     sample = out[0].outputs[0]
