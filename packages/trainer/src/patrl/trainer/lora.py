@@ -124,9 +124,7 @@ def target_leaf_names(targets: list[str]) -> list[str]:
     return sorted({t.split(".")[-1] for t in targets})
 
 
-def add_adapters(
-    model: nn.Module, cfg: LoraConfig, trainable: tuple[str, ...] = ()
-) -> list[str]:
+def add_adapters(model: nn.Module, cfg: LoraConfig, trainable: tuple[str, ...] = ()) -> list[str]:
     """Attach LoRA to the modules `select_targets` picks, freeze every other parameter but
     those of the modules named in `trainable` (PEFT's `modules_to_save`: a value model's new
     head trains whole) and return the adapted modules' names. The adapters are created in the
