@@ -3,6 +3,7 @@ merged mode, and greedy tokens against transformers + PEFT on the same adapter."
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,16 @@ from rollout_testkit import Driver, hf_reference, max_diff_prefill_and_decode, w
 from safetensors.torch import load_file
 
 from patrl.rollout import Engine, EngineConfig
-from patrl.rollout.layers.lora import LORA_TARGETS, merge_lora, unmerge_lora
+from patrl.rollout.adaptive import WayBack, reconfigure
+from patrl.rollout.layers.lora import (
+    LORA_TARGETS,
+    merge_lora,
+    saved_base_weights,
+    unmerge_lora,
+)
 from patrl.rollout.loader import load_model, load_weights
 from patrl.rollout.sampler import SamplingParams
-from patrl.tpreshard import ParallelLayout
+from patrl.tpreshard import GroupCache, ParallelLayout
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
 
@@ -43,12 +50,20 @@ def _peft(family: str, root: Path) -> dict[str, Any]:
     adapter = load_file(str(root / "adapter" / "adapter_model.safetensors"))
     prompts, conts = workload(model.config.vocab_size)
     refs = hf_reference(model, prompts, conts)
+    half = copy.deepcopy(model)  # the same adapter with B halved: a second sync's values
+    with torch.no_grad():
+        for name, p in half.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    merged_half = save_hf_model(half.merge_and_unload(), root / "merged_half")
     merged = save_hf_model(model.merge_and_unload(), root / "merged")
     return {
         "base": base,
         "adapter": adapter,
         "adapter_dir": root / "adapter",
         "merged": merged,
+        "adapter_half": {n: t * 0.5 if "lora_B" in n else t for n, t in adapter.items()},
+        "merged_half": merged_half,
         "prompts": prompts,
         "conts": conts,
         "refs": refs,
@@ -136,6 +151,37 @@ def test_adapters_need_lora_on_the_engine(case: dict[str, Any]) -> None:
         load_model(case["base"], dtype=torch.float32, lora=(2, 4.0, ("lm_head",)))
 
 
+def test_merged_mode_sleeps_its_saved_base_weights_too(case: dict[str, Any]) -> None:
+    """sleep(2) moves the base weights merged mode keeps (for the unmerge) to the host with
+    the others; after wake_up the engine's tokens and its exact unmerge are unchanged."""
+    config = EngineConfig(
+        model=str(case["base"]),
+        block_size=4,
+        num_kv_blocks=64,
+        max_model_len=64,
+        lora_rank=RANK,
+        lora_alpha=ALPHA,
+        lora_merged=True,
+    )
+    engine = Engine(config)
+    engine.load_weights(case["adapter"].items(), version=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine.generate(case["prompts"], params)]
+    saved = saved_base_weights(engine.model)
+    assert saved and all(t.untyped_storage().nbytes() > 0 for t in saved)
+    engine.sleep(level=2)
+    assert all(t.untyped_storage().nbytes() == 0 for t in saved)
+    engine.wake_up()
+    after = [o.outputs[0].token_ids for o in engine.generate(case["prompts"], params)]
+    assert after == before
+    unmerge_lora(engine.model)
+    fresh = load_model(case["base"], dtype=torch.float32, lora=LORA)
+    want = {n: t for n, t in fresh.state_dict().items() if "lora_" not in n}
+    for n, t in engine.model.state_dict().items():
+        if n in want:
+            assert torch.equal(t, want[n]), n
+
+
 @pytest.mark.parametrize("merged", [False, True])
 def test_greedy_tokens_equal_transformers_with_peft(case: dict[str, Any], merged: bool) -> None:
     from transformers import AutoModelForCausalLM
@@ -177,10 +223,129 @@ def test_merged_mode_is_refused_with_adaptive_tp(case: dict[str, Any]) -> None:
         EngineConfig(
             model=str(case["base"]), lora_rank=RANK, lora_merged=True, tp_policy=AdaptiveTP()
         )
-    with pytest.raises(ValueError, match="needs keep_full_weights=True"):
-        EngineConfig(
-            model=str(case["base"]),
+    # Without kept full weights the way back waits for the next rollout (a gather), as the
+    # adapter-only sync cannot rebuild the base: allowed (test_..._across_live_reconfigures).
+    EngineConfig(
+        model=str(case["base"]), lora_rank=RANK, keep_full_weights=False, tp_policy=AdaptiveTP()
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_case(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _peft("llama", tmp_path_factory.mktemp("lora_reconfig"))
+
+
+def _generate_across(engine: Engine, tp: int | None) -> dict[str, list[list[int]]]:
+    """Each replica's three requests, moved to TP `tp` (None: not moved) after 3 steps, run to
+    the end; every replica's tokens by request id."""
+    dp_rank = engine.layout.dp_rank
+    g = torch.Generator().manual_seed(50 + dp_rank)
+    for i, n in enumerate((5, 11, 8)):
+        prompt = torch.randint(0, 250, (n,), generator=g).tolist()
+        params = SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=12, ignore_eos=True)
+        engine.add_request(prompt, params, request_id=f"r{dp_rank}-{i}")
+    done: dict[str, list[list[int]]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3 and tp is not None:
+            reconfigure(engine, tp, "migrate")
+        for out in engine.step():
+            done[out.request_id] = [s.token_ids for s in out.outputs]
+        steps += 1
+    parts: list[dict[str, list[list[int]]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, done)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _reconfig_body(rank: int, world_size: int, c: dict[str, Any]) -> list[dict[str, Any]]:
+    """From each opening TP (1, then 2): adapters loaded, a live move to the other TP
+    mid-generation, an adapter sync there, the move back; then an adaptive rollout's way back
+    paid by an adapter-only sync. Each stage's worst logit difference against the merged-weights
+    model (PEFT's merge) of the adapter loaded last, at the engine's layout of the moment."""
+    groups = GroupCache([1, 2], world_size=world_size, rank=rank)
+    p, q = c["prompts"], c["conts"]
+    refs = _logits(load_model(c["merged"], dtype=torch.float32), p, q)
+    half = _logits(load_model(c["merged_half"], dtype=torch.float32), p, q)
+    results = []
+    for opening, other in ((1, 2), (2, 1)):
+        config = EngineConfig(
+            model=str(c["base"]),
+            block_size=4,
+            num_kv_blocks=128,
+            max_model_len=128,
             lora_rank=RANK,
-            keep_full_weights=False,
-            tp_policy=AdaptiveTP(),
+            lora_alpha=ALPHA,
         )
+        engine = Engine(config, groups.layout(opening), groups)
+        engine.load_weights(c["adapter"].items(), version=1)
+        out: dict[str, Any] = {
+            "opening": max_diff_prefill_and_decode(engine.model, refs, p, q, "paged")
+        }
+        out["same_tokens"] = _generate_across(engine, None) == _generate_across(engine, other)
+        assert engine.layout.tp_size == other
+        out["moved"] = max_diff_prefill_and_decode(engine.model, refs, p, q, "paged")
+        engine.load_weights(c["adapter_half"].items(), version=2)
+        out["synced"] = max_diff_prefill_and_decode(engine.model, half, p, q, "paged")
+        reconfigure(engine, opening)
+        out["back"] = max_diff_prefill_and_decode(engine.model, half, p, q, "paged")
+        # As after an adaptive rollout: moved away, the return owed, the next sync adapters only.
+        reconfigure(engine, other)
+        way_back = WayBack(engine)
+        way_back.later(groups.layout(opening))
+        way_back.load_weights(c["adapter"].items(), version=3)
+        way_back.settle()
+        out["tp_after_way_back"] = engine.layout.tp_size
+        out["way_back"] = max_diff_prefill_and_decode(engine.model, refs, p, q, "paged")
+        results.append(out)
+    return results
+
+
+@pytest.mark.multirank
+def test_lora_forward_equals_merged_weights_across_live_reconfigures(
+    llama_case: dict[str, Any],
+) -> None:
+    """Adapters are resharded with the base: after every move (fold and split, mid-generation)
+    and every adapter sync at the new layout, the LoRA forward is the merged-weights forward;
+    the sampled tokens are those of a run that never moved."""
+    for per_opening in run_ranks(_reconfig_body, 2, args=(llama_case,), timeout_s=400):
+        for (opening, _), got in zip(((1, 2), (2, 1)), per_opening, strict=True):
+            assert got["same_tokens"], (opening, got)
+            assert got["tp_after_way_back"] == opening, got
+            for stage in ("opening", "moved", "synced", "back", "way_back"):
+                assert got[stage] <= EXACT, (opening, stage, got)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_adapter_loads_keep_the_decode_graphs(case: dict[str, Any], merged: bool) -> None:
+    """An adapter sync writes into the tensors captured graphs read (the adapters, and in
+    merged mode the weights, in place): the graphs stay (none is dropped or captured anew) and
+    their path (the CPU twin of the capture's static buffers) gives an eager engine's tokens and
+    logprobs of the new adapters."""
+    from patrl.rollout.cuda_graphs import DecodeGraphs
+
+    def engine() -> Engine:
+        config = EngineConfig(
+            model=str(case["base"]), block_size=4, num_kv_blocks=128, max_model_len=64,
+            max_num_seqs=8, lora_rank=RANK, lora_alpha=ALPHA, lora_merged=merged,
+        )  # fmt: skip
+        return Engine(config)
+
+    def run(eng: Engine) -> tuple[list[list[int]], list[float]]:
+        params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=10, ignore_eos=True)
+        outs = [c for o in eng.generate(case["prompts"], params) for c in o.outputs]
+        return [c.token_ids for c in outs], [lp for c in outs for lp in c.logprobs]
+
+    graphed = engine()
+    runner = graphed.runner
+    graphs = runner.graphs = DecodeGraphs(
+        runner.model, runner.cache, 8, runner.max_model_len, capture=False
+    )
+    for step, adapter in enumerate((case["adapter"], case["adapter_half"])):
+        eager = engine()
+        eager.load_weights(adapter.items(), version=step + 1)
+        graphed.load_weights(adapter.items(), version=step + 1)
+        before = dict(graphs.graphs)
+        got, want = run(graphed), run(eager)
+        assert got[0] == want[0]
+        assert got[1] == pytest.approx(want[1], abs=1e-5)
+        assert graphs.graphs and all(graphs.graphs[b] is g for b, g in before.items())

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from trainer_testkit import LLAMA, config, make_batch
+from trainer_testkit import LLAMA, config, full_optimizer_state, make_batch
 
 from patrl.trainer import Trainer
-from patrl.trainer.lora import LoraConfig, peft_name, select_targets
+from patrl.trainer.lora import PEFT_PREFIX, LoraConfig, peft_name, select_targets
 from patrl_testkit.models import save_tiny_model
 from patrl_testkit.multirank import run_ranks
 
@@ -274,3 +274,178 @@ def test_save_resume_and_export_cli_merge(base_dir: Path, tmp_path: Path) -> Non
     assert cli.keys() == live.keys() and not any("lora" in n for n in cli)
     for n in cli:
         torch.testing.assert_close(cli[n], live[n], rtol=1e-6, atol=1e-7)
+
+
+def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """As numpy arrays: a rank process's tensors die with it (file descriptors)."""
+    return {n: t.detach().numpy().copy() for n, t in tensors.items()}
+
+
+def _lora_state(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "adapters": _numpy(_adapters(trainer)),
+        "optim": _numpy(full_optimizer_state(trainer)),
+        "step": trainer.step,
+    }
+
+
+def _resume_on_two(rank: int, world: int, base_dir: str, tmp: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    trainer = Trainer(config(lora=LORA, use_kl_loss=True), base_dir, mesh=mesh)
+    trainer.load(Path(tmp) / "one")
+    loaded = _lora_state(trainer)
+    trainer.train_step(make_batch(1, [5, 3, 7, 2]))
+    trainer.save(Path(tmp) / "two")
+    return {"loaded": loaded, "saved": _lora_state(trainer)}
+
+
+@pytest.mark.multirank
+def test_lora_checkpoints_resume_at_another_world_size(base_dir: Path, tmp_path: Path) -> None:
+    """As for full runs (test_trainer_fsdp): saved by 1 process, loaded by 2 ranks; saved by
+    those 2, loaded by 1 process. Adapters and their AdamW state equal bit for bit each time
+    (DCP reshards), the optimizer holds the adapters' state only, and the 2-rank step in
+    between is the step the lone process takes."""
+    cfg = config(lora=LORA, use_kl_loss=True)
+    lone = Trainer(cfg, base_dir)
+    lone.train_step(make_batch(0, [5, 3, 7, 2]))
+    lone.save(tmp_path / "one")
+    saved_one = _lora_state(lone)
+    assert saved_one["optim"] and all(".lora_" in n for n in saved_one["optim"])
+    ranks = run_ranks(_resume_on_two, 2, (str(base_dir), str(tmp_path)), timeout_s=240)
+    resumed = Trainer(cfg, base_dir)
+    resumed.load(tmp_path / "two")
+    saved_two = _lora_state(resumed)
+    lone.train_step(make_batch(1, [5, 3, 7, 2]))
+    for got in ranks:
+        assert got["loaded"]["step"] == 1 and got["saved"]["step"] == 2
+        for part in ("adapters", "optim"):
+            assert got["loaded"][part].keys() == saved_one[part].keys()
+            for n, t in saved_one[part].items():
+                assert (got["loaded"][part][n] == t).all(), (part, n)
+            for n, t in got["saved"][part].items():
+                assert (saved_two[part][n] == t).all(), (part, n)
+    assert saved_two["step"] == 2
+    for n, t in _adapters(lone).items():
+        torch.testing.assert_close(torch.from_numpy(saved_two["adapters"][n]), t, **TOL)
+
+
+def test_critic_lora_trains_adapters_and_its_head_over_a_frozen_base_as_peft(
+    base_dir: Path,
+) -> None:
+    """verl's critic.model.lora_*: the value model's adapters train with its head (PEFT's
+    TOKEN_CLS task keeps the head in `modules_to_save`), the base stays frozen. Its head output
+    and every trainable gradient equal PEFT's on the same base, adapters and head; an update
+    moves only those, and only they hold AdamW state."""
+    from transformers import AutoModelForTokenClassification
+
+    from patrl.trainer import Critic, CriticConfig
+    from patrl.trainer.model import init_value_head
+
+    cfg = CriticConfig.model_validate(
+        {"optim": {"lr": 1e-3, "eps": 1e-6}, "lora": LORA, "use_remove_padding": False}
+    )
+    critic = Critic(cfg, base_dir)
+    init_value_head(critic.model, seed=3, std=0.3)  # a zero head would give no gradient
+    _randomise_b(critic)
+    trainable = {n for n, p in critic.model.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if ".lora_" in n}
+    assert len(adapters) == 2 * 7 * 2 and trainable - adapters == {"score.weight", "score.bias"}
+
+    hf = AutoModelForTokenClassification.from_pretrained(base_dir, num_labels=1)
+    peft_cfg = peft.LoraConfig(
+        r=LORA["lora_rank"],
+        lora_alpha=LORA["lora_alpha"],
+        # PEFT's all-linear would adapt the TOKEN_CLS head too; patrl's (as PEFT's for an LM)
+        # leaves the output layer out: the decoder's projections, named
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+        task_type="TOKEN_CLS",
+    )
+    ref = peft.get_peft_model(hf, peft_cfg)
+    # the adapters and the head, under the names PEFT saves them (the head: modules_to_save)
+    state = {
+        peft_name(n): p.detach().clone()
+        for n, p in critic.model.named_parameters()
+        if n in trainable
+    }
+    assert not peft.set_peft_model_state_dict(ref, state).unexpected_keys
+    x = torch.stack(make_batch(2, [6, 6]).input_ids)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    ours = (critic.model(input_ids=x).logits[..., 0] * w).sum()
+    theirs = (ref(input_ids=x).logits[..., 0] * w).sum()
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ours.backward()
+    theirs.backward()
+    peft_grads = {
+        n.replace(".default", "").replace(".modules_to_save", "").removeprefix(PEFT_PREFIX): p.grad
+        for n, p in ref.named_parameters()
+        if p.requires_grad
+    }
+    assert peft_grads.keys() == trainable
+    for n, p in critic.model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+            torch.testing.assert_close(p.grad, peft_grads[n], **TOL)
+    critic.optimizer.zero_grad(set_to_none=True)
+
+    before = {n: p.detach().clone() for n, p in critic.model.named_parameters()}
+    batch = make_batch(4, [3, 5, 2])
+    rewards = [torch.zeros(m.shape) for m in batch.loss_mask]
+    for r in rewards:
+        r[-1] = 1.0
+    assert critic.update(batch, rewards, 1.0, 1.0)["critic/grad_norm"] > 0
+    for n, p in critic.model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in trainable), n
+    held = {id(p) for p in critic.optimizer.state}
+    assert held == {id(p) for p in critic.model.parameters() if p.requires_grad}
+
+
+def _critic(mesh: Any, base_dir: str) -> Any:
+    from patrl.trainer import Critic, CriticConfig
+
+    cfg = CriticConfig.model_validate(
+        {"optim": {"lr": 1e-3, "eps": 1e-6}, "lora": LORA, "ppo_max_token_len_per_gpu": 40}
+    )
+    return Critic(cfg, base_dir, mesh=mesh)
+
+
+def _critic_batch() -> tuple[Any, list[torch.Tensor]]:
+    batch = make_batch(4, [3, 5, 2, 7])
+    rewards = [torch.zeros(m.shape) for m in batch.loss_mask]
+    for i, r in enumerate(rewards):
+        r[-1] = float(i % 2)
+    return batch, rewards
+
+
+def _critic_rank(rank: int, world: int, base_dir: str) -> dict[str, Any]:
+    critic = _critic(init_device_mesh("cpu", (world,)), base_dir)
+    batch, rewards = _critic_batch()
+    metrics = [critic.update(batch, rewards, 1.0, 1.0) for _ in range(2)]
+    values = critic.compute_values(batch)
+    return {"metrics": metrics, "values": [v.numpy().copy() for v in values]}
+
+
+@pytest.mark.multirank
+def test_critic_lora_fsdp2_two_ranks_equal_one_process(base_dir: Path) -> None:
+    """The sharded build (adapters on the meta model, the new head trainable beside them)
+    takes the lone process's two value steps."""
+    ranks = run_ranks(_critic_rank, 2, (str(base_dir),), timeout_s=240)
+    lone = _critic(None, str(base_dir))
+    batch, rewards = _critic_batch()
+    metrics = [lone.update(batch, rewards, 1.0, 1.0) for _ in range(2)]
+    values = lone.compute_values(batch)
+    assert metrics[1]["critic/grad_norm"] > 0
+    for got in ranks:
+        for g, w in zip(got["metrics"], metrics, strict=True):
+            for key in ("critic/vf_loss", "critic/grad_norm"):
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-7), key
+        for g, w in zip(got["values"], values, strict=True):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-6)

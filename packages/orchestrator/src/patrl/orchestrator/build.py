@@ -101,14 +101,25 @@ def lora_settings(config: JobConfig) -> dict[str, Any]:
     return {k: getattr(config.model, k) for k in LORA_KEYS}
 
 
+def starts_from_adapter(config: JobConfig) -> bool:
+    """Whether a fresh run's policy is not what the engine loads from `model.path` (the base
+    with zero adapters): LoRA from `model.lora_adapter_path`, which the engine gets by a sync
+    before the first rollout."""
+    return config.model.lora_rank > 0 and config.model.lora_adapter_path is not None
+
+
 def engine_lora(config: JobConfig) -> dict[str, Any]:
     """EngineConfig's LoRA fields: adapters on the projections a target list names (their last
     name component); on all of them for 'all-linear' or a regex (an untargeted one's B stays
-    zero, so it adds nothing)."""
+    zero, so it adds nothing); merged mode from `model.lora.merge`."""
     m = config.model
     if m.lora_rank <= 0:
         return {}
-    out: dict[str, Any] = {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
+    out: dict[str, Any] = {
+        "lora_rank": m.lora_rank,
+        "lora_alpha": m.lora_alpha,
+        "lora_merged": m.lora.merge,
+    }
     if isinstance(m.target_modules, list):
         out["lora_target_modules"] = sorted({t.rsplit(".", 1)[-1] for t in m.target_modules})
     return out
@@ -141,8 +152,19 @@ def critic_config(config: JobConfig) -> CriticConfig:
         if actor.use_dynamic_bsz
         else c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
         seed=config.trainer.seed,
+        lora=critic_lora_settings(config),
     )
     return CriticConfig(**values)
+
+
+def critic_lora_settings(config: JobConfig) -> dict[str, Any]:
+    """The critic's `lora` section from verl's `critic.model.lora_*` keys."""
+    m = config.critic.model
+    return {
+        "lora_rank": m.lora_rank,
+        "lora_alpha": m.lora_alpha,
+        "target_modules": m.target_modules,
+    }
 
 
 # the job's KV budget on CPU when rollout.kv_cache_memory_bytes is None

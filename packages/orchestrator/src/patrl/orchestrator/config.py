@@ -104,6 +104,18 @@ class ModelConfig(_Section):
     )
 
 
+class LoraServingConfig(_Section):
+    """verl's `actor_rollout_ref.model.lora` section, of which patrl reads `merge` (the rank,
+    alpha and targets are the flat `model.lora_*` keys, verl's FSDP ones)."""
+
+    merge: bool = Field(
+        False,
+        description="serve the rollout with the adapters folded into the engine's base weights "
+        "(verl's lora.merge: no LoRA cost per generated token; each sync still sends adapters "
+        "only and the engine unmerges exactly, loads, merges again); static TP only",
+    )
+
+
 class PolicyModelConfig(ModelConfig):
     """verl's `actor_rollout_ref.model`: the policy's model, and LoRA on it."""
 
@@ -120,6 +132,21 @@ class PolicyModelConfig(ModelConfig):
     )
     lora_adapter_path: str | None = Field(
         None, description="a PEFT adapter directory to start from; None = fresh adapters"
+    )
+    lora: LoraServingConfig = Field(default_factory=lambda: LoraServingConfig())
+
+
+class CriticModelConfig(ModelConfig):
+    """verl's `critic.model`: the value model, and LoRA on it (verl's critic.model.lora_*)."""
+
+    lora_rank: int = Field(
+        0, ge=0, description="critic LoRA rank; 0 = off (the critic trains every weight)"
+    )
+    lora_alpha: float = Field(16.0, gt=0, description="critic LoRA scale = lora_alpha / lora_rank")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="critic LoRA targets, as model.target_modules (the value head is never "
+        "adapted: it trains whole beside the adapters)",
     )
 
 
@@ -411,7 +438,7 @@ class CriticConfig(_Section):
     """verl's `critic.*`: the value model of `algorithm.adv_estimator=gae`, FSDP2-sharded on
     the actor's ranks, with its own optimizer and schedule. Unset sizes follow the actor's."""
 
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    model: CriticModelConfig = Field(default_factory=lambda: CriticModelConfig())
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int | None = Field(
         None, gt=0, description="prompts per critic step; None = actor.ppo_mini_batch_size"

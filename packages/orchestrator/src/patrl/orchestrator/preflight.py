@@ -652,11 +652,40 @@ def _read_only(path: Path) -> bool:
 
 
 def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
+    """verl's LoRA keys: the policy's (`model.lora_*`, `_policy_lora_problems`) and the
+    critic's (`critic.model.lora_*`: target_modules entries that match no linear layer of the
+    critic's model). `model_dir` None (the demo, built later) skips the models' checks."""
+    problems = _policy_lora_problems(config, model_dir)
+    c = config.critic.model
+    source = c.path or model_dir
+    # a critic.model.path without a config.json is _critic_problems' to report
+    if (
+        config.use_critic
+        and c.lora_rank > 0
+        and source
+        and (Path(source) / "config.json").is_file()
+    ):
+        lora = LoraConfig(
+            lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, target_modules=c.target_modules
+        )
+        key = "critic.model.target_modules"
+        _attempt(problems, key, lambda: _meta_targets(source, lora, "critic.model"))
+    return problems
+
+
+def _meta_targets(model_dir: str, lora: LoraConfig, key: str) -> list[str]:
+    """`select_targets` on `model_dir`'s model built on the meta device (no weights read)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return select_targets(model, lora, key)
+
+
+def _policy_lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
     """verl's `model.lora_*` keys: a rank that is not 0 (off) or positive; adapter settings
     without a rank; target_modules entries that match no linear layer of the model (or one the
     engine cannot adapt); an adapter directory that is not a PEFT LoRA of this model (rank,
-    base model, tensor shapes); adaptive TP that would rebuild the engine from a sync that
-    brings adapters only. `model_dir` None (the demo, built later) skips the model's checks."""
+    base model, tensor shapes); `model.lora.merge` without a rank or with adaptive TP.
+    `model_dir` None (the demo, built later) skips the model's checks."""
     m = config.model
     if m.lora_rank < 0:
         return [f"model.lora_rank={m.lora_rank}: accepted: 0 (LoRA off) or a positive rank"]
@@ -666,13 +695,18 @@ def lora_problems(config: JobConfig, model_dir: str | None) -> list[str]:
                 f"model.lora_adapter_path={m.lora_adapter_path} needs model.lora_rank > 0 "
                 "(0 is full fine-tuning); set model.lora_rank to the adapter's r"
             ]
+        if m.lora.merge:
+            return [
+                "model.lora.merge=true needs model.lora_rank > 0 (0 is full fine-tuning: "
+                "there are no adapters to merge); set model.lora_rank or model.lora.merge=false"
+            ]
         return []
     problems: list[str] = []
-    if config.rollout.adaptive_tp.enable and not config.rollout.adaptive_tp.keep_full_weights:
+    if m.lora.merge and config.rollout.adaptive_tp.enable:
         problems.append(
-            "model.lora_rank > 0 with rollout.adaptive_tp.keep_full_weights=false: the sync "
-            "after a folded rollout would rebuild the engine from the adapters alone; set "
-            "keep_full_weights=true or rollout.adaptive_tp.enable=false"
+            "model.lora.merge=true runs the engine at a static TP (a fold would re-cut merged "
+            "weights whose unmerged copies keep the old cut); set "
+            "rollout.adaptive_tp.enable=false or model.lora.merge=false"
         )
     if model_dir is None:
         return problems

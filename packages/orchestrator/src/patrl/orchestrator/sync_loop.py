@@ -33,6 +33,7 @@ from patrl.orchestrator.build import (
     critic_config,
     load_data,
     seed_everything,
+    starts_from_adapter,
     trainer_config,
 )
 from patrl.orchestrator.config import JobConfig
@@ -277,10 +278,13 @@ class SyncSchedule:
         load_drafter(self.engine.drafter, checkpoint)
 
     def begin(self) -> None:
-        """A resumed run's weights into the engine; nothing was validated since."""
+        """A resumed run's weights into the engine (nothing was validated since), or a fresh
+        run's when its policy is not the engine's (LoRA from `model.lora_adapter_path`)."""
         if self.step > 0:
             self.sync_weights()
             self._validated = self.step
+        elif starts_from_adapter(self.config):
+            self.sync_weights()
 
     def end(self) -> None:
         """Every replica's last training rollout, for the plots (a collective: every rank,

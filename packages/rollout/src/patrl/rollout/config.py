@@ -200,11 +200,6 @@ class EngineConfig(BaseModel):
                 "whose unmerged copies keep the old cut): use tp_policy=StaticTP or "
                 "lora_merged=False"
             )
-        if self.lora_rank and isinstance(self.tp_policy, AdaptiveTP) and not self.keep_full_weights:
-            raise ValueError(
-                "lora_rank > 0 with adaptive TP needs keep_full_weights=True: without the kept "
-                "weights the way back rebuilds the model from a sync that brings adapters only"
-            )
         return self
 
     @field_validator("attention_backend")

@@ -19,6 +19,7 @@ from patrl.rollout.cuda_graphs import DecodeGraphs, check_graph_gather
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.kv_budget import KVBudget, check_fits, cpu_kv_bytes, probe_for
 from patrl.rollout.layers.attention.context import AttentionContext, upload
+from patrl.rollout.layers.lora import saved_base_weights
 from patrl.rollout.loader import checkpoint_dtype, load_model, load_weights
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.offload import HostCopy
@@ -260,7 +261,12 @@ class ModelRunner:
         if level == 2:
             model = self.model
             self._host_weights = HostCopy(
-                [*model.parameters(), *model.buffers(), *kept_tensors(model)]
+                [
+                    *model.parameters(),
+                    *model.buffers(),
+                    *kept_tensors(model),
+                    *saved_base_weights(model),
+                ]
             )
         self.sleep_level = level
         if self.device.type == "cuda":

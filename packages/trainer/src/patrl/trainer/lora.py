@@ -86,9 +86,10 @@ def _matches(pattern: str | list[str], name: str) -> bool:
     return any(name == t or name.endswith("." + t) for t in pattern)
 
 
-def select_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
+def select_targets(model: nn.Module, cfg: LoraConfig, key: str = "model") -> list[str]:
     """Full names of the `nn.Linear` modules `cfg` adapts, in module order. Raises ValueError
-    naming the key when a `target_modules` entry matches no linear module, or nothing is left."""
+    naming the key (`<key>.target_modules`: `model` is the policy's section, `critic.model`
+    the critic's) when an entry matches no linear module, or nothing is left."""
     linears = [
         n
         for n, m in model.named_modules()
@@ -103,7 +104,7 @@ def select_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
             ]
             if unmatched:
                 raise ValueError(
-                    f"model.target_modules entries {unmatched} match no linear module of "
+                    f"{key}.target_modules entries {unmatched} match no linear module of "
                     f"{type(model).__name__}; accepted: 'all-linear' or names among "
                     f"{sorted({n.split('.')[-1] for n in linears})}"
                 )
@@ -112,7 +113,7 @@ def select_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
         chosen = [n for n in chosen if not _matches(cfg.exclude_modules, n)]
     if not chosen:
         raise ValueError(
-            f"model.target_modules={cfg.target_modules!r} with exclude_modules="
+            f"{key}.target_modules={cfg.target_modules!r} with exclude_modules="
             f"{cfg.exclude_modules!r} leaves no linear module to adapt"
         )
     return chosen
@@ -123,13 +124,15 @@ def target_leaf_names(targets: list[str]) -> list[str]:
     return sorted({t.split(".")[-1] for t in targets})
 
 
-def add_adapters(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Attach LoRA to the modules `select_targets` picks, freeze every other parameter and
-    return the adapted modules' names. The adapters are created in the dtype and on the device
-    of their base weight (meta stays meta: `init_adapters` fills them after materialising)."""
+def add_adapters(model: nn.Module, cfg: LoraConfig, trainable: tuple[str, ...] = ()) -> list[str]:
+    """Attach LoRA to the modules `select_targets` picks, freeze every other parameter but
+    those of the modules named in `trainable` (PEFT's `modules_to_save`: a value model's new
+    head trains whole) and return the adapted modules' names. The adapters are created in the
+    dtype and on the device of their base weight (meta stays meta: `init_adapters` fills them
+    after materialising)."""
     targets = select_targets(model, cfg)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[0] in trainable)
     for name in targets:
         base = model.get_submodule(name)
         assert isinstance(base, nn.Linear)

@@ -150,7 +150,7 @@ def build_sharded(
     path = model_dir(source)
     model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head, dtype)
     if lora is not None and lora.enabled:
-        add_adapters(model, lora)
+        add_adapters(model, lora, lora_trainable(head))
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
     materialize(model, device)
     fresh_head = head == "value" and not _has_value_head(path)
@@ -161,6 +161,12 @@ def build_sharded(
     if adapters:
         start_adapters(model, lora, seed)
     return model
+
+
+def lora_trainable(head: Head) -> tuple[str, ...]:
+    """The modules that train whole beside the adapters: a value model's head (its `score`,
+    new or loaded), none of a causal LM."""
+    return (VALUE_HEAD[0].rsplit(".", 1)[0],) if head == "value" else ()
 
 
 def start_adapters(model: nn.Module, lora: LoraConfig | None, seed: int) -> None:

@@ -46,6 +46,7 @@ from patrl.trainer.model import (
     build_model,
     build_sharded,
     freeze,
+    lora_trainable,
     model_dir,
     parallelize,
     start_adapters,
@@ -187,7 +188,8 @@ class Trainer:
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
         cfg = self.config
         checkpointing = trainable and self.checkpointing
-        lora = cfg.lora if trainable and cfg.lora.enabled and self.head == "lm" else None
+        # Adapters on the trained model of either head (a critic's head trains whole too).
+        lora = cfg.lora if trainable and cfg.lora.enabled else None
         if self.mesh is not None and self.source_dir is not None:
             model = build_sharded(
                 self.source_dir,
@@ -204,7 +206,7 @@ class Trainer:
         else:
             model = build_model(source, self.attn_implementation, cfg.seed, head=self.head)
             if lora is not None:
-                add_adapters(model, lora)
+                add_adapters(model, lora, lora_trainable(self.head))
                 start_adapters(model, lora, cfg.seed)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)

@@ -144,8 +144,11 @@ class RolloutWorker:
         self._report()
         if start["step"] > 0:
             self._pull_newest()
-        elif validates(self.config, 0):
-            self._start_validation()
+        else:
+            if start.get("published"):  # a fresh run's policy that is not model.path's
+                self.engine.load_weights(self.job.weights.load(0), version=0)
+            if validates(self.config, 0):
+                self._start_validation()
         self._report_loaded()
 
     def _idle(self) -> None:

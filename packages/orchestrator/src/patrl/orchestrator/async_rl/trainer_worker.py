@@ -23,7 +23,7 @@ from patrl.orchestrator.async_rl.tickets import (
     spec_metrics,
     step_tickets,
 )
-from patrl.orchestrator.build import critic_config, trainer_config
+from patrl.orchestrator.build import critic_config, starts_from_adapter, trainer_config
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -116,13 +116,19 @@ class TrainerWorker:
         load_kl_state(self.kl_ctrl, checkpoint)
 
     def begin(self) -> None:
-        """Weights of a resumed step, the ticket counter and the loader, then "start"; a
+        """Weights of a resumed step (or of a fresh run that starts from a LoRA adapter the
+        rollout engines have not got), the ticket counter and the loader, then "start"; a
         resumed run's validations were logged before it stopped."""
-        if self.step > 0:
+        published = self.step > 0 or starts_from_adapter(self.config)
+        if published:
             self._publish(self.step)
         if self.is_first:
             self.control.bump("tickets", self.step * self.batch_size)
-            start = {"step": self.step, "loader": self.loader.state_dict()}
+            start = {
+                "step": self.step,
+                "loader": self.loader.state_dict(),
+                "published": published,
+            }
             self.control.put("start", pickle.dumps(start))
         self._val_logged = self.step if self.step > 0 else -1
 

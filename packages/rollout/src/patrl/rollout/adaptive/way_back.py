@@ -2,7 +2,8 @@
 
 The return is paid lazily: for free at the next full weight sync (from the full tensors a fold
 kept, else by building the model at that layout from the synced tensors), or else by a
-reconfigure when the next rollout starts (`settle`).
+reconfigure when the next rollout starts (`settle`). A LoRA engine's sync brings adapters only,
+from which no model can be built: without kept full tensors its return waits for `settle`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from patrl.rollout.adaptive.reconfig import reconfigure
 from patrl.rollout.engine import Engine
+from patrl.rollout.layers.lora import has_lora
 from patrl.rollout.loader import load_weights, weight_keys
 from patrl.rollout.models import build_model
 from patrl.rollout.models.causal_lm import CausalLM
@@ -46,7 +48,8 @@ class WayBack:
     ) -> float:
         """`Engine.load_weights`, paying an owed return on the way when the engine is idle (no
         gather, no collective): then `named_tensors` must be every weight unless the fold kept
-        the full tensors (a partial load raises and changes nothing). Seconds the return took."""
+        the full tensors (a partial load raises and changes nothing). A LoRA engine without
+        them loads its adapters where it is and still owes the return. Seconds the return took."""
         engine = self.engine
         if self.owed is None or engine.has_unfinished():
             engine.load_weights(named_tensors, version)
@@ -54,6 +57,9 @@ class WayBack:
         start = time.perf_counter()
         layout = self.owed
         restored = layout.tp_size == 1 and restore_full_(engine.model, layout) is not None
+        if not restored and has_lora(engine.model):
+            engine.load_weights(named_tensors, version)
+            return 0.0
         model = None if restored else self._built_at(layout, named_tensors)
         # at `layout` from here on, whatever the load below does (as a load at any layout, one
         # that raises midway leaves the weights it loaded)

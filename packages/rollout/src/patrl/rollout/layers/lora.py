@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 
+import torch
 from torch import nn
 
 from patrl.rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -69,6 +70,12 @@ def merge_lora(model: nn.Module) -> None:
     live engine by hand would leave graphs that still add the adapters."""
     for m in lora_layers(model):
         m.merge_lora()
+
+
+def saved_base_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The base weights merged mode keeps beside the merged ones (for an exact unmerge): with
+    the parameters, weight memory the engine holds (and moves to the host at `sleep(2)`)."""
+    return [m.lora_saved for m in lora_layers(model) if m.lora_saved is not None]
 
 
 def unmerge_lora(model: nn.Module) -> None:
