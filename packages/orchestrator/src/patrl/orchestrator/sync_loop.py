@@ -299,6 +299,8 @@ class SyncSchedule:
             "t": [e["t"] for e in timeline],
             "running": [e["running"] for e in timeline],
             "tp": [e["tp_size"] for e in timeline],
+            # speculative verify steps: (start, drafted tokens, accepted tokens)
+            "verify": [(e["t"], e["drafted"], e["accepted"]) for e in timeline if e["drafted"]],
             "switches": [
                 (d["t"], f"tp{d['current_tp']}->{d['target_tp']}")
                 for d in self.rollout_decisions

@@ -183,6 +183,7 @@ class Engine:
         finished with it, each once, all of its samples done."""
         batch = self.scheduler.schedule()
         if batch is not None:
+            drafted, accepted = self._draft_totals()
             start = time.perf_counter()
             sampled = self.runner.run(batch)
             self.counters.count_step(batch.is_prefill, batch.num_tokens)
@@ -194,6 +195,7 @@ class Engine:
             end = time.perf_counter()
             self.counters.busy_s += end - start
             running = self.scheduler.num_running_samples()
+            drafted_after, accepted_after = self._draft_totals()
             self.timeline.append(
                 StepRecord(
                     start - self._timeline_start,
@@ -202,9 +204,18 @@ class Engine:
                     batch.num_tokens,
                     batch.is_prefill,
                     self.layout.tp_size,
+                    drafted_after - drafted,
+                    accepted_after - accepted,
                 )
             )
         return self._collect_finished()
+
+    def _draft_totals(self) -> tuple[int, int]:
+        """Tokens the drafter counted drafted and accepted so far ((0, 0) without one)."""
+        if self.drafter is None:
+            return 0, 0
+        counts = self.drafter.counts
+        return sum(counts.drafted.values()), sum(counts.accepted.values())
 
     def reset_timeline(self) -> None:
         """Start `timeline` afresh (each `generate` does), its clock at zero now."""
