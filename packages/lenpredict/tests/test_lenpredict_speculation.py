@@ -11,6 +11,8 @@ import pytest
 from lenpredict_testkit import compute_bound, cpu_knee, sdpa_like, tp_speeds_up
 
 from patrl.lenpredict import (
+    H100_SXM_NODE,
+    LLAMA31_8B,
     LatencyModel,
     Layout,
     PlannerConfig,
@@ -24,9 +26,11 @@ from patrl.lenpredict import (
     TailStep,
     VerifyRow,
     effective_step_time,
+    roofline_profile,
 )
 from patrl.lenpredict.finish_time import Questions
 from patrl.lenpredict.rollout_sim import AdaptivePolicy
+from patrl.lenpredict.roofline import StepModel
 from patrl.lenpredict.speculation import tail_steps
 from patrl_testkit.profiles import profile_from
 
@@ -285,3 +289,20 @@ def test_simulator_runs_the_tail_at_its_speed_and_its_planner_must_agree():
         groups, AdaptivePolicy(ReconfigPlanner(model, 8, speculation=tail), Layout(8, 1))
     )
     assert adaptive.total_s > 0
+
+
+def test_roofline_verify_rows_price_extra_query_tokens_as_more_gemm_rows():
+    """A verify step of one query token a sequence is the decode step; the profile carries
+    verify rows only when asked, and on the 8xH100 model an extra token at batch 4 costs far
+    less than a step (weight-bound), so the tail speculates up to the drafter's cap."""
+    model = StepModel(H100_SXM_NODE, LLAMA31_8B, "bfloat16")
+    for tp, batch, context in ((1, 1, 300), (2, 16, 40_000), (8, 64, 500_000)):
+        assert model.verify_step(tp, batch, 1, context) == model.decode_step(tp, batch, context)
+        assert model.verify_step(tp, batch, 5, context) > model.decode_step(tp, batch, context)
+    assert roofline_profile(LLAMA31_8B).verify == []
+    fitted = LatencyModel.fit(roofline_profile(LLAMA31_8B, query_lens=(2, 3, 5)))
+    assert sorted(fitted.verify_s) == [1, 2, 4, 8]
+    extra = fitted.verify_time(1, 4, 8, 4 * 2000) - fitted.verify_time(1, 4, 4, 4 * 2000)
+    assert 0 < extra < 0.05 * fitted.verify_time(1, 4, 4, 4 * 2000)
+    tail = SpeculativeTail.from_acceptance(0.5, 4)
+    assert {s.max_batch for s in tail_steps(fitted, tail, (1, 2, 4, 8), 256).values()} == {16}
