@@ -37,6 +37,11 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig, resolve_schedule
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.drafter_checkpoint import (
+    gather_drafter,
+    load_drafter,
+    save_drafter,
+)
 from patrl.orchestrator.errors import JobError
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
@@ -78,28 +83,10 @@ from patrl.orchestrator.step_metrics import (
 )
 from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, Engine, SequenceState
-from patrl.rollout.drafter import Drafter, speculation_metrics
+from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
-DRAFTER_FILE = "drafter.pt"  # the speculation drafter's history, in each checkpoint
-
-
-def save_drafter(drafter: Drafter | None, staging: Path) -> None:
-    """Write the drafter's history (`Drafter.state_dict`: plain lists) into a checkpoint being
-    staged (first rank: its replica's history; with several replicas the others' is not
-    kept); nothing without speculation."""
-    if drafter is not None:
-        torch.save(drafter.state_dict(), staging / DRAFTER_FILE)
-
-
-def load_drafter(drafter: Drafter | None, checkpoint: Path) -> None:
-    """Restore `save_drafter`'s history into `drafter` on every rank (so every rank of a TP
-    group drafts alike); nothing without speculation or without the file (a run saved without
-    speculation starts with no history)."""
-    path = checkpoint / DRAFTER_FILE
-    if drafter is not None and path.is_file():
-        drafter.load_state_dict(torch.load(path, weights_only=True))
 
 
 @dataclass(slots=True)
@@ -187,6 +174,7 @@ class SyncSchedule:
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
+        self._drafter_state: dict[str, Any] | None = None  # gathered by `before_save`
         self.rollout_decisions: list[dict[str, Any]] = []
         self._replica_timelines: list[dict[str, Any]] = []  # every replica's, after the steps
         self.step = 0
@@ -256,13 +244,17 @@ class SyncSchedule:
     def state_dict(self) -> dict[str, Any]:
         return run_state(self.step, self.loader, self.predictor)
 
+    def before_save(self) -> None:
+        """Every replica's drafter history, merged, for `save_files` (a collective)."""
+        self._drafter_state = gather_drafter(self.engine.drafter, self.world)
+
     def save_files(self, staging: Path) -> None:
         torch.save(
             {"partials": self.partials, "stale_tokens": self._stale_tokens},
             staging / PARTIALS_FILE,
         )
         save_kl_state(self.kl_ctrl, staging)
-        save_drafter(self.engine.drafter, staging)
+        save_drafter(self._drafter_state, staging)
 
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.step = load_run_state(state, self.loader, self.predictor)
@@ -270,7 +262,13 @@ class SyncSchedule:
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
         load_kl_state(self.kl_ctrl, checkpoint)
-        load_drafter(self.engine.drafter, checkpoint)
+        load_drafter(
+            self.engine.drafter,
+            checkpoint,
+            self.world.rank,
+            self.world.size,
+            self.engine.layout.tp_size,
+        )
 
     def begin(self) -> None:
         """A resumed run's weights into the engine; nothing was validated since."""

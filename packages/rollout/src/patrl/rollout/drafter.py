@@ -219,7 +219,7 @@ class Drafter:
         output = seq.output_token_ids
         sample = self._samples.get(seq.seq_id)
         if sample is None:
-            key = seq.prompt_key if seq.prompt_key is not None else tuple(seq.prompt_token_ids)
+            key = history_key(seq.prompt_key, seq.prompt_token_ids)
             group = self._group(key, seq.prompt_token_ids)
             group.live += 1
             stream = group.indexes["group"].add_stream(group.lead_in)
@@ -309,17 +309,25 @@ class Drafter:
         sample = self._samples.pop(seq_id, None)
         if sample is None:
             return
-        if remember and self.history_size > 0 and "history" in self.sources:
-            responses = self.history.setdefault(sample.key, [])
-            self.history.move_to_end(sample.key)
-            responses.append(list(output))
-            del responses[: max(0, len(responses) - self.history_size)]
-            while len(self.history) > self.history_prompts:
-                self.history.popitem(last=False)
+        if remember:
+            self.remember(sample.key, output)
         group = self._groups[sample.key]
         group.live -= 1
         if group.live == 0:
             del self._groups[sample.key]
+
+    def remember(self, key: Hashable, output: Sequence[int]) -> None:
+        """`output`, a complete response to the prompt of `key` (`history_key`), joins its
+        history: the newest `history_size` kept, at most `history_prompts` prompts, the least
+        recently used dropped first; nothing when history is not a source."""
+        if self.history_size <= 0 or "history" not in self.sources:
+            return
+        responses = self.history.setdefault(key, [])
+        self.history.move_to_end(key)
+        responses.append(list(output))
+        del responses[: max(0, len(responses) - self.history_size)]
+        while len(self.history) > self.history_prompts:
+            self.history.popitem(last=False)
 
     def drop(self, seq_id: int) -> None:
         """The sample leaves this engine unfinished (export): forget it, remember nothing."""
@@ -348,6 +356,24 @@ class Drafter:
             history[tuple(key) if isinstance(key, list) else key] = [list(r) for r in responses]
         self.history = history
 
+    def merged_state(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One `state_dict` of several drafters' (data-parallel replicas', in rank order, one
+        per replica): per prompt, every state's responses in order, the newest
+        `history_size` kept; prompts in the order the states last used them, at most
+        `history_prompts`. Restored on every rank, it lets each replica draft from what any
+        replica saw, whatever the layout (one state: that state, unchanged)."""
+        merged = Drafter(
+            self.max_draft, self.min_n, self.max_n, self.sources, self.history_size,
+            self.history_prompts,
+        )  # fmt: skip
+        for state in states:
+            other = Drafter(self.max_draft, self.min_n, self.max_n, self.sources)
+            other.load_state_dict(state)
+            for key, responses in other.history.items():
+                for response in responses:
+                    merged.remember(key, response)
+        return merged.state_dict()
+
     # ----------------------------------------------------------------- internals
 
     def _group(self, key: Hashable, prompt: Sequence[int]) -> _Group:
@@ -364,6 +390,22 @@ class Drafter:
             indexes["history"].add_stream([*lead_in, *response])
         group = self._groups[key] = _Group(indexes, lead_in)
         return group
+
+
+def draft_totals(drafter: Drafter | None, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """Tokens `drafter` counted drafted and accepted (its `counts`), less `since` (an earlier
+    answer: what a step added); (0, 0) without a drafter."""
+    if drafter is None:
+        return 0, 0
+    counts = drafter.counts
+    drafted, accepted = sum(counts.drafted.values()), sum(counts.accepted.values())
+    return drafted - since[0], accepted - since[1]
+
+
+def history_key(prompt_key: str | None, prompt_token_ids: Sequence[int]) -> Hashable:
+    """The key a sample's group and history go under: its request's `prompt_key`, else its
+    prompt's token ids."""
+    return prompt_key if prompt_key is not None else tuple(prompt_token_ids)
 
 
 def new_drafter(config: SpeculativeConfig, step_cost: StepCost | None = None) -> Drafter | None:

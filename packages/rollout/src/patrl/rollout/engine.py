@@ -29,6 +29,7 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.drafter import draft_totals
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -183,7 +184,7 @@ class Engine:
         finished with it, each once, all of its samples done."""
         batch = self.scheduler.schedule()
         if batch is not None:
-            drafted, accepted = self._draft_totals()
+            counted = draft_totals(self.drafter)
             start = time.perf_counter()
             sampled = self.runner.run(batch)
             self.counters.count_step(batch.is_prefill, batch.num_tokens)
@@ -195,27 +196,13 @@ class Engine:
             end = time.perf_counter()
             self.counters.busy_s += end - start
             running = self.scheduler.num_running_samples()
-            drafted_after, accepted_after = self._draft_totals()
-            self.timeline.append(
-                StepRecord(
-                    start - self._timeline_start,
-                    end - start,
-                    running,
-                    batch.num_tokens,
-                    batch.is_prefill,
-                    self.layout.tp_size,
-                    drafted_after - drafted,
-                    accepted_after - accepted,
-                )
-            )
+            drafted, accepted = draft_totals(self.drafter, since=counted)
+            record = StepRecord(
+                start - self._timeline_start, end - start, running, batch.num_tokens,
+                batch.is_prefill, self.layout.tp_size, drafted, accepted,
+            )  # fmt: skip
+            self.timeline.append(record)
         return self._collect_finished()
-
-    def _draft_totals(self) -> tuple[int, int]:
-        """Tokens the drafter counted drafted and accepted so far ((0, 0) without one)."""
-        if self.drafter is None:
-            return 0, 0
-        counts = self.drafter.counts
-        return sum(counts.drafted.values()), sum(counts.accepted.values())
 
     def reset_timeline(self) -> None:
         """Start `timeline` afresh (each `generate` does), its clock at zero now."""
