@@ -9,6 +9,7 @@ fresh engine without the checkpoint drafts nothing from history."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from patrl.orchestrator.drafter_checkpoint import (
     save_drafter,
 )
 from patrl.orchestrator.scoring import Sample
+from patrl.orchestrator.sync_loop import SyncSchedule, measured_tail
 from patrl.rollout import Engine, EngineConfig
 from patrl.rollout.drafter import Drafter
 from patrl.rollout.sampler import SamplingParams
@@ -204,3 +206,34 @@ def test_the_async_trainers_history_is_what_rollout_ranks_draft_from(tmp_path: P
     assert got == want and counts == want_counts
     assert counts["spec_accepted_tokens/history"] > 0
     assert rollout(fresh, prompts, keys=None)[1]["spec_accepted_tokens/history"] == 0
+
+
+def test_the_adaptive_planner_prices_the_tail_every_rank_measured() -> None:
+    """Two ranks' running drafter counts summed: 30 accepted of 60 drafted over 100 sample
+    steps (130 tokens) is acceptance 0.5, 1.3 tokens a step, 0.6 drafted a step; no step
+    counted, no tail. The sync loop hands it to an adaptive engine's planner."""
+    ranks = [
+        {"spec_sample_steps": 40, "spec_emitted_tokens": 50, "spec_drafted_tokens": 20,
+         "spec_accepted_tokens": 10, "timeline": []},
+        {"spec_sample_steps": 60, "spec_emitted_tokens": 80, "spec_drafted_tokens": 40,
+         "spec_accepted_tokens": 20},
+    ]  # fmt: skip
+    tail = measured_tail(ranks, 16)
+    assert tail is not None and tail.max_num_seqs == 16
+    assert (tail.acceptance, tail.tokens_per_step) == pytest.approx((0.5, 1.3))
+    assert tail.draft_tokens == pytest.approx(0.6)
+    assert measured_tail([{}, {"spec_sample_steps": 0}], 16) is None
+    priced: list[Any] = []
+    planner = SimpleNamespace(set_speculation=priced.append)
+    loop = SimpleNamespace(
+        engine=SimpleNamespace(controller=SimpleNamespace(planner=planner)),
+        world=ONE,
+        config=SimpleNamespace(
+            rollout=SimpleNamespace(speculative=SimpleNamespace(enable=True, max_num_seqs=8))
+        ),
+    )
+    SyncSchedule._price_speculation(loop, ranks[1])  # type: ignore[arg-type]
+    assert priced == [measured_tail([ranks[1]], 8)]
+    loop.engine = SimpleNamespace()  # a static engine: no planner, nothing priced
+    SyncSchedule._price_speculation(loop, ranks[1])  # type: ignore[arg-type]
+    assert len(priced) == 1

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from patrl.lenpredict import LengthPredictor, assign_prompts
+from patrl.lenpredict import LengthPredictor, SpeculativeTail, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.build import (
@@ -87,6 +87,30 @@ from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
+
+
+# the drafter's running counts a speculating tail is measured from (`measured_tail`)
+SPEC_TOTALS = (
+    "spec_sample_steps",
+    "spec_emitted_tokens",
+    "spec_drafted_tokens",
+    "spec_accepted_tokens",
+)
+
+
+def measured_tail(per_rank: list[dict[str, Any]], max_num_seqs: int) -> SpeculativeTail | None:
+    """The speculating tail every rank's engine stats (`Engine.stats`, running totals) say
+    so far: acceptance and tokens per step of their summed drafter counts
+    (`SpeculativeTail.from_metrics`); None when no rank counted a step."""
+    summed = {k: sum(float(stats.get(k, 0.0)) for stats in per_rank) for k in SPEC_TOTALS}
+    steps, drafted = summed["spec_sample_steps"], summed["spec_drafted_tokens"]
+    if not steps:
+        return None
+    row = {
+        "rollout/spec_acceptance": summed["spec_accepted_tokens"] / drafted if drafted else 0.0,
+        "rollout/spec_tokens_per_step": summed["spec_emitted_tokens"] / steps,
+    }
+    return SpeculativeTail.from_metrics([row], max_num_seqs)
 
 
 @dataclass(slots=True)
@@ -291,6 +315,21 @@ class SyncSchedule:
         """The last training rollout of every replica (gathered by `end`)."""
         return self._replica_timelines
 
+    def _price_speculation(self, stats: dict[str, Any]) -> None:
+        """An adaptive engine's planner prices the next rollouts' speculating tails at the
+        speed every rank's drafter measured so far (`SpeculativeTail.from_metrics` of their
+        summed counts: the same tail on every rank, as the planner's verdicts must be). A
+        collective where the engine is adaptive and speculates; nothing otherwise."""
+        controller = getattr(self.engine, "controller", None)
+        planner = getattr(controller, "planner", None)
+        if not self.config.rollout.speculative.enable or planner is None:
+            return
+        if not hasattr(planner, "set_speculation"):
+            return  # a planner of the caller's that prices no speculation
+        mine = {k: float(stats.get(k, 0.0)) for k in SPEC_TOTALS}
+        shares = all_gather_objects(self.world, mine)
+        planner.set_speculation(measured_tail(shares, self.config.rollout.speculative.max_num_seqs))
+
     def _rank_timeline(self) -> dict[str, Any]:
         timeline = self.rollout_timeline
         return {
@@ -370,6 +409,7 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
+            self._price_speculation(after)
             if self.multi_turn is not None:  # every replica's tool calls and turns
                 shares = all_gather_objects(self.world, self.multi_turn.metrics)
                 merge_reward_metrics(metrics, [m for m in shares if m])
@@ -449,6 +489,7 @@ class SyncSchedule:
         }
         metrics = self._learn_lengths(samples, 1)
         metrics.update(speculation_metrics(before, stats))
+        self._price_speculation(stats)
         merge_reward_metrics(metrics, reward_shares)
         total = sum(len(s.token_ids) for s in samples)
         metrics["partial/resumed_groups"] = float(sum(1 for rid, _, st in entries if st))
