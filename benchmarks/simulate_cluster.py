@@ -3,6 +3,7 @@ PAT setting), at both admission caps and at the KV-memory limit, with the gain s
 parts; the planner's finish-time pricing; and how many GPUs the rollout should use.
 
     OMP_NUM_THREADS=1 python benchmarks/simulate_cluster.py     # about five minutes
+    OMP_NUM_THREADS=1 python benchmarks/simulate_cluster.py --speculation  # its part alone
 
 Everything this script reports about generation time is a simulation: the calibrated roofline
 of an 8xH100 SXM5 node (patrl.lenpredict.roofline; constants fitted to published measurements,
@@ -32,7 +33,18 @@ Setting
   static TP, round-robin), length-aware assignment (-> the best static TP with LPT), adaptive
   folds (-> adaptive, oracle lengths).
 
-Writes benchmarks/results/simulate_cluster.json.
+- Speculating tail (issue 44): the same GRPO steps at cap 256 with every replica's decode
+  steps of at most 16 sequences speculating, at acceptances MEASURED by benchmarks/spec_bench.py
+  on this CPU (benchmarks/README.md, "Speculative rollouts"): the demo SFT model at T = 1,
+  second epoch (acceptance 0.45, 1.19 tokens per sample step) and the random Llama, greedy,
+  second epoch (0.78, 1.32). Each twice: "as logged" (SpeculativeTail.from_metrics: the
+  logged tokens per step count every decode step, the bulk's too, so a lower bound on the
+  tail's speed) and "chain" (SpeculativeTail.from_acceptance: a draft always found, its
+  length by the drafter's adaptive rule: an upper bound). The verify price comes from verify
+  rows the roofline adds (StepModel.verify_step; its two ASSUMPTIONs in its docstring). The
+  planner prices the same tail the simulated replicas run.
+
+Writes benchmarks/results/simulate_cluster.json (--speculation: simulate_cluster_spec.json).
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ from patrl.lenpredict import (
     RolloutSimulator,
     RunningSet,
     SimConfig,
+    SpeculativeTail,
     group_by_step,
     held_out_error,
     long_tail_trace,
@@ -497,6 +510,124 @@ def decide_timing(calls: int = 100) -> dict[str, float]:
     return out
 
 
+# tails MEASURED by spec_bench.py (benchmarks/README.md, "Speculative rollouts"): acceptance and
+# tokens per sample step, second epoch
+SPEC_RUNS = {
+    "demo SFT T=1": (0.45, 1.19),
+    "random Llama greedy": (0.78, 1.32),
+}
+SPEC_MAX_NUM_SEQS, SPEC_TOKENS = 16, 4  # rollout.speculative defaults
+
+
+def speculation_tails() -> dict[str, SpeculativeTail | None]:
+    tails: dict[str, SpeculativeTail | None] = {"no speculation": None}
+    for name, (acceptance, tokens) in SPEC_RUNS.items():
+        logged = {"rollout/spec_acceptance": acceptance, "rollout/spec_tokens_per_step": tokens}
+        tails[f"{name}, as logged"] = SpeculativeTail.from_metrics([logged], SPEC_MAX_NUM_SEQS)
+        tails[f"{name}, chain"] = SpeculativeTail.from_acceptance(
+            acceptance, SPEC_TOKENS, SPEC_MAX_NUM_SEQS
+        )
+    return tails
+
+
+def speculating_tail(model: ModelInfo, cap: int = 256) -> list[dict[str, Any]]:
+    """SIMULATED: verl's default, every static layout (LPT) and adaptive (oracle and predicted
+    lengths) for the 3 steps at `cap`, with each tail of `speculation_tails`."""
+    latency = LatencyModel.fit(roofline_profile(model, query_lens=(2, 3, 5)))
+    steps = group_by_step(long_tail_trace(SPEC, PROMPTS, SAMPLES, steps=STEPS, seed=0))
+    runs = [
+        (f"static:{VERL_DEFAULT_TP}", "round_robin", "oracle"),
+        *((f"static:{tp}", "lpt", "oracle") for tp in (1, 2, 4, 8)),
+        ("adaptive", "lpt", "oracle"),
+        ("adaptive", "lpt", "predicted"),
+    ]
+    out = []
+    for label, tail in speculation_tails().items():
+        times: dict[str, float] = {}
+        switches: dict[str, list[Any]] = {}
+        for name, assignment, knowledge in runs:
+            results = run_policy(
+                PolicySpec.parse(name),
+                steps,
+                latency,
+                WORLD,
+                sim_config(assignment, cap),
+                planner_config(cap),
+                knowledge,  # type: ignore[arg-type]
+                tail,
+            )
+            key = f"{name} ({assignment}, {knowledge})"
+            times[key] = sum(r.total_s for r in results)
+            switches[key] = [[list(x) for x in r.switches] for r in results]
+        verl = times[f"static:{VERL_DEFAULT_TP} (round_robin, oracle)"]
+        static = {k: t for k, t in times.items() if k.startswith("static") and "lpt" in k}
+        best = min(static, key=static.__getitem__)
+        adaptive = times["adaptive (lpt, oracle)"]
+        out.append(
+            {
+                "model": model.name,
+                "cap": cap,
+                "tail": label,
+                "speculation": None if tail is None else tail.record(),
+                "times_s": times,
+                "switches": switches,
+                "best_static": best,
+                "adaptive_vs_verl": adaptive / verl - 1,
+                "adaptive_vs_best_static": adaptive / static[best] - 1,
+                "predicted_vs_verl": times["adaptive (lpt, predicted)"] / verl - 1,
+            }
+        )
+    base = {(r["model"]): r["times_s"] for r in out if r["speculation"] is None}
+    for r in out:
+        r["vs_no_speculation"] = {k: t / base[r["model"]][k] - 1 for k, t in r["times_s"].items()}
+    return out
+
+
+def print_speculation(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\nSIMULATED speculating tail, 3 GRPO steps of 128x8 on 8xH100, cap 256, acceptance "
+        "MEASURED by spec_bench.py on a CPU (see the module docstring)"
+    )
+    print(
+        f"{'model':<13} {'tail':<30} {'tok/step':>8} {'verl_s':>7} {'best static':>12} "
+        f"{'adaptive_s':>10} {'vs verl':>8} {'vs best':>8} {'pred vs verl':>12} "
+        f"{'verl vs no-spec':>15} {'adaptive vs no-spec':>19}"
+    )
+    verl_key = f"static:{VERL_DEFAULT_TP} (round_robin, oracle)"
+    for r in rows:
+        t = r["times_s"]
+        tokens = "-" if r["speculation"] is None else f"{r['speculation']['tokens_per_step']:.2f}"
+        best = f"TP{r['best_static'].split(':')[1].split()[0]} {t[r['best_static']]:.0f}s"
+        print(
+            f"{r['model']:<13} {r['tail']:<30} {tokens:>8} {t[verl_key]:>7.1f} {best:>12} "
+            f"{t['adaptive (lpt, oracle)']:>10.1f} {100 * r['adaptive_vs_verl']:>+7.1f}% "
+            f"{100 * r['adaptive_vs_best_static']:>+7.1f}% {100 * r['predicted_vs_verl']:>+11.1f}% "
+            f"{100 * r['vs_no_speculation'][verl_key]:>+14.1f}% "
+            f"{100 * r['vs_no_speculation']['adaptive (lpt, oracle)']:>+18.1f}%"
+        )
+
+
+def speculation_main() -> None:
+    started = time.perf_counter()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows = [r for m in (LLAMA31_8B, QWEN3_14B) for r in speculating_tail(m)]
+    print_speculation(rows)
+    payload = {
+        "label": "SIMULATED (calibrated roofline 8xH100 profile with verify rows, synthetic "
+        "DeepScaleR-like lengths); acceptance MEASURED by benchmarks/spec_bench.py on a CPU",
+        "measured_tails": {
+            k: {"acceptance": a, "tokens_per_step": t} for k, (a, t) in SPEC_RUNS.items()
+        },
+        "rows": rows,
+        "machine": platform.platform(),
+        "wall_s": time.perf_counter() - started,
+    }
+    (RESULTS / "simulate_cluster_spec.json").write_text(json.dumps(payload, indent=1))
+    print(
+        f"\nwrote {RESULTS / 'simulate_cluster_spec.json'} in {time.perf_counter() - started:.0f} s"
+    )
+
+
 def main() -> None:
     started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -561,6 +692,8 @@ def main() -> None:
     )
     fits = {m.name: held_out_error(roofline_profile(m)) for m in (LLAMA31_8B, QWEN3_14B)}
     print(f"latency-model held-out MAPE per tp on the calibrated profile: {fits}")
+    speculation = [r for m in (LLAMA31_8B, QWEN3_14B) for r in speculating_tail(m)]
+    print_speculation(speculation)
     calibration = fit_report()
     worst = max(abs(r["error"]) for r in calibration)
     print(
@@ -583,6 +716,7 @@ def main() -> None:
         "scripted_schedules": scripted,
         "sensitivity": sensitive,
         "cost_sweep": sweeps,
+        "speculating_tail": speculation,
         "planner_decide_us": timing,
         "predictor_error": error,
         "latency_model_held_out_mape": {
@@ -597,4 +731,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    speculation_main() if "--speculation" in sys.argv[1:] else main()

@@ -11,7 +11,7 @@ from test_e2e_grpo import make_loop
 
 from patrl.orchestrator import checkpointing
 from patrl.orchestrator.distributed import World
-from patrl.orchestrator.sync_loop import DRAFTER_FILE
+from patrl.orchestrator.drafter_checkpoint import DRAFTER_FILE
 from patrl_testkit.jobs import addition_job
 
 SPEC = {

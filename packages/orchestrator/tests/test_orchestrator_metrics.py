@@ -219,3 +219,25 @@ def test_replica_timelines_one_per_starting_tp_group() -> None:
         "label",
     }
     assert replica_timelines([_rank([], [])]) == []  # no rollout yet: nothing to draw
+
+
+def test_timeline_plot_marks_verify_steps_with_their_drafted_and_accepted_tokens() -> None:
+    """A speculating replica's verify steps (start, drafted, accepted) pass through
+    `replica_timelines` and are dots on its line, their totals in the legend; a replica that
+    did not speculate has none."""
+    spec = _rank([1, 1, 1, 1], [4, 3, 2, 1])
+    t = spec["t"]
+    spec["verify"] = [(t[2], 3, 2), (t[3], 2, 1)]  # the steps that left 2 and 1 running
+    plain = _rank([1, 1], [4, 2])
+    replicas = replica_timelines([spec, plain])
+    assert replicas[0]["verify"] == spec["verify"] and "verify" not in replicas[1]
+    ax = timeline_figure(replicas).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "replica 0 (rank 0), tp 1",
+        "verify steps (2): 3/5 drafted tokens accepted",
+        "replica 1 (rank 1), tp 1",
+    ]
+    dots = [line for line in ax.get_lines() if line.get_linestyle() == "None"]
+    assert len(dots) == 1
+    assert list(dots[0].get_xdata()) == [t[2], t[3]] and list(dots[0].get_ydata()) == [2, 1]
+    assert dots[0].get_color() == ax.get_lines()[0].get_color()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -205,3 +207,77 @@ def test_a_profiles_step_cost_is_the_latency_models_verify_time() -> None:
         cost = profile_step_cost(latency, 1)
         for b, q, c in ((1, 1, 50), (3, 3, 900), (2, 10, 300), (40, 200, 8000), (200, 900, 10**5)):
             assert cost(b, q, c) == pytest.approx(latency.verify_time(1, b, q, c), rel=1e-9)
+
+
+def test_may_pay_rules_out_only_steps_no_drafts_could_pay() -> None:
+    """Slow twin: every vector of draft lengths up to each sample's draft length, through
+    `pays`. Over random costs (a fixed verify price, a per-token one, a knee), acceptances and
+    draft lengths: `may_pay` is False only where every vector fails `pays`, and it is False
+    where a fixed verify price dwarfs what low acceptance can win."""
+    rng = random.Random(0)
+    ruled_out = 0
+    for trial in range(300):
+        fixed, per_token = rng.choice([0.0, 0.5, 2.0]), rng.choice([0.0, 0.05, 0.5])
+        knee = rng.choice([1, 3, 100])
+
+        def cost(seqs: int, tokens: int, context: int, f=fixed, v=per_token, k=knee) -> float:
+            extra = tokens - seqs
+            return 1.0 + 0.1 * seqs + (f + v * extra + 0.3 * max(0, extra - k) if extra else 0)
+
+        d = Drafter(max_draft=3, step_cost=cost)
+        samples = [Sample(i, PROMPT, [1, 2, 3 + i]) for i in range(rng.randint(1, 3))]
+        for s in samples:
+            d.observe(s)
+            accepted = rng.randint(0, 3)
+            draft = Draft([7] * 3, "group")
+            for _ in range(rng.randint(0, 4)):
+                d.record(s.seq_id, draft, accepted=accepted, emitted=accepted + 1)
+        ids = [s.seq_id for s in samples]
+        lens = [range(d.draft_length(i) + 1) for i in ids]
+        any_pays = any(d.pays(list(v)) for v in itertools.product(*lens) if sum(v))
+        if not d.may_pay(ids):
+            ruled_out += 1
+            assert not any_pays, trial
+    assert ruled_out > 20
+    assert Drafter(max_draft=4).may_pay([1, 2])  # no cost model: never ruled out
+    dear = Drafter(max_draft=4, step_cost=lambda s, t, c: 1.0 + (2.0 if t > s else 0.0))
+    for i in range(4):
+        dear.observe(Sample(i, PROMPT, [1, 2]))
+    assert not dear.may_pay([0, 1, 2, 3])  # a gain of at most 4 / 2 against 4 x 2 more
+
+
+def eager_table(
+    appends: list[tuple[int, list[int]]], min_n: int, max_n: int
+) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Slow twin of `NgramIndex.table`: every token indexed as it is appended."""
+    streams: dict[int, list[int]] = {}
+    table: dict[tuple[int, ...], tuple[int, int]] = {}
+    for stream, tokens in appends:
+        s = streams.setdefault(stream, [])
+        for token in tokens:
+            p = len(s)
+            for n in range(min_n, min(max_n, p) + 1):
+                table[tuple(s[p - n : p])] = (stream, p)
+            s.append(token)
+    return table
+
+
+def test_deferred_indexing_makes_the_table_indexing_on_arrival_makes() -> None:
+    """Random appends to several streams (few distinct tokens: n-grams recur across them,
+    so the order of indexing decides which occurrence is latest), lookups between them."""
+    rng = random.Random(1)
+    for _ in range(50):
+        index = NgramIndex(2, 4)
+        appends: list[tuple[int, list[int]]] = []
+        for step in range(60):
+            if rng.random() < 0.1 or not index.streams:
+                tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+                appends.append((index.add_stream(tokens), tokens))
+                continue
+            stream = rng.randrange(len(index.streams))
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 3))]
+            index.extend(stream, tokens)
+            appends.append((stream, tokens))
+            if step % 7 == 0:
+                assert index.table == eager_table(appends, 2, 4)
+        assert index.table == eager_table(appends, 2, 4)

@@ -21,6 +21,7 @@ from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.model_runner import verify_chunks
 from patrl.rollout.outputs import RequestOutput
+from patrl.rollout.plot import plot_timeline
 from patrl.rollout.sampler import SamplingParams, make_generator, sample, verify_drafts
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
@@ -666,3 +667,27 @@ def test_a_verify_step_makes_one_host_sync_plus_one_for_top_k_rows(
             verified += 1
             assert mode.count <= 2, mode.calls
     assert verified >= 3
+
+
+def test_the_timeline_marks_verify_steps_with_drafted_and_accepted_tokens(tmp_path: Path) -> None:
+    """Each step's record carries the tokens its drafts offered and the ones accepted, as the
+    drafter counts them for the metrics: over a fresh engine's one rollout they sum to its
+    totals; prefill steps and an engine without speculation mark none. The timeline plot
+    draws them."""
+    model = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    batch = prompts(3, 250, seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=3)
+    spec = engine(model, True)
+    spec.generate(batch, greedy, prompt_keys=[f"k{i}" for i in range(3)])
+    timeline = spec.stats()["timeline"]
+    stats = spec.stats()
+    assert sum(r["drafted"] for r in timeline) == stats["spec_drafted_tokens"] > 0
+    assert sum(r["accepted"] for r in timeline) == stats["spec_accepted_tokens"] > 0
+    assert all(0 <= r["accepted"] <= r["drafted"] for r in timeline)
+    assert all(r["drafted"] == 0 for r in timeline if r["is_prefill"])
+    assert any(r["drafted"] == 0 for r in timeline if not r["is_prefill"])  # the first steps
+    plain = engine(model, False)
+    plain.generate(batch, greedy)
+    assert all(r["drafted"] == r["accepted"] == 0 for r in plain.stats()["timeline"])
+    path = plot_timeline(timeline, [], tmp_path / "spec.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -55,6 +55,7 @@ from patrl.lenpredict.roofline import (
     NodeSpec,
     roofline_profile,
 )
+from patrl.lenpredict.speculation import SpeculativeTail, TailStep, effective_step_time
 
 __all__ = [
     "H100_SXM_NODE",
@@ -87,12 +88,15 @@ __all__ = [
     "RunningSet",
     "SimConfig",
     "SimResult",
+    "SpeculativeTail",
     "StaticPolicy",
     "SwitchRow",
+    "TailStep",
     "VerifyRow",
     "adaptive_ceiling",
     "assign_prompts",
     "assign_replicas",
+    "effective_step_time",
     "group_by_rollout",
     "group_by_step",
     "held_out_error",

@@ -10,12 +10,14 @@ latency model has them. Many questions (layouts, scenarios, delays) go in one ve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from patrl.lenpredict.latency_model import StepCoefficients
 from patrl.lenpredict.layout import Layout
+from patrl.lenpredict.speculation import TailStep
 
 
 @dataclass(slots=True)
@@ -153,10 +155,14 @@ def slowest_replica_times(
     assignments: np.ndarray,
     running: RunningSet,
     step_coefficients: dict[int, StepCoefficients],
+    tail: Mapping[int, TailStep] | None = None,
 ) -> np.ndarray:
     """Seconds of each row's slowest replica (see `Questions`), shape (rows,). `assignments`
     holds one replica-per-sequence array per assignment index; `step_coefficients` maps a TP
-    size to `LatencyModel.step_coefficients`."""
+    size to `LatencyModel.step_coefficients`. `tail` (patrl.lenpredict.speculation.tail_steps)
+    maps a TP size whose small steps speculate to their price: a replica's steps from the
+    moment at most `max_batch` of its sequences are left (its tail) are priced as
+    `effective_step_time` prices them, per token-step; None or empty: every step plain."""
     assign, column = np.asarray(rows.assign), np.asarray(rows.column)
     delay, shift = np.asarray(rows.delay, dtype=float), np.asarray(rows.shift)
     original = running.remaining.T[column]  # (R, n)
@@ -168,23 +174,71 @@ def slowest_replica_times(
     offset = np.cumsum(dp) - dp
     groups = int(offset[-1] + dp[-1])
     key = (offset[:, None] + assignments[assign]).ravel()
-    # per replica: the steps of each sequence, and its context summed over them
-    weights = np.concatenate([rem.ravel(), (rem * (ctx + (rem - 1) / 2)).ravel()])
-    sums = np.bincount(np.concatenate([key, key + groups]), weights, minlength=2 * groups)
-    longest = np.zeros(groups)
-    np.maximum.at(longest, key, rem.ravel())
     coefs = [step_coefficients[tp] for tp in rows.tp]
     a, b, c, e = np.array([k[:4] for k in coefs]).repeat(dp, axis=0).T
     knee, change = _knee_arrays(coefs, dp)
-    per_replica = a * longest + b * sums[:groups] + c * sums[groups:]
     # a knee matters only where a replica runs more sequences than it at once (its slope
     # change may be negative: on a CPU, past a few sequences each costs less)
     lowest = knee.min(initial=np.inf)
     crowded = len(running) > lowest and np.bincount(key, minlength=groups).max() > lowest
-    if crowded or (e != 0).any():
-        past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
-        per_replica += (change * past_knee).sum(axis=1) + e * padded
+
+    def plain(rem: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per replica: seconds of its plain steps, how many there are, Σ of their batches."""
+        # per replica: the steps of each sequence, and its context summed over them
+        weights = np.concatenate([rem.ravel(), (rem * (ctx + (rem - 1) / 2)).ravel()])
+        sums = np.bincount(np.concatenate([key, key + groups]), weights, minlength=2 * groups)
+        longest = np.zeros(groups)
+        np.maximum.at(longest, key, rem.ravel())
+        seconds = a * longest + b * sums[:groups] + c * sums[groups:]
+        if crowded or (e != 0).any():
+            past_knee, padded = _ordered_terms(rows, running, rem, ctx, key, knee)
+            seconds += (change * past_knee).sum(axis=1) + e * padded
+        return seconds, longest, sums[:groups]
+
+    per_replica, _, _ = plain(rem, ctx)
+    limit = np.array([tail[tp].max_batch if tail and tp in tail else 0 for tp in rows.tp])
+    if limit.any():
+        # the tail: from the (limit + 1)-th longest's finish on, a question of its own (the
+        # running set shifted by that many steps), priced plain and then as it speculates
+        start = _tail_start(rows, running, rem, key, limit.repeat(dp))[key].reshape(rem.shape)
+        tail_rem = np.maximum(rem - start, 0.0)
+        seconds, steps, batches = plain(tail_rem, ctx + start)
+        spec = [tail[tp] if tail and tp in tail else None for tp in rows.tp]
+        tau, fixed, per_seq = (
+            np.array(
+                [
+                    (1.0, 0.0, 0.0) if s is None else (s.tokens_per_step, s.fixed, s.per_seq)
+                    for s in spec
+                ]
+            )
+            .repeat(dp, axis=0)
+            .T
+        )
+        speculating = (seconds + fixed * steps + per_seq * batches) / tau
+        per_replica = np.where(
+            limit.repeat(dp) > 0, per_replica - seconds + speculating, per_replica
+        )
     return np.maximum.reduceat(per_replica, offset)
+
+
+def _tail_start(
+    rows: Questions, running: RunningSet, rem: np.ndarray, key: np.ndarray, limit: np.ndarray
+) -> np.ndarray:
+    """Per replica (as `key` numbers them; `limit` per replica too): the steps after which at
+    most `limit` of its sequences are left, the (limit + 1)-th longest remaining length (0
+    when it holds no more than `limit`). One sort, as `_ordered_terms` makes it."""
+    count, n = rem.shape
+    groups = len(limit)
+    order = np.argsort(-running.remaining, axis=0).T[np.asarray(rows.column)]  # (R, n)
+    flat = (np.arange(count)[:, None] * n + order).ravel()
+    idx = flat[np.argsort(key[flat], kind="stable")]
+    keys, lengths = key[idx], rem.ravel()[idx]
+    sizes = np.bincount(keys, minlength=groups)
+    rank = np.arange(len(keys)) - (np.cumsum(sizes) - sizes)[keys] + 1
+    start = np.zeros(groups)
+    hit = rank == limit[keys] + 1
+    start[keys[hit]] = lengths[hit]
+    return start
 
 
 def _knee_arrays(coefs: list[StepCoefficients], dp: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -24,6 +24,7 @@ from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout, layouts_for, nested
 from patrl.lenpredict.plans import Option, assign_replicas, delay_steps, plan_questions
 from patrl.lenpredict.pricing import PlanPricer
+from patrl.lenpredict.speculation import SpeculativeTail
 
 __all__ = ["NEVER", "Decision", "Option", "PlannerConfig", "ReconfigPlanner"]
 
@@ -115,9 +116,20 @@ class Decision:
 
 class ReconfigPlanner:
     """Decides stay or switch for the running set of one rollout (`decide`), and answers the
-    cheaper questions a caller asks between decisions (`may_switch`, `shrinking_share`)."""
+    cheaper questions a caller asks between decisions (`may_switch`, `shrinking_share`).
 
-    def __init__(self, latency: LatencyModel, world_size: int, config: PlannerConfig | None = None):
+    `speculation`: the tail's speed when the rollout speculates (`SpeculativeTail`, e.g. from
+    the run's logged `rollout/spec_acceptance` and `rollout/spec_tokens_per_step`): every
+    price is then of the steps as they run, the small ones speculating; None (or a tail of
+    one token a step) prices them as plain decode steps."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        world_size: int,
+        config: PlannerConfig | None = None,
+        speculation: SpeculativeTail | None = None,
+    ):
         self.latency = latency
         self.world_size = world_size
         self.config = config or PlannerConfig()
@@ -134,11 +146,21 @@ class ReconfigPlanner:
             self.config.candidate_tp,
             memory_utilization=self.config.memory_utilization,
             max_num_seqs=self.config.max_num_seqs,
+            speculation=speculation,
         )
         self._direction = 0
         self._since_switch = self.config.cooldown_calls
         self._calls = 0  # decide() calls in this rollout
         self._draws = 0  # independent draws made (the seed of the next), over all rollouts
+
+    @property
+    def speculation(self) -> SpeculativeTail | None:
+        return self.pricer.speculation
+
+    def set_speculation(self, speculation: SpeculativeTail | None) -> None:
+        """Price the tail at this speed from the next question on (e.g. each rollout, as the
+        run's measured acceptance moves)."""
+        self.pricer.set_speculation(speculation)
 
     def new_rollout(self) -> None:
         """A new batch starts: the direction lock and cooldown of the last one no longer apply."""

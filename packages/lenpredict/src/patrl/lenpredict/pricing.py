@@ -13,6 +13,12 @@ import numpy as np
 from patrl.lenpredict.finish_time import Questions, RunningSet, slowest_replica_times
 from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout
+from patrl.lenpredict.speculation import (
+    SpeculativeTail,
+    TailStep,
+    effective_step_time,
+    tail_steps,
+)
 
 __all__ = ["PlanPricer", "at_corners"]
 
@@ -21,7 +27,10 @@ class PlanPricer:
     """Prices plans for one world on one latency model; per-TP constants looked up once.
 
     A replica may hold at most `max_num_seqs` sequences and the KV tokens that fit
-    `memory_utilization` of its memory: a plan that exceeds either costs inf."""
+    `memory_utilization` of its memory: a plan that exceeds either costs inf. With a
+    `speculation` tail (patrl.lenpredict.speculation) every step is priced per token-step at
+    its real speed: the small steps that speculate at the tail's tokens per step and verify
+    price, the others as decode steps; None prices every step as a decode step."""
 
     def __init__(
         self,
@@ -31,8 +40,10 @@ class PlanPricer:
         *,
         memory_utilization: float,
         max_num_seqs: int,
+        speculation: SpeculativeTail | None = None,
     ) -> None:
         tps = sorted(set(tp_sizes))
+        self.tp_sizes = tps
         self.latency = latency
         self.world_size = world_size
         self.max_num_seqs = max_num_seqs
@@ -42,12 +53,32 @@ class PlanPricer:
         self.capacity = {tp: latency.kv_capacity_tokens(tp, memory_utilization) for tp in tps}
         self.fixed = {(a, b): latency.switch_time(a, b, world_size) for a in tps for b in tps}
         self._switch_costs: dict[tuple[int, tuple[int, ...], int], _SwitchCosts] = {}
+        self.speculation: SpeculativeTail | None = None
+        self.tail: dict[int, TailStep] = {}
+        self.set_speculation(speculation)
+
+    def set_speculation(self, speculation: SpeculativeTail | None) -> None:
+        """Price the steps of a speculating tail from now on (None: none speculates)."""
+        self.speculation = speculation
+        self.tail = tail_steps(self.latency, speculation, self.tp_sizes, self.max_num_seqs)
+
+    def step_time(
+        self,
+        tp: int,
+        batch: np.ndarray | float,
+        context_tokens: np.ndarray | float,
+        max_context: np.ndarray | float | None = None,
+    ) -> np.ndarray:
+        """Seconds of a token-step at TP size `tp` (`speculation.effective_step_time`)."""
+        return effective_step_time(
+            self.latency, self.tail.get(tp), tp, batch, context_tokens, max_context
+        )
 
     # --- finish times -------------------------------------------------------------------
 
     def times(self, rows: Questions, assignments: np.ndarray, running: RunningSet) -> np.ndarray:
         """Seconds of each question in `rows` (`finish_time.slowest_replica_times`)."""
-        return slowest_replica_times(rows, assignments, running, self.step_coef)
+        return slowest_replica_times(rows, assignments, running, self.step_coef, self.tail)
 
     def finish_time(
         self, tp: int, num_replicas: int, replica: np.ndarray, running: RunningSet
@@ -72,7 +103,7 @@ class PlanPricer:
         full = 0.0
         for r in np.unique(running.replica):
             mine = running.replica == r
-            step = self.latency.step_time(current.tp, int(mine.sum()), running.context[mine].sum())
+            step = self.step_time(current.tp, int(mine.sum()), running.context[mine].sum())
             full = max(full, steps * float(step))
         return min(1.0, shrinking / full) if full > 0 else 1.0
 
@@ -164,8 +195,8 @@ class PlanPricer:
         grow = target.tp > current.tp
         mine = batch if grow else np.ceil(batch / (current.tp // target.tp))
         for now, then in zip(
-            at_corners(self.latency, current.tp, batch, contexts),
-            at_corners(self.latency, target.tp, mine, contexts),
+            at_corners(self.latency, current.tp, batch, contexts, self.tail.get(current.tp)),
+            at_corners(self.latency, target.tp, mine, contexts, self.tail.get(target.tp)),
             strict=True,
         ):
             if (then < now).any():
@@ -224,8 +255,8 @@ class PlanPricer:
         busiest = counts.max(axis=0).astype(float)
         faster = np.zeros(len(steps), dtype=bool)
         for now, then in zip(
-            at_corners(self.latency, current.tp, busiest, contexts),
-            at_corners(self.latency, target.tp, total, contexts),
+            at_corners(self.latency, current.tp, busiest, contexts, self.tail.get(current.tp)),
+            at_corners(self.latency, target.tp, total, contexts, self.tail.get(target.tp)),
             strict=True,
         ):
             faster |= (then < now) & (total > 0)
@@ -284,15 +315,22 @@ class _SwitchCosts:
 
 
 def at_corners(
-    latency: LatencyModel, tp: int, batch: np.ndarray, contexts: tuple[float, float]
+    latency: LatencyModel,
+    tp: int,
+    batch: np.ndarray,
+    contexts: tuple[float, float],
+    tail: TailStep | None = None,
 ) -> list[np.ndarray]:
     """Step times of `batch` sequences of `contexts` = (shortest, longest) tokens at the
     corners of their (total, longest) contexts: all shortest, all longest, one longest among
     the shortest. A step is linear in both, so a difference of two layouts' steps is least at
-    one of them."""
+    one of them. With `tail`, per token-step where it speculates (`effective_step_time`, at a
+    given batch still linear in both contexts)."""
     low, high = contexts
     rest = np.maximum(batch - 1, 0)
     return [
-        latency.step_time(tp, batch, rest * others + longest, np.full_like(batch, longest))
+        effective_step_time(
+            latency, tail, tp, batch, rest * others + longest, np.full_like(batch, longest)
+        )
         for others, longest in ((low, low), (high, high), (low, high))
     ]

@@ -26,6 +26,7 @@ from patrl.lenpredict.latency_model import LatencyModel
 from patrl.lenpredict.layout import Layout
 from patrl.lenpredict.length_trace import PromptGroup
 from patrl.lenpredict.planner import Decision, ReconfigPlanner
+from patrl.lenpredict.speculation import SpeculativeTail, effective_step_time, tail_steps
 
 
 class SimConfig(BaseModel):
@@ -138,10 +139,24 @@ class _Replica:
 
 
 class RolloutSimulator:
-    def __init__(self, latency: LatencyModel, world_size: int, config: SimConfig | None = None):
+    """Simulates rollouts (`run`) on one latency model and world. With `speculation` the
+    replicas' small decode steps speculate at that tail's speed and verify price
+    (patrl.lenpredict.speculation): the simulation then counts token-steps (every running
+    sequence one token further), each priced by `effective_step_time`, so a segment's
+    `steps` are token-steps and an adaptive policy's planner must price the same tail."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        world_size: int,
+        config: SimConfig | None = None,
+        speculation: SpeculativeTail | None = None,
+    ):
         self.latency = latency
         self.world_size = world_size
         self.config = config or SimConfig()
+        self.speculation = speculation
+        self.tail = tail_steps(latency, speculation, latency.tp_sizes, self.config.max_num_seqs)
 
     # --- public ---------------------------------------------------------------------------
 
@@ -223,6 +238,11 @@ class RolloutSimulator:
             raise ValueError(
                 f"kv_capacity_tokens={ours.kv_capacity_tokens} overrides the KV budget the "
                 "planner reads from the latency model; leave it None for adaptive runs"
+            )
+        if planner.speculation != self.speculation:
+            raise ValueError(
+                f"planner prices speculation {planner.speculation} but the simulated replicas "
+                f"run {self.speculation}; give both the same SpeculativeTail"
             )
         if planner.world_size != self.world_size:
             raise ValueError(
@@ -355,7 +375,14 @@ class RolloutSimulator:
         # every sequence grows by one token a step, so the k steps average the middle one's
         middle = (k - 1) / 2
         seconds = k * float(
-            self.latency.step_time(layout.tp, batch, context + batch * middle, longest + middle)
+            effective_step_time(
+                self.latency,
+                self.tail.get(layout.tp),
+                layout.tp,
+                batch,
+                context + batch * middle,
+                longest + middle,
+            )
         )
         start = replica.clock
         replica.clock += seconds

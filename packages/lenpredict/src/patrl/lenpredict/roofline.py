@@ -30,6 +30,7 @@ from patrl.lenpredict.profile_schema import (
     ModelInfo,
     PrefillRow,
     Profile,
+    VerifyRow,
 )
 
 
@@ -339,6 +340,24 @@ class StepModel:
         engine = n.engine.step_overhead_s + n.engine.per_seq_overhead_s * batch
         return m.num_layers * layer + self.lm_head(tp, batch) + engine
 
+    def verify_step(self, tp: int, batch: int, query_len: int, context_tokens: float) -> float:
+        """A speculative verify step: `batch` sequences of `query_len` query tokens each
+        through the GEMMs, the LM head and the all-reduces (batch · query_len rows), each
+        sequence's KV read once (ASSUMPTION: a multi-query decode kernel reads a sequence's
+        blocks once for all its queries) and the engine's per-sequence work as in decode
+        (ASSUMPTION: acceptance is vectorised over a sequence's tokens)."""
+        m, n = self.model, self.node
+        rows = batch * query_len
+        hidden = rows * m.hidden_size * self.elem
+        layer = (
+            self.layer_linear(tp, rows)
+            + self.kv_read(tp, context_tokens)
+            + n.engine.layer_kernels * n.gpu.kernel_floor_s
+            + 2 * n.link.allreduce(hidden, tp)
+        )
+        engine = n.engine.step_overhead_s + n.engine.per_seq_overhead_s * batch
+        return m.num_layers * layer + self.lm_head(tp, rows) + engine
+
     def prefill(self, tp: int, tokens: int) -> float:
         """One sequence of `tokens` prompt tokens: GEMMs over all of them, causal attention
         (computed at the wide-GEMM efficiency), the LM head of the last one."""
@@ -372,11 +391,14 @@ def roofline_profile(
     dtype: Dtype = "bfloat16",
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     memory_utilization: float = 0.9,
+    query_lens: tuple[int, ...] = (),
 ) -> Profile:
     """A profile on the grid a measured one would cover: batch 1..4096 sequences of 256..32768
-    tokens each, rows that would not fit in the replica's KV memory left out."""
+    tokens each, rows that would not fit in the replica's KV memory left out. `query_lens`
+    (each > 1): verify rows too, at batches up to 64 (`StepModel.verify_step`), which price
+    a speculating tail (patrl.lenpredict.speculation); () keeps the profile as it was."""
     step = StepModel(node=node, model=model, dtype=dtype)
-    decode, prefill = [], []
+    decode, prefill, verify = [], [], []
     for tp in tp_sizes:
         weights = model.weight_bytes(dtype) / tp
         per_token = (
@@ -392,6 +414,16 @@ def roofline_profile(
                 decode.append(
                     DecodeRow(tp=tp, batch=batch, context_tokens=context, seconds=seconds)
                 )
+                for q in query_lens if batch <= 64 else ():
+                    verify.append(
+                        VerifyRow(
+                            tp=tp,
+                            batch=batch,
+                            query_len=q,
+                            context_tokens=context,
+                            seconds=step.verify_step(tp, batch, q, context),
+                        )
+                    )
         for tokens in (128, 512, 1024, 2048, 4096, 8192, 16384):
             prefill.append(PrefillRow(tp=tp, tokens=tokens, seconds=step.prefill(tp, tokens)))
     collectives = []
@@ -420,6 +452,7 @@ def roofline_profile(
         dtype=dtype,
         decode=decode,
         prefill=prefill,
+        verify=verify,
         collectives=collectives,
         notes=notes,
     )

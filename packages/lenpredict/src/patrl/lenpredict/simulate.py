@@ -46,6 +46,7 @@ from patrl.lenpredict.rollout_sim import (
     oracle_remaining,
 )
 from patrl.lenpredict.roofline import LLAMA31_8B, QWEN3_14B, roofline_profile
+from patrl.lenpredict.speculation import SpeculativeTail
 
 Knowledge = Literal["oracle", "predicted"]
 ROOFLINES = {m.name: m for m in (LLAMA31_8B, QWEN3_14B)}
@@ -122,14 +123,20 @@ def run_policy(
     sim_config: SimConfig,
     planner_config: PlannerConfig,
     knowledge: Knowledge = "oracle",
+    speculation: SpeculativeTail | None = None,
 ) -> list[SimResult]:
     """One SimResult per rollout of `steps` (in their order). With knowledge="predicted" an
     online LengthPredictor, trained on the earlier rollouts only, drives both prompt
-    assignment and the planner."""
-    simulator = RolloutSimulator(latency, world_size, sim_config)
+    assignment and the planner. `speculation`: the replicas' tails speculate at this speed,
+    and the planner prices it."""
+    simulator = RolloutSimulator(latency, world_size, sim_config, speculation)
     predictor = LengthPredictor(PredictorConfig(quantiles=planner_config.quantile_levels))
     # only adaptive runs plan (a profile of one TP size prices no switch)
-    planner = ReconfigPlanner(latency, world_size, planner_config) if spec.tp is None else None
+    planner = (
+        ReconfigPlanner(latency, world_size, planner_config, speculation)
+        if spec.tp is None
+        else None
+    )
     start = min(planner_config.candidate_tp)
     results = []
     for key, groups in steps.items():
@@ -163,13 +170,14 @@ def compare(
     sim_config: SimConfig,
     planner_config: PlannerConfig,
     knowledge: Knowledge = "oracle",
+    speculation: SpeculativeTail | None = None,
 ) -> list[dict[str, Any]]:
     """Total simulated generation time of each policy, and its change against the best static
-    policy among `specs`."""
+    policy among `specs` (`speculation`: as `run_policy`)."""
     rows: list[dict[str, Any]] = []
     for spec in specs:
         results = run_policy(
-            spec, steps, latency, world_size, sim_config, planner_config, knowledge
+            spec, steps, latency, world_size, sim_config, planner_config, knowledge, speculation
         )
         rows.append(
             {
@@ -345,6 +353,21 @@ def _parser() -> argparse.ArgumentParser:
         help="GPUs that wait while the rollout runs (a synchronous trainer's): the sweet spot "
         "minimises price x (rollout GPUs + idle GPUs) x time",
     )
+    parser.add_argument(
+        "--spec-metrics",
+        type=Path,
+        default=None,
+        help="a speculating run's metrics.jsonl: its tails speculate at the logged "
+        "rollout/spec_acceptance and rollout/spec_tokens_per_step (SpeculativeTail."
+        "from_metrics), and the planner prices it",
+    )
+    parser.add_argument(
+        "--spec-max-num-seqs",
+        type=int,
+        default=16,
+        help="with --spec-metrics: steps of at most this many sequences speculate "
+        "(rollout.speculative.max_num_seqs)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return parser
 
@@ -466,7 +489,26 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(
                 f"policy {spec.name}: the profile has tp in {tp_sizes} for world {world}"
             )
-    rows = compare(specs, rollouts, latency, world, sim_config, planner_config, args.lengths_known)
+    speculation = None
+    if args.spec_metrics:
+        try:
+            speculation = SpeculativeTail.from_metrics_log(
+                args.spec_metrics, args.spec_max_num_seqs
+            )
+        except OSError as err:
+            raise SystemExit(f"--spec-metrics {args.spec_metrics}: {err.strerror}") from err
+        except ValueError as err:
+            raise SystemExit(f"--spec-metrics: {err}") from err
+        if speculation is None:
+            raise SystemExit(
+                f"--spec-metrics {args.spec_metrics}: no row has rollout/spec_acceptance and "
+                "rollout/spec_tokens_per_step (the run did not speculate)"
+            )
+        what += f", speculating tail {speculation.record()}"
+    rows = compare(
+        specs, rollouts, latency, world, sim_config, planner_config, args.lengths_known,
+        speculation,
+    )  # fmt: skip
     title = f"SIMULATED generation time: {what}, world {world}"
     print(format_table(rows, title))
     if args.json:

@@ -141,7 +141,8 @@ def _wandb(run_dir: Path, init: Mapping[str, Any]) -> Any:
 
 def replica_timelines(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One timeline per replica the rollout started with, from every rank's engine timeline
-    (`{"t", "running", "tp", "switches"}`, in rank order), labelled with its ranks and TP sizes.
+    (`{"t", "running", "tp", "switches"}` and, where it speculated, `"verify"`: (start,
+    drafted, accepted) per verify step; in rank order), labelled with its ranks and TP sizes.
 
     The ranks of a TP group run the same steps, so the group's first rank speaks for it; TP
     groups are contiguous ranks, so rank r started in group r // tp, tp its first step's size."""
@@ -158,7 +159,8 @@ def replica_timelines(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         ranks = f"rank {rank}" if tp == 1 else f"ranks {group * tp}-{group * tp + tp - 1}"
         sizes = [size for i, size in enumerate(mine["tp"]) if i == 0 or mine["tp"][i - 1] != size]
         label = f"replica {group} ({ranks}), tp {'->'.join(map(str, sizes))}"
-        out.append({k: mine[k] for k in ("t", "running", "switches")} | {"label": label})
+        keys = [k for k in ("t", "running", "switches", "verify") if k in mine]
+        out.append({k: mine[k] for k in keys} | {"label": label})
     return out
 
 
@@ -238,17 +240,31 @@ def lengths_figure(lengths: Sequence[int], max_response_length: int | None) -> A
 
 def timeline_figure(timeline: Sequence[Mapping[str, Any]]) -> Any:
     """Running sequences over the last training rollout, one line per replica, TP layout
-    switches as red dashed lines (drawn once when replicas share a switch)."""
+    switches as red dashed lines (drawn once when replicas share a switch), speculative verify
+    steps as dots on their replica's line (its accepted / drafted tokens in the legend)."""
     fig, ax = _figure(9, 4)
     marked: set[tuple[float, str]] = set()
     for i, replica in enumerate(timeline):
-        ax.plot(
+        (line,) = ax.plot(
             replica["t"],
             replica["running"],
             drawstyle="steps-post",
             alpha=0.7,
             label=replica.get("label", f"replica {i}"),
         )
+        verify = replica.get("verify", [])
+        if verify:
+            at = dict(zip(replica["t"], replica["running"], strict=True))  # on the line
+            drafted = sum(d for _, d, _ in verify)
+            accepted = sum(a for _, _, a in verify)
+            ax.plot(
+                [t for t, _, _ in verify],
+                [at.get(t, 0) for t, _, _ in verify],
+                ".",
+                color=line.get_color(),
+                markersize=3,
+                label=f"verify steps ({len(verify)}): {accepted}/{drafted} drafted tokens accepted",
+            )
         for t, text in replica.get("switches", []):
             if (t, text) in marked:
                 continue

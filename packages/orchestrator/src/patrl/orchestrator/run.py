@@ -114,6 +114,11 @@ class Schedule(Protocol):
         """The run state a checkpoint's `state.json` holds (`run_state`)."""
         ...
 
+    def before_save(self) -> None:
+        """Every rank, before a checkpoint's files are staged: gather what the first rank's
+        `save_files` writes of the other ranks (a collective where the schedule has one)."""
+        ...
+
     def save_files(self, staging: Path) -> None:
         """Write the schedule's own files into a checkpoint being staged (first rank)."""
         ...
@@ -276,6 +281,7 @@ class RunLoop:
 
     def _write_checkpoint(self, staging: Path) -> Path:
         s = self.schedule
+        s.before_save()
         if s.is_first:
             checkpointing.prepare_staging(self.run_dir, s.step)
         s.trainer.group.barrier()

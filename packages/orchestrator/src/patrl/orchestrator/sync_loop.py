@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from patrl.lenpredict import LengthPredictor, assign_prompts
+from patrl.lenpredict import LengthPredictor, SpeculativeTail, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.agent.tool_guard import ToolFailureGuard
@@ -39,6 +39,11 @@ from patrl.orchestrator.build import (
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World, all_gather_objects, broadcast_object
+from patrl.orchestrator.drafter_checkpoint import (
+    gather_drafter,
+    load_drafter,
+    save_drafter,
+)
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -81,28 +86,34 @@ from patrl.orchestrator.support import check_supported
 from patrl.orchestrator.update import update_policy
 from patrl.rollout import AdaptiveEngine, Engine, RolloutEngine, SequenceState
 from patrl.rollout.adaptive import LengthGroups
-from patrl.rollout.drafter import Drafter, speculation_metrics
+from patrl.rollout.drafter import speculation_metrics
 from patrl.trainer import Critic, Trainer
 
 PARTIALS_FILE = "partial_rollouts.pt"  # buffered unfinished groups, in each checkpoint
-DRAFTER_FILE = "drafter.pt"  # the speculation drafter's history, in each checkpoint
 
 
-def save_drafter(drafter: Drafter | None, staging: Path) -> None:
-    """Write the drafter's history (`Drafter.state_dict`: plain lists) into a checkpoint being
-    staged (first rank: its replica's history; with several replicas the others' is not
-    kept); nothing without speculation."""
-    if drafter is not None:
-        torch.save(drafter.state_dict(), staging / DRAFTER_FILE)
+# the drafter's running counts a speculating tail is measured from (`measured_tail`)
+SPEC_TOTALS = (
+    "spec_sample_steps",
+    "spec_emitted_tokens",
+    "spec_drafted_tokens",
+    "spec_accepted_tokens",
+)
 
 
-def load_drafter(drafter: Drafter | None, checkpoint: Path) -> None:
-    """Restore `save_drafter`'s history into `drafter` on every rank (so every rank of a TP
-    group drafts alike); nothing without speculation or without the file (a run saved without
-    speculation starts with no history)."""
-    path = checkpoint / DRAFTER_FILE
-    if drafter is not None and path.is_file():
-        drafter.load_state_dict(torch.load(path, weights_only=True))
+def measured_tail(per_rank: list[dict[str, Any]], max_num_seqs: int) -> SpeculativeTail | None:
+    """The speculating tail every rank's engine stats (`Engine.stats`, running totals) say
+    so far: acceptance and tokens per step of their summed drafter counts
+    (`SpeculativeTail.from_metrics`); None when no rank counted a step."""
+    summed = {k: sum(float(stats.get(k, 0.0)) for stats in per_rank) for k in SPEC_TOTALS}
+    steps, drafted = summed["spec_sample_steps"], summed["spec_drafted_tokens"]
+    if not steps:
+        return None
+    row = {
+        "rollout/spec_acceptance": summed["spec_accepted_tokens"] / drafted if drafted else 0.0,
+        "rollout/spec_tokens_per_step": summed["spec_emitted_tokens"] / steps,
+    }
+    return SpeculativeTail.from_metrics([row], max_num_seqs)
 
 
 @dataclass(slots=True)
@@ -192,6 +203,7 @@ class SyncSchedule:
         self.partials: dict[str, Partial] = {}  # request id -> unfinished group
         self._stale_tokens: dict[str, int] = {}  # tokens a buffered group made with old weights
         self.rollout_timeline: list[dict[str, Any]] = []
+        self._drafter_state: dict[str, Any] | None = None  # gathered by `before_save`
         self.rollout_decisions: list[dict[str, Any]] = []
         self._replica_timelines: list[dict[str, Any]] = []  # every replica's, after the steps
         self.step = 0
@@ -261,13 +273,17 @@ class SyncSchedule:
     def state_dict(self) -> dict[str, Any]:
         return run_state(self.step, self.loader, self.predictor)
 
+    def before_save(self) -> None:
+        """Every replica's drafter history, merged, for `save_files` (a collective)."""
+        self._drafter_state = gather_drafter(self.engine.drafter, self.world)
+
     def save_files(self, staging: Path) -> None:
         torch.save(
             {"partials": self.partials, "stale_tokens": self._stale_tokens},
             staging / PARTIALS_FILE,
         )
         save_kl_state(self.kl_ctrl, staging)
-        save_drafter(self.engine.drafter, staging)
+        save_drafter(self._drafter_state, staging)
 
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.step = load_run_state(state, self.loader, self.predictor)
@@ -275,7 +291,13 @@ class SyncSchedule:
             saved = torch.load(checkpoint / PARTIALS_FILE, weights_only=False)
             self.partials, self._stale_tokens = saved["partials"], saved["stale_tokens"]
         load_kl_state(self.kl_ctrl, checkpoint)
-        load_drafter(self.engine.drafter, checkpoint)
+        load_drafter(
+            self.engine.drafter,
+            checkpoint,
+            self.world.rank,
+            self.world.size,
+            self.engine.layout.tp_size,
+        )
 
     def begin(self) -> None:
         """A resumed run's weights into the engine (nothing was validated since), or a fresh
@@ -301,12 +323,29 @@ class SyncSchedule:
         """The last training rollout of every replica (gathered by `end`)."""
         return self._replica_timelines
 
+    def _price_speculation(self, stats: dict[str, Any]) -> None:
+        """An adaptive engine's planner prices the next rollouts' speculating tails at the
+        speed every rank's drafter measured so far (`SpeculativeTail.from_metrics` of their
+        summed counts: the same tail on every rank, as the planner's verdicts must be). A
+        collective where the engine is adaptive and speculates; nothing otherwise."""
+        controller = getattr(self.engine, "controller", None)
+        planner = getattr(controller, "planner", None)
+        if not self.config.rollout.speculative.enable or planner is None:
+            return
+        if not hasattr(planner, "set_speculation"):
+            return  # a planner of the caller's that prices no speculation
+        mine = {k: float(stats.get(k, 0.0)) for k in SPEC_TOTALS}
+        shares = all_gather_objects(self.world, mine)
+        planner.set_speculation(measured_tail(shares, self.config.rollout.speculative.max_num_seqs))
+
     def _rank_timeline(self) -> dict[str, Any]:
         timeline = self.rollout_timeline
         return {
             "t": [e["t"] for e in timeline],
             "running": [e["running"] for e in timeline],
             "tp": [e["tp_size"] for e in timeline],
+            # speculative verify steps: (start, drafted tokens, accepted tokens)
+            "verify": [(e["t"], e["drafted"], e["accepted"]) for e in timeline if e["drafted"]],
             "switches": [
                 (d["t"], f"tp{d['current_tp']}->{d['target_tp']}")
                 for d in self.rollout_decisions
@@ -380,6 +419,7 @@ class SyncSchedule:
             self.rollout_decisions = after.get("tp_decisions", [])
             metrics.update(_tp_metrics(before, after))
             metrics.update(speculation_metrics(before, after))
+            self._price_speculation(after)
             if self.multi_turn is not None:  # every replica's tool calls and turns, once
                 mine = self.multi_turn.metrics if self._scores else {}
                 shares = all_gather_objects(self.world, mine)
@@ -460,6 +500,7 @@ class SyncSchedule:
         }
         metrics = self._learn_lengths(samples, 1)
         metrics.update(speculation_metrics(before, stats))
+        self._price_speculation(stats)
         merge_reward_metrics(metrics, reward_shares)
         total = sum(len(s.token_ids) for s in samples)
         metrics["partial/resumed_groups"] = float(sum(1 for rid, _, st in entries if st))

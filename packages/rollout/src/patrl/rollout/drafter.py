@@ -43,7 +43,7 @@ SOURCES = ("group", "history", "prompt")
 class StepCost(Protocol):
     """Seconds of a decode step of `num_seqs` sequences carrying `num_tokens` query tokens in
     all over `context_tokens` of context (`profile_step_cost`: a latency profile's verify
-    prices; tests inject one)."""
+    prices; tests inject one). Never less for more query tokens (`may_pay` relies on it)."""
 
     def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int) -> float: ...
 
@@ -59,12 +59,24 @@ class Sample(Protocol):
 
 class NgramIndex:
     """Streams of tokens, appended to one token at a time, and for each n-gram the latest
-    (stream, position) it was followed at."""
+    (stream, position) it was followed at.
+
+    Indexing waits until a lookup (or `table`) needs it and is then replayed in the order the
+    tokens came, so the table is the one indexing each token on arrival makes; a group no
+    step ever drafts for (speculation off at its batch sizes, or never paying) costs only
+    the appends."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.streams: list[list[int]] = []
-        self.table: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._table: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._pending: list[tuple[int, int, int]] = []  # (stream, first, end): not indexed
+
+    @property
+    def table(self) -> dict[tuple[int, ...], tuple[int, int]]:
+        """n-gram -> (stream, position of the token that followed it), up to date."""
+        self._catch_up()
+        return self._table
 
     def add_stream(self, tokens: Sequence[int] = ()) -> int:
         """A new stream holding `tokens`; returns its id."""
@@ -74,20 +86,33 @@ class NgramIndex:
         return stream
 
     def extend(self, stream: int, tokens: Sequence[int]) -> None:
-        """Append `tokens` to `stream`, indexing each n-gram they complete a follower of."""
+        """Append `tokens` to `stream`; each n-gram they complete a follower of is indexed
+        before the next lookup."""
+        if not tokens:
+            return
         s = self.streams[stream]
-        for token in tokens:
-            p = len(s)
-            for n in range(self.min_n, min(self.max_n, p) + 1):
-                self.table[tuple(s[p - n : p])] = (stream, p)
-            s.append(token)
+        first = len(s)
+        s.extend(tokens)
+        self._pending.append((stream, first, len(s)))
+
+    def _catch_up(self) -> None:
+        """Index the pending tokens, in the order they were appended."""
+        if not self._pending:
+            return
+        table, low, high = self._table, self.min_n, self.max_n
+        for stream, first, end in self._pending:
+            s = self.streams[stream]
+            for p in range(max(first, low), end):
+                for n in range(low, min(high, p) + 1):
+                    table[tuple(s[p - n : p])] = (stream, p)
+        self._pending.clear()
 
     def lookup(self, context: Sequence[int], n: int, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest occurrence of `context`'s last `n`
         tokens ([] when it never occurred)."""
         if len(context) < n:
             return []
-        hit = self.table.get(tuple(context[len(context) - n :]))
+        hit = self.table.get(tuple(context[len(context) - n :]))  # caught up first
         if hit is None:
             return []
         stream, pos = hit
@@ -219,7 +244,7 @@ class Drafter:
         output = seq.output_token_ids
         sample = self._samples.get(seq.seq_id)
         if sample is None:
-            key = seq.prompt_key if seq.prompt_key is not None else tuple(seq.prompt_token_ids)
+            key = history_key(seq.prompt_key, seq.prompt_token_ids)
             group = self._group(key, seq.prompt_token_ids)
             group.live += 1
             stream = group.indexes["group"].add_stream(group.lead_in)
@@ -266,6 +291,28 @@ class Drafter:
         cost = self.step_cost
         return (b + gain) * cost(b, b, context_tokens) > b * cost(b, b + d, context_tokens)
 
+    def draft_length(self, seq_id: int) -> int:
+        """The most tokens the sample's next draft may hold (its adaptive draft length;
+        `max_draft` for a sample not seen yet)."""
+        sample = self._samples.get(seq_id)
+        return self.max_draft if sample is None else sample.draft_len
+
+    def may_pay(self, seq_ids: Sequence[int], context_tokens: int = 0) -> bool:
+        """False when no drafts these samples could propose would make `pays` true, so a step
+        need not look for them. Drafts of at most each sample's draft length, D >= 1 tokens
+        in all, accept in expectation sum_k a^k a draft: at most a·Dmax (Dmax the draft
+        lengths' sum) and at most a / (1 - a) a sample; and they cost at least the step with
+        one query token more (`StepCost` never falls with more tokens). So when
+        (B + that gain)·cost(B, B) <= B·cost(B, B + 1) every draft is ruled out (exactly:
+        `pays` would say no to whatever `propose` found). Always True without a
+        `step_cost`."""
+        if self.step_cost is None or not seq_ids:
+            return True
+        most = sum(self.draft_length(seq_id) for seq_id in seq_ids)
+        b, cost, a = len(seq_ids), self.step_cost, self.acceptance()
+        gain = a * most if a >= 1.0 else min(a * most, b * a / (1.0 - a))
+        return (b + gain) * cost(b, b, context_tokens) > b * cost(b, b + 1, context_tokens)
+
     def propose(self, seq_id: int, context: Sequence[int], limit: int) -> Draft:
         """A draft of at most min(`limit`, the sample's draft length) tokens continuing
         `context` (the sample's tokens; only its last `prompt_lookup_max` are read). The
@@ -309,17 +356,25 @@ class Drafter:
         sample = self._samples.pop(seq_id, None)
         if sample is None:
             return
-        if remember and self.history_size > 0 and "history" in self.sources:
-            responses = self.history.setdefault(sample.key, [])
-            self.history.move_to_end(sample.key)
-            responses.append(list(output))
-            del responses[: max(0, len(responses) - self.history_size)]
-            while len(self.history) > self.history_prompts:
-                self.history.popitem(last=False)
+        if remember:
+            self.remember(sample.key, output)
         group = self._groups[sample.key]
         group.live -= 1
         if group.live == 0:
             del self._groups[sample.key]
+
+    def remember(self, key: Hashable, output: Sequence[int]) -> None:
+        """`output`, a complete response to the prompt of `key` (`history_key`), joins its
+        history: the newest `history_size` kept, at most `history_prompts` prompts, the least
+        recently used dropped first; nothing when history is not a source."""
+        if self.history_size <= 0 or "history" not in self.sources:
+            return
+        responses = self.history.setdefault(key, [])
+        self.history.move_to_end(key)
+        responses.append(list(output))
+        del responses[: max(0, len(responses) - self.history_size)]
+        while len(self.history) > self.history_prompts:
+            self.history.popitem(last=False)
 
     def drop(self, seq_id: int) -> None:
         """The sample leaves this engine unfinished (export): forget it, remember nothing."""
@@ -348,6 +403,24 @@ class Drafter:
             history[tuple(key) if isinstance(key, list) else key] = [list(r) for r in responses]
         self.history = history
 
+    def merged_state(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One `state_dict` of several drafters' (data-parallel replicas', in rank order, one
+        per replica): per prompt, every state's responses in order, the newest
+        `history_size` kept; prompts in the order the states last used them, at most
+        `history_prompts`. Restored on every rank, it lets each replica draft from what any
+        replica saw, whatever the layout (one state: that state, unchanged)."""
+        merged = Drafter(
+            self.max_draft, self.min_n, self.max_n, self.sources, self.history_size,
+            self.history_prompts,
+        )  # fmt: skip
+        for state in states:
+            other = Drafter(self.max_draft, self.min_n, self.max_n, self.sources)
+            other.load_state_dict(state)
+            for key, responses in other.history.items():
+                for response in responses:
+                    merged.remember(key, response)
+        return merged.state_dict()
+
     # ----------------------------------------------------------------- internals
 
     def _group(self, key: Hashable, prompt: Sequence[int]) -> _Group:
@@ -364,6 +437,22 @@ class Drafter:
             indexes["history"].add_stream([*lead_in, *response])
         group = self._groups[key] = _Group(indexes, lead_in)
         return group
+
+
+def draft_totals(drafter: Drafter | None, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """Tokens `drafter` counted drafted and accepted (its `counts`), less `since` (an earlier
+    answer: what a step added); (0, 0) without a drafter."""
+    if drafter is None:
+        return 0, 0
+    counts = drafter.counts
+    drafted, accepted = sum(counts.drafted.values()), sum(counts.accepted.values())
+    return drafted - since[0], accepted - since[1]
+
+
+def history_key(prompt_key: str | None, prompt_token_ids: Sequence[int]) -> Hashable:
+    """The key a sample's group and history go under: its request's `prompt_key`, else its
+    prompt's token ids."""
+    return prompt_key if prompt_key is not None else tuple(prompt_token_ids)
 
 
 def new_drafter(config: SpeculativeConfig, step_cost: StepCost | None = None) -> Drafter | None:

@@ -29,6 +29,7 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.drafter import draft_totals
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -183,6 +184,7 @@ class Engine:
         finished with it, each once, all of its samples done."""
         batch = self.scheduler.schedule()
         if batch is not None:
+            counted = draft_totals(self.drafter)
             start = time.perf_counter()
             sampled = self.runner.run(batch)
             self.counters.count_step(batch.is_prefill, batch.num_tokens)
@@ -194,16 +196,12 @@ class Engine:
             end = time.perf_counter()
             self.counters.busy_s += end - start
             running = self.scheduler.num_running_samples()
-            self.timeline.append(
-                StepRecord(
-                    start - self._timeline_start,
-                    end - start,
-                    running,
-                    batch.num_tokens,
-                    batch.is_prefill,
-                    self.layout.tp_size,
-                )
-            )
+            drafted, accepted = draft_totals(self.drafter, since=counted)
+            record = StepRecord(
+                start - self._timeline_start, end - start, running, batch.num_tokens,
+                batch.is_prefill, self.layout.tp_size, drafted, accepted,
+            )  # fmt: skip
+            self.timeline.append(record)
         return self._collect_finished()
 
     def reset_timeline(self) -> None:

@@ -1,5 +1,6 @@
 """A rollout's timeline as a picture: running samples over time, shaded by TP size, with every
-planner switch marked. matplotlib is imported only when a plot is drawn."""
+planner switch and every speculative verify step marked. matplotlib is imported only when a
+plot is drawn."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ def plot_timeline(
     path: str | Path,
     title: str = "generation timeline",
 ) -> Path:
-    """Write a PNG of `Engine.stats()["timeline"]` and `["tp_decisions"]` to `path`."""
+    """Write a PNG of `Engine.stats()["timeline"]` and `["tp_decisions"]` to `path`; verify
+    steps (`drafted` > 0) are dots on the running line, their accepted / drafted tokens in the
+    legend."""
     try:
         import matplotlib
     except ImportError as err:
@@ -31,6 +34,18 @@ def plot_timeline(
     )
     t = [r["t"] + r["duration_s"] for r in timeline]
     ax.plot(t, [r["running"] for r in timeline], drawstyle="steps-post", label="running samples")
+    verify = [(end, r) for end, r in zip(t, timeline, strict=True) if r.get("drafted", 0)]
+    if verify:
+        drafted = sum(r["drafted"] for _, r in verify)
+        accepted = sum(r["accepted"] for _, r in verify)
+        ax.plot(
+            [end for end, _ in verify],
+            [r["running"] for _, r in verify],
+            ".",
+            color="tab:purple",
+            markersize=3,
+            label=f"verify steps ({len(verify)}): {accepted}/{drafted} drafted tokens accepted",
+        )
     ax_tp.plot(t, [r["tp_size"] for r in timeline], drawstyle="steps-post", color="tab:green")
     for d in decisions:
         if d["action"] != "switch":
@@ -46,6 +61,7 @@ def plot_timeline(
         )
     ax.set_ylabel("running samples")
     ax.set_title(f"{title}; red: TP switches")
+    ax.legend(fontsize=8)
     ax_tp.set_ylabel("TP size")
     ax_tp.set_xlabel("seconds")
     fig.tight_layout()

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One engine step, for the generation timeline."""
+    """One engine step, for the generation timeline. A speculative verify step drafted
+    `drafted` tokens (its sequences' drafts together) and accepted `accepted` of them, as the
+    drafter counts them for `rollout/spec_acceptance`; 0 and 0 in any other step."""
 
     t: float  # seconds since the timeline started
     duration_s: float
@@ -15,6 +17,8 @@ class StepRecord:
     num_tokens: int  # tokens run through the model
     is_prefill: bool
     tp_size: int
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(slots=True)

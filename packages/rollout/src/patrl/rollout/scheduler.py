@@ -210,6 +210,11 @@ class Scheduler:
         none = [Draft([]) for _ in seqs]
         if drafter is None or not drafter.speculates(len(seqs)):
             return none
+        for seq in seqs:  # every sample registered and indexed, in step order
+            drafter.observe(seq)
+        context = sum(s.num_tokens for s in seqs)
+        if not drafter.may_pay([s.seq_id for s in seqs], context):
+            return none  # no draft could pay: spare the lookups
         spare = self.max_num_batched_tokens - len(seqs)
         free = self.blocks.num_free_blocks
         drafts = []
@@ -221,7 +226,6 @@ class Scheduler:
             free -= needed
             spare -= len(draft.tokens)
             drafts.append(draft)
-        context = sum(s.num_tokens for s in seqs)
         return drafts if drafter.pays([len(d.tokens) for d in drafts], context) else none
 
     def _draft(self, seq: Sequence, spare: int) -> Draft:

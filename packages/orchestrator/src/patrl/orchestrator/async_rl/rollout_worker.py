@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 from patrl.orchestrator.async_rl.flight_reports import (
@@ -29,6 +30,7 @@ from patrl.orchestrator.async_rl.tickets import (
 from patrl.orchestrator.async_rl.validation import Validation
 from patrl.orchestrator.build import build_engine
 from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.drafter_checkpoint import load_drafter
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
@@ -138,6 +140,8 @@ class RolloutWorker:
         )
         start = pickle.loads(self.control.get("start"))
         self.job.loader.load_state_dict(start["loader"])
+        if start.get("checkpoint"):  # a resumed run: the trained groups' history to draft from
+            load_drafter(self.engine.drafter, Path(start["checkpoint"]))
         self.batch_index = start["step"] - 1
         self.joined_at = start["step"]
         self.life = self.control.bump(f"life/{self.world.rank}")

@@ -24,6 +24,7 @@ from patrl.orchestrator.async_rl.tickets import (
     step_tickets,
 )
 from patrl.orchestrator.build import critic_config, starts_from_adapter, trainer_config
+from patrl.orchestrator.drafter_checkpoint import load_drafter, remember_samples, save_drafter
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -43,6 +44,8 @@ from patrl.orchestrator.run import (
 from patrl.orchestrator.scoring import merge_reward_metrics
 from patrl.orchestrator.step_metrics import step_metrics, timed
 from patrl.orchestrator.update import update_policy
+from patrl.rollout.config import SpeculativeConfig
+from patrl.rollout.drafter import new_drafter
 from patrl.trainer import Critic, Trainer
 
 
@@ -93,6 +96,11 @@ class TrainerWorker:
         self.trained_groups: list[tuple[int, int, int, int, int | None, int]] = []
         self.published: list[tuple[int, float]] = []  # (version, when announced: time.time())
         self.all_lengths: list[int] = []
+        # The speculation history checkpoints carry: every trained group's complete responses
+        # (all rollout ranks'), kept by a drafter's rules; None without speculation.
+        spec = self.config.rollout.speculative.model_dump(exclude={"latency_profile"})
+        self.drafter_history = new_drafter(SpeculativeConfig(**spec))
+        self._resumed_from: Path | None = None
         self._waited_us = 0
         self._val_logged = -1  # the newest validated version logged
 
@@ -108,12 +116,19 @@ class TrainerWorker:
     def state_dict(self) -> dict[str, Any]:
         return run_state(self.step, self.loader, self.predictor)
 
+    def before_save(self) -> None:
+        """Nothing to gather: every trainer rank read every trained group."""
+
     def save_files(self, staging: Path) -> None:
         save_kl_state(self.kl_ctrl, staging)
+        if self.drafter_history is not None:
+            save_drafter(self.drafter_history.state_dict(), staging)
 
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.step = load_run_state(state, self.loader, self.predictor)
         load_kl_state(self.kl_ctrl, checkpoint)
+        load_drafter(self.drafter_history, checkpoint)
+        self._resumed_from = checkpoint
 
     def begin(self) -> None:
         """Weights of a resumed step (or of a fresh run that starts from a LoRA adapter the
@@ -128,6 +143,8 @@ class TrainerWorker:
                 "step": self.step,
                 "loader": self.loader.state_dict(),
                 "published": published,
+                # where the rollout ranks' drafters find the history (drafter_checkpoint)
+                "checkpoint": None if self._resumed_from is None else str(self._resumed_from),
             }
             self.control.put("start", pickle.dumps(start))
         self._val_logged = self.step if self.step > 0 else -1
@@ -181,6 +198,7 @@ class TrainerWorker:
         self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
+        remember_samples(self.drafter_history, samples)  # in ticket order
         line = self.reward_guard.observe(
             self.step,
             FailureSummary.total(r.failures for r in records),
