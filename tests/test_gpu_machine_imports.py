@@ -69,7 +69,7 @@ SCRIPT = r"""
 import importlib, importlib.abc, importlib.util, json, sys
 from pathlib import Path
 
-allowed = set(sys.stdlib_module_names) | set(json.loads(sys.argv[1])) | {"patrl"}
+allowed = set(sys.stdlib_module_names) | set(json.loads(sys.argv[1])) | {"patrl", "patrl_examples"}
 blocked = set()
 
 
@@ -96,7 +96,8 @@ class Hide(importlib.abc.MetaPathFinder):
 sys.meta_path[:] = [Hide(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
 failed = {}
 modules = []
-for path in sorted(Path(sys.argv[2]).glob("packages/*/src/patrl/*/**/*.py")):
+src = Path(sys.argv[2])
+for path in sorted([*src.glob("packages/*/src/patrl/*/**/*.py"), *src.glob("examples/src/*/**/*.py")]):
     parts = path.with_suffix("").parts
     parts = parts[parts.index("src") + 1 :]
     if any(p.startswith("_") and p != "__init__" for p in parts):

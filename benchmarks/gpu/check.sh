@@ -57,7 +57,7 @@ if [ -n "$WHEELS" ]; then
     "$PY" -m zipfile -e "$wheel" "$DEPS" || { echo "check.sh: cannot unzip $wheel" >&2; exit 3; }
   done
 fi
-SRC=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+SRC=$(ls -d "$ROOT"/packages/*/src "$ROOT"/examples/src | paste -sd: -)  # examples: the demo task
 export PYTHONPATH="$SRC:$ROOT/tests${DEPS:+:$DEPS}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}

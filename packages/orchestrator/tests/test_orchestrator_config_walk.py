@@ -95,7 +95,7 @@ def test_an_unknown_key_reads_the_same_on_every_path(tmp_path: Path) -> None:
         preflight.load(path)
     with pytest.raises(ConfigError) as override:
         load_config(None, ["rollout.temprature=0.5"])
-    words = "unknown key 'rollout.temprature': rollout accepts ['adaptive_tp', 'attention_backend',"
+    words = "unknown key 'rollout.temprature': rollout accepts ['adaptive_tp', 'agent',"
     assert str(direct.value).startswith(words)
     assert str(checked.value) == f"{path} line 3: {direct.value}"
     assert str(override.value) == str(direct.value)
