@@ -47,8 +47,10 @@ def _run(rank: int, world_size: int, assets: Path, run_dir: Path, steps: int = 2
     )
     loop = SyncGRPO(config, world, str(assets / "model"), config.data.train_files, None)
 
-    assert isinstance(loop.engine, AdaptiveEngine)
-    wrapped = loop.engine.engine  # the one-layout engine it drives holds the model
+    # the one-layout engine holds the model (wrapped by an AdaptiveEngine on 2 ranks; one rank
+    # has nothing to fold and runs it plain)
+    wrapped = loop.engine.engine if isinstance(loop.engine, AdaptiveEngine) else loop.engine
+    assert isinstance(loop.engine, AdaptiveEngine) == (world_size > 1)
 
     def base() -> dict[str, torch.Tensor]:
         return {n: p.clone() for n, p in wrapped.model.named_parameters() if "lora_" not in n}
