@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from patrl.lenpredict import usable_tp_sizes
-from patrl.orchestrator import checkpointing, support, verl_keys
+from patrl.orchestrator import run_checkpoint, support, verl_keys
 from patrl.orchestrator.build import tp_candidates
 from patrl.orchestrator.config import (
     DEMO_FILES,
@@ -473,13 +473,13 @@ def _agent_name_problems(config: JobConfig, key: str, data: PromptDataset) -> li
 
 def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:
     t = config.trainer
-    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    target = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if target is None:
         return []
     shapes, optional = expected_shapes(model)
     key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
     problems: list[str] = []
-    _attempt(problems, key, lambda: checkpointing.check_resumable(target, shapes, optional))
+    _attempt(problems, key, lambda: run_checkpoint.check_resumable(target, shapes, optional))
     return problems
 
 
@@ -578,17 +578,17 @@ def _critic_problems(config: JobConfig, tokenizer: Any) -> list[str]:
                 "to start from the policy's backbone"
             )
     t = config.trainer
-    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    target = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if (
         target is not None
-        and (target / checkpointing.STATE_FILE).is_file()
-        and not (target / checkpointing.CRITIC_DIR).is_dir()
+        and (target / run_checkpoint.STATE_FILE).is_file()
+        and not (target / run_checkpoint.CRITIC_DIR).is_dir()
     ):
         key = (
             "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
         )
         problems.append(
-            f"{key}: checkpoint {str(target)!r} has no {checkpointing.CRITIC_DIR}/ (saved without "
+            f"{key}: checkpoint {str(target)!r} has no {run_checkpoint.CRITIC_DIR}/ (saved without "
             "a critic) but algorithm.adv_estimator=gae trains one; resume with the estimator it "
             "was saved with, or start afresh (trainer.resume_mode=disable)"
         )
