@@ -28,7 +28,7 @@ from patrl.orchestrator import preflight
 from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model, tiny_config
 
@@ -827,7 +827,7 @@ def test_expected_shapes_match_transformers(family: str) -> None:
     with torch.device("meta"):
         hf = getattr(transformers, f"{name}ForCausalLM")(config)
     reference = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    shapes, optional = expected_shapes(ModelConfig.from_hf(config))
+    shapes, optional = expected_shapes(ModelArch.from_hf(config))
     assert optional == ({"lm_head.weight"} if family == "qwen3" else set())
     assert shapes == {k: v for k, v in reference.items() if k not in optional}
 

@@ -51,7 +51,7 @@ from patrl.orchestrator.demo_provider import (
 from patrl.orchestrator.learned_reward import reward_model_problems
 from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.trainer.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -337,7 +337,7 @@ def layout_problems(
     tp: int,
     world_size: int,
     local_world_size: int,
-    model: ModelConfig | None,
+    model: ModelArch | None,
     key: str = "rollout.tensor_model_parallel_size",
 ) -> list[str]:
     """Why `tp` fits no layout of `world_size` ranks (`local_world_size` per node) for `model`,
@@ -368,7 +368,7 @@ def layout_problems(
     ]
 
 
-def _split_error(model: ModelConfig, tp: int) -> str | None:
+def _split_error(model: ModelArch, tp: int) -> str | None:
     try:
         model.check_tp(tp)
     except ValueError as err:
@@ -376,7 +376,7 @@ def _split_error(model: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any]:
+def _model(model_dir: str, problems: list[str]) -> tuple[ModelArch | None, Any]:
     if Path(model_dir).is_file():
         problems.append(
             f"model.path: {model_dir} is a file, expected a directory (a Hugging Face model "
@@ -399,7 +399,7 @@ def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any
     return model, tokenizer
 
 
-def _length_problems(config: JobConfig, model: ModelConfig) -> list[str]:
+def _length_problems(config: JobConfig, model: ModelArch) -> list[str]:
     """A prompt and its response must fit the model's positions."""
     d = config.data
     if d.max_prompt_length + d.max_response_length <= model.max_position_embeddings:
@@ -471,7 +471,7 @@ def _agent_name_problems(config: JobConfig, key: str, data: PromptDataset) -> li
     return [f"{key}: {p}" for p in agent_name_problems(data.items, names)]
 
 
-def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:
+def _resume_problems(config: JobConfig, model: ModelArch) -> list[str]:
     t = config.trainer
     target = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if target is None:
