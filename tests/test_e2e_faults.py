@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.main import main
 from patrl_testkit.jobs import addition_job, tiny_job_overrides
 
@@ -88,8 +88,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_an_explicit_one_refused(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(overrides(assets, tmp_path)) == 0
-    newest = checkpointing.step_dir(tmp_path, 2)
-    shard = next((newest / checkpointing.TRAINER_DIR).glob("*.distcp"))
+    newest = run_checkpoint.step_dir(tmp_path, 2)
+    shard = next((newest / run_checkpoint.TRAINER_DIR).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-64])  # truncated after the save, say by a full disk
     capsys.readouterr()
 
@@ -97,18 +97,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_an_explicit_one_refused(
     out = capsys.readouterr()
     warning = f"patrl: warning: checkpoint {newest} is damaged: {shard} is"
     assert warning in out.err and "resuming from the newest sound one before it" in out.err
-    assert f"resumed from {checkpointing.step_dir(tmp_path, 1)} at step 1" in out.out
+    assert f"resumed from {run_checkpoint.step_dir(tmp_path, 1)} at step 1" in out.out
 
     # Steps 2 and 3 were retrained and saved over the damaged one; now damage step 3's and
     # ask for it by name: preflight refuses it, naming the file and the other checkpoints.
-    newest = checkpointing.step_dir(tmp_path, 3)
-    shard = next((newest / checkpointing.TRAINER_DIR).glob("*.distcp"))
+    newest = run_checkpoint.step_dir(tmp_path, 3)
+    shard = next((newest / run_checkpoint.TRAINER_DIR).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-64])
     explicit = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": newest}
     assert main(overrides(assets, tmp_path, **explicit)) == 2
     err = capsys.readouterr().err
     assert f"trainer.resume_from_path: checkpoint '{newest}' is damaged: {shard} is" in err
-    assert str(checkpointing.step_dir(tmp_path, 2)) in err and "trainer.resume_mode=disable" in err
+    assert str(run_checkpoint.step_dir(tmp_path, 2)) in err and "trainer.resume_mode=disable" in err
 
 
 @pytest.mark.e2e

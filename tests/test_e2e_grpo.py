@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.config import ConfigError, load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.main import main
@@ -94,7 +94,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
     assert all(r["gap"] < 1e-4 for r in results)  # and the engine got them
     assert steps[1]["training/rollout_probs_diff_max"] < 1e-4
     assert "timing_s/old_log_prob" in steps[0]  # two mini-batches: a scoring pass first
-    assert checkpointing.latest_checkpoint(tmp_path) is not None
+    assert run_checkpoint.latest_checkpoint(tmp_path) is not None
     assert "lenpredict/prompt_mean_abs_error" in steps[1]
     assert [h["rollout/tp_switches"] for h in steps] == [0, 0]
     assert all(h["rollout/tp_max"] == 2 for h in steps)
@@ -128,12 +128,12 @@ def test_resume_reproduces_the_uninterrupted_run(
     assert main(overrides(assets, tmp_path / "b", **{"trainer.save_freq": 2})) == 0
     out = capsys.readouterr().out
     assert out.startswith("patrl: nothing to do:") and out.count("\n") == 1, out
-    assert f"{checkpointing.step_dir(run_dir, 2)} is at step 2" in out
+    assert f"{run_checkpoint.step_dir(run_dir, 2)} is at step 2" in out
     assert "trainer.total_training_steps=2" in out and f"in {run_dir}/" in out
     assert (run_dir / "metrics.jsonl").read_text() == metrics_before
-    assert checkpointing.latest_checkpoint(run_dir) == checkpointing.step_dir(run_dir, 2)
+    assert run_checkpoint.latest_checkpoint(run_dir) == run_checkpoint.step_dir(run_dir, 2)
     # A crash while writing step 3's checkpoint left debris that must be ignored.
-    debris = checkpointing.staging_dir(tmp_path / "b", 3)
+    debris = run_checkpoint.staging_dir(tmp_path / "b", 3)
     debris.mkdir()
     (debris / "half").write_text("x")
     resumed = make_loop(assets, tmp_path / "b", world, **{"trainer.total_training_steps": 4}).run()
@@ -153,12 +153,12 @@ def test_resume_reproduces_the_uninterrupted_run(
 
 def test_latest_checkpoint_ignores_incomplete_ones(tmp_path: Path) -> None:
     for step, complete in ((2, True), (3, False), (4, False)):
-        d = checkpointing.step_dir(tmp_path, step)
+        d = run_checkpoint.step_dir(tmp_path, step)
         d.mkdir(parents=True)
         if complete:
-            (d / checkpointing.STATE_FILE).write_text("{}")
-    checkpointing.staging_dir(tmp_path, 5).mkdir()
-    assert checkpointing.latest_checkpoint(tmp_path) == checkpointing.step_dir(tmp_path, 2)
+            (d / run_checkpoint.STATE_FILE).write_text("{}")
+    run_checkpoint.staging_dir(tmp_path, 5).mkdir()
+    assert run_checkpoint.latest_checkpoint(tmp_path) == run_checkpoint.step_dir(tmp_path, 2)
 
 
 @pytest.mark.parametrize(
@@ -175,9 +175,9 @@ def test_completed_only_when_the_resumed_checkpoint_has_no_step_left(
     tmp_path: Path, mode: str, saved_step: int, total: int, complete: bool
 ) -> None:
     assert completed(load_config(None, [f"trainer.default_local_dir={tmp_path}"])) is None
-    checkpoint = checkpointing.step_dir(tmp_path, saved_step)
+    checkpoint = run_checkpoint.step_dir(tmp_path, saved_step)
     checkpoint.mkdir(parents=True)
-    (checkpoint / checkpointing.STATE_FILE).write_text(f'{{"step": {saved_step}}}')
+    (checkpoint / run_checkpoint.STATE_FILE).write_text(f'{{"step": {saved_step}}}')
     keys = [
         f"trainer.default_local_dir={tmp_path}",
         f"trainer.total_training_steps={total}",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import SyncGRPO
@@ -94,13 +94,13 @@ def test_a_two_rank_run_writes_a_model_transformers_and_the_engine_agree_on(
     run_dir = tmp_path / "runs"
     ranks = run_ranks(_two_rank_run, world_size=2, args=(assets, run_dir), timeout_s=400)
     job_dir = run_dir
-    checkpoint = checkpointing.latest_checkpoint(job_dir)
-    assert checkpoint == checkpointing.step_dir(job_dir, 2)
-    hf = checkpointing.hf_dir(checkpoint)
+    checkpoint = run_checkpoint.latest_checkpoint(job_dir)
+    assert checkpoint == run_checkpoint.step_dir(job_dir, 2)
+    hf = run_checkpoint.hf_dir(checkpoint)
     names = {p.name for p in hf.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json"} <= names
     assert {"tokenizer.json", "tokenizer_config.json"} <= names
-    assert read_marker(checkpoint / checkpointing.TRAINER_DIR)["world_size"] == 2
+    assert read_marker(checkpoint / run_checkpoint.TRAINER_DIR)["world_size"] == 2
 
     # The directory holds the trained weights, in the source model's dtype (fp32 here).
     exported = _tensors(hf)
@@ -138,6 +138,6 @@ def test_a_two_rank_run_writes_a_model_transformers_and_the_engine_agree_on(
     assert result.steps == 3
     # The run's metrics file continues: its rows of steps 1-2 (2 ranks), then step 3 (1 rank).
     assert [h["step"] for h in result.history if "critic/score/mean" in h] == [1.0, 2.0, 3.0]
-    last = checkpointing.step_dir(job_dir, 3)
-    assert read_marker(last / checkpointing.TRAINER_DIR)["world_size"] == 1
-    assert _tensors(checkpointing.hf_dir(last)).keys() == exported.keys()
+    last = run_checkpoint.step_dir(job_dir, 3)
+    assert read_marker(last / run_checkpoint.TRAINER_DIR)["world_size"] == 1
+    assert _tensors(run_checkpoint.hf_dir(last)).keys() == exported.keys()

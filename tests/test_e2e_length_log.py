@@ -10,7 +10,7 @@ import torch
 
 from patrl.lenpredict import Profile, read_lengths
 from patrl.lenpredict.simulate import main as simulate
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.config import load_config
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.length_log import LENGTH_LOG
@@ -71,7 +71,7 @@ def test_one_process_run_writes_what_simulate_reads(
     step3 = [r for r in records if r.step == 3]
     resumed = {
         "trainer.resume_mode": "resume_path",
-        "trainer.resume_from_path": checkpointing.step_dir(run_dir, 2),
+        "trainer.resume_from_path": run_checkpoint.step_dir(run_dir, 2),
     }
     run(assets, tmp_path / "out", steps=4, **resumed)
     again = read_lengths(run_dir / LENGTH_LOG)

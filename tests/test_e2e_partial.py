@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_e2e_grpo import KEYS, make_loop
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.sync_loop import PARTIALS_FILE
 from patrl_testkit.jobs import addition_job
@@ -64,7 +64,7 @@ def test_partial_rollouts_buffer_resume_and_checkpoint(assets: Path, tmp_path: P
 
     first = make_loop(assets, tmp_path / "b", world, **PARTIAL, **{"trainer.save_freq": 2})
     first.run()
-    saved = checkpointing.step_dir(tmp_path / "b", 2) / PARTIALS_FILE
+    saved = run_checkpoint.step_dir(tmp_path / "b", 2) / PARTIALS_FILE
     assert saved.is_file()
     buffered = sorted(first.partials)
     resumed = make_loop(

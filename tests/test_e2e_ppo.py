@@ -116,7 +116,7 @@ def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
     as a Hugging Face token-classification model (critic/huggingface)."""
     from transformers import AutoModelForTokenClassification
 
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
 
     four = {**GAE, "trainer.total_training_steps": 4, **NO_VAL}
     straight = make_loop(assets, tmp_path / "a", WORLD, **four).run()
@@ -124,14 +124,14 @@ def test_resume_restores_actor_and_critic(assets: Path, tmp_path: Path) -> None:
     two["critic.checkpoint.save_contents"] = "[model,optimizer,extra,hf_model]"
     first = make_loop(assets, tmp_path / "b", WORLD, **two)
     first.run()
-    checkpoint = checkpointing.step_dir(first.run_dir, 2)
-    critic_hf = checkpoint / checkpointing.CRITIC_DIR / checkpointing.HF_DIR
+    checkpoint = run_checkpoint.step_dir(first.run_dir, 2)
+    critic_hf = checkpoint / run_checkpoint.CRITIC_DIR / run_checkpoint.HF_DIR
     model = AutoModelForTokenClassification.from_pretrained(critic_hf, dtype=torch.float32)
     assert first.critic is not None
     live = dict(first.critic.model.named_parameters())
     for name, t in model.named_parameters():
         assert torch.equal(t, live[name].detach()), name
-    assert (checkpointing.hf_dir(checkpoint) / "model.safetensors").is_file()  # the policy's
+    assert (run_checkpoint.hf_dir(checkpoint) / "model.safetensors").is_file()  # the policy's
     resumed = make_loop(assets, tmp_path / "b", WORLD, **four).run()
     assert resumed.steps == 4
 
@@ -218,12 +218,12 @@ def _two_rank_gae(rank: int, world_size: int, assets: Path, run_dir: Path) -> di
 @pytest.mark.e2e
 @pytest.mark.multirank
 def test_two_ranks_train_and_checkpoint_the_critic(assets: Path, tmp_path: Path) -> None:
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
     from patrl_testkit.multirank import run_ranks
 
     ranks = run_ranks(_two_rank_gae, world_size=2, args=(assets, tmp_path), timeout_s=300)
     rows = _rows(ranks[0]["history"])
     assert len(rows) == 2 and all(all(k in r for k in CRITIC_KEYS) for r in rows)
     assert ranks[0]["head_norm"] == ranks[1]["head_norm"] > 0  # the zero head moved, alike
-    saved = checkpointing.latest_checkpoint(tmp_path)
-    assert saved is not None and (saved / checkpointing.CRITIC_DIR).is_dir()
+    saved = run_checkpoint.latest_checkpoint(tmp_path)
+    assert saved is not None and (saved / run_checkpoint.CRITIC_DIR).is_dir()

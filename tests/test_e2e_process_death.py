@@ -26,7 +26,7 @@ import pytest
 import torch
 from procdeath_faults import fault_env
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.main import restart_hazard
 from patrl.trainer.checkpoint import read_marker
 from patrl_testkit.processes import kill_tree
@@ -148,17 +148,17 @@ def assert_checkpoints_sound(
 ) -> None:
     """Exactly the checkpoints of `steps`, each complete, of this model and world, and every
     tensor readable; no staging debris left behind."""
-    root = checkpointing.checkpoint_root(run_dir)
+    root = run_checkpoint.checkpoint_root(run_dir)
     names = sorted(p.name for p in root.iterdir() if p.name.startswith("global_step_"))
     assert names == sorted(f"global_step_{s}" for s in steps), names
     shapes = model_shapes(model_dir)
     for step in steps:
-        path = checkpointing.step_dir(run_dir, step)
-        checkpointing.check_resumable(path, shapes, set())
-        assert read_marker(path / checkpointing.TRAINER_DIR)["world_size"] == world_size
-        assert checkpointing.read_state(path)["step"] == step
+        path = run_checkpoint.step_dir(run_dir, step)
+        run_checkpoint.check_resumable(path, shapes, set())
+        assert read_marker(path / run_checkpoint.TRAINER_DIR)["world_size"] == world_size
+        assert run_checkpoint.read_state(path)["step"] == step
         assert not list(path.rglob("*.tmp")), f"staging debris inside {path}"
-        tensors = read_all_tensors(path / checkpointing.TRAINER_DIR)
+        tensors = read_all_tensors(path / run_checkpoint.TRAINER_DIR)
         for name, shape in shapes.items():
             assert tuple(tensors[f"model.{name}"].shape) == shape
         assert all(torch.isfinite(t).all() for t in tensors.values()), path
@@ -208,10 +208,10 @@ def test_killed_rank_restarts_and_resumes(assets: Path, tmp_path: Path, mode: st
     assert marker.exists(), "the fault never fired: nothing was tested"
     if m.at == "save":  # it died with step 3 staged, uncommitted; the restart cleared it
         staged = Path(marker.read_text())
-        assert staged.parent == checkpointing.staging_dir(run_dir, DIES_AFTER_STEP + 1)
+        assert staged.parent == run_checkpoint.staging_dir(run_dir, DIES_AFTER_STEP + 1)
         assert not staged.parent.exists()
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", output)
-    expected = str(checkpointing.step_dir(run_dir, DIES_AFTER_STEP))
+    expected = str(run_checkpoint.step_dir(run_dir, DIES_AFTER_STEP))
     assert resumed == [(expected, str(DIES_AFTER_STEP))], output[-6000:]
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     steps = list(range(1, STEPS + 1))

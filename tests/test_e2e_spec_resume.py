@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_e2e_grpo import make_loop
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.drafter_checkpoint import DRAFTER_FILE
 from patrl_testkit.jobs import addition_job
@@ -33,7 +33,7 @@ def test_a_resumed_run_keeps_the_drafters_history(tmp_path: Path) -> None:
     steps = [h for h in history if "critic/score/mean" in h]
     assert steps and all("rollout/spec_acceptance" in h for h in steps)
     assert all("rollout/spec_accepted_share/history" in h for h in steps)
-    assert (checkpointing.step_dir(tmp_path / "run", 2) / DRAFTER_FILE).is_file()
+    assert (run_checkpoint.step_dir(tmp_path / "run", 2) / DRAFTER_FILE).is_file()
     assert first.engine.drafter is not None
     kept = first.engine.drafter.state_dict()
     assert kept["history"]

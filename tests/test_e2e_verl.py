@@ -15,7 +15,7 @@ import torch
 import yaml
 from test_e2e_grpo import make_loop
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.main import main
 from patrl_testkit.models import save_tiny_model
@@ -238,4 +238,4 @@ def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     assert validated == [2.0, 3.0]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val-core/acc/mean@1" in r] == [2.0, 3.0]
-    assert checkpointing.latest_checkpoint(tmp_path) == tmp_path / "global_step_3"
+    assert run_checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_3"

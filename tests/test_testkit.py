@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl_testkit.models import FAMILIES, save_tiny_model, tiny_config, tiny_hf_model
 from patrl_testkit.processes import descendants, kill_tree
 
@@ -29,7 +29,7 @@ def test_full_flavour_turns_on_each_family_feature() -> None:
     assert "model.layers.0.self_attn.q_norm.weight" in names["qwen3"]
     assert "model.layers.0.self_attn.o_proj.bias" in names["qwen3"]
     for family in FAMILIES:
-        ModelConfig.from_hf(tiny_config(family))  # the engine accepts every one
+        ModelArch.from_hf(tiny_config(family))  # the engine accepts every one
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from patrl.lenpredict import read_lengths
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.tickets import token_versions
 from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
@@ -147,7 +147,7 @@ def test_staleness_zero_reproduces_the_sync_loop(
     # The advantages were not all zero: the comparison above covered real updates.
     assert any(s["critic/advantages/max"] > 0 for s in sync_steps)
     # The async schedule's checkpoints hold the policy as a Hugging Face directory too.
-    hf = checkpointing.hf_dir(checkpointing.step_dir(tmp_path / "async", 2))
+    hf = run_checkpoint.hf_dir(run_checkpoint.step_dir(tmp_path / "async", 2))
     exported = load_file(hf / "model.safetensors")
     assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
     assert exported.keys() == results[1]["weights"].keys()

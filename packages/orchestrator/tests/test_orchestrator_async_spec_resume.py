@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
 from patrl.orchestrator.config import load_config
@@ -58,7 +58,7 @@ def test_a_resumed_async_run_drafts_from_the_trained_groups_history(tmp_path: Pa
     assets = addition_job(tmp_path / "assets")
     run_dir = tmp_path / "run"
     first = run_ranks(_run, world_size=2, args=(assets, run_dir, 1), timeout_s=300)
-    saved = torch.load(checkpointing.step_dir(run_dir, 1) / DRAFTER_FILE, weights_only=True)
+    saved = torch.load(run_checkpoint.step_dir(run_dir, 1) / DRAFTER_FILE, weights_only=True)
     # 4 prompts of 2 samples trained in step 1, each remembered under its prompt's tokens
     assert len(saved["history"]) == 4
     assert all(len(responses) == 2 for _, responses in saved["history"])

@@ -28,7 +28,7 @@ from patrl.orchestrator import preflight
 from patrl.orchestrator.config import ConfigError
 from patrl.orchestrator.main import main
 from patrl.rollout.loader import expected_shapes
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl_testkit import filesystems
 from patrl_testkit.models import save_tiny_model, save_tiny_reward_model, tiny_config
 
@@ -55,11 +55,11 @@ def _save_llama(path: Path, **changes: Any) -> None:
 
 
 def _save_run_checkpoint(model_dir: Path, checkpoint: Path) -> None:
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
     from patrl.trainer import Trainer, TrainerConfig
 
-    Trainer(TrainerConfig(), str(model_dir)).save(checkpoint / checkpointing.TRAINER_DIR)
-    (checkpoint / checkpointing.STATE_FILE).write_text(json.dumps({"step": 1}))
+    Trainer(TrainerConfig(), str(model_dir)).save(checkpoint / run_checkpoint.TRAINER_DIR)
+    (checkpoint / run_checkpoint.STATE_FILE).write_text(json.dumps({"step": 1}))
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +219,11 @@ def auto_resume_other_model(a: Assets, tmp: Path, run: Path) -> Setup:
 
 
 def checkpoint_without_optimizer(a: Assets, tmp: Path, run: Path) -> Setup:
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
     from patrl.trainer.checkpoint import MARKER
 
     checkpoint = Path(shutil.copytree(a.checkpoint, tmp / "global_step_1"))
-    marker = checkpoint / checkpointing.TRAINER_DIR / MARKER
+    marker = checkpoint / run_checkpoint.TRAINER_DIR / MARKER
     saved = json.loads(marker.read_text())
     marker.write_text(json.dumps({**saved, "contents": ["model", "hf_model"]}))
     extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": checkpoint}
@@ -414,11 +414,11 @@ def _three_heads(model: Path) -> None:
 
 
 def damaged_checkpoint(a: Assets, tmp: Path, run: Path) -> Setup:
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
 
     checkpoint = Path(shutil.copytree(a.checkpoint, tmp / "global_step_1"))
-    checkpointing.write_manifest(checkpoint)
-    shard = next((checkpoint / checkpointing.TRAINER_DIR).glob("*.distcp"))
+    run_checkpoint.write_manifest(checkpoint)
+    shard = next((checkpoint / run_checkpoint.TRAINER_DIR).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-100])  # a shard cut short
     extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": checkpoint}
     return Setup(_good(a, run, **extra))
@@ -827,7 +827,7 @@ def test_expected_shapes_match_transformers(family: str) -> None:
     with torch.device("meta"):
         hf = getattr(transformers, f"{name}ForCausalLM")(config)
     reference = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    shapes, optional = expected_shapes(ModelConfig.from_hf(config))
+    shapes, optional = expected_shapes(ModelArch.from_hf(config))
     assert optional == ({"lm_head.weight"} if family == "qwen3" else set())
     assert shapes == {k: v for k, v in reference.items() if k not in optional}
 

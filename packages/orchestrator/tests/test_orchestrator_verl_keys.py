@@ -450,11 +450,11 @@ def test_n_gpus_per_node_and_nnodes_are_checked_against_the_world() -> None:
 
 
 def test_default_local_dir_is_the_run_folder_holding_the_checkpoints(tmp_path: Path) -> None:
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
 
     config = _job(f"trainer.default_local_dir={tmp_path / 'ckpt'}")
     assert config.run_dir == tmp_path / "ckpt"
-    assert checkpointing.step_dir(config.run_dir, 7) == tmp_path / "ckpt" / "global_step_7"
+    assert run_checkpoint.step_dir(config.run_dir, 7) == tmp_path / "ckpt" / "global_step_7"
     default = _job("trainer.project_name=p", "trainer.experiment_name=e")
     assert default.run_dir == Path("runs") / "p" / "e"
 

@@ -22,7 +22,7 @@ from patrl.rollout.layers.attention.registry import (
 )
 from patrl.rollout.layers.attention.sdpa import SdpaBackend
 from patrl.rollout.layers.rotary import RotaryEmbedding
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 
 HQ, HK, D = 4, 2, 8
 
@@ -217,7 +217,7 @@ def test_rotary_matches_transformers(rope: dict | None, dtype: torch.dtype) -> N
     k = torch.randn(len(positions), 2, 16).to(dtype)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    ours = RotaryEmbedding(16, ModelConfig.from_hf(config).rope, 256)
+    ours = RotaryEmbedding(16, ModelArch.from_hf(config).rope, 256)
     q_out, k_out = ours(positions, q, k)
     assert torch.equal(q_out, q_ref[0].transpose(0, 1))
     assert torch.equal(k_out, k_ref[0].transpose(0, 1))

@@ -19,7 +19,7 @@ from patrl.rollout.loader import (
     read_tokenizer,
     weight_keys,
 )
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.rollout.models import build_model
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_config, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
@@ -164,7 +164,7 @@ def test_unsupported_model_type_lists_the_supported_ones() -> None:
         ValueError,
         match=r"model_type 'gpt2' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]",
     ):
-        ModelConfig.from_hf(GPT2Config())
+        ModelArch.from_hf(GPT2Config())
     with pytest.raises(ValueError, match=r"model_type 'mistral' is not supported"):
         build_model(MistralConfig(), attention="sdpa")
 
@@ -190,14 +190,14 @@ def test_configs_that_would_compute_wrong_math_are_rejected(
     family: str, overrides: dict, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf(tiny_config(family, **overrides))
+        ModelArch.from_hf(tiny_config(family, **overrides))
 
 
 def test_tp_that_cannot_split_the_model_is_rejected() -> None:
-    config = ModelConfig.from_hf(tiny_config("llama", num_key_value_heads=4))
+    config = ModelArch.from_hf(tiny_config("llama", num_key_value_heads=4))
     with pytest.raises(ValueError, match=r"tp_size=3 must divide num_attention_heads=4"):
         config.check_tp(3)
-    three_kv = ModelConfig.from_hf(
+    three_kv = ModelArch.from_hf(
         tiny_config("llama", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     )
     with pytest.raises(ValueError, match=r"tp_size=4 and num_key_value_heads=3: one must divide"):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from trainer_testkit import VOCAB, config, full_weights, make_batch, whole_model_build
 
 from patrl.trainer import Trainer
-from patrl.trainer.model import build_model
+from patrl.trainer.model import build_hf_model
 from patrl.trainer.shard_loader import INDEX_FILE
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
@@ -94,7 +94,7 @@ def test_meta_build_equals_whole_model_build_bit_for_bit(
         assert meta["metrics"]["actor/loss"] == whole["metrics"]["actor/loss"]
         assert meta["metrics"]["actor/grad_norm"] == whole["metrics"]["actor/grad_norm"]
     # The checkpoint's values, not an initialisation: compare with the file itself.
-    reference = build_model(checkpoints[kind], "sdpa", seed=0)
+    reference = build_hf_model(checkpoints[kind], "sdpa", seed=0)
     for name, value in reference.state_dict().items():
         if name in got["meta"]["weights"]:
             assert torch.equal(torch.from_numpy(got["meta"]["weights"][name]), value), name

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
-from patrl.trainer.model import build_model, build_on_meta, materialize
+from patrl.trainer.model import build_hf_model, build_on_meta, materialize
 from patrl.trainer.shard_loader import checkpoint_index, load_shards
 from patrl_testkit.models import save_hf_model, tiny_config, tiny_hf_model
 
@@ -26,7 +26,7 @@ def _materialised(config: PretrainedConfig) -> PreTrainedModel:
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_unsharded_load_equals_from_pretrained(tmp_path: Path, family: str) -> None:
     path = save_hf_model(tiny_hf_model(family, seed=4).bfloat16(), tmp_path)
-    want = build_model(path, "sdpa", seed=0)
+    want = build_hf_model(path, "sdpa", seed=0)
     model = _materialised(want.config)
     load_shards(model, path)
     assert model.state_dict().keys() == want.state_dict().keys()

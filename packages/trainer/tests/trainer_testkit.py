@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
-from patrl.trainer.model import build_model, parallelize
+from patrl.trainer.model import build_hf_model, parallelize
 from patrl_testkit.models import tiny_config
 
 VOCAB = 128
@@ -87,5 +87,5 @@ def whole_model_build(
 ) -> Any:
     """`model.build_sharded`'s slow twin (patch it in): every rank builds the whole model from
     the checkpoint, then shards it."""
-    model = build_model(path, attn_implementation, seed=seed, head=head).to(device)
+    model = build_hf_model(path, attn_implementation, seed=seed, head=head).to(device)
     return parallelize(model, mesh, param_dtype, activation_checkpointing)

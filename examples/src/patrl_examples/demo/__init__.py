@@ -10,15 +10,15 @@ from patrl_examples.demo.assets import (
     ensure_demo_at,
 )
 from patrl_examples.demo.evaluate import PassAtOne, boxed_answer, pass_at_one
-from patrl_examples.demo.model import ModelConfig
+from patrl_examples.demo.model import DemoModelConfig
 from patrl_examples.demo.sft import SFTConfig
 from patrl_examples.demo.task import Problem, TaskConfig, generate_problems
 from patrl_examples.demo.tokenizer import build_tokenizer
 
 __all__ = [
     "DemoAssets",
+    "DemoModelConfig",
     "DemoRecipe",
-    "ModelConfig",
     "PassAtOne",
     "Problem",
     "SFTConfig",

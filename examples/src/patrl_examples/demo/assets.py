@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from patrl_examples.demo.evaluate import pass_at_one
-from patrl_examples.demo.model import ModelConfig, build_model
+from patrl_examples.demo.model import DemoModelConfig, build_demo_model
 from patrl_examples.demo.sft import SFTConfig, train_sft
 from patrl_examples.demo.task import (
     Problem,
@@ -56,7 +56,7 @@ class DemoRecipe(BaseModel):
 
     seed: int = 0
     task: TaskConfig = TaskConfig()
-    model: ModelConfig = ModelConfig()
+    model: DemoModelConfig = DemoModelConfig()
     sft: SFTConfig = SFTConfig()
     num_train: int = Field(4096, gt=0)
     num_val: int = Field(256, gt=0)
@@ -196,7 +196,7 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
 
     tokenizer = build_tokenizer()
     torch.manual_seed(recipe.seed)
-    model = build_model(recipe.model, tokenizer)
+    model = build_demo_model(recipe.model, tokenizer)
     log(
         f"warm-starting a {_num_params(model) / 1e6:.2f}M-parameter Llama by SFT "
         f"({recipe.sft.steps} steps)"

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 
-class ModelConfig(BaseModel):
+class DemoModelConfig(BaseModel):
     """Shape of the demo model. Part of the cache key."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -20,7 +20,9 @@ class ModelConfig(BaseModel):
     tie_word_embeddings: bool = False
 
 
-def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+def build_demo_model(
+    config: DemoModelConfig, tokenizer: PreTrainedTokenizerBase
+) -> LlamaForCausalLM:
     """A freshly initialised model whose special ids match the tokenizer's."""
     hf_config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -25,7 +25,7 @@ from patrl.orchestrator.topology import record_topology
 from patrl.rollout import AdaptiveTP, EngineConfig, RolloutEngine, make_engine
 from patrl.rollout.config import SpeculativeConfig
 from patrl.rollout.loader import read_config
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.tpreshard.groups import GroupCache
 from patrl.trainer import CriticConfig, TrainerConfig
 
@@ -181,7 +181,7 @@ def kv_cache_bytes(config: JobConfig, world: World) -> int | None:
 
 
 def tp_candidates(
-    config: JobConfig, world_size: int, node_size: int, model: str | ModelConfig
+    config: JobConfig, world_size: int, node_size: int, model: str | ModelArch
 ) -> tuple[int, ...]:
     """The TP sizes adaptive TP may use: `rollout.adaptive_tp.candidates` that divide the world
     and a node (a fold larger than a node would run its per-layer collectives across nodes).
@@ -191,11 +191,11 @@ def tp_candidates(
     usable = usable_tp_sizes(a.candidates, world_size, node_size)
     if "candidates" in a.model_fields_set or len(usable) < 2:
         return usable  # (one size: static TP, whose own check names a size the model refuses)
-    spec = model if isinstance(model, ModelConfig) else ModelConfig.from_hf(read_config(model))
+    spec = model if isinstance(model, ModelArch) else ModelArch.from_hf(read_config(model))
     return tuple(t for t in usable if _splits(spec, t))
 
 
-def _splits(model: ModelConfig, tp: int) -> bool:
+def _splits(model: ModelArch, tp: int) -> bool:
     try:
         model.check_tp(tp)
     except ValueError:

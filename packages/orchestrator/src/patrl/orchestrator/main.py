@@ -277,7 +277,7 @@ def _stopped_within(seconds: float) -> bool:
 
 def stopped_message(config: JobConfig) -> str:
     """What a user whose run was stopped needs: why, and where it resumes."""
-    from patrl.orchestrator import checkpointing
+    from patrl.orchestrator import run_checkpoint
 
     how = (
         "terminated (SIGTERM: Ctrl-C on torchrun, or another rank failed and torchrun stopped "
@@ -285,7 +285,7 @@ def stopped_message(config: JobConfig) -> str:
         if signal.SIGTERM in _STOPS
         else "interrupted (Ctrl-C)"
     )
-    newest = checkpointing.latest_checkpoint(config.run_dir)
+    newest = run_checkpoint.latest_checkpoint(config.run_dir)
     if newest is None:
         return f"{how}, before the first checkpoint of {config.run_dir}"
     return (

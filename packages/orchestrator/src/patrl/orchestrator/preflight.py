@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from patrl.lenpredict import usable_tp_sizes
-from patrl.orchestrator import checkpointing, support, verl_keys
+from patrl.orchestrator import run_checkpoint, support, verl_keys
 from patrl.orchestrator.build import tp_candidates
 from patrl.orchestrator.config import (
     DEMO_FILES,
@@ -51,7 +51,7 @@ from patrl.orchestrator.demo_provider import (
 from patrl.orchestrator.learned_reward import reward_model_problems
 from patrl.rollout.layers.lora import LORA_TARGETS
 from patrl.rollout.loader import check_model_dir, expected_shapes, read_tokenizer
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.trainer.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -337,7 +337,7 @@ def layout_problems(
     tp: int,
     world_size: int,
     local_world_size: int,
-    model: ModelConfig | None,
+    model: ModelArch | None,
     key: str = "rollout.tensor_model_parallel_size",
 ) -> list[str]:
     """Why `tp` fits no layout of `world_size` ranks (`local_world_size` per node) for `model`,
@@ -368,7 +368,7 @@ def layout_problems(
     ]
 
 
-def _split_error(model: ModelConfig, tp: int) -> str | None:
+def _split_error(model: ModelArch, tp: int) -> str | None:
     try:
         model.check_tp(tp)
     except ValueError as err:
@@ -376,7 +376,7 @@ def _split_error(model: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any]:
+def _model(model_dir: str, problems: list[str]) -> tuple[ModelArch | None, Any]:
     if Path(model_dir).is_file():
         problems.append(
             f"model.path: {model_dir} is a file, expected a directory (a Hugging Face model "
@@ -399,7 +399,7 @@ def _model(model_dir: str, problems: list[str]) -> tuple[ModelConfig | None, Any
     return model, tokenizer
 
 
-def _length_problems(config: JobConfig, model: ModelConfig) -> list[str]:
+def _length_problems(config: JobConfig, model: ModelArch) -> list[str]:
     """A prompt and its response must fit the model's positions."""
     d = config.data
     if d.max_prompt_length + d.max_response_length <= model.max_position_embeddings:
@@ -471,15 +471,15 @@ def _agent_name_problems(config: JobConfig, key: str, data: PromptDataset) -> li
     return [f"{key}: {p}" for p in agent_name_problems(data.items, names)]
 
 
-def _resume_problems(config: JobConfig, model: ModelConfig) -> list[str]:
+def _resume_problems(config: JobConfig, model: ModelArch) -> list[str]:
     t = config.trainer
-    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    target = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if target is None:
         return []
     shapes, optional = expected_shapes(model)
     key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
     problems: list[str] = []
-    _attempt(problems, key, lambda: checkpointing.check_resumable(target, shapes, optional))
+    _attempt(problems, key, lambda: run_checkpoint.check_resumable(target, shapes, optional))
     return problems
 
 
@@ -578,17 +578,17 @@ def _critic_problems(config: JobConfig, tokenizer: Any) -> list[str]:
                 "to start from the policy's backbone"
             )
     t = config.trainer
-    target = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    target = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
     if (
         target is not None
-        and (target / checkpointing.STATE_FILE).is_file()
-        and not (target / checkpointing.CRITIC_DIR).is_dir()
+        and (target / run_checkpoint.STATE_FILE).is_file()
+        and not (target / run_checkpoint.CRITIC_DIR).is_dir()
     ):
         key = (
             "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
         )
         problems.append(
-            f"{key}: checkpoint {str(target)!r} has no {checkpointing.CRITIC_DIR}/ (saved without "
+            f"{key}: checkpoint {str(target)!r} has no {run_checkpoint.CRITIC_DIR}/ (saved without "
             "a critic) but algorithm.adv_estimator=gae trains one; resume with the estimator it "
             "was saved with, or start afresh (trainer.resume_mode=disable)"
         )

@@ -3,7 +3,7 @@
 `RunLoop.run` reads top to bottom: the schedule (`sync_loop.SyncSchedule`, the async trainer
 ranks' `async_rl.trainer_worker.TrainerWorker`) is an object the loop calls, never a set of
 hooks it overrides. Checkpoints hold the trainer's state, the policy (and critic) as a Hugging
-Face directory, the schedule's `state_dict` and its own files (`checkpointing` writes them
+Face directory, the schedule's `state_dict` and its own files (`run_checkpoint` writes them
 atomically)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from patrl.lenpredict import LengthPredictor
-from patrl.orchestrator import checkpointing
+from patrl.orchestrator import run_checkpoint
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptLoader
 from patrl.orchestrator.errors import JobError
@@ -63,10 +63,10 @@ def completed(config: JobConfig) -> str | None:
     t = config.trainer
     if t.total_training_steps is None:  # not resolved (resolve_schedule) yet: cannot tell
         return None
-    found = checkpointing.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
-    if found is None or not (found / checkpointing.STATE_FILE).is_file():
+    found = run_checkpoint.resume_target(config.run_dir, t.resume_mode, t.resume_from_path)
+    if found is None or not (found / run_checkpoint.STATE_FILE).is_file():
         return None
-    step = int(checkpointing.read_state(found)["step"])
+    step = int(run_checkpoint.read_state(found)["step"])
     if step < t.total_training_steps:
         return None
     return (
@@ -160,7 +160,7 @@ def find_checkpoint(config: JobConfig, is_first: bool) -> Path | None:
     """The checkpoint the `trainer.resume_*` settings name, or None (warnings on the first
     rank)."""
     t = config.trainer
-    return checkpointing.resume_target(
+    return run_checkpoint.resume_target(
         config.run_dir, t.resume_mode, t.resume_from_path, warn=_warn if is_first else None
     )
 
@@ -249,18 +249,18 @@ class RunLoop:
         for model in (s.trainer, s.critic):
             if model is not None:
                 model.check_finite()
-        staging = checkpointing.staging_dir(self.run_dir, s.step)
+        staging = run_checkpoint.staging_dir(self.run_dir, s.step)
         try:
             return self._write_checkpoint(staging)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             shutil.rmtree(staging, ignore_errors=True)
-            full = checkpointing.disk_full(err, staging, self._checkpoint_bytes())
+            full = run_checkpoint.disk_full(err, staging, self._checkpoint_bytes())
             if full is None or isinstance(err, KeyboardInterrupt):
                 raise
             raise JobError(
                 f"{full} while writing the checkpoint of step {s.step} to {staging}. Nothing "
                 "of it was kept; the newest complete checkpoint is "
-                f"{checkpointing.latest_checkpoint(self.run_dir) or 'none'}. Free space (or "
+                f"{run_checkpoint.latest_checkpoint(self.run_dir) or 'none'}. Free space (or "
                 "lower trainer.max_checkpoints_to_keep, or move trainer.default_local_dir) and "
                 "rerun: the run resumes from that checkpoint",
                 collective=False,
@@ -283,22 +283,22 @@ class RunLoop:
         s = self.schedule
         s.before_save()
         if s.is_first:
-            checkpointing.prepare_staging(self.run_dir, s.step)
+            run_checkpoint.prepare_staging(self.run_dir, s.step)
         s.trainer.group.barrier()
-        s.trainer.save(staging / checkpointing.TRAINER_DIR)
-        self._export(s.trainer, checkpointing.hf_dir(staging))
+        s.trainer.save(staging / run_checkpoint.TRAINER_DIR)
+        self._export(s.trainer, run_checkpoint.hf_dir(staging))
         if s.critic is not None:
-            critic_dir = staging / checkpointing.CRITIC_DIR
+            critic_dir = staging / run_checkpoint.CRITIC_DIR
             s.critic.save(critic_dir)
-            self._export(s.critic, critic_dir / checkpointing.HF_DIR)
+            self._export(s.critic, critic_dir / run_checkpoint.HF_DIR)
         s.trainer.group.barrier()
         if s.is_first:
             s.save_files(staging)
-            checkpointing.commit(
+            run_checkpoint.commit(
                 self.run_dir, s.step, s.state_dict(), self.config.trainer.max_checkpoints_to_keep
             )
         s.trainer.group.barrier()
-        return checkpointing.step_dir(self.run_dir, s.step)
+        return run_checkpoint.step_dir(self.run_dir, s.step)
 
     @staticmethod
     def _export(trainer: Trainer, path: Path) -> None:
@@ -314,21 +314,21 @@ class RunLoop:
         found = s.checkpoint_to_resume()
         if found is None:
             return
-        if not (found / checkpointing.STATE_FILE).is_file():
+        if not (found / run_checkpoint.STATE_FILE).is_file():
             raise FileNotFoundError(
-                f"{found} is not a complete patrl checkpoint (no {checkpointing.STATE_FILE})"
+                f"{found} is not a complete patrl checkpoint (no {run_checkpoint.STATE_FILE})"
             )
-        checkpointing.check_sound(found)
-        state = checkpointing.read_state(found)
-        s.trainer.load(found / checkpointing.TRAINER_DIR)
+        run_checkpoint.check_sound(found)
+        state = run_checkpoint.read_state(found)
+        s.trainer.load(found / run_checkpoint.TRAINER_DIR)
         if s.critic is not None:
-            if not (found / checkpointing.CRITIC_DIR).is_dir():
+            if not (found / run_checkpoint.CRITIC_DIR).is_dir():
                 raise ValueError(
-                    f"{found} has no {checkpointing.CRITIC_DIR}/ (saved without a critic) but "
+                    f"{found} has no {run_checkpoint.CRITIC_DIR}/ (saved without a critic) but "
                     "this run trains one (algorithm.adv_estimator=gae); resume it with the "
                     "estimator it was saved with, or start afresh (trainer.resume_mode=disable)"
                 )
-            s.critic.load(found / checkpointing.CRITIC_DIR)
+            s.critic.load(found / run_checkpoint.CRITIC_DIR)
         s.load_state_dict(state, found)
         if s.is_first:
             print(f"resumed from {found} at step {s.step}")

@@ -30,7 +30,7 @@ from patrl.rollout.layers.lora import (
     merge_lora,
     unmerge_lora,
 )
-from patrl.rollout.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from patrl.rollout.model_config import SUPPORTED_MODEL_TYPES, ModelArch
 from patrl.rollout.models import build_model
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.tpreshard import ParallelLayout, forget_full
@@ -171,7 +171,7 @@ def load_model(
     return model
 
 
-def check_model_dir(model_dir: str | Path) -> ModelConfig:
+def check_model_dir(model_dir: str | Path) -> ModelArch:
     """The architecture of `model_dir`, after checking from file headers alone that it exists,
     holds a config.json of a supported family, and that its safetensors hold exactly the tensors
     that config implies, each of the shape it implies. Raises FileNotFoundError or ValueError
@@ -195,14 +195,14 @@ def check_model_dir(model_dir: str | Path) -> ModelConfig:
             f"{list(SUPPORTED_MODEL_TYPES)}"
         )
     try:
-        config = ModelConfig.from_hf(read_config(root))
+        config = ModelArch.from_hf(read_config(root))
     except ValueError as err:
         raise ValueError(f"{config_file}: {err}") from None
     _check_tensors(root, config)
     return config
 
 
-def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def expected_shapes(config: ModelArch) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(HF name -> full shape of every tensor a checkpoint of `config` must hold, names it may
     also hold). Derived from the rollout model itself, built on the meta device at TP 1, so it
     is by construction the set `load_weights` needs."""
@@ -248,7 +248,7 @@ def _read_model_type(config_file: Path) -> Any:
         raise ValueError(f"{config_file} is not a JSON object: {err}") from None
 
 
-def _check_tensors(root: Path, config: ModelConfig) -> None:
+def _check_tensors(root: Path, config: ModelArch) -> None:
     expected, optional = expected_shapes(config)
     found = checkpoint_shapes(root)
     shaped = [n for n, (shape, _) in found.items() if n in expected and shape != expected[n]]

@@ -18,7 +18,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ModelArch:
+    """One model's architecture as the engine builds it (`from_hf`); the orchestrator's
+    `ModelConfig` is the job's `model:` section (where the model is), a different thing."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -36,7 +39,7 @@ class ModelConfig:
     qk_norm: bool
 
     @classmethod
-    def from_hf(cls, hf: Any) -> ModelConfig:
+    def from_hf(cls, hf: Any) -> ModelArch:
         """Translate a transformers config (LlamaConfig, Qwen2Config, Qwen3Config, ...)."""
         model_type = getattr(hf, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:

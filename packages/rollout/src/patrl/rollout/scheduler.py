@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from patrl.kvstore import BlockManager
 from patrl.rollout.drafter import Draft, Drafter
-from patrl.rollout.sequence import Sequence, SequenceStatus
+from patrl.rollout.sequence import Seq, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    seqs: list[Sequence]
+    seqs: list[Seq]
     num_new_tokens: list[int]
     is_prefill: bool
     # Copy-on-write moves the KV cache must perform before the forward writes.
@@ -53,16 +53,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.drafter = drafter
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         # A sequence whose prefill was cut by the token budget; it holds its blocks and is
         # always continued first, so a preempted sequence can never wait on its blocks forever.
-        self.prefilling: Sequence | None = None
+        self.prefilling: Seq | None = None
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queues
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Seq) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -85,7 +85,7 @@ class Scheduler:
             **(self.drafter.counts.stats() if self.drafter is not None else {}),
         }
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Seq) -> None:
         """Take a sequence out of every queue and free its blocks (abort, export)."""
         if self.prefilling is seq:
             self.prefilling = None
@@ -110,15 +110,15 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
+        seqs: list[Seq] = []
         counts: list[int] = []
         samples = self.num_running_samples()
-        candidates: list[Sequence] = [self.prefilling] if self.prefilling else []
+        candidates: list[Seq] = [self.prefilling] if self.prefilling else []
         self.prefilling = None
         candidates += self.waiting
         computing: set[int] = set()  # prompt hashes whose prompt KV this step computes
         # fresh sequences whose whole prompt prefills in this step, by prompt hash
-        leaders: dict[int, Sequence] = {}
+        leaders: dict[int, Seq] = {}
         sharing = self.blocks.enable_prefix_caching
         for seq in candidates:
             if budget == 0:
@@ -180,7 +180,7 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, is_prefill=True)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs: list[Sequence] = []
+        seqs: list[Seq] = []
         copies: list[tuple[int, int]] = []
         queue = list(self.running)
         while queue and len(seqs) < self.max_num_seqs:
@@ -201,7 +201,7 @@ class Scheduler:
         counts = [1 + len(d.tokens) for d in drafts]
         return ScheduledBatch(seqs, counts, is_prefill=False, block_copies=copies, drafts=drafts)
 
-    def _drafts(self, seqs: list[Sequence]) -> list[Draft]:
+    def _drafts(self, seqs: list[Seq]) -> list[Draft]:
         """The step's drafts, one per sequence (empty ones where it has none): only when the
         drafter speculates at this batch size and expects the step to pay; inside the token
         budget and the free blocks left once every sequence has its own slot (a draft never
@@ -228,7 +228,7 @@ class Scheduler:
             drafts.append(draft)
         return drafts if drafter.pays([len(d.tokens) for d in drafts], context) else none
 
-    def _draft(self, seq: Sequence, spare: int) -> Draft:
+    def _draft(self, seq: Seq, spare: int) -> Draft:
         """`seq`'s draft: no longer than the `spare` token budget or than what the sequence
         may still emit less one (the step's own token)."""
         assert self.drafter is not None
@@ -241,7 +241,7 @@ class Scheduler:
         self.drafter.observe(seq)  # a sample imported with its KV is new here
         return self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
@@ -251,7 +251,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ after step
 
-    def finish_prefill(self, seq: Sequence) -> None:
+    def finish_prefill(self, seq: Seq) -> None:
         """A sequence's prefill completed: it (and any fork children) decode from now on."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -260,12 +260,12 @@ class Scheduler:
             self.running.append(child)
         seq.fork_children = []
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Seq, reason: str) -> None:
         seq.finish(reason)
         self.remove(seq)
 
     def settle(
-        self, seq: Sequence, emitted: int, reason: str | None, draft: Draft | None = None
+        self, seq: Seq, emitted: int, reason: str | None, draft: Draft | None = None
     ) -> None:
         """After a step gave `seq` `emitted` tokens: finish it for `reason`, else roll back
         the slots of its rejected draft tokens (`draft`: what a decode step verified; None in

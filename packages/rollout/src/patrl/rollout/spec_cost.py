@@ -16,9 +16,9 @@ from pydantic import ValidationError
 from patrl.lenpredict import LatencyModel, Profile, ProfileMismatchError
 from patrl.rollout.config import SpeculativeConfig
 from patrl.rollout.drafter import Drafter, StepCost, new_drafter
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 
-# ModelInfo's field -> ModelConfig's: the architecture facts a step's price depends on
+# ModelInfo's field -> ModelArch's: the architecture facts a step's price depends on
 _SHAPE = {
     "num_layers": "num_layers",
     "hidden_size": "hidden_size",
@@ -52,7 +52,7 @@ def profile_step_cost(latency: LatencyModel, tp: int) -> StepCost:
     return cost
 
 
-def load_latency(path: str | Path, model: ModelConfig, dtype: torch.dtype) -> LatencyModel:
+def load_latency(path: str | Path, model: ModelArch, dtype: torch.dtype) -> LatencyModel:
     """The latency model of the profile at `path`, checked against the engine's model shape
     and dtype (a profile of another model would price every step wrongly, silently)."""
     try:
@@ -79,7 +79,7 @@ def load_latency(path: str | Path, model: ModelConfig, dtype: torch.dtype) -> La
 
 
 def drafter_for(
-    config: SpeculativeConfig, model: torch.nn.Module, tp: int, model_config: ModelConfig
+    config: SpeculativeConfig, model: torch.nn.Module, tp: int, model_config: ModelArch
 ) -> Drafter | None:
     """The engine's drafter (None: speculation off), its steps priced by
     `config.latency_profile` at TP size `tp` when one is given."""

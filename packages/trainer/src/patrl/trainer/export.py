@@ -42,9 +42,9 @@ from patrl.trainer.hf_export import (
 from patrl.trainer.lora import LORA_ADAPTER_DIR
 from patrl.trainer.model import Head, build_on_meta, with_head
 
-RUN_POLICY_DIR = "trainer"  # a run checkpoint's policy (patrl.orchestrator.checkpointing)
+RUN_POLICY_DIR = "trainer"  # a run checkpoint's policy (patrl.orchestrator.run_checkpoint)
 HF_DIR = "huggingface"  # a checkpoint's HF directory (verl's name)
-# A run checkpoint's record of its files and their sizes (patrl.orchestrator.checkpointing).
+# A run checkpoint's record of its files and their sizes (patrl.orchestrator.run_checkpoint).
 MANIFEST_FILE = "manifest.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -48,7 +48,7 @@ Head = Literal["lm", "value", "score"]
 VALUE_HEAD = ("score.weight", "score.bias")
 
 
-def build_model(
+def build_hf_model(
     source: ModelSource, attn_implementation: str, seed: int, head: Head = "lm"
 ) -> PreTrainedModel:
     """An fp32 model, whole, from a local HF directory or randomly initialised from a config.
@@ -145,7 +145,7 @@ def build_sharded(
 
     Each rank reads only its own shards, cast to `dtype` whatever the checkpoint's; buffers
     (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
-    Same weights, bit for bit, as `parallelize(build_model(...))`, without the full copy.
+    Same weights, bit for bit, as `parallelize(build_hf_model(...))`, without the full copy.
     """
     path = model_dir(source)
     model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head, dtype)

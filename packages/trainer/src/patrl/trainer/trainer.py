@@ -43,7 +43,7 @@ from patrl.trainer.micro_batches import padded_fraction, plan_micro_batches
 from patrl.trainer.model import (
     Head,
     ModelSource,
-    build_model,
+    build_hf_model,
     build_sharded,
     freeze,
     lora_trainable,
@@ -204,7 +204,7 @@ class Trainer:
                 **({"lora": lora} if lora is not None else {}),  # type: ignore[arg-type]
             )
         else:
-            model = build_model(source, self.attn_implementation, cfg.seed, head=self.head)
+            model = build_hf_model(source, self.attn_implementation, cfg.seed, head=self.head)
             if lora is not None:
                 add_adapters(model, lora, lora_trainable(self.head))
                 start_adapters(model, lora, cfg.seed)

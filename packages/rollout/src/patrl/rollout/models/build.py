@@ -8,7 +8,7 @@ import torch
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
 from patrl.rollout.layers.attention.registry import create_attention_backend
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.rollout.models.causal_lm import CausalLM
 from patrl.tpreshard import ParallelLayout, single_process_layout
 
@@ -21,8 +21,8 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> CausalLM:
-    """An unloaded model (parameters uninitialised) for an HF config or a `ModelConfig`."""
-    model_config = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    """An unloaded model (parameters uninitialised) for an HF config or a `ModelArch`."""
+    model_config = config if isinstance(config, ModelArch) else ModelArch.from_hf(config)
     backend = (
         attention
         if isinstance(attention, AttentionBackend)

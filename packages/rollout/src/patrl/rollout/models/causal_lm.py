@@ -22,7 +22,7 @@ from patrl.rollout.layers.linear import (
     RowParallelLinear,
 )
 from patrl.rollout.layers.rotary import RotaryEmbedding
-from patrl.rollout.model_config import ModelConfig
+from patrl.rollout.model_config import ModelArch
 from patrl.tpreshard import ParallelLayout
 
 Device = torch.device | str | None
@@ -31,7 +31,7 @@ Device = torch.device | str | None
 class SelfAttention(nn.Module):
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelArch,
         layer_idx: int,
         layout: ParallelLayout,
         backend: AttentionBackend,
@@ -73,7 +73,7 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, device: Device
+        self, config: ModelArch, layout: ParallelLayout, dtype: torch.dtype, device: Device
     ) -> None:
         super().__init__()
         inter = config.intermediate_size
@@ -92,7 +92,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelArch,
         layer_idx: int,
         layout: ParallelLayout,
         backend: AttentionBackend,
@@ -117,7 +117,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelArch,
         layout: ParallelLayout,
         backend: AttentionBackend,
         dtype: torch.dtype,
@@ -156,7 +156,7 @@ class CausalLM(nn.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelArch,
         layout: ParallelLayout,
         backend: AttentionBackend,
         *,
