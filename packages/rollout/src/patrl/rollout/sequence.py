@@ -48,6 +48,8 @@ class Sequence:
     prompt_key: str | None = None
     # the text so far, for a sample with stop strings (made at its first check: derived)
     stop_checker: StopStringChecker | None = None
+    # finished ("stop"/"length"), it is kept with its KV for `Engine.continue_request`
+    keep: bool = False
     # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
     # compares tokens), so the scheduler can compute a prompt repeated in requests once
     prompt_hash: int = field(init=False, default=0)
