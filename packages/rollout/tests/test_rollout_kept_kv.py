@@ -147,8 +147,9 @@ def test_a_group_keeps_its_prompt_blocks_shared_and_frees_everything(llama_dir: 
                 if turn < 2:
                     holders -= 1
                 continue
-            next_live.append(eng.continue_request(r, ids(2 * turn + 1, seed=turn), params(1),
-                                                  keep=True))
+            next_live.append(
+                eng.continue_request(r, ids(2 * turn + 1, seed=turn), params(1), keep=True)
+            )
         live = next_live
         assert [blocks.ref_count(b) for b in shared] == [holders] * 2
         other = eng.continue_request(other, ids(4, seed=9), params(0), f"o{turn}", keep=True)
@@ -181,8 +182,13 @@ def test_under_memory_pressure_kept_samples_are_evicted_and_continue_by_re_prefi
     their KV (oldest first) before any running sample is preempted; their continuations
     re-prefill (finding what the prefix cache still has) and equal the twin."""
     block = 4
-    eng = engine(llama_dir, block, num_kv_blocks=24, max_model_len=96,
-        enable_prefix_caching=prefix_caching,)
+    eng = engine(
+        llama_dir,
+        block,
+        num_kv_blocks=24,
+        max_model_len=96,
+        enable_prefix_caching=prefix_caching,
+    )
     prompts = [ids(11, seed=30 + i) for i in range(3)]
     tools = [[ids(3, seed=40 + i)] for i in range(3)]
     first = {i: eng.add_request(p, params(0), keep=True) for i, p in enumerate(prompts)}
@@ -241,3 +247,86 @@ def test_bad_continuations_are_clear_errors(llama_dir: Path) -> None:
     r = eng.continue_request(rid, [VOCAB * 100])  # outside the vocabulary: rejected, freed
     assert run(eng, [r])[r].outputs[0].finish_reason == "rejected"
     baseline(eng)
+
+
+def test_a_turn_that_stops_inside_an_accepted_draft_is_kept_without_its_draft_slots(
+    llama_dir: Path,
+) -> None:
+    """With speculation, a turn drafted from an earlier rollout's response stops at a stop
+    token inside a verified draft: the slots of the draft tokens after it are dropped before
+    the turn is kept, so the continuation still prefills exactly tool + 1 tokens and equals
+    the twin without speculation."""
+    spec = {"enable": True, "max_num_seqs": 0, "num_speculative_tokens": 6}
+    eng = engine(llama_dir, 4, speculative=spec)
+    prompt, tool = ids(9, seed=60), ids(4, seed=61)
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    history = eng.generate([prompt], long, prompt_keys=["k"])[0].outputs[0].token_ids
+    stop = history[10]
+    first = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+    extra: list[int] = []  # slots past the last sampled token when the turn is kept
+    keep = eng.scheduler.kept.keep
+
+    def spy(seq: Any, blocks: Any) -> None:
+        extra.append(blocks.num_tokens(seq.seq_id) - (seq.num_tokens - 1))
+        keep(seq, blocks)
+
+    eng.scheduler.kept.keep = spy  # type: ignore[method-assign]
+    rid = eng.add_request(prompt, first, prompt_key="k", keep=True)
+    got1 = run(eng, [rid])[rid].outputs[0]
+    assert extra and extra[0] > 0  # it stopped inside a draft
+    assert eng.stats()["spec_accepted_tokens"] > 0
+    assert got1.finish_reason == "stop" and got1.token_ids[-1] == stop
+    before = eng.counters.prefill_tokens
+    nxt = eng.continue_request(rid, tool, params(2))
+    got2 = run(eng, [nxt])[nxt].outputs[0]
+    assert eng.counters.prefill_tokens - before == len(tool) + 1
+    baseline(eng)
+    plain = engine(llama_dir, 4)
+    want1 = plain.generate([prompt], first)[0].outputs[0]
+    want2 = plain.generate([prompt + list(want1.token_ids) + tool], params(2))[0].outputs[0]
+    assert list(got1.token_ids) == list(want1.token_ids)
+    assert list(got2.token_ids) == list(want2.token_ids)
+    assert list(got2.logprobs) == pytest.approx(list(want2.logprobs), abs=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [512, 40])
+def test_a_long_interleaved_run_equals_the_twin_and_leaves_no_block(
+    llama_dir: Path, num_kv_blocks: int
+) -> None:
+    """Eight conversations of 1 to 4 turns, continued in batches (each round every live one
+    continues at once), some abandoned mid-way, beside plain requests; with 40 blocks the
+    kept samples are evicted and running ones preempted along the way. Every turn equals
+    the twin; every block is free at the end; the bookkeeping is sound after every round."""
+    g = torch.Generator().manual_seed(7)
+    eng = engine(llama_dir, 4, num_kv_blocks=num_kv_blocks, max_model_len=160,
+                 enable_prefix_caching=True)  # fmt: skip
+    prompts = [ids(5 + 3 * i, seed=70 + i) for i in range(8)]
+    turns = [1 + int(torch.randint(0, 4, (1,), generator=g)) for _ in prompts]
+    tools = [[ids(1 + 2 * t + i % 3, seed=80 + 10 * i + t) for t in range(n - 1)]
+             for i, n in enumerate(turns)]  # fmt: skip
+    abandon = {1: 1, 4: 0}  # conversation: after which turn it is dropped (kept, never continued)
+    got: dict[int, list[Any]] = {i: [] for i in range(8)}
+    live = {i: eng.add_request(p, params(0), keep=True) for i, p in enumerate(prompts)}
+    t = 0
+    while live:
+        plain = eng.add_request(ids(12, seed=90 + t), params(3))
+        done = run(eng, [*live.values(), plain])
+        eng.cache.blocks.check_integrity()
+        t += 1
+        for i, rid in list(live.items()):
+            got[i].append(done[rid].outputs[0])
+            if len(got[i]) == turns[i] or abandon.get(i) == len(got[i]) - 1:
+                del live[i]
+                if i == 1:
+                    eng.release(rid)
+                continue  # the others stay kept until release_kept
+            live[i] = eng.continue_request(rid, tools[i][t - 1], params(t), keep=True)
+    if num_kv_blocks == 40:
+        assert eng.stats()["kept_evicted"] > 0 and eng.stats()["num_preemptions"] > 0
+    eng.release_kept()
+    baseline(eng)
+    for i, p in enumerate(prompts):
+        want = twin(llama_dir, p, tools[i][: len(got[i]) - 1])
+        for out, (want_ids, want_logprobs) in zip(got[i], want, strict=True):
+            assert list(out.token_ids) == want_ids
+            assert list(out.logprobs) == pytest.approx(want_logprobs, abs=1e-5)

@@ -223,7 +223,7 @@ class Engine:
         """Forget the kept samples of finished request `request_id` and free their KV (a
         conversation that ends without a continuation); KeyError when none is kept."""
         kept = self.scheduler.kept
-        keys = [k for k in kept.keys() if k[0] == request_id]
+        keys = [k for k in kept if k[0] == request_id]
         if not keys:
             raise KeyError(f"no kept sample of request {request_id!r} in this engine")
         for k in keys:

@@ -14,6 +14,7 @@ their tokens stay here, so a later continuation re-prefills by prefix caching, c
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from patrl.kvstore import BlockManager
 from patrl.rollout.sequence import Sequence
@@ -35,6 +36,9 @@ class KeptSequences:
 
     def __contains__(self, key: object) -> bool:
         return key in self._seqs
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(list(self._seqs))
 
     def keys(self) -> list[Key]:
         return list(self._seqs)

@@ -158,8 +158,8 @@ class Scheduler:
             if seq is not cut and full and (seqs or self.running):
                 break
             if not continuing:
-                while not self.blocks.can_allocate(seq.token_ids) and self.kept.evict_one(
-                    self.blocks
+                while not self.blocks.can_allocate(seq.token_ids) and (
+                    self.kept.evict_one(self.blocks) or self._unhold_waiting(seqs)
                 ):
                     pass
                 if not self.blocks.can_allocate(seq.token_ids):
@@ -190,6 +190,18 @@ class Scheduler:
         if not seqs:
             return None
         return ScheduledBatch(seqs, counts, is_prefill=True)
+
+    def _unhold_waiting(self, scheduled: list[Sequence]) -> bool:
+        """Free the blocks of the newest waiting continuation that holds kept KV and is not
+        in this step's batch (it then prefills from its tokens, as an evicted one does), so
+        that a waiting sequence never waits on blocks that only waiting ones hold; whether
+        one was freed."""
+        for seq in reversed(self.waiting):
+            if self.blocks.has(seq.seq_id) and all(seq is not s for s in scheduled):
+                self.blocks.free(seq.seq_id)
+                self.kept.num_evicted += 1
+                return True
+        return False
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
