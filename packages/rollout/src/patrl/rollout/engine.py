@@ -29,6 +29,7 @@ import torch
 
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
+from patrl.rollout.kept import KeptTurns
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -54,7 +55,7 @@ from patrl.rollout.transfer import export_requests, import_requests, snapshot_re
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 
-class Engine:
+class Engine(KeptTurns):
     """One rollout replica at one TP layout: continuous batching over a paged KV cache with
     vLLM's request API. `generate` / `chat` run a batch to completion (`RequestOutput`s);
     `add_request` / `step` / `abort` drive it a step at a time; `export_requests` /
@@ -127,20 +128,18 @@ class Engine:
         finish_reason "rejected" and the reason in its `error`; params the engine cannot
         honour raise ValueError. Generated ids are unique across the world's replicas.
         `prompt_key` names the prompt (to learn lengths, adaptive TP; to share drafts).
-        `keep`: each sample that completes is kept with its KV for `continue_request` until
-        continued or `release`d (see patrl.rollout.kept)."""
+        `keep`: a sample that completes keeps its KV for `continue_request` (`KeptTurns`)."""
         params = params or SamplingParams()
         self.check_params(params)
         if request_id is None:
             request_id = f"req-{self._group_rank()}-{self._request_ids.take()}"
-        self._check_free_id(request_id)
+        if request_id in self._requests or request_id in self.kept_request_ids():
+            raise ValueError(f"request id {request_id!r} is already in use")
         params = with_group_seed(params, self.layout, self.device)
         token_ids = encode(prompt, self.tokenizer, self.config.model)
-        request = new_request(request_id, token_ids, params, self._seq_ids, prompt_key)
+        request = new_request(request_id, token_ids, params, self._seq_ids, prompt_key, keep)
         self._requests[request_id] = request
         seqs = list(request.seqs.values())
-        for s in seqs:
-            s.keep = keep
         request.error = reject_reason(token_ids, self.max_model_len, self.model.config.vocab_size)
         if request.error is not None:
             for s in seqs:
@@ -150,109 +149,13 @@ class Engine:
         self.scheduler.add(seqs[0])
         return request_id
 
-    def _check_free_id(self, request_id: str) -> None:
-        if request_id in self._requests or request_id in self.scheduler.kept.request_ids():
-            raise ValueError(f"request id {request_id!r} is already in use")
-
-    def continue_request(
-        self,
-        request_id: str,
-        appended_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        new_request_id: str | None = None,
-        keep: bool = False,
-        sample_index: int = 0,
-    ) -> str:
-        """Continue kept sample `sample_index` of finished request `request_id` (added with
-        `keep=True`) as a new one-sample request (`new_request_id`, generated if None) whose
-        prompt is that sample's tokens then `appended_token_ids`; returns its id.
-
-        Over the kept KV, its prefill computes exactly `1 + len(appended_token_ids)` tokens:
-        the kept sample's last sampled token (whose KV no step wrote) and the appended ones.
-        A kept sample whose KV was evicted (memory pressure, new weights, sleep) is prefilled
-        from its tokens instead, finding what the prefix cache still holds; the tokens and
-        logprobs are the same either way. `keep` keeps the continuation in its turn.
-        KeyError when the sample is not kept; ValueError for params the engine cannot honour
-        or n != 1."""
-        params = params or SamplingParams()
-        self.check_params(params)
-        if params.n != 1:
-            raise ValueError(f"a continuation samples one sequence: n must be 1, got {params.n}")
-        key = (request_id, sample_index)
-        kept = self.scheduler.kept
-        if key not in kept:
-            raise KeyError(
-                f"no kept sample {sample_index} of request {request_id!r} in this engine "
-                f"(add it with keep=True; kept: {kept.keys()[:8]})"
-            )
-        if new_request_id is None:
-            new_request_id = f"req-{self._group_rank()}-{self._request_ids.take()}"
-        if new_request_id in self._requests:
-            raise ValueError(f"request id {new_request_id!r} is already in use")
-        appended = encode(appended_token_ids, None, self.config.model)
-        old = kept.take(key)
-        assert old is not None
-        params = with_group_seed(params, self.layout, self.device)
-        token_ids = old.token_ids + appended
-        request = new_request(new_request_id, token_ids, params, self._seq_ids, old.prompt_key)
-        self._requests[new_request_id] = request
-        seq = request.seqs[0]
-        seq.seq_id, seq.keep = old.seq_id, keep  # the kept blocks are under its id
-        blocks = self.cache.blocks
-        request.error = reject_reason(token_ids, self.max_model_len, self.model.config.vocab_size)
-        if request.error is not None:
-            if blocks.has(seq.seq_id):
-                blocks.free(seq.seq_id)
-            seq.finish("rejected")
-            return new_request_id
-        if blocks.has(seq.seq_id):
-            self.runner.check_awake("continue_request")
-            new = [old.last_token_id, *appended]
-            needed = blocks.num_blocks_to_append(seq.seq_id, len(new))
-            if self.scheduler.make_room(needed):
-                # a copy-on-write of a last block shared with a sibling happens now, before
-                # any step writes into it
-                self.cache.copy_blocks(blocks.append(seq.seq_id, new))
-            else:  # no room to extend it now: queue it as a new prompt, as when evicted
-                blocks.free(seq.seq_id)
-                kept.num_evicted += 1
-        self.scheduler.add(seq)
-        return new_request_id
-
-    def release(self, request_id: str) -> None:
-        """Forget the kept samples of finished request `request_id` and free their KV (a
-        conversation that ends without a continuation); KeyError when none is kept."""
-        kept = self.scheduler.kept
-        keys = [k for k in kept if k[0] == request_id]
-        if not keys:
-            raise KeyError(f"no kept sample of request {request_id!r} in this engine")
-        for k in keys:
-            kept.release(k, self.cache.blocks)
-
-    def release_kept(self) -> None:
-        """Release every kept sample (the end of a multi-turn rollout, or its failure)."""
-        self.scheduler.kept.release_all(self.cache.blocks)
-
-    def kept_request_ids(self) -> list[str]:
-        """Finished requests with a kept sample, oldest first."""
-        return self.scheduler.kept.request_ids()
-
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError naming the value for params this engine cannot honour."""
         check_params(params, self.tokenizer, self.model.config.vocab_size, self.config.model)
 
-    def _group_rank(self) -> int:
-        """Global rank of this TP group's first rank."""
-        rank = self.groups.rank if self.groups is not None else 0
-        return rank - self.layout.tp_rank
-
     def abort(self, request_id: str) -> None:
-        """Stop a request; it is returned by the next `step` with finish_reason "abort". A
-        finished request's kept samples are released instead."""
+        """Stop a request; it is returned by the next `step` with finish_reason "abort"."""
         request = self._requests.get(request_id)
-        if request is None and request_id in self.scheduler.kept.request_ids():
-            self.release(request_id)
-            return
         if request is None:
             raise KeyError(f"no request {request_id!r} in this engine")
         for seq in request.seqs.values():
@@ -468,16 +371,12 @@ class Engine:
         dropped because their KV came from the old weights."""
         self.runner.load_weights(named_tensors)
         self.weight_version = version
-        self.scheduler.kept.drop_kv(self.cache.blocks)  # kept samples re-prefill, too
         self.cache.blocks.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 2: also move the weights to host memory) until `wake_up`,
         e.g. while a colocated trainer updates (verl's free_cache_engine). No sequence may
-        hold KV (kept samples lose theirs); generating while asleep raises. See
-        docs/architecture.md ("Memory")."""
-        if not self.has_unfinished():
-            self.scheduler.kept.drop_kv(self.cache.blocks)
+        hold KV; generating while asleep raises. See docs/architecture.md ("Memory")."""
         self.runner.sleep(level)
 
     def wake_up(self) -> None:
