@@ -49,7 +49,7 @@ class StepCost(Protocol):
 
 
 class Sample(Protocol):
-    """What the drafter reads of a sample (patrl.rollout.sequence.Sequence provides it)."""
+    """What the drafter reads of a sample (patrl.rollout.sequence.Seq provides it)."""
 
     seq_id: int
     prompt_key: str | None

@@ -47,8 +47,7 @@ from patrl.rollout.request_input import (
 )
 from patrl.rollout.sampler import SampleOutput, SamplingParams
 from patrl.rollout.scheduler import ScheduledBatch, Scheduler
-from patrl.rollout.sequence import IdCounter, Request, new_request
-from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.sequence import IdCounter, Request, Seq, new_request
 from patrl.rollout.spec_cost import drafter_for
 from patrl.rollout.torchrun import static_layout
 from patrl.rollout.transfer import export_requests, import_requests, snapshot_requests

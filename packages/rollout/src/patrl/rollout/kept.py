@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from collections.abc import Sequence as Ids
+from collections.abc import Seq as Ids
 from typing import Any
 
 from patrl.kvstore import BlockManager, PagedKVCache
 from patrl.rollout.request_input import encode, reject_reason, with_group_seed
 from patrl.rollout.sampler import SamplingParams
-from patrl.rollout.sequence import IdCounter, Request, Sequence, new_request
+from patrl.rollout.sequence import IdCounter, Request, Seq, new_request
 
 Key = tuple[str, int]  # (request id, sample index)
 
@@ -32,7 +32,7 @@ class KeptSequences:
     sampled one, all computed."""
 
     def __init__(self) -> None:
-        self._seqs: OrderedDict[Key, Sequence] = OrderedDict()
+        self._seqs: OrderedDict[Key, Seq] = OrderedDict()
         self.num_evicted = 0  # kept samples whose KV was freed under memory pressure
 
     def __len__(self) -> int:
@@ -51,7 +51,7 @@ class KeptSequences:
         """Requests with a kept sample, each once, oldest first."""
         return list(dict.fromkeys(rid for rid, _ in self._seqs))
 
-    def keep(self, seq: Sequence, blocks: BlockManager) -> None:
+    def keep(self, seq: Seq, blocks: BlockManager) -> None:
         """Keep finished `seq`: its slots past its last sampled token (rejected draft tokens)
         are dropped; blocks that do not hold exactly its written KV are freed instead (it
         then continues by prefix caching)."""
@@ -68,11 +68,11 @@ class KeptSequences:
                 blocks.free(sid)
         self._seqs[(seq.request_id, seq.sample_index)] = seq
 
-    def get(self, key: Key) -> Sequence | None:
+    def get(self, key: Key) -> Seq | None:
         """A kept sample, left kept."""
         return self._seqs.get(key)
 
-    def take(self, key: Key) -> Sequence | None:
+    def take(self, key: Key) -> Seq | None:
         """Remove and return a kept sample (its blocks, if any, now the caller's)."""
         return self._seqs.pop(key, None)
 

@@ -31,7 +31,7 @@ from patrl.rollout.sampler import (
     verify_drafts,
 )
 from patrl.rollout.scheduler import ScheduledBatch
-from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.sequence import Seq
 from patrl.tpreshard import GroupCache, ParallelLayout, kept_tensors, tp_broadcast
 from patrl.tpreshard.comm import all_reduce
 

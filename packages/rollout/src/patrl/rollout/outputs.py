@@ -9,8 +9,7 @@ import torch
 
 from patrl.kvstore import SequenceKV
 from patrl.rollout.sampler import SamplingParams
-from patrl.rollout.sequence import Request, stop_checker_for
-from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.sequence import Request, Seq, stop_checker_for
 
 
 @dataclass(slots=True)

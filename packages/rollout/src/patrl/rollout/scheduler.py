@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from patrl.kvstore import BlockManager
 from patrl.rollout.drafter import Draft, Drafter
 from patrl.rollout.kept import KeptSequences
-from patrl.rollout.sequence import Sequence, SequenceStatus
+from patrl.rollout.sequence import Seq, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    seqs: list[Sequence]
+    seqs: list[Seq]
     num_new_tokens: list[int]
     is_prefill: bool
     # Copy-on-write moves the KV cache must perform before the forward writes.
@@ -55,17 +55,17 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.drafter = drafter
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         # A sequence whose prefill was cut by the token budget; it holds its blocks and is
         # always continued first, so a preempted sequence can never wait on its blocks forever.
-        self.prefilling: Sequence | None = None
+        self.prefilling: Seq | None = None
         self.num_preemptions = 0
         self.kept = KeptSequences()
 
     # ----------------------------------------------------------------- queues
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Seq) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -90,7 +90,7 @@ class Scheduler:
             **(self.drafter.counts.stats() if self.drafter is not None else {}),
         }
 
-    def remove(self, seq: Sequence, free: bool = True) -> None:
+    def remove(self, seq: Seq, free: bool = True) -> None:
         """Take a sequence out of every queue and free its blocks (abort, export; `free`
         False: a sample kept with its blocks)."""
         if self.prefilling is seq:
@@ -116,16 +116,16 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
+        seqs: list[Seq] = []
         counts: list[int] = []
         samples = self.num_running_samples()
         cut = self.prefilling
-        candidates: list[Sequence] = [cut] if cut else []
+        candidates: list[Seq] = [cut] if cut else []
         self.prefilling = None
         candidates += self.waiting
         computing: set[int] = set()  # prompt hashes whose prompt KV this step computes
         # fresh sequences whose whole prompt prefills in this step, by prompt hash
-        leaders: dict[int, Sequence] = {}
+        leaders: dict[int, Seq] = {}
         sharing = self.blocks.enable_prefix_caching
         for seq in candidates:
             if budget == 0:
@@ -191,7 +191,7 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs, counts, is_prefill=True)
 
-    def _unhold_waiting(self, scheduled: list[Sequence]) -> bool:
+    def _unhold_waiting(self, scheduled: list[Seq]) -> bool:
         """Free the blocks of the newest waiting continuation that holds kept KV and is not
         in this step's batch (it then prefills from its tokens, as an evicted one does), so
         that a waiting sequence never waits on blocks that only waiting ones hold; whether
@@ -204,7 +204,7 @@ class Scheduler:
         return False
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs: list[Sequence] = []
+        seqs: list[Seq] = []
         copies: list[tuple[int, int]] = []
         queue = list(self.running)
         while queue and len(seqs) < self.max_num_seqs:
@@ -227,7 +227,7 @@ class Scheduler:
         counts = [1 + len(d.tokens) for d in drafts]
         return ScheduledBatch(seqs, counts, is_prefill=False, block_copies=copies, drafts=drafts)
 
-    def _drafts(self, seqs: list[Sequence]) -> list[Draft]:
+    def _drafts(self, seqs: list[Seq]) -> list[Draft]:
         """The step's drafts, one per sequence (empty ones where it has none): only when the
         drafter speculates at this batch size and expects the step to pay; inside the token
         budget and the free blocks left once every sequence has its own slot (a draft never
@@ -250,7 +250,7 @@ class Scheduler:
         context = sum(s.num_tokens for s in seqs)
         return drafts if drafter.pays([len(d.tokens) for d in drafts], context) else none
 
-    def _draft(self, seq: Sequence, spare: int) -> Draft:
+    def _draft(self, seq: Seq, spare: int) -> Draft:
         """`seq`'s draft: no longer than the `spare` token budget or than what the sequence
         may still emit less one (the step's own token)."""
         assert self.drafter is not None
@@ -263,7 +263,7 @@ class Scheduler:
         self.drafter.observe(seq)  # a sample imported with its KV is new here
         return self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
@@ -273,7 +273,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ after step
 
-    def finish_prefill(self, seq: Sequence) -> None:
+    def finish_prefill(self, seq: Seq) -> None:
         """A sequence's prefill completed: it (and any fork children) decode from now on."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -282,7 +282,7 @@ class Scheduler:
             self.running.append(child)
         seq.fork_children = []
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Seq, reason: str) -> None:
         """End `seq` for `reason`; a `keep` sample that completed ("stop", "length") is
         kept with its blocks (`kept`), any other is freed."""
         seq.finish(reason)
@@ -299,7 +299,7 @@ class Scheduler:
         return self.blocks.num_free_blocks >= num_blocks
 
     def settle(
-        self, seq: Sequence, emitted: int, reason: str | None, draft: Draft | None = None
+        self, seq: Seq, emitted: int, reason: str | None, draft: Draft | None = None
     ) -> None:
         """After a step gave `seq` `emitted` tokens: finish it for `reason`, else roll back
         the slots of its rejected draft tokens (`draft`: what a decode step verified; None in

@@ -20,7 +20,7 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class Seq:
     """One of a request's `n` samples, with its own generator. `fork_children`: the other
     samples of a fresh request while this one (the leader) prefills the shared prompt; they
     then sample their first token from the same logits and take over its blocks by `fork`
@@ -38,7 +38,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string it ended at
-    fork_children: list[Sequence] = field(default_factory=list)
+    fork_children: list[Seq] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -164,7 +164,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    seqs: dict[int, Sequence] = field(default_factory=dict)
+    seqs: dict[int, Seq] = field(default_factory=dict)
     error: str | None = None
 
     def done(self) -> bool:
@@ -197,7 +197,7 @@ def new_request(
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
         generator = make_generator(seed)
-        request.seqs[i] = Sequence(
+        request.seqs[i] = Seq(
             seq_ids.take(),
             request_id,
             i,

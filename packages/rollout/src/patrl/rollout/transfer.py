@@ -12,8 +12,7 @@ from patrl.kvstore import PagedKVCache, SequenceKV
 from patrl.rollout.outputs import SequenceState
 from patrl.rollout.sampler import export_generator, import_generator
 from patrl.rollout.scheduler import Scheduler
-from patrl.rollout.sequence import Request, SequenceStatus
-from patrl.rollout.sequence import Sequence as Seq
+from patrl.rollout.sequence import Request, Seq, SequenceStatus
 
 
 def export_requests(
