@@ -215,16 +215,27 @@ def test_greedy_trajectories_equal_a_twin_that_reprefills_every_turn(
         assert sum(mask) == (3 if max_turns == 1 else 5)  # the call (3), then answer + EOS
 
 
-def test_a_continuation_prefills_only_what_the_prefix_cache_lacks(models: dict[str, Path]) -> None:
-    _, rec, _ = run_one(models["call"], ToolPool([CalculatorTool()]))
+@pytest.mark.parametrize("keep_kv", [True, False])
+def test_a_continuation_prefills_only_what_the_engine_lacks(
+    models: dict[str, Path], keep_kv: bool
+) -> None:
+    """Turn 1 computed KV for its prompt and all but its last sampled token. Kept (the
+    default), that KV is extended: turn 2 prefills exactly the rest. Without it, the prefix
+    cache finds its full blocks again and the rest of the conversation is prefilled."""
+    eng = engine(models["call"])
+    loop = tool_loop(eng, ToolPool([CalculatorTool()]))
+    runner = AgentLoopRunner(eng, {"tool_agent": loop}, keep_kv=keep_kv)
+    rec = Recorder(runner, loop)
+    runner.run(samples(1), GREEDY)
     (first_len, first_prefill), (second_len, second_prefill) = rec.prefill
     assert first_prefill == first_len  # a cold cache
     call_turn = rec.turns[0][1]
-    # turn 1 computed KV for its prompt and all but its last sampled token; its full blocks
-    # are found again, the rest of the conversation is prefilled
     computed = first_len + len(call_turn) - 1
-    assert second_prefill == second_len - (computed // BLOCK) * BLOCK
-    assert second_prefill < BLOCK + (second_len - first_len - len(call_turn)) + len(call_turn)
+    if keep_kv:
+        assert second_prefill == second_len - computed
+    else:
+        assert second_prefill == second_len - (computed // BLOCK) * BLOCK
+        assert second_prefill < BLOCK + second_len - computed
     print(f"turn 2: {second_len} tokens submitted, {second_prefill} prefilled")
 
 

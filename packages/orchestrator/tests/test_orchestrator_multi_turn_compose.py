@@ -267,6 +267,10 @@ def _tp_rollout(
         "tokens": [[c.token_ids for c in o.outputs] for o in out],
         "masks": [[c.response_mask for c in o.outputs] for o in out],
         "tool_calls": calculator.metrics.get("multi_turn/tool_calls"),
+        # the continuations took the kept-KV path on every rank, and nothing is left kept
+        "prefill_tokens": engine.counters.prefill_tokens,
+        "kept": engine.kept_request_ids(),
+        "blocks_free": engine.cache.blocks.num_free_blocks == engine.cache.blocks.num_blocks,
     }
     random_tool = MultiTurnRollout(job(Path(pid_tools)), engine)
     out = random_tool.generate([item(2)], [greedy])
@@ -279,6 +283,10 @@ def _tp_rollout(
     result["idle_after_error"] = not engine.has_unfinished()
     out = calculator.generate([item(4)], [greedy])  # and the group goes on in step
     result["after_error"] = [c.token_ids for c in out[0].outputs]
+    result["all_free_at_end"] = (
+        engine.cache.blocks.num_free_blocks == engine.cache.blocks.num_blocks
+        and not engine.kept_request_ids()
+    )
     return result
 
 
@@ -294,6 +302,15 @@ def test_tp2_runs_tools_once_per_group_and_samples_what_tp1_samples(
     expected = [[c.token_ids for c in o.outputs] for o in out]
     expected_masks = [[c.response_mask for c in o.outputs] for o in out]
     assert 0 in expected_masks[0][0]  # a tool turn in the trajectory
+    tp1_prefill = tp1.engine.counters.prefill_tokens
+    slow = MultiTurnRollout(job(tools), engine_of(model_dir))
+    slow.runner.server.keep_kv = False  # each turn a new request, over prefix caching
+    out = slow.generate([item(0), item(1, agent_name="single_turn_agent")], [greedy] * 2)
+    assert [[c.token_ids for c in o.outputs] for o in out] == expected
+    # the two paths prefill differently (here the kept one more: the group's two greedy
+    # samples are one conversation, which the slow path's scheduler prefills once for both,
+    # while each sample extends its own kept KV), so equal counts below mean the kept path
+    assert slow.engine.counters.prefill_tokens != tp1_prefill
 
     leader, peer = run_ranks(
         _tp_rollout,
@@ -306,6 +323,8 @@ def test_tp2_runs_tools_once_per_group_and_samples_what_tp1_samples(
         assert rank["tool_calls"] == 2.0  # the group's calls, on every rank's metrics
         assert rank["after_error"] == expected[0]
         assert rank["idle_after_error"]
+        assert rank["prefill_tokens"] == tp1_prefill  # the same kept-KV continuations
+        assert rank["kept"] == [] and rank["blocks_free"] and rank["all_free_at_end"]
     # the random tool ran on the first rank only, and both ranks hold its answers
     assert leader["pid_tool_calls"] == 2 and peer["pid_tool_calls"] == 0
     assert leader["random_text"] == peer["random_text"]

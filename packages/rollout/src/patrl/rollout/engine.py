@@ -30,6 +30,7 @@ import torch
 from patrl.kvstore import PagedKVCache
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.drafter import draft_totals
+from patrl.rollout.kept import KeptTurns
 from patrl.rollout.loader import read_eos_token_ids, read_tokenizer_if_any
 from patrl.rollout.model_runner import ModelRunner
 from patrl.rollout.models.causal_lm import CausalLM
@@ -54,7 +55,7 @@ from patrl.rollout.transfer import export_requests, import_requests, snapshot_re
 from patrl.tpreshard import GroupCache, ParallelLayout, single_process_layout
 
 
-class Engine:
+class Engine(KeptTurns):
     """One rollout replica at one TP layout: continuous batching over a paged KV cache with
     vLLM's request API. `generate` / `chat` run a batch to completion (`RequestOutput`s);
     `add_request` / `step` / `abort` drive it a step at a time; `export_requests` /
@@ -118,6 +119,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_key: str | None = None,
+        keep: bool = False,
     ) -> str:
         """Queue a request of `params.n` samples; returns its id.
 
@@ -125,16 +127,17 @@ class Engine:
         run (empty, too long, ids outside the vocabulary) finishes at the next `step` with
         finish_reason "rejected" and the reason in its `error`; params the engine cannot
         honour raise ValueError. Generated ids are unique across the world's replicas.
-        `prompt_key` names the prompt (to learn lengths, adaptive TP; to share drafts)."""
+        `prompt_key` names the prompt (to learn lengths, adaptive TP; to share drafts).
+        `keep`: a sample that completes keeps its KV for `continue_request` (`KeptTurns`)."""
         params = params or SamplingParams()
         self.check_params(params)
         if request_id is None:
             request_id = f"req-{self._group_rank()}-{self._request_ids.take()}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.kept_request_ids():
             raise ValueError(f"request id {request_id!r} is already in use")
         params = with_group_seed(params, self.layout, self.device)
         token_ids = encode(prompt, self.tokenizer, self.config.model)
-        request = new_request(request_id, token_ids, params, self._seq_ids, prompt_key)
+        request = new_request(request_id, token_ids, params, self._seq_ids, prompt_key, keep)
         self._requests[request_id] = request
         seqs = list(request.seqs.values())
         request.error = reject_reason(token_ids, self.max_model_len, self.model.config.vocab_size)
@@ -149,11 +152,6 @@ class Engine:
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError naming the value for params this engine cannot honour."""
         check_params(params, self.tokenizer, self.model.config.vocab_size, self.config.model)
-
-    def _group_rank(self) -> int:
-        """Global rank of this TP group's first rank."""
-        rank = self.groups.rank if self.groups is not None else 0
-        return rank - self.layout.tp_rank
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it is returned by the next `step` with finish_reason "abort"."""
@@ -354,12 +352,14 @@ class Engine:
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Start over at `layout`, the model cut for it (or `model`): a fresh KV cache and
         scheduler, drafters made alike in a larger group. Unfinished requests left first."""
-        preemptions = self.scheduler.num_preemptions
+        preemptions, kept = self.scheduler.num_preemptions, self.scheduler.kept
+        kept.drop_kv(self.cache.blocks)  # the new cache holds none of it
         if self.drafter is not None and layout.tp_size > self.layout.tp_size:
             self.drafter.merge_reset()
         self.runner.rebuild(layout, model)
         self.scheduler = self._new_scheduler()
         self.scheduler.num_preemptions = preemptions
+        self.scheduler.kept = kept
 
     # --------------------------------------------------------------- weights
 

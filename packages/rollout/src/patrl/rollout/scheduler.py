@@ -4,7 +4,8 @@ A step is a prefill step (new, preempted or imported sequences up to the token b
 one possibly chunked; a prompt prefills once and its other samples fork it) or a decode step (one
 token for every running sequence, plus, with a drafter, the draft each one verifies: slots for
 1 + d tokens, inside the token budget and the blocks left once every sequence has its slot). Prefill goes first, so the batch refills as soon as sequences finish. When KV blocks run out in decode, the most recently admitted sequence is preempted by
-recompute. The scheduler is deterministic, so every rank of a TP group derives the same schedule.
+recompute, after every kept sample (a finished turn held for its continuation, `kept`) has
+lost its KV. The scheduler is deterministic, so every rank of a TP group derives the same schedule.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from patrl.kvstore import BlockManager
 from patrl.rollout.drafter import Draft, Drafter
+from patrl.rollout.kept import KeptSequences
 from patrl.rollout.sequence import Seq, SequenceStatus
 
 
@@ -59,6 +61,7 @@ class Scheduler:
         # always continued first, so a preempted sequence can never wait on its blocks forever.
         self.prefilling: Seq | None = None
         self.num_preemptions = 0
+        self.kept = KeptSequences()
 
     # ----------------------------------------------------------------- queues
 
@@ -82,18 +85,21 @@ class Scheduler:
             "kv_blocks_free": self.blocks.num_free_blocks,
             "prefix_hit_rate": self.blocks.prefix_hit_rate(),
             "num_preemptions": self.num_preemptions,
+            "kept": len(self.kept),
+            "kept_evicted": self.kept.num_evicted,
             **(self.drafter.counts.stats() if self.drafter is not None else {}),
         }
 
-    def remove(self, seq: Seq) -> None:
-        """Take a sequence out of every queue and free its blocks (abort, export)."""
+    def remove(self, seq: Seq, free: bool = True) -> None:
+        """Take a sequence out of every queue and free its blocks (abort, export; `free`
+        False: a sample kept with its blocks)."""
         if self.prefilling is seq:
             self.prefilling = None
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        if self.blocks.has(seq.seq_id):
+        if free and self.blocks.has(seq.seq_id):
             self.blocks.free(seq.seq_id)
         if self.drafter is not None:  # a complete response is history for its prompt
             remember = seq.finish_reason in ("stop", "length")
@@ -113,7 +119,8 @@ class Scheduler:
         seqs: list[Seq] = []
         counts: list[int] = []
         samples = self.num_running_samples()
-        candidates: list[Seq] = [self.prefilling] if self.prefilling else []
+        cut = self.prefilling
+        candidates: list[Seq] = [cut] if cut else []
         self.prefilling = None
         candidates += self.waiting
         computing: set[int] = set()  # prompt hashes whose prompt KV this step computes
@@ -123,7 +130,8 @@ class Scheduler:
         for seq in candidates:
             if budget == 0:
                 break
-            continuing = self.blocks.has(seq.seq_id)  # a cut prefill holds its blocks
+            # a cut prefill holds its blocks, and so does a kept sample's continuation
+            continuing = self.blocks.has(seq.seq_id)
             leader = leaders.get(seq.prompt_hash) if sharing and not continuing else None
             if (
                 leader is not None
@@ -147,9 +155,13 @@ class Scheduler:
                 continue
             full = samples + seq.group_size > self.max_num_seqs
             # A group larger than max_num_seqs still runs when nothing else does.
-            if not continuing and full and (seqs or self.running):
+            if seq is not cut and full and (seqs or self.running):
                 break
             if not continuing:
+                while not self.blocks.can_allocate(seq.token_ids) and (
+                    self.kept.evict_one(self.blocks) or self._unhold_waiting(seqs)
+                ):
+                    pass
                 if not self.blocks.can_allocate(seq.token_ids):
                     break
                 # The cached count is what allocate says now (it can differ from a count taken
@@ -179,6 +191,18 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs, counts, is_prefill=True)
 
+    def _unhold_waiting(self, scheduled: list[Seq]) -> bool:
+        """Free the blocks of the newest waiting continuation that holds kept KV and is not
+        in this step's batch (it then prefills from its tokens, as an evicted one does), so
+        that a waiting sequence never waits on blocks that only waiting ones hold; whether
+        one was freed."""
+        for seq in reversed(self.waiting):
+            if self.blocks.has(seq.seq_id) and all(seq is not s for s in scheduled):
+                self.blocks.free(seq.seq_id)
+                self.kept.num_evicted += 1
+                return True
+        return False
+
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs: list[Seq] = []
         copies: list[tuple[int, int]] = []
@@ -186,6 +210,8 @@ class Scheduler:
         while queue and len(seqs) < self.max_num_seqs:
             seq = queue.pop(0)
             while not self.blocks.can_append(seq.seq_id, 1):
+                if self.kept.evict_one(self.blocks):
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 if victim is seq:
@@ -261,8 +287,20 @@ class Scheduler:
         seq.fork_children = []
 
     def finish(self, seq: Seq, reason: str) -> None:
+        """End `seq` for `reason`; a `keep` sample that completed ("stop", "length") is
+        kept with its blocks (`kept`), any other is freed."""
         seq.finish(reason)
-        self.remove(seq)
+        keep = seq.keep and reason in ("stop", "length")
+        self.remove(seq, free=not keep)
+        if keep:
+            self.kept.keep(seq, self.blocks)
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Evict kept samples' KV, oldest first, until `num_blocks` blocks are free;
+        whether they are."""
+        while self.blocks.num_free_blocks < num_blocks and self.kept.evict_one(self.blocks):
+            pass
+        return self.blocks.num_free_blocks >= num_blocks
 
     def settle(
         self, seq: Seq, emitted: int, reason: str | None, draft: Draft | None = None

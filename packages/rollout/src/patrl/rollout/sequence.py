@@ -48,6 +48,8 @@ class Seq:
     prompt_key: str | None = None
     # the text so far, for a sample with stop strings (made at its first check: derived)
     stop_checker: StopStringChecker | None = None
+    # finished ("stop"/"length"), it is kept with its KV for `Engine.continue_request`
+    keep: bool = False
     # equal for equal prompts (a collision only delays a prefill by a step: the prefix cache
     # compares tokens), so the scheduler can compute a prompt repeated in requests once
     prompt_hash: int = field(init=False, default=0)
@@ -186,14 +188,23 @@ def new_request(
     params: SamplingParams,
     seq_ids: IdCounter,
     prompt_key: str | None = None,
+    keep: bool = False,
 ) -> Request:
     """A request of `params.n` fresh samples, sample i drawing from a generator seeded with
-    `params.seed + i` (a random one without a seed); `prompt_key` groups them for drafts."""
+    `params.seed + i` (a random one without a seed); `prompt_key` groups them for drafts;
+    `keep`: each is kept with its KV when it completes (patrl.rollout.kept)."""
     request = Request(request_id, token_ids)
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
         generator = make_generator(seed)
         request.seqs[i] = Seq(
-            seq_ids.take(), request_id, i, list(token_ids), params, generator, prompt_key=prompt_key
+            seq_ids.take(),
+            request_id,
+            i,
+            list(token_ids),
+            params,
+            generator,
+            prompt_key=prompt_key,
+            keep=keep,
         )
     return request

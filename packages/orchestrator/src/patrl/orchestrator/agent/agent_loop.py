@@ -5,9 +5,14 @@ writes one sample's logic as `async def run(...) -> AgentLoopOutput`, awaiting
 `run` at once on one event loop and steps the engine between them, so while one sample awaits
 its tool, the engine keeps decoding the others (continuous batching is never held up).
 
-Each generation is submitted as the whole conversation's token ids; with prefix caching on,
-the engine finds the conversation's full KV blocks computed by the sample's earlier turns and
-prefills only the rest (the KV is not yet kept inside the engine between turns).
+Each generation is submitted as the whole conversation's token ids. A turn generated with
+`keep=True` stays in the engine with its KV (`Engine.continue_request`), and the next turn,
+naming it in `continues`, extends that KV: the engine prefills exactly the appended tokens
+(the tool's answer) and the previous turn's last sampled token, never the conversation again.
+A turn that is not continued is released (`LLMServer.release`, and every kept turn at the end
+of a run or on its failure). With `keep_kv=False` (or for a loop that does not pass
+`keep`/`continues`) each turn is a new request, and prefix caching finds the conversation's
+full KV blocks: the slow twin the tests compare with.
 
 At TP > 1 the TP group's first rank runs the agent loops and the tools alone and drives its
 peers: before each engine step it broadcasts the requests its samples submitted since the
@@ -102,15 +107,19 @@ class LLMServer:
     """One engine, shared by the samples of a run (verl's AsyncLLMServerManager): `generate`
     queues a request and resolves when the engine finishes it; the runner's step task drives
     the engine. Only the event loop's thread touches the engine. At TP > 1 this is the TP
-    group's first rank's server; its peers `follow` it (see the module's docstring)."""
+    group's first rank's server; its peers `follow` it (see the module's docstring).
+    `keep_kv`: honour `keep`/`continues` (kept KV between turns); False ignores them."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, keep_kv: bool = True) -> None:
         self.engine = engine
+        self.keep_kv = keep_kv
+        # kept turns by request id: the conversation's ids through that turn's last token
+        self._kept: dict[str, list[int]] = {}
         self._pending: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wake: asyncio.Event | None = None
         layout = engine.layout
         self.tp_size, self.is_leader = layout.tp_size, layout.is_tp_first
-        self._queued: list[tuple[str, list[int], SamplingParams]] = []  # TP > 1: next step's
+        self._queued: list[tuple[Any, ...]] = []  # TP > 1: the next step's engine calls
         self.cached_prefix_tokens = 0  # at submission, by the prefix cache's count
         self.submitted_tokens = 0
 
@@ -120,9 +129,18 @@ class LLMServer:
         return int(self.engine.max_model_len)
 
     async def generate(
-        self, request_id: str, *, prompt_ids: Sequence[int], sampling_params: SamplingParams
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        keep: bool = False,
+        continues: str | None = None,
     ) -> TokenOutput:
-        """Sample one model turn continuing `prompt_ids` (n must be 1)."""
+        """Sample one model turn continuing `prompt_ids` (n must be 1). `keep`: hold the
+        turn's KV for a continuation until `release`; `continues`: the kept turn whose
+        conversation `prompt_ids` extends (its KV is extended by the new ids only; when
+        `prompt_ids` does not extend it, it is released and `prompt_ids` submitted whole)."""
         if sampling_params.n != 1:
             raise ValueError(
                 f"an agent loop samples one turn at a time: n must be 1, got {sampling_params.n}"
@@ -131,31 +149,70 @@ class LLMServer:
             raise RuntimeError("LLMServer.generate runs inside AgentLoopRunner.run")
         if request_id in self._pending or request_id in self.engine.request_ids():
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.tp_size > 1:  # added by every rank at the next step (`_apply`)
-            self.engine.check_params(sampling_params)
-            self._queued.append((request_id, list(prompt_ids), sampling_params))
-            rid = request_id
-        else:
-            rid = self._add(request_id, list(prompt_ids), sampling_params)
+        self.engine.check_params(sampling_params)
+        ids, keep = list(prompt_ids), keep and self.keep_kv
+        op: tuple[Any, ...] = ("add", request_id, ids, sampling_params, keep)
+        base = self._kept.pop(continues, None) if continues is not None else None
+        if base is not None:
+            if self.keep_kv and ids[: len(base)] == base:
+                op = ("continue", continues, request_id, ids[len(base) :], sampling_params, keep)
+            else:
+                self._submit(("release", continues))
+        self._submit(op)
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
+        self._pending[request_id] = future
         self._wake.set()
         out = (await future).outputs[0]
         if out.finish_reason == "rejected":
             raise ValueError(f"the engine rejected turn {request_id}: {(await future).error}")
+        if keep and out.finish_reason in ("stop", "length"):
+            self._kept[request_id] = ids + list(out.token_ids)
         return TokenOutput(
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str:
-        self.submitted_tokens += len(prompt_ids)
-        self.cached_prefix_tokens += self.engine.cache.blocks.num_cached_prefix(prompt_ids)
-        return self.engine.add_request(prompt_ids, params, request_id=request_id)
+    def release(self, request_id: str) -> None:
+        """Free kept turn `request_id`'s KV (its conversation goes no further); a turn that
+        is not kept is ignored."""
+        if self._kept.pop(request_id, None) is not None:
+            self._submit(("release", request_id))
 
-    def _apply(self, ops: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
-        """One step of the group's protocol, the same on every rank: add `ops`, then step."""
-        for request_id, prompt_ids, params in ops:
-            self._add(request_id, prompt_ids, params)
+    def release_all(self) -> None:
+        """Release every kept turn (the end of a run; every rank of a TP group calls it)."""
+        self._kept.clear()
+        self.engine.release_kept()
+
+    def _submit(self, op: tuple[Any, ...]) -> None:
+        """Make engine call `op` now (TP 1), or on every rank at the next step (TP > 1)."""
+        if self.tp_size > 1:
+            self._queued.append(op)
+        else:
+            self._do(op)
+
+    def _do(self, op: tuple[Any, ...]) -> None:
+        """One engine call: ("add", id, ids, params, keep), ("continue", kept id, id,
+        appended ids, params, keep) or ("release", kept id)."""
+        kind, *args = op
+        engine = self.engine
+        if kind == "add":
+            request_id, ids, params, keep = args
+            self.submitted_tokens += len(ids)
+            self.cached_prefix_tokens += engine.cache.blocks.num_cached_prefix(ids)
+            engine.add_request(ids, params, request_id=request_id, keep=keep)
+        elif kind == "continue":
+            kept, request_id, appended, params, keep = args
+            engine.continue_request(kept, appended, params, request_id, keep)
+        elif kind == "release":
+            if args[0] in engine.kept_request_ids():
+                engine.release(args[0])
+        else:
+            raise ValueError(f"unknown engine call {kind!r}")
+
+    def _apply(self, ops: Sequence[tuple[Any, ...]]) -> list[RequestOutput]:
+        """One step of the group's protocol, the same on every rank: make the calls `ops`,
+        then step."""
+        for op in ops:
+            self._do(op)
         return self.engine.step()
 
     def tell(self, message: tuple[str, Any]) -> None:
@@ -199,18 +256,21 @@ class LLMServer:
             if kind == "step":
                 self._apply(payload)
             elif kind == "done":
+                self.release_all()
                 return list(payload)
             elif kind == "error":
                 self.drain()
                 raise RuntimeError(f"the TP group's first rank failed its agent loops: {payload}")
 
     def drain(self) -> None:
-        """Abort every request and step until the engine is idle (after a failure)."""
+        """Abort every request, step until the engine is idle and release every kept turn
+        (after a failure)."""
         self._queued = []
         for rid in self.engine.request_ids():
             self.engine.abort(rid)
         while self.engine.has_unfinished():
             self.engine.step()
+        self.release_all()
 
     def finish(self, done: asyncio.Event) -> None:
         """Set `done` and wake the step task, so that it returns once the engine is idle."""
@@ -271,10 +331,13 @@ class AgentLoopRunner:
         engine: Engine,
         agent_loops: Mapping[str, AgentLoop],
         default_agent: str = "tool_agent",
+        keep_kv: bool = True,
     ) -> None:
+        """`keep_kv`: the engine keeps each conversation's KV between its turns (see the
+        module's docstring; False: every turn is a new request, over prefix caching)."""
         if not agent_loops:
             raise ValueError("AgentLoopRunner needs at least one agent loop")
-        self.server = LLMServer(engine)
+        self.server = LLMServer(engine, keep_kv)
         self.agent_loops: dict[str, AgentLoop] = {}
         self.default_agent = default_agent
         for name, loop in agent_loops.items():
@@ -329,6 +392,7 @@ class AgentLoopRunner:
             raise
         if self.server.tp_size > 1:
             self.server.tell(("done", outs))
+        self.server.release_all()  # turns a loop kept and never continued nor released
         return outs
 
     async def _run(

@@ -109,11 +109,14 @@ class ToolAgentLoop(AgentLoop):
         assistant_turns = user_turns = 0
         calls = errors = truncated = exceptions = timeouts = 0
         request = f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}"
+        previous: str | None = None  # the last turn, kept in the engine with its KV
         while True:
             params = self._turn_params(sampling_params, len(mask), assistant_turns)
+            turn_id = f"{request}-{assistant_turns}"
             turn = await self.server_manager.generate(
-                f"{request}-{assistant_turns}", prompt_ids=ids, sampling_params=params
+                turn_id, prompt_ids=ids, sampling_params=params, keep=True, continues=previous
             )
+            previous = turn_id
             ids += turn.token_ids
             mask += [1] * len(turn.token_ids)
             logprobs += turn.log_probs
@@ -149,6 +152,7 @@ class ToolAgentLoop(AgentLoop):
             mask += [0] * len(appended)
             logprobs += [0.0] * len(appended)
             user_turns += 1
+        self.server_manager.release(previous)  # the conversation ends here
         n = len(prompt_ids)
         return AgentLoopOutput(
             prompt_ids=ids[:n],
