@@ -14,9 +14,14 @@ decoding is greedy, so every mode computes the same trajectories (checked: `same
 Modes, each a median over --repeats (the modes interleaved, their order rotating by repeat, so
 load drift hits all of them):
 
-- `agent_loop`: patrl's `AgentLoopRunner` over one engine with prefix caching on (the
-  default): a sample waiting on its tool holds no decode slot, the others keep decoding, and a
-  continuation prefills only what the prefix cache lacks.
+- `kept_kv`: patrl's `AgentLoopRunner` as `ToolAgentLoop` drives it: each turn is kept in the
+  engine with its KV (`keep=True`, `continues=` the previous turn), so a continuation prefills
+  exactly its new tokens; a sample waiting on its tool holds no decode slot, the others keep
+  decoding. Its per-continuation prefill is read off the engine's counter: its total less the
+  first turns' prefill, which is `agent_loop`'s (the same prompts, cached alike).
+- `agent_loop`: the same runner with its turns submitted whole (`keep_kv=False`) to an engine
+  with prefix caching on: a continuation prefills what the prefix cache lacks (the new tokens
+  and the part of the last KV block that was not full).
 - `reprefill` (slow twin a): the same runner on an engine with prefix caching off, so each
   turn prefills the whole conversation.
 - `blocking_batch` (slow twin b, `BlockingBatchTwin` below): the batch moves turn by turn in
@@ -70,7 +75,7 @@ RANDOM_MODEL: dict[str, Any] = dict(
 )
 TURN_LENGTHS: dict[str, float] = dict(median=24.0, sigma=0.7, low=8, high=96)
 LATENCY_SIGMA = 0.9  # the tool latency's log-normal spread (its median is --tool-ms)
-MODES = ("agent_loop", "reprefill", "blocking_batch")
+MODES = ("kept_kv", "agent_loop", "reprefill", "blocking_batch")
 
 SLEEP_SCHEMA = OpenAIFunctionToolSchema.model_validate(
     {
@@ -182,10 +187,11 @@ class ScriptedToolLoop(AgentLoop):
     call to the sleep tool in the `ToolPool` and its fixed answer ids appended (mask 0).
     Records each continuation's submitted and prefix-cached tokens."""
 
-    def __init__(self, pool: ToolPool, records: Records) -> None:
+    def __init__(self, pool: ToolPool, records: Records, keep: bool = False) -> None:
         super().__init__(tokenizer=None)
         self.pool = pool
         self.records = records
+        self.keep = keep  # each turn kept with its KV for the next (the runner releases)
 
     async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
         plan: Plan = kwargs["plan"]
@@ -193,17 +199,22 @@ class ScriptedToolLoop(AgentLoop):
         mask: list[int] = []
         logprobs: list[float] = []
         blocks = self.server_manager.engine.cache.blocks
+        previous: str | None = None
         for t, length in enumerate(plan.turn_lengths):
-            if t > 0:
+            if t > 0 and not self.keep:
                 new = len(plan.tool_ids[t - 1]) + 1
                 self.records.turns.append(
                     TurnRecord(t + 1, len(ids), blocks.num_cached_prefix(ids), new)
                 )
+            turn_id = f"s{kwargs['sample_index']}-t{t}"
             out = await self.server_manager.generate(
-                f"s{kwargs['sample_index']}-t{t}",
+                turn_id,
                 prompt_ids=ids,
                 sampling_params=turn_params(length),
+                keep=self.keep,
+                continues=previous if self.keep else None,
             )
+            previous = turn_id
             ids += out.token_ids
             mask += [1] * len(out.token_ids)
             logprobs += out.log_probs
@@ -281,7 +292,9 @@ def rollout(engine: Engine, mode: str, plans: list[Plan], workers: int) -> dict[
     if mode == "blocking_batch":
         trajectories = BlockingBatchTwin(engine, pool, records).run(plans)
     else:
-        runner = AgentLoopRunner(engine, {"scripted": ScriptedToolLoop(pool, records)}, "scripted")
+        keep = mode == "kept_kv"
+        loop = ScriptedToolLoop(pool, records, keep=keep)
+        runner = AgentLoopRunner(engine, {"scripted": loop}, "scripted", keep_kv=keep)
         outs = runner.run([{"plan": p} for p in plans], turn_params(1))
         trajectories = [o.prompt_ids + o.response_ids for o in outs]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -358,14 +371,14 @@ def main() -> None:
             )
         )
 
-    engines = {"agent_loop": make(True), "reprefill": make(False), "blocking_batch": make(True)}
+    engines = {m: make(m != "reprefill") for m in MODES}
     for m in MODES:  # warm up each engine (first-call allocations, kernel choices)
         rollout(engines[m], m, plans[: args.n], args.samples)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for r in range(args.repeats):
-        for m in MODES[r % 3 :] + MODES[: r % 3]:
+        for m in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
             runs[m].append(rollout(engines[m], m, plans, args.samples))
-    reference = runs["agent_loop"][0]["trajectories"]
+    reference = runs["kept_kv"][0]["trajectories"]
     results: dict[str, Any] = {}
     for m in MODES:
         same = all(run["trajectories"] == reference for run in runs[m])
@@ -382,8 +395,15 @@ def main() -> None:
             "wall_s_runs": [run["wall_s"] for run in runs[m]],
             "same_tokens": same,
         }
-    for m in ("reprefill", "blocking_batch"):
-        results[m]["speedup_of_agent_loop"] = results[m]["wall_s"] / results["agent_loop"]["wall_s"]
+    kept, cached = results["kept_kv"], results["agent_loop"]
+    continuations = args.samples * (args.turns - 1)
+    first_turns = (
+        cached["prefilled_tokens"] - cached["continuation_prefill_per_turn"] * continuations
+    )
+    kept["continuation_prefill_per_turn"] = (kept["prefilled_tokens"] - first_turns) / continuations
+    kept["continuation_new_per_turn"] = cached["continuation_new_per_turn"]
+    for m in MODES[1:]:
+        results[m]["slowdown_vs_kept_kv"] = results[m]["wall_s"] / kept["wall_s"]
     tool_s = [sum(p.latencies_s) for p in plans]
     report = {
         "workload": {

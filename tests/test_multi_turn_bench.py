@@ -1,8 +1,9 @@
-"""benchmarks/multi_turn_bench.py's three modes compute the same trajectories (greedy), so
-its times compare like with like: the agent loop, its twin that re-prefills the whole
-conversation every turn, and its twin that moves the batch in lock step on tool calls. Its
-prefill counts say what they claim: the re-prefilling twin prefills every submitted token, the
-agent loop the new tokens and less than one KV block more. No timing is asserted."""
+"""benchmarks/multi_turn_bench.py's four modes compute the same trajectories (greedy), so its
+times compare like with like: the agent loop with kept KV, the agent loop over the prefix cache,
+its twin that re-prefills the whole conversation every turn, and its twin that moves the batch
+in lock step on tool calls. Its prefill counts say what they claim: the re-prefilling twin
+prefills every submitted token, the prefix-cached loop the new tokens and less than one KV
+block more, the kept-KV loop exactly the new tokens. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_the_modes_compute_the_same_trajectories_and_count_prefill_as_claimed(
         mode: bench.rollout(engine(mode != "reprefill"), mode, plans, workers=6)
         for mode in bench.MODES
     }
-    reference = runs["agent_loop"]["trajectories"]
+    reference = runs["kept_kv"]["trajectories"]
     assert len(reference) == 6
     for mode, run in runs.items():
         assert run["trajectories"] == reference, mode  # tokens exactly
@@ -67,3 +68,11 @@ def test_the_modes_compute_the_same_trajectories_and_count_prefill_as_claimed(
     continuations = sum(turn["submitted"] * 6 for turn in runs["reprefill"]["per_turn"].values())
     assert runs["reprefill"]["prefilled_tokens"] == pytest.approx(6 * 40 + continuations)
     assert runs["agent_loop"]["prefilled_tokens"] < runs["reprefill"]["prefilled_tokens"] / 2
+    # kept KV: every continuation prefills exactly its new tokens, the first turns as cached
+    cached = runs["agent_loop"]
+    first_turns = cached["prefilled_tokens"] - sum(
+        (turn["prefilled"]) * 6 for turn in cached["per_turn"].values()
+    )
+    continuations = 6 * len(cached["per_turn"])
+    assert runs["kept_kv"]["prefilled_tokens"] == first_turns + continuations * (8 + 1)
+    assert runs["kept_kv"]["prefilled_tokens"] < cached["prefilled_tokens"]  # partial blocks
