@@ -19,3 +19,9 @@ _FIRST_LINE = re.compile(r"a\d+: \d+(\n|$)")
 def shows_work(response: str, answer: str, **meta: Any) -> float:
     """1.0 when the response opens like a worked solution (`a7: 7`), right or wrong."""
     return 1.0 if _FIRST_LINE.match(response) else 0.0
+
+
+def calls_tool(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response calls a tool (a `<tool_call>` opens in it), well-formed or not:
+    the tool demo's share of responses that reach for the calculator."""
+    return 1.0 if "<tool_call>" in response else 0.0
