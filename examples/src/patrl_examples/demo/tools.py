@@ -40,11 +40,11 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from patrl_examples.demo.assets import (
     MANIFEST,
     DemoRecipe,
-    progress_logger,
-    save_model,
     default_cache_root,
     ensure_demo_assets,
     file_lock,
+    progress_logger,
+    save_model,
     torch_threads,
 )
 from patrl_examples.demo.sft import IGNORE, lr_at
@@ -81,7 +81,7 @@ class ToolSFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    steps: int = Field(300, gt=0)
+    steps: int = Field(800, gt=0)
     tool_fraction: float = Field(
         0.3, ge=0, le=1, description="share of demonstrations that call the calculator"
     )
@@ -90,8 +90,8 @@ class ToolSFTConfig(BaseModel):
     )
     tokens_per_batch: int = Field(2048, gt=0)
     pool_size: int = Field(512, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(10, ge=0)
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(30, ge=0)
     grad_clip: float = Field(1.0, gt=0)
 
 
@@ -258,7 +258,9 @@ def iter_tool_batches(
             yield collate_masked(batch, tokenizer.pad_token_id)
 
 
-def collate_masked(batch: Sequence[Demonstration], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_masked(
+    batch: Sequence[Demonstration], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(d.ids) for d in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
