@@ -81,9 +81,9 @@ class ToolSFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    steps: int = Field(800, gt=0)
+    steps: int = Field(1200, gt=0)
     tool_fraction: float = Field(
-        0.3, ge=0, le=1, description="share of demonstrations that call the calculator"
+        0.5, ge=0, le=1, description="share of demonstrations that call the calculator"
     )
     direct_fraction: float = Field(
         0.5, ge=0, le=1, description="of the others, the share that box a bare total"
