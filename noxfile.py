@@ -219,6 +219,14 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def demo_tools(session: nox.Session) -> None:
+    """The tool demo: GRPO with multi-turn calculator rollouts on the embedded task, 2 ranks."""
+    install_patrl(session)
+    example = ROOT / "examples" / "grpo_tools.py"
+    session.run("torchrun", "--nproc_per_node", "2", str(example), *session.posargs)
+
+
+@nox.session
 def gpu(session: nox.Session) -> None:
     """CUDA-only tests (flash backend, CUDA parity); skipped cleanly on a CPU machine."""
     install_patrl(session, *TEST_DEPS)

@@ -148,7 +148,7 @@ def ensure_demo_at(
             return DemoAssets.load(target)
         _remove_stale_temporaries(target)
         with torch_threads(threads):
-            return build_demo(target, recipe, log=_logger(progress))
+            return build_demo(target, recipe, log=progress_logger(progress))
 
 
 def is_complete(target: Path, recipe: DemoRecipe) -> bool:
@@ -207,7 +207,7 @@ def _build_into(out: Path, recipe: DemoRecipe, log: Callable[[str], None]) -> No
     )
     timings["sft_s"] = time.perf_counter() - t
     model_dir = out / "model"
-    _save_model(model, model_dir)
+    save_model(model, model_dir)
     tokenizer.save_pretrained(model_dir)
 
     evaluation = None
@@ -292,7 +292,7 @@ def _check_replaceable(target: Path) -> None:
         )
 
 
-def _save_model(model: Any, model_dir: Path) -> None:
+def save_model(model: Any, model_dir: Path) -> None:
     """What `save_pretrained` writes for the demo model (config, generation config, one
     safetensors file), written directly: under an initialised torch.distributed, transformers 5
     writes nothing on a rank other than 0, and whichever rank wins the build lock builds."""
@@ -336,7 +336,7 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _logger(progress: bool) -> Callable[[str], None] | None:
+def progress_logger(progress: bool) -> Callable[[str], None] | None:
     if not progress:
         return None
     return lambda msg: print(f"[patrl demo] {msg}", file=sys.stderr, flush=True)

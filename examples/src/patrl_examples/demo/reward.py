@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from patrl.orchestrator.agent.tool_parser import extract_tool_calls
+
 # The first line of a worked solution restates the first addend: "a7: 7".
 _FIRST_LINE = re.compile(r"a\d+: \d+(\n|$)")
 
@@ -19,3 +21,27 @@ _FIRST_LINE = re.compile(r"a\d+: \d+(\n|$)")
 def shows_work(response: str, answer: str, **meta: Any) -> float:
     """1.0 when the response opens like a worked solution (`a7: 7`), right or wrong."""
     return 1.0 if _FIRST_LINE.match(response) else 0.0
+
+
+def calls_tool(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response calls a tool (a `<tool_call>` opens in it), well-formed or not:
+    the tool demo's share of responses that reach for the calculator."""
+    return 1.0 if "<tool_call>" in response else 0.0
+
+
+def well_formed_call(response: str, answer: str, **meta: Any) -> float:
+    """1.0 when the response calls a tool and every call it opens is well-formed: closed by
+    `</tool_call>`, valid JSON (hermes), naming `calculator` with a string `expression`.
+    Its mean over `calls_tool`'s is the share of calling responses whose calls are well-formed."""
+    opened = response.count("<tool_call>")
+    if opened == 0:
+        return 0.0
+    _, calls = extract_tool_calls(response, "hermes")
+    ok = [
+        c
+        for c in calls
+        if c.error is None
+        and c.name == "calculator"
+        and isinstance((c.arguments or {}).get("expression"), str)
+    ]
+    return 1.0 if len(ok) == opened else 0.0

@@ -1,0 +1,407 @@
+"""The tool demo: the embedded addition task with a calculator the model may call.
+
+Its warm start is the plain demo's model (`ensure_demo_assets`, built first if need be),
+fine-tuned briefly on a mix of the plain demo's answers (worked lines or a bare boxed total)
+and answers that call the calculator, in verl's hermes format, and box its result:
+
+    <|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "7+1+5"}}</tool_call>
+    </s><|tool|>13\\n<|assistant|>\\boxed{13}</s>
+
+rendered by the tool tokenizer's chat template (`tokenizer.build_tool_tokenizer`) exactly as
+`ToolAgentLoop` appends a tool turn at rollout time. Only the model's own tokens are trained on
+(the call, the final answer and its EOS); the tool turn between them (the end of the call's
+turn, the tool's answer and the next turn's opening) is masked, as RL's loss mask does. The
+EOS after `</tool_call>` is the template's, not the model's: the rollout stops at
+`</tool_call>` and appends it.
+
+A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
+fine-tuned model and the tool tokenizer), `data/` (the plain demo's train and validation rows,
+copied), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
+last). The plain demo's build and cache key are untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+from patrl_examples.demo.assets import (
+    MANIFEST,
+    DemoRecipe,
+    default_cache_root,
+    ensure_demo_assets,
+    file_lock,
+    progress_logger,
+    save_model,
+    torch_threads,
+)
+from patrl_examples.demo.sft import IGNORE, lr_at
+from patrl_examples.demo.task import Problem, iter_problems
+from patrl_examples.demo.tokenizer import build_tool_tokenizer
+
+TOOL_BUILD_VERSION = 1
+CALCULATOR = "calculator"
+# The calculator's schema as the tool config gives it (the class's own, named here so the
+# demonstrations render with the schema the rollout renders with).
+TOOL_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": CALCULATOR,
+        "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 7+1+5"}},
+            "required": ["expression"],
+        },
+    },
+}
+TOOLS_YAML = """\
+# The tool demo's tool config (verl's shape): patrl's built-in calculator.
+tools:
+  - class_name: patrl.orchestrator.agent.calculator.CalculatorTool
+    config: {type: native}
+"""
+_TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
+
+
+class ToolSFTConfig(BaseModel):
+    """The tool warm start: a short fine-tune of the plain demo's model. Part of the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(1200, gt=0)
+    tool_fraction: float = Field(
+        0.5, ge=0, le=1, description="share of demonstrations that call the calculator"
+    )
+    direct_fraction: float = Field(
+        0.5, ge=0, le=1, description="of the others, the share that box a bare total"
+    )
+    tokens_per_batch: int = Field(2048, gt=0)
+    pool_size: int = Field(512, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class ToolDemoRecipe(BaseModel):
+    """The plain demo's recipe (the warm start's start and the data) and the tool fine-tune."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: DemoRecipe = DemoRecipe()
+    sft: ToolSFTConfig = ToolSFTConfig()
+
+    @classmethod
+    def default(cls, seed: int = 0, quick: bool = False) -> ToolDemoRecipe:
+        """The real recipe, or a seconds-long one (a barely trained model) for tests."""
+        if not quick:
+            return cls(base=DemoRecipe.default(seed))
+        sft = ToolSFTConfig(steps=3, tokens_per_batch=512, pool_size=32, warmup_steps=1)
+        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft)
+
+    def key(self) -> str:
+        payload = json.dumps({"version": TOOL_BUILD_VERSION, **self.model_dump()}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- demonstrations
+
+
+def call_text(problem: Problem) -> str:
+    """The model's calculator call for `problem`, hermes format: the addends joined by +."""
+    expression = "+".join(str(x) for x in problem.addends)
+    body = json.dumps({"name": CALCULATOR, "arguments": {"expression": expression}})
+    return f"<tool_call>{body}</tool_call>"
+
+
+def tool_messages(problem: Problem) -> list[dict[str, str]]:
+    """The whole conversation of a calculator answer: the call, the tool's answer, the box."""
+    return [
+        {"role": "user", "content": problem.prompt},
+        {"role": "assistant", "content": call_text(problem)},
+        {"role": "tool", "content": str(problem.answer)},
+        {"role": "assistant", "content": problem.direct_solution()},
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Demonstration:
+    """Token ids of a whole chat, `mask` 1 where the model is trained (its own tokens) and 0
+    on the prompt and on tool turns; `prompt_len` ids are the prompt."""
+
+    ids: list[int]
+    mask: list[int]
+    prompt_len: int
+
+
+def encode_demonstration(
+    problem: Problem, tokenizer: PreTrainedTokenizerBase, kind: str
+) -> Demonstration:
+    """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total) or
+    "worked" (the running sums). Rendered by the tokenizer's chat template with the calculator
+    listed as the rollout renders it; ValueError if the template's rendering of the whole chat
+    is not the concatenation of its turns' renderings (the demonstration would not be what a
+    rollout appends)."""
+    if kind == "tool":
+        messages = tool_messages(problem)
+    elif kind in ("direct", "worked"):
+        answer = problem.direct_solution() if kind == "direct" else problem.solution()
+        messages = [
+            {"role": "user", "content": problem.prompt},
+            {"role": "assistant", "content": answer},
+        ]
+    else:
+        raise ValueError(f"kind={kind!r}: use 'tool', 'direct' or 'worked'")
+    # Each message's text is what rendering the chat up to it adds; an assistant message is
+    # the model's own (trained), the rest (prompt, tool turns, and an assistant turn's opening)
+    # is not. The template's EOS after an assistant turn is trained only where the turn ends
+    # the chat: after a call the rollout stops at </tool_call> and the EOS is appended.
+    pieces: list[tuple[str, int]] = []
+    done = _render(tokenizer, messages[:1], add_generation_prompt=True)
+    pieces.append((done, 0))
+    for i in range(1, len(messages)):
+        message = messages[i]
+        if message["role"] == "assistant":
+            last = i == len(messages) - 1
+            text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+            added = _added(done, text)
+            content = message["content"]
+            if not added.startswith(content):
+                raise ValueError("the chat template does not render an assistant turn verbatim")
+            pieces.append((content, 1))
+            pieces.append((added[len(content) :], 1 if last else 0))
+        else:
+            text = _render(tokenizer, messages[: i + 1], add_generation_prompt=True)
+            pieces.append((_added(done, text), 0))
+        done = text
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trained in pieces:
+        piece = list(tokenizer.encode(text, add_special_tokens=False))
+        ids += piece
+        mask += [trained] * len(piece)
+    if ids != list(tokenizer.encode(done, add_special_tokens=False)):
+        raise ValueError("the chat's turns encode differently from the whole chat")
+    prompt_len = len(tokenizer.encode(pieces[0][0], add_special_tokens=False))
+    return Demonstration(ids, mask, prompt_len)
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool,
+) -> str:
+    return str(
+        tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[TOOL_SCHEMA],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    )
+
+
+def _added(before: str, after: str) -> str:
+    if not after.startswith(before):
+        raise ValueError(
+            "the chat template renders a longer chat so that it no longer starts with the "
+            "shorter chat's rendering"
+        )
+    return after[len(before) :]
+
+
+def draw_kind(rng: random.Random, config: ToolSFTConfig) -> str:
+    if rng.random() < config.tool_fraction:
+        return "tool"
+    return "direct" if rng.random() < config.direct_fraction else "worked"
+
+
+# ---------------------------------------------------------------------- training
+
+
+def iter_tool_batches(
+    stream: Iterator[Problem],
+    tokenizer: PreTrainedTokenizerBase,
+    config: ToolSFTConfig,
+    rng: random.Random,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels) batches of about `tokens_per_batch` padded tokens, the labels
+    IGNORE wherever a demonstration's mask is 0 and on the padding."""
+    while True:
+        pool = [
+            encode_demonstration(next(stream), tokenizer, draw_kind(rng, config))
+            for _ in range(config.pool_size)
+        ]
+        pool.sort(key=lambda d: len(d.ids))
+        batches: list[list[Demonstration]] = []
+        current: list[Demonstration] = []
+        for d in pool:
+            if current and len(d.ids) * (len(current) + 1) > config.tokens_per_batch:
+                batches.append(current)
+                current = []
+            current.append(d)
+        batches.append(current)
+        rng.shuffle(batches)
+        for batch in batches:
+            yield collate_masked(batch, tokenizer.pad_token_id)
+
+
+def collate_masked(
+    batch: Sequence[Demonstration], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(d.ids) for d in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for row, d in enumerate(batch):
+        ids = torch.tensor(d.ids)
+        input_ids[row, : len(d.ids)] = ids
+        labels[row, : len(d.ids)] = torch.where(torch.tensor(d.mask) == 1, ids, IGNORE)
+    return input_ids, labels
+
+
+def train_tool_sft(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: ToolDemoRecipe,
+    log: Callable[[str], None] | None = None,
+) -> list[float]:
+    """Fine-tune in place on the demonstration mix; the loss of every step."""
+    config = recipe.sft
+    seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
+    torch.manual_seed(seed)
+    batches = iter_tool_batches(
+        iter_problems(seed, recipe.base.task), tokenizer, config, random.Random(seed)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98))
+    # lr_at's schedule (warmup, cosine to a tenth), read with this fine-tune's numbers.
+    schedule = recipe.base.sft.model_copy(
+        update={"steps": config.steps, "lr": config.lr, "warmup_steps": config.warmup_steps}
+    )
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        input_ids, labels = next(batches)
+        loss = model(input_ids=input_ids, labels=labels).loss  # pads only after the labels
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        if log is not None and (step % 25 == 0 or step == config.steps - 1):
+            log(
+                f"tool sft step {step + 1}/{config.steps} loss {losses[-1]:.4f} "
+                f"({time.perf_counter() - start:.0f}s)"
+            )
+    model.eval()
+    return losses
+
+
+# ------------------------------------------------------------------------ assets
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDemoAssets:
+    """Paths of a complete tool demo build."""
+
+    root: Path
+    model_dir: Path
+    train_file: Path
+    val_file: Path
+    tool_config: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def load(cls, root: Path) -> ToolDemoAssets:
+        return cls(
+            root=root,
+            model_dir=root / "model",
+            train_file=root / "data" / "train.jsonl",
+            val_file=root / "data" / "val.jsonl",
+            tool_config=root / "tools.yaml",
+            manifest=json.loads((root / MANIFEST).read_text()),
+        )
+
+
+def ensure_tool_demo_assets(
+    cache_dir: Path | None = None,
+    *,
+    recipe: ToolDemoRecipe | None = None,
+    progress: bool = True,
+    threads: int = 1,
+) -> ToolDemoAssets:
+    """The tool demo under `cache_dir/demo-tools-<recipe hash>` (default cache: $PATRL_CACHE_DIR,
+    else ~/.cache/patrl), built on the first call after the plain demo it starts from; one
+    builder per machine (a file lock), the others wait and load it."""
+    recipe = recipe or ToolDemoRecipe.default()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    target = (root / f"demo-tools-{recipe.key()}").absolute()
+    if _complete(target, recipe):
+        return ToolDemoAssets.load(target)
+    base = ensure_demo_assets(root, recipe=recipe.base, progress=progress, threads=threads)
+    with file_lock(root / f".{target.name}.lock"):
+        if _complete(target, recipe):
+            return ToolDemoAssets.load(target)
+        with torch_threads(threads):
+            _build(target, base.root, recipe, progress_logger(progress) or (lambda _: None))
+    return ToolDemoAssets.load(target)
+
+
+def _complete(target: Path, recipe: ToolDemoRecipe) -> bool:
+    try:
+        return bool(json.loads((target / MANIFEST).read_text()).get("key") == recipe.key())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
+    """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        start = time.perf_counter()
+        (tmp / "data").mkdir(parents=True)
+        for name in ("train.jsonl", "val.jsonl"):
+            shutil.copyfile(base / "data" / name, tmp / "data" / name)
+        (tmp / "tools.yaml").write_text(TOOLS_YAML)
+        tokenizer = build_tool_tokenizer()
+        model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
+        if model.config.vocab_size != len(tokenizer):
+            raise ValueError(
+                f"the plain demo model at {base / 'model'} has {model.config.vocab_size} "
+                f"tokens, the tool tokenizer {len(tokenizer)}"
+            )
+        log(f"teaching the demo model the calculator ({recipe.sft.steps} SFT steps)")
+        losses = train_tool_sft(model, tokenizer, recipe, log)
+        save_model(model, tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        tail = losses[-20:]
+        manifest = {
+            "key": recipe.key(),
+            "build_id": uuid.uuid4().hex,
+            "recipe": recipe.model_dump(),
+            "base": str(base),
+            "final_sft_loss": sum(tail) / len(tail),
+            "build_s": time.perf_counter() - start,
+            "torch_threads": torch.get_num_threads(),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: complete
+        if target.exists():  # an incomplete build or another recipe's
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"tool demo ready in {target}")
