@@ -83,6 +83,31 @@ def test_history_outlives_the_group_and_is_bounded() -> None:
     assert list(d.history) == ["q", "r"]  # at most two prompts, least recent dropped
 
 
+def test_a_continued_sample_is_one_stream_tool_tokens_included() -> None:
+    """A kept turn's continuation (the same seq id, a prompt of the conversation so far)
+    stays its group's sample: the appended tool tokens and the next turn's output extend its
+    stream, a sibling drafts across them, and the finished conversation is remembered
+    whole, once."""
+    d = Drafter(max_draft=4, min_n=2, max_n=2)
+    a = Sample(0, PROMPT, [1, 2, 3], prompt_key=None)
+    d.observe(a)  # turn 1 ends, kept: the engine does not finish it in the drafter
+    d.continue_sample(0, [40, 41])  # the tool's ids
+    turn2 = Sample(0, [*PROMPT, 1, 2, 3, 40, 41], [7, 8, 9], prompt_key=None)
+    d.observe(turn2)  # known by its id: indexed from its new output's start
+    sibling = Sample(1, [*PROMPT, 1, 2, 3, 40, 41], [], prompt_key=None)
+    b = Sample(1, PROMPT, [1, 2, 3], prompt_key=None)
+    d.observe(b)
+    d.continue_sample(1, [40, 41])
+    d.observe(sibling)
+    assert d.num_groups() == 1  # both conversations in the first turn's group
+    assert d.propose(1, sibling.context(), 4) == Draft([7, 8, 9], "group")  # across 40 41
+    d.finish(0, turn2.output_token_ids, remember=True)
+    assert d.history[tuple(PROMPT)] == [[1, 2, 3, 40, 41, 7, 8, 9]]
+    d.continue_sample(5, [1])  # not here: nothing
+    d.drop(1)
+    assert d.num_groups() == 0 and len(d.history[tuple(PROMPT)]) == 1
+
+
 def test_without_a_prompt_key_the_prompt_tokens_are_the_key() -> None:
     d = Drafter(max_draft=4, min_n=2, max_n=2)
     s = Sample(0, PROMPT, [1, 2, 3], prompt_key=None)

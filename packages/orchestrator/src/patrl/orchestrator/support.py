@@ -33,7 +33,8 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
     """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP layout
-    (any size): every other combination is refused, named by key, with why not yet."""
+    (any size), with or without speculative rollouts: every other combination is refused,
+    named by key, with why not yet."""
     mt, r = config.rollout.multi_turn, config.rollout
     if not mt.enable:
         return []
@@ -58,12 +59,6 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
             "a TP group's first rank runs its samples' agent loops, and adaptive TP's folds "
             "move requests between groups mid-rollout: turn state does not follow them yet",
             "set it false (static TP of any size works)",
-        ),
-        (
-            r.speculative.enable,
-            "rollout.speculative.enable=true",
-            "speculative rollouts are not yet tested with agent-loop turns",
-            "set it false",
         ),
         (
             r.over_sample_rate > 0,

@@ -26,6 +26,11 @@ model, so a draft can be stale, wrong or missing without changing any output. Ev
 is a function of the tokens it was shown, in order, so every rank of a TP group proposes the
 same drafts; a fold (adaptive TP) makes its merged group's ranks alike again
 (`merge_reset`).
+
+A multi-turn conversation is one sample: a turn kept for its continuation stays in its group,
+and `continue_sample` appends the tool's tokens to its stream before the next turn's, so a
+sample's stream is its whole response (model and tool tokens, as the trainer sees it), its
+siblings draft from it, and the finished conversation is remembered whole.
 """
 
 from __future__ import annotations
@@ -198,7 +203,8 @@ class Drafter:
     `observe` indexes a sample's new tokens (registering it on first sight, so imported and
     resumed samples join their group by their prompt); `propose` drafts; `record` adapts the
     sample's draft length to its acceptance and counts; `finish` leaves the group and, for a
-    complete response, remembers it as history; `drop` leaves without remembering (export).
+    complete response, remembers it as history; `drop` leaves without remembering (export);
+    `continue_sample` extends a kept turn's sample for its next turn.
     """
 
     def __init__(
@@ -350,14 +356,29 @@ class Drafter:
         elif accepted < len(draft.tokens):
             sample.draft_len = accepted + 1
 
+    def continue_sample(self, seq_id: int, appended: Sequence[int]) -> None:
+        """Kept sample `seq_id` (a finished turn, still in its group) goes on as a new turn
+        under its id: `appended` (a tool's answer) extends its stream, and the new turn's
+        output tokens, counted from zero, follow them. A sample not here is left to join by
+        its prompt on first sight."""
+        sample = self._samples.get(seq_id)
+        if sample is None:
+            return
+        self._groups[sample.key].indexes["group"].extend(sample.stream, appended)
+        sample.indexed = 0
+
     def finish(self, seq_id: int, output: Sequence[int], remember: bool) -> None:
         """The sample is done here: it leaves its group (its stream stays while the group
-        lives) and, with `remember`, `output` joins its prompt's history."""
+        lives) and, with `remember`, its response joins its prompt's history: `output`, led
+        by its earlier turns and their appended tokens when it was continued."""
         sample = self._samples.pop(seq_id, None)
         if sample is None:
             return
         if remember:
-            self.remember(sample.key, output)
+            index = self._groups[sample.key].indexes["group"]
+            index.extend(sample.stream, output[sample.indexed :])
+            lead = len(self._groups[sample.key].lead_in)
+            self.remember(sample.key, index.streams[sample.stream][lead:])
         group = self._groups[sample.key]
         group.live -= 1
         if group.live == 0:

@@ -178,6 +178,7 @@ class KeptTurns:
         appended = encode(appended_token_ids, None, self.config.model)
         old = kept.take(key)
         assert old is not None
+        drafter = self.scheduler.drafter
         params = with_group_seed(params, self.layout, self.device)
         token_ids = old.token_ids + appended
         request = new_request(new_request_id, token_ids, params, self._seq_ids, old.prompt_key)
@@ -189,8 +190,12 @@ class KeptTurns:
         if request.error is not None:
             if blocks.has(seq.seq_id):
                 blocks.free(seq.seq_id)
+            if drafter is not None:
+                drafter.drop(seq.seq_id)
             seq.finish("rejected")
             return new_request_id
+        if drafter is not None:  # the conversation stays one sample of its prompt's group
+            drafter.continue_sample(seq.seq_id, appended)
         if blocks.has(seq.seq_id):
             self.runner.check_awake("continue_request")
             new = [old.last_token_id, *appended]
@@ -213,11 +218,21 @@ class KeptTurns:
         if not keys:
             raise KeyError(f"no kept sample of request {request_id!r} in this engine")
         for k in keys:
-            kept.release(k, self.cache.blocks)
+            self._release_kept(k)
 
     def release_kept(self) -> None:
         """Release every kept sample (the end of a multi-turn rollout, or its failure)."""
-        self.scheduler.kept.release_all(self.cache.blocks)
+        for k in self.scheduler.kept:  # a copy of the keys
+            self._release_kept(k)
+
+    def _release_kept(self, key: Key) -> None:
+        """Free kept sample `key`'s KV; its conversation, complete, leaves the drafter's
+        group and joins its prompt's history."""
+        kept = self.scheduler.kept
+        seq = kept.get(key)
+        if self.scheduler.drafter is not None and seq is not None:
+            self.scheduler.drafter.finish(seq.seq_id, seq.output_token_ids, remember=True)
+        kept.release(key, self.cache.blocks)
 
     def kept_request_ids(self) -> list[str]:
         """Finished requests with a kept sample, oldest first."""

@@ -92,7 +92,8 @@ class Scheduler:
 
     def remove(self, seq: Seq, free: bool = True) -> None:
         """Take a sequence out of every queue and free its blocks (abort, export; `free`
-        False: a sample kept with its blocks)."""
+        False: a sample kept with its blocks, which stays in the drafter's group for its
+        continuation, `Drafter.continue_sample`)."""
         if self.prefilling is seq:
             self.prefilling = None
         if seq in self.waiting:
@@ -101,7 +102,7 @@ class Scheduler:
             self.running.remove(seq)
         if free and self.blocks.has(seq.seq_id):
             self.blocks.free(seq.seq_id)
-        if self.drafter is not None:  # a complete response is history for its prompt
+        if self.drafter is not None and free:  # a complete response is history
             remember = seq.finish_reason in ("stop", "length")
             self.drafter.finish(seq.seq_id, seq.output_token_ids, remember)
 
