@@ -531,14 +531,16 @@ def test_a_multi_turn_job_at_tp2_with_reinforce_pp_and_kl_in_the_reward_runs_two
 ) -> None:
     """torchrun, 2 ranks, one TP 2 group: the sync schedule drives the agent loop from the
     group's first rank; REINFORCE++ and the KL reward read the model's tokens; the group's
-    tool calls are counted once (2 prompts x 2 samples, at most one call each)."""
+    tool calls are counted once (2 prompts x 2 samples, at most one call each); speculative
+    rollouts on (test_orchestrator_agent_speculative.py checks their tokens)."""
     import subprocess
     import sys
 
     from patrl_testkit.processes import kill_tree
 
     data = tmp_path / "train.jsonl"
-    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 6)]
+    # two rows, a batch of two: step 2 repeats step 1's prompts (drafts from their history)
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 4)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     overrides: dict[str, Any] = {
@@ -559,6 +561,7 @@ def test_a_multi_turn_job_at_tp2_with_reinforce_pp_and_kl_in_the_reward_runs_two
         "rollout.multi_turn.enable": "true",
         "rollout.multi_turn.tool_config_path": tool_config(tmp_path / "tools.yaml", CALCULATOR),
         "rollout.multi_turn.max_assistant_turns": 3,
+        "rollout.speculative.enable": "true",
         "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
         "reward.num_workers": 0,
         "trainer.total_training_steps": 2,
@@ -595,5 +598,10 @@ def test_a_multi_turn_job_at_tp2_with_reinforce_pp_and_kl_in_the_reward_runs_two
         assert 0 < r["multi_turn/tool_calls"] <= 4  # counted once per TP group, not per rank
         assert r["multi_turn/tool_tokens/mean"] > 0
         assert r["response_length/model_tokens/mean"] < r["response_length/mean"]
+        assert r["rollout/spec_tokens_per_step"] >= 1.0  # the engines speculated
         for key in ("actor/pg_loss", "actor/reward_kl_penalty", "critic/advantages/mean"):
             assert r[key] == r[key], key  # a finite number, not NaN
+    # step 1's siblings run in lockstep (nothing to draft); step 2's conversations draft
+    # from step 1's, remembered whole under their first turn's prompt
+    assert steps[1]["rollout/spec_accepted_share/history"] > 0
+    assert steps[1]["rollout/spec_tokens_per_step"] > 1.0
