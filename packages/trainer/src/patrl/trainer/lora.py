@@ -146,6 +146,18 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, trainable: tuple[str, ...] =
     return targets
 
 
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold every floating parameter that does not train (a LoRA run's frozen base) in `dtype`,
+    in place; those that train (the adapters, a value model's head) keep theirs: the fp32
+    masters AdamW updates. The parameter objects stay (only their data is replaced), so ties
+    between them survive, and meta parameters stay meta. Why: a bf16 base halves the memory of
+    the weights nothing updates; bf16 compute rounds them to bf16 anyway."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def _lora_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
     if not getattr(module, "lora_enabled"):  # noqa: B009
         return output

@@ -34,6 +34,7 @@ from patrl.trainer.lora import (
     adapter_config,
     adapters_disabled,
     add_adapters,
+    cast_frozen,
     select_targets,
     write_adapter_dir,
 )
@@ -186,6 +187,12 @@ class Trainer:
         return cfg.enable_gradient_checkpointing
 
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
+        """The trained model (`trainable`) or a frozen reference. Trained weights are fp32
+        masters. With LoRA the frozen base is held in `param_dtype` (`cast_frozen`): bf16 on
+        CUDA by default ("auto"), halving the base's memory, fp32 on CPU by default; the
+        adapters (and a critic's head) stay fp32 and alone have AdamW state. The forward
+        computes in `param_dtype` either way, so a bf16 base changes no FSDP2 step: the
+        all-gather would round fp32 shards to bf16 just as the load rounds the base."""
         cfg = self.config
         checkpointing = trainable and self.checkpointing
         # Adapters on the trained model of either head (a critic's head trains whole too).
@@ -201,13 +208,18 @@ class Trainer:
                 head=self.head,
                 seed=cfg.seed,
                 # passed only when on: a full run's build call is unchanged
-                **({"lora": lora} if lora is not None else {}),  # type: ignore[arg-type]
+                **(
+                    {"lora": lora, "base_dtype": self.param_dtype}  # type: ignore[arg-type]
+                    if lora is not None
+                    else {}
+                ),
             )
         else:
             model = build_hf_model(source, self.attn_implementation, cfg.seed, head=self.head)
             if lora is not None:
                 add_adapters(model, lora, lora_trainable(self.head))
                 start_adapters(model, lora, cfg.seed)
+                cast_frozen(model, self.param_dtype)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
