@@ -261,12 +261,19 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike[str]) -> None:
             _copy_full(p, full.to(p.dtype))
 
 
-def adapter_config(cfg: LoraConfig, targets: list[str], base_model: str | None) -> dict[str, Any]:
+def adapter_config(
+    cfg: LoraConfig,
+    targets: list[str],
+    base_model: str | None,
+    task_type: str = "CAUSAL_LM",
+    modules_to_save: list[str] | None = None,
+) -> dict[str, Any]:
     """The `adapter_config.json` PEFT reads: the adapted modules by full name (exact under
-    PEFT's matching, exclusions already applied)."""
+    PEFT's matching, exclusions already applied). A value model is PEFT's "TOKEN_CLS" task
+    with its head in `modules_to_save` (trained whole, saved whole beside the adapters)."""
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": base_model,
         "r": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,
@@ -277,7 +284,7 @@ def adapter_config(cfg: LoraConfig, targets: list[str], base_model: str | None) 
         "fan_in_fan_out": False,
         "use_rslora": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": modules_to_save,
         "inference_mode": True,
     }
 

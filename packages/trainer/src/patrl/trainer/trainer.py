@@ -687,15 +687,26 @@ class Trainer:
     def save_adapter(self, path: str | Path) -> Path | None:
         """With LoRA: a PEFT adapter directory (`adapter_config.json`,
         `adapter_model.safetensors`) at `path`, written atomically by the first rank; None
-        without LoRA. Collective over the trainer's ranks."""
-        if self.lora is None:
+        without LoRA. The policy's is PEFT's CAUSAL_LM task; the critic's is TOKEN_CLS with
+        its value head (`score`) in `modules_to_save`, saved whole beside the adapters, so
+        `PeftModel.from_pretrained` over `AutoModelForTokenClassification` (one label) of the
+        base gives the critic's values. Collective over the trainer's ranks."""
+        lora = self.config.lora if self.config.lora.enabled else None
+        if lora is None:
             return None
-        tensors = {n: t for bucket in iter_adapter_weights(self.model, 1 << 62) for n, t in bucket}
+        heads = lora_trainable(self.head)
+        tensors = {
+            n: t
+            for bucket in iter_adapter_weights(self.model, 1 << 62, modules_to_save=heads)
+            for n, t in bucket
+        }
         out = None
         if self.group.rank == 0:
             base = None if self.source_dir is None else str(self.source_dir.resolve())
-            targets = select_targets(self.model, self.lora)
-            out = write_adapter_dir(path, adapter_config(self.lora, targets, base), tensors)
+            targets = select_targets(self.model, lora)
+            task = "TOKEN_CLS" if self.head == "value" else "CAUSAL_LM"
+            about = adapter_config(lora, targets, base, task, list(heads) or None)
+            out = write_adapter_dir(path, about, tensors)
         self.group.barrier()
         return out
 
