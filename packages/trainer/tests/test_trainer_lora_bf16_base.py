@@ -154,6 +154,33 @@ def test_bf16_base_loss_and_gradients_are_close_to_the_fp32_base(base_dir: Path)
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=BF16_REL, abs=2e-3), key
 
 
+def test_bf16_base_resumes_and_loads_an_fp32_base_checkpoint(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """A bf16-base checkpoint resumes bit for bit (the next step equals an uninterrupted
+    run's); one written with an fp32 base (param_dtype float32) loads into a bf16 base, each
+    base weight rounded to bf16 and the adapters exact."""
+    batches = [make_batch(s, [5, 3, 7]) for s in range(2)]
+    first = Trainer(config(lora=LORA, param_dtype="bfloat16"), base_dir)
+    first.train_step(batches[0])
+    resumed = Trainer(config(lora=LORA, param_dtype="bfloat16"), base_dir)
+    resumed.load(first.save(tmp_path / "bf16"))
+    for t in (first, resumed):
+        t.train_step(batches[1])
+    want = dict(first.model.named_parameters())
+    for n, p in resumed.model.named_parameters():
+        assert p.dtype == want[n].dtype and torch.equal(p, want[n]), n
+
+    fp32 = Trainer(config(lora=LORA, param_dtype="float32"), base_dir)
+    fp32.train_step(batches[0])
+    into = Trainer(config(lora=LORA, param_dtype="bfloat16"), base_dir)
+    into.load(fp32.save(tmp_path / "fp32"))
+    want = dict(fp32.model.named_parameters())
+    for n, p in into.model.named_parameters():
+        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), n
+        assert torch.equal(p, want[n].to(p.dtype)), n
+
+
 def test_critic_bf16_base_keeps_its_head_fp32(base_dir: Path) -> None:
     """The critic's value head trains whole beside its adapters: an fp32 master too."""
     cfg = CriticConfig.model_validate(
