@@ -5,7 +5,8 @@ per step (issue 47).
 
 The model is a random Llama (hidden 512, 8 layers, 8 heads / 4 kv heads, MLP 1408, vocab
 8192: 32M parameters) saved as fp32 safetensors. Each variant (full, LoRA rank r on all
-linear layers) runs in its own process: build the `Trainer`, take 2 GRPO steps on 8 samples of
+linear layers; LoRA with its frozen base in bf16, `param_dtype=bfloat16`, as CUDA's default)
+runs in its own process: build the `Trainer`, take 2 GRPO steps on 8 samples of
 64 tokens, then sync into an `Engine` of the same model 3 times (the trainer's
 `iter_full_weights` into `Engine.load_weights`, as the sync loop does). Reported per variant:
 - trainable parameters, and the trainer's state bytes: parameters + AdamW state, counted from
@@ -51,13 +52,15 @@ def _save_model(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def _variant(model_dir: str, rank: int, out: Any) -> None:
+def _variant(model_dir: str, rank: int, param_dtype: str, out: Any) -> None:
     torch.set_num_threads(1)
     from patrl.rollout import Engine, EngineConfig
     from patrl.trainer import PolicyBatch, Trainer, TrainerConfig
 
     lora = {"lora_rank": rank, "lora_alpha": 2.0 * rank} if rank else {}
-    cfg = TrainerConfig.model_validate({"optim": {"lr": 1e-4}, "lora": lora})
+    cfg = TrainerConfig.model_validate(
+        {"optim": {"lr": 1e-4}, "lora": lora, "param_dtype": param_dtype}
+    )
     trainer = Trainer(cfg, model_dir)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -67,6 +70,7 @@ def _variant(model_dir: str, rank: int, out: Any) -> None:
         trainer.train_step(PolicyBatch.from_responses(prompts, responses, adv))
     params = list(trainer.model.parameters())
     state_bytes = sum(p.numel() * p.element_size() for p in params)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     for st in trainer.optimizer.state.values():
         state_bytes += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
     peak_trainer = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -83,10 +87,12 @@ def _variant(model_dir: str, rank: int, out: Any) -> None:
         sent = sum(t.numel() * t.element_size() for _, t in pairs)
     out.put(
         {
-            "variant": f"lora r={rank}" if rank else "full",
+            "variant": (f"lora r={rank}" if rank else "full")
+            + (", bf16 base" if param_dtype == "bfloat16" else ""),
             "parameters": sum(p.numel() for p in params),
             "trainable": sum(p.numel() for p in params if p.requires_grad),
             "trainer_state_mb": state_bytes / 2**20,
+            "frozen_params_mb": frozen_bytes / 2**20,
             "peak_rss_trainer_gb": peak_trainer,
             "peak_rss_total_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "sync_mb_per_step": sent / 2**20,
@@ -105,9 +111,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(_save_model(Path(tmp) / "model", args.hidden, args.layers))
-        for rank in (0, args.rank):
+        for rank, dtype in ((0, "float32"), (args.rank, "float32"), (args.rank, "bfloat16")):
             q = ctx.Queue()
-            p = ctx.Process(target=_variant, args=(model_dir, rank, q))
+            p = ctx.Process(target=_variant, args=(model_dir, rank, dtype, q))
             p.start()
             while p.is_alive() and q.empty():
                 p.join(timeout=1.0)

@@ -449,3 +449,49 @@ def test_critic_lora_fsdp2_two_ranks_equal_one_process(base_dir: Path) -> None:
                 assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-7), key
         for g, w in zip(got["values"], values, strict=True):
             torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-6)
+
+
+def test_critic_checkpoint_holds_a_peft_adapter_peft_loads(base_dir: Path, tmp_path: Path) -> None:
+    """Each critic save writes `lora_adapter/` as the policy's does: PEFT's TOKEN_CLS task with
+    the value head in `modules_to_save`. `PeftModel.from_pretrained` over the base's token
+    classifier (one label, a random head PEFT replaces) gives the critic's values; the export
+    CLI merges the checkpoint into the model `Critic.export_hf` writes."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    from patrl.trainer import Critic, CriticConfig
+    from patrl.trainer.export import export_checkpoint
+    from patrl.trainer.model import init_value_head
+
+    lora = {**LORA, "exclude_modules": ["layers.1.self_attn.k_proj"]}
+    cfg = CriticConfig.model_validate(
+        {"optim": {"lr": 1e-3, "eps": 1e-6}, "lora": lora, "use_remove_padding": False}
+    )
+    critic = Critic(cfg, base_dir)
+    init_value_head(critic.model, seed=3, std=0.3)
+    _randomise_b(critic)
+    batch = make_batch(4, [3, 5, 2])
+    rewards = [torch.zeros(m.shape) for m in batch.loss_mask]
+    for r in rewards:
+        r[-1] = 1.0
+    critic.update(batch, rewards, 1.0, 1.0)
+    ckpt = critic.save(tmp_path / "ckpt")
+    adapter = ckpt / "lora_adapter"
+    about = json.loads((adapter / "adapter_config.json").read_text())
+    assert about["task_type"] == "TOKEN_CLS" and about["modules_to_save"] == ["score"]
+    stored = load_file(str(adapter / "adapter_model.safetensors"))
+    assert {PEFT_PREFIX + "score.weight", PEFT_PREFIX + "score.bias"} <= stored.keys()
+    assert not any("k_proj" in n and "layers.1." in n for n in stored)
+
+    base = AutoModelForTokenClassification.from_pretrained(base_dir, num_labels=1)
+    loaded = peft.PeftModel.from_pretrained(base, adapter)
+    x = torch.stack(make_batch(9, [7, 7]).input_ids)
+    with torch.no_grad():
+        ours = critic.model(input_ids=x).logits
+        torch.testing.assert_close(loaded(input_ids=x).logits, ours, **TOL)
+
+    out = export_checkpoint(ckpt, tmp_path / "merged_cli", model=base_dir, dtype=torch.float32)
+    merged = AutoModelForTokenClassification.from_pretrained(out, dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, ours, **TOL)

@@ -146,6 +146,18 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, trainable: tuple[str, ...] =
     return targets
 
 
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold every floating parameter that does not train (a LoRA run's frozen base) in `dtype`,
+    in place; those that train (the adapters, a value model's head) keep theirs: the fp32
+    masters AdamW updates. The parameter objects stay (only their data is replaced), so ties
+    between them survive, and meta parameters stay meta. Why: a bf16 base halves the memory of
+    the weights nothing updates; bf16 compute rounds them to bf16 anyway."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def _lora_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
     if not getattr(module, "lora_enabled"):  # noqa: B009
         return output
@@ -249,12 +261,19 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike[str]) -> None:
             _copy_full(p, full.to(p.dtype))
 
 
-def adapter_config(cfg: LoraConfig, targets: list[str], base_model: str | None) -> dict[str, Any]:
+def adapter_config(
+    cfg: LoraConfig,
+    targets: list[str],
+    base_model: str | None,
+    task_type: str = "CAUSAL_LM",
+    modules_to_save: list[str] | None = None,
+) -> dict[str, Any]:
     """The `adapter_config.json` PEFT reads: the adapted modules by full name (exact under
-    PEFT's matching, exclusions already applied)."""
+    PEFT's matching, exclusions already applied). A value model is PEFT's "TOKEN_CLS" task
+    with its head in `modules_to_save` (trained whole, saved whole beside the adapters)."""
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": base_model,
         "r": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,
@@ -265,7 +284,7 @@ def adapter_config(cfg: LoraConfig, targets: list[str], base_model: str | None) 
         "fan_in_fan_out": False,
         "use_rslora": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": modules_to_save,
         "inference_mode": True,
     }
 

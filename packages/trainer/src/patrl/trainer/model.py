@@ -35,6 +35,7 @@ from transformers import (
 from patrl.trainer.lora import (
     LoraConfig,
     add_adapters,
+    cast_frozen,
     init_adapters,
     is_adapter_name,
     load_adapter,
@@ -137,11 +138,14 @@ def build_sharded(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     lora: LoraConfig | None = None,
+    base_dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
     """The model of a local HF directory, its parameters in `dtype` (fp32: the trainer's master
     weights; an inference-only model may keep its compute dtype), FSDP2-sharded over `mesh` on
     `device`. With an enabled `lora`, adapters go on the meta model before sharding (so each
-    decoder layer's FSDP unit holds its adapters) and are initialised or loaded after the base.
+    decoder layer's FSDP unit holds its adapters) and are initialised or loaded after the base;
+    `base_dtype` (None: `dtype`) is then the dtype of the frozen base (`cast_frozen`: the
+    adapters and a value head stay in `dtype`).
 
     Each rank reads only its own shards, cast to `dtype` whatever the checkpoint's; buffers
     (rotary `inv_freq`) are computed on the host at construction, as `from_pretrained` does.
@@ -151,6 +155,8 @@ def build_sharded(
     model = build_on_meta(AutoConfig.from_pretrained(path), attn_implementation, head, dtype)
     if lora is not None and lora.enabled:
         add_adapters(model, lora, lora_trainable(head))
+        if base_dtype is not None:
+            cast_frozen(model, base_dtype)
     model = parallelize(model, mesh, param_dtype, activation_checkpointing)
     materialize(model, device)
     fresh_head = head == "value" and not _has_value_head(path)

@@ -34,6 +34,7 @@ from patrl.trainer.lora import (
     adapter_config,
     adapters_disabled,
     add_adapters,
+    cast_frozen,
     select_targets,
     write_adapter_dir,
 )
@@ -186,6 +187,12 @@ class Trainer:
         return cfg.enable_gradient_checkpointing
 
     def _build(self, source: ModelSource, trainable: bool) -> PreTrainedModel:
+        """The trained model (`trainable`) or a frozen reference. Trained weights are fp32
+        masters. With LoRA the frozen base is held in `param_dtype` (`cast_frozen`): bf16 on
+        CUDA by default ("auto"), halving the base's memory, fp32 on CPU by default; the
+        adapters (and a critic's head) stay fp32 and alone have AdamW state. The forward
+        computes in `param_dtype` either way, so a bf16 base changes no FSDP2 step: the
+        all-gather would round fp32 shards to bf16 just as the load rounds the base."""
         cfg = self.config
         checkpointing = trainable and self.checkpointing
         # Adapters on the trained model of either head (a critic's head trains whole too).
@@ -201,13 +208,18 @@ class Trainer:
                 head=self.head,
                 seed=cfg.seed,
                 # passed only when on: a full run's build call is unchanged
-                **({"lora": lora} if lora is not None else {}),  # type: ignore[arg-type]
+                **(
+                    {"lora": lora, "base_dtype": self.param_dtype}  # type: ignore[arg-type]
+                    if lora is not None
+                    else {}
+                ),
             )
         else:
             model = build_hf_model(source, self.attn_implementation, cfg.seed, head=self.head)
             if lora is not None:
                 add_adapters(model, lora, lora_trainable(self.head))
                 start_adapters(model, lora, cfg.seed)
+                cast_frozen(model, self.param_dtype)
             model.to(self.device)  # type: ignore[arg-type]  # HF's to() is typed oddly
             model = parallelize(model, self.mesh, self.param_dtype, checkpointing)
         if trainable:
@@ -675,15 +687,26 @@ class Trainer:
     def save_adapter(self, path: str | Path) -> Path | None:
         """With LoRA: a PEFT adapter directory (`adapter_config.json`,
         `adapter_model.safetensors`) at `path`, written atomically by the first rank; None
-        without LoRA. Collective over the trainer's ranks."""
-        if self.lora is None:
+        without LoRA. The policy's is PEFT's CAUSAL_LM task; the critic's is TOKEN_CLS with
+        its value head (`score`) in `modules_to_save`, saved whole beside the adapters, so
+        `PeftModel.from_pretrained` over `AutoModelForTokenClassification` (one label) of the
+        base gives the critic's values. Collective over the trainer's ranks."""
+        lora = self.config.lora if self.config.lora.enabled else None
+        if lora is None:
             return None
-        tensors = {n: t for bucket in iter_adapter_weights(self.model, 1 << 62) for n, t in bucket}
+        heads = lora_trainable(self.head)
+        tensors = {
+            n: t
+            for bucket in iter_adapter_weights(self.model, 1 << 62, modules_to_save=heads)
+            for n, t in bucket
+        }
         out = None
         if self.group.rank == 0:
             base = None if self.source_dir is None else str(self.source_dir.resolve())
-            targets = select_targets(self.model, self.lora)
-            out = write_adapter_dir(path, adapter_config(self.lora, targets, base), tensors)
+            targets = select_targets(self.model, lora)
+            task = "TOKEN_CLS" if self.head == "value" else "CAUSAL_LM"
+            about = adapter_config(lora, targets, base, task, list(heads) or None)
+            out = write_adapter_dir(path, about, tensors)
         self.group.barrier()
         return out
 

@@ -37,11 +37,20 @@ def iter_full_weights(
 
 
 def iter_adapter_weights(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    modules_to_save: tuple[str, ...] = (),
 ) -> Iterator[Bucket]:
     """`iter_full_weights` of the LoRA adapters alone (`<module>.lora_A.weight`,
-    `<module>.lora_B.weight`): what a LoRA run sends the engine, whose base never changes."""
-    return _buckets(_entries(model, dtype, _is_adapter), bucket_bytes)
+    `<module>.lora_B.weight`): what a LoRA run sends the engine, whose base never changes.
+    Plus the parameters of the modules `modules_to_save` names (a value model's head, which
+    trains whole: what its PEFT adapter file holds beside the adapters)."""
+
+    def keep(name: str) -> bool:
+        return _is_adapter(name) or name.rsplit(".", 1)[0] in modules_to_save
+
+    return _buckets(_entries(model, dtype, keep), bucket_bytes)
 
 
 def iter_merged_weights(
