@@ -45,3 +45,17 @@ def well_formed_call(response: str, answer: str, **meta: Any) -> float:
         and isinstance((c.arguments or {}).get("expression"), str)
     ]
     return 1.0 if len(ok) == opened else 0.0
+
+
+def training_split(meta: dict[str, Any]) -> bool:
+    """Whether the row is a training row: verl's `extra_info["split"] == "train"` (the tool demo
+    tags its rows so; a row without the tag is not one)."""
+    extra = meta.get("extra_info")
+    return isinstance(extra, dict) and extra.get("split") == "train"
+
+
+def tool_format(response: str, answer: str, **meta: Any) -> float:
+    """The tool demo's format reward (verl's tool-RL recipes pay one beside correctness): on a
+    training row, `well_formed_call` (1.0 when the response calls and every call is
+    well-formed); 0.0 on any other row, so validation's pass@1 stays correctness alone."""
+    return well_formed_call(response, answer) if training_split(meta) else 0.0
