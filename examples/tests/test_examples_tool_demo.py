@@ -14,7 +14,7 @@ from patrl.orchestrator.agent.calculator import CalculatorTool
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
 from patrl.orchestrator.agent.tool_config import load_tools
 from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
-from patrl_examples.demo.reward import calls_tool, tool_format, well_formed_call
+from patrl_examples.demo.reward import calls_tool, malformed_call_penalty, well_formed_call
 from patrl_examples.demo.sft import IGNORE
 from patrl_examples.demo.task import Problem
 from patrl_examples.demo.tokenizer import TOOL, build_tokenizer, build_tool_tokenizer
@@ -116,16 +116,18 @@ def test_logged_rewards_count_calls_and_well_formed_ones():
         assert well_formed_call(response, "13") == 0.0, response
 
 
-def test_format_reward_pays_well_formed_calls_on_training_rows_only():
+def test_format_penalty_hits_malformed_calls_on_training_rows_only():
     good = call_text(PROBLEM) + "13\n\\boxed{13}"
     bad_json = '<tool_call>{"name": "calculator", "arg</tool_call>'
+    unclosed = '<tool_call>{"name": "calculator", "arguments": {"expression": "7+1"}}'
     train = {"extra_info": {"split": "train", "index": 3}}
-    assert tool_format(good, "13", **train) == 1.0
-    assert tool_format(bad_json, "13", **train) == 0.0
-    assert tool_format("\\boxed{13}", "13", **train) == 0.0
+    assert malformed_call_penalty(bad_json, "13", **train) == -1.0
+    assert malformed_call_penalty(good + unclosed, "13", **train) == -1.0
+    assert malformed_call_penalty(good, "13", **train) == 0.0
+    assert malformed_call_penalty("\\boxed{13}", "13", **train) == 0.0
     # Validation rows (and untagged ones) score 0: val pass@1 stays correctness alone.
     for meta in ({"extra_info": {"split": "test"}}, {}, {"extra_info": None}, {"num_steps": 2}):
-        assert tool_format(good, "13", **meta) == 0.0, meta
+        assert malformed_call_penalty(bad_json, "13", **meta) == 0.0, meta
 
 
 def test_rows_are_copied_with_their_split(tmp_path: Path):
