@@ -12,7 +12,9 @@ box it (patrl_examples.demo.tools). GRPO then trains it with `rollout.multi_turn
 call runs patrl's CalculatorTool, its answer is appended as tokens, and only the model's own
 tokens are trained. Validation pass@1 is `val-core/acc/mean@1`; the share of responses that
 call the calculator is `reward/patrl_examples.demo.reward:calls_tool/mean`, the calls and
-their malformed ones `multi_turn/tool_calls` and `multi_turn/tool_errors`. Settings come
+their malformed ones `multi_turn/tool_calls` and `multi_turn/tool_errors`. Beside
+correctness (math_verify) the reward has a format term: -0.5 for a response with a malformed
+call, on training rows only (`patrl_examples.demo.reward:malformed_call_penalty`). Settings come
 from examples/configs/demo_tools.yaml; any key can be overridden on the command line.
 """
 

@@ -14,7 +14,7 @@ from patrl.orchestrator.agent.calculator import CalculatorTool
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
 from patrl.orchestrator.agent.tool_config import load_tools
 from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
-from patrl_examples.demo.reward import calls_tool, well_formed_call
+from patrl_examples.demo.reward import calls_tool, malformed_call_penalty, well_formed_call
 from patrl_examples.demo.sft import IGNORE
 from patrl_examples.demo.task import Problem
 from patrl_examples.demo.tokenizer import TOOL, build_tokenizer, build_tool_tokenizer
@@ -22,6 +22,7 @@ from patrl_examples.demo.tools import (
     ToolDemoRecipe,
     call_text,
     collate_masked,
+    copy_rows_with_split,
     encode_demonstration,
     ensure_tool_demo_assets,
 )
@@ -115,11 +116,45 @@ def test_logged_rewards_count_calls_and_well_formed_ones():
         assert well_formed_call(response, "13") == 0.0, response
 
 
+def test_format_penalty_hits_malformed_calls_on_training_rows_only():
+    good = call_text(PROBLEM) + "13\n\\boxed{13}"
+    bad_json = '<tool_call>{"name": "calculator", "arg</tool_call>'
+    unclosed = '<tool_call>{"name": "calculator", "arguments": {"expression": "7+1"}}'
+    train = {"extra_info": {"split": "train", "index": 3}}
+    assert malformed_call_penalty(bad_json, "13", **train) == -1.0
+    assert malformed_call_penalty(good + unclosed, "13", **train) == -1.0
+    assert malformed_call_penalty(good, "13", **train) == 0.0
+    assert malformed_call_penalty("\\boxed{13}", "13", **train) == 0.0
+    # Validation rows (and untagged ones) score 0: val pass@1 stays correctness alone.
+    for meta in ({"extra_info": {"split": "test"}}, {}, {"extra_info": None}, {"num_steps": 2}):
+        assert malformed_call_penalty(bad_json, "13", **meta) == 0.0, meta
+
+
+def test_rows_are_copied_with_their_split(tmp_path: Path):
+    source = tmp_path / "rows.jsonl"
+    rows = [
+        {"prompt": "Add: a1 b2", "answer": "3"},
+        {"prompt": "p", "answer": "4", "extra_info": {"k": 1}},
+    ]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    copy_rows_with_split(source, tmp_path / "out.jsonl", "test")
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert got == [
+        {"prompt": "Add: a1 b2", "answer": "3", "extra_info": {"split": "test"}},
+        {"prompt": "p", "answer": "4", "extra_info": {"k": 1, "split": "test"}},
+    ]
+
+
 def test_quick_build_holds_a_loadable_model_data_and_tool_config(tmp_path: Path):
     assets = ensure_tool_demo_assets(tmp_path, recipe=ToolDemoRecipe.default(quick=True))
     assert assets.root.name == f"demo-tools-{ToolDemoRecipe.default(quick=True).key()}"
     assert [type(t).__name__ for t in load_tools(assets.tool_config)] == ["CalculatorTool"]
     assert assets.train_file.read_text() and assets.val_file.read_text()
+    train_row = json.loads(assets.train_file.read_text().splitlines()[0])
+    val_row = json.loads(assets.val_file.read_text().splitlines()[0])
+    assert (
+        train_row["extra_info"] == {"split": "train"} and val_row["extra_info"]["split"] == "test"
+    )
     manifest = json.loads((assets.root / "demo.json").read_text())
     assert manifest["key"] == ToolDemoRecipe.default(quick=True).key()
     from transformers import AutoModelForCausalLM, AutoTokenizer

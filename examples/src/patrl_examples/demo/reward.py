@@ -45,3 +45,22 @@ def well_formed_call(response: str, answer: str, **meta: Any) -> float:
         and isinstance((c.arguments or {}).get("expression"), str)
     ]
     return 1.0 if len(ok) == opened else 0.0
+
+
+def training_split(meta: dict[str, Any]) -> bool:
+    """Whether the row is a training row: verl's `extra_info["split"] == "train"` (the tool demo
+    tags its rows so; a row without the tag is not one)."""
+    extra = meta.get("extra_info")
+    return isinstance(extra, dict) and extra.get("split") == "train"
+
+
+def malformed_call_penalty(response: str, answer: str, **meta: Any) -> float:
+    """The tool demo's format reward (verl's tool-RL recipes pay one beside correctness), as a
+    penalty: on a training row, -1.0 when the response opens a call that is not well-formed
+    (`calls_tool` but not `well_formed_call`), else 0.0; 0.0 on any other row, so validation's
+    pass@1 stays correctness alone. A penalty rather than a bonus for a good call: a bonus
+    pays calling itself, so the model calls on every prompt, miscopied addends and all, where
+    its worked lines would have been right more often."""
+    if not training_split(meta) or calls_tool(response, answer) == 0.0:
+        return 0.0
+    return 0.0 if well_formed_call(response, answer) == 1.0 else -1.0

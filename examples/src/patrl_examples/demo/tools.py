@@ -16,7 +16,8 @@ EOS after `</tool_call>` is the template's, not the model's: the rollout stops a
 
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
 fine-tuned model and the tool tokenizer), `data/` (the plain demo's train and validation rows,
-copied), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
+each tagged with verl's `extra_info: {"split": "train" | "test"}` so a reward can tell a training
+rollout from a validation one), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
 last). The plain demo's build and cache key are untouched.
 """
 
@@ -51,7 +52,7 @@ from patrl_examples.demo.sft import IGNORE, lr_at
 from patrl_examples.demo.task import Problem, iter_problems
 from patrl_examples.demo.tokenizer import build_tool_tokenizer
 
-TOOL_BUILD_VERSION = 1
+TOOL_BUILD_VERSION = 2
 CALCULATOR = "calculator"
 # The calculator's schema as the tool config gives it (the class's own, named here so the
 # demonstrations render with the schema the rollout renders with).
@@ -368,14 +369,27 @@ def _complete(target: Path, recipe: ToolDemoRecipe) -> bool:
         return False
 
 
+def copy_rows_with_split(source: Path, dest: Path, split: str) -> None:
+    """Copy the JSONL rows of `source` to `dest`, each with verl's `extra_info["split"]` set to
+    `split` (other fields, and any other `extra_info` keys, unchanged)."""
+    lines = []
+    for line in source.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        row["extra_info"] = {**row.get("extra_info", {}), "split": split}
+        lines.append(json.dumps(row))
+    dest.write_text("".join(f"{line}\n" for line in lines))
+
+
 def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
     """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         start = time.perf_counter()
         (tmp / "data").mkdir(parents=True)
-        for name in ("train.jsonl", "val.jsonl"):
-            shutil.copyfile(base / "data" / name, tmp / "data" / name)
+        for name, split in (("train.jsonl", "train"), ("val.jsonl", "test")):
+            copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
         model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
