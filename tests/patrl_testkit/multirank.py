@@ -20,7 +20,7 @@ Guarantees:
 - the whole run is bounded by `timeout_s`: a rank still running then is killed and the test
   fails with the ranks that did not finish.
 
-The body must be a module-level function (it is pickled by name into spawned processes) and
+The body must be a module-level function (it is pickled by name into the rank processes) and
 its arguments and return value must be picklable. Test file basenames are unique across the
 repo so that the spawned process can import the test module by name.
 """
