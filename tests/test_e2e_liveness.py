@@ -81,7 +81,10 @@ def wait_for(
 
 
 def trained_a_step(run_dir: Path) -> bool:
-    return (run_dir / "global_step_1").is_dir()
+    """A complete checkpoint of any step is there. Not step 1's by name: older checkpoints
+    are pruned (trainer.max_checkpoints_to_keep), and a poll that missed step 1's short life
+    once waited for a job that then ran to its end."""
+    return any(p.is_dir() and not p.name.endswith(".tmp") for p in run_dir.glob("global_step_*"))
 
 
 def workers(agent: int) -> dict[int, int]:
