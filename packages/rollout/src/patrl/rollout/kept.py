@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from collections.abc import Sequence as Ids
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from patrl.kvstore import BlockManager, PagedKVCache
 from patrl.rollout.request_input import encode, reject_reason, with_group_seed
@@ -82,10 +82,6 @@ class KeptSequences:
         if blocks.has(seq.seq_id):
             blocks.free(seq.seq_id)
 
-    def release_all(self, blocks: BlockManager) -> None:
-        for key in list(self._seqs):
-            self.release(key, blocks)
-
     def drop_kv(self, blocks: BlockManager) -> None:
         """Free every kept sample's blocks, keeping its tokens (`rebuild`'s new cache):
         their continuations re-prefill."""
@@ -128,12 +124,12 @@ class KeptTurns:
     _seq_ids: IdCounter
     _request_ids: IdCounter
 
-    @property
-    def cache(self) -> PagedKVCache:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # Engine's own, declared for the type checker only
 
-    def check_params(self, params: SamplingParams) -> None:
-        raise NotImplementedError
+        @property
+        def cache(self) -> PagedKVCache: ...
+
+        def check_params(self, params: SamplingParams) -> None: ...
 
     def _group_rank(self) -> int:
         """Global rank of this TP group's first rank."""

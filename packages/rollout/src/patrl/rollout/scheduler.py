@@ -237,7 +237,8 @@ class Scheduler:
         none = [Draft([]) for _ in seqs]
         if drafter is None or not drafter.speculates(len(seqs)):
             return none
-        for seq in seqs:  # every sample registered and indexed, in step order
+        # every sample registered (one imported with its KV is new here) and indexed, in order
+        for seq in seqs:
             drafter.observe(seq)
         context = sum(s.num_tokens for s in seqs)
         if not drafter.may_pay([s.seq_id for s in seqs], context):
@@ -265,7 +266,6 @@ class Scheduler:
         limit = min(spare, room - 1)
         if limit <= 0:
             return Draft([])
-        self.drafter.observe(seq)  # a sample imported with its KV is new here
         return self.drafter.propose(seq.seq_id, seq.last_tokens(self.drafter.max_n), limit)
 
     def _preempt(self, seq: Seq) -> None:
