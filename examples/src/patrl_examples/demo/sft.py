@@ -113,6 +113,19 @@ def train_sft(
     """Train in place; returns the loss of every step."""
     torch.manual_seed(seed)
     batches = iter_batches(iter_problems(seed, task), tokenizer, config, random.Random(seed))
+    return fit(model, batches, config, log)
+
+
+def fit(
+    model: PreTrainedModel,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    config: SFTConfig,
+    log: Callable[[str], None] | None = None,
+    label: str = "sft",
+) -> list[float]:
+    """`config.steps` AdamW steps on `batches` (input ids, labels; pads only after the last
+    label) at `lr_at`'s schedule with `config`'s weight decay and gradient clip, in place;
+    the loss of every step. The plain and the tool warm starts both train through it."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98)
     )
@@ -133,7 +146,7 @@ def train_sft(
         losses.append(loss.item())
         if log is not None and (step % 25 == 0 or step == config.steps - 1):
             log(
-                f"sft step {step + 1}/{config.steps} loss {losses[-1]:.4f} "
+                f"{label} step {step + 1}/{config.steps} loss {losses[-1]:.4f} "
                 f"({time.perf_counter() - start:.0f}s)"
             )
     model.eval()

@@ -48,7 +48,7 @@ from patrl_examples.demo.assets import (
     save_model,
     torch_threads,
 )
-from patrl_examples.demo.sft import IGNORE, lr_at
+from patrl_examples.demo.sft import IGNORE, fit
 from patrl_examples.demo.task import Problem, iter_problems
 from patrl_examples.demo.tokenizer import build_tool_tokenizer
 
@@ -285,31 +285,17 @@ def train_tool_sft(
     batches = iter_tool_batches(
         iter_problems(seed, recipe.base.task), tokenizer, config, random.Random(seed)
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98))
-    # lr_at's schedule (warmup, cosine to a tenth), read with this fine-tune's numbers.
+    # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
     schedule = recipe.base.sft.model_copy(
-        update={"steps": config.steps, "lr": config.lr, "warmup_steps": config.warmup_steps}
+        update={
+            "steps": config.steps,
+            "lr": config.lr,
+            "warmup_steps": config.warmup_steps,
+            "grad_clip": config.grad_clip,
+            "weight_decay": 0.01,
+        }
     )
-    model.train()
-    losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        input_ids, labels = next(batches)
-        loss = model(input_ids=input_ids, labels=labels).loss  # pads only after the labels
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
-        if log is not None and (step % 25 == 0 or step == config.steps - 1):
-            log(
-                f"tool sft step {step + 1}/{config.steps} loss {losses[-1]:.4f} "
-                f"({time.perf_counter() - start:.0f}s)"
-            )
-    model.eval()
-    return losses
+    return fit(model, batches, schedule, log, label="tool sft")
 
 
 # ------------------------------------------------------------------------ assets
