@@ -4,10 +4,12 @@ Python it tried."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,42 @@ def test_without_torch_it_names_the_python(tmp_path: Path) -> None:
     assert done.returncode == 3
     assert f"{missing} cannot import torch" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+SUMMARIZE = SCRIPT.parent / "summarize.py"
+
+
+def test_the_summary_names_each_failed_test_with_its_message_and_packs_the_logs(
+    tmp_path: Path,
+) -> None:
+    # A real pytest run's JUnit XML, as check.sh's steps write it: one pass, one failure.
+    out = tmp_path / "out"
+    out.mkdir()
+    case = tmp_path / "test_case.py"
+    case.write_text(
+        "def test_ok():\n    pass\n\n"
+        "def test_bad():\n    assert 680 >= 760, 'greedy tokens agree on 680/768 positions'\n"
+    )
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(case)]
+    ran = subprocess.run(
+        [*run, f"--junitxml={out / 'tests_x.xml'}"], capture_output=True, text=True, timeout=120
+    )
+    (out / "tests_x.log").write_text(ran.stdout)
+    (out / "steps.txt").write_text(f"tests_x {ran.returncode} 3\nbench 0 5\n")
+    done = subprocess.run(
+        [sys.executable, str(SUMMARIZE), str(out), "--pack"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["passed"]
+    tests, bench = summary["steps"]
+    assert tests["tests"] == {"tests": 2, "failures": 1, "errors": 0, "skipped": 0}
+    assert [f["test"] for f in tests["failed"]] == ["test_case::test_bad"]
+    assert "agree on 680/768" in tests["failed"][0]["message"]
+    assert bench == {"name": "bench", "exit_status": 0, "timed_out": False, "seconds": 5}
+    assert "FAILED test_case::test_bad" in done.stdout and "680/768" in done.stdout
+    # Packed: the logs, XML and steps.txt are in the archive and nowhere else.
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["steps.txt", "tests_x.log", "tests_x.xml"]
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json"]

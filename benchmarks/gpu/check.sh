@@ -13,8 +13,10 @@
 #   normally, say) nothing is unpacked.
 # The packages' src/ and tests/ go first on PYTHONPATH: this checkout is what is checked.
 # Results: $OUT, else benchmarks/results/gpu_check/, holds env.json, one log and one JUnit
-#   XML per step, the bench's JSON and summary.json (each step's exit status, seconds, and
-#   test counts). Exit status: 0 when every step passed, 1 when one failed or timed out,
+#   XML per step, the bench's JSON and summary.json (each step's exit status, seconds, test
+#   counts, and each failed test with its message: benchmarks/gpu/summarize.py). With
+#   PATRL_CHECK_PACK=1 the logs and XML end in one logs.tar.gz (for a lent machine that
+#   returns only a few files). Exit status: 0 when every step passed, 1 when one failed or timed out,
 #   2 without a CUDA device (nothing else runs), 3 when the environment is unusable.
 set -u -o pipefail
 
@@ -99,7 +101,7 @@ step() {
 gpu_tests() {  # the test files under $@ that hold gpu-marked tests
   grep -rl --include='test_*.py' -e 'pytest.mark.gpu' "$@" 2>/dev/null | sort
 }
-PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --continue-on-collection-errors)
+PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -q -rfEs --continue-on-collection-errors)
 : > "$OUT/steps.txt"
 
 mapfile -t ROLLOUT < <(gpu_tests packages/rollout/tests)
@@ -119,30 +121,6 @@ step bench_tiny 35 "$PY" benchmarks/gpu_engine_bench.py --tiny --batches 1,8 --s
 step bench_llama1b 110 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
   --repeats 1 --out "$OUT/gpu_engine_bench_llama1b.json"
 
-"$PY" - "$OUT" <<'EOF'
-import json, sys, xml.etree.ElementTree as ET
-from pathlib import Path
-out = Path(sys.argv[1])
-steps = []
-for line in (out / "steps.txt").read_text().split("\n"):
-    if not line.strip():
-        continue
-    name, status, seconds = line.split()
-    step = {"name": name, "exit_status": int(status), "timed_out": int(status) in (124, 137),
-            "seconds": int(seconds)}
-    junit = out / f"{name}.xml"
-    if junit.is_file():
-        suites = ET.parse(junit).getroot()
-        suites = [suites] if suites.tag == "testsuite" else list(suites)
-        step["tests"] = {k: sum(int(s.get(k, 0)) for s in suites)
-                         for k in ("tests", "failures", "errors", "skipped")}
-        step["failed"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites
-                          for c in s.iter("testcase")
-                          if c.find("failure") is not None or c.find("error") is not None]
-    steps.append(step)
-summary = {"passed": all(s["exit_status"] == 0 for s in steps), "steps": steps}
-(out / "summary.json").write_text(json.dumps(summary, indent=2))
-print(json.dumps(summary, indent=2))
-EOF
+"$PY" benchmarks/gpu/summarize.py "$OUT" ${PATRL_CHECK_PACK:+--pack}
 echo "=== done: exit $rc, results in $OUT"
 exit $rc
