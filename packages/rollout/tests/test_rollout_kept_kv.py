@@ -59,10 +59,12 @@ def run(eng: Engine, request_ids: list[str]) -> dict[str, RequestOutput]:
     return done
 
 
-def twin(model_dir: Path, prompt: list[int], tools: list[list[int]]) -> list[tuple[Any, Any]]:
+def twin(
+    model_dir: Path, prompt: list[int], tools: list[list[int]], **overrides: Any
+) -> list[tuple[Any, Any]]:
     """The slow twin: each turn submitted whole (the conversation so far, then the tool
     turn) to an engine without prefix caching. Per turn (token ids, logprobs)."""
-    eng = engine(model_dir, 4)
+    eng = engine(model_dir, overrides.pop("block_size", 4), **overrides)
     conversation, turns = list(prompt), []
     for t in range(len(tools) + 1):
         before = eng.counters.prefill_tokens
@@ -108,6 +110,31 @@ def test_each_continuation_prefills_exactly_the_appended_tokens_and_equals_the_t
         assert list(got.token_ids) == want_ids  # tokens exactly
         # kept KV vs one full prefill: float32 sums in other orders
         assert list(got.logprobs) == pytest.approx(want_logprobs, abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_cuda_continuations_prefill_the_appended_tokens_and_equal_the_twin(
+    llama_dir: Path,
+) -> None:
+    """The test above on CUDA in fp32 with CUDA graphs (the default): each turn's decode steps
+    replay captured graphs over the kept blocks. Tolerance 1e-4: chunked vs whole prefill."""
+    cuda: dict[str, Any] = dict(device="cuda", num_kv_blocks=128)
+    prompt = ids(13, seed=1)
+    tools = [ids(n, seed=10 + n) for n in (5, 1, 9, 0)]
+    eng = engine(llama_dir, 16, **cuda)
+    rid = eng.add_request(prompt, params(0), keep=True)
+    turns = [run(eng, [rid])[rid].outputs[0]]
+    for t, tool in enumerate(tools, 1):
+        before = eng.counters.prefill_tokens
+        rid = eng.continue_request(rid, tool, params(t), keep=True)
+        turns.append(run(eng, [rid])[rid].outputs[0])
+        assert eng.counters.prefill_tokens - before == len(tool) + 1
+    eng.release(rid)
+    baseline(eng)
+    want = twin(llama_dir, prompt, tools, block_size=16, **cuda)
+    for got, (want_ids, want_logprobs) in zip(turns, want, strict=True):
+        assert list(got.token_ids) == want_ids
+        assert list(got.logprobs) == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def test_a_group_keeps_its_prompt_blocks_shared_and_frees_everything(llama_dir: Path) -> None:

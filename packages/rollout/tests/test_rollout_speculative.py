@@ -60,8 +60,8 @@ def two_rollouts(
     return [e.generate(batch, p, prompt_keys=k) for p, k in zip((first, second), keys, strict=True)]
 
 
-def assert_same(a: list[RequestOutput], b: list[RequestOutput]) -> None:
-    """Equal tokens, texts and stops; logprobs and top logprobs within TOL."""
+def assert_same(a: list[RequestOutput], b: list[RequestOutput], tol: float = TOL) -> None:
+    """Equal tokens, texts and stops; logprobs and top logprobs within `tol`."""
     for x, y in zip(a, b, strict=True):
         for cx, cy in zip(x.outputs, y.outputs, strict=True):
             assert cx.token_ids == cy.token_ids
@@ -70,10 +70,10 @@ def assert_same(a: list[RequestOutput], b: list[RequestOutput]) -> None:
                 cy.finish_reason,
                 cy.stop_reason,
             )
-            assert cx.logprobs == pytest.approx(cy.logprobs, abs=TOL)
+            assert cx.logprobs == pytest.approx(cy.logprobs, abs=tol)
             for tx, ty in zip(cx.top_logprobs or [], cy.top_logprobs or [], strict=True):
                 assert tx.keys() == ty.keys()
-                assert list(tx.values()) == pytest.approx(list(ty.values()), abs=TOL)
+                assert list(tx.values()) == pytest.approx(list(ty.values()), abs=tol)
 
 
 # ------------------------------------------------------------------ engine parity
@@ -100,6 +100,30 @@ def test_greedy_tokens_and_logprobs_match_without_speculation(family: str, tmp_p
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
     assert stats["spec_tokens_per_step"] > 1
     assert stats["spec_accepted_share/history"] > 0
+    spec.cache.blocks.check_integrity()
+    assert spec.cache.blocks.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_greedy_speculation_matches_the_one_token_path(tmp_path: Path) -> None:
+    """The parity above on CUDA in fp32: verify steps (multi-token forwards) against decode
+    steps replayed from CUDA graphs, on the device's default attention backend. Tolerance
+    1e-4: the two paths run different kernels (paged prefill vs paged decode)."""
+    hf = tiny_hf_model("qwen2")
+    model = save_hf_model(hf, tmp_path)
+    cuda = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64)
+    batch = prompts(4, hf.config.vocab_size)
+    first = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=4, logprobs=2)
+    second = SamplingParams(temperature=0, max_tokens=40, n=3, logprobs=2)
+    warm = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, n=4, seed=0)
+    off = two_rollouts(engine(model, False, **cuda), batch, first, second)
+    spec = engine(model, True, **cuda)
+    two_rollouts(spec, batch, warm, warm, shift=1)
+    on = two_rollouts(spec, batch, first, second)
+    for a, b in zip(off, on, strict=True):
+        assert_same(a, b, tol=1e-4)
+    stats = spec.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
     spec.cache.blocks.check_integrity()
     assert spec.cache.blocks.num_used_blocks == 0
 
