@@ -80,3 +80,20 @@ def test_the_summary_names_each_failed_test_with_its_message_and_packs_the_logs(
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["steps.txt", "tests_x.log", "tests_x.xml"]
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json"]
+
+
+def test_the_decode_profile_runs_on_cpu_and_writes_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    script = SCRIPT.parent / "decode_profile.py"
+    args = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--batches", "1,4", "--steps", "4"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for row in rows:
+        for mode in ("greedy", "seeded", "unseeded"):
+            assert row[mode]["tok_s"] > 0 and row[mode]["step_ms_median"] > 0
+    assert "Self CPU time total" in done.stdout  # the profiler's table printed
