@@ -3,7 +3,9 @@
 `enable_gradient_checkpointing="auto"` decides once per run: off on CPU (host memory is not
 the device's budget, and recomputation only costs time); on CUDA, on when the estimate of one
 full micro-batch's saved activations plus this rank's weights, gradients and AdamW state
-exceeds `HEADROOM` of the device's free memory at build time. The estimate is coarse (a
+exceeds `HEADROOM` of the device's free memory at build time. With LoRA the base is frozen in
+`param_dtype` and only the adapters (bounded as if every linear layer had one) carry fp32
+masters, gradients and AdamW state. The estimate is coarse (a
 decoder layer saves about 10 hidden-wide and 4 MLP-wide values per token; the logits one
 param-dtype and one fp32 vocab row per token), on purpose erring large.
 """
@@ -20,11 +22,16 @@ Setting = bool | Literal["auto"]
 
 
 def step_memory_bytes(
-    config: PretrainedConfig, tokens: int, param_dtype: torch.dtype, world_size: int
+    config: PretrainedConfig,
+    tokens: int,
+    param_dtype: torch.dtype,
+    world_size: int,
+    lora_rank: int = 0,
 ) -> int:
     """Estimated peak bytes of one rank's training step without activation checkpointing:
-    `tokens` (one micro-batch) of saved activations and logits, plus fp32 weights, gradients
-    and AdamW's two moments of this rank's 1/`world_size` shard."""
+    `tokens` (one micro-batch) of saved activations and logits, plus this rank's 1/`world_size`
+    shard of the weights: fp32 masters, gradients and AdamW's two moments (16 bytes a weight);
+    with `lora_rank` > 0, the frozen base in `param_dtype` and 16 bytes an adapter weight."""
     h = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", 4 * h))
     layers = int(config.num_hidden_layers)
@@ -36,7 +43,14 @@ def step_memory_bytes(
     params = layers * per_layer + vocab * h * (1 if config.tie_word_embeddings else 2)
     width = torch.finfo(param_dtype).bits // 8
     activations = tokens * (layers * (10 * h + 4 * inter) * width + vocab * (width + 4))
-    return activations + 16 * params // max(world_size, 1)
+    if lora_rank > 0:
+        # A rank-r adapter on a linear of in x out adds r x (in + out) weights; every linear of
+        # a layer: q, o (h -> h), k, v (h -> kv_width), gate, up (h -> inter), down (inter -> h).
+        adapters = layers * lora_rank * (4 * h + 2 * (h + kv_width) + 3 * (h + inter))
+        held = params * width + 16 * adapters
+    else:
+        held = 16 * params
+    return activations + held // max(world_size, 1)
 
 
 def use_checkpointing(setting: Setting, device: torch.device, estimate_bytes: int) -> bool:

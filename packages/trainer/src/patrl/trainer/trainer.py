@@ -181,7 +181,11 @@ class Trainer:
                 else AutoConfig.from_pretrained(model_dir(source))
             )
             estimate = step_memory_bytes(
-                hf, cfg.ppo_max_token_len_per_gpu, self.param_dtype, self.group.size
+                hf,
+                cfg.ppo_max_token_len_per_gpu,
+                self.param_dtype,
+                self.group.size,
+                cfg.lora.lora_rank if cfg.lora.enabled else 0,
             )
             return use_checkpointing(cfg.enable_gradient_checkpointing, self.device, estimate)
         return cfg.enable_gradient_checkpointing
