@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# patrl's one-shot device check: the `gpu`-marked tests, then gpu_engine_bench.py, in at most
-# ~8 minutes (the steps' timeouts add up to 435 s, their kill grace to 15 s, the setup takes
-# the rest), so a rerun fits in a short GPU lease. Run from anywhere:
+# patrl's one-shot device check: the `gpu`-marked tests, then gpu_engine_bench.py and
+# gpu/decode_profile.py, in at most ~8.5 minutes (the steps' timeouts add up to 465 s, their
+# kill grace to 18 s, the setup takes the rest), so a rerun
+# fits in a short GPU lease. Run from anywhere:
 #
 #   bash benchmarks/gpu/check.sh [WHEELS_DIR]
 #
@@ -118,8 +119,10 @@ tests tests_trainer 75 "${TRAINER[@]}"
 tests tests_others 120 "${OTHERS[@]}"
 step bench_tiny 35 "$PY" benchmarks/gpu_engine_bench.py --tiny --batches 1,8 --steps 8 \
   --repeats 1 --out "$OUT/gpu_engine_bench_tiny.json"
-step bench_llama1b 110 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
+step bench_llama1b 80 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
   --repeats 1 --out "$OUT/gpu_engine_bench_llama1b.json"
+step decode_profile 60 "$PY" benchmarks/gpu/decode_profile.py --batches 1,64 --steps 48 \
+  --out "$OUT/decode_profile.json"
 
 "$PY" benchmarks/gpu/summarize.py "$OUT" ${PATRL_CHECK_PACK:+--pack}
 echo "=== done: exit $rc, results in $OUT"
