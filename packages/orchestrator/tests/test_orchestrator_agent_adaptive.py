@@ -224,11 +224,16 @@ def _adaptive(rank: int, world_size: int, model_dir: str, tools: str) -> dict[st
         "idle": not inner.has_unfinished() and not inner.kept_request_ids(),
         "blocks_free": inner.cache.blocks.num_free_blocks == inner.cache.blocks.num_blocks,
     }
-    # the next rollout opens at TP 1 (the return owed), and samples the same again; a rank
-    # with no prompt of its own takes part
+    # the next rollout folds at its first check, every first turn in flight (kept when it
+    # completes: the fold carries that): the same tokens again; a rank with no prompt of its
+    # own takes part
+    assert engine.controller is not None
+    engine.controller.planner = GatedFoldPlanner(waiting=0)
     again = rollout.generate(items if rank == 0 else [], params if rank == 0 else [])
     result["again"] = trajectories(again)
     result["tp_opened_again"] = engine.stats()["timeline"][0]["tp_size"]
+    result["switches_again"] = engine.stats()["tp_switches"]
+    result["opening_after"] = engine.controller.opening_tp
     # a loop that raises on the driver: every rank raises, none hangs, and the world goes on
     try:
         rollout.generate(
@@ -273,7 +278,10 @@ def test_a_fold_with_samples_awaiting_tools_changes_no_token(
         assert r["switches"] == 1 and r["tp_at_end"] == 2
         assert r["idle"] and r["blocks_free"]
         assert r["again"]["tokens"] == (want["tokens"] if rank == 0 else [])
-        assert r["tp_opened_again"] == 1
+        # it opened at TP 1 (the return owed) and folded at its first check, before a step;
+        # that check chose TP 2 for the whole batch, so the later rollouts open there
+        assert r["tp_opened_again"] == 2 and r["switches_again"] == 2
+        assert r["opening_after"] == 2
         assert r["after_error"] == want["tokens"]
         assert r["idle_after_error"]
         # each rank's own samples' metrics: the world's calls counted once over the ranks
@@ -293,3 +301,70 @@ def test_a_fold_with_samples_awaiting_tools_changes_no_token(
     assert driver["error"] == "the loop broke"
     assert peer["error"].startswith("the adaptive rollout's driver (rank 0) failed: ")
     assert "RuntimeError: the loop broke" in peer["error"]
+
+
+# ------------------------------------------------------------------ a training job
+
+
+def _two_rank_job(rank: int, world_size: int, model_dir: str, root: Path) -> list[dict[str, Any]]:
+    import torch
+
+    from patrl.orchestrator.distributed import World
+    from patrl.orchestrator.sync_loop import SyncGRPO
+    from patrl_testkit.profiles import synthetic_profile
+
+    profile = root / "profile.json"
+    if rank == 0:  # tp 2 always pays: the first rollout folds at its first check
+        synthetic_profile(model_dir, tp2_speedup=20.0).save(profile)
+    torch.distributed.barrier()
+    overrides: dict[str, Any] = {
+        "model.path": model_dir,
+        "data.train_files": root / "train.jsonl",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 512,  # the tools' schemas are in the rendered prompt
+        "data.max_response_length": 48,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.temperature": 0.05,  # the scripted calls, nearly always
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "true",
+        "rollout.adaptive_tp.profile": profile,
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": root / "tools.yaml",
+        "rollout.multi_turn.max_assistant_turns": 2,
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 0,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": root / "run",
+    }
+    config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    loop = SyncGRPO(config, world, model_dir, config.data.train_files, None)
+    return list(loop.run().history)
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_a_two_rank_adaptive_multi_turn_job_runs_two_steps(tmp_path: Path, model_dir: Path) -> None:
+    import json
+
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tool_config(tmp_path / "tools.yaml", "patrl.orchestrator.agent.calculator.CalculatorTool")
+    history, _ = run_ranks(
+        _two_rank_job, world_size=2, args=(str(model_dir), tmp_path), timeout_s=600
+    )
+    steps = [h for h in history if "actor/pg_loss" in h]
+    assert [h["step"] for h in steps] == [1.0, 2.0]
+    for h in steps:
+        assert h["multi_turn/tool_calls"] > 0 and h["multi_turn/tool_tokens/mean"] > 0
+        assert h["response_length/model_tokens/mean"] < h["response_length/mean"]
+        assert h["actor/pg_loss"] == h["actor/pg_loss"]  # a number, not NaN
+    assert steps[0]["rollout/tp_switches"] == 1  # the first rollout folded to tp 2
+    assert all(h["rollout/tp_max"] == 2 for h in steps)
