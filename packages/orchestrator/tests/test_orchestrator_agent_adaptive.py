@@ -368,3 +368,30 @@ def test_a_two_rank_adaptive_multi_turn_job_runs_two_steps(tmp_path: Path, model
         assert h["actor/pg_loss"] == h["actor/pg_loss"]  # a number, not NaN
     assert steps[0]["rollout/tp_switches"] == 1  # the first rollout folded to tp 2
     assert all(h["rollout/tp_max"] == 2 for h in steps)
+
+
+def test_one_process_has_nothing_to_adapt_and_runs_as_static_tp1(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    from patrl.orchestrator.agent.adaptive_agent_loop import (
+        AdaptiveAgentLoopRunner,
+        AdaptiveMultiTurnRollout,
+    )
+    from patrl.rollout.adaptive import AdaptiveEngine
+
+    tools = tool_config(tmp_path / "tools.yaml", f"{__name__}.GateTool")
+    GateTool.GATE.set()
+    items, params = items_of(0)
+    twin = MultiTurnRollout(job(tools), Engine(engine_config(str(model_dir))))
+    want = trajectories(twin.generate(items, params))
+    policy = {"kind": "adaptive", "candidates": (1, 2)}
+    engine = AdaptiveEngine(engine_config(str(model_dir), tp_policy=policy))
+    assert engine.controller is None
+    rollout = AdaptiveMultiTurnRollout(job(tools), engine)
+    assert not isinstance(rollout.runner, AdaptiveAgentLoopRunner)
+    got = trajectories(rollout.generate(items, params))
+    for key in ("tokens", "masks", "prompts"):
+        assert got[key] == want[key]
+    for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
+        for a, b in zip(g, w, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)  # batches vary with the tools' timing
