@@ -268,9 +268,8 @@ def test_preflight_checks_the_tool_config_and_what_enable_needs(tmp_path: Path) 
         and "tools.0.class_name" in problem
     )
     config = load_config(None, ["data.train_files=/d.jsonl", "rollout.multi_turn.enable=true"])
-    unset, adaptive = multi_turn_problems(config)  # the defaults: no tools, adaptive TP
+    (unset,) = multi_turn_problems(config)  # the defaults: no tools (adaptive TP composes)
     assert "rollout.multi_turn.tool_config_path is unset" in unset
-    assert "rollout.adaptive_tp.enable=true" in adaptive and "not wired yet" in adaptive
 
 
 def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(

@@ -67,13 +67,12 @@ def test_a_schedule_refuses_what_preflight_refuses_before_building(
 
     monkeypatch.setattr("patrl.orchestrator.sync_loop.load_data", no_build)
     monkeypatch.setattr("patrl.orchestrator.async_loop.load_data", no_build)
-    extra = {"trainer.mode": mode, "rollout.multi_turn.enable": "true"}
-    config = _job(assets, tmp_path, **{**extra, "rollout.adaptive_tp.enable": "true"})
+    config = _job(assets, tmp_path, **{"trainer.mode": mode, "rollout.multi_turn.enable": "true"})
     schedule = SyncSchedule if mode == "sync" else AsyncSchedule
     with pytest.raises(support.UnsupportedJob) as err:
         schedule(config, CPU1, str(assets / "model"), config.data.train_files, None)
     assert str(err.value) == "; ".join(support.unsupported(config, 1))
-    assert "with rollout.adaptive_tp.enable=true: not wired yet" in str(err.value)
+    assert "with rollout.multi_turn.tool_config_path is unset: not wired yet" in str(err.value)
     assert isinstance(err.value, JobError) and isinstance(err.value, ValueError)
 
 

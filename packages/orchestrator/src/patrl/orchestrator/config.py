@@ -241,10 +241,10 @@ class SpeculativeConfig(_Section):
 class MultiTurnConfig(_Section):
     """verl's `rollout.multi_turn`: multi-turn rollouts with tools (patrl.orchestrator.agent,
     docs/agent_loop.md). Turn limits of None mean no limit. Wired into the sync schedule on a
-    static TP layout (preflight refuses the rest)."""
+    static TP layout or adaptive TP (preflight refuses the rest)."""
 
     enable: bool = Field(
-        False, description="multi-turn tool rollouts (sync schedule, static TP only)"
+        False, description="multi-turn tool rollouts (sync schedule, static or adaptive TP)"
     )
     max_assistant_turns: int | None = Field(None, gt=0, description="model turns at most")
     max_user_turns: int | None = Field(None, gt=0, description="tool turns at most")

@@ -33,8 +33,8 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
     """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP layout
-    (any size), with or without speculative rollouts: every other combination is refused,
-    named by key, with why not yet."""
+    (any size) or adaptive TP, with or without speculative rollouts: every other combination
+    is refused, named by key, with why not yet."""
     mt, r = config.rollout.multi_turn, config.rollout
     if not mt.enable:
         return []
@@ -52,13 +52,6 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
             "a sample's turn state (its conversation so far, held by the agent loop) is not "
             "yet carried across weight pulls nor saved in the flight reports a peer resumes",
             "use trainer.mode=sync",
-        ),
-        (
-            r.adaptive_tp.enable,
-            "rollout.adaptive_tp.enable=true",
-            "a TP group's first rank runs its samples' agent loops, and adaptive TP's folds "
-            "move requests between groups mid-rollout: turn state does not follow them yet",
-            "set it false (static TP of any size works)",
         ),
         (
             r.over_sample_rate > 0,

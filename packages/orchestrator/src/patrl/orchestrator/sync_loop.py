@@ -26,6 +26,7 @@ import torch
 
 from patrl.lenpredict import LengthPredictor, SpeculativeTail, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
+from patrl.orchestrator.agent.adaptive_agent_loop import AdaptiveMultiTurnRollout
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.agent.tool_guard import ToolFailureGuard
 from patrl.orchestrator.build import (
@@ -159,13 +160,16 @@ class SyncSchedule:
             controller.length_groups if controller else LengthGroups(self.predictor)
         )
         self._predicted: dict[int, float] = {}  # prompt -> expected length at assignment
-        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (a
-        # static layout, which preflight requires; at TP > 1 the group's first rank runs the
-        # loops and tools and drives its peers)
+        # rollout.multi_turn: prompts run through the agent loop on this rank's engine (static
+        # TP > 1: the group's first rank runs the loops and tools and drives its peers;
+        # adaptive TP: world rank 0 runs every rank's and drives the world)
         self.multi_turn: MultiTurnRollout | None = None
         if config.rollout.multi_turn.enable:
-            assert isinstance(self.engine, Engine)  # check_supported refused adaptive TP
-            self.multi_turn = MultiTurnRollout(config, self.engine)
+            if isinstance(self.engine, AdaptiveEngine):
+                self.multi_turn = AdaptiveMultiTurnRollout(config, self.engine)
+            else:
+                assert isinstance(self.engine, Engine)
+                self.multi_turn = MultiTurnRollout(config, self.engine)
         mesh = self._mesh()
         self.trainer = Trainer(
             trainer_config(config),

@@ -71,6 +71,10 @@ class SequenceState:
     num_preemptions: int = 0
     finish_reason: str | None = None  # set: this sample is done, only carried along
     stop_reason: int | str | None = None
+    # a multi-turn turn's: kept with its KV when it completes (patrl.rollout.kept), and its
+    # prompt's key (drafts); a fold or a move must not lose them
+    keep: bool = False
+    prompt_key: str | None = None
 
 
 def completion_text(seq: Seq, tokenizer: Any) -> str | None:

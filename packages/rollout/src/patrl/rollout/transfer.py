@@ -79,6 +79,8 @@ def state_of(seq: Seq, kv: SequenceKV | None) -> SequenceState:
         num_preemptions=seq.num_preemptions,
         finish_reason=seq.finish_reason if seq.is_finished else None,
         stop_reason=seq.stop_reason if seq.is_finished else None,
+        keep=seq.keep,
+        prompt_key=seq.prompt_key,
     )
 
 
@@ -134,6 +136,9 @@ def _seq_of(seq_id: int, st: SequenceState) -> Seq:
         output_logprobs=list(st.output_logprobs),
         output_top_logprobs=list(st.output_top_logprobs),
         num_preemptions=st.num_preemptions,
+        # states pickled before these fields existed (a saved partial rollout) lack them
+        prompt_key=getattr(st, "prompt_key", None),
+        keep=getattr(st, "keep", False),
     )
 
 

@@ -9,6 +9,7 @@ from patrl.rollout.adaptive.oracle import OracleLengths
 from patrl.rollout.adaptive.protocols import Lengths, Planner, StepPrices
 from patrl.rollout.adaptive.reconfig import KVChoice, KVCost, KVPolicy, ReconfigReport, reconfigure
 from patrl.rollout.adaptive.setup import make_planner
+from patrl.rollout.adaptive.stepped import SteppedRollout
 from patrl.rollout.adaptive.switch_plan import SwitchPlan
 from patrl.rollout.adaptive.way_back import WayBack
 
@@ -24,6 +25,7 @@ __all__ = [
     "Planner",
     "ReconfigReport",
     "StepPrices",
+    "SteppedRollout",
     "SwitchPlan",
     "TPController",
     "TPDecisionRecord",

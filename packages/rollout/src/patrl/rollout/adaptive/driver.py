@@ -288,12 +288,12 @@ class AdaptiveEngine:
                 # the window is over when the next step would end more than half of it late
                 due = time.perf_counter() + 0.5 * (c.step_s or 0.0) >= deadline
             if due:
-                rows = _rows(engine) if engine.layout.tp_rank == 0 else None
+                rows = unfinished_rows(engine) if engine.layout.tp_rank == 0 else None
                 verdict = c.check(rows, engine.layout.tp_size, had_work=engine.has_unfinished())
                 if verdict.target_tp is None:
                     break
                 if verdict.target_tp != engine.layout.tp_size:
-                    self._switch(verdict)
+                    self.switch(verdict)
                 if not opened:  # the first check saw the whole batch
                     opened = True
                     c.opening_tp = verdict.opening_tp or engine.layout.tp_size
@@ -320,8 +320,9 @@ class AdaptiveEngine:
         c.end_rollout(stepping, time.perf_counter() - started - switching)
         return results
 
-    def _switch(self, verdict: Verdict) -> None:
-        """Apply a verdict's switch: `reconfigure` runs the plan the planner priced."""
+    def switch(self, verdict: Verdict) -> None:
+        """Apply a verdict's switch (every rank at once): `reconfigure` runs the plan the
+        planner priced."""
         c = self.controller
         assert c is not None and verdict.target_tp is not None
         self.way_back.owed = None  # an explicit move supersedes a deferred return
@@ -355,7 +356,7 @@ class AdaptiveEngine:
         self.way_back.later(self.groups.layout(tp))
 
 
-def _rows(engine: Engine) -> list[Row]:
+def unfinished_rows(engine: Engine) -> list[Row]:
     """This replica's unfinished samples, as a check's summary reports them."""
     return [
         Row(
