@@ -174,10 +174,10 @@ def test_preflight_refuses_what_is_not_wired_naming_the_key(tmp_path: Path) -> N
         "algorithm.adv_estimator=opo",
         "algorithm.use_kl_in_reward=true",
         "rollout.speculative.enable=true",  # test_orchestrator_agent_speculative.py
+        "trainer.mode=async",  # test_orchestrator_async_multi_turn.py
     ):
         assert multi_turn_problems(job(tools, accepted)) == [], accepted
     refused = {
-        "trainer.mode=async": "trainer.mode=async",
         "rollout.adaptive_tp.enable=true": "rollout.adaptive_tp.enable=true",
         "rollout.over_sample_rate=0.5": "rollout.over_sample_rate=0.5",
     }

@@ -1,14 +1,18 @@
 """An async rollout rank: generates tickets as admission allows, pulls newer weights between
 engine steps, hands each finished group to the trainer through the store, reports its tickets
-in flight, and continues those of lost peers (docs/async.md)."""
+in flight, and continues those of lost peers (docs/async.md). With `rollout.multi_turn` a
+ticket's samples are agent-loop samples (`agent_tickets.AgentGroups`) and the control loop runs
+on their event loop, between engine steps."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import time
 from pathlib import Path
 from typing import Any
 
+from patrl.orchestrator.async_rl.agent_tickets import AgentGroups, FinishedGroup
 from patrl.orchestrator.async_rl.flight_reports import (
     FlightReport,
     TicketReport,
@@ -34,7 +38,7 @@ from patrl.orchestrator.drafter_checkpoint import load_drafter
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
-from patrl.orchestrator.scoring import overlong_buffer, score_outputs
+from patrl.orchestrator.scoring import TrajectoryOutput, overlong_buffer, score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
 from patrl.trainer.reward_model import load_tokenizer
 
@@ -57,6 +61,7 @@ class RolloutWorker:
         self.control = job.control
         self.batch_size = job.config.data.train_batch_size
         self.engine = self._new_engine()
+        self.agents = self._new_agents()  # rollout.multi_turn: the samples run as agent loops
         self.spec_seen: dict[str, float] = {}  # spec_totals at the last hand-over
         self.rewards = RewardManager(
             [(f.name, f.weight) for f in self.config.reward.functions],
@@ -77,7 +82,7 @@ class RolloutWorker:
         self.idle_s = 0.0
         self.validator = job.val_set is not None and self.world.rank == 0
         self.validation = (
-            Validation(self.config, job.val_set, self.rewards, self.control)
+            Validation(self.config, job.val_set, self.rewards, self.control, self.agents)
             if self.validator and job.val_set is not None
             else None
         )
@@ -101,18 +106,20 @@ class RolloutWorker:
         assert isinstance(engine, Engine), "async rollout ranks run a static layout"
         return engine
 
+    def _new_agents(self) -> AgentGroups | None:
+        if not self.config.rollout.multi_turn.enable:
+            return None
+        return AgentGroups(self.config, self.engine)
+
     def run(self) -> RunResult:
         try:
+            if self.agents is not None:
+                asyncio.run(self._run_agents())
+                return RunResult(0, [], self.job.run_dir)
             self._join()
             while not self.control.done():
-                self.control.beat()
-                if self._lost():
+                if not self._between_steps():
                     continue
-                self._pull_newest()
-                self._watch_peers()
-                self._admit()
-                if self.report_due:
-                    self._report()
                 if self.engine.has_unfinished():
                     self.control.progress()
                     for out in self.engine.step():
@@ -131,6 +138,49 @@ class RolloutWorker:
         finally:
             self.rewards.close()
         return RunResult(0, [], self.job.run_dir)
+
+    def _between_steps(self) -> bool:
+        """Beat, pull newer weights, watch the peers, admit tickets, report if due; False if
+        this rank was lost (and rejoined) instead."""
+        self.control.beat()
+        if self._lost():
+            return False
+        self._pull_newest()
+        self._watch_peers()
+        self._admit()
+        if self.report_due:
+            self._report()
+        return True
+
+    async def _run_agents(self) -> None:
+        """The control loop of a multi-turn rank, on the event loop its samples run on: the
+        engine's step task (`LLMServer.step_until`) steps once each time this loop yields, so
+        weights are pulled between engine steps; finished groups are scored and handed over."""
+        self._join()
+        try:
+            while not self.control.done():
+                if not self._between_steps():
+                    continue
+                assert self.agents is not None
+                for group in self.agents.finished():
+                    if self.validation is not None and group.key in self.validation.pending:
+                        self.validation.finish(group.output, self.engine)
+                    else:
+                        self._hand_over_group(group)
+                if self.engine.has_unfinished():
+                    self.control.progress()
+                    await asyncio.sleep(0)  # the engine steps; samples whose turn ended go on
+                    self.steps_since_report += 1
+                    if self.steps_since_report >= self.config.async_rl.report_every:
+                        self._report()
+                elif self.agents.live():  # every running sample awaits its tool
+                    self.control.check_alive(self.job.trainer_ranks)
+                    await asyncio.sleep(IDLE_POLL_S)
+                else:
+                    await self._idle_async()
+        finally:
+            if self.agents is not None:
+                self.agents.close()
 
     def _join(self) -> None:
         """Wait for the trainer to say where the run starts (a resumed step, its loader)."""
@@ -161,7 +211,16 @@ class RolloutWorker:
         start = time.monotonic()
         self.control.check_alive(self.job.trainer_ranks)
         time.sleep(IDLE_POLL_S)
-        waited = time.monotonic() - start
+        self._count_idle(time.monotonic() - start)
+
+    async def _idle_async(self) -> None:
+        """`_idle` on the agents' event loop (the tools' answers arrive meanwhile)."""
+        start = time.monotonic()
+        self.control.check_alive(self.job.trainer_ranks)
+        await asyncio.sleep(IDLE_POLL_S)
+        self._count_idle(time.monotonic() - start)
+
+    def _count_idle(self, waited: float) -> None:
         self.idle_s += waited
         self.control.bump(f"wait_weights_us/{self.world.rank}", int(waited * 1e6))
 
@@ -174,9 +233,12 @@ class RolloutWorker:
         if latest <= self.engine.weight_version:
             return
         # Tokens sampled from here on come from the new version.
-        for seq in self.engine.unfinished_seqs():
-            flight = self.in_flight[seq.request_id]
-            flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
+        if self.agents is not None:
+            self.agents.server.note_pull(latest)
+        else:
+            for seq in self.engine.unfinished_seqs():
+                flight = self.in_flight[seq.request_id]
+                flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
         self.engine.load_weights(self.job.weights.load(latest), version=latest)
         self.control.progress()
         self._report_loaded()
@@ -212,7 +274,10 @@ class RolloutWorker:
         item, version = self._item(ticket), self.engine.weight_version
         params = ticket_params(self.config, ticket, item)
         rid = request_id(ticket)
-        self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
+        if self.agents is not None:  # switches: kept per turn by the agents' server
+            self.agents.start(rid, item, params)
+        else:
+            self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
         switches = [[(0, version)] for _ in range(params.n)]
         self.in_flight[rid] = InFlight(ticket, item, switches, migrated_from)
 
@@ -234,17 +299,31 @@ class RolloutWorker:
     # ---------------------------------------------------------------- hand over
 
     def _hand_over(self, out: RequestOutput) -> None:
+        flight = self.in_flight[out.request_id]
+        versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
+        self._score_and_hand_over(out, versions, {})
+
+    def _hand_over_group(self, group: FinishedGroup) -> None:
+        """A multi-turn ticket's samples all ended: its trajectories, their token versions and
+        its `multi_turn/*` counters (in the record's metrics: the step row merges them)."""
+        self._score_and_hand_over(group.output, group.versions, group.metrics)
+
+    def _score_and_hand_over(
+        self,
+        out: RequestOutput | TrajectoryOutput,
+        versions: list[list[int]],
+        metrics: dict[str, float],
+    ) -> None:
         flight = self.in_flight.pop(out.request_id)
         samples, reward_metrics, failures = score_outputs(
             self.rewards, [(flight.item, out)], self.learned, overlong_buffer(self.config)
         )
-        versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
         record = GroupRecord(
             flight.ticket,
             self.world.rank,
             samples,
             versions,
-            reward_metrics,
+            {**reward_metrics, **metrics},
             self.life,
             flight.migrated_from,
             flight.migrated_tokens,
@@ -269,14 +348,21 @@ class RolloutWorker:
 
     def _report(self) -> None:
         """Tell the others what this rank holds, so they can continue it if it is lost."""
-        ids = list(self.in_flight)
-        by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
-        for state in self.engine.snapshot_requests(ids):
-            by_request[state.request_id].append(state)
-        tickets = {
-            f.ticket: TicketReport(by_request[rid], f.switches, f.migrated_from)
-            for rid, f in self.in_flight.items()
-        }
+        if self.agents is not None:
+            # A multi-turn ticket's turn state lives in its agent loops, not in the engine: it
+            # is reported without samples, so an adopter restarts it from its prompt.
+            tickets = {
+                f.ticket: TicketReport([], [], f.migrated_from) for f in self.in_flight.values()
+            }
+        else:
+            ids = list(self.in_flight)
+            by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
+            for state in self.engine.snapshot_requests(ids):
+                by_request[state.request_id].append(state)
+            tickets = {
+                f.ticket: TicketReport(by_request[rid], f.switches, f.migrated_from)
+                for rid, f in self.in_flight.items()
+            }
         tickets.update(self.adopted)
         if self.held is not None:
             tickets[self.held] = TicketReport([], [])
@@ -382,10 +468,13 @@ class RolloutWorker:
         )
         self.control.delete(f"preempt/{me}")
         self.in_flight, self.held, self.adopted = {}, None, {}
+        if self.agents is not None:
+            self.agents.close()  # its samples and their turns go with the engine
         del self.engine  # reclaimed with its instance: the replacement starts from the model
         self._stay_away(down_s)
         if not self.control.done():
             self.engine = self._new_engine()
+            self.agents = self._new_agents()
             self.spec_seen = {}
             self._rejoin()
 
@@ -409,7 +498,10 @@ class RolloutWorker:
             if self.control.has([sample_key(flight.ticket)]) or not self.control.claim(
                 f"{flight.ticket}/{me}.{life}"
             ):
-                self.engine.export_requests([rid], with_kv=False, include_finished=True)
+                if self.agents is not None:
+                    self.agents.drop(rid)
+                else:
+                    self.engine.export_requests([rid], with_kv=False, include_finished=True)
                 del self.in_flight[rid]
                 dropped.append(flight.ticket)
             else:

@@ -1,0 +1,286 @@
+"""Async GRPO with multi-turn tool rollouts (`trainer.mode=async` + `rollout.multi_turn`,
+async_rl/agent_tickets.py): a rollout rank's groups run as agent-loop samples over its engine,
+weights are pulled between engine steps while samples are mid-turn or await a tool, and every
+model token records the version that sampled it (tool tokens, masked out, have no policy).
+
+The model is agent_scripted's tiny Llama: greedy, it calls the calculator, reads the answer and
+answers, so a trajectory holds model tokens, tool tokens, then model tokens again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from agent_scripted import ANSWER, CALL, HangingTool, hermes_tokenizer, save_scripted_model
+from agent_scripted import tool_config as write_tool_config
+from safetensors.torch import load_file
+
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+from patrl.orchestrator.async_loop import AsyncGRPO
+from patrl.orchestrator.async_rl.agent_tickets import (
+    AgentGroups,
+    FinishedGroup,
+    response_versions,
+)
+from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
+from patrl.orchestrator.config import JobConfig, load_config
+from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.distributed import World
+from patrl.orchestrator.support import multi_turn_refusals
+from patrl.rollout import Engine, EngineConfig, SamplingParams
+from patrl_testkit.multirank import run_ranks
+
+CALCULATOR = "patrl.orchestrator.agent.calculator.CalculatorTool"
+HANGING = "agent_scripted.HangingTool"
+DIGITS = "patrl_testkit.jobs:digit_reward"
+OTHER = "It is forty-two."  # what the second model answers after the tool
+QUESTION = [{"role": "user", "content": "What is 6*7?"}]
+ITEM = PromptItem(7, [], "What is 6*7?", "42", {}, QUESTION)
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two scripted models of one tokenizer: "a" answers ANSWER after the tool, "b" OTHER."""
+    tok = hermes_tokenizer([OTHER])
+    root = tmp_path_factory.mktemp("amt")
+    return {
+        "a": save_scripted_model(root / "a", tok, CALL),
+        "b": save_scripted_model(root / "b", tok, CALL, answer=OTHER),
+    }
+
+
+def job(tools: Path, *overrides: str) -> JobConfig:
+    return load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "data.max_response_length=64",
+            "rollout.n=2",
+            "rollout.adaptive_tp.enable=false",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.tool_config_path={tools}",
+            "actor.ppo_mini_batch_size=1",
+            "data.train_batch_size=1",
+            *overrides,
+        ],
+    )
+
+
+def engine_of(model_dir: Path) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=512,
+            max_model_len=1024,
+        )
+    )
+
+
+def drive(
+    agents: AgentGroups, between_steps: Callable[[], None] = lambda: None
+) -> list[FinishedGroup]:
+    """Run the groups in flight to their end as a rollout rank's control loop does: yield to
+    the engine's step task, then `between_steps` (where a rank pulls weights)."""
+
+    async def loop() -> list[FinishedGroup]:
+        agents.start("ticket-0", ITEM, GREEDY)
+        done: list[FinishedGroup] = []
+        while agents.live():
+            await asyncio.sleep(0)  # one engine step (if any), the samples' turns go on
+            between_steps()
+            done += agents.finished()
+        agents.close()
+        return done
+
+    return asyncio.run(loop())
+
+
+def test_groups_sample_what_the_sync_schedule_samples(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """The slow twin: the sync schedule's `MultiTurnRollout.generate` on a fresh engine. Same
+    seeds, same weights: the same trajectories (ids and masks exactly; logprobs to 1e-5, as
+    the batches around a turn may differ with the tools' timing), every token version 0."""
+    config = job(write_tool_config(tmp_path / "tools.yaml", CALCULATOR))
+    (group,) = drive(AgentGroups(config, engine_of(models["a"])))
+    (twin,) = MultiTurnRollout(config, engine_of(models["a"])).generate([ITEM], [GREEDY])
+    assert group.output.prompt_token_ids == twin.prompt_token_ids
+    assert len(group.output.outputs) == len(twin.outputs) == 2
+    for got, want, versions in zip(group.output.outputs, twin.outputs, group.versions, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.response_mask == want.response_mask
+        assert 0 in got.response_mask and got.response_mask[-1] == 1
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert got.text == want.text and "42" in got.text
+        assert versions == [0] * len(got.token_ids)
+    assert group.metrics["multi_turn/tool_calls"] == 2.0
+    assert group.metrics["multi_turn/tool_tokens/mean"] > 0
+
+
+def test_a_pull_mid_turn_switches_the_version_at_the_next_model_token(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Version 1 (the same weights) is loaded once both samples' first turns sampled exactly
+    one token: that token is version 0, every later model token version 1, and the tokens
+    are those of a run without the pull."""
+    config = job(write_tool_config(tmp_path / "tools.yaml", CALCULATOR))
+    engine = engine_of(models["a"])
+    agents = AgentGroups(config, engine)
+    weights = load_file(models["a"] / "model.safetensors")
+    seen: list[list[int]] = []
+
+    def pull() -> None:
+        seqs = engine.unfinished_seqs()
+        if engine.weight_version == 0 and seqs and all(s.output_token_ids for s in seqs):
+            seen.append([len(s.output_token_ids) for s in seqs])
+            agents.server.note_pull(1)
+            engine.load_weights(weights.items(), version=1)
+
+    (group,) = drive(agents, pull)
+    (twin,) = drive(AgentGroups(config, engine_of(models["a"])))
+    assert seen == [[1, 1]]  # the pull happened where the test says
+    for got, want, versions in zip(
+        group.output.outputs, twin.output.outputs, group.versions, strict=True
+    ):
+        assert got.token_ids == want.token_ids and got.response_mask == want.response_mask
+        model = [v for v, m in zip(versions, got.response_mask, strict=True) if m]
+        assert model == [0] + [1] * (len(model) - 1)
+
+
+def test_a_sample_awaiting_its_tool_holds_no_decode_slot_and_goes_on_under_new_weights(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Both samples' calls block in the tool; meanwhile no sequence of theirs is in the
+    engine (only their kept turns), and the weights of model "b" are loaded as version 1.
+    After the tool answers, the samples go on under "b": they answer OTHER, whose tokens are
+    version 1; the call turn's tokens are version 0; the tool's tokens are masked out."""
+    HangingTool.gate.clear()
+    config = job(write_tool_config(tmp_path / "tools.yaml", HANGING))
+    engine = engine_of(models["a"])
+    agents = AgentGroups(config, engine)
+    weights_b = load_file(models["b"] / "model.safetensors")
+    waited: list[tuple[int, int]] = []
+
+    def pull() -> None:
+        kept = engine.kept_request_ids()
+        if engine.weight_version == 0 and len(kept) == 2 and not engine.has_unfinished():
+            waited.append((len(engine.unfinished_seqs()), len(kept)))
+            agents.server.note_pull(1)
+            engine.load_weights(weights_b.items(), version=1)
+            HangingTool.gate.set()
+
+    try:
+        (group,) = drive(agents, pull)
+    finally:
+        HangingTool.gate.set()
+    assert waited == [(0, 2)]
+    tok = engine.tokenizer
+    for traj, versions in zip(group.output.outputs, group.versions, strict=True):
+        mask = traj.response_mask
+        first_tool = mask.index(0)
+        after = first_tool + mask[first_tool:].index(1)  # the first model token after the tool
+        assert tok.decode(traj.token_ids[:first_tool]) == f"<tool_call>{CALL}</tool_call>"
+        assert "too late" in tok.decode(traj.token_ids[first_tool:after])
+        assert tok.decode(traj.token_ids[after:], skip_special_tokens=True) == OTHER
+        assert ANSWER not in traj.text
+        assert versions[:first_tool] == [0] * first_tool
+        assert versions[after:] == [1] * (len(versions) - after)
+        assert all(lp == 0.0 for lp, m in zip(traj.logprobs, mask, strict=True) if m == 0)
+    assert engine.kept_request_ids() == []  # the finished samples' turns were released
+
+
+def test_response_versions_lay_model_versions_on_the_mask() -> None:
+    assert response_versions([1, 1, 0, 0, 1], [3, 4, 5]) == [3, 4, 4, 4, 5]
+    assert response_versions([], []) == []
+    with pytest.raises(ValueError, match="response_mask has 2 model tokens"):
+        response_versions([1, 0, 1], [3])
+
+
+def test_async_multi_turn_is_no_longer_refused(tmp_path: Path) -> None:
+    tools = write_tool_config(tmp_path / "tools.yaml", CALCULATOR)
+    assert multi_turn_refusals(job(tools, "trainer.mode=async")) == []
+    refused = multi_turn_refusals(job(tools, "trainer.mode=async", "rollout.over_sample_rate=0.5"))
+    assert len(refused) == 1 and "rollout.over_sample_rate=0.5" in refused[0]
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _async_multi_turn(rank: int, world_size: int, model: Path, run: Path) -> dict[str, Any]:
+    data = run.parent / "train.jsonl"
+    overrides: dict[str, Any] = {
+        "model.path": model,
+        "data.train_files": data,
+        "data.val_files": data,
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 512,  # the tools' schemas are in the rendered prompt
+        "data.max_response_length": 48,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.temperature": 0.05,  # the scripted calls, nearly always
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "false",
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": run.parent / "tools.yaml",
+        "rollout.multi_turn.max_assistant_turns": 3,
+        "reward.functions": f'[{{name: "{DIGITS}"}}]',
+        "reward.num_workers": 0,
+        "trainer.mode": "async",
+        "async_rl.rollout_ranks": 1,
+        "async_rl.max_staleness": 1,
+        "trainer.total_training_steps": 3,
+        "trainer.save_freq": 0,
+        "trainer.test_freq": 3,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": run,
+    }
+    config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    files = (config.data.train_files, config.data.val_files)
+    loop = AsyncGRPO(config, world, str(model), *files, peer_timeout_s=120)
+    result = loop.run()
+    if not isinstance(loop.role, TrainerWorker):
+        return {"role": "rollout"}
+    return {"role": "trainer", "history": result.history, "trained": loop.role.trained_versions}
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_an_async_multi_turn_job_trains_three_steps(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """1 rollout + 1 trainer rank, max_staleness=1, 3 steps: every step trains 2 groups of 2
+    tool-calling trajectories, with the tool tokens out of the loss (fewer trained tokens than
+    response tokens), the multi_turn/* counters logged as the sync schedule logs them, no
+    sample staler than the bound, and validation (multi-turn too) logged at step 3."""
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 8)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tool_config(tmp_path / "tools.yaml", CALCULATOR)
+    results = run_ranks(
+        _async_multi_turn, world_size=2, args=(models["a"], tmp_path / "run"), timeout_s=300
+    )
+    assert [r["role"] for r in results] == ["rollout", "trainer"]
+    history = results[1]["history"]
+    steps = [h for h in history if "actor/pg_loss" in h]
+    assert len(steps) == 3
+    for h in steps:
+        assert h["multi_turn/tool_calls"] > 0
+        assert h["multi_turn/tool_tokens/mean"] > 0
+        assert h["response_length/model_tokens/mean"] < h["response_length/mean"]
+        assert h["async/staleness_max"] <= 1.0
+        assert all(h[k] == h[k] for k in ("actor/pg_loss", "actor/entropy", "critic/score/mean"))
+    assert sorted({ticket for _, ticket, _, _ in results[1]["trained"]}) == list(range(6))
+    assert any("val-core/acc/mean@1" in h and h["step"] == 3 for h in history)
