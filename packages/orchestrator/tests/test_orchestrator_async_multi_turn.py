@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from agent_scripted import ANSWER, CALL, HangingTool, hermes_tokenizer, save_scripted_model
 from agent_scripted import tool_config as write_tool_config
 from safetensors.torch import load_file
@@ -28,11 +32,17 @@ from patrl.orchestrator.async_rl.agent_tickets import (
     FinishedGroup,
     response_versions,
 )
+from patrl.orchestrator.async_rl.job import AsyncJob
+from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
+from patrl.orchestrator.async_rl.tickets import GroupRecord, sample_key, ticket_params
 from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
+from patrl.orchestrator.build import load_data
 from patrl.orchestrator.config import JobConfig, load_config
+from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World
 from patrl.orchestrator.support import multi_turn_refusals
+from patrl.orchestrator.weight_store import WeightStore
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl_testkit.multirank import run_ranks
 
@@ -284,3 +294,120 @@ def test_an_async_multi_turn_job_trains_three_steps(
         assert all(h[k] == h[k] for k in ("actor/pg_loss", "actor/entropy", "critic/score/mean"))
     assert sorted({ticket for _, ticket, _, _ in results[1]["trained"]}) == list(range(6))
     assert any("val-core/acc/mean@1" in h and h["step"] == 3 for h in history)
+
+
+# ----------------------------------------------------------------- migration
+
+
+def _rollout_worker(rank: int, config: JobConfig, model: Path, store: Any) -> RolloutWorker:
+    """Rollout rank `rank` of a job whose ranks share `store` (in this process)."""
+    world = World(rank, 3, rank, torch.device("cpu"))
+    data = load_data(config, str(model), config.data.train_files, None)
+    control = ControlPlane(store, rank, timeout_s=120)
+    job = AsyncJob(
+        data.config,
+        world,
+        str(model),
+        config.run_dir,
+        data.loader,
+        None,
+        control,
+        WeightStore(config.run_dir / "weights"),
+    )
+    return RolloutWorker(job)
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_a_lost_ranks_multi_turn_ticket_restarts_from_its_prompt_on_a_peer(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Rollout rank 1 takes both tickets of the step; its samples' calls block in the tool
+    when it is preempted. It reported the tickets without samples (a multi-turn ticket's
+    turn state lives in its agent loops), so rank 0 claims them and runs each from its
+    prompt: each group is handed over complete, marked migrated from rank 1 with no tokens
+    kept, and equal, token for token, to a fresh run of the ticket (same seeds and weights)."""
+    HangingTool.gate.clear()
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in (6, 3)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = job(
+        write_tool_config(tmp_path / "tools.yaml", HANGING),
+        f"data.train_files={data}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=512",
+        "rollout.temperature=0.05",  # seeded: a rerun samples the same tokens
+        "rollout.block_size=4",
+        "rollout.num_kv_blocks=512",
+        "trainer.mode=async",
+        "async_rl.rollout_ranks=2",
+        "async_rl.max_staleness=0",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    store = dist.HashStore()
+    first = _rollout_worker(0, config, models["a"], store)
+    lost = _rollout_worker(1, config, models["a"], store)
+    control = ControlPlane(store, 2, timeout_s=120)  # the trainer's side of the store
+    loader = load_data(config, str(models["a"]), config.data.train_files, None).loader
+    control.put("start", pickle.dumps({"step": 0, "loader": loader.state_dict()}))
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (lost, first)]
+    try:
+        threads[0].start()
+        _wait(lambda: set(lost.last_report.tickets) == {0, 1}, "rank 1 to report both tickets")
+        reported = lost.last_report
+        control.preempt(1, 600)  # away until the run ends
+        _wait(lambda: bool(lost.preempted), "rank 1 to drop its work")
+        HangingTool.gate.set()
+        threads[1].start()
+        _wait(lambda: control.has([sample_key(0), sample_key(1)]), "both groups handed over")
+    finally:
+        HangingTool.gate.set()
+        control.finish()
+        for t in threads:
+            t.join(60)
+    assert all(not r.states and not r.switches for r in reported.tickets.values())
+    assert lost.preempted[0]["tickets"] == [0, 1] and lost.preempted[0]["reported_tokens"] == 0
+    for ticket in (0, 1):
+        record: GroupRecord = pickle.loads(control.get(sample_key(ticket)))
+        assert (record.rank, record.migrated_from, record.migrated_tokens) == (0, 1, 0)
+        item = loader_item(config, models["a"], ticket)
+        twin_agents = AgentGroups(config, engine_of(models["a"]))
+        twin = drive_one(twin_agents, item, ticket_params(config, ticket, item))
+        assert len(record.samples) == 2
+        for s, want in zip(record.samples, twin.output.outputs, strict=True):
+            assert s.token_ids == want.token_ids and s.response_mask == want.response_mask
+            assert s.prompt_token_ids == twin.output.prompt_token_ids
+            assert "too late" in engine_tokenizer(models["a"]).decode(s.token_ids)
+        assert record.versions == twin.versions
+
+
+def loader_item(config: JobConfig, model: Path, ticket: int) -> PromptItem:
+    batch = load_data(config, str(model), config.data.train_files, None).loader.next_batch()
+    return batch[ticket % config.data.train_batch_size]
+
+
+def drive_one(agents: AgentGroups, item: PromptItem, params: SamplingParams) -> FinishedGroup:
+    async def loop() -> FinishedGroup:
+        agents.start("twin", item, params)
+        done: list[FinishedGroup] = []
+        while agents.live():
+            await asyncio.sleep(0)
+            done += agents.finished()
+        agents.close()
+        (group,) = done
+        return group
+
+    return asyncio.run(loop())
+
+
+def engine_tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, local_files_only=True)
