@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from agent_scripted import ANSWER, CALL, HangingTool, hermes_tokenizer, save_scripted_model
+from agent_scripted import ANSWER, CALL, UNKNOWN, HangingTool, hermes_tokenizer, save_scripted_model
 from agent_scripted import tool_config as write_tool_config
 from safetensors.torch import load_file
 
@@ -41,7 +41,8 @@ from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World
-from patrl.orchestrator.support import multi_turn_refusals
+from patrl.orchestrator.support import multi_turn_refusals, unsupported
+from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
 from patrl.rollout import Engine, EngineConfig, SamplingParams
 from patrl_testkit.multirank import run_ranks
@@ -57,12 +58,14 @@ GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two scripted models of one tokenizer: "a" answers ANSWER after the tool, "b" OTHER."""
+    """Scripted models of one tokenizer: "a" answers ANSWER after the tool, "b" OTHER; "c"
+    calls the calculator or an unknown tool, each as likely (groups whose rewards differ)."""
     tok = hermes_tokenizer([OTHER])
     root = tmp_path_factory.mktemp("amt")
     return {
         "a": save_scripted_model(root / "a", tok, CALL),
         "b": save_scripted_model(root / "b", tok, CALL, answer=OTHER),
+        "c": save_scripted_model(root / "c", tok, CALL, other_calls=[UNKNOWN]),
     }
 
 
@@ -218,16 +221,25 @@ def test_response_versions_lay_model_versions_on_the_mask() -> None:
 
 def test_async_multi_turn_is_no_longer_refused(tmp_path: Path) -> None:
     tools = write_tool_config(tmp_path / "tools.yaml", CALCULATOR)
-    assert multi_turn_refusals(job(tools, "trainer.mode=async")) == []
-    refused = multi_turn_refusals(job(tools, "trainer.mode=async", "rollout.over_sample_rate=0.5"))
-    assert len(refused) == 1 and "rollout.over_sample_rate=0.5" in refused[0]
+    assert unsupported(job(tools, "trainer.mode=async"), 2) == []
+    no_tools = load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "rollout.adaptive_tp.enable=false",
+            "rollout.multi_turn.enable=true",
+            "trainer.mode=async",
+        ],
+    )
+    (problem,) = multi_turn_refusals(no_tools)  # the others stay
+    assert "rollout.multi_turn.tool_config_path is unset" in problem
 
 
 # ---------------------------------------------------------------------- end to end
 
 
-def _async_multi_turn(rank: int, world_size: int, model: Path, run: Path) -> dict[str, Any]:
-    data = run.parent / "train.jsonl"
+def _overrides(model: Path, root: Path, mode: str) -> list[str]:
+    data = root / "train.jsonl"
     overrides: dict[str, Any] = {
         "model.path": model,
         "data.train_files": data,
@@ -237,63 +249,94 @@ def _async_multi_turn(rank: int, world_size: int, model: Path, run: Path) -> dic
         "data.max_response_length": 48,
         "actor.ppo_mini_batch_size": 2,
         "rollout.n": 2,
-        "rollout.temperature": 0.05,  # the scripted calls, nearly always
+        "rollout.temperature": 0.5,  # the scripted tokens; either call, each as likely
         "rollout.block_size": 4,
         "rollout.num_kv_blocks": 512,
         "rollout.adaptive_tp.enable": "false",
         "rollout.multi_turn.enable": "true",
-        "rollout.multi_turn.tool_config_path": run.parent / "tools.yaml",
+        "rollout.multi_turn.tool_config_path": root / "tools.yaml",
         "rollout.multi_turn.max_assistant_turns": 3,
         "reward.functions": f'[{{name: "{DIGITS}"}}]',
         "reward.num_workers": 0,
-        "trainer.mode": "async",
+        "trainer.mode": mode,
         "async_rl.rollout_ranks": 1,
-        "async_rl.max_staleness": 1,
-        "trainer.total_training_steps": 3,
+        "async_rl.max_staleness": 0,
+        "trainer.total_training_steps": 2,
         "trainer.save_freq": 0,
-        "trainer.test_freq": 3,
+        "trainer.test_freq": 2,
         "trainer.val_before_train": "false",
         "trainer.logger": "[jsonl]",
         "trainer.plots": "false",
-        "trainer.default_local_dir": run,
+        "trainer.default_local_dir": root / mode,
     }
-    config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def _run(rank: int, world_size: int, model: Path, root: Path, mode: str) -> dict[str, Any]:
+    config = load_config(None, _overrides(model, root, mode))
     world = World(rank, world_size, rank, torch.device("cpu"))
     files = (config.data.train_files, config.data.val_files)
+    if mode == "sync":
+        return {"history": SyncGRPO(config, world, str(model), *files).run().history}
     loop = AsyncGRPO(config, world, str(model), *files, peer_timeout_s=120)
     result = loop.run()
     if not isinstance(loop.role, TrainerWorker):
         return {"role": "rollout"}
-    return {"role": "trainer", "history": result.history, "trained": loop.role.trained_versions}
+    return {"role": "trainer", "history": result.history}
+
+
+SAME = (  # what the samples decide: equal when both schedules sample the same trajectories
+    "critic/score/mean",
+    "critic/advantages/max",
+    "response_length/mean",
+    "response_length/model_tokens/mean",
+    "prompt_length/mean",
+    "multi_turn/tool_calls",
+    "multi_turn/num_turns/mean",
+    "multi_turn/tool_tokens/mean",
+)
 
 
 @pytest.mark.e2e
 @pytest.mark.multirank
-def test_an_async_multi_turn_job_trains_three_steps(
+def test_async_multi_turn_at_staleness_zero_trains_as_the_sync_schedule(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:
-    """1 rollout + 1 trainer rank, max_staleness=1, 3 steps: every step trains 2 groups of 2
-    tool-calling trajectories, with the tool tokens out of the loss (fewer trained tokens than
-    response tokens), the multi_turn/* counters logged as the sync schedule logs them, no
-    sample staler than the bound, and validation (multi-turn too) logged at step 3."""
-    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 8)]
+    """1 rollout + 1 trainer rank at max_staleness=0 against the sync schedule on one rank,
+    2 steps, same seeds: the same tool-calling trajectories (the samples' metrics and the
+    multi_turn/* counters equal), trained with the tool tokens out of the loss mask as the
+    sync schedule trains them (the actor's metrics equal up to decoupled PPO's behaviour
+    weight, 1 within the engine/trainer logprob mismatch: rtol 1e-4), validated alike."""
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 6)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_tool_config(tmp_path / "tools.yaml", CALCULATOR)
-    results = run_ranks(
-        _async_multi_turn, world_size=2, args=(models["a"], tmp_path / "run"), timeout_s=300
-    )
+    model = models["c"]
+    results = run_ranks(_run, world_size=2, args=(model, tmp_path, "async"), timeout_s=300)
     assert [r["role"] for r in results] == ["rollout", "trainer"]
-    history = results[1]["history"]
-    steps = [h for h in history if "actor/pg_loss" in h]
-    assert len(steps) == 3
-    for h in steps:
-        assert h["multi_turn/tool_calls"] > 0
-        assert h["multi_turn/tool_tokens/mean"] > 0
-        assert h["response_length/model_tokens/mean"] < h["response_length/mean"]
-        assert h["async/staleness_max"] <= 1.0
-        assert all(h[k] == h[k] for k in ("actor/pg_loss", "actor/entropy", "critic/score/mean"))
-    assert sorted({ticket for _, ticket, _, _ in results[1]["trained"]}) == list(range(6))
-    assert any("val-core/acc/mean@1" in h and h["step"] == 3 for h in history)
+    (sync,) = run_ranks(_run, world_size=1, args=(model, tmp_path, "sync"), timeout_s=300)
+
+    def steps(history: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [h for h in history if "actor/pg_loss" in h]
+
+    async_steps, sync_steps = steps(results[1]["history"]), steps(sync["history"])
+    assert len(async_steps) == len(sync_steps) == 2
+    for a, s in zip(async_steps, sync_steps, strict=True):
+        assert a["multi_turn/tool_calls"] > 0 and a["multi_turn/tool_tokens/mean"] > 0
+        assert a["response_length/model_tokens/mean"] < a["response_length/mean"]
+        for key in SAME:
+            assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert a[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
+        assert a["async/staleness_max"] == 0.0
+    assert any(s["critic/advantages/max"] > 0 for s in sync_steps)  # a real update
+
+    def validation(history: list[dict[str, float]]) -> list[tuple[float, float]]:
+        return [
+            (h["step"], h["val-core/acc/mean@1"]) for h in history if "val-core/acc/mean@1" in h
+        ]
+
+    assert validation(results[1]["history"]) == validation(sync["history"])
+    assert [step for step, _ in validation(sync["history"])] == [2.0]
 
 
 # ----------------------------------------------------------------- migration
