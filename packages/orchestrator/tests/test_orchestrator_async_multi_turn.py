@@ -25,6 +25,7 @@ from agent_scripted import ANSWER, CALL, UNKNOWN, HangingTool, hermes_tokenizer,
 from agent_scripted import tool_config as write_tool_config
 from safetensors.torch import load_file
 
+from patrl.orchestrator.agent import AgentLoop, AgentLoopOutput, register
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.agent_tickets import (
@@ -210,6 +211,36 @@ def test_a_sample_awaiting_its_tool_holds_no_decode_slot_and_goes_on_under_new_w
         assert versions[after:] == [1] * (len(versions) - after)
         assert all(lp == 0.0 for lp, m in zip(traj.logprobs, mask, strict=True) if m == 0)
     assert engine.kept_request_ids() == []  # the finished samples' turns were released
+
+
+@register("async_test_raising")
+class Raising(AgentLoop):
+    """Fails in its first turn's result, as a buggy custom loop would."""
+
+    async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
+        await self.server_manager.generate(
+            f"raising-{kwargs['sample_index']}",
+            prompt_ids=[5, 6, 7],
+            sampling_params=sampling_params,
+        )
+        raise RuntimeError("the loop is broken")
+
+
+def test_a_failing_agent_loop_fails_the_rank_not_hangs(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    config = job(write_tool_config(tmp_path / "tools.yaml", CALCULATOR))
+    agents = AgentGroups(config, engine_of(models["a"]))
+    item = PromptItem(7, [], "What is 6*7?", "42", {"agent_name": "async_test_raising"}, QUESTION)
+
+    async def loop() -> None:
+        agents.start("ticket-0", item, GREEDY)
+        for _ in range(10_000):
+            await asyncio.sleep(0)
+            agents.finished()
+
+    with pytest.raises(RuntimeError, match="the loop is broken"):
+        asyncio.run(loop())
 
 
 def test_response_versions_lay_model_versions_on_the_mask() -> None:

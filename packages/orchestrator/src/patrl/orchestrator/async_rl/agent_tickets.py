@@ -49,14 +49,11 @@ from patrl.rollout import Engine, SamplingParams
 
 @dataclass(slots=True)
 class SampleTrack:
-    """One agent-loop sample's policy versions: one per model token of its finished turns, in
-    sampling order, and its turn in the engine (if any) with that turn's switch points
-    ((first token sampled with it, version), as `InFlight.switches`)."""
+    """One agent-loop sample's policy versions, one per model token of its finished turns in
+    the order they ended, and every turn it submitted (released when it ends)."""
 
     versions: list[int] = field(default_factory=list)
-    turn: str | None = None
-    turn_switches: list[tuple[int, int]] = field(default_factory=list)
-    turns: list[str] = field(default_factory=list)  # every turn it submitted, to release
+    turns: list[str] = field(default_factory=list)
 
 
 # The sample whose `run` is executing: each sample's task runs in a context of its own.
@@ -71,7 +68,9 @@ class VersionedServer(LLMServer):
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine, keep_kv=True)
-        self.turns: dict[str, SampleTrack] = {}  # turns in the engine, by request id
+        # Turns submitted and not yet returned, by request id: their switch points ((first
+        # token sampled with it, version), as `InFlight.switches`).
+        self.switches: dict[str, list[tuple[int, int]]] = {}
 
     async def generate(
         self,
@@ -83,10 +82,10 @@ class VersionedServer(LLMServer):
         continues: str | None = None,
     ) -> TokenOutput:
         track = _CURRENT.get()
+        switches = [(0, self.engine.weight_version)]
         if track is not None:
-            track.turn, track.turn_switches = request_id, [(0, self.engine.weight_version)]
             track.turns.append(request_id)
-            self.turns[request_id] = track
+            self.switches[request_id] = switches
         try:
             out = await super().generate(
                 request_id,
@@ -96,19 +95,18 @@ class VersionedServer(LLMServer):
                 continues=continues,
             )
         finally:
-            self.turns.pop(request_id, None)
+            self.switches.pop(request_id, None)
         if track is not None:
-            track.versions += token_versions(track.turn_switches, len(out.token_ids))
-            track.turn = None
+            track.versions += token_versions(switches, len(out.token_ids))
         return out
 
     def note_pull(self, version: int) -> None:
         """Weights `version` are being loaded (between engine steps): tokens the unfinished
         turns sample from here on are that version's."""
         for seq in self.engine.unfinished_seqs():
-            track = self.turns.get(seq.request_id)
-            if track is not None:
-                track.turn_switches.append((len(seq.output_token_ids), version))
+            switches = self.switches.get(seq.request_id)
+            if switches is not None:
+                switches.append((len(seq.output_token_ids), version))
 
 
 @dataclass(slots=True)
@@ -141,6 +139,11 @@ class AgentGroups:
         if mt.tool_config_path is None:
             raise ValueError(
                 "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"
+            )
+        if engine.layout.tp_size != 1:
+            raise ValueError(
+                f"async multi-turn samples run on a tp=1 engine (each rollout rank its own); "
+                f"this one has tp={engine.layout.tp_size}"
             )
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
@@ -201,7 +204,9 @@ class AgentGroups:
         """Raise the failure of the engine's step task or of a sample's loop, if any."""
         if self.stepper is not None and self.stepper.done():
             error = None if self.stepper.cancelled() else self.stepper.exception()
-            raise RuntimeError(f"the engine's step task ended while samples ran: {error!r}")
+            if error is not None:
+                raise error
+            raise RuntimeError("the engine's step task ended while samples ran")
         for group in self.groups.values():
             for t in group.tasks:
                 if t.done() and not t.cancelled() and t.exception() is not None:

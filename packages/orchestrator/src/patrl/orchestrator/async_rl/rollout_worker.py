@@ -154,8 +154,9 @@ class RolloutWorker:
 
     async def _run_agents(self) -> None:
         """The control loop of a multi-turn rank, on the event loop its samples run on: the
-        engine's step task (`LLMServer.step_until`) steps once each time this loop yields, so
-        weights are pulled between engine steps; finished groups are scored and handed over."""
+        engine's step task (`LLMServer.step_until`) steps while this loop yields (once per
+        pass while the engine is busy), so weights are pulled between engine steps; finished
+        groups are scored and handed over."""
         self._join()
         try:
             while not self.control.done():
