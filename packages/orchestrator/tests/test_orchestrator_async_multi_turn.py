@@ -10,6 +10,7 @@ answers, so a trajectory holds model tokens, tool tokens, then model tokens agai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pickle
 import threading
@@ -21,7 +22,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from agent_scripted import ANSWER, CALL, UNKNOWN, HangingTool, hermes_tokenizer, save_scripted_model
+from agent_scripted import (
+    ANSWER,
+    CALL,
+    UNKNOWN,
+    GatedTool,
+    HangingTool,
+    hermes_tokenizer,
+    save_scripted_model,
+)
 from agent_scripted import tool_config as write_tool_config
 from safetensors.torch import load_file
 
@@ -31,6 +40,7 @@ from patrl.orchestrator.async_loop import AsyncGRPO
 from patrl.orchestrator.async_rl.agent_tickets import (
     AgentGroups,
     FinishedGroup,
+    SampleRecord,
     response_versions,
 )
 from patrl.orchestrator.async_rl.job import AsyncJob
@@ -101,13 +111,15 @@ def engine_of(model_dir: Path) -> Engine:
 
 
 def drive(
-    agents: AgentGroups, between_steps: Callable[[], None] = lambda: None
+    agents: AgentGroups,
+    between_steps: Callable[[], None] = lambda: None,
+    replay: list[SampleRecord] | None = None,
 ) -> list[FinishedGroup]:
-    """Run the groups in flight to their end as a rollout rank's control loop does: yield to
-    the engine's step task, then `between_steps` (where a rank pulls weights)."""
+    """Run ITEM's group (replaying `replay`) to its end as a rollout rank's control loop
+    does: yield to the engine's step task, then `between_steps` (where a rank pulls weights)."""
 
     async def loop() -> list[FinishedGroup]:
-        agents.start("ticket-0", ITEM, GREEDY)
+        agents.start("ticket-0", ITEM, GREEDY, replay)
         done: list[FinishedGroup] = []
         while agents.live():
             await asyncio.sleep(0)  # one engine step (if any), the samples' turns go on
@@ -241,6 +253,42 @@ def test_a_failing_agent_loop_fails_the_rank_not_hangs(
 
     with pytest.raises(RuntimeError, match="the loop is broken"):
         asyncio.run(loop())
+
+
+def test_a_replayed_sample_reuses_its_recorded_turns_and_answers(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """A group's records taken once both samples' tool answered (the call turn ended, the
+    answer turn maybe too: the tools' timing decides) replay on a fresh engine: the tool is
+    not called again, the recorded turns' model tokens are answered from the record, and the
+    trajectories and versions are the first run's. A record whose conversation does not
+    match is dropped at its first turn: the sample runs as a fresh one does, calling the
+    tool."""
+    GatedTool.gate.set()  # every call answers "42" at once; `calls` counts them
+    GatedTool.calls = 0
+    config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    first = AgentGroups(config, engine_of(models["a"]))
+    taken: list[list[SampleRecord]] = []
+
+    def take() -> None:
+        if first.live() and not taken:
+            records = first.records("ticket-0")
+            if all(len(r.outcomes) == 1 for r in records):
+                taken.append(records)
+
+    (done,) = drive(first, take)
+    assert GatedTool.calls == 2 and len(taken) == 1
+    GatedTool.calls = 0
+    (replayed,) = drive(AgentGroups(config, engine_of(models["a"])), replay=taken[0])
+    assert GatedTool.calls == 0 and replayed.replayed == sum(r.tokens() for r in taken[0]) >= 6
+    assert replayed.output == done.output and replayed.versions == done.versions
+    wrong = [
+        SampleRecord([dataclasses.replace(t, key=t.key + 1) for t in r.turns], r.outcomes)
+        for r in taken[0]
+    ]
+    (diverged,) = drive(AgentGroups(config, engine_of(models["a"])), replay=wrong)
+    assert GatedTool.calls == 2 and diverged.replayed == 0
+    assert diverged.output == done.output
 
 
 def test_response_versions_lay_model_versions_on_the_mask() -> None:
@@ -399,14 +447,15 @@ def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) ->
         time.sleep(0.01)
 
 
-def test_a_lost_ranks_multi_turn_ticket_restarts_from_its_prompt_on_a_peer(
+def test_a_lost_ranks_multi_turn_tickets_replay_on_a_peer(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:
     """Rollout rank 1 takes both tickets of the step; its samples' calls block in the tool
-    when it is preempted. It reported the tickets without samples (a multi-turn ticket's
-    turn state lives in its agent loops), so rank 0 claims them and runs each from its
-    prompt: each group is handed over complete, marked migrated from rank 1 with no tokens
-    kept, and equal, token for token, to a fresh run of the ticket (same seeds and weights)."""
+    when it is preempted, their call turns reported as their loops' records. Rank 0 claims
+    the tickets and replays them: each group is handed over complete, migrated from rank 1
+    with the reported call turns kept (3 model tokens per sample), the unanswered calls made
+    again, and equal, token for token, to a fresh run of the ticket (same seeds and
+    weights)."""
     HangingTool.gate.clear()
     rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in (6, 3)]
     data = tmp_path / "train.jsonl"
@@ -434,7 +483,8 @@ def test_a_lost_ranks_multi_turn_ticket_restarts_from_its_prompt_on_a_peer(
     threads = [threading.Thread(target=w.run, daemon=True) for w in (lost, first)]
     try:
         threads[0].start()
-        _wait(lambda: set(lost.last_report.tickets) == {0, 1}, "rank 1 to report both tickets")
+        # both tickets' samples wait in the tool, their call turns (3 tokens each) reported
+        _wait(lambda: lost.last_report.tokens() == 12, "rank 1 to report both call turns")
         reported = lost.last_report
         control.preempt(1, 600)  # away until the run ends
         _wait(lambda: bool(lost.preempted), "rank 1 to drop its work")
@@ -446,11 +496,13 @@ def test_a_lost_ranks_multi_turn_ticket_restarts_from_its_prompt_on_a_peer(
         control.finish()
         for t in threads:
             t.join(60)
-    assert all(not r.states and not r.switches for r in reported.tickets.values())
-    assert lost.preempted[0]["tickets"] == [0, 1] and lost.preempted[0]["reported_tokens"] == 0
+    for r in reported.tickets.values():
+        assert not r.states and not r.switches and r.records is not None
+        assert [(len(x.turns), len(x.outcomes)) for x in r.records] == [(1, 0), (1, 0)]
+    assert lost.preempted[0]["tickets"] == [0, 1] and lost.preempted[0]["reported_tokens"] == 12
     for ticket in (0, 1):
         record: GroupRecord = pickle.loads(control.get(sample_key(ticket)))
-        assert (record.rank, record.migrated_from, record.migrated_tokens) == (0, 1, 0)
+        assert (record.rank, record.migrated_from, record.migrated_tokens) == (0, 1, 6)
         item = loader_item(config, models["a"], ticket)
         twin_agents = AgentGroups(config, engine_of(models["a"]))
         twin = drive_one(twin_agents, item, ticket_params(config, ticket, item))

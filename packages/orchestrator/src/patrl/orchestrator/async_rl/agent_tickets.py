@@ -14,7 +14,17 @@ pull (its tokens delivered or about to be) takes no switch: its tokens are all t
 version's. A sample's response versions are its model tokens' versions in sampling order, laid
 on the response's mask-1 positions (tokens in, tokens out: the loop appends every sampled token
 in order); tool tokens, which no policy sampled, carry the version of the model token before
-them, and staleness reads model tokens only. See docs/async.md ("Multi-turn tickets").
+them, and staleness reads model tokens only.
+
+Migration: each sample's finished turns (ids, logprobs, finish, versions, and a hash of the
+conversation they continued) and its tools' answers are recorded as they end (`SampleRecord`)
+and go into the rank's flight reports. A peer that adopts the ticket runs the sample's loop
+again from its prompt, replaying: a turn whose conversation matches the next recorded one is
+answered from the record (no engine work), a tool call from the next recorded answer (the tool
+is not called again); the first mismatch ends the replay. The turn that was open at the report
+is generated again (the same tokens under the same weights: a turn's seed is the sample's and
+the turn's), as are tool calls that had not answered. Loops must be deterministic given the
+same turns and answers, as `ToolAgentLoop` is. See docs/async.md ("Multi-turn tickets").
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +49,8 @@ from patrl.orchestrator.agent.multi_turn import (
     agent_name_problems,
 )
 from patrl.orchestrator.agent.tool_config import load_tools
-from patrl.orchestrator.agent.tool_pool import ToolPool
+from patrl.orchestrator.agent.tool_parser import FunctionCall
+from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
 from patrl.orchestrator.async_rl.tickets import token_versions
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
@@ -48,12 +59,57 @@ from patrl.rollout import Engine, SamplingParams
 
 
 @dataclass(slots=True)
-class SampleTrack:
-    """One agent-loop sample's policy versions, one per model token of its finished turns in
-    the order they ended, and every turn it submitted (released when it ends)."""
+class TurnRecord:
+    """One finished model turn: a hash of the conversation it continued (`conversation_key`),
+    what it sampled, and the version of each sampled token."""
 
-    versions: list[int] = field(default_factory=list)
-    turns: list[str] = field(default_factory=list)
+    key: int
+    output: TokenOutput
+    versions: list[int]
+
+
+@dataclass(slots=True)
+class SampleRecord:
+    """What a peer needs to replay one sample: its finished turns and its tools' answers, in
+    order."""
+
+    turns: list[TurnRecord] = field(default_factory=list)
+    outcomes: list[ToolOutcome] = field(default_factory=list)
+
+    def tokens(self) -> int:
+        return sum(len(t.output.token_ids) for t in self.turns)
+
+
+@dataclass(slots=True)
+class SampleTrack:
+    """One agent-loop sample as it runs: its finished turns and tools' answers (None: a call
+    not answered yet), what is left to replay of a lost rank's record, and every turn it
+    submitted (released when it ends)."""
+
+    turns: list[TurnRecord] = field(default_factory=list)
+    outcomes: list[ToolOutcome | None] = field(default_factory=list)
+    replay: SampleRecord = field(default_factory=SampleRecord)
+    request_ids: list[str] = field(default_factory=list)
+    replayed: int = 0  # model tokens answered from the replayed record
+
+    @property
+    def versions(self) -> list[int]:
+        """One per model token of its finished turns, in the order they ended."""
+        return [v for t in self.turns for v in t.versions]
+
+    def record(self) -> SampleRecord:
+        """Its turns, and its tools' answers up to the first call not answered yet."""
+        answered = self.outcomes.index(None) if None in self.outcomes else len(self.outcomes)
+        return SampleRecord(list(self.turns), [o for o in self.outcomes[:answered] if o])
+
+    def stop_replay(self) -> None:
+        self.replay = SampleRecord()
+
+
+def conversation_key(prompt_ids: Sequence[int]) -> int:
+    """A turn's conversation, hashed (Python's hash of a tuple of ints is the same in every
+    process): a replayed turn must continue exactly the conversation its record did."""
+    return hash(tuple(prompt_ids))
 
 
 # The sample whose `run` is executing: each sample's task runs in a context of its own.
@@ -71,6 +127,7 @@ class VersionedServer(LLMServer):
         # Turns submitted and not yet returned, by request id: their switch points ((first
         # token sampled with it, version), as `InFlight.switches`).
         self.switches: dict[str, list[tuple[int, int]]] = {}
+        self.events = 0  # turns ended and tool answers recorded: a report would differ
 
     async def generate(
         self,
@@ -82,9 +139,17 @@ class VersionedServer(LLMServer):
         continues: str | None = None,
     ) -> TokenOutput:
         track = _CURRENT.get()
+        key = conversation_key(prompt_ids)
+        if track is not None and track.replay.turns:
+            if track.replay.turns[0].key == key:
+                turn = track.replay.turns.pop(0)
+                track.turns.append(turn)
+                track.replayed += len(turn.output.token_ids)
+                return dataclasses.replace(turn.output)
+            track.stop_replay()  # the loop went another way: generate from here on
         switches = [(0, self.engine.weight_version)]
         if track is not None:
-            track.turns.append(request_id)
+            track.request_ids.append(request_id)
             self.switches[request_id] = switches
         try:
             out = await super().generate(
@@ -97,7 +162,9 @@ class VersionedServer(LLMServer):
         finally:
             self.switches.pop(request_id, None)
         if track is not None:
-            track.versions += token_versions(switches, len(out.token_ids))
+            versions = token_versions(switches, len(out.token_ids))
+            track.turns.append(TurnRecord(key, dataclasses.replace(out), versions))
+            self.events += 1
         return out
 
     def note_pull(self, version: int) -> None:
@@ -109,16 +176,45 @@ class VersionedServer(LLMServer):
                 switches.append((len(seq.output_token_ids), version))
 
 
+class RecordingPool(ToolPool):
+    """A `ToolPool` that records each sample's answers in call order, and answers a replayed
+    sample's calls from its record (the tool is not called again)."""
+
+    def __init__(self, tools: Sequence[Any], **kwargs: Any) -> None:
+        super().__init__(tools, **kwargs)
+        self.events = 0  # answers recorded
+
+    async def call(
+        self, call: FunctionCall, create_kwargs: Mapping[str, Any] | None = None
+    ) -> ToolOutcome:
+        track = _CURRENT.get()
+        if track is None:
+            return await super().call(call, create_kwargs)
+        if track.replay.outcomes:
+            outcome = track.replay.outcomes.pop(0)
+            track.outcomes.append(outcome)
+            return outcome
+        track.replay.turns.clear()  # a call made anew: nothing recorded after it applies
+        slot = len(track.outcomes)
+        track.outcomes.append(None)  # reserved in call order: calls run concurrently
+        outcome = await super().call(call, create_kwargs)
+        track.outcomes[slot] = outcome
+        self.events += 1
+        return outcome
+
+
 @dataclass(slots=True)
 class FinishedGroup:
     """A group whose samples all ended: the trajectories (`score_outputs` reads them), each
-    response token's policy version, and the group's `multi_turn/*` counters."""
+    response token's policy version, the group's `multi_turn/*` counters, and its model
+    tokens replayed from a lost rank's record."""
 
     key: str
     item: PromptItem
     output: TrajectoryOutput
     versions: list[list[int]]
     metrics: dict[str, float]
+    replayed: int = 0
 
 
 @dataclass(slots=True)
@@ -148,7 +244,7 @@ class AgentGroups:
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
         self.response_length = config.data.max_response_length
-        self.pool = ToolPool(
+        self.pool = RecordingPool(
             load_tools(mt.tool_config_path),
             timeout_s=mt.tool_timeout_s,
             max_response_length=mt.max_tool_response_length,
@@ -168,9 +264,16 @@ class AgentGroups:
         self.dropped: set[str] = set()  # run out, their results not wanted
         self.stepper: asyncio.Task[None] | None = None
 
-    def start(self, key: str, item: PromptItem, params: SamplingParams) -> None:
+    def start(
+        self,
+        key: str,
+        item: PromptItem,
+        params: SamplingParams,
+        replay: Sequence[SampleRecord] | None = None,
+    ) -> None:
         """Run `item`'s `params.n` samples, sample k seeded as the sync schedule seeds it
-        (`MultiTurnRollout`), so both schedules sample the same tokens from the same weights."""
+        (`MultiTurnRollout`), so both schedules sample the same tokens from the same weights;
+        sample k replays `replay[k]` first (a lost rank's record, `records`)."""
         if key in self.groups:
             raise ValueError(f"group {key!r} is already in flight")
         if self.stepper is None:  # first, so that step_until readies the server first
@@ -182,6 +285,8 @@ class AgentGroups:
         tasks, tracks = [], []
         for k, p in enumerate(sample_params(params)):
             track = SampleTrack()
+            if replay is not None:
+                track.replay = SampleRecord(list(replay[k].turns), list(replay[k].outcomes))
             # The task copies the context it is made in: the one where `track` is current.
             context = contextvars.copy_context()
             context.run(_CURRENT.set, track)
@@ -189,6 +294,16 @@ class AgentGroups:
             tasks.append(context.run(asyncio.get_running_loop().create_task, run))
             tracks.append(track)
         self.groups[key] = _Group(item, tasks, tracks)
+
+    def records(self, key: str) -> list[SampleRecord]:
+        """What a peer needs to replay group `key`'s samples (`start(..., replay=)`)."""
+        return [t.record() for t in self.groups[key].tracks]
+
+    @property
+    def events(self) -> int:
+        """Counts every turn ended and tool answer recorded: a report made at a different
+        count would hold more."""
+        return self.server.events + self.pool.events
 
     def live(self) -> bool:
         """Whether a sample is running (generating, or awaiting its tool)."""
@@ -222,7 +337,7 @@ class AgentGroups:
                 continue
             del self.groups[key]
             for track in group.tracks:
-                for turn in track.turns:
+                for turn in track.request_ids:
                     self.server.release(turn)  # ignored unless still kept
             if key in self.dropped:
                 self.dropped.discard(key)
@@ -232,8 +347,16 @@ class AgentGroups:
                 response_versions(o.response_mask, tr.versions)
                 for o, tr in zip(outs, group.tracks, strict=True)
             ]
+            output = self._output(key, outs)
             out.append(
-                FinishedGroup(key, group.item, self._output(key, outs), versions, _metrics(outs))
+                FinishedGroup(
+                    key,
+                    group.item,
+                    output,
+                    versions,
+                    _metrics(outs),
+                    sum(t.replayed for t in group.tracks),
+                )
             )
         return out
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patrl.orchestrator.async_rl.agent_tickets import AgentGroups, FinishedGroup
+from patrl.orchestrator.async_rl.agent_tickets import AgentGroups, FinishedGroup, SampleRecord
 from patrl.orchestrator.async_rl.flight_reports import (
     FlightReport,
     TicketReport,
@@ -92,6 +92,7 @@ class RolloutWorker:
         self._last_watch = -float("inf")
         self.steps_since_report = 0
         self.report_due = False  # a ticket was taken: report before the next engine step
+        self.reported_events = 0  # AgentGroups.events at the last report
         self.last_report = FlightReport(self.world.rank, 0, {})
         # What happened to this rank, for tests and logs: preemptions, declared gone, rejoins,
         # tickets handed over (ticket, life), and hand-overs that another rank had beaten.
@@ -175,6 +176,8 @@ class RolloutWorker:
                     if self.steps_since_report >= self.config.async_rl.report_every:
                         self._report()
                 elif self.agents.live():  # every running sample awaits its tool
+                    if self.agents.events != self.reported_events:
+                        self._report()  # their ended turns and answers, while they wait
                     self.control.check_alive(self.job.trainer_ranks)
                     await asyncio.sleep(IDLE_POLL_S)
                 else:
@@ -271,12 +274,18 @@ class RolloutWorker:
             self._start(self.held)
             self.held = None
 
-    def _start(self, ticket: int, migrated_from: int | None = None) -> None:
+    def _start(
+        self,
+        ticket: int,
+        migrated_from: int | None = None,
+        records: list[SampleRecord] | None = None,
+    ) -> None:
+        """Start `ticket` (multi-turn: replaying a lost rank's `records` first)."""
         item, version = self._item(ticket), self.engine.weight_version
         params = ticket_params(self.config, ticket, item)
         rid = request_id(ticket)
         if self.agents is not None:  # switches: kept per turn by the agents' server
-            self.agents.start(rid, item, params)
+            self.agents.start(rid, item, params, records)
         else:
             self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
         switches = [[(0, version)] for _ in range(params.n)]
@@ -307,6 +316,7 @@ class RolloutWorker:
     def _hand_over_group(self, group: FinishedGroup) -> None:
         """A multi-turn ticket's samples all ended: its trajectories, their token versions and
         its `multi_turn/*` counters (in the record's metrics: the step row merges them)."""
+        self.in_flight[group.key].migrated_tokens = group.replayed
         self._score_and_hand_over(group.output, group.versions, group.metrics)
 
     def _score_and_hand_over(
@@ -350,11 +360,13 @@ class RolloutWorker:
     def _report(self) -> None:
         """Tell the others what this rank holds, so they can continue it if it is lost."""
         if self.agents is not None:
-            # A multi-turn ticket's turn state lives in its agent loops, not in the engine: it
-            # is reported without samples, so an adopter restarts it from its prompt.
+            # A multi-turn ticket's turn state lives in its agent loops, not in the engine: its
+            # samples' records (finished turns, tool answers), which an adopter replays.
             tickets = {
-                f.ticket: TicketReport([], [], f.migrated_from) for f in self.in_flight.values()
+                f.ticket: TicketReport([], [], f.migrated_from, self.agents.records(rid))
+                for rid, f in self.in_flight.items()
             }
+            self.reported_events = self.agents.events
         else:
             ids = list(self.in_flight)
             by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
@@ -420,7 +432,7 @@ class RolloutWorker:
                 continue  # its lost rank woke up and handed it over after all
             self.report_due = True
             if not report.states:
-                self._start(ticket, report.migrated_from)
+                self._start(ticket, report.migrated_from, report.records)
                 continue
             version = self.engine.weight_version
             self.engine.import_requests(report.states)
