@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,7 @@ class _Group:
     item: PromptItem
     tasks: list[asyncio.Task[AgentLoopOutput]]
     tracks: list[SampleTrack]
+    left: int  # samples not ended yet
 
 
 class AgentGroups:
@@ -262,6 +264,8 @@ class AgentGroups:
         self.loops: dict[str, AgentLoop] = {}
         self.groups: dict[str, _Group] = {}
         self.dropped: set[str] = set()  # run out, their results not wanted
+        self.ended: list[str] = []  # groups whose samples all ended, not yet `finished`
+        self.failure: BaseException | None = None  # the first sample's loop that raised
         self.stepper: asyncio.Task[None] | None = None
 
     def start(
@@ -291,9 +295,23 @@ class AgentGroups:
             context = contextvars.copy_context()
             context.run(_CURRENT.set, track)
             run = loop.run(p, sample_index=k, **fields)
-            tasks.append(context.run(asyncio.get_running_loop().create_task, run))
+            task = context.run(asyncio.get_running_loop().create_task, run)
+            task.add_done_callback(functools.partial(self._sample_ended, key))
+            tasks.append(task)
             tracks.append(track)
-        self.groups[key] = _Group(item, tasks, tracks)
+        self.groups[key] = _Group(item, tasks, tracks, len(tasks))
+
+    def _sample_ended(self, key: str, task: asyncio.Task[AgentLoopOutput]) -> None:
+        """A sample's task is done: note a failure, or its group's end once all are done."""
+        group = self.groups.get(key)
+        if task.cancelled() or group is None or task not in group.tasks:
+            return  # cancelled by `close`, or a group of an engine since dropped
+        error = task.exception()
+        if error is not None and self.failure is None:
+            self.failure = error
+        group.left -= 1
+        if group.left == 0:
+            self.ended.append(key)
 
     def records(self, key: str) -> list[SampleRecord]:
         """What a peer needs to replay group `key`'s samples (`start(..., replay=)`)."""
@@ -322,20 +340,17 @@ class AgentGroups:
             if error is not None:
                 raise error
             raise RuntimeError("the engine's step task ended while samples ran")
-        for group in self.groups.values():
-            for t in group.tasks:
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+        if self.failure is not None:
+            raise self.failure
 
     def finished(self) -> list[FinishedGroup]:
         """The groups whose samples all ended since the last call (dropped ones discarded),
-        in start order; their kept turns are released."""
+        in the order they ended; their kept turns are released."""
         self.check()
         out = []
-        for key, group in list(self.groups.items()):
-            if not all(t.done() for t in group.tasks):
-                continue
-            del self.groups[key]
+        ended, self.ended = self.ended, []
+        for key in ended:
+            group = self.groups.pop(key)
             for track in group.tracks:
                 for turn in track.request_ids:
                     self.server.release(turn)  # ignored unless still kept
@@ -367,7 +382,7 @@ class AgentGroups:
                 t.cancel()
         if self.stepper is not None:
             self.stepper.cancel()
-        self.groups, self.dropped, self.stepper = {}, set(), None
+        self.groups, self.dropped, self.ended, self.stepper = {}, set(), [], None
 
     # ---------------------------------------------------------------- helpers
 
