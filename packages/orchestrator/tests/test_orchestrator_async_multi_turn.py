@@ -291,6 +291,24 @@ def test_a_replayed_sample_reuses_its_recorded_turns_and_answers(
     assert diverged.output == done.output
 
 
+def test_a_dropped_group_runs_out_and_is_discarded(tmp_path: Path, models: dict[str, Path]) -> None:
+    """A stalled rank that wakes to find a ticket claimed drops it: its samples run to their
+    end (their turns could not be taken from them), nothing is handed back, and the engine
+    is left with no request and no kept turn."""
+    config = job(write_tool_config(tmp_path / "tools.yaml", CALCULATOR))
+    engine = engine_of(models["a"])
+    agents = AgentGroups(config, engine)
+    dropped: list[bool] = []
+
+    def drop_once_generating() -> None:
+        if not dropped and engine.has_unfinished():
+            agents.drop("ticket-0")
+            dropped.append(True)
+
+    assert drive(agents, drop_once_generating) == []
+    assert dropped and not engine.has_unfinished() and engine.kept_request_ids() == []
+
+
 def test_response_versions_lay_model_versions_on_the_mask() -> None:
     assert response_versions([1, 1, 0, 0, 1], [3, 4, 5]) == [3, 4, 4, 4, 5]
     assert response_versions([], []) == []
