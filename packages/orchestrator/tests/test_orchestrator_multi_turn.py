@@ -175,10 +175,10 @@ def test_preflight_refuses_what_is_not_wired_naming_the_key(tmp_path: Path) -> N
         "algorithm.use_kl_in_reward=true",
         "rollout.speculative.enable=true",  # test_orchestrator_agent_speculative.py
         "rollout.adaptive_tp.enable=true",  # test_orchestrator_agent_adaptive.py
+        "trainer.mode=async",  # test_orchestrator_async_multi_turn.py
     ):
         assert multi_turn_problems(job(tools, accepted)) == [], accepted
     refused = {
-        "trainer.mode=async": "trainer.mode=async",
         "rollout.over_sample_rate=0.5": "rollout.over_sample_rate=0.5",
     }
     for override, named in refused.items():

@@ -30,14 +30,13 @@ def test_one_list_holds_every_schedules_refusals(assets: Path, tmp_path: Path) -
         **{
             "trainer.mode": "async",
             "algorithm.adv_estimator": "remax",
-            "rollout.multi_turn.enable": "true",
-            "rollout.multi_turn.tool_config_path": tmp_path / "tools.yaml",
+            "rollout.multi_turn.enable": "true",  # with no tool config: refused
         },
     )
     problems = support.unsupported(both, 1)
     assert problems == [*support.multi_turn_refusals(both), *support.async_refusals(both, 1)]
     assert [p.split(":")[0] for p in problems] == [
-        "rollout.multi_turn.enable=true with trainer.mode=async",
+        "rollout.multi_turn.enable=true with rollout.multi_turn.tool_config_path is unset",
         "trainer.mode=async needs at least 2 ranks (rollout ranks and trainer ranks apart) and "
         "this job has 1",
         "trainer.mode=async does not support algorithm.adv_estimator=remax",

@@ -33,8 +33,9 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
     """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP layout
-    (any size) or adaptive TP, with or without speculative rollouts: every other combination
-    is refused, named by key, with why not yet."""
+    (any size) or adaptive TP, with or without speculative rollouts, and into the async
+    schedule (its rollout ranks' static tp=1 engines): every other combination is refused,
+    named by key, with why not yet."""
     mt, r = config.rollout.multi_turn, config.rollout
     if not mt.enable:
         return []
@@ -45,13 +46,6 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
             "rollout.multi_turn.tool_config_path is unset",
             "the tool agent loop needs its tools",
             "name a tool config YAML",
-        ),
-        (
-            config.trainer.mode == "async",
-            "trainer.mode=async",
-            "a sample's turn state (its conversation so far, held by the agent loop) is not "
-            "yet carried across weight pulls nor saved in the flight reports a peer resumes",
-            "use trainer.mode=sync",
         ),
         (
             r.over_sample_rate > 0,

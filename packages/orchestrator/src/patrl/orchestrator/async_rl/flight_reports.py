@@ -6,6 +6,8 @@ finish state, sampler RNG state: `Engine.snapshot_requests`, no KV) and their po
 switch points. When the rank is lost, its peers `claim_orphans` from its last report, one
 winner per ticket over the whole job, and continue them by recompute (`Engine.import_requests`):
 reported tokens are kept, and the RNG state resamples the rest alike under the same weights.
+A multi-turn ticket's samples are reported as their agent loops' records instead
+(`agent_tickets.SampleRecord`: finished turns and tool answers), which the adopter replays.
 `rollout_worker.RolloutWorker` drives this; the protocol is in docs/async.md.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from patrl.orchestrator.async_rl.agent_tickets import SampleRecord
 from patrl.orchestrator.control import ControlPlane
 from patrl.rollout import SequenceState
 
@@ -26,14 +29,18 @@ from patrl.rollout import SequenceState
 @dataclass(slots=True)
 class TicketReport:
     """What a peer needs to continue one ticket: its samples as they stood (none: not started,
-    start it afresh) and their version switch points."""
+    start it afresh) and their version switch points; a multi-turn ticket's in `records`
+    instead (one per sample; None for a single-turn ticket)."""
 
     states: list[SequenceState]
     switches: list[list[tuple[int, int]]]
     migrated_from: int | None = None  # kept along when an adopted ticket moves on again
+    records: list[SampleRecord] | None = None
 
     def tokens(self) -> int:
-        return sum(len(s.output_token_ids) for s in self.states)
+        """The model tokens reported."""
+        turns = sum(r.tokens() for r in self.records or [])
+        return sum(len(s.output_token_ids) for s in self.states) + turns
 
 
 @dataclass(slots=True)

@@ -1,14 +1,18 @@
 """An async rollout rank: generates tickets as admission allows, pulls newer weights between
 engine steps, hands each finished group to the trainer through the store, reports its tickets
-in flight, and continues those of lost peers (docs/async.md)."""
+in flight, and continues those of lost peers (docs/async.md). With `rollout.multi_turn` a
+ticket's samples are agent-loop samples (`agent_tickets.AgentGroups`) and the control loop runs
+on their event loop, between engine steps."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import time
 from pathlib import Path
 from typing import Any
 
+from patrl.orchestrator.async_rl.agent_tickets import AgentGroups, FinishedGroup, SampleRecord
 from patrl.orchestrator.async_rl.flight_reports import (
     FlightReport,
     TicketReport,
@@ -34,7 +38,7 @@ from patrl.orchestrator.drafter_checkpoint import load_drafter
 from patrl.orchestrator.learned_reward import LearnedReward
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.run import RunResult, validates
-from patrl.orchestrator.scoring import overlong_buffer, score_outputs
+from patrl.orchestrator.scoring import TrajectoryOutput, overlong_buffer, score_outputs
 from patrl.rollout import Engine, RequestOutput, SequenceState
 from patrl.trainer.reward_model import load_tokenizer
 
@@ -57,6 +61,7 @@ class RolloutWorker:
         self.control = job.control
         self.batch_size = job.config.data.train_batch_size
         self.engine = self._new_engine()
+        self.agents = self._new_agents()  # rollout.multi_turn: the samples run as agent loops
         self.spec_seen: dict[str, float] = {}  # spec_totals at the last hand-over
         self.rewards = RewardManager(
             [(f.name, f.weight) for f in self.config.reward.functions],
@@ -77,7 +82,7 @@ class RolloutWorker:
         self.idle_s = 0.0
         self.validator = job.val_set is not None and self.world.rank == 0
         self.validation = (
-            Validation(self.config, job.val_set, self.rewards, self.control)
+            Validation(self.config, job.val_set, self.rewards, self.control, self.agents)
             if self.validator and job.val_set is not None
             else None
         )
@@ -87,6 +92,7 @@ class RolloutWorker:
         self._last_watch = -float("inf")
         self.steps_since_report = 0
         self.report_due = False  # a ticket was taken: report before the next engine step
+        self.reported_events = 0  # AgentGroups.events at the last report
         self.last_report = FlightReport(self.world.rank, 0, {})
         # What happened to this rank, for tests and logs: preemptions, declared gone, rejoins,
         # tickets handed over (ticket, life), and hand-overs that another rank had beaten.
@@ -101,18 +107,20 @@ class RolloutWorker:
         assert isinstance(engine, Engine), "async rollout ranks run a static layout"
         return engine
 
+    def _new_agents(self) -> AgentGroups | None:
+        if not self.config.rollout.multi_turn.enable:
+            return None
+        return AgentGroups(self.config, self.engine)
+
     def run(self) -> RunResult:
         try:
+            if self.agents is not None:
+                asyncio.run(self._run_agents())
+                return RunResult(0, [], self.job.run_dir)
             self._join()
             while not self.control.done():
-                self.control.beat()
-                if self._lost():
+                if not self._between_steps():
                     continue
-                self._pull_newest()
-                self._watch_peers()
-                self._admit()
-                if self.report_due:
-                    self._report()
                 if self.engine.has_unfinished():
                     self.control.progress()
                     for out in self.engine.step():
@@ -131,6 +139,52 @@ class RolloutWorker:
         finally:
             self.rewards.close()
         return RunResult(0, [], self.job.run_dir)
+
+    def _between_steps(self) -> bool:
+        """Beat, pull newer weights, watch the peers, admit tickets, report if due; False if
+        this rank was lost (and rejoined) instead."""
+        self.control.beat()
+        if self._lost():
+            return False
+        self._pull_newest()
+        self._watch_peers()
+        self._admit()
+        if self.report_due:
+            self._report()
+        return True
+
+    async def _run_agents(self) -> None:
+        """The control loop of a multi-turn rank, on the event loop its samples run on: the
+        engine's step task (`LLMServer.step_until`) steps while this loop yields (once per
+        pass while the engine is busy), so weights are pulled between engine steps; finished
+        groups are scored and handed over."""
+        self._join()
+        try:
+            while not self.control.done():
+                if not self._between_steps():
+                    continue
+                assert self.agents is not None
+                for group in self.agents.finished():
+                    if self.validation is not None and group.key in self.validation.pending:
+                        self.validation.finish(group.output, self.engine)
+                    else:
+                        self._hand_over_group(group)
+                if self.engine.has_unfinished():
+                    self.control.progress()
+                    await asyncio.sleep(0)  # the engine steps; samples whose turn ended go on
+                    self.steps_since_report += 1
+                    if self.steps_since_report >= self.config.async_rl.report_every:
+                        self._report()
+                elif self.agents.live():  # every running sample awaits its tool
+                    if self.agents.events != self.reported_events:
+                        self._report()  # their ended turns and answers, while they wait
+                    self.control.check_alive(self.job.trainer_ranks)
+                    await asyncio.sleep(IDLE_POLL_S)
+                else:
+                    await self._idle_async()
+        finally:
+            if self.agents is not None:
+                self.agents.close()
 
     def _join(self) -> None:
         """Wait for the trainer to say where the run starts (a resumed step, its loader)."""
@@ -161,7 +215,16 @@ class RolloutWorker:
         start = time.monotonic()
         self.control.check_alive(self.job.trainer_ranks)
         time.sleep(IDLE_POLL_S)
-        waited = time.monotonic() - start
+        self._count_idle(time.monotonic() - start)
+
+    async def _idle_async(self) -> None:
+        """`_idle` on the agents' event loop (the tools' answers arrive meanwhile)."""
+        start = time.monotonic()
+        self.control.check_alive(self.job.trainer_ranks)
+        await asyncio.sleep(IDLE_POLL_S)
+        self._count_idle(time.monotonic() - start)
+
+    def _count_idle(self, waited: float) -> None:
         self.idle_s += waited
         self.control.bump(f"wait_weights_us/{self.world.rank}", int(waited * 1e6))
 
@@ -174,9 +237,12 @@ class RolloutWorker:
         if latest <= self.engine.weight_version:
             return
         # Tokens sampled from here on come from the new version.
-        for seq in self.engine.unfinished_seqs():
-            flight = self.in_flight[seq.request_id]
-            flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
+        if self.agents is not None:
+            self.agents.server.note_pull(latest)
+        else:
+            for seq in self.engine.unfinished_seqs():
+                flight = self.in_flight[seq.request_id]
+                flight.switches[seq.sample_index].append((len(seq.output_token_ids), latest))
         self.engine.load_weights(self.job.weights.load(latest), version=latest)
         self.control.progress()
         self._report_loaded()
@@ -208,11 +274,20 @@ class RolloutWorker:
             self._start(self.held)
             self.held = None
 
-    def _start(self, ticket: int, migrated_from: int | None = None) -> None:
+    def _start(
+        self,
+        ticket: int,
+        migrated_from: int | None = None,
+        records: list[SampleRecord] | None = None,
+    ) -> None:
+        """Start `ticket` (multi-turn: replaying a lost rank's `records` first)."""
         item, version = self._item(ticket), self.engine.weight_version
         params = ticket_params(self.config, ticket, item)
         rid = request_id(ticket)
-        self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
+        if self.agents is not None:  # switches: kept per turn by the agents' server
+            self.agents.start(rid, item, params, records)
+        else:
+            self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
         switches = [[(0, version)] for _ in range(params.n)]
         self.in_flight[rid] = InFlight(ticket, item, switches, migrated_from)
 
@@ -234,17 +309,32 @@ class RolloutWorker:
     # ---------------------------------------------------------------- hand over
 
     def _hand_over(self, out: RequestOutput) -> None:
+        flight = self.in_flight[out.request_id]
+        versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
+        self._score_and_hand_over(out, versions, {})
+
+    def _hand_over_group(self, group: FinishedGroup) -> None:
+        """A multi-turn ticket's samples all ended: its trajectories, their token versions and
+        its `multi_turn/*` counters (in the record's metrics: the step row merges them)."""
+        self.in_flight[group.key].migrated_tokens = group.replayed
+        self._score_and_hand_over(group.output, group.versions, group.metrics)
+
+    def _score_and_hand_over(
+        self,
+        out: RequestOutput | TrajectoryOutput,
+        versions: list[list[int]],
+        metrics: dict[str, float],
+    ) -> None:
         flight = self.in_flight.pop(out.request_id)
         samples, reward_metrics, failures = score_outputs(
             self.rewards, [(flight.item, out)], self.learned, overlong_buffer(self.config)
         )
-        versions = [token_versions(flight.switches[c.index], len(c.token_ids)) for c in out.outputs]
         record = GroupRecord(
             flight.ticket,
             self.world.rank,
             samples,
             versions,
-            reward_metrics,
+            {**reward_metrics, **metrics},
             self.life,
             flight.migrated_from,
             flight.migrated_tokens,
@@ -269,14 +359,23 @@ class RolloutWorker:
 
     def _report(self) -> None:
         """Tell the others what this rank holds, so they can continue it if it is lost."""
-        ids = list(self.in_flight)
-        by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
-        for state in self.engine.snapshot_requests(ids):
-            by_request[state.request_id].append(state)
-        tickets = {
-            f.ticket: TicketReport(by_request[rid], f.switches, f.migrated_from)
-            for rid, f in self.in_flight.items()
-        }
+        if self.agents is not None:
+            # A multi-turn ticket's turn state lives in its agent loops, not in the engine: its
+            # samples' records (finished turns, tool answers), which an adopter replays.
+            tickets = {
+                f.ticket: TicketReport([], [], f.migrated_from, self.agents.records(rid))
+                for rid, f in self.in_flight.items()
+            }
+            self.reported_events = self.agents.events
+        else:
+            ids = list(self.in_flight)
+            by_request: dict[str, list[SequenceState]] = {rid: [] for rid in ids}
+            for state in self.engine.snapshot_requests(ids):
+                by_request[state.request_id].append(state)
+            tickets = {
+                f.ticket: TicketReport(by_request[rid], f.switches, f.migrated_from)
+                for rid, f in self.in_flight.items()
+            }
         tickets.update(self.adopted)
         if self.held is not None:
             tickets[self.held] = TicketReport([], [])
@@ -333,7 +432,7 @@ class RolloutWorker:
                 continue  # its lost rank woke up and handed it over after all
             self.report_due = True
             if not report.states:
-                self._start(ticket, report.migrated_from)
+                self._start(ticket, report.migrated_from, report.records)
                 continue
             version = self.engine.weight_version
             self.engine.import_requests(report.states)
@@ -382,10 +481,13 @@ class RolloutWorker:
         )
         self.control.delete(f"preempt/{me}")
         self.in_flight, self.held, self.adopted = {}, None, {}
+        if self.agents is not None:
+            self.agents.close()  # its samples and their turns go with the engine
         del self.engine  # reclaimed with its instance: the replacement starts from the model
         self._stay_away(down_s)
         if not self.control.done():
             self.engine = self._new_engine()
+            self.agents = self._new_agents()
             self.spec_seen = {}
             self._rejoin()
 
@@ -409,7 +511,10 @@ class RolloutWorker:
             if self.control.has([sample_key(flight.ticket)]) or not self.control.claim(
                 f"{flight.ticket}/{me}.{life}"
             ):
-                self.engine.export_requests([rid], with_kv=False, include_finished=True)
+                if self.agents is not None:
+                    self.agents.drop(rid)
+                else:
+                    self.engine.export_requests([rid], with_kv=False, include_finished=True)
                 del self.in_flight[rid]
                 dropped.append(flight.ticket)
             else:

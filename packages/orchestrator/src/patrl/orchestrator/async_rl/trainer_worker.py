@@ -15,6 +15,7 @@ import numpy as np
 import torch.distributed as dist
 
 from patrl.lenpredict import LengthPredictor
+from patrl.orchestrator.agent.tool_guard import ToolFailureGuard
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.tickets import (
     TRAINED,
@@ -89,6 +90,7 @@ class TrainerWorker:
         )
         self.kl_ctrl = build_kl_controller(self.config.algorithm.kl_ctrl)
         self.reward_guard = FailureGuard(self.config.reward.max_failed_steps)
+        self.tool_guard = ToolFailureGuard(self.config.reward.max_failed_steps)
         self.step = 0
         # (step, ticket, oldest, newest token version) of every trained sample.
         self.trained_versions: list[tuple[int, int, int, int]] = []
@@ -206,6 +208,12 @@ class TrainerWorker:
         )
         if line is not None and self.is_first:
             print(f"patrl: error: {line}", file=sys.stderr, flush=True)
+        if cfg.rollout.multi_turn.enable:  # the groups' multi_turn/* counters, as sync's
+            counters: dict[str, float] = {}
+            merge_reward_metrics(counters, [r.reward_metrics for r in records])
+            line = self.tool_guard.observe(self.step, counters, last=self.step == cfg.total_steps)
+            if line is not None and self.is_first:
+                print(f"patrl: error: {line}", file=sys.stderr, flush=True)
         update = update_policy(
             cfg,
             self.trainer,
@@ -263,12 +271,13 @@ class TrainerWorker:
         return records
 
     def _staleness(self, records: list[GroupRecord]) -> dict[str, float]:
-        """How many versions behind the trainer each trained sample's oldest token was."""
+        """How many versions behind the trainer each trained sample's oldest token was. Only
+        model tokens count: a multi-turn sample's tool tokens were sampled by no policy."""
         version = self.step - 1  # the weights this step's update starts from
         eta = self.config.async_rl.max_staleness
         per_sample, per_token = [], []
         for r in records:
-            for vs in r.versions:
+            for vs in self._model_versions(r):
                 oldest, newest = (min(vs), max(vs)) if vs else (version, version)
                 self.trained_versions.append((self.step, r.ticket, oldest, newest))
                 per_sample.append(version - oldest)
@@ -284,12 +293,25 @@ class TrainerWorker:
             "async/staleness_max": float(worst),
             "async/token_staleness_mean": float(np.mean(per_token)) if per_token else 0.0,
             "async/mixed_version_samples": float(
-                sum(1 for r in records for vs in r.versions if vs and min(vs) != max(vs))
+                sum(
+                    1
+                    for r in records
+                    for vs in self._model_versions(r)
+                    if vs and min(vs) != max(vs)
+                )
             ),
         }
         for s in range(eta + 1):
             out[f"async/staleness_count/{s}"] = float(per_sample.count(s))
         return out
+
+    @staticmethod
+    def _model_versions(record: GroupRecord) -> list[list[int]]:
+        """Each sample's model tokens' versions (a multi-turn sample's tool tokens left out)."""
+        return [
+            [v for v, m in zip(vs, s.response_mask or [1] * len(vs), strict=True) if m]
+            for s, vs in zip(record.samples, record.versions, strict=True)
+        ]
 
     def _migrations(self, records: list[GroupRecord]) -> dict[str, float]:
         """This step's groups finished by another rank than the one that lost them, and the

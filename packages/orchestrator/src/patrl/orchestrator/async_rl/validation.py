@@ -1,26 +1,30 @@
 """Rollout rank 0's validation of one weight version, run beside the training tickets with the
 sync schedule's requests (same prompts, seeds, sampling), `data.val_batch_size` prompts at a
 time; the result goes to the store as `val/<version>` for the trainer to log. Newer weights
-wait until it is done, so every validation token comes from that version."""
+wait until it is done, so every validation token comes from that version. With
+`rollout.multi_turn` each prompt runs as an agent-loop sample (`agents`), as the sync schedule
+validates it."""
 
 from __future__ import annotations
 
 import pickle
 import time
 
+from patrl.orchestrator.async_rl.agent_tickets import AgentGroups
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.sampling import VALIDATION_SEED_KEY, sampling_params, validation_batches
-from patrl.orchestrator.scoring import Sample, score_outputs
+from patrl.orchestrator.scoring import Sample, TrajectoryOutput, score_outputs
 from patrl.orchestrator.step_metrics import validation_metrics
 from patrl.rollout import Engine, RequestOutput
 
 
 class Validation:
     """The validation requests in flight (`pending`, by request id), the batches still to
-    start (`queued`) and what they scored."""
+    start (`queued`) and what they scored. `agents`: where the requests run with
+    `rollout.multi_turn` (None: as engine requests)."""
 
     def __init__(
         self,
@@ -28,11 +32,13 @@ class Validation:
         val_set: PromptDataset,
         rewards: RewardManager,
         control: ControlPlane,
+        agents: AgentGroups | None = None,
     ) -> None:
         self.config = config
         self.val_set = val_set
         self.rewards = rewards
         self.control = control
+        self.agents = agents
         self.pending: dict[str, PromptItem] = {}
         self.queued: list[list[PromptItem]] = []
         self.results: list[Sample] = []
@@ -52,10 +58,13 @@ class Validation:
                 self.config, item, 1, temperature, VALIDATION_SEED_KEY, validation=True
             )
             rid = f"val-{self.version}-{item.index}"
-            engine.add_request(item.prompt_token_ids, params, request_id=rid)
+            if self.agents is not None:
+                self.agents.start(rid, item, params)
+            else:
+                engine.add_request(item.prompt_token_ids, params, request_id=rid)
             self.pending[rid] = item
 
-    def finish(self, out: RequestOutput, engine: Engine) -> None:
+    def finish(self, out: RequestOutput | TrajectoryOutput, engine: Engine) -> None:
         """Score a finished request; a batch's last one starts the next batch on `engine`, the
         last batch's last one publishes the version's metrics."""
         item = self.pending.pop(out.request_id)

@@ -1,0 +1,484 @@
+"""A multi-turn async rollout rank's groups in flight (`rollout.multi_turn.enable` with
+`trainer.mode=async`): each ticket's `n` samples (and each validation prompt) run as agent-loop
+samples (`patrl.orchestrator.agent`: the job's tool pool, `tool_agent` or a row's `agent_name`)
+over the rank's engine, on the event loop the rollout worker's control loop runs on.
+
+The engine is stepped by `LLMServer.step_until`, one task; the worker's control loop is another
+and runs between engine steps, where it pulls newer weights. A sample awaiting its tool holds no
+decode slot (its turn is kept, `keep=True`), and the engine decodes the others meanwhile.
+
+Policy versions: every model token records the version that sampled it. A turn starts at the
+version loaded when it is submitted; `note_pull` adds a switch point at each unfinished turn's
+sampled-token count, as the single-turn worker does per sample. A turn that finished before the
+pull (its tokens delivered or about to be) takes no switch: its tokens are all the old
+version's. A sample's response versions are its model tokens' versions in sampling order, laid
+on the response's mask-1 positions (tokens in, tokens out: the loop appends every sampled token
+in order); tool tokens, which no policy sampled, carry the version of the model token before
+them, and staleness reads model tokens only.
+
+Migration: each sample's finished turns (ids, logprobs, finish, versions, and a hash of the
+conversation they continued) and its tools' answers are recorded as they end (`SampleRecord`)
+and go into the rank's flight reports. A peer that adopts the ticket runs the sample's loop
+again from its prompt, replaying: a turn whose conversation matches the next recorded one is
+answered from the record (no engine work), a tool call from the next recorded answer (the tool
+is not called again); the first mismatch ends the replay. The turn that was open at the report
+is generated again (the same tokens under the same weights: a turn's seed is the sample's and
+the turn's), as are tool calls that had not answered. Loops must be deterministic given the
+same turns and answers, as `ToolAgentLoop` is. See docs/async.md ("Multi-turn tickets").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from patrl.orchestrator.agent.agent_loop import (
+    AgentLoop,
+    AgentLoopContext,
+    AgentLoopOutput,
+    LLMServer,
+    TokenOutput,
+)
+from patrl.orchestrator.agent.multi_turn import (
+    DEFAULT_AGENT,
+    agent_loop_classes,
+    agent_name_problems,
+)
+from patrl.orchestrator.agent.tool_config import load_tools
+from patrl.orchestrator.agent.tool_parser import FunctionCall
+from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
+from patrl.orchestrator.async_rl.tickets import token_versions
+from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.scoring import Trajectory, TrajectoryOutput
+from patrl.rollout import Engine, SamplingParams
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One finished model turn: a hash of the conversation it continued (`conversation_key`),
+    what it sampled, and the version of each sampled token."""
+
+    key: int
+    output: TokenOutput
+    versions: list[int]
+
+
+@dataclass(slots=True)
+class SampleRecord:
+    """What a peer needs to replay one sample: its finished turns and its tools' answers, in
+    order."""
+
+    turns: list[TurnRecord] = field(default_factory=list)
+    outcomes: list[ToolOutcome] = field(default_factory=list)
+
+    def tokens(self) -> int:
+        return sum(len(t.output.token_ids) for t in self.turns)
+
+
+@dataclass(slots=True)
+class SampleTrack:
+    """One agent-loop sample as it runs: its finished turns and tools' answers (None: a call
+    not answered yet), what is left to replay of a lost rank's record, and every turn it
+    submitted (released when it ends)."""
+
+    turns: list[TurnRecord] = field(default_factory=list)
+    outcomes: list[ToolOutcome | None] = field(default_factory=list)
+    replay: SampleRecord = field(default_factory=SampleRecord)
+    request_ids: list[str] = field(default_factory=list)
+    replayed: int = 0  # model tokens answered from the replayed record
+
+    @property
+    def versions(self) -> list[int]:
+        """One per model token of its finished turns, in the order they ended."""
+        return [v for t in self.turns for v in t.versions]
+
+    def record(self) -> SampleRecord:
+        """Its turns, and its tools' answers up to the first call not answered yet."""
+        answered = self.outcomes.index(None) if None in self.outcomes else len(self.outcomes)
+        return SampleRecord(list(self.turns), [o for o in self.outcomes[:answered] if o])
+
+    def stop_replay(self) -> None:
+        self.replay = SampleRecord()
+
+
+def conversation_key(prompt_ids: Sequence[int]) -> int:
+    """A turn's conversation, hashed (Python's hash of a tuple of ints is the same in every
+    process): a replayed turn must continue exactly the conversation its record did."""
+    return hash(tuple(prompt_ids))
+
+
+# The sample whose `run` is executing: each sample's task runs in a context of its own.
+_CURRENT: contextvars.ContextVar[SampleTrack | None] = contextvars.ContextVar(
+    "patrl_agent_sample", default=None
+)
+
+
+class VersionedServer(LLMServer):
+    """An `LLMServer` (TP 1) that records the policy version of every token its samples'
+    turns sample (`SampleTrack`), for agent loops that stay oblivious of versions."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine, keep_kv=True)
+        # Turns submitted and not yet returned, by request id: their switch points ((first
+        # token sampled with it, version), as `InFlight.switches`).
+        self.switches: dict[str, list[tuple[int, int]]] = {}
+        self.events = 0  # turns ended and tool answers recorded: a report would differ
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        keep: bool = False,
+        continues: str | None = None,
+    ) -> TokenOutput:
+        track = _CURRENT.get()
+        key = conversation_key(prompt_ids)
+        if track is not None and track.replay.turns:
+            if track.replay.turns[0].key == key:
+                turn = track.replay.turns.pop(0)
+                track.turns.append(turn)
+                track.replayed += len(turn.output.token_ids)
+                return dataclasses.replace(turn.output)
+            track.stop_replay()  # the loop went another way: generate from here on
+        switches = [(0, self.engine.weight_version)]
+        if track is not None:
+            track.request_ids.append(request_id)
+            self.switches[request_id] = switches
+        try:
+            out = await super().generate(
+                request_id,
+                prompt_ids=prompt_ids,
+                sampling_params=sampling_params,
+                keep=keep,
+                continues=continues,
+            )
+        finally:
+            self.switches.pop(request_id, None)
+        if track is not None:
+            versions = token_versions(switches, len(out.token_ids))
+            track.turns.append(TurnRecord(key, dataclasses.replace(out), versions))
+            self.events += 1
+        return out
+
+    def note_pull(self, version: int) -> None:
+        """Weights `version` are being loaded (between engine steps): tokens the unfinished
+        turns sample from here on are that version's."""
+        for seq in self.engine.unfinished_seqs():
+            switches = self.switches.get(seq.request_id)
+            if switches is not None:
+                switches.append((len(seq.output_token_ids), version))
+
+
+class RecordingPool(ToolPool):
+    """A `ToolPool` that records each sample's answers in call order, and answers a replayed
+    sample's calls from its record (the tool is not called again)."""
+
+    def __init__(self, tools: Sequence[Any], **kwargs: Any) -> None:
+        super().__init__(tools, **kwargs)
+        self.events = 0  # answers recorded
+
+    async def call(
+        self, call: FunctionCall, create_kwargs: Mapping[str, Any] | None = None
+    ) -> ToolOutcome:
+        track = _CURRENT.get()
+        if track is None:
+            return await super().call(call, create_kwargs)
+        if track.replay.outcomes:
+            outcome = track.replay.outcomes.pop(0)
+            track.outcomes.append(outcome)
+            return outcome
+        track.replay.turns.clear()  # a call made anew: nothing recorded after it applies
+        slot = len(track.outcomes)
+        track.outcomes.append(None)  # reserved in call order: calls run concurrently
+        outcome = await super().call(call, create_kwargs)
+        track.outcomes[slot] = outcome
+        self.events += 1
+        return outcome
+
+
+@dataclass(slots=True)
+class FinishedGroup:
+    """A group whose samples all ended: the trajectories (`score_outputs` reads them), each
+    response token's policy version, the group's `multi_turn/*` counters, and its model
+    tokens replayed from a lost rank's record."""
+
+    key: str
+    item: PromptItem
+    output: TrajectoryOutput
+    versions: list[list[int]]
+    metrics: dict[str, float]
+    replayed: int = 0
+
+
+@dataclass(slots=True)
+class _Group:
+    item: PromptItem
+    tasks: list[asyncio.Task[AgentLoopOutput]]
+    tracks: list[SampleTrack]
+    left: int  # samples not ended yet
+
+
+class AgentGroups:
+    """Groups of agent-loop samples in flight over one engine (TP 1), keyed by the caller
+    (a ticket's request id, a validation request's). `start` needs the running event loop;
+    `finished` hands back whole groups as their last sample ends; `check` raises what a
+    sample or the engine's step task raised (the job fails, never hangs)."""
+
+    def __init__(self, config: JobConfig, engine: Engine) -> None:
+        mt = config.rollout.multi_turn
+        if mt.tool_config_path is None:
+            raise ValueError(
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"
+            )
+        if engine.layout.tp_size != 1:
+            raise ValueError(
+                f"async multi-turn samples run on a tp=1 engine (each rollout rank its own); "
+                f"this one has tp={engine.layout.tp_size}"
+            )
+        self.engine = engine
+        self.tokenizer: Any = engine.tokenizer
+        self.response_length = config.data.max_response_length
+        self.pool = RecordingPool(
+            load_tools(mt.tool_config_path),
+            timeout_s=mt.tool_timeout_s,
+            max_response_length=mt.max_tool_response_length,
+            truncate_side=mt.tool_response_truncate_side,
+        )
+        self.context = AgentLoopContext(
+            self.tokenizer,
+            self.pool,
+            tuple(sorted(engine.eos_token_ids)),
+            self.response_length,
+            mt,
+        )
+        self.classes = agent_loop_classes(config)
+        self.server = VersionedServer(engine)
+        self.loops: dict[str, AgentLoop] = {}
+        self.groups: dict[str, _Group] = {}
+        self.dropped: set[str] = set()  # run out, their results not wanted
+        self.ended: list[str] = []  # groups whose samples all ended, not yet `finished`
+        self.failure: BaseException | None = None  # the first sample's loop that raised
+        self.stepper: asyncio.Task[None] | None = None
+
+    def start(
+        self,
+        key: str,
+        item: PromptItem,
+        params: SamplingParams,
+        replay: Sequence[SampleRecord] | None = None,
+    ) -> None:
+        """Run `item`'s `params.n` samples, sample k seeded as the sync schedule seeds it
+        (`MultiTurnRollout`), so both schedules sample the same tokens from the same weights;
+        sample k replays `replay[k]` first (a lost rank's record, `records`)."""
+        if key in self.groups:
+            raise ValueError(f"group {key!r} is already in flight")
+        if self.stepper is None:  # first, so that step_until readies the server first
+            self.stepper = asyncio.get_running_loop().create_task(
+                self.server.step_until(asyncio.Event())
+            )
+        name, fields = self._row(item)
+        loop = self._loop(name, item)
+        tasks, tracks = [], []
+        for k, p in enumerate(sample_params(params)):
+            track = SampleTrack()
+            if replay is not None:
+                track.replay = SampleRecord(list(replay[k].turns), list(replay[k].outcomes))
+            # The task copies the context it is made in: the one where `track` is current.
+            context = contextvars.copy_context()
+            context.run(_CURRENT.set, track)
+            run = loop.run(p, sample_index=k, **fields)
+            task = context.run(asyncio.get_running_loop().create_task, run)
+            task.add_done_callback(functools.partial(self._sample_ended, key))
+            tasks.append(task)
+            tracks.append(track)
+        self.groups[key] = _Group(item, tasks, tracks, len(tasks))
+
+    def _sample_ended(self, key: str, task: asyncio.Task[AgentLoopOutput]) -> None:
+        """A sample's task is done: note a failure, or its group's end once all are done."""
+        group = self.groups.get(key)
+        if task.cancelled() or group is None or task not in group.tasks:
+            return  # cancelled by `close`, or a group of an engine since dropped
+        error = task.exception()
+        if error is not None and self.failure is None:
+            self.failure = error
+        group.left -= 1
+        if group.left == 0:
+            self.ended.append(key)
+
+    def records(self, key: str) -> list[SampleRecord]:
+        """What a peer needs to replay group `key`'s samples (`start(..., replay=)`)."""
+        return [t.record() for t in self.groups[key].tracks]
+
+    @property
+    def events(self) -> int:
+        """Counts every turn ended and tool answer recorded: a report made at a different
+        count would hold more."""
+        return self.server.events + self.pool.events
+
+    def live(self) -> bool:
+        """Whether a sample is running (generating, or awaiting its tool)."""
+        return bool(self.groups)
+
+    def drop(self, key: str) -> None:
+        """Forget `key`'s results: its samples run to their end (a turn in the engine cannot
+        be taken from its waiting sample safely), then are discarded."""
+        if key in self.groups:
+            self.dropped.add(key)
+
+    def check(self) -> None:
+        """Raise the failure of the engine's step task or of a sample's loop, if any."""
+        if self.stepper is not None and self.stepper.done():
+            error = None if self.stepper.cancelled() else self.stepper.exception()
+            if error is not None:
+                raise error
+            raise RuntimeError("the engine's step task ended while samples ran")
+        if self.failure is not None:
+            raise self.failure
+
+    def finished(self) -> list[FinishedGroup]:
+        """The groups whose samples all ended since the last call (dropped ones discarded),
+        in the order they ended; their kept turns are released."""
+        self.check()
+        out = []
+        ended, self.ended = self.ended, []
+        for key in ended:
+            group = self.groups.pop(key)
+            for track in group.tracks:
+                for turn in track.request_ids:
+                    self.server.release(turn)  # ignored unless still kept
+            if key in self.dropped:
+                self.dropped.discard(key)
+                continue
+            outs = [t.result() for t in group.tasks]
+            versions = [
+                response_versions(o.response_mask, tr.versions)
+                for o, tr in zip(outs, group.tracks, strict=True)
+            ]
+            output = self._output(key, outs)
+            out.append(
+                FinishedGroup(
+                    key,
+                    group.item,
+                    output,
+                    versions,
+                    _metrics(outs),
+                    sum(t.replayed for t in group.tracks),
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        """Cancel every sample and the step task (the engine is being dropped)."""
+        for group in self.groups.values():
+            for t in group.tasks:
+                t.cancel()
+        if self.stepper is not None:
+            self.stepper.cancel()
+        self.groups, self.dropped, self.ended, self.stepper = {}, set(), [], None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _row(self, item: PromptItem) -> tuple[str, dict[str, Any]]:
+        """The agent loop `item` names and the fields its `run` receives."""
+        fields: dict[str, Any] = {"raw_prompt": item.messages}
+        kwargs = tools_kwargs(item)
+        if kwargs:
+            fields["tools_kwargs"] = kwargs
+        name = item.extra.get("agent_name")
+        return (DEFAULT_AGENT if name is None else name), fields
+
+    def _loop(self, name: str, item: PromptItem) -> AgentLoop:
+        if name not in self.loops:
+            problems = agent_name_problems([item], self.classes)
+            if problems:
+                raise ValueError("; ".join(problems))
+            loop = self.classes[name].build(self.context)
+            loop.server_manager = self.server
+            self.loops[name] = loop
+        return self.loops[name]
+
+    def _output(self, key: str, outs: list[AgentLoopOutput]) -> TrajectoryOutput:
+        trajectories = [
+            Trajectory(
+                k,
+                list(o.response_ids),
+                list(o.response_logprobs),
+                "length" if len(o.response_ids) >= self.response_length else "stop",
+                str(self.tokenizer.decode(o.response_ids, skip_special_tokens=True)),
+                list(o.response_mask),
+            )
+            for k, o in enumerate(outs)
+        ]
+        return TrajectoryOutput(key, list(outs[0].prompt_ids), trajectories)
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """One group's per-sample params: n=1 each, sample k seeded from the group's seed and k
+    (`MultiTurnRollout.generate`'s rule; the tests pin the two together)."""
+    return [
+        dataclasses.replace(
+            params,
+            n=1,
+            seed=None if params.seed is None else hash((params.seed, k)) & 0x7FFF_FFFF_FFFF,
+        )
+        for k in range(params.n)
+    ]
+
+
+def tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
+    """The row's per-tool kwargs, where verl's data keeps them (`extra_info.tools_kwargs`, or
+    a `tools_kwargs` column): {tool name: {"create_kwargs": {...}}}."""
+    info = item.extra.get("extra_info")
+    found = info.get("tools_kwargs") if isinstance(info, dict) else None
+    found = found or item.extra.get("tools_kwargs")
+    return dict(found) if isinstance(found, dict) else None
+
+
+def response_versions(mask: Sequence[int], model_versions: Sequence[int]) -> list[int]:
+    """One version per response token: the model tokens' (mask 1) in order; a tool token
+    (mask 0) the model token's before it (the first model token's at the start). ValueError
+    when the mask's model tokens are not the tokens the sample's turns sampled."""
+    if sum(1 for m in mask if m) != len(model_versions):
+        raise ValueError(
+            f"an agent loop's response_mask has {sum(1 for m in mask if m)} model tokens, but "
+            f"its turns sampled {len(model_versions)}: AgentLoopOutput must hold every sampled "
+            "token, in order, with mask 1 (tokens in, tokens out)"
+        )
+    out: list[int] = []
+    it = iter(model_versions)
+    last = model_versions[0] if model_versions else 0
+    for m in mask:
+        if m:
+            last = next(it)
+        out.append(last)
+    return out
+
+
+def _metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
+    """One group's `multi_turn/*` counters, as the sync schedule logs them (counters summed
+    over groups, `/mean`s averaged: every group has n samples)."""
+    n = len(outs)
+    model = sum(sum(o.response_mask) for o in outs)
+    total = sum(len(o.response_ids) for o in outs)
+
+    def count(key: str) -> float:
+        return float(sum(o.metrics.get(key, 0) for o in outs))
+
+    return {
+        "multi_turn/tool_calls": count("tool_calls"),
+        "multi_turn/tool_errors": count("tool_errors"),
+        "multi_turn/tool_truncated": count("tool_truncated"),
+        "multi_turn/tool_exceptions": count("tool_exceptions"),
+        "multi_turn/tool_timeouts": count("tool_timeouts"),
+        "multi_turn/num_turns/mean": sum(o.num_turns for o in outs) / n,
+        "multi_turn/model_tokens/mean": model / n,
+        "multi_turn/tool_tokens/mean": (total - model) / n,
+    }
