@@ -1,0 +1,222 @@
+"""Partial rollouts of agent loops (issue 46): `AgentLoopRunner.run_partial` stops once its
+quota of groups has ended and hands back each cut sample's `TurnState`; the state pickles, and
+`ToolAgentLoop.run(..., resume=state)` goes on from it. Greedy on agent_scripted's tiny Llama
+(every turn calls the calculator, 4 turns): a sample cut after any engine step, or right after
+a tool call, then pickled and resumed on a fresh engine, equals the uncut sample token for
+token (mask exactly, logprobs within 1e-5: the resumed turn's KV is recomputed by a prefill,
+where the uncut one was decoded token by token); no tool call runs twice. The quota: groups
+past it are cut, a loop that cannot resume runs to its end, nothing stays in the engine."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_scripted import hermes_tokenizer, save_scripted_model
+from test_orchestrator_agent_loop import samples
+
+from patrl.orchestrator.agent import (
+    AgentLoopOutput,
+    AgentLoopRunner,
+    CalculatorTool,
+    SingleTurnAgentLoop,
+    ToolAgentLoop,
+    ToolPool,
+)
+from patrl.orchestrator.agent.agent_loop import TurnState
+from patrl.rollout import Engine, EngineConfig, SamplingParams
+
+TURNS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("agent_partial")
+    return save_scripted_model(root / "again", hermes_tokenizer(), call_after_tool=True)
+
+
+def engine(model: Path) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=1024,
+            max_model_len=1024,
+        )
+    )
+
+
+class CountingPool(ToolPool):
+    """A calculator pool that counts its calls and may run `after_call` after each."""
+
+    def __init__(self) -> None:
+        super().__init__([CalculatorTool()])
+        self.calls = 0
+        self.after_call: Any = None
+
+    async def call(self, *args: Any, **kwargs: Any) -> Any:
+        out = await super().call(*args, **kwargs)
+        self.calls += 1
+        if self.after_call is not None:
+            self.after_call(self.calls)
+        return out
+
+
+def runner_of(eng: Engine, pool: ToolPool, **loops: Any) -> AgentLoopRunner:
+    tool = ToolAgentLoop(
+        eng.tokenizer, pool, sorted(eng.eos_token_ids), 400, max_assistant_turns=TURNS
+    )
+    return AgentLoopRunner(eng, {"tool_agent": tool, **loops})
+
+
+def uncut(model: Path, n: int) -> tuple[list[AgentLoopOutput], int]:
+    pool = CountingPool()
+    outs = runner_of(engine(model), pool).run(samples(n), GREEDY)
+    return outs, pool.calls
+
+
+def check_idle(eng: Engine) -> None:
+    """Nothing left in the engine: no request, no kept turn, every block free."""
+    assert not eng.has_unfinished()
+    assert eng.kept_request_ids() == []
+    blocks = eng.cache.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def resume_all(model: Path, first: list[Any], n: int, pool: CountingPool) -> list[AgentLoopOutput]:
+    """The cut samples of `first` (pickled and unpickled, as a checkpoint does) resumed to
+    their end on a fresh engine; the finished ones as they were."""
+    cut = {
+        i: pickle.loads(pickle.dumps(o)) for i, o in enumerate(first) if isinstance(o, TurnState)
+    }
+    rows = [{**s, "resume": cut[i]} for i, s in enumerate(samples(n)) if i in cut]
+    eng = engine(model)
+    resumed = iter(runner_of(eng, pool).run(rows, GREEDY) if rows else [])
+    check_idle(eng)
+    return [next(resumed) if i in cut else o for i, o in enumerate(first)]
+
+
+def assert_same(got: list[AgentLoopOutput], want: list[AgentLoopOutput]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.prompt_ids == w.prompt_ids
+        assert g.response_ids == w.response_ids  # position by position
+        assert g.response_mask == w.response_mask
+        assert g.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)
+        assert g.num_turns == w.num_turns
+        assert g.metrics == w.metrics
+
+
+def test_a_sample_cut_after_any_engine_step_resumes_to_the_uncut_trajectory(model: Path) -> None:
+    n = 2
+    want, want_calls = uncut(model, n)
+    assert all(sum(o.response_mask) < len(o.response_ids) for o in want)  # tool turns in it
+    kinds = set()
+    steps = 1
+    while True:
+        eng = engine(model)
+        pool = CountingPool()
+        runner = runner_of(eng, pool)
+        step, count = eng.step, [0]
+
+        def stepping(
+            step: Any = step, count: list[int] = count, at: int = steps, runner: Any = runner
+        ) -> Any:
+            count[0] += 1
+            if count[0] == at:
+                runner.server.stop()
+            return step()
+
+        eng.step = stepping  # type: ignore[method-assign]
+        first = runner.run_partial(samples(n), GREEDY, groups=[0, 1], quota=n + 1)
+        check_idle(eng)
+        states = [o for o in first if isinstance(o, TurnState)]
+        if not states:
+            break  # the stop came after every sample ended
+        for st in states:
+            assert len(st.response_ids) == len(st.response_mask) == len(st.response_logprobs)
+            kinds.add("open" if st.open_turn is not None else "between")
+            if st.open_turn is not None:
+                assert st.model_tokens() == sum(st.response_mask) + len(
+                    st.open_turn.output_token_ids
+                )
+        assert_same(resume_all(model, first, n, pool), want)
+        assert pool.calls == want_calls  # no call ran twice
+        steps += 1
+    assert steps > 5 and "open" in kinds
+
+
+def test_a_cut_during_a_tool_call_lets_the_call_finish_and_appends_its_answer(
+    model: Path,
+) -> None:
+    n = 1
+    want, want_calls = uncut(model, n)
+    for at in range(1, TURNS):
+        eng = engine(model)
+        pool = CountingPool()
+        runner = runner_of(eng, pool)
+        pool.after_call = lambda calls, at=at, r=runner: calls == at and r.server.stop()
+        (st,) = runner.run_partial(samples(n), GREEDY, groups=[0], quota=1)
+        check_idle(eng)
+        assert isinstance(st, TurnState)
+        assert st.open_turn is None  # stopped between turns
+        assert st.assistant_turns == at and st.user_turns == at
+        assert st.response_mask[-1] == 0  # the call's answer is appended
+        assert st.metrics["tool_calls"] == at
+        assert st.response_ids == want[0].response_ids[: len(st.response_ids)]
+        pool.after_call = None
+        assert_same(resume_all(model, [st], n, pool), want)
+        assert pool.calls == want_calls
+
+
+def test_the_quota_cuts_the_groups_past_it_and_a_loop_that_cannot_resume_ends_in_step(
+    model: Path,
+) -> None:
+    eng = engine(model)
+    short = ToolAgentLoop(
+        eng.tokenizer,
+        ToolPool([CalculatorTool()]),
+        sorted(eng.eos_token_ids),
+        400,
+        max_assistant_turns=1,
+    )
+    runner = runner_of(
+        eng,
+        ToolPool([CalculatorTool()]),
+        short=short,
+        single=SingleTurnAgentLoop(eng.tokenizer, 400),
+    )
+    rows = [
+        {**samples(1)[0], "agent_name": "short"},
+        {**samples(2)[1], "agent_name": "short"},
+        *samples(2),
+        *samples(3)[2:],
+        {**samples(1)[0], "agent_name": "single"},
+    ]
+    groups = ["short", "short", "long", "long", "mixed", "mixed"]
+    params = [GREEDY] * 5 + [SamplingParams(temperature=0, max_tokens=60)]
+    finished: list[int] = []
+    outs = runner.run_partial(
+        rows, params, groups, quota=1, on_finish=lambda i, _: finished.append(i)
+    )
+    check_idle(eng)
+    assert [type(o).__name__ for o in outs] == [
+        "AgentLoopOutput",
+        "AgentLoopOutput",
+        "TurnState",
+        "TurnState",
+        "TurnState",
+        "AgentLoopOutput",  # single_turn_agent cannot resume: it ran to its end
+    ]
+    assert sorted(finished) == [0, 1, 5]
+    assert len(outs[5].response_ids) == 60  # type: ignore[union-attr]
+    # a quota of 0 stops at once: every resumable sample is cut before its first turn
+    outs = runner.run_partial(samples(2), GREEDY, [0, 1], quota=0)
+    assert all(isinstance(o, TurnState) and not o.response_ids for o in outs)
+    check_idle(eng)
+    with pytest.raises(ValueError, match="2 group keys for 3 samples"):
+        runner.run_partial(samples(3), GREEDY, [0, 1], quota=1)
