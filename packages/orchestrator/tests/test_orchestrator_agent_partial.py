@@ -220,3 +220,88 @@ def test_the_quota_cuts_the_groups_past_it_and_a_loop_that_cannot_resume_ends_in
     check_idle(eng)
     with pytest.raises(ValueError, match="2 group keys for 3 samples"):
         runner.run_partial(samples(3), GREEDY, [0, 1], quota=1)
+
+
+@pytest.mark.e2e
+def test_a_multi_turn_job_with_partial_rollouts_buffers_checkpoints_and_resumes_turn_states(
+    tmp_path: Path,
+) -> None:
+    """Two steps with a checkpoint each, then a restart that runs the third: unfinished
+    groups are buffered as turn states, saved in the checkpoint, and resumed after the
+    restart. The engine admits two samples at a time, so groups end one after another and
+    the quota (2 of the 4 groups drawn) cuts the later ones (a turn in the engine, or queued,
+    or after its tool call)."""
+    import json
+
+    import torch
+    from agent_scripted import tool_config
+
+    from patrl.orchestrator import run_checkpoint
+    from patrl.orchestrator.main import main
+    from patrl.orchestrator.sync_loop import PARTIALS_FILE
+
+    # calls the calculator, then answers and ends: a group ends at its last model turn
+    model = save_scripted_model(tmp_path / "answers", hermes_tokenizer())
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 10)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tools = tool_config(
+        tmp_path / "tools.yaml", "patrl.orchestrator.agent.calculator.CalculatorTool"
+    )
+    run = tmp_path / "run"
+    overrides: dict[str, Any] = {
+        "model.path": model,
+        "data.train_files": data,
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 512,
+        "data.max_response_length": 48,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.over_sample_rate": 1.0,
+        "rollout.temperature": 0.05,
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.max_num_seqs": 2,
+        "rollout.adaptive_tp.enable": "false",
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": tools,
+        "rollout.multi_turn.max_assistant_turns": 3,
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": run,
+    }
+    assert main([f"{k}={v}" for k, v in overrides.items()]) == 0
+    saved = torch.load(run_checkpoint.step_dir(run, 2) / PARTIALS_FILE, weights_only=False)
+    carried = [st for p in saved["partials"].values() for st in p.states]
+    assert any(isinstance(st, TurnState) for st in carried)
+    assert all(isinstance(st, TurnState | AgentLoopOutput) for st in carried)
+    for p in saved["partials"].values():
+        assert len(p.states) == 2  # a group's every sample, ended or not
+    assert saved["stale_tokens"] == {
+        rid: sum(
+            st.model_tokens() if isinstance(st, TurnState) else sum(st.response_mask)
+            for st in p.states
+        )
+        for rid, p in saved["partials"].items()
+    }
+    overrides["trainer.total_training_steps"] = 3
+    assert main([f"{k}={v}" for k, v in overrides.items()]) == 0  # resumes from step 2
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in logged if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[1]["partial/buffered_groups"] > 0
+    assert steps[3]["partial/resumed_groups"] == len(saved["partials"])
+    # the resumed groups' model tokens sampled under the weights of earlier steps
+    assert any(r["partial/off_policy_token_frac"] > 0 for r in steps.values())
+    for r in steps.values():
+        assert 0 <= r["partial/off_policy_token_frac"] < 1
+        assert r["partial/finished_groups"] >= 2
+        assert r["multi_turn/tool_calls"] > 0
+        assert r["response_length/model_tokens/mean"] < r["response_length/mean"]
+        assert r["actor/pg_loss"] == r["actor/pg_loss"]  # a number, not NaN

@@ -179,8 +179,9 @@ def test_preflight_refuses_what_is_not_wired_naming_the_key(tmp_path: Path) -> N
     refused = {
         "trainer.mode=async": "trainer.mode=async",
         "rollout.adaptive_tp.enable=true": "rollout.adaptive_tp.enable=true",
-        "rollout.over_sample_rate=0.5": "rollout.over_sample_rate=0.5",
     }
+    # partial rollouts compose (test_orchestrator_agent_partial.py)
+    assert multi_turn_problems(job(tools, "rollout.over_sample_rate=0.5")) == []
     for override, named in refused.items():
         (problem,) = multi_turn_problems(job(tools, override))
         assert problem.startswith(f"rollout.multi_turn.enable=true with {named}"), problem

@@ -60,13 +60,6 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
             "move requests between groups mid-rollout: turn state does not follow them yet",
             "set it false (static TP of any size works)",
         ),
-        (
-            r.over_sample_rate > 0,
-            f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
-            "an agent loop cannot yet stop mid-conversation and resume from saved turn state "
-            "at the next step",
-            "set it 0",
-        ),
     ]
     return [
         f"rollout.multi_turn.enable=true with {what}: not wired yet: {why} "
