@@ -305,3 +305,123 @@ def test_a_multi_turn_job_with_partial_rollouts_buffers_checkpoints_and_resumes_
         assert r["multi_turn/tool_calls"] > 0
         assert r["response_length/model_tokens/mean"] < r["response_length/mean"]
         assert r["actor/pg_loss"] == r["actor/pg_loss"]  # a number, not NaN
+
+
+# ------------------------------------------------------------------ TP 2
+
+CALL_ONCE = "call_once"  # the model fixture of the TP test: call, read the answer, answer
+
+
+def _mt_job(tools: Path) -> Any:
+    from patrl.orchestrator.config import load_config
+
+    return load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "data.max_response_length=64",
+            "rollout.n=2",
+            "rollout.adaptive_tp.enable=false",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.tool_config_path={tools}",
+            "actor.ppo_mini_batch_size=1",
+            "data.train_batch_size=1",
+        ],
+    )
+
+
+def _item(index: int) -> Any:
+    from patrl.orchestrator.data import PromptItem
+
+    question = QUESTIONS_TP[index]
+    return PromptItem(index, [], question, "42", {}, [{"role": "user", "content": question}])
+
+
+QUESTIONS_TP = ["What is 6*7?", "Compute 6*7 please."]
+GREEDY_N2 = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
+
+
+def _partial_then_resume(engine: Engine, tools: Path, cut_at: int, leader: bool) -> dict[str, Any]:
+    """Two groups run by `generate_partial`, the first rank stopping the rollout at its
+    `cut_at`-th engine step; the cut groups pickled and resumed to their end. Each group's
+    trajectories and masks, which groups were cut, and whether the engine is idle."""
+    from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+
+    rollout = MultiTurnRollout(_mt_job(tools), engine)
+    step, count = engine.step, [0]
+
+    def stepping() -> Any:
+        count[0] += 1
+        if count[0] == cut_at:
+            rollout.runner.server.stop()
+        return step()
+
+    if leader:
+        engine.step = stepping  # type: ignore[method-assign]
+    groups = [(f"g{i}", _item(i), [], GREEDY_N2) for i in range(2)]
+    done, rest = rollout.generate_partial(groups, quota=len(groups) + 1)
+    engine.step = step  # type: ignore[method-assign]
+    carried = [
+        (rid, it, pickle.loads(pickle.dumps(rest[rid])), p)
+        for rid, it, _, p in groups
+        if rid in rest
+    ]
+    more, left = rollout.generate_partial(carried, quota=len(groups) + 1) if carried else ([], {})
+    assert left == {}
+    return {
+        "cut": sorted(rest),
+        "open": sum(
+            st.open_turn is not None for v in rest.values() for st in v if isinstance(st, TurnState)
+        ),
+        "tokens": {o.request_id: [c.token_ids for c in o.outputs] for o in [*done, *more]},
+        "masks": {o.request_id: [c.response_mask for c in o.outputs] for o in [*done, *more]},
+        "idle": not engine.has_unfinished()
+        and not engine.kept_request_ids()
+        and engine.cache.blocks.num_free_blocks == engine.cache.blocks.num_blocks,
+    }
+
+
+def _tp_partial(rank: int, world_size: int, model_dir: str, tools: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from patrl.tpreshard import ParallelLayout
+
+    group = dist.new_group(list(range(world_size)))
+    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
+    engine = Engine(
+        EngineConfig(
+            model=model_dir, dtype="float32", block_size=4, num_kv_blocks=512, max_model_len=1024
+        ),
+        layout,
+    )
+    return _partial_then_resume(engine, Path(tools), 4, rank == 0)
+
+
+@pytest.mark.multirank
+def test_tp2_cuts_and_resumes_a_partial_multi_turn_rollout_as_tp1_runs_it_uncut(
+    tmp_path: Path,
+) -> None:
+    from agent_scripted import tool_config
+
+    from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+    from patrl_testkit.multirank import run_ranks
+
+    model_dir = save_scripted_model(tmp_path / "once", hermes_tokenizer())
+    tools = tool_config(
+        tmp_path / "tools.yaml", "patrl.orchestrator.agent.calculator.CalculatorTool"
+    )
+    uncut_rollout = MultiTurnRollout(_mt_job(tools), engine(model_dir))
+    outs = uncut_rollout.generate([_item(0), _item(1)], [GREEDY_N2] * 2)
+    want = {f"g{i}": [c.token_ids for c in o.outputs] for i, o in enumerate(outs)}
+    want_masks = {f"g{i}": [c.response_mask for c in o.outputs] for i, o in enumerate(outs)}
+    assert 0 in want_masks["g0"][0]  # a tool turn in it
+    tp1 = _partial_then_resume(engine(model_dir), tools, 4, True)
+    assert tp1["cut"] == ["g0", "g1"] and tp1["open"] > 0
+    assert tp1["tokens"] == want and tp1["masks"] == want_masks and tp1["idle"]
+    ranks = run_ranks(_tp_partial, world_size=2, args=(str(model_dir), str(tools)), timeout_s=300)
+    assert ranks[0] == ranks[1]  # the peer cut and resumed what the first rank did
+    # (where the cut falls differs from TP 1's: at TP > 1 a turn reaches the engine a step
+    # later, with the step's broadcast)
+    assert ranks[0]["cut"] == ["g0", "g1"] and ranks[0]["open"] > 0
+    for key in ("tokens", "masks", "idle"):
+        assert ranks[0][key] == tp1[key], key
