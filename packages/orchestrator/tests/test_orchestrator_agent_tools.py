@@ -272,7 +272,7 @@ def test_preflight_checks_the_tool_config_and_what_enable_needs(tmp_path: Path) 
     assert "rollout.multi_turn.tool_config_path is unset" in unset
 
 
-def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(
+def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_accepts_partial_rollouts(
     assets: Path, tmp_path: Path
 ) -> None:
     from patrl.orchestrator import preflight
@@ -287,13 +287,16 @@ def test_a_multi_turn_job_preflight_names_a_bad_tool_config_and_an_unwired_key(
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
     with pytest.raises(preflight.PreflightError) as info:
         preflight.check(config, 1)
-    schema, refusal = info.value.problems
+    (schema,) = info.value.problems  # over_sample_rate > 0 (partial rollouts) is not refused
     assert "tools.0.tool_schema.function.name is missing" in schema and str(bad) in schema
-    assert refusal.startswith("rollout.multi_turn.enable=true with rollout.over_sample_rate")
     good = write(tmp_path / "good.yaml", {"tools": [entry()]})
-    extra = {"rollout.multi_turn.enable": "true", "rollout.multi_turn.tool_config_path": good}
+    extra = {
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": good,
+        "rollout.over_sample_rate": "0.5",
+    }
     config = preflight.load(None, tiny_job_overrides(assets, tmp_path / "run", **extra))
-    preflight.check(config, 1)  # the control: static TP, sync, a good tool config passes
+    preflight.check(config, 1)  # the control: static TP, sync, partial, a good tool config
 
 
 class Remembering(BaseTool):

@@ -71,7 +71,7 @@ def test_a_schedule_refuses_what_preflight_refuses_before_building(
     with pytest.raises(support.UnsupportedJob) as err:
         schedule(config, CPU1, str(assets / "model"), config.data.train_files, None)
     assert str(err.value) == "; ".join(support.unsupported(config, 1))
-    assert "with rollout.multi_turn.tool_config_path is unset: not wired yet" in str(err.value)
+    assert "with rollout.multi_turn.tool_config_path is unset: the tool agent loop needs" in str(err.value)
     assert isinstance(err.value, JobError) and isinstance(err.value, ValueError)
 
 

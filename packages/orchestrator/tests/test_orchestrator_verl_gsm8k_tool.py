@@ -209,9 +209,9 @@ def verl_args(env: dict[str, str], extra: list[str]) -> list[str]:
 
 
 # What patrl needs on top of verl's line, as a verl user passes it ($@): the multi-turn sync
-# schedule at static TP 1 (rollout.adaptive_tp.enable is patrl's, on by default) and no
-# over-sampling (verl's over_sample_rate is patrl's partial rollouts, not wired for tools yet).
-PATRL_EXTRA = ["rollout.adaptive_tp.enable=false", "actor_rollout_ref.rollout.over_sample_rate=0"]
+# schedule at static TP 1 (rollout.adaptive_tp.enable is patrl's, on by default); verl's
+# over_sample_rate=0.1 is patrl's partial rollouts, which run with tools.
+PATRL_EXTRA = ["rollout.adaptive_tp.enable=false"]
 
 
 def test_verls_gsm8k_multiturn_command_line_dry_runs_to_the_same_values(
@@ -252,7 +252,7 @@ def test_verls_gsm8k_multiturn_command_line_dry_runs_to_the_same_values(
         "rollout.tensor_model_parallel_size": 1,
         "rollout.gpu_memory_utilization": 0.85,
         "rollout.n": 16,
-        "rollout.over_sample_rate": 0.0,  # PATRL_EXTRA's
+        "rollout.over_sample_rate": 0.1,
         "rollout.adaptive_tp.enable": False,  # PATRL_EXTRA's
         # the Hydra config's
         "rollout.multi_turn.enable": True,

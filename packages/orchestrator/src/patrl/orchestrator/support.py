@@ -32,34 +32,15 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
-    """`rollout.multi_turn.enable=true` is wired into the sync schedule on a static TP layout
-    (any size) or adaptive TP, with or without speculative rollouts, and into the async
-    schedule (its rollout ranks' static tp=1 engines): every other combination is refused,
-    named by key, with why not yet."""
-    mt, r = config.rollout.multi_turn, config.rollout
-    if not mt.enable:
+    """`rollout.multi_turn.enable=true` runs in every schedule and layout (sync on static or
+    adaptive TP, with partial and speculative rollouts; async), but needs its tools: an unset
+    `rollout.multi_turn.tool_config_path` is refused, naming the key."""
+    mt = config.rollout.multi_turn
+    if not mt.enable or mt.tool_config_path is not None:
         return []
-    # (refused, the key, why not yet, what to do)
-    refused = [
-        (
-            mt.tool_config_path is None,
-            "rollout.multi_turn.tool_config_path is unset",
-            "the tool agent loop needs its tools",
-            "name a tool config YAML",
-        ),
-        (
-            r.over_sample_rate > 0,
-            f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts)",
-            "an agent loop cannot yet stop mid-conversation and resume from saved turn state "
-            "at the next step",
-            "set it 0",
-        ),
-    ]
     return [
-        f"rollout.multi_turn.enable=true with {what}: not wired yet: {why} "
-        f"(docs/agent_loop.md); {fix}"
-        for bad, what, why, fix in refused
-        if bad
+        "rollout.multi_turn.enable=true with rollout.multi_turn.tool_config_path is unset: the "
+        "tool agent loop needs its tools (docs/agent_loop.md); name a tool config YAML"
     ]
 
 

@@ -27,7 +27,7 @@ import torch
 from patrl.lenpredict import LengthPredictor, SpeculativeTail, assign_prompts
 from patrl.orchestrator.advantages import filter_zero_variance_groups, refill
 from patrl.orchestrator.agent.adaptive_agent_loop import AdaptiveMultiTurnRollout
-from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout, made_tokens
 from patrl.orchestrator.agent.tool_guard import ToolFailureGuard
 from patrl.orchestrator.build import (
     build_engine,
@@ -119,10 +119,19 @@ def measured_tail(per_rank: list[dict[str, Any]], max_num_seqs: int) -> Speculat
 
 @dataclass(slots=True)
 class Partial:
-    """An unfinished group of a partial rollout, resumed first at the next step."""
+    """An unfinished group of a partial rollout, resumed first at the next step: its
+    engine's `SequenceState`s, or with `rollout.multi_turn` one entry per sample, its
+    `AgentLoopOutput` once it ended, else its `TurnState` (agent.multi_turn)."""
 
     item: PromptItem
-    states: list[SequenceState]
+    states: list[Any]
+
+
+def _made(state: Any) -> int:
+    """Tokens a carried sample has sampled so far (a multi-turn one's model tokens)."""
+    if isinstance(state, SequenceState):
+        return len(state.output_token_ids)
+    return made_tokens(state)
 
 
 class SyncSchedule:
@@ -469,44 +478,69 @@ class SyncSchedule:
         seed_base = training_seed_key(self.config, self.step)
         item_of = {rid: item for rid, item, _ in entries}
         before = self.engine.stats()
+        done: list[Any]
+        rest: list[Any]
         with timed(timings, "gen"):
-            done, rest = self.engine.generate_partial(
-                [item.prompt_token_ids for _, item in new],
-                [
-                    sampling_params(self.config, item, r.n, r.temperature, seed_base)
-                    for _, item in new
-                ],
-                quota,
-                request_ids=[rid for rid, _ in new],
-                prompt_keys=[f"train/{item.index}" for _, item in new],
-                resume=resume,
-            )
+            if self.multi_turn is not None:
+                # each carried group's samples: AgentLoopOutputs and TurnStates, resumed
+                # by re-prefilling their conversation under this step's weights
+                done, by_group = self.multi_turn.generate_partial(
+                    [
+                        (
+                            rid,
+                            item,
+                            states,
+                            sampling_params(self.config, item, r.n, r.temperature, seed_base),
+                        )
+                        for rid, item, states in mine
+                    ],
+                    quota,
+                )
+                rest = list(by_group.items())
+            else:
+                done, states = self.engine.generate_partial(
+                    [item.prompt_token_ids for _, item in new],
+                    [
+                        sampling_params(self.config, item, r.n, r.temperature, seed_base)
+                        for _, item in new
+                    ],
+                    quota,
+                    request_ids=[rid for rid, _ in new],
+                    prompt_keys=[f"train/{item.index}" for _, item in new],
+                    resume=resume,
+                )
+                rest = [(st.request_id, [st]) for st in states]
         stats = self.engine.stats()
         self.rollout_timeline = stats["timeline"]
         self.rollout_decisions = stats.get("tp_decisions", [])
+        metrics: dict[str, float] = {}
+        if self.multi_turn is not None:  # every replica's tool calls and turns, once
+            mine_mt = self.multi_turn.metrics if self._scores else {}
+            shares = all_gather_objects(self.world, mine_mt)
+            merge_reward_metrics(metrics, [m for m in shares if m])
         with timed(timings, "reward"):
             samples, reward_shares = self._score(
                 [(item_of[o.request_id], o) for o in done], failures=self._failures
             )
         left = [
-            st
+            pair
             for share in all_gather_objects(self.world, rest if self._scores else [])
-            for st in share
+            for pair in share
         ]
-        stale = sum(self._stale_tokens.get(s.request_id, 0) for s in samples)
+        # a group's stale tokens once (its samples share its request id)
+        stale = sum(self._stale_tokens.get(rid, 0) for rid in {s.request_id for s in samples})
         self.partials = {}
-        for st in left:
-            p = self.partials.setdefault(st.request_id, Partial(item_of[st.request_id], []))
-            p.states.append(st)
+        for rid, carried in left:
+            self.partials.setdefault(rid, Partial(item_of[rid], [])).states.extend(carried)
+        # tokens sampled under this step's (soon old) weights: the off-policy share next step
         self._stale_tokens = {
-            rid: sum(len(st.output_token_ids) for st in p.states)
-            for rid, p in self.partials.items()
+            rid: sum(_made(st) for st in p.states) for rid, p in self.partials.items()
         }
-        metrics = self._learn_lengths(samples, 1)
+        metrics.update(self._learn_lengths(samples, 1))
         metrics.update(speculation_metrics(before, stats))
         self._price_speculation(stats)
         merge_reward_metrics(metrics, reward_shares)
-        total = sum(len(s.token_ids) for s in samples)
+        total = sum(s.model_tokens for s in samples)
         metrics["partial/resumed_groups"] = float(sum(1 for rid, _, st in entries if st))
         metrics["partial/finished_groups"] = float(len({s.request_id for s in samples}))
         metrics["partial/buffered_groups"] = float(len(self.partials))
@@ -542,7 +576,7 @@ class SyncSchedule:
         predicted = []
         for _, item, states in entries:
             expected = self.predictor.expected_length(f"train/{item.index}")
-            done = max((len(st.output_token_ids) for st in states), default=0)
+            done = max((_made(st) for st in states), default=0)
             predicted.append(max(expected - done, 1.0))
         self._predicted = {
             item.index: p for (_, item, _), p in zip(entries, predicted, strict=True)

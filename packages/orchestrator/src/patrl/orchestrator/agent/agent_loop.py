@@ -20,6 +20,14 @@ last one, and every rank then adds them and steps, so all ranks make the same en
 the same order (the engine's SPMD contract) whatever the tools' timing or answers; at the end
 it broadcasts the outputs. Tools run once per group, so a nondeterministic tool cannot make
 the ranks diverge, and a tool's side effects happen once. See docs/agent_loop.md.
+
+Partial rollouts (`AgentLoopRunner.run_partial`): once `quota` groups of samples have ended,
+the runner stops the samples of loops that can resume (`AgentLoop.resumable`): a model turn in
+the engine is exported (its tokens so far and generator state, no KV: the next step recomputes
+it under its weights, as the single-turn partial path does), a sample inside a tool call lets
+the call finish (re-running it at resume would repeat its side effects) and stops before its
+next turn. Each stopped sample comes back as its picklable `TurnState`, from which its loop's
+`run(..., resume=state)` goes on. Samples of loops that cannot resume run to their end.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from patrl.rollout import Engine, SamplingParams
+from patrl.rollout import Engine, SamplingParams, SequenceState
 from patrl.rollout.outputs import RequestOutput
 from patrl.tpreshard.comm import broadcast_obj
 
@@ -67,6 +75,55 @@ class TokenOutput:
     stop_reason: int | str | None = None
 
 
+@dataclass(slots=True)
+class TurnState:
+    """A multi-turn sample stopped mid-conversation by a partial rollout's cut, picklable (it
+    is saved in the run checkpoint), to go on with `ToolAgentLoop.run(..., resume=state)`.
+
+    `prompt_ids` + `response_ids` are the conversation so far, exactly the ids sampled and
+    appended (`response_mask` 1 on sampled ids, `response_logprobs` the engine's logprob there,
+    under the weights that sampled it, 0.0 on appended ones); the assistant and user turns and
+    the tool metrics so far; the sample's `sampling_params` (a turn's seed derives from them
+    and the turn number); `request`, the prefix of its turns' request ids; `open_turn`, the
+    model turn in the engine at the cut (its prompt is the conversation so far, its tokens so
+    far, its generator state), or None when the sample stopped between turns (after its tool
+    calls' answers were appended). `open_turn`'s tokens are not in `response_ids` yet."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    assistant_turns: int
+    user_turns: int
+    metrics: dict[str, int]
+    sampling_params: SamplingParams
+    request: str
+    open_turn: SequenceState | None = None
+
+    def model_tokens(self) -> int:
+        """The sampled tokens so far, the open turn's included."""
+        return sum(self.response_mask) + (
+            len(self.open_turn.output_token_ids) if self.open_turn is not None else 0
+        )
+
+
+class TurnCut(Exception):
+    """Raised by `LLMServer.generate(..., resumable=True)` and `resume_turn` once the runner
+    stopped (its quota met): `open_turn` is the turn's exported state (None: not started)."""
+
+    def __init__(self, open_turn: SequenceState | None) -> None:
+        super().__init__("the partial rollout's quota is met")
+        self.open_turn = open_turn
+
+
+class SampleCut(Exception):
+    """Raised by a resumable loop's `run` on `TurnCut`: the sample's `TurnState`."""
+
+    def __init__(self, state: TurnState) -> None:
+        super().__init__("a sample stopped by a partial rollout's cut")
+        self.state = state
+
+
 @dataclass(frozen=True, slots=True)
 class AgentLoopContext:
     """What a training job gives an agent loop class to build itself (`AgentLoop.build`):
@@ -87,6 +144,9 @@ class AgentLoop:
     subclass selectable by a data row's `agent_name`."""
 
     server_manager: LLMServer
+    # Whether `run` accepts `resume=TurnState` and raises SampleCut on TurnCut (ToolAgentLoop):
+    # a partial rollout stops such samples at its quota; others run to their end in-step.
+    resumable: bool = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -120,6 +180,8 @@ class LLMServer:
         layout = engine.layout
         self.tp_size, self.is_leader = layout.tp_size, layout.is_tp_first
         self._queued: list[tuple[Any, ...]] = []  # TP > 1: the next step's engine calls
+        self.stopping = False  # a partial rollout's quota is met: resumable turns are cut
+        self._resumable: set[str] = set()  # pending turns that a cut exports
         self.cached_prefix_tokens = 0  # at submission, by the prefix cache's count
         self.submitted_tokens = 0
 
@@ -136,11 +198,14 @@ class LLMServer:
         sampling_params: SamplingParams,
         keep: bool = False,
         continues: str | None = None,
+        resumable: bool = False,
     ) -> TokenOutput:
         """Sample one model turn continuing `prompt_ids` (n must be 1). `keep`: hold the
         turn's KV for a continuation until `release`; `continues`: the kept turn whose
         conversation `prompt_ids` extends (its KV is extended by the new ids only; when
-        `prompt_ids` does not extend it, it is released and `prompt_ids` submitted whole)."""
+        `prompt_ids` does not extend it, it is released and `prompt_ids` submitted whole).
+        `resumable`: a partial rollout's cut may stop the turn (TurnCut, raised at once when
+        the runner is already stopping)."""
         if sampling_params.n != 1:
             raise ValueError(
                 f"an agent loop samples one turn at a time: n must be 1, got {sampling_params.n}"
@@ -150,6 +215,8 @@ class LLMServer:
         if request_id in self._pending or request_id in self.engine.request_ids():
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.check_params(sampling_params)
+        if resumable and self.stopping:
+            raise TurnCut(None)
         ids, keep = list(prompt_ids), keep and self.keep_kv
         op: tuple[Any, ...] = ("add", request_id, ids, sampling_params, keep)
         base = self._kept.pop(continues, None) if continues is not None else None
@@ -159,17 +226,61 @@ class LLMServer:
             else:
                 self._submit(("release", continues))
         self._submit(op)
-        future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
-        self._wake.set()
-        out = (await future).outputs[0]
+        result = await self._await(request_id, resumable)
+        out = result.outputs[0]
         if out.finish_reason == "rejected":
-            raise ValueError(f"the engine rejected turn {request_id}: {(await future).error}")
+            raise ValueError(f"the engine rejected turn {request_id}: {result.error}")
         if keep and out.finish_reason in ("stop", "length"):
             self._kept[request_id] = ids + list(out.token_ids)
         return TokenOutput(
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
+
+    async def resume_turn(self, state: SequenceState) -> TokenOutput:
+        """Go on with a model turn a cut exported (`TurnCut.open_turn`): its KV recomputed
+        under the engine's weights, its sampling from its generator state, so the turn is the
+        one it would have been uncut under these weights. The whole turn comes back, the
+        tokens sampled before the cut first (their logprobs as sampled then). Not kept (the
+        next turn is submitted whole, over prefix caching). TurnCut(state) at once when the
+        runner is stopping."""
+        if self._wake is None:
+            raise RuntimeError("LLMServer.resume_turn runs inside AgentLoopRunner.run")
+        if self.stopping:
+            raise TurnCut(state)
+        rid = state.request_id
+        if rid in self._pending or rid in self.engine.request_ids():
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._submit(("import", state))
+        out = (await self._await(rid, True)).outputs[0]
+        return TokenOutput(
+            list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
+        )
+
+    async def _await(self, request_id: str, resumable: bool) -> RequestOutput:
+        """The engine's output of submitted request `request_id` (TurnCut when cut)."""
+        assert self._wake is not None
+        future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        if resumable:
+            self._resumable.add(request_id)
+        self._wake.set()
+        try:
+            return await future
+        finally:
+            self._resumable.discard(request_id)
+
+    def stop(self) -> None:
+        """A partial rollout's quota is met: cut every resumable turn in the engine (each
+        awaiting sample gets TurnCut with its exported state), and every resumable turn asked
+        for from now on. Turns of loops that cannot resume go on."""
+        if self.stopping:
+            return
+        self.stopping = True
+        cut = sorted(rid for rid in self._pending if rid in self._resumable)
+        if cut:
+            self._submit(("cut", cut))
+        if self._wake is not None:
+            self._wake.set()
 
     def release(self, request_id: str) -> None:
         """Free kept turn `request_id`'s KV (its conversation goes no further); a turn that
@@ -191,7 +302,9 @@ class LLMServer:
 
     def _do(self, op: tuple[Any, ...]) -> None:
         """One engine call: ("add", id, ids, params, keep), ("continue", kept id, id,
-        appended ids, params, keep) or ("release", kept id)."""
+        appended ids, params, keep), ("release", kept id), ("import", SequenceState) or
+        ("cut", ids): export those requests without KV (on the first rank, each one's
+        awaiting sample gets TurnCut with its state)."""
         kind, *args = op
         engine = self.engine
         if kind == "add":
@@ -205,6 +318,14 @@ class LLMServer:
         elif kind == "release":
             if args[0] in engine.kept_request_ids():
                 engine.release(args[0])
+        elif kind == "import":
+            engine.import_requests([args[0]])
+        elif kind == "cut":
+            here = set(engine.request_ids())
+            for state in engine.export_requests([r for r in args[0] if r in here], False):
+                future = self._pending.pop(state.request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(TurnCut(state))
         else:
             raise ValueError(f"unknown engine call {kind!r}")
 
@@ -245,7 +366,7 @@ class LLMServer:
                 except TimeoutError:
                     self.tell(("wait", None))
 
-    def follow(self) -> list[AgentLoopOutput]:
+    def follow(self) -> list[AgentLoopOutput | TurnState]:
         """A TP group peer's part of a run: add and step as the group's first rank says,
         until it sends the run's outputs (returned) or its error (raised, after aborting and
         draining the engine as the first rank does)."""
@@ -355,6 +476,36 @@ class AgentLoopRunner:
         on_finish: Callable[[int, AgentLoopOutput], None] | None = None,
     ) -> list[AgentLoopOutput]:
         """Every sample to its end; raises what a loop raises (after stopping the others)."""
+        outs = self._execute(samples, sampling_params, on_finish, None, None)
+        assert all(isinstance(o, AgentLoopOutput) for o in outs)  # no quota: no cut
+        return outs  # type: ignore[return-value]
+
+    def run_partial(
+        self,
+        samples: Sequence[Sample],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        groups: Sequence[Any],
+        quota: int,
+        on_finish: Callable[[int, AgentLoopOutput], None] | None = None,
+    ) -> list[AgentLoopOutput | TurnState]:
+        """A partial rollout: run the samples until `quota` groups have ended (a group is
+        the samples of one `groups` key, e.g. a prompt's `rollout.n`; quota <= 0 stops at
+        once), then stop the rest (`LLMServer.stop`: resumable loops' samples are cut, the
+        others run to their end). Each sample's AgentLoopOutput, or its TurnState where it was
+        cut; a sample's field `resume` (a TurnState) continues it. More than `quota` groups
+        may end (samples that end while the cut takes effect)."""
+        if len(groups) != len(samples):
+            raise ValueError(f"{len(groups)} group keys for {len(samples)} samples")
+        return self._execute(samples, sampling_params, on_finish, groups, quota)
+
+    def _execute(
+        self,
+        samples: Sequence[Sample],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        on_finish: Callable[[int, AgentLoopOutput], None] | None,
+        groups: Sequence[Any] | None,
+        quota: int | None,
+    ) -> list[AgentLoopOutput | TurnState]:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(samples)
         else:
@@ -372,6 +523,7 @@ class AgentLoopRunner:
                 )
         if self.server.engine.has_unfinished():
             raise RuntimeError("AgentLoopRunner.run needs an idle engine")
+        outs: list[AgentLoopOutput | TurnState]
         if not self.server.is_leader:  # a TP peer: the first rank runs the loops
             outs = self.server.follow()
             if len(outs) != len(samples):
@@ -380,11 +532,11 @@ class AgentLoopRunner:
                     f"{len(samples)}: every rank of a TP group runs the same samples"
                 )
             for i, out in enumerate(outs):
-                if on_finish is not None:
+                if on_finish is not None and isinstance(out, AgentLoopOutput):
                     on_finish(i, out)
             return outs
         try:
-            outs = asyncio.run(self._run(samples, params, on_finish))
+            outs = asyncio.run(self._run(samples, params, on_finish, groups, quota))
         except BaseException as e:
             if self.server.tp_size > 1:
                 self.server.tell(("error", f"{type(e).__name__}: {e}"))
@@ -400,16 +552,35 @@ class AgentLoopRunner:
         samples: Sequence[Sample],
         params: Sequence[SamplingParams],
         on_finish: Callable[[int, AgentLoopOutput], None] | None,
-    ) -> list[AgentLoopOutput]:
+        groups: Sequence[Any] | None = None,
+        quota: int | None = None,
+    ) -> list[AgentLoopOutput | TurnState]:
         done = asyncio.Event()
+        self.server.stopping = False
         stepper = asyncio.create_task(self.server.step_until(done))
+        left: dict[Any, int] = {}  # a group's samples still running
+        for g in groups or ():
+            left[g] = left.get(g, 0) + 1
+        ended = [0]  # groups whose every sample ended
+        if quota is not None and quota <= 0:
+            self.server.stop()
 
-        async def one(i: int, sample: Sample) -> AgentLoopOutput:
+        async def one(i: int, sample: Sample) -> AgentLoopOutput | TurnState:
             fields = {k: v for k, v in sample.items() if k != "agent_name"}
             loop = self.agent_loops[sample.get("agent_name", self.default_agent)]
-            out = await loop.run(params[i], sample_index=i, **fields)
+            if "resume" in fields and not loop.resumable:
+                raise ValueError(f"sample {i}: its agent loop {type(loop).__name__} cannot resume")
+            try:
+                out = await loop.run(params[i], sample_index=i, **fields)
+            except SampleCut as cut:
+                return cut.state
             if on_finish is not None:
                 on_finish(i, out)
+            if groups is not None and quota is not None:
+                left[groups[i]] -= 1
+                ended[0] += left[groups[i]] == 0
+                if ended[0] >= quota:
+                    self.server.stop()
             return out
 
         tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(samples)]

@@ -9,6 +9,10 @@ built in, and `rollout.agent.agent_loop_config_path` adds a job's own); its `n` 
 separate agent-loop samples, sample k seeded from the prompt's seed and k (so a group's samples
 differ and a rerun samples the same tokens). The trajectory is exactly the engine's tokens and
 the appended tool tokens; the reward sees their decoding.
+
+Partial rollouts (`generate_partial`, `rollout.over_sample_rate > 0`): a group (a prompt's n
+samples) is carried from step to step as one entry per sample, its AgentLoopOutput once it
+ended, else its `TurnState`; the step ends once its quota of groups ended.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from patrl.orchestrator.agent.agent_loop import (
     AgentLoopContext,
     AgentLoopOutput,
     AgentLoopRunner,
+    TurnState,
     registered_agent_loops,
 )
 from patrl.orchestrator.agent.single_turn_agent_loop import SingleTurnAgentLoop
@@ -82,16 +87,10 @@ class MultiTurnRollout:
         rows: list[dict[str, Any]] = []
         row_params: list[SamplingParams] = []
         for item, p in zip(items, params, strict=True):
-            row: dict[str, Any] = {"raw_prompt": item.messages}
-            if item.extra.get("agent_name") is not None:
-                row["agent_name"] = item.extra["agent_name"]
-            tools_kwargs = _tools_kwargs(item)
-            if tools_kwargs:
-                row["tools_kwargs"] = tools_kwargs
+            row = _row(item)
             for k in range(p.n):
                 rows.append(row)
-                seed = None if p.seed is None else hash((p.seed, k)) & 0x7FFF_FFFF_FFFF
-                row_params.append(dataclasses.replace(p, n=1, seed=seed))
+                row_params.append(_sample_params(p, k))
         outs = self.runner.run(rows, row_params) if rows else []
         self.metrics = _metrics(outs)
         result: list[TrajectoryOutput] = []
@@ -107,6 +106,62 @@ class MultiTurnRollout:
                 )
             )
         return result
+
+    def generate_partial(
+        self,
+        groups: Sequence[tuple[str, PromptItem, Sequence[Any], SamplingParams]],
+        quota: int,
+    ) -> tuple[list[TrajectoryOutput], dict[str, list[AgentLoopOutput | TurnState]]]:
+        """A partial rollout of `groups` (request id, item, carried samples, params): a group
+        with nothing carried runs its `params.n` samples from the start; a carried one (one
+        entry per sample, as this returns them) resumes its TurnStates and keeps its ended
+        samples. Stops once `quota` groups ended (`AgentLoopRunner.run_partial`). Returns the
+        ended groups as TrajectoryOutputs (request id: the group's) and the others' samples
+        by request id; `metrics` are the ended groups'."""
+        self._loops_for([item for _, item, _, _ in groups])
+        carried: dict[str, list[AgentLoopOutput | TurnState | None]] = {}
+        rows: list[dict[str, Any]] = []
+        row_params: list[SamplingParams] = []
+        where: list[tuple[str, int]] = []  # (group, sample) of each row
+        for rid, item, before, p in groups:
+            row = _row(item)
+            if before:
+                carried[rid] = list(before)
+                for k, st in enumerate(before):
+                    if isinstance(st, TurnState):
+                        rows.append({**row, "resume": st})
+                        row_params.append(st.sampling_params)
+                        where.append((rid, k))
+            else:
+                carried[rid] = [None] * p.n
+                for k in range(p.n):
+                    rows.append(row)
+                    row_params.append(_sample_params(p, k))
+                    where.append((rid, k))
+        outs = (
+            self.runner.run_partial(rows, row_params, [g for g, _ in where], quota) if rows else []
+        )
+        for (rid, k), out in zip(where, outs, strict=True):
+            carried[rid][k] = out
+        done: list[TrajectoryOutput] = []
+        rest: dict[str, list[AgentLoopOutput | TurnState]] = {}
+        ended: list[AgentLoopOutput] = []
+        for rid, _, _, _ in groups:
+            samples = carried[rid]
+            finished = [o for o in samples if isinstance(o, AgentLoopOutput)]
+            if len(finished) == len(samples):
+                ended += finished
+                done.append(
+                    TrajectoryOutput(
+                        rid,
+                        list(finished[0].prompt_ids),
+                        [self._trajectory(k, o) for k, o in enumerate(finished)],
+                    )
+                )
+            else:
+                rest[rid] = [o for o in samples if o is not None]
+        self.metrics = _metrics(ended)
+        return done, rest
 
     def _loops_for(self, items: Sequence[PromptItem]) -> None:
         """Build the agent loops `items` name that the runner does not hold yet; ValueError
@@ -201,6 +256,33 @@ def agent_name_problems(items: Iterable[PromptItem], names: Iterable[str]) -> li
         "(add one with rollout.agent.agent_loop_config_path)"
         for name, row in bad.items()
     ]
+
+
+def _row(item: PromptItem) -> dict[str, Any]:
+    """An agent-loop sample's fields for `item`: its messages, its `agent_name` and its
+    tools' kwargs where it has them."""
+    row: dict[str, Any] = {"raw_prompt": item.messages}
+    if item.extra.get("agent_name") is not None:
+        row["agent_name"] = item.extra["agent_name"]
+    tools_kwargs = _tools_kwargs(item)
+    if tools_kwargs:
+        row["tools_kwargs"] = tools_kwargs
+    return row
+
+
+def _sample_params(p: SamplingParams, k: int) -> SamplingParams:
+    """Sample k of a prompt's `p.n`: one sample, seeded from the prompt's seed and k."""
+    seed = None if p.seed is None else hash((p.seed, k)) & 0x7FFF_FFFF_FFFF
+    return dataclasses.replace(p, n=1, seed=seed)
+
+
+def made_tokens(sample: AgentLoopOutput | TurnState) -> int:
+    """The model tokens a carried sample of a partial rollout has sampled so far."""
+    if isinstance(sample, TurnState):
+        return sample.model_tokens()
+    if isinstance(sample, AgentLoopOutput):
+        return sum(sample.response_mask)
+    raise TypeError(f"not a carried agent-loop sample: {type(sample).__name__}")
 
 
 def _tools_kwargs(item: PromptItem) -> dict[str, Any] | None:

@@ -9,6 +9,13 @@ Tokens in, tokens out: the trajectory is exactly the sampled ids plus the append
 text is decoded only to find the calls, never encoded again. The appended ids are the
 template's rendering of what follows the model's turn: the end of the assistant's turn (less
 the EOS the model sampled), the tool messages, and the next assistant turn's opening.
+
+Resumable (partial rollouts): the sample's whole state lives in a `TurnState`, so a cut
+(`TurnCut`) raises `SampleCut` with it, and `run(..., resume=state)` goes on from it: the
+turn in the engine at the cut continues from its exported state (`LLMServer.resume_turn`), a
+sample cut between turns starts its next turn over the conversation so far (re-prefilled; a
+tool call in progress at the cut had finished and its answer was appended, so no call runs
+twice). A resumed trajectory is the same ids as an uncut one under the same weights.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from patrl.orchestrator.agent.agent_loop import (
     AgentLoop,
     AgentLoopContext,
     AgentLoopOutput,
+    SampleCut,
     TokenOutput,
+    TurnCut,
+    TurnState,
     register,
 )
 from patrl.orchestrator.agent.tool_parser import TOOL_CALL_END, extract_tool_calls
@@ -31,6 +41,7 @@ from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
 from patrl.rollout import SamplingParams
 
 _MARK = "\x00patrl-assistant-turn\x00"
+METRICS = ("tool_calls", "tool_errors", "tool_truncated", "tool_exceptions", "tool_timeouts")
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
 
@@ -41,6 +52,8 @@ class ToolAgentLoop(AgentLoop):
     of a trajectory, verl's rollout.response_length). `eos_token_ids`: the ids that end an
     assistant turn (the engine's). `stop_at_tool_call`: end a model turn at `</tool_call>`
     (one call a turn; off: at EOS only, verl's way, several calls a turn)."""
+
+    resumable = True
 
     def __init__(
         self,
@@ -99,75 +112,119 @@ class ToolAgentLoop(AgentLoop):
 
     async def run(self, sampling_params: SamplingParams, **kwargs: Any) -> AgentLoopOutput:
         """One sample: `raw_prompt` (its chat messages), optional `tools_kwargs` (verl's:
-        per tool name, {"create_kwargs": {...}}), `sample_index` (names its requests)."""
-        messages = kwargs["raw_prompt"]
+        per tool name, {"create_kwargs": {...}}), `sample_index` (names its requests), and
+        `resume`, a `TurnState` of this sample from a partial rollout's cut (its own sampling
+        params are used then). SampleCut (with the sample's TurnState) when a cut stops it."""
         tools_kwargs: Mapping[str, Any] = kwargs.get("tools_kwargs") or {}
-        prompt_ids = self.prompt_ids(messages)
-        ids = list(prompt_ids)
-        mask: list[int] = []
-        logprobs: list[float] = []
-        assistant_turns = user_turns = 0
-        calls = errors = truncated = exceptions = timeouts = 0
-        request = f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}"
-        previous: str | None = None  # the last turn, kept in the engine with its KV
-        while True:
-            params = self._turn_params(sampling_params, len(mask), assistant_turns)
-            turn_id = f"{request}-{assistant_turns}"
-            turn = await self.server_manager.generate(
-                turn_id, prompt_ids=ids, sampling_params=params, keep=True, continues=previous
+        resume: TurnState | None = kwargs.get("resume")
+        if resume is None:
+            st = TurnState(
+                self.prompt_ids(kwargs["raw_prompt"]),
+                [],
+                [],
+                [],
+                0,
+                0,
+                dict.fromkeys(METRICS, 0),
+                sampling_params,
+                f"agent-{kwargs.get('sample_index', 0)}-{uuid4().hex[:8]}",
             )
-            previous = turn_id
-            ids += turn.token_ids
-            mask += [1] * len(turn.token_ids)
-            logprobs += turn.log_probs
-            assistant_turns += 1
-            if len(mask) >= self.response_length:
-                break
-            if self.max_assistant_turns and assistant_turns >= self.max_assistant_turns:
-                break
-            if self.max_user_turns and user_turns >= self.max_user_turns:
-                break
-            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
-            _, parsed = extract_tool_calls(text, self.format)
-            if not parsed:
-                break
-            outcomes = await asyncio.gather(
-                *(
-                    self.pool.call(c, (tools_kwargs.get(c.name or "") or {}).get("create_kwargs"))
-                    for c in parsed[: self.max_parallel_calls]
-                )
+        else:  # a copy: the caller's state stays as it was saved
+            st = dataclasses.replace(
+                resume,
+                response_ids=list(resume.response_ids),
+                response_mask=list(resume.response_mask),
+                response_logprobs=list(resume.response_logprobs),
+                metrics=dict(resume.metrics),
             )
-            calls += len(outcomes)
-            errors += sum(o.error is not None for o in outcomes)
-            truncated += sum(o.truncated for o in outcomes)
-            exceptions += sum(o.error == "exception" for o in outcomes)
-            timeouts += sum(o.error == "timeout" for o in outcomes)
-            appended = self.tool_turn_ids(outcomes, self._ended_with_eos(turn))
-            if (
-                len(mask) + len(appended) >= self.response_length
-                or len(ids) + len(appended) >= self.server_manager.max_model_len
-            ):
-                break  # verl's rule: the trajectory never ends on a tool turn
-            ids += appended
-            mask += [0] * len(appended)
-            logprobs += [0.0] * len(appended)
-            user_turns += 1
-        self.server_manager.release(previous)  # the conversation ends here
-        n = len(prompt_ids)
+        try:
+            await self._go_on(st, tools_kwargs)
+        except TurnCut as cut:
+            st.open_turn = cut.open_turn
+            raise SampleCut(st) from None
         return AgentLoopOutput(
-            prompt_ids=ids[:n],
-            response_ids=ids[n:],
-            response_mask=mask,
-            response_logprobs=logprobs,
-            num_turns=user_turns + assistant_turns + 1,
-            metrics={
-                "tool_calls": calls,
-                "tool_errors": errors,
-                "tool_truncated": truncated,
-                "tool_exceptions": exceptions,
-                "tool_timeouts": timeouts,
-            },
+            prompt_ids=list(st.prompt_ids),
+            response_ids=st.response_ids,
+            response_mask=st.response_mask,
+            response_logprobs=st.response_logprobs,
+            num_turns=st.user_turns + st.assistant_turns + 1,
+            metrics=dict(st.metrics),
         )
+
+    async def _go_on(self, st: TurnState, tools_kwargs: Mapping[str, Any]) -> None:
+        """Run the conversation of `st` to its end, updating `st` as each turn ends (so that
+        on TurnCut it is the state to resume from)."""
+        ids = st.prompt_ids + st.response_ids
+        previous: str | None = None  # the last turn, kept in the engine with its KV
+        try:
+            while True:
+                if st.open_turn is not None:  # the turn a cut stopped, resumed
+                    open_turn, st.open_turn = st.open_turn, None
+                    try:
+                        turn = await self.server_manager.resume_turn(open_turn)
+                    except TurnCut as cut:
+                        raise TurnCut(cut.open_turn or open_turn) from None
+                    previous = None
+                else:
+                    params = self._turn_params(
+                        st.sampling_params, len(st.response_mask), st.assistant_turns
+                    )
+                    turn_id = f"{st.request}-{st.assistant_turns}"
+                    turn = await self.server_manager.generate(
+                        turn_id,
+                        prompt_ids=ids,
+                        sampling_params=params,
+                        keep=True,
+                        continues=previous,
+                        resumable=True,
+                    )
+                    previous = turn_id
+                ids += turn.token_ids
+                st.response_ids += turn.token_ids
+                st.response_mask += [1] * len(turn.token_ids)
+                st.response_logprobs += turn.log_probs
+                st.assistant_turns += 1
+                if len(st.response_mask) >= self.response_length:
+                    break
+                if self.max_assistant_turns and st.assistant_turns >= self.max_assistant_turns:
+                    break
+                if self.max_user_turns and st.user_turns >= self.max_user_turns:
+                    break
+                text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+                _, parsed = extract_tool_calls(text, self.format)
+                if not parsed:
+                    break
+                outcomes = await asyncio.gather(
+                    *(
+                        self.pool.call(
+                            c, (tools_kwargs.get(c.name or "") or {}).get("create_kwargs")
+                        )
+                        for c in parsed[: self.max_parallel_calls]
+                    )
+                )
+                m = st.metrics
+                m["tool_calls"] += len(outcomes)
+                m["tool_errors"] += sum(o.error is not None for o in outcomes)
+                m["tool_truncated"] += sum(o.truncated for o in outcomes)
+                m["tool_exceptions"] += sum(o.error == "exception" for o in outcomes)
+                m["tool_timeouts"] += sum(o.error == "timeout" for o in outcomes)
+                appended = self.tool_turn_ids(outcomes, self._ended_with_eos(turn))
+                if (
+                    len(st.response_mask) + len(appended) >= self.response_length
+                    or len(ids) + len(appended) >= self.server_manager.max_model_len
+                ):
+                    break  # verl's rule: the trajectory never ends on a tool turn
+                ids += appended
+                st.response_ids += appended
+                st.response_mask += [0] * len(appended)
+                st.response_logprobs += [0.0] * len(appended)
+                st.user_turns += 1
+        except TurnCut:
+            if previous is not None:
+                self.server_manager.release(previous)  # its KV is not kept across a cut
+            raise
+        if previous is not None:
+            self.server_manager.release(previous)  # the conversation ends here
 
     # -------------------------------------------------------- chat template
 
