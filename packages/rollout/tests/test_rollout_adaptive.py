@@ -835,7 +835,7 @@ def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     groups = GroupCache([1, 2], world_size=world_size, rank=rank)
     engine = AdaptiveEngine(config, groups=groups, planner=PlacingPlanner(world_size))
     placed: list[list[tuple[str, int]]] = []
-    switch = engine._switch
+    switch = engine.switch
 
     def recording(verdict: Any) -> None:
         switch(verdict)
@@ -843,7 +843,7 @@ def _placed(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
             sorted({(s.request_id, s.num_tokens) for s in engine.engine.unfinished_seqs()})
         )
 
-    engine._switch = recording  # type: ignore[method-assign]
+    engine.switch = recording  # type: ignore[method-assign]
     got = [_tokens(engine.generate(prompts, params)) for _ in range(2)]
     return {"expected": expected, "got": got, "placed": placed}
 
