@@ -14,8 +14,15 @@ turn, the tool's answer and the next turn's opening) is masked, as RL's loss mas
 EOS after `</tool_call>` is the template's, not the model's: the rollout stops at
 `</tool_call>` and appends it.
 
+Two tasks (`TOOL_TASKS`): "addition", the plain demo's own (single digits, the worked lines
+mostly right, so the calculator barely pays), and "long_sums", `LONG_SUMS`: two to four numbers
+of two or three digits in the plain demo's prompt format (`Add: a347 b912 c58`), whose worked
+lines a model this small mostly gets wrong and whose call it mostly copies right, so calling
+pays. Its warm start calls the calculator on a minority of problems (`LONG_SUMS_SFT`).
+
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
-fine-tuned model and the tool tokenizer), `data/` (the plain demo's train and validation rows,
+fine-tuned model and the tool tokenizer), `data/` (the task's train and validation rows: the
+plain demo's for "addition", drawn from `LONG_SUMS` by the plain demo's seeds for "long_sums";
 each tagged with verl's `extra_info: {"split": "train" | "test"}` so a reward can tell a training
 rollout from a validation one), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
 last). The plain demo's build and cache key are untouched.
@@ -49,7 +56,7 @@ from patrl_examples.demo.assets import (
     torch_threads,
 )
 from patrl_examples.demo.sft import IGNORE, fit
-from patrl_examples.demo.task import Problem, iter_problems
+from patrl_examples.demo.task import Problem, TaskConfig, generate_problems, iter_problems
 from patrl_examples.demo.tokenizer import build_tool_tokenizer
 
 TOOL_BUILD_VERSION = 2
@@ -75,6 +82,12 @@ tools:
     config: {type: native}
 """
 _TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
+# A task of its own draws its train and validation rows from the plain demo's streams.
+_TRAIN_STREAM, _VAL_STREAM = 1, 2
+
+# Sums the calculator pays on: 2-4 numbers of 10-999 (log-normal count as the plain task's,
+# clamped to 1-3 steps), in the plain task's labelled format, so the plain model reads them.
+LONG_SUMS = TaskConfig(min_addend=10, max_addend=999, min_steps=1, max_steps=3)
 
 
 class ToolSFTConfig(BaseModel):
@@ -96,25 +109,53 @@ class ToolSFTConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
 
 
+# The long-sums warm start: calls on 30% of the demonstrations, so greedy decoding starts out
+# working sums by hand and RL has a call share to raise.
+LONG_SUMS_SFT = ToolSFTConfig(steps=2400, lr=1e-3, tool_fraction=0.4)
+
+
 class ToolDemoRecipe(BaseModel):
-    """The plain demo's recipe (the warm start's start and the data) and the tool fine-tune."""
+    """The plain demo's recipe (the warm start's start, and the data unless `task` is set), the
+    tool task and the tool fine-tune."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     base: DemoRecipe = DemoRecipe()
     sft: ToolSFTConfig = ToolSFTConfig()
+    task: TaskConfig | None = Field(
+        None, description="the problems of the rows and demonstrations; None: the plain demo's"
+    )
 
     @classmethod
-    def default(cls, seed: int = 0, quick: bool = False) -> ToolDemoRecipe:
-        """The real recipe, or a seconds-long one (a barely trained model) for tests."""
+    def default(cls, seed: int = 0, quick: bool = False, task: str = "addition") -> ToolDemoRecipe:
+        """The real recipe of `task` (a TOOL_TASKS name), or a seconds-long one (a barely
+        trained model) for tests."""
+        if task not in TOOL_TASKS:
+            raise ValueError(f"task={task!r}: use one of {sorted(TOOL_TASKS)}")
+        config = TOOL_TASKS[task]
+        sft = ToolSFTConfig() if config is None else LONG_SUMS_SFT
         if not quick:
-            return cls(base=DemoRecipe.default(seed))
-        sft = ToolSFTConfig(steps=3, tokens_per_batch=512, pool_size=32, warmup_steps=1)
-        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft)
+            return cls(base=DemoRecipe.default(seed), sft=sft, task=config)
+        sft = sft.model_copy(
+            update={"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
+        )
+        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft, task=config)
+
+    @property
+    def problems(self) -> TaskConfig:
+        """The task the demonstrations and the rows are drawn from."""
+        return self.task if self.task is not None else self.base.task
 
     def key(self) -> str:
-        payload = json.dumps({"version": TOOL_BUILD_VERSION, **self.model_dump()}, sort_keys=True)
+        fields = self.model_dump()
+        if self.task is None:  # the addition task's builds keep the key they had before `task`
+            del fields["task"]
+        payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+# The tool demo's tasks by name (`examples/grpo_tools.py --task`); None: the plain demo's.
+TOOL_TASKS: dict[str, TaskConfig | None] = {"addition": None, "long_sums": LONG_SUMS}
 
 
 # ---------------------------------------------------------------- demonstrations
@@ -283,7 +324,7 @@ def train_tool_sft(
     seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
     torch.manual_seed(seed)
     batches = iter_tool_batches(
-        iter_problems(seed, recipe.base.task), tokenizer, config, random.Random(seed)
+        iter_problems(seed, recipe.problems), tokenizer, config, random.Random(seed)
     )
     # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
     schedule = recipe.base.sft.model_copy(
@@ -368,14 +409,27 @@ def copy_rows_with_split(source: Path, dest: Path, split: str) -> None:
     dest.write_text("".join(f"{line}\n" for line in lines))
 
 
+def write_rows(problems: Sequence[Problem], dest: Path, split: str) -> None:
+    """The problems' RL rows (`Problem.record`), each tagged with verl's `extra_info["split"]`."""
+    rows = [{**p.record(), "extra_info": {"split": split}} for p in problems]
+    dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
     """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         start = time.perf_counter()
         (tmp / "data").mkdir(parents=True)
-        for name, split in (("train.jsonl", "train"), ("val.jsonl", "test")):
-            copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
+        for name, split, stream, count in (
+            ("train.jsonl", "train", _TRAIN_STREAM, recipe.base.num_train),
+            ("val.jsonl", "test", _VAL_STREAM, recipe.base.num_val),
+        ):
+            if recipe.task is None:
+                copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
+            else:
+                problems = generate_problems(count, recipe.base.stream_seed(stream), recipe.task)
+                write_rows(problems, tmp / "data" / name, split)
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
         model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
