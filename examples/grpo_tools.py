@@ -19,10 +19,10 @@ call, on training rows only (`patrl_examples.demo.reward:malformed_call_penalty`
 from examples/configs/demo_tools.yaml; any key can be overridden on the command line.
 
 `--task long_sums` (`python -m nox -s demo_tools_long_sums`) swaps in sums of two to four
-numbers of two or three digits (patrl_examples.demo.tools.LONG_SUMS), whose worked lines the
-small model mostly gets wrong and whose calculator calls it mostly gets right; its warm start
-calls the calculator on 30% of its demonstrations, and its settings are
-examples/configs/demo_tools_long_sums.yaml.
+numbers of two or three digits, `Add: 325+267+630` (patrl_examples.demo.long_sums), which the
+small model mostly adds wrong by hand and mostly gets right by a calculator call; its warm
+start calls the calculator on 40% of its demonstrations (tools.LONG_SUMS_SFT), and its
+settings are examples/configs/demo_tools_long_sums.yaml.
 """
 
 import argparse

@@ -18,12 +18,16 @@ import pytest
 from patrl.orchestrator.agent.calculator import CalculatorTool
 from patrl.orchestrator.agent.tool_parser import extract_tool_calls
 from patrl_examples.demo.evaluate import is_correct
+from patrl_examples.demo.long_sums import (
+    LongSumsConfig,
+    SumProblem,
+    generate_problems,
+    iter_problems,
+)
 from patrl_examples.demo.reward import well_formed_call
 from patrl_examples.demo.sft import IGNORE
-from patrl_examples.demo.task import generate_problems, iter_problems
 from patrl_examples.demo.tokenizer import ASSISTANT, TOOL, build_tool_tokenizer
 from patrl_examples.demo.tools import (
-    LONG_SUMS,
     LONG_SUMS_SFT,
     TOOL_TASKS,
     ToolDemoRecipe,
@@ -33,15 +37,15 @@ from patrl_examples.demo.tools import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-_NUMBER = re.compile(r"[a-z](\d+)")
+LONG_SUMS = LongSumsConfig()
+_PROMPT = re.compile(r"Add: (\d+(?:\+\d+)+)")
 
 
 def addends_of(prompt: str) -> tuple[int, ...]:
-    """The numbers of an `Add: a347 b912` prompt, read back from its text (labels in order)."""
-    assert prompt.startswith("Add: "), prompt
-    words = prompt.removeprefix("Add: ").split(" ")
-    assert [w[0] for w in words] == list("abcdefghijklmnopqrstuvwxyz"[: len(words)]), prompt
-    return tuple(int(_NUMBER.fullmatch(w).group(1)) for w in words)  # type: ignore[union-attr]
+    """The numbers of an `Add: 325+267+630` prompt, read back from its text."""
+    match = _PROMPT.fullmatch(prompt)
+    assert match is not None, prompt
+    return tuple(int(x) for x in match.group(1).split("+"))
 
 
 def calculate(expression: str) -> str:
@@ -53,7 +57,7 @@ def test_long_sums_are_two_to_four_numbers_of_two_or_three_digits() -> None:
     problems = generate_problems(3000, seed=11, config=LONG_SUMS)
     assert problems == generate_problems(3000, seed=11, config=LONG_SUMS)
     counts = Counter(len(p.addends) for p in problems)
-    assert set(counts) == {2, 3, 4} and min(counts.values()) >= 400, counts
+    assert set(counts) == {2, 3, 4} and min(counts.values()) >= 900, counts  # uniform: ~1000
     numbers = [x for p in problems for x in p.addends]
     assert min(numbers) == 10 and max(numbers) == 999
     assert sum(x >= 100 for x in numbers) / len(numbers) > 0.8  # mostly three digits
@@ -71,18 +75,28 @@ def test_long_sums_answers_are_the_sums_the_prompts_state() -> None:
             "num_steps": len(numbers) - 1,
         }
         assert is_correct(p.direct_solution(), str(sum(numbers)))
-        # The worked lines: each line's sum is right and the box holds the total.
+        # By hand: one line per running sum, each right, the box holding the total.
         lines = p.solution().splitlines()
-        for line in lines[1:-1]:
-            left, right = line.split(": ", 1)[1].split("=")
-            a, b = left.split("+")
-            assert int(a) + int(b) == int(right), line
+        assert len(lines) == len(numbers)
+        total = numbers[0]
+        for line, x in zip(lines[:-1], numbers[1:], strict=True):
+            assert line == f"{total}+{x}={total + x}", line
+            total += x
         assert lines[-1] == f"\\boxed{{{sum(numbers)}}}"
+
+
+def test_bad_long_sums_are_refused() -> None:
+    with pytest.raises(ValueError, match="two or more"):
+        SumProblem((5,))
+    with pytest.raises(ValueError, match="empty range"):
+        LongSumsConfig(min_numbers=4, max_numbers=3)
 
 
 def test_the_calculator_answers_a_long_sums_call_with_the_sum() -> None:
     for p in generate_problems(200, seed=13, config=LONG_SUMS):
         text = call_text(p)
+        # The call's expression is the prompt's, character for character.
+        assert f'"expression": "{p.prompt.removeprefix("Add: ")}"' in text
         assert well_formed_call(text, str(p.answer)) == 1.0
         _, calls = extract_tool_calls(text, "hermes")
         assert len(calls) == 1 and calls[0].name == "calculator"
@@ -131,8 +145,10 @@ def test_warm_start_demonstrations_call_well_and_get_right_answers() -> None:
 def test_recipes_by_task_and_unknown_task_refused() -> None:
     assert set(TOOL_TASKS) == {"addition", "long_sums"}
     addition, long_sums = ToolDemoRecipe.default(), ToolDemoRecipe.default(task="long_sums")
-    assert addition.task is None and addition.problems == addition.base.task
-    assert long_sums.problems == LONG_SUMS and long_sums.sft == LONG_SUMS_SFT
+    assert addition.task is None and long_sums.task == LONG_SUMS
+    assert long_sums.sft == LONG_SUMS_SFT
+    assert next(addition.problems(3)).prompt.startswith("Add: a")
+    assert [next(long_sums.problems(3)) for _ in range(1)] == generate_problems(1, 3, LONG_SUMS)
     assert addition.key() != long_sums.key()
     assert ToolDemoRecipe.default(quick=True, task="long_sums").task == LONG_SUMS
     with pytest.raises(ValueError, match="task='products'"):

@@ -14,15 +14,15 @@ turn, the tool's answer and the next turn's opening) is masked, as RL's loss mas
 EOS after `</tool_call>` is the template's, not the model's: the rollout stops at
 `</tool_call>` and appends it.
 
-Two tasks (`TOOL_TASKS`): "addition", the plain demo's own (single digits, the worked lines
-mostly right, so the calculator barely pays), and "long_sums", `LONG_SUMS`: two to four numbers
-of two or three digits in the plain demo's prompt format (`Add: a347 b912 c58`), whose worked
-lines a model this small mostly gets wrong and whose call it mostly copies right, so calling
-pays. Its warm start calls the calculator on a minority of problems (`LONG_SUMS_SFT`).
+Two tasks (`TOOL_TASKS`): "addition", the plain demo's own (labelled single digits: the worked
+lines mostly right, so the calculator barely pays), and "long_sums" (`long_sums.SumProblem`:
+`Add: 325+267+630`), which a model this small mostly adds wrong by hand and mostly gets right
+by copying the expression into a call, so calling pays. Its warm start calls the calculator on
+a minority of problems and trains longer, at a higher rate, for the copying (`LONG_SUMS_SFT`).
 
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
 fine-tuned model and the tool tokenizer), `data/` (the task's train and validation rows: the
-plain demo's for "addition", drawn from `LONG_SUMS` by the plain demo's seeds for "long_sums";
+plain demo's for "addition", drawn by the plain demo's seeds for "long_sums";
 each tagged with verl's `extra_info: {"split": "train" | "test"}` so a reward can tell a training
 rollout from a validation one), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
 last). The plain demo's build and cache key are untouched.
@@ -45,6 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from patrl_examples.demo import long_sums
 from patrl_examples.demo.assets import (
     MANIFEST,
     DemoRecipe,
@@ -55,8 +56,9 @@ from patrl_examples.demo.assets import (
     save_model,
     torch_threads,
 )
+from patrl_examples.demo.long_sums import LongSumsConfig, SumProblem
 from patrl_examples.demo.sft import IGNORE, fit
-from patrl_examples.demo.task import Problem, TaskConfig, generate_problems, iter_problems
+from patrl_examples.demo.task import Problem, iter_problems
 from patrl_examples.demo.tokenizer import build_tool_tokenizer
 
 TOOL_BUILD_VERSION = 2
@@ -84,10 +86,8 @@ tools:
 _TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
 # A task of its own draws its train and validation rows from the plain demo's streams.
 _TRAIN_STREAM, _VAL_STREAM = 1, 2
-
-# Sums the calculator pays on: 2-4 numbers of 10-999 (log-normal count as the plain task's,
-# clamped to 1-3 steps), in the plain task's labelled format, so the plain model reads them.
-LONG_SUMS = TaskConfig(min_addend=10, max_addend=999, min_steps=1, max_steps=3)
+# A problem of either task: both have the same answer interface.
+AnyProblem = Problem | SumProblem
 
 
 class ToolSFTConfig(BaseModel):
@@ -109,9 +109,11 @@ class ToolSFTConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
 
 
-# The long-sums warm start: calls on 30% of the demonstrations, so greedy decoding starts out
-# working sums by hand and RL has a call share to raise.
-LONG_SUMS_SFT = ToolSFTConfig(steps=2400, lr=1e-3, tool_fraction=0.4)
+# The long-sums warm start: calls on 40% of the demonstrations, so that greedy decoding starts
+# out adding by hand and RL has a call share to raise; the others work the sum out line by line
+# (no bare totals), which copies numbers as a call does. Longer and at a higher rate than the
+# addition one, since copying three- and four-digit numbers is learned late.
+LONG_SUMS_SFT = ToolSFTConfig(steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0)
 
 
 class ToolDemoRecipe(BaseModel):
@@ -122,8 +124,8 @@ class ToolDemoRecipe(BaseModel):
 
     base: DemoRecipe = DemoRecipe()
     sft: ToolSFTConfig = ToolSFTConfig()
-    task: TaskConfig | None = Field(
-        None, description="the problems of the rows and demonstrations; None: the plain demo's"
+    task: LongSumsConfig | None = Field(
+        None, description="long sums for the rows and demonstrations; None: the plain demo's task"
     )
 
     @classmethod
@@ -141,10 +143,11 @@ class ToolDemoRecipe(BaseModel):
         )
         return cls(base=DemoRecipe.default(seed, quick=True), sft=sft, task=config)
 
-    @property
-    def problems(self) -> TaskConfig:
-        """The task the demonstrations and the rows are drawn from."""
-        return self.task if self.task is not None else self.base.task
+    def problems(self, seed: int) -> Iterator[AnyProblem]:
+        """The endless stream of the task's problems drawn from `seed`."""
+        if self.task is None:
+            return iter_problems(seed, self.base.task)
+        return long_sums.iter_problems(seed, self.task)
 
     def key(self) -> str:
         fields = self.model_dump()
@@ -155,20 +158,20 @@ class ToolDemoRecipe(BaseModel):
 
 
 # The tool demo's tasks by name (`examples/grpo_tools.py --task`); None: the plain demo's.
-TOOL_TASKS: dict[str, TaskConfig | None] = {"addition": None, "long_sums": LONG_SUMS}
+TOOL_TASKS: dict[str, LongSumsConfig | None] = {"addition": None, "long_sums": LongSumsConfig()}
 
 
 # ---------------------------------------------------------------- demonstrations
 
 
-def call_text(problem: Problem) -> str:
+def call_text(problem: AnyProblem) -> str:
     """The model's calculator call for `problem`, hermes format: the addends joined by +."""
     expression = "+".join(str(x) for x in problem.addends)
     body = json.dumps({"name": CALCULATOR, "arguments": {"expression": expression}})
     return f"<tool_call>{body}</tool_call>"
 
 
-def tool_messages(problem: Problem) -> list[dict[str, str]]:
+def tool_messages(problem: AnyProblem) -> list[dict[str, str]]:
     """The whole conversation of a calculator answer: the call, the tool's answer, the box."""
     return [
         {"role": "user", "content": problem.prompt},
@@ -189,7 +192,7 @@ class Demonstration:
 
 
 def encode_demonstration(
-    problem: Problem, tokenizer: PreTrainedTokenizerBase, kind: str
+    problem: AnyProblem, tokenizer: PreTrainedTokenizerBase, kind: str
 ) -> Demonstration:
     """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total) or
     "worked" (the running sums). Rendered by the tokenizer's chat template with the calculator
@@ -274,7 +277,7 @@ def draw_kind(rng: random.Random, config: ToolSFTConfig) -> str:
 
 
 def iter_tool_batches(
-    stream: Iterator[Problem],
+    stream: Iterator[AnyProblem],
     tokenizer: PreTrainedTokenizerBase,
     config: ToolSFTConfig,
     rng: random.Random,
@@ -323,9 +326,7 @@ def train_tool_sft(
     config = recipe.sft
     seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
     torch.manual_seed(seed)
-    batches = iter_tool_batches(
-        iter_problems(seed, recipe.problems), tokenizer, config, random.Random(seed)
-    )
+    batches = iter_tool_batches(recipe.problems(seed), tokenizer, config, random.Random(seed))
     # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
     schedule = recipe.base.sft.model_copy(
         update={
@@ -409,7 +410,7 @@ def copy_rows_with_split(source: Path, dest: Path, split: str) -> None:
     dest.write_text("".join(f"{line}\n" for line in lines))
 
 
-def write_rows(problems: Sequence[Problem], dest: Path, split: str) -> None:
+def write_rows(problems: Sequence[AnyProblem], dest: Path, split: str) -> None:
     """The problems' RL rows (`Problem.record`), each tagged with verl's `extra_info["split"]`."""
     rows = [{**p.record(), "extra_info": {"split": split}} for p in problems]
     dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -428,8 +429,10 @@ def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str]
             if recipe.task is None:
                 copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
             else:
-                problems = generate_problems(count, recipe.base.stream_seed(stream), recipe.task)
-                write_rows(problems, tmp / "data" / name, split)
+                stream_problems = recipe.problems(recipe.base.stream_seed(stream))
+                write_rows(
+                    [next(stream_problems) for _ in range(count)], tmp / "data" / name, split
+                )
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
         model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
