@@ -7,7 +7,8 @@
 numbers of 10-999) on which the calculator pays. Per seed: validation pass@1 (greedy, multi-turn) per validation, and per training step the
 share of responses that call the calculator (`calls_tool`) and, of those, the share whose
 every call is well-formed (`well_formed_call / calls_tool`: closed, valid JSON, the calculator
-with an expression), first and last 5 steps averaged. Also plots them per seed (tool_use.png in
+with an expression) and the share of all responses that call with well-formed calls only,
+first and last 5 steps averaged. Also plots them per seed (tool_use.png in
 the run's folder, beside the job's own reward / length / timeline plots, and a copy beside the
 JSON: `<json stem>_seed<N>.png`).
 """
@@ -54,7 +55,9 @@ def main() -> None:
             f"seed {r['seed']}: val pass@1 {r['val_first']:.3f} -> {r['val_last']:.3f}; "
             f"calls the calculator {r['calls_first']:.3f} -> {r['calls_last']:.3f}; "
             f"well-formed share of calling responses {fmt(r['well_formed_first'])} -> "
-            f"{fmt(r['well_formed_last'])} (first / last {r['k']} steps); "
+            f"{fmt(r['well_formed_last'])}; calls, all well-formed "
+            f"{r['calls_well_formed_first']:.3f} -> {r['calls_well_formed_last']:.3f} "
+            f"(first / last {r['k']} steps); "
             f"{r['wall_s']:.0f} s; validation by step: "
             + ", ".join(f"{s}: {v:.3f}" for s, v in r["val_pass_at_1_by_step"])
         )
@@ -97,6 +100,9 @@ def run_seed(seed: int, task: str, nproc: int, overrides: list[str]) -> dict[str
         "calls_last": mean([v for _, v in calls[-k:]]),
         "well_formed_first": ratio(well[:k], calls[:k]),
         "well_formed_last": ratio(well[-k:], calls[-k:]),
+        # Responses that call with only well-formed calls, over all responses.
+        "calls_well_formed_first": mean([v for _, v in well[:k]]),
+        "calls_well_formed_last": mean([v for _, v in well[-k:]]),
         "run_dir": str(run_root),
     }
 
