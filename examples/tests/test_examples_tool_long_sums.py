@@ -116,11 +116,11 @@ def test_warm_start_demonstrations_call_well_and_get_right_answers() -> None:
         input_ids, labels = next(batches)
         for ids, labs in zip(input_ids.tolist(), labels.tolist(), strict=True):
             rows += 1
-            text = tokenizer.decode(ids, skip_special_tokens=False)
+            text = str(tokenizer.decode(ids, skip_special_tokens=False))
             prompt = text.split("<|user|>", 1)[1].split("\n", 1)[0]
             answer = str(sum(addends_of(prompt)))
             trained = "".join(
-                tokenizer.decode([i], skip_special_tokens=False)
+                str(tokenizer.decode([i], skip_special_tokens=False))
                 for i, lab in zip(ids, labs, strict=True)
                 if lab != IGNORE
             )
