@@ -151,7 +151,7 @@ class ToolDemoRecipe(BaseModel):
 
     def key(self) -> str:
         fields = self.model_dump()
-        if self.task is None:  # the addition task's builds keep the key they had before `task`
+        if self.task is None:  # left out: an addition recipe hashes as its own fields alone
             del fields["task"]
         payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
