@@ -227,6 +227,16 @@ def demo_tools(session: nox.Session) -> None:
 
 
 @nox.session
+def demo_tools_long_sums(session: nox.Session) -> None:
+    """The tool demo on long sums, where calling the calculator pays: 2 ranks."""
+    install_patrl(session)
+    example = ROOT / "examples" / "grpo_tools.py"
+    session.run(
+        "torchrun", "--nproc_per_node", "2", str(example), "--task", "long_sums", *session.posargs
+    )
+
+
+@nox.session
 def gpu(session: nox.Session) -> None:
     """CUDA-only tests (flash backend, CUDA parity); skipped cleanly on a CPU machine."""
     install_patrl(session, *TEST_DEPS)

@@ -14,8 +14,15 @@ turn, the tool's answer and the next turn's opening) is masked, as RL's loss mas
 EOS after `</tool_call>` is the template's, not the model's: the rollout stops at
 `</tool_call>` and appends it.
 
+Two tasks (`TOOL_TASKS`): "addition", the plain demo's own (labelled single digits: the worked
+lines mostly right, so the calculator barely pays), and "long_sums" (`long_sums.SumProblem`:
+`Add: 325+267+630`), which a model this small mostly adds wrong by hand and mostly gets right
+by copying the expression into a call, so calling pays. Its warm start calls the calculator on
+a minority of problems and trains longer, at a higher rate, for the copying (`LONG_SUMS_SFT`).
+
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
-fine-tuned model and the tool tokenizer), `data/` (the plain demo's train and validation rows,
+fine-tuned model and the tool tokenizer), `data/` (the task's train and validation rows: the
+plain demo's for "addition", drawn by the plain demo's seeds for "long_sums";
 each tagged with verl's `extra_info: {"split": "train" | "test"}` so a reward can tell a training
 rollout from a validation one), `tools.yaml` (the calculator's tool config) and `demo.json` (the manifest, written
 last). The plain demo's build and cache key are untouched.
@@ -38,6 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from patrl_examples.demo import long_sums
 from patrl_examples.demo.assets import (
     MANIFEST,
     DemoRecipe,
@@ -48,6 +56,7 @@ from patrl_examples.demo.assets import (
     save_model,
     torch_threads,
 )
+from patrl_examples.demo.long_sums import LongSumsConfig, SumProblem
 from patrl_examples.demo.sft import IGNORE, fit
 from patrl_examples.demo.task import Problem, iter_problems
 from patrl_examples.demo.tokenizer import build_tool_tokenizer
@@ -75,6 +84,10 @@ tools:
     config: {type: native}
 """
 _TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
+# A task of its own draws its train and validation rows from the plain demo's streams.
+_TRAIN_STREAM, _VAL_STREAM = 1, 2
+# A problem of either task: both have the same answer interface.
+AnyProblem = Problem | SumProblem
 
 
 class ToolSFTConfig(BaseModel):
@@ -96,38 +109,69 @@ class ToolSFTConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
 
 
+# The long-sums warm start: calls on 40% of the demonstrations, so that greedy decoding starts
+# out adding by hand and RL has a call share to raise; the others work the sum out line by line
+# (no bare totals), which copies numbers as a call does. Longer and at a higher rate than the
+# addition one, since copying three- and four-digit numbers is learned late.
+LONG_SUMS_SFT = ToolSFTConfig(steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0)
+
+
 class ToolDemoRecipe(BaseModel):
-    """The plain demo's recipe (the warm start's start and the data) and the tool fine-tune."""
+    """The plain demo's recipe (the warm start's start, and the data unless `task` is set), the
+    tool task and the tool fine-tune."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     base: DemoRecipe = DemoRecipe()
     sft: ToolSFTConfig = ToolSFTConfig()
+    task: LongSumsConfig | None = Field(
+        None, description="long sums for the rows and demonstrations; None: the plain demo's task"
+    )
 
     @classmethod
-    def default(cls, seed: int = 0, quick: bool = False) -> ToolDemoRecipe:
-        """The real recipe, or a seconds-long one (a barely trained model) for tests."""
+    def default(cls, seed: int = 0, quick: bool = False, task: str = "addition") -> ToolDemoRecipe:
+        """The real recipe of `task` (a TOOL_TASKS name), or a seconds-long one (a barely
+        trained model) for tests."""
+        if task not in TOOL_TASKS:
+            raise ValueError(f"task={task!r}: use one of {sorted(TOOL_TASKS)}")
+        config = TOOL_TASKS[task]
+        sft = ToolSFTConfig() if config is None else LONG_SUMS_SFT
         if not quick:
-            return cls(base=DemoRecipe.default(seed))
-        sft = ToolSFTConfig(steps=3, tokens_per_batch=512, pool_size=32, warmup_steps=1)
-        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft)
+            return cls(base=DemoRecipe.default(seed), sft=sft, task=config)
+        sft = sft.model_copy(
+            update={"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
+        )
+        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft, task=config)
+
+    def problems(self, seed: int) -> Iterator[AnyProblem]:
+        """The endless stream of the task's problems drawn from `seed`."""
+        if self.task is None:
+            return iter_problems(seed, self.base.task)
+        return long_sums.iter_problems(seed, self.task)
 
     def key(self) -> str:
-        payload = json.dumps({"version": TOOL_BUILD_VERSION, **self.model_dump()}, sort_keys=True)
+        fields = self.model_dump()
+        if self.task is None:  # left out: an addition recipe hashes as its own fields alone
+            del fields["task"]
+        payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+# The tool demo's tasks by name (`examples/grpo_tools.py --task`); None: the plain demo's.
+TOOL_TASKS: dict[str, LongSumsConfig | None] = {"addition": None, "long_sums": LongSumsConfig()}
 
 
 # ---------------------------------------------------------------- demonstrations
 
 
-def call_text(problem: Problem) -> str:
+def call_text(problem: AnyProblem) -> str:
     """The model's calculator call for `problem`, hermes format: the addends joined by +."""
     expression = "+".join(str(x) for x in problem.addends)
     body = json.dumps({"name": CALCULATOR, "arguments": {"expression": expression}})
     return f"<tool_call>{body}</tool_call>"
 
 
-def tool_messages(problem: Problem) -> list[dict[str, str]]:
+def tool_messages(problem: AnyProblem) -> list[dict[str, str]]:
     """The whole conversation of a calculator answer: the call, the tool's answer, the box."""
     return [
         {"role": "user", "content": problem.prompt},
@@ -148,7 +192,7 @@ class Demonstration:
 
 
 def encode_demonstration(
-    problem: Problem, tokenizer: PreTrainedTokenizerBase, kind: str
+    problem: AnyProblem, tokenizer: PreTrainedTokenizerBase, kind: str
 ) -> Demonstration:
     """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total) or
     "worked" (the running sums). Rendered by the tokenizer's chat template with the calculator
@@ -233,7 +277,7 @@ def draw_kind(rng: random.Random, config: ToolSFTConfig) -> str:
 
 
 def iter_tool_batches(
-    stream: Iterator[Problem],
+    stream: Iterator[AnyProblem],
     tokenizer: PreTrainedTokenizerBase,
     config: ToolSFTConfig,
     rng: random.Random,
@@ -282,9 +326,7 @@ def train_tool_sft(
     config = recipe.sft
     seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
     torch.manual_seed(seed)
-    batches = iter_tool_batches(
-        iter_problems(seed, recipe.base.task), tokenizer, config, random.Random(seed)
-    )
+    batches = iter_tool_batches(recipe.problems(seed), tokenizer, config, random.Random(seed))
     # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
     schedule = recipe.base.sft.model_copy(
         update={
@@ -368,14 +410,29 @@ def copy_rows_with_split(source: Path, dest: Path, split: str) -> None:
     dest.write_text("".join(f"{line}\n" for line in lines))
 
 
+def write_rows(problems: Sequence[AnyProblem], dest: Path, split: str) -> None:
+    """The problems' RL rows (`Problem.record`), each tagged with verl's `extra_info["split"]`."""
+    rows = [{**p.record(), "extra_info": {"split": split}} for p in problems]
+    dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
     """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         start = time.perf_counter()
         (tmp / "data").mkdir(parents=True)
-        for name, split in (("train.jsonl", "train"), ("val.jsonl", "test")):
-            copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
+        for name, split, stream, count in (
+            ("train.jsonl", "train", _TRAIN_STREAM, recipe.base.num_train),
+            ("val.jsonl", "test", _VAL_STREAM, recipe.base.num_val),
+        ):
+            if recipe.task is None:
+                copy_rows_with_split(base / "data" / name, tmp / "data" / name, split)
+            else:
+                stream_problems = recipe.problems(recipe.base.stream_seed(stream))
+                write_rows(
+                    [next(stream_problems) for _ in range(count)], tmp / "data" / name, split
+                )
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
         model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
