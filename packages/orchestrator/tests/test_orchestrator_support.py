@@ -71,7 +71,9 @@ def test_a_schedule_refuses_what_preflight_refuses_before_building(
     with pytest.raises(support.UnsupportedJob) as err:
         schedule(config, CPU1, str(assets / "model"), config.data.train_files, None)
     assert str(err.value) == "; ".join(support.unsupported(config, 1))
-    assert "with rollout.multi_turn.tool_config_path is unset: the tool agent loop needs" in str(err.value)
+    assert "with rollout.multi_turn.tool_config_path is unset: the tool agent loop needs" in str(
+        err.value
+    )
     assert isinstance(err.value, JobError) and isinstance(err.value, ValueError)
 
 
@@ -115,3 +117,28 @@ def test_an_epoch_count_preflight_could_not_read_is_resolved_with_the_data(
     assert data.config.total_steps == 2 * per_epoch
     assert data.config.actor.optim.total_training_steps == 2 * per_epoch
     assert data.config.schedule_resolved
+
+
+def test_multi_turn_partial_rollouts_under_adaptive_tp_are_refused_on_several_ranks(
+    tmp_path: Path,
+) -> None:
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+    base = [
+        "data.train_files=/d.jsonl",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools}",
+        "rollout.over_sample_rate=0.5",
+    ]
+    adaptive = load_config(None, [*base, "rollout.adaptive_tp.enable=true"])
+    (problem,) = support.unsupported(adaptive, 2)
+    assert problem.startswith(
+        "rollout.multi_turn.enable=true with rollout.adaptive_tp.enable=true and "
+        "rollout.over_sample_rate=0.5 (partial rollouts) on 2 ranks"
+    ), problem
+    assert "rollout.adaptive_tp.enable=false" in problem
+    assert support.unsupported(adaptive, 1) == []  # one rank: nothing to adapt
+    static = load_config(None, [*base, "rollout.adaptive_tp.enable=false"])
+    assert support.unsupported(static, 2) == []
+    whole = load_config(None, [*base[:-1], "rollout.adaptive_tp.enable=true"])
+    assert support.unsupported(whole, 2) == []

@@ -21,7 +21,11 @@ class UnsupportedJob(JobError, ValueError):
 
 def unsupported(config: JobConfig, world_size: int) -> list[str]:
     """Every refusal of `config` on `world_size` ranks; empty where its schedule runs it."""
-    return [*multi_turn_refusals(config), *async_refusals(config, world_size)]
+    return [
+        *multi_turn_refusals(config),
+        *multi_turn_layout_refusals(config, world_size),
+        *async_refusals(config, world_size),
+    ]
 
 
 def check_supported(config: JobConfig, world_size: int) -> None:
@@ -41,6 +45,28 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
     return [
         "rollout.multi_turn.enable=true with rollout.multi_turn.tool_config_path is unset: the "
         "tool agent loop needs its tools (docs/agent_loop.md); name a tool config YAML"
+    ]
+
+
+def multi_turn_layout_refusals(config: JobConfig, world_size: int) -> list[str]:
+    """Multi-turn with partial rollouts under adaptive TP on `world_size` > 1 ranks is refused:
+    adaptive TP's driver (world rank 0 runs every rank's agent loops) has no quota, so it cannot
+    cut the world's samples at the step's end. One rank (nothing to adapt) runs it."""
+    r = config.rollout
+    if not (
+        r.multi_turn.enable
+        and config.trainer.mode == "sync"
+        and r.adaptive_tp.enable
+        and r.over_sample_rate > 0
+        and world_size > 1
+    ):
+        return []
+    return [
+        f"rollout.multi_turn.enable=true with rollout.adaptive_tp.enable=true and "
+        f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts) on {world_size} "
+        "ranks: not wired yet: adaptive TP's agent-loop driver cannot yet cut the world's "
+        "samples at the step's quota (docs/agent_loop.md); set rollout.adaptive_tp.enable=false "
+        "(static TP composes with partial rollouts) or rollout.over_sample_rate=0"
     ]
 
 
