@@ -36,6 +36,7 @@ from patrl.orchestrator.agent.agent_loop import (
     LLMServer,
     Sample,
     TokenOutput,
+    TurnState,
 )
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.config import JobConfig
@@ -85,6 +86,7 @@ class AdaptiveLLMServer(LLMServer):
         sampling_params: SamplingParams,
         keep: bool = False,
         continues: str | None = None,
+        resumable: bool = False,
     ) -> TokenOutput:
         """`LLMServer.generate`; a turn that finished before a switch is not kept (the
         switch released its KV), so its continuation is submitted whole."""
@@ -94,6 +96,7 @@ class AdaptiveLLMServer(LLMServer):
             sampling_params=sampling_params,
             keep=keep,
             continues=continues,
+            resumable=resumable,
         )
         if self._finished_in.pop(request_id, self._epoch) != self._epoch:
             self._kept.pop(request_id, None)
@@ -196,7 +199,7 @@ class AdaptiveLLMServer(LLMServer):
         """The driver's `message` to every rank of the world."""
         broadcast_obj(self.comm, self.world, message, src=DRIVER)
 
-    def follow(self) -> list[AgentLoopOutput]:
+    def follow(self) -> list[AgentLoopOutput | TurnState]:
         """A rank other than the driver: play the rounds the driver announces until it
         sends the run's outputs (returned) or its error (raised, after draining the engine
         as the driver does)."""

@@ -138,6 +138,7 @@ class VersionedServer(LLMServer):
         sampling_params: SamplingParams,
         keep: bool = False,
         continues: str | None = None,
+        resumable: bool = False,
     ) -> TokenOutput:
         track = _CURRENT.get()
         key = conversation_key(prompt_ids)
@@ -159,6 +160,7 @@ class VersionedServer(LLMServer):
                 sampling_params=sampling_params,
                 keep=keep,
                 continues=continues,
+                resumable=resumable,
             )
         finally:
             self.switches.pop(request_id, None)
