@@ -164,7 +164,9 @@ def test_a_rows_verl_tools_kwargs_reach_the_tools_create(tmp_path: Path, model_d
     assert "<tool_response>\n{}\n" in second.outputs[0].text  # no create kwargs
 
 
-def test_every_schedule_composes_and_a_missing_tool_config_is_refused_by_key(tmp_path: Path) -> None:
+def test_every_schedule_composes_and_a_missing_tool_config_is_refused_by_key(
+    tmp_path: Path,
+) -> None:
     tools = tool_config(tmp_path / "tools.yaml", CALCULATOR)
     assert multi_turn_problems(job(tools)) == []
     for accepted in (
