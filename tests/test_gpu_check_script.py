@@ -58,9 +58,10 @@ def test_the_summary_names_each_failed_test_with_its_message_and_packs_the_logs(
         "def test_bad():\n    assert 680 >= 760, 'greedy tokens agree on 680/768 positions'\n"
     )
     run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(case)]
-    ran = subprocess.run(
-        [*run, f"--junitxml={out / 'tests_x.xml'}"], capture_output=True, text=True, timeout=120
-    )
+    ran = subprocess.run(  # rootdir tmp_path: the case's id does not depend on where pytest runs
+        [*run, f"--rootdir={tmp_path}", f"--junitxml={out / 'tests_x.xml'}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
     (out / "tests_x.log").write_text(ran.stdout)
     (out / "steps.txt").write_text(f"tests_x {ran.returncode} 3\nbench 0 5\n")
     done = subprocess.run(

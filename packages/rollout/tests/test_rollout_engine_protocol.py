@@ -19,8 +19,9 @@ from patrl.rollout import (
 )
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 
-# AdaptiveEngine's own calls, beyond the protocol: chat (its generate's), the way back
-OWN = {"chat", "return_later", "settle_layout"}
+# AdaptiveEngine's own calls, beyond the protocol: chat (its generate's), the way back, and
+# switch (a verdict carried out; SteppedRollout's multi-turn driver calls it between steps)
+OWN = {"chat", "return_later", "settle_layout", "switch"}
 
 
 @pytest.fixture(scope="module")
