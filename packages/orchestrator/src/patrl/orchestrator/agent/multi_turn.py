@@ -90,9 +90,9 @@ class MultiTurnRollout:
             row = _row(item)
             for k in range(p.n):
                 rows.append(row)
-                row_params.append(_sample_params(p, k))
+                row_params.append(sample_params_of(p, k))
         outs = self.runner.run(rows, row_params) if rows else []
-        self.metrics = _metrics(outs)
+        self.metrics = rollout_metrics(outs)
         result: list[TrajectoryOutput] = []
         at = 0
         for item, p in zip(items, params, strict=True):
@@ -136,7 +136,7 @@ class MultiTurnRollout:
                 carried[rid] = [None] * p.n
                 for k in range(p.n):
                     rows.append(row)
-                    row_params.append(_sample_params(p, k))
+                    row_params.append(sample_params_of(p, k))
                     where.append((rid, k))
         outs = (
             self.runner.run_partial(rows, row_params, [g for g, _ in where], quota) if rows else []
@@ -160,7 +160,7 @@ class MultiTurnRollout:
                 )
             else:
                 rest[rid] = [o for o in samples if o is not None]
-        self.metrics = _metrics(ended)
+        self.metrics = rollout_metrics(ended)
         return done, rest
 
     def _loops_for(self, items: Sequence[PromptItem]) -> None:
@@ -264,13 +264,13 @@ def _row(item: PromptItem) -> dict[str, Any]:
     row: dict[str, Any] = {"raw_prompt": item.messages}
     if item.extra.get("agent_name") is not None:
         row["agent_name"] = item.extra["agent_name"]
-    tools_kwargs = _tools_kwargs(item)
-    if tools_kwargs:
-        row["tools_kwargs"] = tools_kwargs
+    kwargs = tools_kwargs(item)
+    if kwargs:
+        row["tools_kwargs"] = kwargs
     return row
 
 
-def _sample_params(p: SamplingParams, k: int) -> SamplingParams:
+def sample_params_of(p: SamplingParams, k: int) -> SamplingParams:
     """Sample k of a prompt's `p.n`: one sample, seeded from the prompt's seed and k."""
     seed = None if p.seed is None else hash((p.seed, k)) & 0x7FFF_FFFF_FFFF
     return dataclasses.replace(p, n=1, seed=seed)
@@ -285,7 +285,7 @@ def made_tokens(sample: AgentLoopOutput | TurnState) -> int:
     raise TypeError(f"not a carried agent-loop sample: {type(sample).__name__}")
 
 
-def _tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
+def tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
     """The row's per-tool kwargs, where verl's data keeps them (`extra_info.tools_kwargs`, or
     a `tools_kwargs` column): {tool name: {"create_kwargs": {...}}}."""
     info = item.extra.get("extra_info")
@@ -294,7 +294,7 @@ def _tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
     return dict(found) if isinstance(found, dict) else None
 
 
-def _metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
+def rollout_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
     """verl-like multi-turn counters of a rollout: tool calls, their errors and truncations,
     turns, and the model's and the tools' tokens."""
     if not outs:

@@ -48,6 +48,9 @@ from patrl.orchestrator.agent.multi_turn import (
     DEFAULT_AGENT,
     agent_loop_classes,
     agent_name_problems,
+    rollout_metrics,
+    sample_params_of,
+    tools_kwargs,
 )
 from patrl.orchestrator.agent.tool_config import load_tools
 from patrl.orchestrator.agent.tool_parser import FunctionCall
@@ -371,7 +374,7 @@ class AgentGroups:
                     group.item,
                     output,
                     versions,
-                    _metrics(outs),
+                    rollout_metrics(outs),
                     sum(t.replayed for t in group.tracks),
                 )
             )
@@ -423,25 +426,9 @@ class AgentGroups:
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One group's per-sample params: n=1 each, sample k seeded from the group's seed and k
-    (`MultiTurnRollout.generate`'s rule; the tests pin the two together)."""
-    return [
-        dataclasses.replace(
-            params,
-            n=1,
-            seed=None if params.seed is None else hash((params.seed, k)) & 0x7FFF_FFFF_FFFF,
-        )
-        for k in range(params.n)
-    ]
-
-
-def tools_kwargs(item: PromptItem) -> dict[str, Any] | None:
-    """The row's per-tool kwargs, where verl's data keeps them (`extra_info.tools_kwargs`, or
-    a `tools_kwargs` column): {tool name: {"create_kwargs": {...}}}."""
-    info = item.extra.get("extra_info")
-    found = info.get("tools_kwargs") if isinstance(info, dict) else None
-    found = found or item.extra.get("tools_kwargs")
-    return dict(found) if isinstance(found, dict) else None
+    """One group's per-sample params: n=1 each, sample k seeded as `MultiTurnRollout` seeds
+    it (`multi_turn.sample_params_of`)."""
+    return [sample_params_of(params, k) for k in range(params.n)]
 
 
 def response_versions(mask: Sequence[int], model_versions: Sequence[int]) -> list[int]:
@@ -462,25 +449,3 @@ def response_versions(mask: Sequence[int], model_versions: Sequence[int]) -> lis
             last = next(it)
         out.append(last)
     return out
-
-
-def _metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
-    """One group's `multi_turn/*` counters, as the sync schedule logs them (counters summed
-    over groups, `/mean`s averaged: every group has n samples)."""
-    n = len(outs)
-    model = sum(sum(o.response_mask) for o in outs)
-    total = sum(len(o.response_ids) for o in outs)
-
-    def count(key: str) -> float:
-        return float(sum(o.metrics.get(key, 0) for o in outs))
-
-    return {
-        "multi_turn/tool_calls": count("tool_calls"),
-        "multi_turn/tool_errors": count("tool_errors"),
-        "multi_turn/tool_truncated": count("tool_truncated"),
-        "multi_turn/tool_exceptions": count("tool_exceptions"),
-        "multi_turn/tool_timeouts": count("tool_timeouts"),
-        "multi_turn/num_turns/mean": sum(o.num_turns for o in outs) / n,
-        "multi_turn/model_tokens/mean": model / n,
-        "multi_turn/tool_tokens/mean": (total - model) / n,
-    }
