@@ -184,7 +184,7 @@ class StepStaging:
         host, flat = self._host(slot, total)
         for array, (shape, dtype), start in zip(arrays, specs, offsets, strict=True):
             nbytes = _numel(shape) * dtype.itemsize
-            dst = flat[start : start + nbytes].view(_NUMPY[dtype]).reshape(shape)
+            dst: np.ndarray = flat[start : start + nbytes].view(_NUMPY[dtype]).reshape(shape)
             if callable(array.values):
                 array.values(dst)
             else:

@@ -23,7 +23,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from patrl.rollout.staging import Array, StepStaging, move, stage_once
+import patrl.rollout.staging as step_staging
+from patrl.rollout.staging import Array, StepStaging, stage_once
 
 
 class KVCache(Protocol):
@@ -201,6 +202,7 @@ class AttentionContext:
     kv_cache: KVCache | None = None
     _block_table_tensor: torch.Tensor | None = field(default=None, repr=False)
     _context_lens_tensor: torch.Tensor | None = field(default=None, repr=False)
+    _staging: StepStaging | None = field(default=None, repr=False)  # for lazy layouts
     _padded: dict[tuple[int, ...] | None, PaddedQueries] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -240,9 +242,8 @@ class AttentionContext:
         device buffer."""
         arrays = [*host.arrays(), *extra]
         if staging is None:
-            tensors = stage_once(arrays, device)
-        else:
-            tensors = staging.stage(arrays).tensors
+            staging = StepStaging("cpu" if device is None else device, capacity=0)
+        tensors = staging.stage(arrays).tensors
         mine, theirs = tensors[: len(arrays) - len(extra)], tensors[len(arrays) - len(extra) :]
         positions, cu_q, cu_k, lens, *rest = mine
         slots = rows = table = None
@@ -264,6 +265,7 @@ class AttentionContext:
             kv_cache=host.kv_cache,
             _block_table_tensor=table,
             _context_lens_tensor=lens,
+            _staging=staging,
         )
         return ctx, theirs
 
@@ -316,8 +318,15 @@ class AttentionContext:
                 raise ValueError("this context has no block tables")
             width = max(len(b) for b in self.block_tables)
             array = table_array(self.block_tables, (len(self.block_tables), width))
-            (self._block_table_tensor,) = stage_once([array], self.positions.device)
+            (self._block_table_tensor,) = self._stage([array])
         return self._block_table_tensor
+
+    def _stage(self, arrays: Sequence[Array]) -> list[torch.Tensor]:
+        """Arrays built after the forward's one copy, in one more copy: through the staging
+        the context came from (its other buffer), else one of their own."""
+        if self._staging is not None:
+            return self._staging.stage(arrays).tensors
+        return stage_once(arrays, self.positions.device)
 
     def padded_queries(self, seqs: Sequence[int] | None = None) -> PaddedQueries:
         """The layout of sequences `seqs` (None = all; their queries taken in order) with their
@@ -349,7 +358,7 @@ class AttentionContext:
             assert self.block_tables is not None
             rows = [self.block_tables[i] for i in seqs]
             arrays.append(table_array(rows, (len(rows), max(len(b) for b in self.block_tables))))
-        staged = stage_once(arrays, self.positions.device)
+        staged = self._stage(arrays)
         tables = self.block_table_tensor() if seqs is None else staged[2]
         found = (staged[0], staged[1], tables)
         self._padded[key] = found
@@ -368,7 +377,7 @@ def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
         return t
     if device.type == "cuda":
         t = t.pin_memory()
-    return move(t, device)
+    return step_staging.move(t, device)
 
 
 def _checked_slots(
