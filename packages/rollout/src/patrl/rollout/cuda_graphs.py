@@ -31,7 +31,7 @@ import torch
 from patrl.kvstore import KVCacheSpec, PagedKVCache
 from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
 from patrl.rollout.models.causal_lm import CausalLM
-from patrl.rollout.staging import Array, Staged, layout, views
+from patrl.rollout.staging import ALIGN, Array, Staged, layout, views
 
 SDPA_GATHER_BYTES = 1 << 30
 """The most K and V bytes one layer of a captured `sdpa` decode may gather. A graph's block
@@ -151,12 +151,17 @@ class DecodeGraphs:
         device = cache.spec.device
         n = self.buckets[-1]
         # every bucket's header in one buffer, at its own offsets (one bucket runs at a time)
-        self.header = torch.zeros(layout(header_specs(n))[1], dtype=torch.uint8, device=device)
+        size = -(-layout(header_specs(n))[1] // ALIGN) * ALIGN  # `views` takes whole units
+        self.header = torch.zeros(size, dtype=torch.uint8, device=device)
         self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.out: torch.Tensor | None = None  # [max bucket, hidden], made by the first step
         self.graphs: dict[int, Any] = {}  # bucket -> what runtime.capture returned
         self.runtime: CudaRuntime | EagerRuntime = CudaRuntime() if capture else EagerRuntime()
+        # the parameters, listed once: walking the modules each step costs more host time
+        # than the rest of a step's bookkeeping (a model's parameters are made at load; their
+        # storage moves by `.data`, which the signature sees)
+        self.params = list(model.parameters())
         self.signature = self._storage_signature()
 
     def can_run(self, host: HostBatch) -> bool:
@@ -219,6 +224,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.runtime.reset()
         self.out = None
+        self.params = list(self.model.parameters())
         self.signature = self._storage_signature()
 
     def _context(self, bucket: int) -> tuple[torch.Tensor, AttentionContext]:
@@ -260,8 +266,9 @@ class DecodeGraphs:
         return self.runtime.capture(step)
 
     def _storage_signature(self) -> tuple[int, ...]:
-        """Addresses a captured graph reads: every parameter's and every KV block tensor's."""
+        """Addresses a captured graph reads: every parameter's (of `params`) and every KV
+        block tensor's."""
         return (
-            *(p.data_ptr() for p in self.model.parameters()),
+            *(p.data_ptr() for p in self.params),
             *(t.data_ptr() for t in (*self.cache.k, *self.cache.v)),
         )

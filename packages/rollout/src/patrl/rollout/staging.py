@@ -78,12 +78,19 @@ def layout(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[i
 def views(
     buffer: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
 ) -> list[torch.Tensor]:
-    """Tensors of (shape, dtype) at `layout(specs)`'s offsets of the uint8 `buffer`."""
+    """Tensors of (shape, dtype) at `layout(specs)`'s offsets of the uint8 `buffer` (a
+    multiple of ALIGN bytes long): one reinterpretation of the buffer per dtype, then a slice
+    (and a reshape when not 1-D) per array, to keep a step's torch calls few."""
     offsets, _ = layout(specs)
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out = []
     for (shape, dtype), start in zip(specs, offsets, strict=True):
-        nbytes = _numel(shape) * dtype.itemsize
-        out.append(buffer[start : start + nbytes].view(dtype).view(shape))
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        first = start // dtype.itemsize
+        t = whole[first : first + _numel(shape)]
+        out.append(t if len(shape) == 1 else t.view(shape))
     return out
 
 
@@ -179,6 +186,7 @@ class StepStaging:
         """`arrays` on the device as views of one buffer, moved with one copy (`move`)."""
         specs = [(a.resolved_shape(), a.dtype) for a in arrays]
         offsets, total = layout(specs)
+        total = -(-total // ALIGN) * ALIGN  # whole ALIGN units: `views` reinterprets it all
         slot = 1 - self.slot
         self.runtime.wait(slot)  # the copy that last read this buffer is done
         host, flat = self._host(slot, total)
