@@ -274,3 +274,21 @@ def test_a_steady_decode_step_makes_one_host_to_device_transfer(
         assert runner == [1, 1, 1, 1], counts
         assert all(n > 0 for n in sampler), counts  # the split saw the sampler's uploads
     assert counts[2] == counts[8], counts
+
+
+@pytest.mark.gpu
+def test_on_cuda_stages_come_from_pinned_buffers_and_keep_their_values() -> None:
+    """The CUDA runtime: pinned host buffers, one device buffer a stage, and a third stage
+    rewriting the first buffer (after its event) while the first stage's tensors, on the
+    device, keep their values; a kernel reads every view."""
+    st = StepStaging("cuda", capacity=64)
+    kept = []
+    for step in range(3):
+        values = [list(range(step, step + 5)), [[step, 1], [2, 3]]]
+        staged = st.stage([Array(values[0], torch.int64), Array(values[1], torch.int32, (2, 2))])
+        assert all(t.is_cuda for t in staged.tensors)
+        kept.append((values, staged.tensors))
+    assert all(h is not None and h[0].is_pinned() for h in st.hosts)
+    assert set(st.runtime.events) == {0, 1}  # type: ignore[union-attr]
+    for (ids, table), (a, b) in kept:
+        assert (a + 0).tolist() == ids and (b * 1).tolist() == table
