@@ -88,7 +88,7 @@ def test_eager_twin_of_the_graph_buffers_gives_the_eager_tokens(
     assert graphs is not None and not graphs.capture
     calls: list[int] = []
     forward = graphs.forward
-    graphs.forward = lambda ids, ctx: calls.append(ctx.num_seqs) or forward(ids, ctx)  # type: ignore[method-assign]
+    graphs.forward = lambda staged, n: calls.append(n) or forward(staged, n)  # type: ignore[method-assign]
     assert_same(run(twin), expected)
     assert len(calls) >= 10 and {1, 12} <= set(calls)  # every decode step, full to one row
     assert set(graphs.graphs) >= {1, 2, 4, 8, 12}  # shrinking batches padded into buckets
@@ -135,10 +135,10 @@ def test_the_capture_code_gives_the_eager_tokens_with_cuda_calls_stood_in(
     captured: list[int] = []
     forward = graphs.forward
 
-    def capture_each_step(ids: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def capture_each_step(staged: Any, n: int) -> torch.Tensor:
         graphs.reset()
-        captured.append(ctx.num_seqs)
-        return forward(ids, ctx)
+        captured.append(n)
+        return forward(staged, n)
 
     graphs.forward = capture_each_step  # type: ignore[method-assign]
     assert_same(run(eng), expected)

@@ -3,9 +3,16 @@
 At small batches (the long tail adaptive TP exists for) a decode step is bound by kernel
 launches, not by memory traffic; a graph replays the whole forward with one launch. As in vLLM
 and nano-vllm, graphs exist for a fixed list of batch sizes; a batch of n decodes runs in the
-smallest bucket >= n, its inputs copied into the bucket's static buffers. The padding rows
-repeat row 0 (same token, position, slot and context): they write the same K/V to the same slot
-and their outputs are dropped, so no scratch block is needed. A graph is captured lazily, the
+smallest bucket >= n, its inputs copied into the bucket's static buffers. The inputs are built
+on the host already padded to the bucket (`inputs`) and moved with the step's other indices in
+one copy (patrl.rollout.staging); the static buffers then take two device copies: the token
+ids, positions, slots, cumulative and plain context lengths as one byte range (the `header`,
+laid out per bucket exactly as staged), and the block tables. The padding rows repeat row 0
+(same token, position, slot, context and blocks): they write the same K/V to the same slot and
+their outputs are dropped, so no scratch block is needed. A static block-table row holds the
+real blocks first; the entries past them may be stale block ids of an earlier step, always
+valid ids (< the cache's blocks, which the graphs' lifetime fixes), read by no backend past a
+row's context (sdpa gathers and masks them). A graph is captured lazily, the
 first time its bucket is used, with that real batch (writes are idempotent, so the warm-up run
 and the replay agree), and every graph is dropped when the weights' or the KV cache's storage
 moves (a reconfigure, a rebuild, a sleep): the graphs read those addresses. A bucket's step
@@ -15,14 +22,16 @@ that same step where CUDA would capture and replay it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from patrl.kvstore import KVCacheSpec, PagedKVCache
-from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
 from patrl.rollout.models.causal_lm import CausalLM
+from patrl.rollout.staging import ALIGN, Array, Staged, layout, views
 
 SDPA_GATHER_BYTES = 1 << 30
 """The most K and V bytes one layer of a captured `sdpa` decode may gather. A graph's block
@@ -48,6 +57,19 @@ def check_graph_gather(backend: str, max_batch: int, max_model_len: int, spec: K
         "attention_backend='triton' or 'auto' (they read each row's own context), set "
         "enforce_eager=True, or lower max_model_len or max_num_seqs"
     )
+
+
+def header_specs(bucket: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The static inputs of `bucket` a step rewrites, in staging order: token ids, positions,
+    slots [bucket] int64, cu_seqlens_k [bucket + 1] int32, context lengths [bucket] int32."""
+    rows = (bucket,)
+    return [
+        (rows, torch.int64),
+        (rows, torch.int64),
+        (rows, torch.int64),
+        ((bucket + 1,), torch.int32),
+        (rows, torch.int32),
+    ]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -128,35 +150,67 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // cache.spec.block_size)
         device = cache.spec.device
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.cu_seqlens_k = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        # every bucket's header in one buffer, at its own offsets (one bucket runs at a time)
+        size = -(-layout(header_specs(n))[1] // ALIGN) * ALIGN  # `views` takes whole units
+        self.header = torch.zeros(size, dtype=torch.uint8, device=device)
         self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.out: torch.Tensor | None = None  # [max bucket, hidden], made by the first step
         self.graphs: dict[int, Any] = {}  # bucket -> what runtime.capture returned
         self.runtime: CudaRuntime | EagerRuntime = CudaRuntime() if capture else EagerRuntime()
+        # the parameters, listed once: walking the modules each step costs more host time
+        # than the rest of a step's bookkeeping (a model's parameters are made at load; their
+        # storage moves by `.data`, which the signature sees)
+        self.params = list(model.parameters())
         self.signature = self._storage_signature()
 
-    def can_run(self, ctx: AttentionContext) -> bool:
-        """Whether `ctx` is a batch the graphs take: every sequence decodes one token, every
+    def can_run(self, host: HostBatch) -> bool:
+        """Whether `host` is a batch the graphs take: every sequence decodes one token, every
         token is stored, and it fits the largest bucket and the block-table width."""
         return (
-            ctx.kv_cache is self.cache
-            and ctx.max_query_len == 1
-            and ctx.write_rows is None
-            and ctx.num_seqs <= self.buckets[-1]
-            and ctx.block_table_tensor().shape[1] <= self.max_blocks
+            host.kv_cache is self.cache
+            and host.max_query_len == 1
+            and host.write_rows is None
+            and host.num_seqs <= self.buckets[-1]
+            and host.table_width() <= self.max_blocks
         )
 
-    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Hidden states [n, hidden] of the n decodes of `ctx` (`can_run` must hold)."""
+    def bucket(self, n: int) -> int:
+        """The smallest bucket of at least `n` rows."""
+        return next(b for b in self.buckets if b >= n)
+
+    def inputs(self, host: HostBatch, input_ids: list[int]) -> list[Array]:
+        """What a step of `host` (`can_run`) stages first, padded on the host to its bucket
+        (rows n .. bucket repeat row 0): the header of `header_specs`, then the block tables
+        [bucket, width] int32 (width: the longest table of the batch)."""
+        assert host.slots is not None and host.block_tables is not None  # can_run
+        bucket = self.bucket(host.num_seqs)
+        pad = bucket - host.num_seqs
+
+        def padded(values: list[int]) -> list[int]:
+            return values + values[:1] * pad
+
+        lens = padded(host.context_lens)
+        return [
+            Array(padded(input_ids), torch.int64),
+            Array(padded([c - 1 for c in host.context_lens]), torch.int64),
+            Array(padded(host.slots), torch.int64),
+            Array([0, *itertools.accumulate(lens)], torch.int32),
+            Array(lens, torch.int32),
+            table_array(host.block_tables, (bucket, host.table_width())),
+        ]
+
+    def forward(self, staged: Staged, n: int) -> torch.Tensor:
+        """Hidden states [n, hidden] of a batch of n decodes whose `inputs` were staged first
+        in `staged`: two device copies into the static buffers, then the bucket's graph."""
         if self._storage_signature() != self.signature:
             self.reset()
-        n = ctx.num_seqs
-        bucket = next(b for b in self.buckets if b >= n)
-        self._fill(input_ids, ctx, bucket)
+        bucket = self.bucket(n)
+        specs = header_specs(bucket)
+        header = layout(specs)[1]
+        self.header[:header].copy_(staged.buffer[:header])
+        table = staged.tensors[len(specs)]
+        self.block_table[:bucket, : table.shape[1]].copy_(table)
         graph = self.graphs.get(bucket)
         if graph is None:
             self.graphs[bucket] = self._capture(bucket)
@@ -170,53 +224,35 @@ class DecodeGraphs:
         self.graphs.clear()
         self.runtime.reset()
         self.out = None
+        self.params = list(self.model.parameters())
         self.signature = self._storage_signature()
 
-    def _fill(self, input_ids: torch.Tensor, ctx: AttentionContext, bucket: int) -> None:
-        """Copy the batch into the static buffers; rows n .. bucket repeat row 0."""
-        n = ctx.num_seqs
-        assert ctx.slot_mapping is not None  # can_run: a cached batch
-        table = ctx.block_table_tensor()
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(ctx.positions)
-        self.slots[:n].copy_(ctx.slot_mapping)
-        lens = ctx.context_lens_tensor()
-        self.block_table[:n, : table.shape[1]].copy_(table)
-        self.block_table[:n, table.shape[1] :].zero_()
-        if bucket > n:
-            pad = slice(n, bucket)
-            self.input_ids[pad] = self.input_ids[0]
-            self.positions[pad] = self.positions[0]
-            self.slots[pad] = self.slots[0]
-            self.block_table[pad] = self.block_table[0]
-            lens = torch.cat([lens, lens[:1].expand(bucket - n)])
-        self.cu_seqlens_k[1 : bucket + 1].copy_(lens.cumsum(0))
-
-    def _context(self, bucket: int) -> AttentionContext:
-        """A fresh attention context over the static buffers of `bucket`. Its host-side lists
-        are placeholders of the right length (contexts at their upper bound): a decode layer
-        reads only the device tensors. Fresh views each time, since per-forward caches (the
-        rotary cos/sin) are keyed on the positions tensor's identity."""
+    def _context(self, bucket: int) -> tuple[torch.Tensor, AttentionContext]:
+        """The token ids of `bucket` and a fresh attention context over its static buffers.
+        Its host-side lists are placeholders of the right length (contexts at their upper
+        bound): a decode layer reads only the device tensors. Fresh views each time, since
+        per-forward caches (the rotary cos/sin) are keyed on the positions tensor's identity."""
         longest = self.max_blocks * self.cache.spec.block_size
+        ids, positions, slots, cu_k, lens = views(self.header, header_specs(bucket))
         ctx = AttentionContext(
             query_lens=[1] * bucket,
             context_lens=[longest] * bucket,
-            positions=self.positions[:bucket],
+            positions=positions,
             cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
-            cu_seqlens_k=self.cu_seqlens_k[: bucket + 1],
-            slot_mapping=self.slots[:bucket],
+            cu_seqlens_k=cu_k,
+            slot_mapping=slots,
             block_tables=[[0]] * bucket,
             kv_cache=self.cache,
+            _block_table_tensor=self.block_table[:bucket],
+            _context_lens_tensor=lens,
         )
-        ctx._block_table_tensor = self.block_table[:bucket]
-        return ctx
+        return ids, ctx
 
     def _capture(self, bucket: int) -> Any:
         """Warm `bucket`'s step up (the real batch: its output is this step's) and capture it
         for the next steps. The step copies the model's output into `out`, a buffer made
         outside inference mode: the model's own output is an inference tensor that nothing
         outside inference mode may write to."""
-        ids = self.input_ids[:bucket]
         if self.out is None:  # on the current stream, outside any graph pool
             weight = self.model.lm_head.weight
             shape = (self.buckets[-1], self.model.config.hidden_size)
@@ -224,14 +260,15 @@ class DecodeGraphs:
         out = self.out[:bucket]
 
         def step() -> None:
-            out.copy_(self.model(ids, self._context(bucket)))
+            out.copy_(self.model(*self._context(bucket)))
 
         self.runtime.warm_up(step)
         return self.runtime.capture(step)
 
     def _storage_signature(self) -> tuple[int, ...]:
-        """Addresses a captured graph reads: every parameter's and every KV block tensor's."""
+        """Addresses a captured graph reads: every parameter's (of `params`) and every KV
+        block tensor's."""
         return (
-            *(p.data_ptr() for p in self.model.parameters()),
+            *(p.data_ptr() for p in self.params),
             *(t.data_ptr() for t in (*self.cache.k, *self.cache.v)),
         )

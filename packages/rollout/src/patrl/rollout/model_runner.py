@@ -18,7 +18,7 @@ from patrl.rollout.config import EngineConfig
 from patrl.rollout.cuda_graphs import DecodeGraphs, check_graph_gather
 from patrl.rollout.host_memory import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from patrl.rollout.kv_budget import KVBudget, check_fits, cpu_kv_bytes, probe_for
-from patrl.rollout.layers.attention.context import AttentionContext, upload
+from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, upload
 from patrl.rollout.layers.lora import saved_base_weights
 from patrl.rollout.loader import checkpoint_dtype, load_model, load_weights
 from patrl.rollout.models.causal_lm import CausalLM
@@ -33,6 +33,7 @@ from patrl.rollout.sampler import (
 )
 from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Seq
+from patrl.rollout.staging import Array, StepStaging
 from patrl.tpreshard import GroupCache, ParallelLayout, kept_tensors, tp_broadcast
 from patrl.tpreshard.comm import all_reduce
 
@@ -105,6 +106,9 @@ class ModelRunner:
         self.sleep_level = 0  # 1: the KV cache is freed, 2: the weights are on the host too
         self._host_weights: HostCopy | None = None
         self.graphs = self._decode_graphs(capture=True)
+        # a step's indices go to the device in one copy; 48 bytes a token covers a prefill's
+        self.staging = StepStaging(self.device, 48 * config.max_num_batched_tokens + (1 << 16))
+        self.staging.reserve()
 
     def rebuild(self, layout: ParallelLayout, model: CausalLM | None = None) -> None:
         """Move to `layout`: the model is already cut for it (or is `model`); the KV cache is
@@ -298,33 +302,58 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> Sampled | None:
         """Forward `batch` (its KV written, its tokens marked computed) and sample for the
-        sequences it completes; None for a prefill chunk that completes none."""
+        sequences it completes; None for a prefill chunk that completes none.
+
+        Everything the step needs on the device that the host knows beforehand (token ids,
+        the attention indices, the rows to sample) goes up in ONE copy (`self.staging`):
+        which sequences complete is known before the forward, and the rows to sample are
+        staged only when they are not simply every row in order (a decode step's)."""
         self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
-        ctx, input_ids = self._prepare(batch)
-        ids = upload(torch.tensor(input_ids), self.device)
+        host, input_ids = self._prepare(batch)
+        ready: list[int] = []
+        rows: list[int] = []
+        samplers: list[Seq] = []
+        extra: list[Array] = []
+        gather_last = gather_rows = False
+        if not batch.is_verify:
+            pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
+            ready = [i for i, (s, n) in enumerate(pairs) if blocks.num_uncomputed(s.seq_id) == n]
+            for row, i in enumerate(ready):
+                for seq in (batch.seqs[i], *batch.seqs[i].fork_children):
+                    rows.append(row)
+                    samplers.append(seq)
+            if ready:
+                last = host.last_rows()
+                gather_last = len(ready) != len(input_ids)  # else every row, in order
+                if gather_last:
+                    extra.append(Array([last[i] for i in ready], torch.int64))
+                gather_rows = len(rows) != len(ready)  # forks share their leader's row
+                if gather_rows:
+                    extra.append(Array(rows, torch.int64))
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(ctx):
-            hidden = graphs.forward(ids, ctx)
+        if graphs is not None and graphs.can_run(host):
+            staged = self.staging.stage([*graphs.inputs(host, input_ids), *extra])
+            hidden = graphs.forward(staged, host.num_seqs)
+            extras = staged.tensors[len(staged.tensors) - len(extra) :]
         else:
+            ctx, (ids, *extras) = AttentionContext.staged(
+                host, self.staging, [Array(input_ids, torch.int64), *extra]
+            )
             hidden = self.model(ids, ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
         if batch.is_verify:
             return self._verify(batch, hidden)
-        ready = [i for i, s in enumerate(batch.seqs) if blocks.num_uncomputed(s.seq_id) == 0]
         if not ready:
             return None
-        last = ctx.last_token_indices()[self._index(ready)]
-        rows: list[int] = []
-        samplers: list[Seq] = []
-        for row, i in enumerate(ready):
-            for seq in (batch.seqs[i], *batch.seqs[i].fork_children):
-                rows.append(row)
-                samplers.append(seq)
-        out = self._agree_across_tp(self._logits_and_samples(hidden[last], rows, samplers))
-        return Sampled(ready, samplers, out)
+        staged_rows = iter(extras)
+        if gather_last:
+            hidden = hidden[next(staged_rows)]
+        index = next(staged_rows) if gather_rows else None
+        out = self._logits_and_samples(hidden, rows, samplers, index)
+        return Sampled(ready, samplers, self._agree_across_tp(out))
 
     @torch.inference_mode()
     def _verify(self, batch: ScheduledBatch, hidden: torch.Tensor) -> Sampled:
@@ -361,8 +390,8 @@ class ModelRunner:
             return rows
         return max(1, self.sample_chunk_bytes // (4 * self.model.lm_head.vocab_size) - 1)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionContext, list[int]]:
-        """The batch's attention context and input token ids."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[HostBatch, list[int]]:
+        """The batch's attention layout, checked on the host, and its input token ids."""
         blocks = self.cache.blocks
         input_ids: list[int] = []
         slots: list[int] = []
@@ -372,22 +401,26 @@ class ModelRunner:
             input_ids += blocks.token_ids(seq.seq_id)[start : start + n]
             slots += blocks.slot_mapping(seq.seq_id, start, start + n)
             context_lens.append(start + n)
-        ctx = AttentionContext.build(
+        host = HostBatch.check(
             batch.num_new_tokens,
             context_lens,
             slot_mapping=slots,
             block_tables=[blocks.block_table(s.seq_id) for s in batch.seqs],
             kv_cache=self.cache,
-            device=self.device,
         )
-        return ctx, input_ids
+        return host, input_ids
 
     @torch.inference_mode()
     def _logits_and_samples(
-        self, hidden: torch.Tensor, rows: list[int], samplers: list[Seq]
+        self,
+        hidden: torch.Tensor,
+        rows: list[int],
+        samplers: list[Seq],
+        index: torch.Tensor | None = None,
     ) -> SampleOutput:
         """One token for each of `samplers`, from the logits of its row of `hidden` (`rows`,
-        in order; a prompt's forked samples share their leader's row). With
+        in order; a prompt's forked samples share their leader's row; `index`: `rows` on the
+        device, None when they are every row in order). With
         `sample_chunk_bytes` (CPU), the head writes this rank's logit columns into a buffer
         kept across steps and the TP gather and the sampler take them in chunks of rows, so
         no full-vocabulary temporary crosses glibc's mmap threshold (see host_memory). Every
@@ -397,7 +430,8 @@ class ModelRunner:
         head = self.model.lm_head
         limit = self._chunk_rows(len(samplers))
         if len(samplers) <= limit:
-            return sample(self.model.compute_logits(hidden)[self._index(rows)], params, generators)
+            logits = self.model.compute_logits(hidden)
+            return sample(logits if index is None else logits[index], params, generators)
         local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
         size = -(-len(samplers) // -(-len(samplers) // limit))  # equal chunks
         parts = []

@@ -1,0 +1,294 @@
+"""One host-to-device copy a step (patrl.rollout.staging): aligned views of one buffer, the
+double-buffered host side with its events (torch.cuda.Event stood in on CPU), a context's
+staged indices against the torch formulas they replace, and an engine's decode step making
+exactly one transfer, eager and through the CUDA-graph twin."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import patrl.rollout.model_runner as model_runner
+import patrl.rollout.staging as staging
+from patrl.rollout.config import EngineConfig
+from patrl.rollout.engine import Engine
+from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
+from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.staging import ALIGN, Array, CudaCopies, StepStaging, layout
+from patrl_testkit.models import save_hf_model, tiny_hf_model
+
+
+def test_arrays_come_back_equal_as_aligned_views_of_one_buffer() -> None:
+    """Mixed dtypes at odd sizes: each view starts 16-byte aligned in one uint8 buffer and
+    holds exactly its values; a function fills its destination itself."""
+
+    def fill(dst: np.ndarray) -> None:
+        dst[...] = np.arange(6, dtype=np.int32).reshape(2, 3) * 7
+
+    arrays = [
+        Array([1, 2, 3], torch.int32),
+        Array([-(2**40), 5], torch.int64),
+        Array([True, False, True], torch.bool),
+        Array([[0.5, 1.5]], torch.float32, (1, 2)),
+        Array(fill, torch.int32, (2, 3)),
+        Array(np.array([9], dtype=np.int64), torch.int64),
+    ]
+    staged = StepStaging("cpu").stage(arrays)
+    base = staged.buffer.data_ptr()
+    assert staged.buffer.dtype == torch.uint8
+    offsets, total = layout([(a.resolved_shape(), a.dtype) for a in arrays])
+    assert total <= staged.buffer.numel()
+    for t, off in zip(staged.tensors, offsets, strict=True):
+        assert t.data_ptr() - base == off and off % ALIGN == 0
+    want = [
+        torch.tensor([1, 2, 3], dtype=torch.int32),
+        torch.tensor([-(2**40), 5]),
+        torch.tensor([True, False, True]),
+        torch.tensor([[0.5, 1.5]]),
+        torch.arange(6, dtype=torch.int32).reshape(2, 3) * 7,
+        torch.tensor([9]),
+    ]
+    for got, expected in zip(staged.tensors, want, strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    with pytest.raises(TypeError, match=r"cannot stage torch\.float16"):
+        StepStaging("cpu").stage([Array([1.0], torch.float16)])
+
+
+class _Runtime(CudaCopies):
+    """CudaCopies on CPU: plain host buffers (pinning needs CUDA); its events are real
+    CudaCopies events, of the stood-in class below."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _Event:
+    """torch.cuda.Event stood in: records and waits go to `log`, by the event's id."""
+
+    log: list[tuple[str, int]]
+
+    def record(self) -> None:
+        self.log.append(("record", id(self)))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", id(self)))
+
+
+def test_a_host_buffer_is_rewritten_only_after_the_event_of_its_last_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stages alternate between the two host buffers; a buffer's copy records its event, and
+    the next stage writing that buffer (two stages later) first waits on it. A stage's
+    device tensors are its own: later stages (and a buffer's growth) leave them intact."""
+    log: list[tuple[str, int]] = []
+    _Event.log = log
+    runtime = _Runtime()
+    st = StepStaging("cpu", capacity=64, runtime=runtime)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    real_move = staging.move
+
+    def move(src: torch.Tensor, device: torch.device, *, copy: bool = False) -> torch.Tensor:
+        slot = next(i for i, h in enumerate(st.hosts) if h and h[0].data_ptr() == src.data_ptr())
+        log.append(("copy", slot))
+        return real_move(src, device, copy=copy)
+
+    monkeypatch.setattr(staging, "move", move)
+    kept = []
+    for step in range(5):
+        n = 100 if step == 3 else 3  # step 3 outgrows its 64-byte buffer
+        values = list(range(step, step + n))
+        kept.append((values, st.stage([Array(values, torch.int64)]).tensors[0]))
+    for values, t in kept:
+        assert t.tolist() == values
+    slot_of = {id(event): slot for slot, event in runtime.events.items()}
+    log[:] = [(what, slot if what == "copy" else slot_of[slot]) for what, slot in log]
+    # the first use of each buffer waits on nothing; every later one on its own last copy
+    assert log == [
+        ("copy", 0), ("record", 0),
+        ("copy", 1), ("record", 1),
+        ("wait", 0), ("copy", 0), ("record", 0),
+        ("wait", 1), ("copy", 1), ("record", 1),
+        ("wait", 0), ("copy", 0), ("record", 0),
+    ]  # fmt: skip
+    assert st.hosts[1] is not None and st.hosts[1][0].numel() == 1024  # 800 bytes, doubled
+
+
+def reference_indices(
+    q_lens: list[int], ctx_lens: list[int], tables: list[list[int]]
+) -> list[torch.Tensor]:
+    """The torch formulas the staged indices replace: positions, cu_seqlens_q, cu_seqlens_k,
+    context lengths, the zero-padded block tables."""
+    q = torch.tensor(q_lens)
+    ctx = torch.tensor(ctx_lens)
+    cu_q = torch.cat([q.new_zeros(1), q.cumsum(0)])
+    starts = torch.repeat_interleave(ctx - q - cu_q[:-1], q)
+    positions = torch.arange(int(q.sum())) + starts
+    cu_k = torch.cat([ctx.new_zeros(1), ctx.cumsum(0)])
+    width = max(len(b) for b in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, b in enumerate(tables):
+        table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    return [positions, cu_q.int(), cu_k.int(), ctx.int(), table]
+
+
+class _Cache:
+    capacity_tokens = 1 << 20
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staged_indices_equal_the_torch_formulas(seed: int) -> None:
+    """Random batches (decodes, prefill chunks after cached tokens, mixed; tables of unequal
+    and of equal lengths): every staged index equals its torch formula, the slots and the
+    written rows survive -1 entries, the extra arrays follow."""
+    rng = random.Random(seed)
+    b = rng.randint(1, 9)
+    q_lens = [1 if seed % 3 == 0 else rng.randint(1, 7) for _ in range(b)]
+    ctx_lens = [q + rng.randint(0, 40) for q in q_lens]
+    block = 4
+    tables = [[rng.randrange(500) for _ in range(-(-c // block))] for c in ctx_lens]
+    if seed == 5:
+        tables = [t[:1] for t in tables]  # equal lengths: the table's fast path
+    slots = [rng.choice([-1, rng.randrange(1000)]) for _ in range(sum(q_lens))]
+    host = HostBatch.check(
+        q_lens, ctx_lens, slot_mapping=slots, block_tables=tables, kv_cache=_Cache()
+    )
+    ctx, (ids,) = AttentionContext.staged(
+        host, StepStaging("cpu"), [Array(list(range(sum(q_lens))), torch.int64)]
+    )
+    got = [
+        ctx.positions,
+        ctx.cu_seqlens_q,
+        ctx.cu_seqlens_k,
+        ctx.context_lens_tensor(),
+        ctx.block_table_tensor(),
+    ]
+    for g, want in zip(got, reference_indices(q_lens, ctx_lens, tables), strict=True):
+        assert g.dtype == want.dtype and torch.equal(g, want)
+    kept = [i for i, s in enumerate(slots) if s >= 0]
+    assert ctx.slot_mapping is not None and ctx.slot_mapping.tolist() == [slots[i] for i in kept]
+    if len(kept) < len(slots):
+        assert ctx.write_rows is not None and ctx.write_rows.tolist() == kept
+    else:
+        assert ctx.write_rows is None
+    assert ids.tolist() == list(range(sum(q_lens)))
+    assert torch.equal(ctx.last_token_indices(), torch.tensor(host.last_rows()))
+
+
+def test_a_bucket_table_repeats_its_first_row_on_padding_rows() -> None:
+    (t,) = StepStaging("cpu").stage([table_array([[3, 4], [5]], (4, 3))]).tensors
+    assert t.tolist() == [[3, 4, 0], [5, 0, 0], [3, 4, 0], [3, 4, 0]]
+
+
+# ------------------------------------------------------------------ transfers of a step
+
+
+def step_transfers(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> tuple[list[int], list[int]]:
+    """Host-to-device transfers (`staging.move` calls) of 4 steady decode steps of 8 samples
+    (greedy, plain and top-k sampling), split into the runner's (the forward's inputs and the
+    rows to sample) and the sampler's own; with `graphs`, through the CUDA-graph twin."""
+    config = EngineConfig(
+        model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
+        max_num_seqs=8, tune_host_malloc=False,
+    )  # fmt: skip
+    engine = Engine(config)
+    if graphs:
+        engine.runner.graphs = engine.runner._decode_graphs(capture=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
+        SamplingParams(top_p=0.8, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
+    ]
+    for i, p in enumerate(params):
+        engine.add_request([3 + i, 17, 42, 5 + i, 9], p)
+    while engine.counters.decode_steps < 2:  # every prefill done, decoding in full
+        engine.step()
+    assert engine.scheduler.num_running_samples() == 8
+    counts = {"runner": 0, "sampler": 0}
+    where = ["runner"]
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counts[where[-1]] += 1
+        return real_move(*args, **kwargs)
+
+    def in_sampler(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            where.append("sampler")
+            try:
+                return f(*args)
+            finally:
+                where.pop()
+
+        return run
+
+    monkeypatch.setattr(staging, "move", move)
+    monkeypatch.setattr(model_runner, "sample", in_sampler(model_runner.sample))
+    forwards = []
+    if engine.runner.graphs is not None:
+        forward = engine.runner.graphs.forward
+        monkeypatch.setattr(
+            engine.runner.graphs, "forward", lambda *a: forwards.append(1) or forward(*a)
+        )
+    runner, sampler = [], []
+    for _ in range(4):
+        counts.update(runner=0, sampler=0)
+        decodes = engine.counters.decode_steps
+        engine.step()
+        assert engine.counters.decode_steps == decodes + 1
+        runner.append(counts["runner"])
+        sampler.append(counts["sampler"])
+    monkeypatch.undo()
+    assert len(forwards) == (4 if graphs else 0)  # the twin ran every step
+    return runner, sampler
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-twin"])
+def test_a_steady_decode_step_makes_one_host_to_device_transfer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> None:
+    """A decode step's token ids, positions, cumulative and plain context lengths, slots,
+    block tables (with the graphs: padded to the bucket) go up in ONE copy: every index the
+    forward reads is known on the host before it starts, and the rows to sample need no
+    index at all (every sequence completes, none forks). So the runner makes exactly 1
+    transfer a step, however many layers the model has. The sampler's own uploads (its
+    per-kind row indices, the uniforms drawn on the requests' CPU generators) are counted
+    apart: they are the sampler's, not this step's layout."""
+    counts = {}
+    for layers in (2, 8):
+        model_dir = save_hf_model(
+            tiny_hf_model("llama", num_hidden_layers=layers), tmp_path / str(layers)
+        )
+        counts[layers] = step_transfers(model_dir, monkeypatch, graphs)
+    for runner, sampler in counts.values():
+        assert runner == [1, 1, 1, 1], counts
+        assert all(n > 0 for n in sampler), counts  # the split saw the sampler's uploads
+    assert counts[2] == counts[8], counts
+
+
+@pytest.mark.gpu
+def test_on_cuda_stages_come_from_pinned_buffers_and_keep_their_values() -> None:
+    """The CUDA runtime: pinned host buffers, one device buffer a stage, and a third stage
+    rewriting the first buffer (after its event) while the first stage's tensors, on the
+    device, keep their values; a kernel reads every view."""
+    st = StepStaging("cuda", capacity=64)
+    kept = []
+    for step in range(3):
+        values = [list(range(step, step + 5)), [[step, 1], [2, 3]]]
+        staged = st.stage([Array(values[0], torch.int64), Array(values[1], torch.int32, (2, 2))])
+        assert all(t.is_cuda for t in staged.tensors)
+        kept.append((values, staged.tensors))
+    assert all(h is not None and h[0].is_pinned() for h in st.hosts)
+    assert set(st.runtime.events) == {0, 1}  # type: ignore[union-attr]
+    for (ids, table), (a, b) in kept:
+        assert (a + 0).tolist() == ids and (b * 1).tolist() == table
