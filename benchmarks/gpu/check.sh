@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # patrl's one-shot device check: the `gpu`-marked tests, then gpu_engine_bench.py and
-# gpu/decode_profile.py, in at most ~8.5 minutes (the steps' timeouts add up to 465 s, their
+# gpu/decode_profile.py, in at most ~8.5 minutes (the steps' timeouts add up to 490 s, their
 # kill grace to 18 s, the setup takes the rest), so a rerun
 # fits in a short GPU lease. Run from anywhere:
 #
@@ -107,8 +107,9 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -q -rfEs --continue-on-collec
 
 mapfile -t ROLLOUT < <(gpu_tests packages/rollout/tests)
 mapfile -t TRAINER < <(gpu_tests packages/trainer/tests)
+mapfile -t ORCHESTRATOR < <(gpu_tests packages/orchestrator/tests)
 mapfile -t OTHERS < <(gpu_tests packages/kvstore/tests packages/tpreshard/tests \
-  packages/lenpredict/tests packages/orchestrator/tests tests)
+  packages/lenpredict/tests tests)
 tests() {  # name, seconds, files... (no files: nothing to run, and pytest must not get none)
   local name=$1 limit=$2; shift 2
   if [ "$#" -eq 0 ]; then echo "=== $name: no gpu-marked tests"; return; fi
@@ -116,9 +117,8 @@ tests() {  # name, seconds, files... (no files: nothing to run, and pytest must 
 }
 tests tests_rollout 95 "${ROLLOUT[@]}"
 tests tests_trainer 75 "${TRAINER[@]}"
-tests tests_others 120 "${OTHERS[@]}"
-step bench_tiny 35 "$PY" benchmarks/gpu_engine_bench.py --tiny --batches 1,8 --steps 8 \
-  --repeats 1 --out "$OUT/gpu_engine_bench_tiny.json"
+tests tests_orchestrator 70 "${ORCHESTRATOR[@]}"
+tests tests_others 110 "${OTHERS[@]}"
 step bench_llama1b 80 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
   --repeats 1 --out "$OUT/gpu_engine_bench_llama1b.json"
 step decode_profile 60 "$PY" benchmarks/gpu/decode_profile.py --batches 1,64 --steps 48 \

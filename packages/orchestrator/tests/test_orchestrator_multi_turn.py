@@ -57,12 +57,12 @@ def job(tools: Path, *overrides: str) -> JobConfig:
     )
 
 
-def engine_of(model_dir: Path) -> Engine:
+def engine_of(model_dir: Path, device: str = "cpu") -> Engine:
     return Engine(
         EngineConfig(
             model=str(model_dir),
             dtype="float32",
-            device="cpu",
+            device=device,
             block_size=4,
             num_kv_blocks=512,
             max_model_len=1024,
@@ -70,9 +70,10 @@ def engine_of(model_dir: Path) -> Engine:
     )
 
 
-def trajectories(config: JobConfig, model_dir: Path) -> list[Sample]:
-    """Two greedy trajectories of QUESTION, scored by the digit share of their text."""
-    engine = engine_of(model_dir)
+def trajectories(config: JobConfig, model_dir: Path, device: str = "cpu") -> list[Sample]:
+    """Two greedy trajectories of QUESTION on `device`, scored by the digit share of their
+    text."""
+    engine = engine_of(model_dir, device)
     rollout = MultiTurnRollout(config, engine)
     item = PromptItem(7, [], "What is 6*7?", "42", {}, QUESTION)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
@@ -194,8 +195,36 @@ def test_every_schedule_composes_and_a_missing_tool_config_is_refused_by_key(
     assert "rollout.multi_turn.tool_config_path is unset" in problem
 
 
+@pytest.mark.gpu
+def test_greedy_trajectories_on_cuda_equal_the_cpu_ones(tmp_path: Path, model_dir: Path) -> None:
+    """The agent loop on a CUDA engine (fp32, CUDA graphs on, the KV kept between turns)
+    samples the CPU engine's greedy trajectories, token for token: the scripted model's
+    successor logits are far apart (one-hot embedding), so no near-tie can flip. Exact
+    logprobs are not compared (matmuls differ across devices), only to a tolerance."""
+    config = job(tool_config(tmp_path / "tools.yaml", CALCULATOR))
+    on_cpu = trajectories(config, model_dir, "cpu")
+    on_cuda = trajectories(config, model_dir, "cuda")
+    for a, b in zip(on_cpu, on_cuda, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.response_mask == a.response_mask
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+
+
 @pytest.mark.e2e
 def test_a_multi_turn_job_runs_two_steps(tmp_path: Path, model_dir: Path) -> None:
+    """Two GRPO steps of a multi-turn job on whatever device main() picks (CPU here; the
+    gpu-marked twin below asks for CUDA)."""
+    two_multi_turn_steps(tmp_path, model_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.e2e
+def test_a_multi_turn_job_runs_two_steps_on_cuda(tmp_path: Path, model_dir: Path) -> None:
+    assert torch.cuda.is_available()  # main() then runs the job on cuda:0
+    two_multi_turn_steps(tmp_path, model_dir)
+
+
+def two_multi_turn_steps(tmp_path: Path, model_dir: Path) -> None:
     from patrl.orchestrator.main import main
 
     data = tmp_path / "train.jsonl"
