@@ -213,14 +213,17 @@ def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     assets: Path, tmp_path: Path
 ) -> None:
     """test_freq=2 over 3 steps validates after step 2 and after the last step (verl's rule);
-    data.val_batch_size=3 of 4 prompts generates 3 then 1, and all 4 are scored; checkpoints
-    land in trainer.default_local_dir itself."""
+    data.val_batch_size=3 of 4 prompts generates 3 then 1, and all 4 are scored, each
+    `rollout.val_kwargs.n`=2 times (verl's mean@2 / best@2 metrics); checkpoints land in
+    trainer.default_local_dir itself."""
     world = World(0, 1, 0, torch.device("cpu"))
     extra = {
         "trainer.total_training_steps": 3,
         "trainer.test_freq": 2,
         "trainer.val_before_train": "false",
         "data.val_batch_size": 3,
+        "rollout.val_kwargs.n": 2,
+        "rollout.val_kwargs.temperature": 1.0,
     }
     loop = make_loop(assets, tmp_path, world, **extra)
     calls: list[tuple[int, list[int]]] = []
@@ -234,8 +237,14 @@ def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     loop._generate = recording  # type: ignore[method-assign]
     history = loop.run().history
     assert calls == [(2, [0, 1, 2]), (2, [3]), (3, [0, 1, 2]), (3, [3])]
-    validated = [h["step"] for h in history if "val-core/acc/mean@1" in h]
-    assert validated == [2.0, 3.0]
+    validated = [h for h in history if "val-core/acc/mean@1" in h]
+    assert [h["step"] for h in validated] == [2.0, 3.0]
+    for h in validated:  # the rows have no data_source: verl's "unknown"; 2 responses a prompt
+        # every prompt has 2 responses, so the mean of the prompts' means is the mean of all
+        assert h["val-core/unknown/reward/mean@2"] == pytest.approx(h["val-core/acc/mean@1"])
+        assert h["val-core/unknown/reward/best@2/mean"] >= h["val-core/unknown/reward/mean@2"]
+        assert h["val-aux/unknown/reward/worst@2/mean"] <= h["val-core/unknown/reward/mean@2"]
+        assert "val-aux/unknown/reward/std@2" in h
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val-core/acc/mean@1" in r] == [2.0, 3.0]
     assert run_checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_3"

@@ -391,8 +391,13 @@ def test_top_k_minus_one_is_off_for_training_and_validation() -> None:
         _job("rollout.top_k=-2")
 
 
-def test_val_kwargs_n_above_one_is_refused_saying_why() -> None:
-    with pytest.raises(ConfigError, match=r"val_kwargs.n=4: patrl validates one response"):
+def test_val_kwargs_n_above_one_needs_sampling_and_says_so() -> None:
+    config = _job(
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+    )
+    assert config.rollout.val_kwargs.n == 4
+    with pytest.raises(ConfigError, match=r"val_kwargs.n=4 with rollout.val_kwargs.temperature=0"):
         _job("actor_rollout_ref.rollout.val_kwargs.n=4")
 
 
@@ -573,10 +578,14 @@ def test_async_validation_runs_batch_after_batch_and_scores_every_prompt() -> No
         def run_batch(self) -> list[RequestOutput]:
             batch, self.waiting = self.waiting, []
             self.added.append([rid for rid, _ in batch])
-            return [
-                RequestOutput(rid, [1], [CompletionOutput(0, [5], [-0.1], "stop", text=text)])
-                for rid, text in zip(
-                    [rid for rid, _ in batch],
+            return [  # `params.n` responses, all right on prompts 0 and 2
+                RequestOutput(
+                    rid,
+                    [1],
+                    [CompletionOutput(j, [5], [-0.1], "stop", text=text) for j in range(params.n)],
+                )
+                for (rid, params), text in zip(
+                    batch,
                     ["\\boxed{4}" if rid.endswith(("0", "2")) else "no" for rid, _ in batch],
                     strict=True,
                 )
@@ -589,8 +598,11 @@ def test_async_validation_runs_batch_after_batch_and_scores_every_prompt() -> No
         def put(self, key: str, value: bytes) -> None:
             self.put_values[key] = value
 
-    items = [PromptItem(i, [1, i], f"p{i}", str(i)) for i in range(5)]
-    config = _job("data.val_batch_size=2", "rollout.val_kwargs.temperature=0.5")
+    sources = ["a", "a", "a", "b", "b"]
+    items = [PromptItem(i, [1, i], f"p{i}", str(i), {"data_source": sources[i]}) for i in range(5)]
+    config = _job(
+        "data.val_batch_size=2", "rollout.val_kwargs.temperature=0.5", "rollout.val_kwargs.n=2"
+    )
     control, engine = Control(), Engine()
     with RewardManager([("format", 1.0)], num_workers=0) as rewards:
         validation = Validation(config, PromptDataset(items, 5, 0), rewards, control)  # type: ignore[arg-type]
@@ -600,7 +612,13 @@ def test_async_validation_runs_batch_after_batch_and_scores_every_prompt() -> No
                 validation.finish(out, engine)  # type: ignore[arg-type]
     assert engine.added == [["val-3-0", "val-3-1"], ["val-3-2", "val-3-3"], ["val-3-4"]]
     metrics = pickle.loads(control.put_values["val/3"])
-    assert metrics["val-core/acc/mean@1"] == pytest.approx(2 / 5)  # every prompt scored once
+    assert metrics["val-core/acc/mean@1"] == pytest.approx(2 / 5)  # every response scored once
+    # verl's per-source metrics over each prompt's 2 responses: source a has prompts 0 and 2
+    # right, 1 wrong; b none right (all a prompt's responses agree, so no spread)
+    assert metrics["val-core/a/reward/mean@2"] == pytest.approx(2 / 3)
+    assert metrics["val-core/b/reward/mean@2"] == 0.0
+    assert metrics["val-core/a/reward/best@2/mean"] == pytest.approx(2 / 3)
+    assert metrics["val-aux/a/reward/std@2"] == 0.0
 
 
 def test_docs_verl_md_lists_the_rule_table_as_the_code_has_it() -> None:

@@ -197,22 +197,25 @@ class AdaptiveTPConfig(AdaptiveTP):
 
 
 class ValKwargsConfig(_Section):
-    """verl's `rollout.val_kwargs`: how validation samples (one response per prompt)."""
+    """verl's `rollout.val_kwargs`: how validation samples (`n` responses per prompt; verl's
+    per-source mean@n, best@k and worst@k metrics over them)."""
 
     temperature: float = Field(0.0, ge=0, description="0 = greedy (pass@1)")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 = off")
-    n: int = Field(1, ge=1, description="responses per prompt (only 1: mean@1)")
+    n: int = Field(
+        1, ge=1, description="responses per prompt (> 1 needs temperature > 0: mean@n, best@k)"
+    )
 
-    @field_validator("n")
-    @classmethod
-    def _one_response(cls, n: int) -> int:
-        if n != 1:
+    @model_validator(mode="after")
+    def _sampled_when_several(self) -> ValKwargsConfig:
+        if self.n > 1 and self.temperature == 0:
             raise ValueError(
-                f"rollout.val_kwargs.n={n}: patrl validates one response per prompt "
-                "(val-core/acc/mean@1); use n=1"
+                f"rollout.val_kwargs.n={self.n} with rollout.val_kwargs.temperature=0: greedy "
+                "responses to one prompt are all the same; set rollout.val_kwargs.temperature "
+                "> 0 (verl: val_kwargs.do_sample=true with a temperature), or n=1"
             )
-        return n
+        return self
 
 
 class SpeculativeConfig(_Section):

@@ -4,6 +4,7 @@ metrics and what failed; replicas' reward metrics are merged here too."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class Sample:
     # multi-turn: 1 where token_ids[i] was sampled by the engine, 0 on appended tool tokens
     # (whose logprobs are 0.0); None: every token is the model's
     response_mask: list[int] | None = None
+    # the numeric entries its reward functions returned beside their scores ("function/key";
+    # absent where a function returned none): validation's per-variable metrics
+    extras: dict[str, float] = field(default_factory=dict)
 
     @property
     def model_tokens(self) -> int:
@@ -134,8 +138,15 @@ def score_outputs(
             out.request_id,
             overlong=penalty,
             response_mask=c.response_mask if isinstance(c, Trajectory) else None,
+            extras={
+                name: values[i]
+                for name, values in result.extras.items()
+                if not math.isnan(values[i])
+            },
         )
-        for (item, out, c), reward, penalty in zip(flat, result.rewards, penalties, strict=True)
+        for i, ((item, out, c), reward, penalty) in enumerate(
+            zip(flat, result.rewards, penalties, strict=True)
+        )
     ]
     return samples, result.metrics(), FailureSummary.of(result)
 

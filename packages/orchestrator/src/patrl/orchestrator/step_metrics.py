@@ -1,19 +1,21 @@
 """The metrics row of a step (verl's names): timings, what the update left (`PolicyUpdate`), the
 batch's scores, advantages and lengths, the critic's values, the rollout/trainer probability gap
-and off-policy metrics, and validation's pass@1. `metrics.py` logs the rows."""
+and off-policy metrics, and validation's (pass@1 and verl's per-source metrics). `metrics.py` logs the rows."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from patrl.orchestrator.config import JobConfig
+from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.scoring import Sample, model_token_mask
+from patrl.orchestrator.val_metrics import validation_source_metrics
 from patrl.trainer.rollout_correction import ragged_offpolicy_metrics
 
 
@@ -175,13 +177,25 @@ def mismatch_metrics(
     }
 
 
-def validation_metrics(samples: list[Sample], start: float) -> dict[str, float]:
-    """pass@1 and mean length of a validation run that began at `start` (perf_counter)."""
+def validation_metrics(
+    samples: list[Sample], start: float, sources: Mapping[int, str] | None = None
+) -> dict[str, float]:
+    """A validation run that began at `start` (perf_counter): `val-core/acc/mean@1`, the mean
+    reward of every response (pass@1, estimated over `rollout.val_kwargs.n` responses a prompt),
+    the mean length, and verl's per-source metrics (`val_metrics`; `sources`: prompt index ->
+    data source)."""
     scores = [s.reward for s in samples]
     return {
         "val-core/acc/mean@1": float(np.mean(scores)) if scores else 0.0,
         "val/response_length/mean": float(np.mean([len(s.token_ids) for s in samples]))
         if samples
         else 0.0,
+        **validation_source_metrics(samples, sources or {}),
         "timing_s/testing": time.perf_counter() - start,
     }
+
+
+def data_sources(items: Iterable[PromptItem]) -> dict[int, str]:
+    """Each prompt's `data_source` column (verl's), by prompt index; rows without one are
+    left out (their source is "unknown")."""
+    return {i.index: str(i.extra["data_source"]) for i in items if i.extra.get("data_source")}

@@ -79,6 +79,7 @@ from patrl.orchestrator.scoring import (
 )
 from patrl.orchestrator.step_metrics import (
     PolicyUpdate,
+    data_sources,
     step_metrics,
     timed,
     validation_metrics,
@@ -715,21 +716,19 @@ class SyncSchedule:
         )
 
     def _validate(self) -> dict[str, float]:
-        """pass@1 on every validation prompt, `data.val_batch_size` prompts generated at a
-        time, sampled as `rollout.val_kwargs` says (greedy by default)."""
+        """Every validation prompt's `rollout.val_kwargs.n` responses, `data.val_batch_size`
+        prompts generated at a time, sampled as `rollout.val_kwargs` says (greedy by default),
+        scored: pass@1 and verl's per-source metrics."""
         assert self.val_set is not None
         start = time.perf_counter()
         local = []
+        val = self.config.rollout.val_kwargs
         for batch in validation_batches(self.config, self.val_set):
             local += self._generate(
-                batch,
-                self.config.rollout.val_kwargs.temperature,
-                VALIDATION_SEED_KEY,
-                n=1,
-                split="validation",
+                batch, val.temperature, VALIDATION_SEED_KEY, n=val.n, split="validation"
             )
         samples, _ = self._score(local, training=False)
-        return validation_metrics(samples, start)
+        return validation_metrics(samples, start, data_sources(self.val_set.items))
 
 
 def _flatten(buckets: Iterator[Any]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from patrl.orchestrator.data import PromptDataset, PromptItem
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.sampling import VALIDATION_SEED_KEY, sampling_params, validation_batches
 from patrl.orchestrator.scoring import Sample, TrajectoryOutput, score_outputs
-from patrl.orchestrator.step_metrics import validation_metrics
+from patrl.orchestrator.step_metrics import data_sources, validation_metrics
 from patrl.rollout import Engine, RequestOutput
 
 
@@ -52,10 +52,10 @@ class Validation:
         self._add_batch(engine)
 
     def _add_batch(self, engine: Engine) -> None:
-        temperature = self.config.rollout.val_kwargs.temperature
+        val = self.config.rollout.val_kwargs
         for item in self.queued.pop(0):
             params = sampling_params(
-                self.config, item, 1, temperature, VALIDATION_SEED_KEY, validation=True
+                self.config, item, val.n, val.temperature, VALIDATION_SEED_KEY, validation=True
             )
             rid = f"val-{self.version}-{item.index}"
             if self.agents is not None:
@@ -74,5 +74,5 @@ class Validation:
         if self.queued:
             self._add_batch(engine)
             return
-        metrics = validation_metrics(self.results, self.start)
+        metrics = validation_metrics(self.results, self.start, data_sources(self.val_set.items))
         self.control.put(f"val/{self.version}", pickle.dumps(metrics))
