@@ -224,6 +224,8 @@ def test_validation_after_the_last_step_covers_every_prompt_in_batches(
         "data.val_batch_size": 3,
         "rollout.val_kwargs.n": 2,
         "rollout.val_kwargs.temperature": 1.0,
+        "trainer.rollout_data_dir": tmp_path / "rollouts",
+        "trainer.validation_data_dir": tmp_path / "validations",
     }
     loop = make_loop(assets, tmp_path, world, **extra)
     calls: list[tuple[int, list[int]]] = []
@@ -248,3 +250,42 @@ def test_validation_after_the_last_step_covers_every_prompt_in_batches(
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val-core/acc/mean@1" in r] == [2.0, 3.0]
     assert run_checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_3"
+    # verl's dumps: every step's responses, and every validation's (4 prompts x 2 responses)
+    steps = {int(p.stem): p for p in (tmp_path / "rollouts").glob("*.jsonl")}
+    assert sorted(steps) == [1, 2, 3]
+    config = loop.config
+    for step, path in steps.items():
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(lines) == config.data.train_batch_size * config.rollout.n
+        assert {r["step"] for r in lines} == {step}
+        assert set(lines[0]) >= {"input", "output", "gts", "score", "step"}
+    scores = [
+        r["score"] for p in steps.values() for r in map(json.loads, p.read_text().splitlines())
+    ]
+    assert all(isinstance(x, float) for x in scores)
+    validations = {int(p.stem): p for p in (tmp_path / "validations").glob("*.jsonl")}
+    assert sorted(validations) == [2, 3]
+    for step, path in validations.items():
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(lines) == 4 * 2
+        mean = sum(r["score"] for r in lines) / len(lines)
+        (row,) = [h for h in validated if h["step"] == step]
+        assert mean == pytest.approx(row["val-core/acc/mean@1"])  # the very responses scored
+    assert not list((tmp_path / "rollouts").glob(".*.tmp"))  # nothing half-written left
+
+
+@pytest.mark.e2e
+def test_val_only_validates_the_starting_weights_and_trains_no_step(
+    assets: Path, tmp_path: Path
+) -> None:
+    """verl's `trainer.val_only`: validation before training, then the run ends: no step, no
+    checkpoint, one validation row at step 0."""
+    world = World(0, 1, 0, torch.device("cpu"))
+    extra = {"trainer.total_training_steps": 3, "trainer.val_only": "true"}
+    loop = make_loop(assets, tmp_path, world, **extra)
+    result = loop.run()
+    assert result.steps == 0 and loop.step == 0
+    assert [h["step"] for h in result.history] == [0.0]
+    assert "val-core/acc/mean@1" in result.history[0]
+    assert "actor/pg_loss" not in result.history[0]
+    assert run_checkpoint.latest_checkpoint(tmp_path) is None

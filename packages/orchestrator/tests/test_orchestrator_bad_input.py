@@ -441,6 +441,10 @@ def async_remax(a: Assets, tmp: Path, run: Path) -> Setup:
     return Setup(_good(a, run, **ASYNC, **{"algorithm.adv_estimator": "remax"}), world_size=2)
 
 
+def async_val_only(a: Assets, tmp: Path, run: Path) -> Setup:
+    return Setup(_good(a, run, **ASYNC, **{"trainer.val_only": "true"}), world_size=2)
+
+
 def async_sharded_reward_model(a: Assets, tmp: Path, run: Path) -> Setup:
     rm = _reward_model(_save_rm(tmp / "rm"), **{"reward_model.strategy": "fsdp"})
     return Setup(_good(a, run, **ASYNC, **rm), world_size=2)
@@ -479,6 +483,10 @@ CASES: list[tuple[Builder, list[str]]] = [
     (
         async_remax,
         ["trainer.mode=async does not support algorithm.adv_estimator=remax", "trainer.mode=sync"],
+    ),
+    (
+        async_val_only,
+        ["trainer.mode=async does not run trainer.val_only=true", "use trainer.mode=sync"],
     ),
     (
         async_sharded_reward_model,

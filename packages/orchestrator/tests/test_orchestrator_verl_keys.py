@@ -391,6 +391,18 @@ def test_top_k_minus_one_is_off_for_training_and_validation() -> None:
         _job("rollout.top_k=-2")
 
 
+def test_val_only_and_the_dump_dirs_are_verls_and_val_only_needs_val_before_train() -> None:
+    config = _job(
+        "trainer.val_only=True",
+        "trainer.rollout_data_dir=/tmp/r",
+        "trainer.validation_data_dir=/tmp/v",
+    )
+    assert config.trainer.val_only and config.trainer.rollout_data_dir == "/tmp/r"
+    assert config.trainer.validation_data_dir == "/tmp/v"
+    with pytest.raises(ConfigError, match=r"trainer.val_only=true with trainer.val_before_train"):
+        _job("trainer.val_only=True", "trainer.val_before_train=False")
+
+
 def test_val_kwargs_n_above_one_needs_sampling_and_says_so() -> None:
     config = _job(
         "actor_rollout_ref.rollout.val_kwargs.n=4",

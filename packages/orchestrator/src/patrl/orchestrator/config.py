@@ -590,6 +590,17 @@ class RunConfig(_Section):
         description="the run's folder: checkpoints (global_step_<N>/), metrics, plots; "
         "None = runs/<project_name>/<experiment_name>",
     )
+    rollout_data_dir: str | None = Field(
+        None,
+        description="write each step's responses to <dir>/<step>.jsonl (verl's columns: input, "
+        "output, gts, score, step, reward extras); None = none",
+    )
+    validation_data_dir: str | None = Field(
+        None, description="the same for each validation's responses; None = none"
+    )
+    val_only: bool = Field(
+        False, description="validate the starting weights (val_before_train) and stop"
+    )
     n_gpus_per_node: int | None = Field(
         None, gt=0, description="ranks per node the job expects (torchrun's); None = any"
     )
@@ -680,6 +691,12 @@ class JobConfig(_Section):
                 "train your model on the embedded demo task (single-digit sums, written for the "
                 "demo's tokenizer); set data.train_files to your data, or "
                 f"data.train_files={DEMO_FILES} to train on the demo task"
+            )
+        if self.trainer.val_only and not self.trainer.val_before_train:
+            raise ValueError(
+                "trainer.val_only=true with trainer.val_before_train=false: a validation-only "
+                "run validates before training and stops; set trainer.val_before_train=true "
+                "(verl's val_only acts only with it)"
             )
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

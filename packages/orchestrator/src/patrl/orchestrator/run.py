@@ -33,9 +33,9 @@ class RunResult:
 def validates(config: JobConfig, step: int) -> bool:
     """Whether the weights after step `step` are validated (verl's rule): step 0 (before
     training) with `val_before_train`; with `test_freq > 0`, every `test_freq` steps and the
-    last step."""
+    last step. A `val_only` run validates the weights it starts from (a resumed step's too)."""
     t = config.trainer
-    if step == 0:
+    if step == 0 or t.val_only:
         return t.val_before_train
     if t.test_freq <= 0:
         return False
@@ -167,8 +167,8 @@ def find_checkpoint(config: JobConfig, is_first: bool) -> Path | None:
 
 class RunLoop:
     """Runs `schedule`'s steps until `trainer.total_training_steps`, resuming first from a
-    checkpoint; the first rank (`is_first`) logs, plots and commits checkpoints, every rank
-    trains and saves."""
+    checkpoint (`trainer.val_only`: validates the weights it starts from, and no step); the
+    first rank (`is_first`) logs, plots and commits checkpoints, every rank trains and saves."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -182,7 +182,7 @@ class RunLoop:
         logger = self._open_logger() if s.is_first else None
         try:
             self._log_rows(logger, s.validate())  # before training: trainer.val_before_train
-            while s.step < total:
+            while s.step < total and not self.config.trainer.val_only:
                 s.step += 1
                 metrics = s.train_step()  # generate, score, advantages, update, weight sync
                 validated = s.validate()
@@ -190,7 +190,8 @@ class RunLoop:
                 self._log_rows(logger, validated)  # earlier steps' (async: validated beside)
                 if saves(self.config, s.step):
                     self.save()
-            self._log_rows(logger, s.validate(final=True))
+            if not self.config.trainer.val_only:
+                self._log_rows(logger, s.validate(final=True))
             s.end()
         finally:
             if logger is not None:

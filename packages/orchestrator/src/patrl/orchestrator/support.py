@@ -107,6 +107,11 @@ def async_refusals(config: JobConfig, world_size: int) -> list[str]:
             "sampling refills a batch in the sync schedule); set it to false, or use "
             "trainer.mode=sync"
         )
+    if config.trainer.val_only:
+        problems.append(
+            "trainer.mode=async does not run trainer.val_only=true (a validation-only run has "
+            "nothing to overlap): use trainer.mode=sync"
+        )
     if config.rollout.over_sample_rate:
         problems.append(
             "trainer.mode=async does not support partial rollouts: set rollout.over_sample_rate=0 "

@@ -45,6 +45,8 @@ from patrl.orchestrator.drafter_checkpoint import (
     load_drafter,
     save_drafter,
 )
+from patrl.orchestrator.errors import JobError
+from patrl.orchestrator.generations import dump_generations, generation_rows
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -154,6 +156,10 @@ class SyncSchedule:
         self.tokenizer, self.train_set, self.val_set = data.tokenizer, data.train_set, data.val_set
         self.loader = data.loader
         self._items_by_index = {item.index: item for item in self.train_set.items}
+        if config.trainer.val_only and self.val_set is None:
+            raise JobError(
+                "trainer.val_only=true but the job has no validation prompts: set data.val_files"
+            )
         # Learns every prompt's response length; all ranks see the same lengths (the adaptive
         # engine all-gathers them as samples finish; else every step's samples are gathered),
         # so all ranks hold the same predictor and derive the same prompt assignment.
@@ -256,6 +262,9 @@ class SyncSchedule:
         timings: dict[str, float] = {}
         start = time.perf_counter()
         samples, metrics = self.generate_and_score(timings)
+        if self.is_first and self.config.trainer.rollout_data_dir:
+            rows = generation_rows(samples, self._items_by_index, self.tokenizer, self.step)
+            dump_generations(self.config.trainer.rollout_data_dir, self.step, rows)
         if self.config.algorithm.adv_estimator == "remax":
             metrics.update(self._greedy_baselines(samples, timings))
         update = self.update(samples, timings)  # advantages, then the PPO epochs
@@ -728,6 +737,10 @@ class SyncSchedule:
                 batch, val.temperature, VALIDATION_SEED_KEY, n=val.n, split="validation"
             )
         samples, _ = self._score(local, training=False)
+        if self.is_first and self.config.trainer.validation_data_dir:
+            items = {item.index: item for item in self.val_set.items}
+            rows = generation_rows(samples, items, self.tokenizer, self.step)
+            dump_generations(self.config.trainer.validation_data_dir, self.step, rows)
         return validation_metrics(samples, start, data_sources(self.val_set.items))
 
 

@@ -250,17 +250,8 @@ RULES: dict[str, Rule] = {
     "trainer.del_local_ckpt_after_load": Fixed(
         (False,), "patrl keeps checkpoints (trainer.max_checkpoints_to_keep)", "false"
     ),
-    "trainer.rollout_data_dir": Fixed(
-        (None,), "patrl does not dump generations", "null (metrics.jsonl has the statistics)"
-    ),
-    "trainer.validation_data_dir": Fixed(
-        (None,), "patrl does not dump generations", "null (metrics.jsonl has val-core/*)"
-    ),
     "trainer.log_val_generations": Fixed(
         (0,), "patrl does not log generations", "0 (metrics.jsonl has val-core/*)"
-    ),
-    "trainer.val_only": Fixed(
-        (False,), "patrl has no validation-only run", "trainer.val_before_train=true"
     ),
     "trainer.esi_redundant_time": Noted("patrl has no ESI expiry saves", quiet=(0,)),
     "trainer.ray_wait_register_center_timeout": _NO_RAY,

@@ -25,7 +25,9 @@ from patrl.orchestrator.async_rl.tickets import (
     step_tickets,
 )
 from patrl.orchestrator.build import critic_config, starts_from_adapter, trainer_config
+from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.drafter_checkpoint import load_drafter, remember_samples, save_drafter
+from patrl.orchestrator.generations import dump_generations, generation_rows
 from patrl.orchestrator.kl_control import (
     build_kl_controller,
     load_kl_state,
@@ -48,6 +50,7 @@ from patrl.orchestrator.update import update_policy
 from patrl.rollout.config import SpeculativeConfig
 from patrl.rollout.drafter import new_drafter
 from patrl.trainer import Critic, Trainer
+from patrl.trainer.reward_model import load_tokenizer
 
 
 class TrainerWorker:
@@ -63,6 +66,8 @@ class TrainerWorker:
         self.predictor = LengthPredictor()  # checkpointed as the sync schedule's, never fed
         self.batch_size = job.config.data.train_batch_size
         self.is_first = job.world.rank == job.trainer_ranks[0]
+        self._tokenizer: Any = None  # trainer.rollout_data_dir's (`_dump`)
+        self._items: dict[int, PromptItem] = {}
         mesh = None
         if len(job.trainer_ranks) > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -200,6 +205,8 @@ class TrainerWorker:
         self.control.beat()  # a step may take a while: the rollout ranks watch this beat
         records = self._take_batch(timings)
         samples = [s for r in records for s in r.samples]
+        if self.is_first and cfg.trainer.rollout_data_dir:
+            self._dump(samples)
         remember_samples(self.drafter_history, samples)  # in ticket order
         line = self.reward_guard.observe(
             self.step,
@@ -247,6 +254,15 @@ class TrainerWorker:
         return metrics
 
     train_one_step = train_step  # its name before `run.Schedule`
+
+    def _dump(self, samples: list[Any]) -> None:
+        """`trainer.rollout_data_dir`: the step's responses, as the sync schedule dumps them
+        (the tokenizer loaded on first use: the trainer ranks have no engine)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.job.model_dir, "model.path")
+            self._items = {item.index: item for item in self.loader.dataset}
+        rows = generation_rows(samples, self._items, self._tokenizer, self.step)
+        dump_generations(str(self.config.trainer.rollout_data_dir), self.step, rows)
 
     def _take_batch(self, timings: dict[str, float]) -> list[GroupRecord]:
         """This step's groups, in ticket order; waits (idle) until all of them are in."""

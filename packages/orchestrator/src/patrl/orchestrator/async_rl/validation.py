@@ -1,6 +1,7 @@
 """Rollout rank 0's validation of one weight version, run beside the training tickets with the
 sync schedule's requests (same prompts, seeds, sampling), `data.val_batch_size` prompts at a
-time; the result goes to the store as `val/<version>` for the trainer to log. Newer weights
+time; the result goes to the store as `val/<version>` for the trainer to log (and, with
+`trainer.validation_data_dir`, the responses to `<dir>/<version>.jsonl`). Newer weights
 wait until it is done, so every validation token comes from that version. With
 `rollout.multi_turn` each prompt runs as an agent-loop sample (`agents`), as the sync schedule
 validates it."""
@@ -14,6 +15,7 @@ from patrl.orchestrator.async_rl.agent_tickets import AgentGroups
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptDataset, PromptItem
+from patrl.orchestrator.generations import dump_generations, generation_rows
 from patrl.orchestrator.rewards import RewardManager
 from patrl.orchestrator.sampling import VALIDATION_SEED_KEY, sampling_params, validation_batches
 from patrl.orchestrator.scoring import Sample, TrajectoryOutput, score_outputs
@@ -74,5 +76,9 @@ class Validation:
         if self.queued:
             self._add_batch(engine)
             return
+        if self.config.trainer.validation_data_dir:
+            items = {i.index: i for i in self.val_set.items}
+            rows = generation_rows(self.results, items, engine.tokenizer, self.version)
+            dump_generations(self.config.trainer.validation_data_dir, self.version, rows)
         metrics = validation_metrics(self.results, self.start, data_sources(self.val_set.items))
         self.control.put(f"val/{self.version}", pickle.dumps(metrics))
