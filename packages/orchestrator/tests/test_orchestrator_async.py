@@ -3,6 +3,7 @@ staleness bound over a whole run, the control plane's failure reports, the weigh
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -160,12 +161,16 @@ def test_staleness_zero_reproduces_the_sync_loop(
 def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     """2 rollout + 1 trainer rank at max_staleness=2: every trained sample's oldest token is at
     most 2 versions behind the weights it trains, asserted from the recorded token versions;
-    each step trains its own tickets; and the rollout did run ahead (some staleness > 0)."""
+    each step trains its own tickets; and the rollout did run ahead (some staleness > 0).
+    verl's dumps: the trainer writes each step's trained responses, rollout rank 0 each
+    validation's."""
     extra = {
         "async_rl.max_staleness": 2,
         "async_rl.rollout_ranks": 2,
         "trainer.test_freq": 2,
         "trainer.val_before_train": "true",
+        "trainer.rollout_data_dir": str(tmp_path / "rollouts"),
+        "trainer.validation_data_dir": str(tmp_path / "validations"),
     }
     steps = 3
     extra["trainer.total_training_steps"] = steps
@@ -193,6 +198,23 @@ def test_staleness_two_is_never_exceeded(assets: Path, tmp_path: Path) -> None:
     # The trainer logs each step's trained samples for the simulator.
     records = read_lengths(job_config(assets, tmp_path).run_dir / LENGTH_LOG)
     assert [sum(r.step == s for r in records) for s in range(1, steps + 1)] == [16] * steps
+    dumped = {int(p.stem): p for p in (tmp_path / "rollouts").glob("*.jsonl")}
+    assert sorted(dumped) == [1, 2, 3]
+    for step, path in dumped.items():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(rows) == 16 and {r["step"] for r in rows} == {step}
+        mean = sum(r["score"] for r in rows) / len(rows)
+        (logged,) = [h for h in history if h["step"] == step]
+        assert mean == pytest.approx(logged["critic/score/mean"])  # the responses it trained
+    val_rows = {int(p.stem): p for p in (tmp_path / "validations").glob("*.jsonl")}
+    assert sorted(val_rows) == [0, 2, 3]
+    for version, path in val_rows.items():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        (logged,) = [
+            h for h in trainer["history"] if h["step"] == version and "val-core/acc/mean@1" in h
+        ]
+        mean = sum(r["score"] for r in rows) / len(rows)
+        assert mean == pytest.approx(logged["val-core/acc/mean@1"])
 
 
 def _stalled_peer(rank: int, world_size: int) -> str:
