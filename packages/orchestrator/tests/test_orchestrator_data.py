@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -342,3 +343,31 @@ def test_loader_errors() -> None:
         PromptLoader(_items(4), 2, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="num_items=4 but this loader has 5"):
         PromptLoader(_items(5), 2, seed=1).load_state_dict(state)
+
+
+def test_max_samples_keeps_verls_rows_with_their_indices(tmp_path: Path) -> None:
+    """verl's `data.train_max_samples` / `val_max_samples`: the first N rows without shuffle,
+    else N distinct rows drawn by default_rng(seed) (numpy's stream: a seed picks the same
+    rows in verl and here), before the length filter; a kept row keeps its index."""
+    from patrl.orchestrator.data import sample_rows
+
+    assert sample_rows(10, -1, 0) == list(range(10))
+    assert sample_rows(10, 10, 0) == sample_rows(10, 99, 0) == list(range(10))
+    assert sample_rows(10, 3, None) == [0, 1, 2]
+    drawn = sample_rows(10, 4, 7)
+    assert drawn == sample_rows(10, 4, 7) != sample_rows(10, 4, 8)
+    assert len(set(drawn)) == 4 and all(0 <= i < 10 for i in drawn)
+    # verl's RLHFDataset draws np.random.default_rng(seed).choice(total, size, replace=False)
+    assert drawn == np.random.default_rng(7).choice(10, size=4, replace=False).tolist()
+
+    rows = [{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 4, 12, 9, 5)]
+    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    kw: dict[str, Any] = dict(tokenizer=_tokenizer(None), max_prompt_length=10)
+    first = load_prompt_dataset(path, max_samples=3, **kw)
+    assert [i.index for i in first.items] == [0, 2]  # row 1 (11 tokens) filtered after
+    assert first.num_rows == 3 and first.num_filtered_overlong == 1
+    picked = sample_rows(6, 3, 5)
+    shuffled = load_prompt_dataset(path, max_samples=3, sample_seed=5, **kw)
+    kept = [i for i in picked if len(rows[i]["prompt"]) <= 9]
+    assert [i.index for i in shuffled.items] == kept
+    assert [i.answer for i in shuffled.items] == [rows[i]["answer"] for i in kept]

@@ -403,6 +403,13 @@ def test_val_only_and_the_dump_dirs_are_verls_and_val_only_needs_val_before_trai
         _job("trainer.val_only=True", "trainer.val_before_train=False")
 
 
+def test_verls_max_samples_keys_are_read() -> None:
+    config = _job("data.train_max_samples=100", "data.val_max_samples=20")
+    assert (config.data.train_max_samples, config.data.val_max_samples) == (100, 20)
+    with pytest.raises(ConfigError, match=r"data.train_max_samples"):
+        _job("data.train_max_samples=-5")
+
+
 def test_val_kwargs_n_above_one_needs_sampling_and_says_so() -> None:
     config = _job(
         "actor_rollout_ref.rollout.val_kwargs.n=4",

@@ -60,7 +60,7 @@ def load_data(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     train_set = dataset_for(config, tokenizer, train_files)
-    val_set = dataset_for(config, tokenizer, val_files) if val_files else None
+    val_set = dataset_for(config, tokenizer, val_files, validation=True) if val_files else None
     if announce:
         for name, ds in (("train", train_set), ("validation", val_set)):
             if ds is not None:

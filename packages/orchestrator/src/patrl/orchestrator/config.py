@@ -96,6 +96,13 @@ class DataConfig(_Section):
     system_prompt: str | None = None
     shuffle: bool = True
     seed: int = 0
+    train_max_samples: int = Field(
+        -1,
+        ge=-1,
+        description="keep this many rows of data.train_files (drawn with data.seed when "
+        "data.shuffle, else the first); -1 = all",
+    )
+    val_max_samples: int = Field(-1, ge=-1, description="the same for data.val_files")
 
 
 class ModelConfig(_Section):

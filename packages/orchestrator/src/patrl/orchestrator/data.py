@@ -72,11 +72,16 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     split: str = "train",
     cache_dir: str | None = None,
+    max_samples: int = -1,
+    sample_seed: int | None = None,
 ) -> PromptDataset:
     """Read, render and tokenize every row. `answer_key` may be dotted to reach into a struct
     column (verl's parquet files keep the answer in `reward_model.ground_truth`); None takes
     the first of `DEFAULT_ANSWER_KEYS` that the first file has. An overlong prompt is dropped
-    (`filter_overlong_prompts`), else rejected or cut as `truncation` says."""
+    (`filter_overlong_prompts`), else rejected or cut as `truncation` says. With
+    `0 < max_samples < rows`, only `max_samples` rows are kept before anything else (verl's
+    `data.train_max_samples`): drawn without replacement by numpy's default_rng(`sample_seed`),
+    or the first ones with `sample_seed` None; a kept row keeps its index."""
     paths = [files] if isinstance(files, str) else list(files)
     if not paths:
         raise ValueError("no data files given")
@@ -88,14 +93,16 @@ def load_prompt_dataset(
         check_columns(path, part, {"prompt": prompt_key, "answer": answer_key})
         rows += part
     assert answer_key is not None  # the first file's, when unset
+    picked = sample_rows(len(rows), max_samples, sample_seed)
+    rows = [rows[i] for i in picked]
     use_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     texts = [
         render_prompt(row[prompt_key], i, tokenizer, use_template, system_prompt)
-        for i, row in enumerate(rows)
+        for i, row in zip(picked, rows, strict=True)
     ]
     token_ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"] if texts else []
     items, num_overlong = [], 0
-    for i, (row, text, ids) in enumerate(zip(rows, texts, token_ids, strict=True)):
+    for i, row, text, ids in zip(picked, rows, texts, token_ids, strict=True):
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 num_overlong += 1
@@ -118,6 +125,19 @@ def load_prompt_dataset(
             f"{max_prompt_length}; raise data.max_prompt_length to at least {shortest}"
         )
     return PromptDataset(items, num_rows=len(rows), num_filtered_overlong=num_overlong)
+
+
+def sample_rows(total: int, max_samples: int, seed: int | None) -> list[int]:
+    """The row positions `load_prompt_dataset` keeps of `total`, in the order verl's dataset
+    keeps them: all when `max_samples` <= 0 or >= total; else `max_samples` of them drawn by
+    `np.random.default_rng(seed).choice` (verl's shuffled `max_samples`), or the first ones
+    when `seed` is None (verl with `data.shuffle=false`)."""
+    if max_samples <= 0 or max_samples >= total:
+        return list(range(total))
+    if seed is None:
+        return list(range(max_samples))
+    rng = np.random.default_rng(seed)
+    return [int(i) for i in rng.choice(total, size=max_samples, replace=False)]
 
 
 def truncate(ids: list[int], length: int, mode: Truncation) -> list[int]:
@@ -454,8 +474,11 @@ class PromptLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def dataset_for(config: JobConfig, tokenizer: Any, files: Any) -> PromptDataset:
-    """`files` read as the job's `data.*` settings say."""
+def dataset_for(
+    config: JobConfig, tokenizer: Any, files: Any, validation: bool = False
+) -> PromptDataset:
+    """`files` read as the job's `data.*` settings say (`data.val_max_samples` for the
+    `validation` set, `data.train_max_samples` for the training one)."""
     d = config.data
     return load_prompt_dataset(
         files,
@@ -467,4 +490,6 @@ def dataset_for(config: JobConfig, tokenizer: Any, files: Any) -> PromptDataset:
         truncation=d.truncation,
         apply_chat_template=d.apply_chat_template,
         system_prompt=d.system_prompt,
+        max_samples=d.val_max_samples if validation else d.train_max_samples,
+        sample_seed=d.seed if d.shuffle else None,
     )

@@ -451,7 +451,9 @@ def _data_problems(
             problems += _agent_name_problems(config, "data.train_files", train)
             size = len(train)
     if val_files:
-        val = _attempt(problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer))
+        val = _attempt(
+            problems, "data.val_files", lambda: _dataset(config, val_files, tokenizer, True)
+        )
         if val is not None:
             problems += _agent_name_problems(config, "data.val_files", val)
     return problems, size
@@ -495,9 +497,11 @@ def _batch_problems(config: JobConfig, train: PromptDataset) -> list[str]:
     ]
 
 
-def _dataset(config: JobConfig, files: Any, tokenizer: Any) -> PromptDataset:
+def _dataset(
+    config: JobConfig, files: Any, tokenizer: Any, validation: bool = False
+) -> PromptDataset:
     with _quiet_datasets():
-        return dataset_for(config, tokenizer, files)
+        return dataset_for(config, tokenizer, files, validation)
 
 
 @contextlib.contextmanager

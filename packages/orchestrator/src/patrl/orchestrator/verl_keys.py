@@ -219,12 +219,6 @@ RULES: dict[str, Rule] = {
     "data.custom_cls.path": Fixed(
         (None,), "patrl reads jsonl/parquet rows itself", "a jsonl or parquet file"
     ),
-    "data.train_max_samples": Fixed(
-        (-1, None), "patrl reads every row of data.train_files", "a smaller file"
-    ),
-    "data.val_max_samples": Fixed(
-        (-1, None), "patrl validates every row of data.val_files", "a smaller file"
-    ),
     "data.return_raw_chat": Noted("patrl keeps each prompt's messages", quiet=(True,)),
     "data.return_raw_input_ids": Noted("patrl tokenizes prompts once", quiet=(False,)),
     "data.return_full_prompt": Noted("patrl keeps each rendered prompt", quiet=(False,)),
