@@ -700,3 +700,82 @@ def engine_tokenizer(model: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
+
+
+def test_a_rank_lost_mid_turn_has_its_open_turns_continued_by_a_peer(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Rollout rank 1 takes both tickets of the step (sampled at the default temperature,
+    seeded) and is preempted (from inside its own engine step, so that the step's report is
+    its last) once a sample's answer turn, after the tool, has sampled its first token. Its
+    last report holds every sample's open turn (tokens so far, generator state, switch
+    points). Rank 0 claims the tickets and continues them: each group is handed over
+    complete, migrated from rank 1 with every reported model token kept (`migrated_tokens`
+    counts the open turns' too, which only a continuation adds), and equal, token for
+    token, to a fresh run of the ticket (same seeds and weights: the carried generator
+    states draw on as the lost rank would have)."""
+    GatedTool.gate.set()
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in (6, 3)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = job(
+        write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"),
+        f"data.train_files={data}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=512",
+        "rollout.block_size=4",
+        "rollout.num_kv_blocks=512",
+        "trainer.mode=async",
+        "async_rl.rollout_ranks=2",
+        "async_rl.max_staleness=0",
+        "async_rl.report_every=1",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    store = dist.HashStore()
+    first = _rollout_worker(0, config, models["a"], store)
+    lost = _rollout_worker(1, config, models["a"], store)
+    control = ControlPlane(store, 2, timeout_s=120)  # the trainer's side of the store
+    loader = load_data(config, str(models["a"]), config.data.train_files, None).loader
+    control.put("start", pickle.dumps({"step": 0, "loader": loader.state_dict()}))
+    answer = engine_tokenizer(models["a"]).convert_tokens_to_ids(ANSWER)
+    engine, step = lost.engine, lost.engine.step
+
+    def step_then_preempt() -> list[Any]:
+        out = step()
+        if any(s.output_token_ids == [answer] for s in engine.unfinished_seqs()):
+            control.preempt(1, 600)  # away until the run ends
+        return out
+
+    engine.step = step_then_preempt  # type: ignore[method-assign]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (lost, first)]
+    try:
+        threads[0].start()
+        _wait(lambda: bool(lost.preempted), "rank 1 to be preempted mid-turn")
+        threads[1].start()
+        _wait(lambda: control.has([sample_key(0), sample_key(1)]), "both groups handed over")
+    finally:
+        control.finish()
+        for t in threads:
+            t.join(60)
+    reported = lost.last_report
+    opened = [
+        r.open
+        for ticket in reported.tickets.values()
+        for r in ticket.records or []
+        if r.open is not None and r.outcomes
+    ]
+    assert any(o.state.output_token_ids == [answer] for o in opened)
+    assert lost.preempted[0]["reported_tokens"] == reported.tokens()
+    for ticket in (0, 1):
+        record: GroupRecord = pickle.loads(control.get(sample_key(ticket)))
+        assert (record.rank, record.migrated_from) == (0, 1)
+        assert record.migrated_tokens == reported.tickets[ticket].tokens()
+        item = loader_item(config, models["a"], ticket)
+        twin = drive_one(
+            AgentGroups(config, engine_of(models["a"])), item, ticket_params(config, ticket, item)
+        )
+        for s, want in zip(record.samples, twin.output.outputs, strict=True):
+            assert s.token_ids == want.token_ids and s.response_mask == want.response_mask
+            assert s.prompt_token_ids == twin.output.prompt_token_ids
+        assert record.versions == twin.versions
