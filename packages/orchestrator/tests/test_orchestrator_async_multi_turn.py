@@ -329,8 +329,10 @@ def test_a_turn_open_at_the_report_is_continued_from_its_tokens(
     `assert_continued` says): greedily, and sampling at temperature 1 with seeds (the
     generator state carries the draws on). Every recorded and reported model token is
     answered from the record (counted as replayed), and only calls not answered at the
-    report are made again. A sample's reported tokens never shrink from step to step (a
-    turn the engine ended is reported before its sample takes it)."""
+    report are made again. The continued turn keeps its KV for the next turn (no turn is
+    submitted whole), and every kept turn is released at the end. A sample's reported
+    tokens never shrink from step to step (a turn the engine ended is reported before its
+    sample takes it)."""
     GatedTool.gate.set()
     GatedTool.calls = 0
     config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
@@ -349,9 +351,11 @@ def test_a_turn_open_at_the_report_is_continued_from_its_tokens(
         assert {(False, 1), (False, 2), (True, 1)} <= kinds, kinds
     for records in taken:
         GatedTool.calls = 0
-        (replayed,) = drive(
-            AgentGroups(config, engine_of(models[model])), replay=records, params=params
-        )
+        agents = AgentGroups(config, engine_of(models[model]))
+        (replayed,) = drive(agents, replay=records, params=params)
+        assert agents.engine.kept_request_ids() == [] and not agents.engine.has_unfinished()
+        if all(r.open is not None for r in records):  # imported, then each turn extends its KV
+            assert agents.server.submitted_tokens == 0
         assert replayed.versions == done.versions
         assert_continued(replayed.output, done.output, records)
         assert replayed.replayed == sum(r.tokens() for r in records)
