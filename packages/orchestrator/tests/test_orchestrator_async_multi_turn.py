@@ -382,6 +382,29 @@ def assert_continued(
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
+def test_a_group_started_from_records_reports_them_before_its_samples_run(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """A peer reports an adopted ticket at once, before its samples' tasks first run: the
+    report holds the lost rank's records (finished turns, answers, open turns) as given,
+    so a second loss loses none of them."""
+    GatedTool.gate.set()
+    config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    first = AgentGroups(config, engine_of(models["a"]))
+    taken: list[list[SampleRecord]] = []
+    drive(first, _mid_turn_records(first, taken))
+    records = next(rs for rs in taken if any(r.turns for r in rs))
+    agents = AgentGroups(config, engine_of(models["a"]))
+
+    async def start_and_report() -> list[SampleRecord]:
+        agents.start("ticket-0", ITEM, GREEDY, records)
+        reported = agents.records("ticket-0")
+        agents.close()
+        return reported
+
+    assert asyncio.run(start_and_report()) == records
+
+
 def test_a_continued_turn_keeps_its_reported_tokens_under_newer_weights(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:

@@ -125,12 +125,19 @@ class SampleTrack:
     def record(self, ended: Sequence[TurnRecord], open_turn: OpenTurn | None) -> SampleRecord:
         """Its turns, then `ended` (turns the engine finished that the sample has not taken
         yet), and its tools' answers up to the first call not answered yet; then `open_turn`
-        unless a call is unanswered (what follows such a call is not replayed)."""
+        unless a call is unanswered (what follows such a call is not replayed). What is
+        left to replay of a lost rank's record (all of it, until the sample first runs)
+        comes after its own: it is still this sample's."""
         answered = self.outcomes.index(None) if None in self.outcomes else len(self.outcomes)
         outcomes = [o for o in self.outcomes[:answered] if o]
         if answered < len(self.outcomes):
             open_turn = None
-        return SampleRecord([*self.turns, *ended], outcomes, open_turn)
+        left = self.replay
+        return SampleRecord(
+            [*self.turns, *ended, *left.turns],
+            outcomes + left.outcomes,
+            open_turn if open_turn is not None else left.open,
+        )
 
     def stop_replay(self) -> None:
         self.replay = SampleRecord()
