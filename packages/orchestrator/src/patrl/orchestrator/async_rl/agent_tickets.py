@@ -251,11 +251,13 @@ class VersionedServer(LLMServer):
         versions = token_versions(switches, len(output.token_ids))
         self.ended[out.request_id] = TurnRecord(self.keys[out.request_id], output, versions)
 
-    def in_flight(self, track: SampleTrack) -> tuple[list[TurnRecord], OpenTurn | None]:
+    def in_flight(
+        self, track: SampleTrack, running: set[str]
+    ) -> tuple[list[TurnRecord], OpenTurn | None]:
         """`track`'s turns the engine finished that its sample has not taken yet, and its
-        turn in the engine now (snapshot and switch points copied; None if none)."""
+        turn in the engine now (snapshot and switch points copied; None if none).
+        `running`: the engine's unfinished request ids."""
         ended, open_turn = [], None
-        running = set(self.engine.request_ids())
         for rid in track.request_ids:
             if rid in self.ended:
                 ended.append(self.ended[rid])
@@ -413,7 +415,8 @@ class AgentGroups:
     def records(self, key: str) -> list[SampleRecord]:
         """What a peer needs to replay group `key`'s samples (`start(..., replay=)`): their
         finished turns, answers and open turns as they stand now."""
-        return [t.record(*self.server.in_flight(t)) for t in self.groups[key].tracks]
+        running = set(self.engine.request_ids())
+        return [t.record(*self.server.in_flight(t, running)) for t in self.groups[key].tracks]
 
     @property
     def events(self) -> int:
