@@ -43,6 +43,7 @@ from patrl.orchestrator.async_rl.agent_tickets import (
     SampleRecord,
     response_versions,
 )
+from patrl.orchestrator.async_rl.flight_reports import FlightReport, TicketReport
 from patrl.orchestrator.async_rl.job import AsyncJob
 from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
 from patrl.orchestrator.async_rl.tickets import GroupRecord, sample_key, ticket_params
@@ -52,6 +53,7 @@ from patrl.orchestrator.config import JobConfig, load_config
 from patrl.orchestrator.control import ControlPlane
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.distributed import World
+from patrl.orchestrator.scoring import TrajectoryOutput
 from patrl.orchestrator.support import multi_turn_refusals, unsupported
 from patrl.orchestrator.sync_loop import SyncGRPO
 from patrl.orchestrator.weight_store import WeightStore
@@ -114,12 +116,14 @@ def drive(
     agents: AgentGroups,
     between_steps: Callable[[], None] = lambda: None,
     replay: list[SampleRecord] | None = None,
+    params: SamplingParams = GREEDY,
 ) -> list[FinishedGroup]:
     """Run ITEM's group (replaying `replay`) to its end as a rollout rank's control loop
-    does: yield to the engine's step task, then `between_steps` (where a rank pulls weights)."""
+    does: yield to the engine's step task, then `between_steps` (where a rank pulls weights
+    and reports)."""
 
     async def loop() -> list[FinishedGroup]:
-        agents.start("ticket-0", ITEM, GREEDY, replay)
+        agents.start("ticket-0", ITEM, params, replay)
         done: list[FinishedGroup] = []
         while agents.live():
             await asyncio.sleep(0)  # one engine step (if any), the samples' turns go on
@@ -289,6 +293,174 @@ def test_a_replayed_sample_reuses_its_recorded_turns_and_answers(
     (diverged,) = drive(AgentGroups(config, engine_of(models["a"])), replay=wrong)
     assert GatedTool.calls == 2 and diverged.replayed == 0
     assert diverged.output == done.output
+
+
+def _mid_turn_records(
+    agents: AgentGroups,
+    taken: list[list[SampleRecord]],
+    every: list[list[SampleRecord]] | None = None,
+) -> Callable[[], None]:
+    """A `between_steps` that takes group ticket-0's records, through a flight report's
+    bytes (as a peer reads them), whenever a sample's open turn has sampled tokens (and
+    into `every` at every step)."""
+
+    def take() -> None:
+        if not agents.live():
+            return
+        records = agents.records("ticket-0")
+        if every is not None:
+            every.append(records)
+        if any(r.open is not None and r.open.tokens() > 0 for r in records):
+            report = FlightReport(1, 1, {0: TicketReport([], [], None, records)})
+            got = FlightReport.from_bytes(report.to_bytes()).tickets[0].records
+            assert got is not None
+            taken.append(got)
+
+    return take
+
+
+@pytest.mark.parametrize(("model", "temperature"), [("a", 0.0), ("c", 1.0)])
+def test_a_turn_open_at_the_report_is_continued_from_its_tokens(
+    tmp_path: Path, models: dict[str, Path], model: str, temperature: float
+) -> None:
+    """Records taken at every engine step at which a sample's turn is open mid-generation
+    (its snapshot: tokens so far, logprobs, generator state) each replay on a fresh engine
+    to exactly the uninterrupted run (ids, masks, texts and versions; logprobs as
+    `assert_continued` says): greedily, and sampling at temperature 1 with seeds (the
+    generator state carries the draws on). Every recorded and reported model token is
+    answered from the record (counted as replayed), and only calls not answered at the
+    report are made again. The continued turn keeps its KV for the next turn (no turn is
+    submitted whole), and every kept turn is released at the end. A sample's reported
+    tokens never shrink from step to step (a turn the engine ended is reported before its
+    sample takes it)."""
+    GatedTool.gate.set()
+    GatedTool.calls = 0
+    config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    params = dataclasses.replace(GREEDY, temperature=temperature)
+    first = AgentGroups(config, engine_of(models[model]))
+    taken: list[list[SampleRecord]] = []
+    every: list[list[SampleRecord]] = []
+    (done,) = drive(first, _mid_turn_records(first, taken, every), params=params)
+    calls = GatedTool.calls
+    assert len(taken) >= 3, "the run had too few mid-turn steps to test"
+    for k in range(params.n):  # a turn that just ended is reported before its sample runs
+        reported = [records[k].tokens() for records in every]
+        assert reported == sorted(reported), reported
+    kinds = {(bool(r.outcomes), r.open.tokens()) for rs in taken for r in rs if r.open}
+    if temperature == 0:  # open call turns of 1 and 2 tokens, an open answer turn after a tool
+        assert {(False, 1), (False, 2), (True, 1)} <= kinds, kinds
+    for records in taken:
+        GatedTool.calls = 0
+        agents = AgentGroups(config, engine_of(models[model]))
+        (replayed,) = drive(agents, replay=records, params=params)
+        assert agents.engine.kept_request_ids() == [] and not agents.engine.has_unfinished()
+        if all(r.open is not None for r in records):  # imported, then each turn extends its KV
+            assert agents.server.submitted_tokens == 0
+        assert replayed.versions == done.versions
+        assert_continued(replayed.output, done.output, records)
+        assert replayed.replayed == sum(r.tokens() for r in records)
+        answered = sum(o.text == "42" for r in records for o in r.outcomes)  # by GatedTool
+        assert GatedTool.calls == calls - answered
+
+
+def assert_continued(
+    got: TrajectoryOutput, want: TrajectoryOutput, records: list[SampleRecord]
+) -> None:
+    """`got` is `want` token for token (ids, masks, texts, finish reasons exactly); the
+    logprobs of the tokens `records` hold are the recorded ones bit for bit (copied, not
+    sampled again), the others within 1e-5 of `want`'s (their KV recomputed in one prefill,
+    not decoded token by token)."""
+    assert got.prompt_token_ids == want.prompt_token_ids
+    for g, w, r in zip(got.outputs, want.outputs, records, strict=True):
+        assert (g.token_ids, g.response_mask, g.text) == (w.token_ids, w.response_mask, w.text)
+        assert g.finish_reason == w.finish_reason
+        recorded = [lp for t in r.turns for lp in t.output.log_probs]
+        if r.open is not None:
+            recorded += r.open.state.output_logprobs
+        model_lps = [lp for lp, m in zip(g.logprobs, g.response_mask, strict=True) if m]
+        assert model_lps[: len(recorded)] == recorded
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def test_a_group_started_from_records_reports_them_before_its_samples_run(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """A peer reports an adopted ticket at once, before its samples' tasks first run: the
+    report holds the lost rank's records (finished turns, answers, open turns) as given,
+    so a second loss loses none of them."""
+    GatedTool.gate.set()
+    config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    first = AgentGroups(config, engine_of(models["a"]))
+    taken: list[list[SampleRecord]] = []
+    drive(first, _mid_turn_records(first, taken))
+    records = next(rs for rs in taken if any(r.turns for r in rs))
+    agents = AgentGroups(config, engine_of(models["a"]))
+
+    async def start_and_report() -> list[SampleRecord]:
+        agents.start("ticket-0", ITEM, GREEDY, records)
+        reported = agents.records("ticket-0")
+        agents.close()
+        return reported
+
+    assert asyncio.run(start_and_report()) == records
+
+
+def test_a_continued_turn_keeps_its_reported_tokens_under_newer_weights(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Model "a" answers ANSWER after the tool, model "b" OTHER. Records taken once a
+    sample's answer turn has sampled ANSWER under "a" (version 0) replay on an engine that
+    holds "b" as version 1: that sample's reported tokens stay exactly as reported (ids,
+    logprobs, version 0; the turn is not sampled again, which would write OTHER), and the
+    rest of the turn is "b"'s continuation of the conversation and those tokens (version
+    1), equal to a slow twin that prefills them all as a prompt on "b"."""
+    GatedTool.gate.set()
+    config = job(write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"))
+    first = AgentGroups(config, engine_of(models["a"]))
+    taken: list[list[SampleRecord]] = []
+    take = _mid_turn_records(first, taken)
+
+    def take_after_the_tool() -> None:
+        if not taken:
+            take()
+            if taken and not any(r.open is not None and r.outcomes for r in taken[0]):
+                taken.clear()
+
+    drive(first, take_after_the_tool)
+    assert taken, "no step had an answer turn open"
+    engine = engine_of(models["a"])
+    engine.load_weights(load_file(models["b"] / "model.safetensors").items(), version=1)
+    (group,) = drive(AgentGroups(config, engine), replay=taken[0])
+    tok = engine.tokenizer
+    answer = tok.convert_tokens_to_ids(ANSWER)
+    continued = 0
+    for record, traj, versions in zip(taken[0], group.output.outputs, group.versions, strict=True):
+        model_ids = [t for t, m in zip(traj.token_ids, traj.response_mask, strict=True) if m]
+        model_lps = [lp for lp, m in zip(traj.logprobs, traj.response_mask, strict=True) if m]
+        model_versions = [v for v, m in zip(versions, traj.response_mask, strict=True) if m]
+        reported = [t.output for t in record.turns]
+        ids = [i for o in reported for i in o.token_ids]
+        lps = [lp for o in reported for lp in o.log_probs]
+        if record.open is not None:
+            ids += record.open.state.output_token_ids
+            lps += record.open.state.output_logprobs
+        n = len(ids)
+        assert model_ids[:n] == ids and model_lps[:n] == lps  # bit-equal: copied, not resampled
+        assert model_versions == [0] * n + [1] * (len(model_ids) - n)
+        if record.open is None or not record.outcomes:
+            continue
+        continued += 1
+        state = record.open.state
+        assert state.output_token_ids[0] == answer
+        left = state.params.max_tokens - len(state.output_token_ids)
+        twin_params = dataclasses.replace(state.params, max_tokens=left)
+        (twin,) = engine_of(models["b"]).generate(
+            [state.prompt_token_ids + state.output_token_ids], twin_params
+        )
+        rest = twin.outputs[0]  # then "b" may call the tool again: later turns follow
+        assert rest.token_ids and model_ids[n : n + len(rest.token_ids)] == rest.token_ids
+        assert model_lps[n : n + len(rest.token_ids)] == pytest.approx(rest.logprobs, abs=1e-5)
+    assert continued >= 1
 
 
 def test_a_dropped_group_runs_out_and_is_discarded(tmp_path: Path, models: dict[str, Path]) -> None:
@@ -555,3 +727,82 @@ def engine_tokenizer(model: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
+
+
+def test_a_rank_lost_mid_turn_has_its_open_turns_continued_by_a_peer(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Rollout rank 1 takes both tickets of the step (sampled at the default temperature,
+    seeded) and is preempted (from inside its own engine step, so that the step's report is
+    its last) once a sample's answer turn, after the tool, has sampled its first token. Its
+    last report holds every sample's open turn (tokens so far, generator state, switch
+    points). Rank 0 claims the tickets and continues them: each group is handed over
+    complete, migrated from rank 1 with every reported model token kept (`migrated_tokens`
+    counts the open turns' too, which only a continuation adds), and equal, token for
+    token, to a fresh run of the ticket (same seeds and weights: the carried generator
+    states draw on as the lost rank would have)."""
+    GatedTool.gate.set()
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in (6, 3)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = job(
+        write_tool_config(tmp_path / "tools.yaml", "agent_scripted.GatedTool"),
+        f"data.train_files={data}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=512",
+        "rollout.block_size=4",
+        "rollout.num_kv_blocks=512",
+        "trainer.mode=async",
+        "async_rl.rollout_ranks=2",
+        "async_rl.max_staleness=0",
+        "async_rl.report_every=1",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    store = dist.HashStore()
+    first = _rollout_worker(0, config, models["a"], store)
+    lost = _rollout_worker(1, config, models["a"], store)
+    control = ControlPlane(store, 2, timeout_s=120)  # the trainer's side of the store
+    loader = load_data(config, str(models["a"]), config.data.train_files, None).loader
+    control.put("start", pickle.dumps({"step": 0, "loader": loader.state_dict()}))
+    answer = engine_tokenizer(models["a"]).convert_tokens_to_ids(ANSWER)
+    engine, step = lost.engine, lost.engine.step
+
+    def step_then_preempt() -> list[Any]:
+        out = step()
+        if any(s.output_token_ids == [answer] for s in engine.unfinished_seqs()):
+            control.preempt(1, 600)  # away until the run ends
+        return out
+
+    engine.step = step_then_preempt  # type: ignore[method-assign]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (lost, first)]
+    try:
+        threads[0].start()
+        _wait(lambda: bool(lost.preempted), "rank 1 to be preempted mid-turn")
+        threads[1].start()
+        _wait(lambda: control.has([sample_key(0), sample_key(1)]), "both groups handed over")
+    finally:
+        control.finish()
+        for t in threads:
+            t.join(60)
+    reported = lost.last_report
+    opened = [
+        r.open
+        for ticket in reported.tickets.values()
+        for r in ticket.records or []
+        if r.open is not None and r.outcomes
+    ]
+    assert any(o.state.output_token_ids == [answer] for o in opened)
+    assert lost.preempted[0]["reported_tokens"] == reported.tokens()
+    for ticket in (0, 1):
+        record: GroupRecord = pickle.loads(control.get(sample_key(ticket)))
+        assert (record.rank, record.migrated_from) == (0, 1)
+        assert record.migrated_tokens == reported.tickets[ticket].tokens()
+        item = loader_item(config, models["a"], ticket)
+        twin = drive_one(
+            AgentGroups(config, engine_of(models["a"])), item, ticket_params(config, ticket, item)
+        )
+        for s, want in zip(record.samples, twin.output.outputs, strict=True):
+            assert s.token_ids == want.token_ids and s.response_mask == want.response_mask
+            assert s.prompt_token_ids == twin.output.prompt_token_ids
+        assert record.versions == twin.versions

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from patrl.rollout import Engine, SamplingParams, SequenceState
@@ -236,11 +236,14 @@ class LLMServer:
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
 
-    async def resume_turn(self, state: SequenceState) -> TokenOutput:
-        """Go on with a model turn a cut exported (`TurnCut.open_turn`): its KV recomputed
-        under the engine's weights, its sampling from its generator state, so the turn is the
-        one it would have been uncut under these weights. The whole turn comes back, the
-        tokens sampled before the cut first (their logprobs as sampled then). Not kept (the
+    async def resume_turn(self, state: SequenceState, keep: bool | None = None) -> TokenOutput:
+        """Go on with a model turn a cut exported (`TurnCut.open_turn`, or a lost rank's
+        snapshot): its KV recomputed under the engine's weights, its sampling from its
+        generator state, so the turn is the one it would have been uncut under these weights.
+        The whole turn comes back, the tokens sampled before the cut first (their logprobs as
+        sampled then). `keep`: True keeps the turn's KV for a continuation (as `generate`'s
+        `keep`; the next turn names it in `continues`), False frees it at its end; None (a
+        cut's resume) leaves the state's flag as exported, the turn not tracked here (the
         next turn is submitted whole, over prefix caching). TurnCut(state) at once when the
         runner is stopping."""
         if self._wake is None:
@@ -250,8 +253,13 @@ class LLMServer:
         rid = state.request_id
         if rid in self._pending or rid in self.engine.request_ids():
             raise ValueError(f"request id {rid!r} is already in use")
+        if keep is not None:
+            keep = keep and self.keep_kv
+            state = replace(state, keep=keep)
         self._submit(("import", state))
         out = (await self._await(rid, True)).outputs[0]
+        if keep and out.finish_reason in ("stop", "length"):
+            self._kept[rid] = list(state.prompt_token_ids) + list(out.token_ids)
         return TokenOutput(
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
@@ -352,6 +360,7 @@ class LLMServer:
                 if self.tp_size > 1:
                     self.tell(("step", ops))
                 for out in self._apply(ops):
+                    self.turn_ended(out)
                     self._pending.pop(out.request_id).set_result(out)
                 await asyncio.sleep(0)  # let the samples whose turn ended go on
             elif done.is_set():
@@ -365,6 +374,11 @@ class LLMServer:
                     await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
                 except TimeoutError:
                     self.tell(("wait", None))
+
+    def turn_ended(self, out: RequestOutput) -> None:
+        """The step task's note of each turn the engine finished, made before the turn's
+        sample is woken (a subclass that reports turns in flight records it here, as the
+        sample may not run before the report); nothing by default."""
 
     def follow(self) -> list[AgentLoopOutput | TurnState]:
         """A TP group peer's part of a run: add and step as the group's first rank says,

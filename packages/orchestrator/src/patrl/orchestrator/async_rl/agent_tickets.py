@@ -18,13 +18,17 @@ them, and staleness reads model tokens only.
 
 Migration: each sample's finished turns (ids, logprobs, finish, versions, and a hash of the
 conversation they continued) and its tools' answers are recorded as they end (`SampleRecord`)
-and go into the rank's flight reports. A peer that adopts the ticket runs the sample's loop
-again from its prompt, replaying: a turn whose conversation matches the next recorded one is
+and go into the rank's flight reports, with the turn open at the report (`OpenTurn`: the
+engine's snapshot of it, its tokens so far, their logprobs and its generator state, no KV,
+and its version switch points). A peer that adopts the ticket runs the sample's loop again
+from its prompt, replaying: a turn whose conversation matches the next recorded one is
 answered from the record (no engine work), a tool call from the next recorded answer (the tool
-is not called again); the first mismatch ends the replay. The turn that was open at the report
-is generated again (the same tokens under the same weights: a turn's seed is the sample's and
-the turn's), as are tool calls that had not answered. Loops must be deterministic given the
-same turns and answers, as `ToolAgentLoop` is. See docs/async.md ("Multi-turn tickets").
+is not called again); the first mismatch ends the replay. The open turn, asked for with its
+exact conversation and sampling params, is continued from its snapshot
+(`LLMServer.resume_turn`: the conversation and its tokens recomputed, sampling on from the
+generator state), so its reported tokens are kept with their versions and only the rest is
+sampled. Tool calls that had not answered are made again. Loops must be deterministic given
+the same turns and answers, as `ToolAgentLoop` is. See docs/async.md ("Multi-turn tickets").
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from patrl.orchestrator.async_rl.tickets import token_versions
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.scoring import Trajectory, TrajectoryOutput
-from patrl.rollout import Engine, SamplingParams
+from patrl.rollout import Engine, RequestOutput, SamplingParams, SequenceState
 
 
 @dataclass(slots=True)
@@ -73,15 +77,32 @@ class TurnRecord:
 
 
 @dataclass(slots=True)
+class OpenTurn:
+    """A model turn in the engine at a report: its snapshot (`Engine.snapshot_requests`: the
+    conversation it continues as its prompt, its tokens so far, their logprobs and its
+    generator state; no KV) and its version switch points ((first token sampled with it,
+    version), as `InFlight.switches`)."""
+
+    state: SequenceState
+    switches: list[tuple[int, int]]
+
+    def tokens(self) -> int:
+        return len(self.state.output_token_ids)
+
+
+@dataclass(slots=True)
 class SampleRecord:
     """What a peer needs to replay one sample: its finished turns and its tools' answers, in
-    order."""
+    order, then the turn open at the report (None: none, or its sample awaits a tool)."""
 
     turns: list[TurnRecord] = field(default_factory=list)
     outcomes: list[ToolOutcome] = field(default_factory=list)
+    open: OpenTurn | None = None
 
     def tokens(self) -> int:
-        return sum(len(t.output.token_ids) for t in self.turns)
+        """The model tokens recorded, the open turn's included."""
+        done = sum(len(t.output.token_ids) for t in self.turns)
+        return done + (self.open.tokens() if self.open is not None else 0)
 
 
 @dataclass(slots=True)
@@ -101,10 +122,22 @@ class SampleTrack:
         """One per model token of its finished turns, in the order they ended."""
         return [v for t in self.turns for v in t.versions]
 
-    def record(self) -> SampleRecord:
-        """Its turns, and its tools' answers up to the first call not answered yet."""
+    def record(self, ended: Sequence[TurnRecord], open_turn: OpenTurn | None) -> SampleRecord:
+        """Its turns, then `ended` (turns the engine finished that the sample has not taken
+        yet), and its tools' answers up to the first call not answered yet; then `open_turn`
+        unless a call is unanswered (what follows such a call is not replayed). What is
+        left to replay of a lost rank's record (all of it, until the sample first runs)
+        comes after its own: it is still this sample's."""
         answered = self.outcomes.index(None) if None in self.outcomes else len(self.outcomes)
-        return SampleRecord(list(self.turns), [o for o in self.outcomes[:answered] if o])
+        outcomes = [o for o in self.outcomes[:answered] if o]
+        if answered < len(self.outcomes):
+            open_turn = None
+        left = self.replay
+        return SampleRecord(
+            [*self.turns, *ended, *left.turns],
+            outcomes + left.outcomes,
+            open_turn if open_turn is not None else left.open,
+        )
 
     def stop_replay(self) -> None:
         self.replay = SampleRecord()
@@ -124,13 +157,17 @@ _CURRENT: contextvars.ContextVar[SampleTrack | None] = contextvars.ContextVar(
 
 class VersionedServer(LLMServer):
     """An `LLMServer` (TP 1) that records the policy version of every token its samples'
-    turns sample (`SampleTrack`), for agent loops that stay oblivious of versions."""
+    turns sample (`SampleTrack`), for agent loops that stay oblivious of versions, and
+    continues a lost rank's open turn from its snapshot (`SampleRecord.open`)."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine, keep_kv=True)
         # Turns submitted and not yet returned, by request id: their switch points ((first
-        # token sampled with it, version), as `InFlight.switches`).
+        # token sampled with it, version), as `InFlight.switches`), their conversation's key,
+        # and, once the engine finished them, their record (until their sample takes it).
         self.switches: dict[str, list[tuple[int, int]]] = {}
+        self.keys: dict[str, int] = {}
+        self.ended: dict[str, TurnRecord] = {}
         self.events = 0  # turns ended and tool answers recorded: a report would differ
 
     async def generate(
@@ -152,12 +189,16 @@ class VersionedServer(LLMServer):
                 track.replayed += len(turn.output.token_ids)
                 return dataclasses.replace(turn.output)
             track.stop_replay()  # the loop went another way: generate from here on
-        switches = [(0, self.engine.weight_version)]
-        if track is not None:
-            track.request_ids.append(request_id)
-            self.switches[request_id] = switches
-        try:
-            out = await super().generate(
+        resumed: OpenTurn | None = None
+        if track is not None and track.replay.open is not None:
+            resumed, track.replay.open = track.replay.open, None
+            if resumed.state.prompt_token_ids != list(prompt_ids) or (
+                resumed.state.params != sampling_params
+            ):
+                resumed = None  # not the turn the record holds: generate it afresh
+                track.stop_replay()
+        if track is None:
+            return await super().generate(
                 request_id,
                 prompt_ids=prompt_ids,
                 sampling_params=sampling_params,
@@ -165,13 +206,65 @@ class VersionedServer(LLMServer):
                 continues=continues,
                 resumable=resumable,
             )
+        version = self.engine.weight_version
+        if resumed is None:
+            switches = [(0, version)]
+        else:  # the reported points, then this engine's version from its first new token
+            switches = [*resumed.switches, (resumed.tokens(), version)]
+        track.request_ids.append(request_id)
+        self.switches[request_id], self.keys[request_id] = switches, key
+        try:
+            if resumed is None:
+                await super().generate(
+                    request_id,
+                    prompt_ids=prompt_ids,
+                    sampling_params=sampling_params,
+                    keep=keep,
+                    continues=continues,
+                    resumable=resumable,
+                )
+            else:
+                if continues is not None:
+                    self.release(continues)  # its conversation goes on in the resumed turn
+                state = dataclasses.replace(resumed.state, request_id=request_id)
+                await self.resume_turn(state, keep=keep)
+                track.replayed += resumed.tokens()
         finally:
             self.switches.pop(request_id, None)
-        if track is not None:
-            versions = token_versions(switches, len(out.token_ids))
-            track.turns.append(TurnRecord(key, dataclasses.replace(out), versions))
-            self.events += 1
-        return out
+            self.keys.pop(request_id, None)
+            record = self.ended.pop(request_id, None)
+        assert record is not None, f"turn {request_id!r} returned without the engine ending it"
+        track.turns.append(record)
+        self.events += 1
+        return dataclasses.replace(record.output)
+
+    def turn_ended(self, out: RequestOutput) -> None:
+        """Record a tracked turn the engine finished (its sample takes the record when it
+        runs; a report made before that holds it among the sample's finished turns)."""
+        switches = self.switches.get(out.request_id)
+        if switches is None:
+            return
+        seq = out.outputs[0]
+        output = TokenOutput(
+            list(seq.token_ids), list(seq.logprobs), seq.finish_reason, seq.stop_reason
+        )
+        versions = token_versions(switches, len(output.token_ids))
+        self.ended[out.request_id] = TurnRecord(self.keys[out.request_id], output, versions)
+
+    def in_flight(
+        self, track: SampleTrack, running: set[str]
+    ) -> tuple[list[TurnRecord], OpenTurn | None]:
+        """`track`'s turns the engine finished that its sample has not taken yet, and its
+        turn in the engine now (snapshot and switch points copied; None if none).
+        `running`: the engine's unfinished request ids."""
+        ended, open_turn = [], None
+        for rid in track.request_ids:
+            if rid in self.ended:
+                ended.append(self.ended[rid])
+            elif rid in self.switches and rid in running and open_turn is None:
+                (state,) = self.engine.snapshot_requests([rid])
+                open_turn = OpenTurn(state, list(self.switches[rid]))
+        return ended, open_turn
 
     def note_pull(self, version: int) -> None:
         """Weights `version` are being loaded (between engine steps): tokens the unfinished
@@ -200,7 +293,7 @@ class RecordingPool(ToolPool):
             outcome = track.replay.outcomes.pop(0)
             track.outcomes.append(outcome)
             return outcome
-        track.replay.turns.clear()  # a call made anew: nothing recorded after it applies
+        track.stop_replay()  # a call made anew: nothing recorded after it applies
         slot = len(track.outcomes)
         track.outcomes.append(None)  # reserved in call order: calls run concurrently
         outcome = await super().call(call, create_kwargs)
@@ -295,7 +388,8 @@ class AgentGroups:
         for k, p in enumerate(sample_params(params)):
             track = SampleTrack()
             if replay is not None:
-                track.replay = SampleRecord(list(replay[k].turns), list(replay[k].outcomes))
+                r = replay[k]
+                track.replay = SampleRecord(list(r.turns), list(r.outcomes), r.open)
             # The task copies the context it is made in: the one where `track` is current.
             context = contextvars.copy_context()
             context.run(_CURRENT.set, track)
@@ -319,8 +413,10 @@ class AgentGroups:
             self.ended.append(key)
 
     def records(self, key: str) -> list[SampleRecord]:
-        """What a peer needs to replay group `key`'s samples (`start(..., replay=)`)."""
-        return [t.record() for t in self.groups[key].tracks]
+        """What a peer needs to replay group `key`'s samples (`start(..., replay=)`): their
+        finished turns, answers and open turns as they stand now."""
+        running = set(self.engine.request_ids())
+        return [t.record(*self.server.in_flight(t, running)) for t in self.groups[key].tracks]
 
     @property
     def events(self) -> int:

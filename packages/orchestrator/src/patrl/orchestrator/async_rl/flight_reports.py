@@ -7,7 +7,8 @@ switch points. When the rank is lost, its peers `claim_orphans` from its last re
 winner per ticket over the whole job, and continue them by recompute (`Engine.import_requests`):
 reported tokens are kept, and the RNG state resamples the rest alike under the same weights.
 A multi-turn ticket's samples are reported as their agent loops' records instead
-(`agent_tickets.SampleRecord`: finished turns and tool answers), which the adopter replays.
+(`agent_tickets.SampleRecord`: finished turns, tool answers, and the open turn's snapshot),
+which the adopter replays, continuing the open turn from its reported tokens.
 `rollout_worker.RolloutWorker` drives this; the protocol is in docs/async.md.
 """
 
