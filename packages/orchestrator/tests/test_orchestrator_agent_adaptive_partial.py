@@ -10,6 +10,9 @@ is recomputed by a prefill). Tools run once per call, all on the driver.
 The model is test_orchestrator_agent_adaptive's busy model: every tool turn calls the
 calculator again (4 turns, 3 calls a sample), and "go a" starts a long letter cycle that a
 `busy_agent` sample (not resumable: it runs to its end through a cut) decodes meanwhile.
+
+And the job (e2e): adaptive TP + multi-turn + partial rollouts on 2 ranks runs, buffers its
+cut groups as turn states in partial_rollouts.pt, and a restart resumes them.
 """
 
 from __future__ import annotations
@@ -311,3 +314,100 @@ def test_adaptive_cut_and_resume_equals_the_uncut_static_run(model_dir: Path) ->
 def runs_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     """A rank's cut-and-resume runs, in order."""
     return [*result["forced"], result["quota"]]
+
+
+# ------------------------------------------------------------------ a training job
+
+
+def _partial_job(
+    rank: int, world_size: int, model_dir: str, root: Path, steps: int
+) -> list[dict[str, Any]]:
+    import torch
+
+    from patrl.orchestrator.config import load_config
+    from patrl.orchestrator.distributed import World
+    from patrl.orchestrator.sync_loop import SyncGRPO
+    from patrl_testkit.profiles import synthetic_profile
+
+    profile = root / "profile.json"
+    if rank == 0 and not profile.exists():
+        synthetic_profile(model_dir, tp2_speedup=20.0).save(profile)
+    torch.distributed.barrier()
+    overrides: dict[str, Any] = {
+        "model.path": model_dir,
+        "data.train_files": root / "train.jsonl",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 512,  # the tools' schemas are in the rendered prompt
+        "data.max_response_length": 48,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.over_sample_rate": 1.0,
+        "rollout.max_num_seqs": 1,  # groups end one after another: the quota cuts the rest
+        "rollout.temperature": 0.05,  # the scripted calls, nearly always
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "true",
+        "rollout.adaptive_tp.profile": profile,
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.tool_config_path": root / "tools.yaml",
+        "rollout.multi_turn.max_assistant_turns": 2,  # the last turn calls no tool
+        "reward.functions": '[{name: "patrl_testkit.jobs:digit_reward"}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": steps,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": root / "run",
+    }
+    config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    loop = SyncGRPO(config, world, model_dir, config.data.train_files, None)
+    return list(loop.run().history)
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_a_two_rank_adaptive_multi_turn_job_cuts_checkpoints_and_resumes_turn_states(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Adaptive TP + multi-turn + partial rollouts on 2 ranks (refused before): two steps
+    with a checkpoint each, the unfinished groups buffered as turn states in
+    partial_rollouts.pt, then a restart that resumes them in its third step."""
+    import json
+
+    import torch
+    from agent_scripted import tool_config
+
+    from patrl.orchestrator import run_checkpoint
+    from patrl.orchestrator.sync_loop import PARTIALS_FILE
+
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tool_config(tmp_path / "tools.yaml", "patrl.orchestrator.agent.calculator.CalculatorTool")
+    args = (str(model_dir), tmp_path)
+    history, _ = run_ranks(_partial_job, world_size=2, args=(*args, 2), timeout_s=600)
+    steps = {h["step"]: h for h in history if "actor/pg_loss" in h}
+    assert sorted(steps) == [1.0, 2.0]
+    assert all(h["rollout/tp_control_fraction"] > 0 for h in steps.values())  # checks ran
+    assert steps[1.0]["partial/buffered_groups"] > 0  # the world's quota cut groups
+    saved = torch.load(
+        run_checkpoint.step_dir(tmp_path / "run", 2) / PARTIALS_FILE, weights_only=False
+    )
+    carried = [st for p in saved["partials"].values() for st in p.states]
+    assert any(isinstance(st, TurnState) for st in carried)
+    assert all(isinstance(st, TurnState | AgentLoopOutput) for st in carried)
+    for p in saved["partials"].values():
+        assert len(p.states) == 2  # a group's every sample, ended or not
+    history, _ = run_ranks(_partial_job, world_size=2, args=(*args, 3), timeout_s=600)
+    logged = {h["step"]: h for h in history if "actor/pg_loss" in h}
+    assert sorted(logged) == [1.0, 2.0, 3.0]  # the history read back, and the third step
+    third = logged[3.0]
+    assert third["partial/resumed_groups"] == len(saved["partials"])
+    assert third["partial/off_policy_token_frac"] > 0  # tokens sampled before the restart
+    for h in [*steps.values(), third]:
+        assert h["partial/finished_groups"] >= 2
+        assert h["multi_turn/tool_calls"] > 0
+        assert h["response_length/model_tokens/mean"] < h["response_length/mean"]
+        assert h["actor/pg_loss"] == h["actor/pg_loss"]  # a number, not NaN
