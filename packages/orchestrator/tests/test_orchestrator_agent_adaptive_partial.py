@@ -235,6 +235,25 @@ def _adaptive_partial(rank: int, world_size: int, model_dir: str) -> dict[str, A
     rows, keys = quota_rows(rank)
     result["quota"] = _cut_then_resume(runner, planner, rows, keys, quota=1)
     result["tool_calls_here"] = pool.calls
+
+    # an engine call that raises on one replica (rank 1's, at TP 1): every rank plays the
+    # round to its end, then every rank raises (the driver names the rank and the call),
+    # none waits in a collective, every engine is drained, and the next run goes on
+    planner.armed = False
+    add = inner.add_request
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no room here")
+
+    if rank == 1:
+        inner.add_request = failing  # type: ignore[method-assign]
+    try:
+        runner.run_partial(rows, GREEDY, keys, 1)
+    except RuntimeError as e:
+        result["error"] = str(e)
+    inner.add_request = add  # type: ignore[method-assign]
+    result["idle_after_error"] = _idle(inner)
+    result["after_error"] = runner.run(rows, GREEDY)
     result["rounds"] = server.rounds
     return result
 
@@ -309,6 +328,12 @@ def test_adaptive_cut_and_resume_equals_the_uncut_static_run(model_dir: Path) ->
         assert sorted(replica for replica, _ in ran) == [0, 1]
         assert all(busy_prompt < c <= busy_prompt + BUSY_TOKENS for _, c in ran)
     assert len(driver["quota"]["cut_folds"]) == 1
+    assert driver["error"] == ("an engine call failed: rank 1: add: RuntimeError: no room here")
+    assert peer["error"].startswith("the adaptive rollout's driver (rank 0) failed: ")
+    assert "rank 1: add: RuntimeError: no room here" in peer["error"]
+    for rank, r in enumerate(results):
+        assert r["idle_after_error"]
+        _assert_same(r["after_error"], twins[rank][1])
 
 
 def runs_of(result: dict[str, Any]) -> list[dict[str, Any]]:
