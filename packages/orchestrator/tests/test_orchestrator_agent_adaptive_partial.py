@@ -253,6 +253,11 @@ def _adaptive_partial(rank: int, world_size: int, model_dir: str) -> dict[str, A
         result["error"] = str(e)
     inner.add_request = add  # type: ignore[method-assign]
     result["idle_after_error"] = _idle(inner)
+    # a rank's bad arguments: every rank raises them (none waits for it in a collective)
+    try:
+        runner.run_partial(rows[:2], GREEDY, keys[: 1 if rank == 1 else 2], 1)
+    except ValueError as e:
+        result["bad_args"] = str(e)
     result["after_error"] = runner.run(rows, GREEDY)
     result["rounds"] = server.rounds
     return result
@@ -333,6 +338,7 @@ def test_adaptive_cut_and_resume_equals_the_uncut_static_run(model_dir: Path) ->
     assert "rank 1: add: RuntimeError: no room here" in peer["error"]
     for rank, r in enumerate(results):
         assert r["idle_after_error"]
+        assert r["bad_args"] == "rank 1: 1 group keys for 2 samples"
         _assert_same(r["after_error"], twins[rank][1])
 
 

@@ -338,8 +338,6 @@ class AdaptiveAgentLoopRunner(AgentLoopRunner):
         world's quota (the sum of the ranks') of groups ended, then cuts the rest on every
         replica (see the module's docstring). This rank's outputs and TurnStates in the
         order of `samples`; `on_finish` for this rank's samples that ended."""
-        if len(groups) != len(samples):
-            raise ValueError(f"{len(groups)} group keys for {len(samples)} samples")
         return self._world_run(samples, sampling_params, on_finish, groups, quota)
 
     def _world_run(
@@ -351,22 +349,31 @@ class AdaptiveAgentLoopRunner(AgentLoopRunner):
         quota: int | None,
     ) -> list[AgentLoopOutput | TurnState]:
         """Gather every rank's share (samples, params, group keys, quota), run the
-        world's samples (the driver; the others follow), and hand back this rank's."""
+        world's samples (the driver; the others follow), and hand back this rank's. A
+        rank's bad arguments are gathered too, so every rank raises them (ValueError naming
+        the rank) instead of the others waiting for it."""
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(samples)
         else:
             params = list(sampling_params)
+        problem = None
         if len(params) != len(samples):
-            raise ValueError(
+            problem = (
                 f"{len(params)} sampling params for {len(samples)} samples: need one, or one "
                 "per sample"
             )
+        elif groups is not None and len(groups) != len(samples):
+            problem = f"{len(groups)} group keys for {len(samples)} samples"
         server = self.adaptive_server
         offer = (list(samples), params, None if groups is None else list(groups), quota)
-        shares = gather_objects(server.comm, server.world, offer)
+        shares = gather_objects(server.comm, server.world, (offer, problem))
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(shares) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        shares = [share for share, _ in shares]
         partial = [share[3] is not None for share in shares]
         if any(partial) and not all(partial):
-            raise RuntimeError(
+            raise ValueError(
                 "the ranks disagree on whether the adaptive rollout is partial (run_partial "
                 "on some ranks, run on others): every rank calls the same one"
             )
