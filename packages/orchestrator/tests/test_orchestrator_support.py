@@ -119,9 +119,9 @@ def test_an_epoch_count_preflight_could_not_read_is_resolved_with_the_data(
     assert data.config.schedule_resolved
 
 
-def test_multi_turn_partial_rollouts_under_adaptive_tp_are_refused_on_several_ranks(
-    tmp_path: Path,
-) -> None:
+def test_multi_turn_partial_rollouts_run_in_every_layout(tmp_path: Path) -> None:
+    """Multi-turn with partial rollouts is refused in no layout (adaptive TP's driver cuts
+    the world's samples at its quota); an unset tool config still is."""
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools: []\n")
     base = [
@@ -130,15 +130,10 @@ def test_multi_turn_partial_rollouts_under_adaptive_tp_are_refused_on_several_ra
         f"rollout.multi_turn.tool_config_path={tools}",
         "rollout.over_sample_rate=0.5",
     ]
-    adaptive = load_config(None, [*base, "rollout.adaptive_tp.enable=true"])
-    (problem,) = support.unsupported(adaptive, 2)
-    assert problem.startswith(
-        "rollout.multi_turn.enable=true with rollout.adaptive_tp.enable=true and "
-        "rollout.over_sample_rate=0.5 (partial rollouts) on 2 ranks"
-    ), problem
-    assert "rollout.adaptive_tp.enable=false" in problem
-    assert support.unsupported(adaptive, 1) == []  # one rank: nothing to adapt
-    static = load_config(None, [*base, "rollout.adaptive_tp.enable=false"])
-    assert support.unsupported(static, 2) == []
-    whole = load_config(None, [*base[:-1], "rollout.adaptive_tp.enable=true"])
-    assert support.unsupported(whole, 2) == []
+    for adaptive in ("true", "false"):
+        config = load_config(None, [*base, f"rollout.adaptive_tp.enable={adaptive}"])
+        for world_size in (1, 2, 4):
+            assert support.unsupported(config, world_size) == [], (adaptive, world_size)
+    untooled = load_config(None, [base[0], base[1], base[3], "rollout.adaptive_tp.enable=true"])
+    (problem,) = support.unsupported(untooled, 2)
+    assert problem.startswith("rollout.multi_turn.enable=true with rollout.multi_turn.tool_")

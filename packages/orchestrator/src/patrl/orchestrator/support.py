@@ -23,7 +23,6 @@ def unsupported(config: JobConfig, world_size: int) -> list[str]:
     """Every refusal of `config` on `world_size` ranks; empty where its schedule runs it."""
     return [
         *multi_turn_refusals(config),
-        *multi_turn_layout_refusals(config, world_size),
         *async_refusals(config, world_size),
     ]
 
@@ -37,36 +36,15 @@ def check_supported(config: JobConfig, world_size: int) -> None:
 
 def multi_turn_refusals(config: JobConfig) -> list[str]:
     """`rollout.multi_turn.enable=true` runs in every schedule and layout (sync on static or
-    adaptive TP, with partial and speculative rollouts; async), but needs its tools: an unset
-    `rollout.multi_turn.tool_config_path` is refused, naming the key."""
+    adaptive TP on any number of ranks, with partial and speculative rollouts: under adaptive
+    TP the driver's world quota cuts every replica's samples; async), but needs its tools: an
+    unset `rollout.multi_turn.tool_config_path` is refused, naming the key."""
     mt = config.rollout.multi_turn
     if not mt.enable or mt.tool_config_path is not None:
         return []
     return [
         "rollout.multi_turn.enable=true with rollout.multi_turn.tool_config_path is unset: the "
         "tool agent loop needs its tools (docs/agent_loop.md); name a tool config YAML"
-    ]
-
-
-def multi_turn_layout_refusals(config: JobConfig, world_size: int) -> list[str]:
-    """Multi-turn with partial rollouts under adaptive TP on `world_size` > 1 ranks is refused:
-    adaptive TP's driver (world rank 0 runs every rank's agent loops) has no quota, so it cannot
-    cut the world's samples at the step's end. One rank (nothing to adapt) runs it."""
-    r = config.rollout
-    if not (
-        r.multi_turn.enable
-        and config.trainer.mode == "sync"
-        and r.adaptive_tp.enable
-        and r.over_sample_rate > 0
-        and world_size > 1
-    ):
-        return []
-    return [
-        f"rollout.multi_turn.enable=true with rollout.adaptive_tp.enable=true and "
-        f"rollout.over_sample_rate={r.over_sample_rate} (partial rollouts) on {world_size} "
-        "ranks: not wired yet: adaptive TP's agent-loop driver cannot yet cut the world's "
-        "samples at the step's quota (docs/agent_loop.md); set rollout.adaptive_tp.enable=false "
-        "(static TP composes with partial rollouts) or rollout.over_sample_rate=0"
     ]
 
 

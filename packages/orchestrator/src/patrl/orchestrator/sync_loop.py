@@ -547,6 +547,7 @@ class SyncSchedule:
             rid: sum(_made(st) for st in p.states) for rid, p in self.partials.items()
         }
         metrics.update(self._learn_lengths(samples, 1))
+        metrics.update(_tp_metrics(before, stats))
         metrics.update(speculation_metrics(before, stats))
         self._price_speculation(stats)
         merge_reward_metrics(metrics, reward_shares)

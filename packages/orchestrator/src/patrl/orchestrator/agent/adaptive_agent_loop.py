@@ -20,6 +20,16 @@ all-gather a round, plus the checks), tools run once per sample, a sample awaiti
 holds no decode slot, and a loop that raises on the driver raises on every rank after each
 drains its engine. Turns are sampled from their own seeded generators, so the trajectories
 are the tokens a run without folds samples. See docs/agent_loop.md ("Adaptive TP").
+
+Partial rollouts (`AdaptiveAgentLoopRunner.run_partial`): the driver counts the world's
+ended groups against the world's quota (the sum of the ranks' quotas) and, once it is met,
+stops as `AgentLoopRunner.run_partial` does for one engine. The cut of the turns in flight
+goes to every replica (a fold may have moved a turn since the driver addressed it; each
+replica exports those it holds, without KV, before the round's check, so a fold in the same
+round moves none of them), and the exported `SequenceState`s come back in the round's
+all-gather from the ranks that were their replicas' first ranks at the cut; the driver builds
+each cut sample's `TurnState` from them. A resumed open turn is imported like a new turn, on
+the replica with the fewest unfinished requests, its conversation re-prefilled there.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from patrl.orchestrator.agent.agent_loop import (
     LLMServer,
     Sample,
     TokenOutput,
+    TurnCut,
     TurnState,
 )
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
@@ -44,14 +55,16 @@ from patrl.orchestrator.data import PromptItem
 from patrl.orchestrator.scoring import TrajectoryOutput
 from patrl.rollout import SamplingParams
 from patrl.rollout.adaptive import AdaptiveEngine, SteppedRollout
-from patrl.rollout.outputs import RequestOutput
+from patrl.rollout.outputs import RequestOutput, SequenceState
 from patrl.tpreshard import broadcast_obj, gather_objects
 
 DRIVER = 0  # the world rank that runs every sample's agent loop
 
-# What a round's all-gather carries from a replica's first rank: (replica, its finished
-# requests, its unfinished requests after the step); None from the other ranks.
-Report = tuple[int, list[RequestOutput], int] | None
+# What a round's all-gather carries from each rank: from a replica's first rank (replica,
+# its finished requests, its unfinished requests after the step), else None; the turns this
+# rank exported by a cut as its replica's first rank at the cut (before any switch); and the
+# error of an engine call of the round that raised here (None: none did).
+Report = tuple[tuple[int, list[RequestOutput], int] | None, list[SequenceState], str | None]
 
 
 class AdaptiveLLMServer(LLMServer):
@@ -75,6 +88,7 @@ class AdaptiveLLMServer(LLMServer):
         self._kept_at: dict[str, int] = {}  # kept turn -> its replica (this epoch)
         self._load: dict[int, int] = {0: 0}  # replica -> unfinished requests (driver's view)
         self._out: dict[int, list[tuple[Any, ...]]] = {}  # the next round's calls by replica
+        self._cut_here: list[SequenceState] = []  # exported by this round's cut, to report
 
     # ------------------------------------------------------------ the driver's samples
 
@@ -104,10 +118,16 @@ class AdaptiveLLMServer(LLMServer):
 
     def _submit(self, op: tuple[Any, ...]) -> None:
         """Queue engine call `op` for the next round, addressed to its replica: a kept
-        turn's continuation or release to the replica that kept it, a new turn to the
-        replica with the fewest unfinished requests (the lowest on a tie)."""
+        turn's continuation or release to the replica that kept it, a new turn or a resumed
+        one (an import) to the replica with the fewest unfinished requests (the lowest on a
+        tie), a cut to every replica (each exports the turns it holds)."""
         kind = op[0]
-        if kind == "add":
+        if kind == "cut":
+            for replica in sorted(self._load):
+                self._out.setdefault(replica, []).append(op)
+            self._queued.append(op)
+            return
+        if kind in ("add", "import"):
             replica = min(self._load, key=lambda r: (self._load[r], r))
         else:
             found = self._kept_at.pop(op[1], None)
@@ -120,13 +140,25 @@ class AdaptiveLLMServer(LLMServer):
         self._queued.append(op)  # `step_until` wakes on it
 
     def _do(self, op: tuple[Any, ...]) -> None:
-        """`LLMServer._do`; a new request (a new turn or a continuation) is noted by the
-        controller as its own length group."""
+        """`LLMServer._do`; a new request (a new turn, a continuation or a resumed turn)
+        is noted by the controller as its own length group. A cut exports the turns of
+        this replica it names (every rank of the replica alike; its first rank keeps their
+        states for the round's report, where the driver wakes their samples)."""
+        kind = op[0]
+        if kind == "cut":
+            engine = self.engine
+            here = set(engine.request_ids())
+            states = engine.export_requests([r for r in op[1] if r in here], False)
+            if engine.layout.tp_rank == 0:
+                self._cut_here += states
+            return
         super()._do(op)
-        if op[0] == "add":
+        if kind == "add":
             self.stepped.note_request(op[1])
-        elif op[0] == "continue":
+        elif kind == "continue":
             self.stepped.note_request(op[2])
+        elif kind == "import":
+            self.stepped.note_request(op[1].request_id)
 
     async def step_until(self, done: asyncio.Event) -> None:
         """The driver's rounds: while a call is queued or a replica has work, tell every
@@ -139,10 +171,19 @@ class AdaptiveLLMServer(LLMServer):
                 calls, self._out, self._queued = self._out, {}, []
                 check = self.stepped.due
                 self.tell(("round", (calls, check)))
-                for replica, out in self._round(calls, check):
+                finished, cut, errors = self._round(calls, check)
+                if errors:  # every rank played the round; `_execute` tells them the error
+                    raise RuntimeError("an engine call failed: " + "; ".join(errors))
+                for replica, out in finished:
                     self._finished_in[out.request_id] = self._epoch
                     self._kept_at[out.request_id] = replica
                     self._pending.pop(out.request_id).set_result(out)
+                for state in cut:
+                    self._pending.pop(state.request_id).set_exception(TurnCut(state))
+                named = {r for ops in calls.values() for op in ops if op[0] == "cut" for r in op[1]}
+                lost = sorted(r for r in named if r in self._pending)
+                if lost:  # no replica held them: their samples would wait forever
+                    raise RuntimeError(f"cut turns {lost} are on no replica: this is a bug")
                 await asyncio.sleep(0)  # let the samples whose turn ended go on
             elif done.is_set():
                 return
@@ -157,13 +198,24 @@ class AdaptiveLLMServer(LLMServer):
 
     def _round(
         self, calls: Mapping[int, Sequence[tuple[Any, ...]]], check: bool
-    ) -> list[tuple[int, RequestOutput]]:
-        """One round, every rank alike: this replica's `calls`, the check when due (a
-        switch may follow), a step, and the all-gather of what finished where; returns
-        (replica, output) of every turn that finished, in rank order."""
+    ) -> tuple[list[tuple[int, RequestOutput]], list[SequenceState], list[str]]:
+        """One round, every rank alike: this replica's `calls` (a cut among them exports
+        its turns before the check), the check when due (a switch may follow), a step, and
+        the all-gather of what finished where and what was cut; returns (replica, output)
+        of every turn that finished, the state of every turn cut, and the errors of the
+        calls that raised (each rank's, named; its replica's later calls of the round are
+        not made, on each of its ranks alike), in rank order. A call that raises does not
+        end the round here: the world plays it to its end, and the driver then fails the
+        run on every rank, so that no rank waits in a collective for a failed one."""
         engine, stepped = self.engine, self.stepped
+        self._cut_here = []
+        error: str | None = None
         for op in calls.get(engine.layout.dp_rank, ()):
-            self._do(op)
+            try:
+                self._do(op)
+            except Exception as e:  # told to the driver in this round's report
+                error = f"rank {self.rank}: {op[0]}: {type(e).__name__}: {e}"
+                break
         if check:
             had_work = engine.has_unfinished() or self.is_leader  # the driver: not over
             verdict = stepped.check(had_work)
@@ -174,19 +226,26 @@ class AdaptiveLLMServer(LLMServer):
             stepped.count_round()
         self.rounds += 1
         layout = engine.layout
-        mine: Report = None
+        replica_report = None
         if layout.tp_rank == 0:
-            mine = (layout.dp_rank, finished, len(engine.request_ids()))
+            replica_report = (layout.dp_rank, finished, len(engine.request_ids()))
+        mine: Report = (replica_report, self._cut_here, error)
+        self._cut_here = []
         reports: list[Report] = gather_objects(self.comm, self.world, mine)
         done: list[tuple[int, RequestOutput]] = []
+        cut: list[SequenceState] = []
+        errors: list[str] = []
         load: dict[int, int] = {}
-        for report in reports:
+        for report, exported, failed in reports:
+            cut += exported
+            if failed is not None:
+                errors.append(failed)
             if report is not None:
                 replica, outs, left = report
                 load[replica] = left
                 done += [(replica, out) for out in outs]
         self._load = load
-        return done
+        return done, cut, errors
 
     def _switched(self) -> None:
         """After a switch (every rank): no turn is kept any more (`SteppedRollout.check`
@@ -220,6 +279,7 @@ class AdaptiveLLMServer(LLMServer):
         layout = self.engine.layout
         self._load = {r: 0 for r in range(layout.dp_size)}
         self._out, self._queued, self.rounds = {}, [], 0
+        self._cut_here = []
         self._kept.clear()
         self._kept_at.clear()
         self._finished_in.clear()
@@ -260,31 +320,83 @@ class AdaptiveAgentLoopRunner(AgentLoopRunner):
         """Every rank's samples to their end (a world collective); this rank's outputs in
         the order of `samples`. `on_finish(index, output)`: for this rank's samples, as
         the outputs arrive. Raises what a loop raises (every rank)."""
+        outs = self._world_run(samples, sampling_params, on_finish, None, None)
+        assert all(isinstance(o, AgentLoopOutput) for o in outs)  # no quota: no cut
+        return outs  # type: ignore[return-value]
+
+    def run_partial(
+        self,
+        samples: Sequence[Sample],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        groups: Sequence[Any],
+        quota: int,
+        on_finish: Callable[[int, AgentLoopOutput], None] | None = None,
+    ) -> list[AgentLoopOutput | TurnState]:
+        """`AgentLoopRunner.run_partial` over the world (a collective): every rank hands in
+        its samples, their group keys (a rank's keys are its own: equal keys of two ranks
+        are two groups) and its quota; the driver runs the world's samples until the
+        world's quota (the sum of the ranks') of groups ended, then cuts the rest on every
+        replica (see the module's docstring). This rank's outputs and TurnStates in the
+        order of `samples`; `on_finish` for this rank's samples that ended."""
+        return self._world_run(samples, sampling_params, on_finish, groups, quota)
+
+    def _world_run(
+        self,
+        samples: Sequence[Sample],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        on_finish: Callable[[int, AgentLoopOutput], None] | None,
+        groups: Sequence[Any] | None,
+        quota: int | None,
+    ) -> list[AgentLoopOutput | TurnState]:
+        """Gather every rank's share (samples, params, group keys, quota), run the
+        world's samples (the driver; the others follow), and hand back this rank's. A
+        rank's bad arguments are gathered too, so every rank raises them (ValueError naming
+        the rank) instead of the others waiting for it."""
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(samples)
         else:
             params = list(sampling_params)
+        problem = None
         if len(params) != len(samples):
-            raise ValueError(
+            problem = (
                 f"{len(params)} sampling params for {len(samples)} samples: need one, or one "
                 "per sample"
             )
+        elif groups is not None and len(groups) != len(samples):
+            problem = f"{len(groups)} group keys for {len(samples)} samples"
         server = self.adaptive_server
-        shares = gather_objects(server.comm, server.world, (list(samples), params))
-        every = [s for share, _ in shares for s in share]
-        every_params = [p for _, share in shares for p in share]
+        offer = (list(samples), params, None if groups is None else list(groups), quota)
+        shares = gather_objects(server.comm, server.world, (offer, problem))
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(shares) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        shares = [share for share, _ in shares]
+        partial = [share[3] is not None for share in shares]
+        if any(partial) and not all(partial):
+            raise ValueError(
+                "the ranks disagree on whether the adaptive rollout is partial (run_partial "
+                "on some ranks, run on others): every rank calls the same one"
+            )
+        every = [s for share in shares for s in share[0]]
+        every_params = [p for share in shares for p in share[1]]
         for s in every:
             name = s.get("agent_name", self.default_agent)
             if name not in self.agent_loops and self.build_loop is not None:
                 self.add_loop(name, self.build_loop(name))
         server.begin()
-        outs = super().run(every, every_params)
+        if all(partial):
+            keys = [(rank, g) for rank, share in enumerate(shares) for g in share[2]]
+            world_quota = sum(share[3] for share in shares)
+            outs = self._execute(every, every_params, None, keys, world_quota)
+        else:
+            outs = self._execute(every, every_params, None, None, None)
         server.stepped.end()
-        start = sum(len(share) for share, _ in shares[: server.rank])
+        start = sum(len(share[0]) for share in shares[: server.rank])
         mine = outs[start : start + len(samples)]
         if on_finish is not None:
             for i, out in enumerate(mine):
-                on_finish(i, out)
+                if isinstance(out, AgentLoopOutput):
+                    on_finish(i, out)
         return mine
 
 
@@ -315,3 +427,16 @@ class AdaptiveMultiTurnRollout(MultiTurnRollout):
             self.metrics = {}
             return []
         return super().generate(items, params)
+
+    def partial_rows(
+        self,
+        rows: Sequence[Sample],
+        params: Sequence[SamplingParams],
+        keys: Sequence[Any],
+        quota: int,
+    ) -> list[AgentLoopOutput | TurnState]:
+        """`MultiTurnRollout.partial_rows`; with no row of its own a rank still takes part
+        in the world's run (its quota, 0, counts for nothing)."""
+        if isinstance(self.runner, AdaptiveAgentLoopRunner):
+            return self.runner.run_partial(rows, params, keys, quota)
+        return super().partial_rows(rows, params, keys, quota)

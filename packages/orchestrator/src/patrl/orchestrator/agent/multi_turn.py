@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,9 +138,7 @@ class MultiTurnRollout:
                     rows.append(row)
                     row_params.append(sample_params_of(p, k))
                     where.append((rid, k))
-        outs = (
-            self.runner.run_partial(rows, row_params, [g for g, _ in where], quota) if rows else []
-        )
+        outs = self.partial_rows(rows, row_params, [g for g, _ in where], quota)
         for (rid, k), out in zip(where, outs, strict=True):
             carried[rid][k] = out
         done: list[TrajectoryOutput] = []
@@ -162,6 +160,17 @@ class MultiTurnRollout:
                 rest[rid] = [o for o in samples if o is not None]
         self.metrics = rollout_metrics(ended)
         return done, rest
+
+    def partial_rows(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        params: Sequence[SamplingParams],
+        keys: Sequence[Any],
+        quota: int,
+    ) -> list[AgentLoopOutput | TurnState]:
+        """The agent-loop samples `rows` (group keys `keys`) run to `quota` groups ended
+        (`AgentLoopRunner.run_partial`); none without rows."""
+        return self.runner.run_partial(rows, params, keys, quota) if rows else []
 
     def _loops_for(self, items: Sequence[PromptItem]) -> None:
         """Build the agent loops `items` name that the runner does not hold yet; ValueError
