@@ -104,6 +104,55 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
         assert (tmp_path / png).is_file()
 
 
+def _four_ranks_opening_at_tp2(
+    rank: int, world_size: int, assets: Path, run_dir: Path
+) -> dict[str, Any]:
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    profile = run_dir / "profile.json"
+    if rank == 0:
+        synthetic_profile(str(assets / "model"), tp2_speedup=20.0, tp_sizes=(1, 2, 4)).save(profile)
+    torch.distributed.barrier()
+    extra = {
+        "rollout.adaptive_tp.candidates": "[2,4]",
+        "rollout.adaptive_tp.profile": profile,
+        "trainer.total_training_steps": 1,
+        "trainer.val_before_train": "false",
+        "trainer.test_freq": 0,
+        "data.train_batch_size": 8,
+        "actor.ppo_mini_batch_size": 8,
+    }
+    loop = make_loop(assets, run_dir, world, **extra)
+    handed: list[list[int]] = []
+    share = loop._my_share
+
+    def recording(items: Any, n: int) -> Any:
+        got = share(items, n)
+        handed.append(sorted(item.index for item in got))
+        return got
+
+    loop._my_share = recording  # type: ignore[method-assign]
+    history = loop.run().history
+    return {"handed": handed, "history": history, "opened_tp": loop.layout.tp_size}
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_adaptive_tp_opening_at_tp2_runs_each_prompt_once(assets: Path, tmp_path: Path) -> None:
+    """Candidates [2, 4] on 4 ranks: the engine opens at TP 2 (two replicas of two ranks).
+    Each rank hands in a share of its own (an adaptive rollout gathers every rank's requests
+    into the replica that runs them), so the batch's 8 prompts go once over the world, not
+    once per TP rank; every rank scores its own, and the step trains 8 x n samples."""
+    results = run_ranks(
+        _four_ranks_opening_at_tp2, world_size=4, args=(assets, tmp_path), timeout_s=300
+    )
+    assert [r["opened_tp"] for r in results] == [2] * 4
+    (step_shares,) = zip(*(r["handed"] for r in results), strict=True)  # one rollout
+    every = [i for share in step_shares for i in share]
+    assert len(every) == len(set(every)) == 8  # disjoint, and the whole batch
+    (step,) = [h for h in results[0]["history"] if "critic/score/mean" in h]
+    assert step["response_length/mean"] > 0 and step["actor/pg_loss"] == step["actor/pg_loss"]
+
+
 KEYS = (
     "critic/score/mean",
     "response_length/mean",

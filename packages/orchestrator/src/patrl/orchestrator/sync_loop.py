@@ -241,12 +241,23 @@ class SyncSchedule:
 
     @property
     def _scores(self) -> bool:
-        """The first rank of each TP group scores its replica's samples."""
-        return self.layout is None or self.layout.tp_rank == 0
+        """Whether this rank scores the samples it generated: under static TP the first rank
+        of each TP group (its peers hold the same requests); under adaptive TP every rank
+        (each hands in prompts of its own and gets their outputs back, see `_dp`)."""
+        return self.layout is None or self._collective or self.layout.tp_rank == 0
 
     @property
     def _dp(self) -> tuple[int, int]:
-        return (0, 1) if self.layout is None else (self.layout.dp_rank, self.layout.dp_size)
+        """(this rank's share, the number of shares) of each batch's prompts. Static TP: one
+        share a replica, its TP ranks all hand in the same requests (a TP engine needs them
+        on every rank). Adaptive TP: one share a rank, whatever TP the engine opens at: its
+        rollouts gather every rank's requests into the replica that runs them (opened at
+        TP 2, a group's two ranks hand in two shares, not one twice)."""
+        if self.layout is None:
+            return (0, 1)
+        if self._collective:
+            return (self.world.rank, self.world.size)
+        return (self.layout.dp_rank, self.layout.dp_size)
 
     def _mesh(self) -> Any:
         if not self.world.distributed:
