@@ -188,12 +188,31 @@ def test_a_bucket_table_repeats_its_first_row_on_padding_rows() -> None:
 # ------------------------------------------------------------------ transfers of a step
 
 
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=1.0, n=2, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
+    SamplingParams(top_p=0.8, top_k=20, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
+]
+"""8 samples: greedy, unseeded at T = 1, seeded and tempered, top-k, top-p with top-k, some
+with top logprobs."""
+
+GREEDY = [SamplingParams(temperature=0, n=2, max_tokens=64, ignore_eos=True)] * 4
+
+
 def step_transfers(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    graphs: bool,
+    params: list[SamplingParams],
 ) -> tuple[list[int], list[int]]:
     """Host-to-device transfers (`staging.move` calls) of 4 steady decode steps of 8 samples
-    (greedy, plain and top-k sampling), split into the runner's (the forward's inputs and the
-    rows to sample) and the sampler's own; with `graphs`, through the CUDA-graph twin."""
+    of `params`, split into the step's (engine, runner: the forward's inputs, the rows to
+    sample, the sampler's inputs) and the sampler's own; with `graphs`, through the
+    CUDA-graph twin. Also checks that the sampler took its inputs from the step's copy
+    (`sample_planned` handed every array its plan asks for)."""
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
         max_num_seqs=8, tune_host_malloc=False,
@@ -201,79 +220,101 @@ def step_transfers(
     engine = Engine(config)
     if graphs:
         engine.runner.graphs = engine.runner._decode_graphs(capture=False)
-    params = [
-        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
-        SamplingParams(top_p=0.8, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
-    ]
     for i, p in enumerate(params):
         engine.add_request([3 + i, 17, 42, 5 + i, 9], p)
     while engine.counters.decode_steps < 2:  # every prefill done, decoding in full
         engine.step()
     assert engine.scheduler.num_running_samples() == 8
-    counts = {"runner": 0, "sampler": 0}
-    where = ["runner"]
+    counts = {"step": 0, "sampler": 0}
+    where = ["step"]
     real_move = staging.move
 
     def move(*args: Any, **kwargs: Any) -> torch.Tensor:
         counts[where[-1]] += 1
         return real_move(*args, **kwargs)
 
+    staged_inputs: list[tuple[int, int]] = []
+
     def in_sampler(f: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
+        def run(logits: torch.Tensor, plan: Any, inputs: Any = None) -> Any:
+            staged_inputs.append((len(plan.arrays()), -1 if inputs is None else len(inputs)))
             where.append("sampler")
             try:
-                return f(*args)
+                return f(logits, plan, inputs)
             finally:
                 where.pop()
 
         return run
 
     monkeypatch.setattr(staging, "move", move)
-    monkeypatch.setattr(model_runner, "sample", in_sampler(model_runner.sample))
+    monkeypatch.setattr(model_runner, "sample_planned", in_sampler(model_runner.sample_planned))
     forwards = []
     if engine.runner.graphs is not None:
         forward = engine.runner.graphs.forward
         monkeypatch.setattr(
             engine.runner.graphs, "forward", lambda *a: forwards.append(1) or forward(*a)
         )
-    runner, sampler = [], []
+    steps, sampler = [], []
     for _ in range(4):
-        counts.update(runner=0, sampler=0)
+        counts.update(step=0, sampler=0)
         decodes = engine.counters.decode_steps
         engine.step()
         assert engine.counters.decode_steps == decodes + 1
-        runner.append(counts["runner"])
+        steps.append(counts["step"])
         sampler.append(counts["sampler"])
     monkeypatch.undo()
     assert len(forwards) == (4 if graphs else 0)  # the twin ran every step
-    return runner, sampler
+    assert len(staged_inputs) == 4
+    assert all(want == got for want, got in staged_inputs), staged_inputs
+    return steps, sampler
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-twin"])
+@pytest.mark.parametrize("params", [MIXED, GREEDY], ids=["mixed", "greedy"])
 def test_a_steady_decode_step_makes_one_host_to_device_transfer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool, params: list[SamplingParams]
 ) -> None:
     """A decode step's token ids, positions, cumulative and plain context lengths, slots,
-    block tables (with the graphs: padded to the bucket) go up in ONE copy: every index the
-    forward reads is known on the host before it starts, and the rows to sample need no
-    index at all (every sequence completes, none forks). So the runner makes exactly 1
-    transfer a step, however many layers the model has. The sampler's own uploads (its
-    per-kind row indices, the uniforms drawn on the requests' CPU generators) are counted
-    apart: they are the sampler's, not this step's layout."""
+    block tables (with the graphs: padded to the bucket) and the sampler's inputs (the
+    temperatures, each sampling path's rows, the uniforms drawn on the requests' CPU
+    generators) go up in ONE copy: all are known on the host before the forward starts,
+    and the rows to sample need no index at all (every sequence completes, none forks). The
+    top-k / top-p rows are sampled on the host after one copy down, and their tokens stay
+    there. So a step makes exactly 1 transfer whatever the sampling params, however many
+    layers the model has, and the sampler none of its own."""
     counts = {}
     for layers in (2, 8):
         model_dir = save_hf_model(
             tiny_hf_model("llama", num_hidden_layers=layers), tmp_path / str(layers)
         )
-        counts[layers] = step_transfers(model_dir, monkeypatch, graphs)
-    for runner, sampler in counts.values():
-        assert runner == [1, 1, 1, 1], counts
-        assert all(n > 0 for n in sampler), counts  # the split saw the sampler's uploads
-    assert counts[2] == counts[8], counts
+        counts[layers] = step_transfers(model_dir, monkeypatch, graphs, params)
+    for steps, sampler in counts.values():
+        assert steps == [1, 1, 1, 1], counts
+        assert sampler == [0, 0, 0, 0], counts
+
+
+def test_the_transfer_count_sees_the_sampler_uploading_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The counter above is not blind: the sampler called without staged inputs (the
+    one-off path) moves its plan's arrays in one copy, and its top-k / top-p rows' values
+    in one more when they must be on the device (`sample`)."""
+    from patrl.rollout.sampler import make_generator, plan_samples, sample_planned
+
+    moves = []
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "move", move)
+    params = [p for p in MIXED for _ in range(p.n)]
+    logits = torch.randn(len(params), 50)
+    out = sample_planned(logits, plan_samples(params, [make_generator(i) for i in range(8)], 50))
+    assert len(moves) == 1 and out.host_rows is not None
+    out.on_device()
+    assert len(moves) == 2 and out.host_rows is None
 
 
 @pytest.mark.gpu

@@ -15,16 +15,21 @@ from dataclasses import dataclass
 import torch
 
 from patrl.rollout.layers.attention.context import upload
+from patrl.rollout.staging import Array, stage_once
 
 __all__ = [
+    "HostRows",
     "HostSamples",
     "SampleOutput",
+    "SamplePlan",
     "SamplingParams",
     "concat_samples",
     "export_generator",
     "import_generator",
     "make_generator",
+    "plan_samples",
     "sample",
+    "sample_planned",
     "verify_drafts",
 ]
 
@@ -141,18 +146,35 @@ class HostSamples:
         return top
 
 
+@dataclass(frozen=True, slots=True)
+class HostRows:
+    """Rows of a batch sampled on the host (top-k / top-p): their row indices, tokens and
+    logprobs, kept there instead of making a round trip to the device (the host needs them
+    next); `SampleOutput.to_host` writes them in, `SampleOutput.on_device` sends them up."""
+
+    rows: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
 @dataclass(slots=True)
 class SampleOutput:
+    """A batch's samples on the device, row i for the batch's i-th sampled sequence. The rows
+    of `host_rows` (when set) hold placeholders in `tokens` and `logprobs`: their values are
+    the host's (`to_host` and `on_device` apply them)."""
+
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
     # verify steps (`verify_drafts`): [B] bool, whether row i's token is emitted
     emitted: torch.Tensor | None = None
+    host_rows: HostRows | None = None
 
     def to_host(self) -> HostSamples:
         """Everything in ONE device-to-host copy, a step's one deliberate sync: the columns
-        packed as float64, exact for token ids (< 2**53) and for float32 logprobs."""
+        packed as float64, exact for token ids (< 2**53) and for float32 logprobs; then the
+        host rows written in."""
         columns = [self.tokens[:, None].double(), self.logprobs[:, None].double()]
         if self.emitted is not None:
             columns.append(self.emitted[:, None].double())
@@ -163,6 +185,10 @@ class SampleOutput:
             columns += [self.top_ids.double(), self.top_logprobs.double()]
         rows = torch.cat(columns, dim=1).cpu().tolist()
         host = HostSamples([int(r[0]) for r in rows], [r[1] for r in rows])
+        if self.host_rows is not None:
+            h = self.host_rows
+            for row, token, logprob in zip(h.rows, h.tokens, h.logprobs, strict=True):
+                host.tokens[row], host.logprobs[row] = token, logprob
         if self.emitted is not None:
             host.emitted = [r[2] != 0 for r in rows]
         if k:
@@ -170,20 +196,42 @@ class SampleOutput:
             host.top_logprobs = [r[e + k :] for r in rows]
         return host
 
+    @torch.inference_mode()
+    def on_device(self) -> SampleOutput:
+        """This output with the host rows written into `tokens` and `logprobs` (in place, by
+        one upload): every row's values on the device, for whoever reads them there (a TP
+        group's agreement check, the callers of `sample`)."""
+        h = self.host_rows
+        if h is None:
+            return self
+        index, tokens, logprobs = stage_once(
+            [
+                Array(h.rows, torch.int64),
+                Array(h.tokens, torch.int64),
+                Array(h.logprobs, torch.float32),
+            ],
+            self.tokens.device,
+        )
+        self.tokens[index] = tokens
+        self.logprobs[index] = logprobs
+        self.host_rows = None
+        return self
+
 
 def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
     """The outputs of consecutive chunks of one batch as one; top-logprob columns padded to
     the widest chunk's K (a row reads only the first K it asked for); `emitted` when every
-    chunk has it (a verify step's), else none may."""
+    chunk has it (a verify step's), else none may; the chunks' host rows, renumbered."""
     tokens = torch.cat([p.tokens for p in parts])
     logprobs = torch.cat([p.logprobs for p in parts])
     flags = [p.emitted for p in parts if p.emitted is not None]
     if flags and len(flags) != len(parts):
         raise ValueError("chunks of one batch either all are a verify step's or none is")
     emitted = torch.cat(flags) if flags else None
+    host = _concat_host_rows(parts)
     k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
     if k == 0:
-        return SampleOutput(tokens, logprobs, emitted=emitted)
+        return SampleOutput(tokens, logprobs, emitted=emitted, host_rows=host)
     ids, values = [], []
     for p in parts:
         n, have = len(p.tokens), 0 if p.top_ids is None else p.top_ids.shape[1]
@@ -191,7 +239,21 @@ def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
         pad = torch.full((n, k - have), -torch.inf, device=tokens.device)
         ids.append(pad_ids if p.top_ids is None else torch.cat([p.top_ids, pad_ids], dim=1))
         values.append(pad if p.top_logprobs is None else torch.cat([p.top_logprobs, pad], dim=1))
-    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values), emitted)
+    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values), emitted, host)
+
+
+def _concat_host_rows(parts: Sequence[SampleOutput]) -> HostRows | None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    start = 0
+    for p in parts:
+        if p.host_rows is not None:
+            rows += [start + r for r in p.host_rows.rows]
+            tokens += p.host_rows.tokens
+            logprobs += p.host_rows.logprobs
+        start += len(p.tokens)
+    return HostRows(rows, tokens, logprobs) if rows else None
 
 
 def make_generator(seed: int | None = None) -> torch.Generator:
@@ -215,52 +277,137 @@ def import_generator(state: torch.Tensor) -> torch.Generator:
     return g
 
 
+@dataclass(slots=True)
+class SamplePlan:
+    """What `sample_planned` needs of a batch of `size` rows besides its logits, all known on
+    the host before them: which path each row takes (a row's own params decide it, never its
+    batch neighbours), the temperatures, and every uniform the batch draws, taken from the
+    requests' generators here, in the order sampling consumes them (sampled rows, then top-k
+    / top-p rows, each in row order). `arrays` is what the device needs of it, to go up with
+    a step's other inputs in one copy (patrl.rollout.staging); the top-k / top-p rows'
+    uniforms stay on the host, where those rows are sampled."""
+
+    size: int
+    vocab_size: int
+    temperatures: list[float] | None  # None: every row at T = 1, no division
+    greedy: list[int]
+    plain: list[int]  # sampled over the whole vocabulary, on the device
+    truncated: list[int]  # top-k / top-p: sampled on the host
+    plain_draws: torch.Tensor  # [len(plain)] float32, host
+    truncated_draws: list[torch.Tensor]  # [1] float32 each, host
+    truncated_params: list[SamplingParams]
+    num_top_logprobs: int  # K: the most top logprobs a row asks for
+
+    def arrays(self) -> list[Array]:
+        """What goes up, in this order: the temperatures [B] float32 (when tempered), then
+        each path's rows [n] int64 (greedy, plain, truncated; only when neither empty nor
+        every row, which needs no index), then the plain rows' uniforms [n] float32."""
+        out = []
+        if self.temperatures is not None:
+            out.append(Array(self.temperatures, torch.float32))
+        out += [Array(r, torch.int64) for r in self.paths() if 0 < len(r) < self.size]
+        if self.plain:
+            out.append(Array(self.plain_draws.numpy(), torch.float32))
+        return out
+
+    def paths(self) -> tuple[list[int], list[int], list[int]]:
+        """The rows of each path: greedy, plain, truncated."""
+        return self.greedy, self.plain, self.truncated
+
+
+def plan_samples(
+    params: Sequence[SamplingParams], generators: Sequence[torch.Generator], vocab_size: int
+) -> SamplePlan:
+    """The plan of a batch sampling row i with `params[i]` and `generators[i]` over logits of
+    `vocab_size` columns; it draws the batch's uniforms (a request consumes exactly one per
+    token), so sample with it once."""
+    if len(params) != len(generators):
+        raise ValueError(f"{len(params)} sampling params, {len(generators)} generators")
+    temperatures = [p.effective_temperature for p in params]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, vocab_size)]
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, vocab_size)]
+    return SamplePlan(
+        size=len(params),
+        vocab_size=vocab_size,
+        # x / 1.0 is x exactly: no pass over [B, V] when no row is tempered
+        temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
+        greedy=greedy,
+        plain=plain,
+        truncated=truncated,
+        plain_draws=_draws([generators[i] for i in plain]),
+        truncated_draws=[_draws([generators[i]]) for i in truncated],
+        truncated_params=[params[i] for i in truncated],
+        num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
+    )
+
+
 @torch.inference_mode()
+def sample_planned(
+    logits: torch.Tensor, plan: SamplePlan, inputs: Sequence[torch.Tensor] | None = None
+) -> SampleOutput:
+    """One token per row of `logits` [B, V] as `plan` says. `inputs`: `plan.arrays()` on the
+    logits' device (a step stages them with its other inputs); None: moved here, in one copy.
+    The top-k / top-p rows are sampled on the host (one copy of their logprob rows): their
+    tokens and logprobs come back as the output's `host_rows`, not sent up again."""
+    if logits.shape != (plan.size, plan.vocab_size):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} for a plan of {plan.size} rows over "
+            f"{plan.vocab_size} tokens"
+        )
+    if inputs is None:
+        arrays = plan.arrays()
+        inputs = stage_once(arrays, logits.device) if arrays else []
+    given = iter(inputs)
+    temperatures = next(given) if plan.temperatures is not None else None
+    index = [next(given) if 0 < len(r) < plan.size else None for r in plan.paths()]
+    draws = next(given) if plan.plain else None
+    logits = logits.float()
+    scaled = logits if temperatures is None else logits / temperatures[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    b = plan.size
+    # a path over every row takes them all, in order: no index, no scatter
+    if len(plan.greedy) == b:
+        tokens = logits.argmax(dim=-1)
+    elif len(plan.plain) == b:
+        assert draws is not None
+        tokens = _inverse_cdf(logprobs.exp(), draws)
+    else:
+        tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
+        if plan.greedy:
+            tokens[index[0]] = logits[index[0]].argmax(dim=-1)
+        if plan.plain:
+            assert draws is not None
+            tokens[index[1]] = _inverse_cdf(logprobs[index[1]].exp(), draws)
+    host_rows = None
+    if plan.truncated:
+        rows = logprobs if index[2] is None else logprobs[index[2]]
+        picks, chosen_host = _sample_truncated_rows(
+            rows, plan.truncated_params, plan.truncated_draws
+        )
+        host_rows = HostRows(plan.truncated, picks, chosen_host)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    k = plan.num_top_logprobs
+    if k == 0:
+        return SampleOutput(tokens, chosen, host_rows=host_rows)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs, host_rows=host_rows)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
 ) -> SampleOutput:
-    """One token per row of `logits` [B, V]; each row uses its own params and generator."""
+    """One token per row of `logits` [B, V]; each row uses its own params and generator.
+    Every row's values are on the device (`sample_planned`, then `on_device`)."""
     b = logits.shape[0]
     if not len(params) == len(generators) == b:
         raise ValueError(
             f"{b} logit rows, {len(params)} sampling params, {len(generators)} generators"
         )
-    logits = logits.float()
-    temperatures = [p.effective_temperature for p in params]
-    # x / 1.0 is x exactly: skip the pass over [B, V] when no row is tempered
-    scaled = logits
-    if any(t != 1.0 for t in temperatures):
-        scaled = logits / upload(torch.tensor(temperatures), logits.device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    v = logits.shape[-1]
-    tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
-    # Which path a row takes depends on its own params only, never on its batch neighbours.
-    # Row indices go up as tensors: a Python list index is a blocking copy on CUDA.
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        index = _rows(greedy, logits.device)
-        tokens[index] = logits[index].argmax(dim=-1)
-    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
-    if plain:
-        draws = _draws([generators[i] for i in plain], logits.device)
-        index = _rows(plain, logits.device)
-        rows = logprobs if len(plain) == b else logprobs[index]  # no copy when all are plain
-        tokens[index] = _inverse_cdf(rows.exp(), draws)
-    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
-    if truncated:
-        index = _rows(truncated, logits.device)
-        picks = _sample_truncated_rows(
-            logprobs[index], [params[i] for i in truncated], [generators[i] for i in truncated]
-        )
-        tokens[index] = upload(picks, logits.device)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    k = max(p.num_top_logprobs for p in params)
-    if k == 0:
-        return SampleOutput(tokens, chosen)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+    plan = plan_samples(params, generators, logits.shape[-1])
+    return sample_planned(logits, plan).on_device()
 
 
 @torch.inference_mode()
@@ -421,9 +568,12 @@ def _truncates(p: SamplingParams, vocab_size: int) -> bool:
     return 0 < p.top_k < vocab_size or p.top_p < 1
 
 
-def _draws(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per generator: a request consumes exactly one per token."""
-    return upload(torch.stack([torch.rand((), generator=g) for g in generators]), device)
+def _draws(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform in [0, 1) per generator, [n] float32 on the host: a request consumes
+    exactly one per token."""
+    if not generators:
+        return torch.empty(0)
+    return torch.stack([torch.rand((), generator=g) for g in generators])
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -441,18 +591,19 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_truncated_rows(
-    logprobs: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
-) -> torch.Tensor:
-    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host: one copy of
-    all R rows, where the candidate sets' data-dependent sizes cost syncs per row on a
-    device. Each row is exponentiated on its own, as a row [V] (vectorised kernels round a
-    row's tail by its position, so [R, V] at once could differ in the last bit)."""
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[torch.Tensor]
+) -> tuple[list[int], list[float]]:
+    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host with its uniform
+    (`draws`, [1] each): their tokens and those tokens' logprobs. One copy of all R rows,
+    where the candidate sets' data-dependent sizes cost syncs per row on a device. Each row
+    is exponentiated on its own, as a row [V] (vectorised kernels round a row's tail by its
+    position, so [R, V] at once could differ in the last bit)."""
     rows = logprobs.cpu()
-    picks = [
-        _sample_truncated(row.exp(), p, _draws([g], rows.device))
-        for row, p, g in zip(rows, params, generators, strict=True)
+    tokens = [
+        int(_sample_truncated(row.exp(), p, draw))
+        for row, p, draw in zip(rows, params, draws, strict=True)
     ]
-    return torch.stack(picks)
+    return tokens, [float(row[t]) for row, t in zip(rows, tokens, strict=True)]
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:
