@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from patrl.rollout.layers.attention.context import upload
@@ -307,7 +308,12 @@ class SamplePlan:
             out.append(Array(self.temperatures, torch.float32))
         out += [Array(r, torch.int64) for r in self.paths() if 0 < len(r) < self.size]
         if self.plain:
-            out.append(Array(self.plain_draws.numpy(), torch.float32))
+            draws = self.plain_draws
+
+            def fill(dst: np.ndarray) -> None:  # a host copy, bit for bit
+                torch.from_numpy(dst).copy_(draws)
+
+            out.append(Array(fill, torch.float32, (len(self.plain),)))
         return out
 
     def paths(self) -> tuple[list[int], list[int], list[int]]:
