@@ -333,3 +333,24 @@ def test_on_cuda_stages_come_from_pinned_buffers_and_keep_their_values() -> None
     assert set(st.runtime.events) == {0, 1}  # type: ignore[union-attr]
     for (ids, table), (a, b) in kept:
         assert (a + 0).tolist() == ids and (b * 1).tolist() == table
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
+    """The step's path on CUDA: a mixed batch's plan staged from a pinned buffer behind
+    another array, sampled by `sample_planned` (top-k / top-p rows kept on the host), equals
+    `sample` on the same device (every row sent up by `on_device`) bit for bit: the same ops
+    on the same device values."""
+    from patrl.rollout.sampler import make_generator, plan_samples, sample, sample_planned
+
+    params = [p for p in MIXED for _ in range(p.n)]
+    v = 300
+    logits = torch.randn(len(params), v, generator=torch.Generator().manual_seed(0)).cuda()
+    plan = plan_samples(params, [make_generator(i) for i in range(len(params))], v)
+    staged = StepStaging("cuda").stage([Array([1, 2, 3], torch.int64), *plan.arrays()])
+    stepped = sample_planned(logits, plan, staged.tensors[1:])
+    assert stepped.host_rows is not None and stepped.tokens.is_cuda
+    whole = sample(logits, params, [make_generator(i) for i in range(len(params))])
+    assert whole.host_rows is None and whole.tokens.is_cuda
+    a, b = stepped.to_host(), whole.to_host()
+    assert (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
