@@ -1,7 +1,8 @@
 """One host-to-device copy a step (patrl.rollout.staging): aligned views of one buffer, the
 double-buffered host side with its events (torch.cuda.Event stood in on CPU), a context's
 staged indices against the torch formulas they replace, and an engine's decode step making
-exactly one transfer, eager and through the CUDA-graph twin."""
+exactly one transfer whatever the sampling params (the sampler's inputs ride in the same
+copy), eager and through the CUDA-graph twin."""
 
 from __future__ import annotations
 

@@ -5,6 +5,13 @@ vocabulary, before top-k / top-p (T = 1 when greedy): the convention the trainer
 docs/training.md). Greedy rows take the argmax; other rows keep top-k, then top-p, and draw by
 inverse CDF with one uniform number from the request's own CPU generator. Every row is computed
 on its own, so a request's tokens do not depend on its batch, the TP layout or the device.
+
+Everything a batch's sampling needs besides the logits is known on the host before them
+(`plan_samples`: each row's path, the temperatures, the uniforms), so an engine step moves it
+with its other inputs in one copy (patrl.rollout.staging) and `sample_planned` uploads
+nothing. Top-k / top-p rows are sampled on the host after one copy of their logprob rows;
+their tokens and logprobs stay there (`SampleOutput.host_rows`) until the host reads the
+batch. `sample` is the one-call form, every row's values left on the device.
 """
 
 from __future__ import annotations
