@@ -20,7 +20,13 @@ import patrl.rollout.staging as staging
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
-from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.sampler import (
+    SamplingParams,
+    make_generator,
+    plan_samples,
+    sample,
+    sample_planned,
+)
 from patrl.rollout.staging import ALIGN, Array, CudaCopies, StepStaging, layout
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 
@@ -300,8 +306,6 @@ def test_the_transfer_count_sees_the_sampler_uploading_on_its_own(
     """The counter above is not blind: the sampler called without staged inputs (the
     one-off path) moves its plan's arrays in one copy, and its top-k / top-p rows' values
     in one more when they must be on the device (`sample`)."""
-    from patrl.rollout.sampler import make_generator, plan_samples, sample_planned
-
     moves = []
     real_move = staging.move
 
@@ -342,8 +346,6 @@ def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
     another array, sampled by `sample_planned` (top-k / top-p rows kept on the host), equals
     `sample` on the same device (every row sent up by `on_device`) bit for bit: the same ops
     on the same device values."""
-    from patrl.rollout.sampler import make_generator, plan_samples, sample, sample_planned
-
     params = [p for p in MIXED for _ in range(p.n)]
     v = 300
     logits = torch.randn(len(params), v, generator=torch.Generator().manual_seed(0)).cuda()
