@@ -357,3 +357,52 @@ def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
     assert whole.host_rows is None and whole.tokens.is_cuda
     a, b = stepped.to_host(), whole.to_host()
     assert (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
+
+
+def test_a_verify_step_moves_the_samplers_inputs_in_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative verify step's sampler (`verify_drafts`) moves what the host knows (the
+    draft layout, temperatures, each path's rows, the uniforms) in ONE copy, and the top-k /
+    top-p sequences' outcome, decided on the host, in one more: 2 with such sequences in the
+    batch, 1 without."""
+    model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    config = EngineConfig(
+        model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
+        speculative={"enable": True, "max_num_seqs": 0}, tune_host_malloc=False,
+    )  # fmt: skip
+    kw: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
+    plain = [
+        SamplingParams(temperature=0, n=2, logprobs=2, **kw),
+        SamplingParams(temperature=1.0, seed=1, n=2, **kw),
+        SamplingParams(temperature=0.7, seed=5, **kw),
+    ]
+    top_k = SamplingParams(temperature=0.9, top_k=5, seed=3, **kw)
+    moves: list[int] = []
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    def counted(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            start = len(moves)
+            out = f(*args)
+            per_verify.append(len(moves) - start)
+            return out
+
+        return run
+
+    for params, want in ((plain, 1), ([*plain, top_k], 2)):
+        engine = Engine(config)
+        batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(params))]
+        keys = [f"p{i}" for i in range(len(params))]
+        engine.generate(batch, params, prompt_keys=keys)  # history for the drafts
+        per_verify: list[int] = []
+        monkeypatch.setattr(staging, "move", move)
+        monkeypatch.setattr(model_runner, "verify_drafts", counted(model_runner.verify_drafts))
+        engine.generate(batch, params, prompt_keys=keys)
+        monkeypatch.undo()
+        assert engine.stats()["spec_drafted_tokens"] > 0
+        assert len(per_verify) >= 3 and set(per_verify) == {want}, per_verify

@@ -384,7 +384,8 @@ class ModelRunner:
         lens = [1 + len(d) for d in drafts]
         chunks = verify_chunks(lens, self._chunk_rows(len(hidden)))
         if len(chunks) == 1:
-            out = verify_drafts(self.model.compute_logits(hidden), drafts, params, generators)
+            logits = self.model.compute_logits(hidden)
+            out = verify_drafts(logits, drafts, params, generators, self.staging)
         else:
             head = self.model.lm_head
             local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
@@ -392,7 +393,8 @@ class ModelRunner:
             for lo, hi in chunks:
                 end = row + sum(lens[lo:hi])
                 logits = head.gather(local[row:end])
-                parts.append(verify_drafts(logits, drafts[lo:hi], params[lo:hi], generators[lo:hi]))
+                chunk = (drafts[lo:hi], params[lo:hi], generators[lo:hi])
+                parts.append(verify_drafts(logits, *chunk, self.staging))
                 row = end
             out = concat_samples(parts)
         return Sampled(list(range(len(seqs))), list(seqs), self._agree_across_tp(out))
@@ -458,7 +460,7 @@ class ModelRunner:
             logits = head.gather(local[first:end])
             chunk = self._index([r - first for r in rows[lo:hi]])
             chunk_plan = plan_samples(params[lo:hi], generators[lo:hi], head.vocab_size)
-            parts.append(sample_planned(logits[chunk], chunk_plan))
+            parts.append(sample_planned(logits[chunk], chunk_plan, staging=self.staging))
         return concat_samples(parts)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
@@ -482,7 +484,7 @@ class ModelRunner:
         layout = self.layout
         if layout.tp_size == 1:
             return out
-        out = out.on_device()  # the rows sampled on the host are compared too
+        out = out.on_device(self.staging)  # the rows sampled on the host are compared too
         columns = [out.tokens.double(), out.logprobs.double()]
         if out.emitted is not None:
             columns.append(out.emitted.double())

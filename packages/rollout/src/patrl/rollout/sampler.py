@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from patrl.rollout.layers.attention.context import upload
-from patrl.rollout.staging import Array, stage_once
+from patrl.rollout.staging import Array, StepStaging, stage_once
 
 __all__ = [
     "HostRows",
@@ -205,20 +204,21 @@ class SampleOutput:
         return host
 
     @torch.inference_mode()
-    def on_device(self) -> SampleOutput:
+    def on_device(self, staging: StepStaging | None = None) -> SampleOutput:
         """This output with the host rows written into `tokens` and `logprobs` (in place, by
-        one upload): every row's values on the device, for whoever reads them there (a TP
-        group's agreement check, the callers of `sample`)."""
+        one upload, through `staging` if given): every row's values on the device, for
+        whoever reads them there (a TP group's agreement check, the callers of `sample`)."""
         h = self.host_rows
         if h is None:
             return self
-        index, tokens, logprobs = stage_once(
+        index, tokens, logprobs = _stage(
             [
                 Array(h.rows, torch.int64),
                 Array(h.tokens, torch.int64),
                 Array(h.logprobs, torch.float32),
             ],
             self.tokens.device,
+            staging,
         )
         self.tokens[index] = tokens
         self.logprobs[index] = logprobs
@@ -315,12 +315,7 @@ class SamplePlan:
             out.append(Array(self.temperatures, torch.float32))
         out += [Array(r, torch.int64) for r in self.paths() if 0 < len(r) < self.size]
         if self.plain:
-            draws = self.plain_draws
-
-            def fill(dst: np.ndarray) -> None:  # a host copy, bit for bit
-                torch.from_numpy(dst).copy_(draws)
-
-            out.append(Array(fill, torch.float32, (len(self.plain),)))
+            out.append(_host_array(self.plain_draws))
         return out
 
     def paths(self) -> tuple[list[int], list[int], list[int]]:
@@ -357,10 +352,14 @@ def plan_samples(
 
 @torch.inference_mode()
 def sample_planned(
-    logits: torch.Tensor, plan: SamplePlan, inputs: Sequence[torch.Tensor] | None = None
+    logits: torch.Tensor,
+    plan: SamplePlan,
+    inputs: Sequence[torch.Tensor] | None = None,
+    staging: StepStaging | None = None,
 ) -> SampleOutput:
     """One token per row of `logits` [B, V] as `plan` says. `inputs`: `plan.arrays()` on the
-    logits' device (a step stages them with its other inputs); None: moved here, in one copy.
+    logits' device (a step stages them with its other inputs); None: moved here, in one copy
+    (through `staging` if given).
     The top-k / top-p rows are sampled on the host (one copy of their logprob rows): their
     tokens and logprobs come back as the output's `host_rows`, not sent up again."""
     if logits.shape != (plan.size, plan.vocab_size):
@@ -370,7 +369,7 @@ def sample_planned(
         )
     if inputs is None:
         arrays = plan.arrays()
-        inputs = stage_once(arrays, logits.device) if arrays else []
+        inputs = _stage(arrays, logits.device, staging) if arrays else []
     given = iter(inputs)
     temperatures = next(given) if plan.temperatures is not None else None
     index = [next(given) if 0 < len(r) < plan.size else None for r in plan.paths()]
@@ -429,6 +428,7 @@ def verify_drafts(
     drafts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    staging: StepStaging | None = None,
 ) -> SampleOutput:
     """Accept or reject each sequence's draft, losslessly: the emitted tokens are distributed
     as sampling them one at a time would be.
@@ -446,7 +446,9 @@ def verify_drafts(
     Returns one row per logits row: the token row j emits if reached, its logprob and top
     logprobs under the shared convention (those the one-token path reports for that token in
     that context), and `emitted`, true for rows 0 .. accepted (the accepted draft tokens and
-    the final token).
+    the final token). The inputs the host knows (the layout, temperatures, uniforms) go up in
+    one copy, the top-k / top-p rows' outcome in one more; through `staging` (a step's) if
+    given.
     """
     lens = [1 + len(d) for d in drafts]
     r = sum(lens)
@@ -459,10 +461,7 @@ def verify_drafts(
     logits = logits.float()
     row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
     temperatures = [p.effective_temperature for p in row_params]
-    scaled = logits
-    if any(t != 1.0 for t in temperatures):
-        scaled = logits / upload(torch.tensor(temperatures), device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    tempered = any(t != 1.0 for t in temperatures)
     v = logits.shape[-1]
     # The layout, built on the host: each row's draft token (0 on last rows), whether it has
     # one, and the first row of its sequence.
@@ -475,24 +474,42 @@ def verify_drafts(
             x_host[start + j] = int(token)
             has_draft[start + j] = True
         first_host += [start] * n
-    x = upload(torch.tensor(x_host, dtype=torch.long), device)
-    is_draft = upload(torch.tensor(has_draft), device)
-    tokens = torch.zeros(r, dtype=torch.long, device=device)
-    accept = torch.zeros(r, dtype=torch.bool, device=device)
 
     def rows_of(seqs: list[int]) -> list[int]:
         return [starts[i] + j for i in seqs for j in range(lens[i])]
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        index = _rows(rows_of(greedy), device)
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
+    # Everything the device needs that the host knows goes up in one copy; the plain
+    # sequences draw first, the top-k / top-p ones after (`_verify_truncated`), as before.
+    arrays = [
+        Array(x_host, torch.int64),
+        Array(has_draft, torch.bool),
+        Array(first_host, torch.int64),
+    ]
+    if tempered:
+        arrays.append(Array(temperatures, torch.float32))
+    arrays += [Array(rows_of(seqs), torch.int64) for seqs in (greedy, plain, truncated) if seqs]
+    if plain:
+        arrays += [_host_array(u) for u in _verify_draws([(generators[i], lens[i]) for i in plain])]
+    given = iter(_stage(arrays, device, staging))
+    x, is_draft, first = next(given), next(given), next(given)
+    scaled = logits / next(given)[:, None] if tempered else logits
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.zeros(r, dtype=torch.long, device=device)
+    accept = torch.zeros(r, dtype=torch.bool, device=device)
+    greedy_rows = next(given) if greedy else None
+    plain_rows = next(given) if plain else None
+    truncated_rows = next(given) if truncated else None
+    if greedy_rows is not None:
+        index = greedy_rows
         best = logits[index].argmax(dim=-1)
         tokens[index] = best
         accept[index] = (best == x[index]) & is_draft[index]
-    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
-    if plain:
-        index = _rows(rows_of(plain), device)
-        u_accept, u_final = _verify_draws([(generators[i], lens[i]) for i in plain], device)
+    if plain_rows is not None:
+        index = plain_rows
+        u_accept, u_final = next(given), next(given)
         probs = logprobs[index].exp()
         xs, drafted = x[index], is_draft[index]
         p_x = probs.gather(1, xs[:, None])[:, 0]
@@ -501,9 +518,8 @@ def verify_drafts(
         picked = _inverse_cdf(residual, u_final)
         # only a rejection of a draft holding all the mass (rounding) leaves none: keep it
         tokens[index] = torch.where(residual.sum(dim=-1) > 0, picked, xs)
-    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
-    if truncated:
-        index = _rows(rows_of(truncated), device)
+    if truncated_rows is not None:
+        index = truncated_rows
         host_rows = logprobs[index].cpu()  # one copy, as `_sample_truncated_rows` makes
         picks: list[int] = []
         accepts: list[bool] = []
@@ -514,12 +530,14 @@ def verify_drafts(
             t, a = _verify_truncated(rows, drafts[i], params[i], generators[i])
             picks += t
             accepts += a
-        tokens[index] = upload(torch.tensor(picks, dtype=torch.long), device)
-        accept[index] = upload(torch.tensor(accepts), device)
+        picked_rows, accepted_rows = _stage(
+            [Array(picks, torch.int64), Array(accepts, torch.bool)], device, staging
+        )
+        tokens[index] = picked_rows
+        accept[index] = accepted_rows
     # Row j is emitted when no draft row of its sequence before it was rejected.
     rejected = (is_draft & ~accept).long()
     before = rejected.cumsum(0) - rejected
-    first = _rows(first_host, device)
     emitted = before == before[first]
     out = torch.where(accept, x, tokens)
     chosen = logprobs.gather(1, out[:, None])[:, 0]
@@ -530,18 +548,37 @@ def verify_drafts(
     return SampleOutput(out, chosen, top_ids, top_logprobs, emitted)
 
 
-def _verify_draws(
-    seqs: Sequence[tuple[torch.Generator, int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of sequences of `n` rows each: the acceptance uniform of draft row j (the j-th
-    draw; 1.0 on last rows, never used) and the sequence's final uniform (its n-th draw)."""
+def _verify_draws(seqs: Sequence[tuple[torch.Generator, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of sequences of `n` rows each, on the host: the acceptance uniform of draft row
+    j (the j-th draw; 1.0 on last rows, never used) and the sequence's final uniform (its
+    n-th draw)."""
     accept: list[torch.Tensor] = []
     final: list[torch.Tensor] = []
     for g, n in seqs:
         draws = [torch.rand((), generator=g) for _ in range(n)]
         accept += [*draws[:-1], torch.ones(())]
         final += [draws[-1]] * n
-    return upload(torch.stack(accept), device), upload(torch.stack(final), device)
+    return torch.stack(accept), torch.stack(final)
+
+
+def _stage(
+    arrays: Sequence[Array], device: torch.device, staging: StepStaging | None
+) -> list[torch.Tensor]:
+    """`arrays` on `device` in one copy: through `staging` (a step's, whose host buffers are
+    kept), else a staging of their own."""
+    if staging is not None:
+        return staging.stage(arrays).tensors
+    return stage_once(arrays, device)
+
+
+def _host_array(t: torch.Tensor) -> Array:
+    """A 1-D float32 host tensor as an array to stage, copied bit for bit (without `.numpy()`,
+    which the host-sync count flags)."""
+
+    def fill(dst: np.ndarray) -> None:
+        torch.from_numpy(dst).copy_(t)
+
+    return Array(fill, torch.float32, (t.numel(),))
 
 
 def _verify_truncated(
@@ -571,10 +608,6 @@ def _verify_truncated(
             tokens[j] = int(rest_ids[_inverse_cdf(rest[None], final)[0]])
         break
     return tokens, accepts
-
-
-def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return upload(torch.tensor(rows, dtype=torch.long), device)
 
 
 def _truncates(p: SamplingParams, vocab_size: int) -> bool:
