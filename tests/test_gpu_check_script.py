@@ -95,6 +95,6 @@ def test_the_decode_profile_runs_on_cpu_and_writes_its_rows(tmp_path: Path) -> N
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
     for row in rows:
-        for mode in ("greedy", "seeded", "unseeded"):
+        for mode in ("greedy", "seeded", "unseeded", "mixed"):
             assert row[mode]["tok_s"] > 0 and row[mode]["step_ms_median"] > 0
     assert "Self CPU time total" in done.stdout  # the profiler's table printed

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # patrl's one-shot device check: the `gpu`-marked tests, then gpu_engine_bench.py and
-# gpu/decode_profile.py, in at most ~8.5 minutes (the steps' timeouts add up to 490 s, their
+# gpu/decode_profile.py, in at most ~8.5 minutes (the steps' timeouts add up to 480 s, their
 # kill grace to 18 s, the setup takes the rest), so a rerun
 # fits in a short GPU lease. Run from anywhere:
 #
@@ -121,7 +121,7 @@ tests tests_orchestrator 70 "${ORCHESTRATOR[@]}"
 tests tests_others 110 "${OTHERS[@]}"
 step bench_llama1b 80 "$PY" benchmarks/gpu_engine_bench.py --batches 1,64 --steps 32 \
   --repeats 1 --out "$OUT/gpu_engine_bench_llama1b.json"
-step decode_profile 60 "$PY" benchmarks/gpu/decode_profile.py --batches 1,64 --steps 48 \
+step decode_profile 75 "$PY" benchmarks/gpu/decode_profile.py --batches 1,64 --steps 48 \
   --out "$OUT/decode_profile.json"
 
 "$PY" benchmarks/gpu/summarize.py "$OUT" ${PATRL_CHECK_PACK:+--pack}

@@ -1,7 +1,9 @@
 """Where a decode step's time goes on a device: the Llama-1B-shaped engine of
 gpu_engine_bench.py (triton or sdpa, CUDA graphs on), per batch size: decode tokens/s greedy and
 with seeded sampling, each step's wall time (median), and a torch.profiler table of the
-host-side ops of a few steps (self CPU time) beside the device time they launched.
+host-side ops of a few steps (self CPU time) beside the device time they launched. "mixed":
+a batch whose requests take greedy, tempered, top-p, top-k and unseeded params in turn (the
+top-k / top-p rows are sampled on the host).
 
     python benchmarks/gpu/decode_profile.py [--batches 1,64] [--steps 48] [--tiny] [--device cpu]
 
@@ -28,10 +30,31 @@ from gpu_engine_bench import LLAMA_1B, TINY, make_engine, prompts, save_model, s
 from patrl.rollout import Engine, SamplingParams
 
 
-def decode(engine: Engine, batch: list[list[int]], steps: int, params: SamplingParams) -> dict:
-    """Prefill `batch`, then time `steps` decode steps one by one; tokens/s and step times."""
-    for p in batch:
-        engine.add_request(p, params)
+def mixed_params(max_tokens: int) -> list[SamplingParams]:
+    """A mixed batch's params, taken in turn by its requests: greedy, tempered, top-p,
+    top-k, top-k with top-p, unseeded."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True}
+    return [
+        SamplingParams(temperature=0, **kw),
+        SamplingParams(temperature=0.8, seed=1, **kw),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2, **kw),
+        SamplingParams(temperature=0.7, top_k=20, seed=3, **kw),
+        SamplingParams(temperature=0.6, top_k=50, top_p=0.8, seed=4, **kw),
+        SamplingParams(temperature=1.0, **kw),
+    ]
+
+
+def decode(
+    engine: Engine,
+    batch: list[list[int]],
+    steps: int,
+    params: SamplingParams | list[SamplingParams],
+) -> dict:
+    """Prefill `batch` (request i with `params`, or its i-th entry in turn), then time `steps`
+    decode steps one by one; tokens/s and step times."""
+    kinds = params if isinstance(params, list) else [params]
+    for i, p in enumerate(batch):
+        engine.add_request(p, kinds[i % len(kinds)])
     decodes = engine.counters.decode_steps
     while engine.counters.decode_steps == decodes:
         engine.step()
@@ -106,6 +129,7 @@ def main() -> None:
                     "unseeded",
                     SamplingParams(temperature=1.0, max_tokens=args.steps + 2, ignore_eos=True),
                 ),
+                ("mixed", mixed_params(args.steps + 2)),
             ):
                 decode(engine, batch, 8, params)  # warm: graphs captured, kernels compiled
                 row[name] = decode(engine, batch, args.steps, params)

@@ -394,14 +394,19 @@ def _tp_generate(
     if comm == "shm":  # and the logits gathered and sampled in chunks of 3 rows
         eng.runner.sample_chunk_bytes = 4 * 4 * eng.model.config.vocab_size
     batch = prompts(4, seed=3)
-    out = eng.generate(batch, GREEDY) + eng.generate(
-        batch, SamplingParams(seed=1, n=2, max_tokens=16)
+    out = (
+        eng.generate(batch, GREEDY)
+        + eng.generate(batch, SamplingParams(seed=1, n=2, max_tokens=16))
+        + eng.generate(batch, TOP_K)  # sampled on the host, compared across the ranks
     )
     # no seed: the group's first rank draws it for all (else the ranks would sample apart)
     unseeded = eng.generate(
         batch, SamplingParams(temperature=1.0, n=2, max_tokens=9, ignore_eos=True)
     )
     return tokens(out), tokens(unseeded)
+
+
+TOP_K = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, max_tokens=10)
 
 
 @pytest.mark.multirank
@@ -412,6 +417,7 @@ def test_tp2_engine_generates_what_tp1_generates(llama_dir: Path, comm: str) -> 
     expected = tokens(
         eng.generate(batch, GREEDY)
         + eng.generate(batch, SamplingParams(seed=1, n=2, max_tokens=16))
+        + eng.generate(batch, TOP_K)
     )
     per_rank = run_ranks(_tp_generate, world_size=2, args=(str(llama_dir), comm), timeout_s=180)
     assert per_rank[0][0] == per_rank[1][0] == expected

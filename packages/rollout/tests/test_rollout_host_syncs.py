@@ -1,4 +1,4 @@
-"""Device-to-host syncs of a steady decode step: at most 3, and as many at 2 layers as at 8.
+"""Device-to-host syncs of a steady decode step: at most 2, and as many at 2 layers as at 8.
 
 On a GPU each `.item()`, `.tolist()`, `bool(t)`, `nonzero()` or copy to the host blocks the host
 until the device drains. On CPU every tensor is a host tensor, so a TorchFunctionMode counts
@@ -131,7 +131,7 @@ def step_syncs(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
-def test_a_step_makes_at_most_three_host_syncs_as_many_at_2_layers_as_at_8(
+def test_a_step_makes_at_most_two_host_syncs_as_many_at_2_layers_as_at_8(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counts = {
@@ -141,7 +141,9 @@ def test_a_step_makes_at_most_three_host_syncs_as_many_at_2_layers_as_at_8(
         )
         for layers in (2, 8)
     }
-    assert max(counts[2] + counts[8]) <= 3, counts
+    # the copy-out, and the top-k / top-p rows' copy (the sampler's inputs were staged
+    # before the forward without reading anything back)
+    assert max(counts[2] + counts[8]) <= 2, counts
     assert counts[2] == counts[8], counts
 
 

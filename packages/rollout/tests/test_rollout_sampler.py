@@ -10,14 +10,18 @@ import pytest
 import torch
 
 from patrl.rollout.sampler import (
+    SampleOutput,
     SamplingParams,
     _inverse_cdf,
     export_generator,
     import_generator,
     make_generator,
+    plan_samples,
     sample,
+    sample_planned,
     truncated_candidates,
 )
+from patrl.rollout.staging import Array, StepStaging
 
 V = 50
 
@@ -325,3 +329,77 @@ def test_a_draw_that_rounds_past_the_total_takes_the_last_entry_with_mass() -> N
         got = _inverse_cdf(probs, draws)
         assert torch.equal(got, _reference_inverse_cdf(probs, draws))
     assert _inverse_cdf(probs, torch.ones(2)).tolist() == [2, 4]
+
+
+def _host_values(out: SampleOutput) -> tuple[list[int], list[float], list[list[float]] | None]:
+    host = out.to_host()
+    return host.tokens, host.logprobs, host.top_logprobs
+
+
+@pytest.mark.parametrize("v", [V, 4096])
+def test_the_step_path_equals_sample_and_the_slow_twin(v: int) -> None:
+    """The engine's path: the plan made first, its arrays staged behind other arrays of a
+    step in one copy, `sample_planned` reading those views, the top-k / top-p rows left on
+    the host and written in by `to_host`. Its tokens, logprobs and top logprobs equal
+    `sample`'s (every row on the device) and the slow twin's, bit for bit: the same row-wise
+    ops on the same values (the staged temperatures and uniforms are the float32 the sampler
+    made on the host; a host row's logprob is read from an exact copy of its row)."""
+    kinds = [
+        SamplingParams(temperature=1.0, seed=1, logprobs=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=2),
+        SamplingParams(temperature=1.0, top_k=5, seed=3, logprobs=1),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=4),
+        SamplingParams(temperature=0.6, top_k=9, top_p=0.7, seed=5),
+    ]
+    batches = [
+        kinds,
+        kinds[::-1],
+        [kinds[0]] * 5,
+        [kinds[1]] * 3,
+        [kinds[3], kinds[4]] * 2,
+        [kinds[2], kinds[1], kinds[5]],
+        [kinds[1], kinds[3]],
+    ]
+    staging = StepStaging("cpu")
+    for step, params in enumerate(batches * 3):
+        logits = _logits(len(params), seed=step, v=v)
+        logits[0, v // 2 :] = -float("inf")  # a row whose upper half has no mass
+        gens = [[make_generator(100 * step + i) for i in range(len(params))] for _ in range(3)]
+        plan = plan_samples(params, gens[0], v)
+        arrays = plan.arrays()
+        before = [Array([7, 8, 9], torch.int64), Array([[1, 2]], torch.int32, (1, 2))]
+        tensors = staging.stage([*before, *arrays]).tensors[len(before) :]
+        stepped = sample_planned(logits, plan, tensors)
+        assert (stepped.host_rows is None) == (plan.truncated == [])
+        whole = sample(logits, params, gens[1])
+        assert whole.host_rows is None
+        tokens, chosen = _reference_sample(logits, params, gens[2])
+        assert _host_values(stepped) == _host_values(whole)
+        assert torch.equal(whole.tokens, tokens)
+        assert torch.equal(whole.logprobs, chosen)
+        if plan.temperatures is None:
+            assert all(p.effective_temperature == 1.0 for p in params)
+
+
+def test_a_plan_stages_only_what_the_device_needs() -> None:
+    """Temperatures only when some row is tempered; a path's rows only when it is neither
+    empty nor every row; uniforms only for the rows sampled on the device (top-k / top-p
+    rows draw theirs on the host)."""
+    g = [make_generator(i) for i in range(3)]
+    greedy, plain = SamplingParams(temperature=0), SamplingParams(seed=1)
+    top_k = SamplingParams(temperature=0.5, top_k=3, seed=2)
+    assert plan_samples([greedy] * 3, g, V).arrays() == []
+    assert [a.dtype for a in plan_samples([plain] * 3, g, V).arrays()] == [torch.float32]
+    mixed = plan_samples([greedy, plain, top_k], g, V)
+    kinds = [(a.dtype, a.resolved_shape()) for a in mixed.arrays()]
+    assert kinds == [
+        (torch.float32, (3,)),  # temperatures
+        (torch.int64, (1,)),  # greedy rows
+        (torch.int64, (1,)),  # plain rows
+        (torch.int64, (1,)),  # truncated rows
+        (torch.float32, (1,)),  # the plain row's uniform
+    ]
+    assert len(mixed.truncated_draws) == 1
+    with pytest.raises(ValueError, match=r"logits of shape \(2, 50\) for a plan of 3 rows"):
+        sample_planned(_logits(2), mixed)

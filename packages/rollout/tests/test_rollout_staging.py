@@ -1,7 +1,8 @@
 """One host-to-device copy a step (patrl.rollout.staging): aligned views of one buffer, the
 double-buffered host side with its events (torch.cuda.Event stood in on CPU), a context's
 staged indices against the torch formulas they replace, and an engine's decode step making
-exactly one transfer, eager and through the CUDA-graph twin."""
+exactly one transfer whatever the sampling params (the sampler's inputs ride in the same
+copy), eager and through the CUDA-graph twin."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ import patrl.rollout.staging as staging
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
-from patrl.rollout.sampler import SamplingParams
+from patrl.rollout.sampler import (
+    SamplingParams,
+    make_generator,
+    plan_samples,
+    sample,
+    sample_planned,
+)
 from patrl.rollout.staging import ALIGN, Array, CudaCopies, StepStaging, layout
 from patrl_testkit.models import save_hf_model, tiny_hf_model
 
@@ -188,12 +195,31 @@ def test_a_bucket_table_repeats_its_first_row_on_padding_rows() -> None:
 # ------------------------------------------------------------------ transfers of a step
 
 
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=1.0, n=2, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
+    SamplingParams(top_p=0.8, top_k=20, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
+]
+"""8 samples: greedy, unseeded at T = 1, seeded and tempered, top-k, top-p with top-k, some
+with top logprobs."""
+
+GREEDY = [SamplingParams(temperature=0, n=2, max_tokens=64, ignore_eos=True)] * 4
+
+
 def step_transfers(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    graphs: bool,
+    params: list[SamplingParams],
 ) -> tuple[list[int], list[int]]:
     """Host-to-device transfers (`staging.move` calls) of 4 steady decode steps of 8 samples
-    (greedy, plain and top-k sampling), split into the runner's (the forward's inputs and the
-    rows to sample) and the sampler's own; with `graphs`, through the CUDA-graph twin."""
+    of `params`, split into the step's (engine, runner: the forward's inputs, the rows to
+    sample, the sampler's inputs) and the sampler's own; with `graphs`, through the
+    CUDA-graph twin. Also checks that the sampler took its inputs from the step's copy
+    (`sample_planned` handed every array its plan asks for)."""
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
         max_num_seqs=8, tune_host_malloc=False,
@@ -201,79 +227,99 @@ def step_transfers(
     engine = Engine(config)
     if graphs:
         engine.runner.graphs = engine.runner._decode_graphs(capture=False)
-    params = [
-        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=2, logprobs=3, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0, logprobs=2, n=2, max_tokens=64, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=64, ignore_eos=True),
-        SamplingParams(top_p=0.8, seed=4, logprobs=1, max_tokens=64, ignore_eos=True),
-    ]
     for i, p in enumerate(params):
         engine.add_request([3 + i, 17, 42, 5 + i, 9], p)
     while engine.counters.decode_steps < 2:  # every prefill done, decoding in full
         engine.step()
     assert engine.scheduler.num_running_samples() == 8
-    counts = {"runner": 0, "sampler": 0}
-    where = ["runner"]
+    counts = {"step": 0, "sampler": 0}
+    where = ["step"]
     real_move = staging.move
 
     def move(*args: Any, **kwargs: Any) -> torch.Tensor:
         counts[where[-1]] += 1
         return real_move(*args, **kwargs)
 
+    staged_inputs: list[tuple[int, int]] = []
+
     def in_sampler(f: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
+        def run(logits: torch.Tensor, plan: Any, inputs: Any = None) -> Any:
+            staged_inputs.append((len(plan.arrays()), -1 if inputs is None else len(inputs)))
             where.append("sampler")
             try:
-                return f(*args)
+                return f(logits, plan, inputs)
             finally:
                 where.pop()
 
         return run
 
     monkeypatch.setattr(staging, "move", move)
-    monkeypatch.setattr(model_runner, "sample", in_sampler(model_runner.sample))
+    monkeypatch.setattr(model_runner, "sample_planned", in_sampler(model_runner.sample_planned))
     forwards = []
     if engine.runner.graphs is not None:
         forward = engine.runner.graphs.forward
         monkeypatch.setattr(
             engine.runner.graphs, "forward", lambda *a: forwards.append(1) or forward(*a)
         )
-    runner, sampler = [], []
+    steps, sampler = [], []
     for _ in range(4):
-        counts.update(runner=0, sampler=0)
+        counts.update(step=0, sampler=0)
         decodes = engine.counters.decode_steps
         engine.step()
         assert engine.counters.decode_steps == decodes + 1
-        runner.append(counts["runner"])
+        steps.append(counts["step"])
         sampler.append(counts["sampler"])
     monkeypatch.undo()
     assert len(forwards) == (4 if graphs else 0)  # the twin ran every step
-    return runner, sampler
+    assert len(staged_inputs) == 4
+    assert all(want == got for want, got in staged_inputs), staged_inputs
+    return steps, sampler
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-twin"])
+@pytest.mark.parametrize("params", [MIXED, GREEDY], ids=["mixed", "greedy"])
 def test_a_steady_decode_step_makes_one_host_to_device_transfer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool, params: list[SamplingParams]
 ) -> None:
     """A decode step's token ids, positions, cumulative and plain context lengths, slots,
-    block tables (with the graphs: padded to the bucket) go up in ONE copy: every index the
-    forward reads is known on the host before it starts, and the rows to sample need no
-    index at all (every sequence completes, none forks). So the runner makes exactly 1
-    transfer a step, however many layers the model has. The sampler's own uploads (its
-    per-kind row indices, the uniforms drawn on the requests' CPU generators) are counted
-    apart: they are the sampler's, not this step's layout."""
+    block tables (with the graphs: padded to the bucket) and the sampler's inputs (the
+    temperatures, each sampling path's rows, the uniforms drawn on the requests' CPU
+    generators) go up in ONE copy: all are known on the host before the forward starts,
+    and the rows to sample need no index at all (every sequence completes, none forks). The
+    top-k / top-p rows are sampled on the host after one copy down, and their tokens stay
+    there. So a step makes exactly 1 transfer whatever the sampling params, however many
+    layers the model has, and the sampler none of its own."""
     counts = {}
     for layers in (2, 8):
         model_dir = save_hf_model(
             tiny_hf_model("llama", num_hidden_layers=layers), tmp_path / str(layers)
         )
-        counts[layers] = step_transfers(model_dir, monkeypatch, graphs)
-    for runner, sampler in counts.values():
-        assert runner == [1, 1, 1, 1], counts
-        assert all(n > 0 for n in sampler), counts  # the split saw the sampler's uploads
-    assert counts[2] == counts[8], counts
+        counts[layers] = step_transfers(model_dir, monkeypatch, graphs, params)
+    for steps, sampler in counts.values():
+        assert steps == [1, 1, 1, 1], counts
+        assert sampler == [0, 0, 0, 0], counts
+
+
+def test_the_transfer_count_sees_the_sampler_uploading_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The counter above is not blind: the sampler called without staged inputs (the
+    one-off path) moves its plan's arrays in one copy, and its top-k / top-p rows' values
+    in one more when they must be on the device (`sample`)."""
+    moves = []
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "move", move)
+    params = [p for p in MIXED for _ in range(p.n)]
+    logits = torch.randn(len(params), 50)
+    out = sample_planned(logits, plan_samples(params, [make_generator(i) for i in range(8)], 50))
+    assert len(moves) == 1 and out.host_rows is not None
+    out.on_device()
+    assert len(moves) == 2 and out.host_rows is None
 
 
 @pytest.mark.gpu
@@ -292,3 +338,71 @@ def test_on_cuda_stages_come_from_pinned_buffers_and_keep_their_values() -> None
     assert set(st.runtime.events) == {0, 1}  # type: ignore[union-attr]
     for (ids, table), (a, b) in kept:
         assert (a + 0).tolist() == ids and (b * 1).tolist() == table
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
+    """The step's path on CUDA: a mixed batch's plan staged from a pinned buffer behind
+    another array, sampled by `sample_planned` (top-k / top-p rows kept on the host), equals
+    `sample` on the same device (every row sent up by `on_device`) bit for bit: the same ops
+    on the same device values."""
+    params = [p for p in MIXED for _ in range(p.n)]
+    v = 300
+    logits = torch.randn(len(params), v, generator=torch.Generator().manual_seed(0)).cuda()
+    plan = plan_samples(params, [make_generator(i) for i in range(len(params))], v)
+    staged = StepStaging("cuda").stage([Array([1, 2, 3], torch.int64), *plan.arrays()])
+    stepped = sample_planned(logits, plan, staged.tensors[1:])
+    assert stepped.host_rows is not None and stepped.tokens.is_cuda
+    whole = sample(logits, params, [make_generator(i) for i in range(len(params))])
+    assert whole.host_rows is None and whole.tokens.is_cuda
+    a, b = stepped.to_host(), whole.to_host()
+    assert (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
+
+
+def test_a_verify_step_moves_the_samplers_inputs_in_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative verify step's sampler (`verify_drafts`) moves what the host knows (the
+    draft layout, temperatures, each path's rows, the uniforms) in ONE copy, and the top-k /
+    top-p sequences' outcome, decided on the host, in one more: 2 with such sequences in the
+    batch, 1 without."""
+    model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
+    config = EngineConfig(
+        model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
+        speculative={"enable": True, "max_num_seqs": 0}, tune_host_malloc=False,
+    )  # fmt: skip
+    kw: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
+    plain = [
+        SamplingParams(temperature=0, n=2, logprobs=2, **kw),
+        SamplingParams(temperature=1.0, seed=1, n=2, **kw),
+        SamplingParams(temperature=0.7, seed=5, **kw),
+    ]
+    top_k = SamplingParams(temperature=0.9, top_k=5, seed=3, **kw)
+    moves: list[int] = []
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    def counted(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            start = len(moves)
+            out = f(*args)
+            per_verify.append(len(moves) - start)
+            return out
+
+        return run
+
+    for params, want in ((plain, 1), ([*plain, top_k], 2)):
+        engine = Engine(config)
+        batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(params))]
+        keys = [f"p{i}" for i in range(len(params))]
+        engine.generate(batch, params, prompt_keys=keys)  # history for the drafts
+        per_verify: list[int] = []
+        monkeypatch.setattr(staging, "move", move)
+        monkeypatch.setattr(model_runner, "verify_drafts", counted(model_runner.verify_drafts))
+        engine.generate(batch, params, prompt_keys=keys)
+        monkeypatch.undo()
+        assert engine.stats()["spec_drafted_tokens"] > 0
+        assert len(per_verify) >= 3 and set(per_verify) == {want}, per_verify

@@ -25,10 +25,13 @@ from patrl.rollout.models.causal_lm import CausalLM
 from patrl.rollout.offload import HostCopy
 from patrl.rollout.sampler import (
     SampleOutput,
+    SamplePlan,
     SamplingParams,
     concat_samples,
     make_generator,
+    plan_samples,
     sample,
+    sample_planned,
     verify_drafts,
 )
 from patrl.rollout.scheduler import ScheduledBatch
@@ -305,9 +308,12 @@ class ModelRunner:
         sequences it completes; None for a prefill chunk that completes none.
 
         Everything the step needs on the device that the host knows beforehand (token ids,
-        the attention indices, the rows to sample) goes up in ONE copy (`self.staging`):
-        which sequences complete is known before the forward, and the rows to sample are
-        staged only when they are not simply every row in order (a decode step's)."""
+        the attention indices, the rows to sample, the sampler's inputs) goes up in ONE copy
+        (`self.staging`): which sequences complete is known before the forward, the rows to
+        sample are staged only when they are not simply every row in order (a decode
+        step's), and the sampler's temperatures, per-path rows and uniforms are planned on
+        the host (`plan_samples`) before the forward, unless the sampler takes the rows in
+        chunks (`sample_chunk_bytes`)."""
         self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
@@ -316,6 +322,7 @@ class ModelRunner:
         rows: list[int] = []
         samplers: list[Seq] = []
         extra: list[Array] = []
+        plan: SamplePlan | None = None
         gather_last = gather_rows = False
         if not batch.is_verify:
             pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
@@ -332,6 +339,13 @@ class ModelRunner:
                 gather_rows = len(rows) != len(ready)  # forks share their leader's row
                 if gather_rows:
                     extra.append(Array(rows, torch.int64))
+                if len(samplers) <= self._chunk_rows(len(samplers)):
+                    plan = plan_samples(
+                        [s.params for s in samplers],
+                        [s.generator for s in samplers],
+                        self.model.lm_head.vocab_size,
+                    )
+                    extra += plan.arrays()
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
             staged = self.staging.stage([*graphs.inputs(host, input_ids), *extra])
@@ -352,7 +366,7 @@ class ModelRunner:
         if gather_last:
             hidden = hidden[next(staged_rows)]
         index = next(staged_rows) if gather_rows else None
-        out = self._logits_and_samples(hidden, rows, samplers, index)
+        out = self._logits_and_samples(hidden, rows, samplers, index, plan, list(staged_rows))
         return Sampled(ready, samplers, self._agree_across_tp(out))
 
     @torch.inference_mode()
@@ -370,7 +384,8 @@ class ModelRunner:
         lens = [1 + len(d) for d in drafts]
         chunks = verify_chunks(lens, self._chunk_rows(len(hidden)))
         if len(chunks) == 1:
-            out = verify_drafts(self.model.compute_logits(hidden), drafts, params, generators)
+            logits = self.model.compute_logits(hidden)
+            out = verify_drafts(logits, drafts, params, generators, self.staging)
         else:
             head = self.model.lm_head
             local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
@@ -378,7 +393,8 @@ class ModelRunner:
             for lo, hi in chunks:
                 end = row + sum(lens[lo:hi])
                 logits = head.gather(local[row:end])
-                parts.append(verify_drafts(logits, drafts[lo:hi], params[lo:hi], generators[lo:hi]))
+                chunk = (drafts[lo:hi], params[lo:hi], generators[lo:hi])
+                parts.append(verify_drafts(logits, *chunk, self.staging))
                 row = end
             out = concat_samples(parts)
         return Sampled(list(range(len(seqs))), list(seqs), self._agree_across_tp(out))
@@ -416,22 +432,25 @@ class ModelRunner:
         hidden: torch.Tensor,
         rows: list[int],
         samplers: list[Seq],
-        index: torch.Tensor | None = None,
+        index: torch.Tensor | None,
+        plan: SamplePlan | None,
+        inputs: list[torch.Tensor],
     ) -> SampleOutput:
         """One token for each of `samplers`, from the logits of its row of `hidden` (`rows`,
         in order; a prompt's forked samples share their leader's row; `index`: `rows` on the
-        device, None when they are every row in order). With
-        `sample_chunk_bytes` (CPU), the head writes this rank's logit columns into a buffer
-        kept across steps and the TP gather and the sampler take them in chunks of rows, so
-        no full-vocabulary temporary crosses glibc's mmap threshold (see host_memory). Every
-        row is sampled on its own: chunks change no token."""
+        device, None when they are every row in order), as `plan` says with its staged
+        `inputs`. Without a plan (`sample_chunk_bytes`, CPU, more rows than a chunk), the
+        head writes this rank's logit columns into a buffer kept across steps and the TP
+        gather and the sampler take them in chunks of rows, so no full-vocabulary temporary
+        crosses glibc's mmap threshold (see host_memory). Every row is sampled on its own,
+        from its own generator: chunks change no token."""
+        if plan is not None:
+            logits = self.model.compute_logits(hidden)
+            return sample_planned(logits if index is None else logits[index], plan, inputs)
         params = [s.params for s in samplers]
         generators = [s.generator for s in samplers]
         head = self.model.lm_head
         limit = self._chunk_rows(len(samplers))
-        if len(samplers) <= limit:
-            logits = self.model.compute_logits(hidden)
-            return sample(logits if index is None else logits[index], params, generators)
         local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
         size = -(-len(samplers) // -(-len(samplers) // limit))  # equal chunks
         parts = []
@@ -440,7 +459,8 @@ class ModelRunner:
             first, end = rows[lo], rows[hi - 1] + 1  # rows only grow
             logits = head.gather(local[first:end])
             chunk = self._index([r - first for r in rows[lo:hi]])
-            parts.append(sample(logits[chunk], params[lo:hi], generators[lo:hi]))
+            chunk_plan = plan_samples(params[lo:hi], generators[lo:hi], head.vocab_size)
+            parts.append(sample_planned(logits[chunk], chunk_plan, staging=self.staging))
         return concat_samples(parts)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
@@ -459,11 +479,12 @@ class ModelRunner:
     def _agree_across_tp(self, out: SampleOutput) -> SampleOutput:
         """`out`, after checking that the group's first rank sampled the same: a divergence
         fails loudly instead of silently desynchronising the ranks. The tokens and logprobs
-        cross the TP group as one device tensor (NCCL takes no host tensors); the comparison
-        runs on the device and reads back one bool."""
+        cross the TP group as one device tensor (NCCL takes no host tensors; rows sampled on
+        the host go up first); the comparison runs on the device and reads back one bool."""
         layout = self.layout
         if layout.tp_size == 1:
             return out
+        out = out.on_device(self.staging)  # the rows sampled on the host are compared too
         columns = [out.tokens.double(), out.logprobs.double()]
         if out.emitted is not None:
             columns.append(out.emitted.double())

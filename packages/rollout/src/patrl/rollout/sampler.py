@@ -5,6 +5,13 @@ vocabulary, before top-k / top-p (T = 1 when greedy): the convention the trainer
 docs/training.md). Greedy rows take the argmax; other rows keep top-k, then top-p, and draw by
 inverse CDF with one uniform number from the request's own CPU generator. Every row is computed
 on its own, so a request's tokens do not depend on its batch, the TP layout or the device.
+
+Everything a batch's sampling needs besides the logits is known on the host before them
+(`plan_samples`: each row's path, the temperatures, the uniforms), so an engine step moves it
+with its other inputs in one copy (patrl.rollout.staging) and `sample_planned` uploads
+nothing. Top-k / top-p rows are sampled on the host after one copy of their logprob rows;
+their tokens and logprobs stay there (`SampleOutput.host_rows`) until the host reads the
+batch. `sample` is the one-call form, every row's values left on the device.
 """
 
 from __future__ import annotations
@@ -12,19 +19,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from patrl.rollout.layers.attention.context import upload
+from patrl.rollout.staging import Array, StepStaging, stage_once
 
 __all__ = [
+    "HostRows",
     "HostSamples",
     "SampleOutput",
+    "SamplePlan",
     "SamplingParams",
     "concat_samples",
     "export_generator",
     "import_generator",
     "make_generator",
+    "plan_samples",
     "sample",
+    "sample_planned",
     "verify_drafts",
 ]
 
@@ -141,18 +153,35 @@ class HostSamples:
         return top
 
 
+@dataclass(frozen=True, slots=True)
+class HostRows:
+    """Rows of a batch sampled on the host (top-k / top-p): their row indices, tokens and
+    logprobs, kept there instead of making a round trip to the device (the host needs them
+    next); `SampleOutput.to_host` writes them in, `SampleOutput.on_device` sends them up."""
+
+    rows: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
 @dataclass(slots=True)
 class SampleOutput:
+    """A batch's samples on the device, row i for the batch's i-th sampled sequence. The rows
+    of `host_rows` (when set) hold placeholders in `tokens` and `logprobs`: their values are
+    the host's (`to_host` and `on_device` apply them)."""
+
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, under the shared convention
     top_ids: torch.Tensor | None = None  # [B, K], K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None = None  # [B, K]
     # verify steps (`verify_drafts`): [B] bool, whether row i's token is emitted
     emitted: torch.Tensor | None = None
+    host_rows: HostRows | None = None
 
     def to_host(self) -> HostSamples:
         """Everything in ONE device-to-host copy, a step's one deliberate sync: the columns
-        packed as float64, exact for token ids (< 2**53) and for float32 logprobs."""
+        packed as float64, exact for token ids (< 2**53) and for float32 logprobs; then the
+        host rows written in."""
         columns = [self.tokens[:, None].double(), self.logprobs[:, None].double()]
         if self.emitted is not None:
             columns.append(self.emitted[:, None].double())
@@ -163,6 +192,10 @@ class SampleOutput:
             columns += [self.top_ids.double(), self.top_logprobs.double()]
         rows = torch.cat(columns, dim=1).cpu().tolist()
         host = HostSamples([int(r[0]) for r in rows], [r[1] for r in rows])
+        if self.host_rows is not None:
+            h = self.host_rows
+            for row, token, logprob in zip(h.rows, h.tokens, h.logprobs, strict=True):
+                host.tokens[row], host.logprobs[row] = token, logprob
         if self.emitted is not None:
             host.emitted = [r[2] != 0 for r in rows]
         if k:
@@ -170,20 +203,43 @@ class SampleOutput:
             host.top_logprobs = [r[e + k :] for r in rows]
         return host
 
+    @torch.inference_mode()
+    def on_device(self, staging: StepStaging | None = None) -> SampleOutput:
+        """This output with the host rows written into `tokens` and `logprobs` (in place, by
+        one upload, through `staging` if given): every row's values on the device, for
+        whoever reads them there (a TP group's agreement check, the callers of `sample`)."""
+        h = self.host_rows
+        if h is None:
+            return self
+        index, tokens, logprobs = _stage(
+            [
+                Array(h.rows, torch.int64),
+                Array(h.tokens, torch.int64),
+                Array(h.logprobs, torch.float32),
+            ],
+            self.tokens.device,
+            staging,
+        )
+        self.tokens[index] = tokens
+        self.logprobs[index] = logprobs
+        self.host_rows = None
+        return self
+
 
 def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
     """The outputs of consecutive chunks of one batch as one; top-logprob columns padded to
     the widest chunk's K (a row reads only the first K it asked for); `emitted` when every
-    chunk has it (a verify step's), else none may."""
+    chunk has it (a verify step's), else none may; the chunks' host rows, renumbered."""
     tokens = torch.cat([p.tokens for p in parts])
     logprobs = torch.cat([p.logprobs for p in parts])
     flags = [p.emitted for p in parts if p.emitted is not None]
     if flags and len(flags) != len(parts):
         raise ValueError("chunks of one batch either all are a verify step's or none is")
     emitted = torch.cat(flags) if flags else None
+    host = _concat_host_rows(parts)
     k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
     if k == 0:
-        return SampleOutput(tokens, logprobs, emitted=emitted)
+        return SampleOutput(tokens, logprobs, emitted=emitted, host_rows=host)
     ids, values = [], []
     for p in parts:
         n, have = len(p.tokens), 0 if p.top_ids is None else p.top_ids.shape[1]
@@ -191,7 +247,21 @@ def concat_samples(parts: Sequence[SampleOutput]) -> SampleOutput:
         pad = torch.full((n, k - have), -torch.inf, device=tokens.device)
         ids.append(pad_ids if p.top_ids is None else torch.cat([p.top_ids, pad_ids], dim=1))
         values.append(pad if p.top_logprobs is None else torch.cat([p.top_logprobs, pad], dim=1))
-    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values), emitted)
+    return SampleOutput(tokens, logprobs, torch.cat(ids), torch.cat(values), emitted, host)
+
+
+def _concat_host_rows(parts: Sequence[SampleOutput]) -> HostRows | None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    start = 0
+    for p in parts:
+        if p.host_rows is not None:
+            rows += [start + r for r in p.host_rows.rows]
+            tokens += p.host_rows.tokens
+            logprobs += p.host_rows.logprobs
+        start += len(p.tokens)
+    return HostRows(rows, tokens, logprobs) if rows else None
 
 
 def make_generator(seed: int | None = None) -> torch.Generator:
@@ -215,52 +285,141 @@ def import_generator(state: torch.Tensor) -> torch.Generator:
     return g
 
 
+@dataclass(slots=True)
+class SamplePlan:
+    """What `sample_planned` needs of a batch of `size` rows besides its logits, all known on
+    the host before them: which path each row takes (a row's own params decide it, never its
+    batch neighbours), the temperatures, and every uniform the batch draws, taken from the
+    requests' generators here, in the order sampling consumes them (sampled rows, then top-k
+    / top-p rows, each in row order). `arrays` is what the device needs of it, to go up with
+    a step's other inputs in one copy (patrl.rollout.staging); the top-k / top-p rows'
+    uniforms stay on the host, where those rows are sampled."""
+
+    size: int
+    vocab_size: int
+    temperatures: list[float] | None  # None: every row at T = 1, no division
+    greedy: list[int]
+    plain: list[int]  # sampled over the whole vocabulary, on the device
+    truncated: list[int]  # top-k / top-p: sampled on the host
+    plain_draws: torch.Tensor  # [len(plain)] float32, host
+    truncated_draws: list[torch.Tensor]  # [1] float32 each, host
+    truncated_params: list[SamplingParams]
+    num_top_logprobs: int  # K: the most top logprobs a row asks for
+
+    def arrays(self) -> list[Array]:
+        """What goes up, in this order: the temperatures [B] float32 (when tempered), then
+        each path's rows [n] int64 (greedy, plain, truncated; only when neither empty nor
+        every row, which needs no index), then the plain rows' uniforms [n] float32."""
+        out = []
+        if self.temperatures is not None:
+            out.append(Array(self.temperatures, torch.float32))
+        out += [Array(r, torch.int64) for r in self.paths() if 0 < len(r) < self.size]
+        if self.plain:
+            out.append(_host_array(self.plain_draws))
+        return out
+
+    def paths(self) -> tuple[list[int], list[int], list[int]]:
+        """The rows of each path: greedy, plain, truncated."""
+        return self.greedy, self.plain, self.truncated
+
+
+def plan_samples(
+    params: Sequence[SamplingParams], generators: Sequence[torch.Generator], vocab_size: int
+) -> SamplePlan:
+    """The plan of a batch sampling row i with `params[i]` and `generators[i]` over logits of
+    `vocab_size` columns; it draws the batch's uniforms (a request consumes exactly one per
+    token), so sample with it once."""
+    if len(params) != len(generators):
+        raise ValueError(f"{len(params)} sampling params, {len(generators)} generators")
+    temperatures = [p.effective_temperature for p in params]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, vocab_size)]
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, vocab_size)]
+    return SamplePlan(
+        size=len(params),
+        vocab_size=vocab_size,
+        # x / 1.0 is x exactly: no pass over [B, V] when no row is tempered
+        temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
+        greedy=greedy,
+        plain=plain,
+        truncated=truncated,
+        plain_draws=_draws([generators[i] for i in plain]),
+        truncated_draws=[_draws([generators[i]]) for i in truncated],
+        truncated_params=[params[i] for i in truncated],
+        num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
+    )
+
+
 @torch.inference_mode()
+def sample_planned(
+    logits: torch.Tensor,
+    plan: SamplePlan,
+    inputs: Sequence[torch.Tensor] | None = None,
+    staging: StepStaging | None = None,
+) -> SampleOutput:
+    """One token per row of `logits` [B, V] as `plan` says. `inputs`: `plan.arrays()` on the
+    logits' device (a step stages them with its other inputs); None: moved here, in one copy
+    (through `staging` if given).
+    The top-k / top-p rows are sampled on the host (one copy of their logprob rows): their
+    tokens and logprobs come back as the output's `host_rows`, not sent up again."""
+    if logits.shape != (plan.size, plan.vocab_size):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} for a plan of {plan.size} rows over "
+            f"{plan.vocab_size} tokens"
+        )
+    if inputs is None:
+        arrays = plan.arrays()
+        inputs = _stage(arrays, logits.device, staging) if arrays else []
+    given = iter(inputs)
+    temperatures = next(given) if plan.temperatures is not None else None
+    index = [next(given) if 0 < len(r) < plan.size else None for r in plan.paths()]
+    draws = next(given) if plan.plain else None
+    logits = logits.float()
+    scaled = logits if temperatures is None else logits / temperatures[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    b = plan.size
+    # a path over every row takes them all, in order: no index, no scatter
+    if len(plan.greedy) == b:
+        tokens = logits.argmax(dim=-1)
+    elif len(plan.plain) == b:
+        assert draws is not None
+        tokens = _inverse_cdf(logprobs.exp(), draws)
+    else:
+        tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
+        if plan.greedy:
+            tokens[index[0]] = logits[index[0]].argmax(dim=-1)
+        if plan.plain:
+            assert draws is not None
+            tokens[index[1]] = _inverse_cdf(logprobs[index[1]].exp(), draws)
+    host_rows = None
+    if plan.truncated:
+        rows = logprobs if index[2] is None else logprobs[index[2]]
+        picks, chosen_host = _sample_truncated_rows(
+            rows, plan.truncated_params, plan.truncated_draws
+        )
+        host_rows = HostRows(plan.truncated, picks, chosen_host)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    k = plan.num_top_logprobs
+    if k == 0:
+        return SampleOutput(tokens, chosen, host_rows=host_rows)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs, host_rows=host_rows)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
 ) -> SampleOutput:
-    """One token per row of `logits` [B, V]; each row uses its own params and generator."""
+    """One token per row of `logits` [B, V]; each row uses its own params and generator.
+    Every row's values are on the device (`sample_planned`, then `on_device`)."""
     b = logits.shape[0]
     if not len(params) == len(generators) == b:
         raise ValueError(
             f"{b} logit rows, {len(params)} sampling params, {len(generators)} generators"
         )
-    logits = logits.float()
-    temperatures = [p.effective_temperature for p in params]
-    # x / 1.0 is x exactly: skip the pass over [B, V] when no row is tempered
-    scaled = logits
-    if any(t != 1.0 for t in temperatures):
-        scaled = logits / upload(torch.tensor(temperatures), logits.device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    v = logits.shape[-1]
-    tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
-    # Which path a row takes depends on its own params only, never on its batch neighbours.
-    # Row indices go up as tensors: a Python list index is a blocking copy on CUDA.
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        index = _rows(greedy, logits.device)
-        tokens[index] = logits[index].argmax(dim=-1)
-    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
-    if plain:
-        draws = _draws([generators[i] for i in plain], logits.device)
-        index = _rows(plain, logits.device)
-        rows = logprobs if len(plain) == b else logprobs[index]  # no copy when all are plain
-        tokens[index] = _inverse_cdf(rows.exp(), draws)
-    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
-    if truncated:
-        index = _rows(truncated, logits.device)
-        picks = _sample_truncated_rows(
-            logprobs[index], [params[i] for i in truncated], [generators[i] for i in truncated]
-        )
-        tokens[index] = upload(picks, logits.device)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    k = max(p.num_top_logprobs for p in params)
-    if k == 0:
-        return SampleOutput(tokens, chosen)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+    plan = plan_samples(params, generators, logits.shape[-1])
+    return sample_planned(logits, plan).on_device()
 
 
 @torch.inference_mode()
@@ -269,6 +428,7 @@ def verify_drafts(
     drafts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    staging: StepStaging | None = None,
 ) -> SampleOutput:
     """Accept or reject each sequence's draft, losslessly: the emitted tokens are distributed
     as sampling them one at a time would be.
@@ -286,7 +446,9 @@ def verify_drafts(
     Returns one row per logits row: the token row j emits if reached, its logprob and top
     logprobs under the shared convention (those the one-token path reports for that token in
     that context), and `emitted`, true for rows 0 .. accepted (the accepted draft tokens and
-    the final token).
+    the final token). The inputs the host knows (the layout, temperatures, uniforms) go up in
+    one copy, the top-k / top-p rows' outcome in one more; through `staging` (a step's) if
+    given.
     """
     lens = [1 + len(d) for d in drafts]
     r = sum(lens)
@@ -299,10 +461,7 @@ def verify_drafts(
     logits = logits.float()
     row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
     temperatures = [p.effective_temperature for p in row_params]
-    scaled = logits
-    if any(t != 1.0 for t in temperatures):
-        scaled = logits / upload(torch.tensor(temperatures), device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    tempered = any(t != 1.0 for t in temperatures)
     v = logits.shape[-1]
     # The layout, built on the host: each row's draft token (0 on last rows), whether it has
     # one, and the first row of its sequence.
@@ -315,24 +474,42 @@ def verify_drafts(
             x_host[start + j] = int(token)
             has_draft[start + j] = True
         first_host += [start] * n
-    x = upload(torch.tensor(x_host, dtype=torch.long), device)
-    is_draft = upload(torch.tensor(has_draft), device)
-    tokens = torch.zeros(r, dtype=torch.long, device=device)
-    accept = torch.zeros(r, dtype=torch.bool, device=device)
 
     def rows_of(seqs: list[int]) -> list[int]:
         return [starts[i] + j for i in seqs for j in range(lens[i])]
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        index = _rows(rows_of(greedy), device)
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
+    # Everything the device needs that the host knows goes up in one copy; the plain
+    # sequences draw first, the top-k / top-p ones after (`_verify_truncated`), as before.
+    arrays = [
+        Array(x_host, torch.int64),
+        Array(has_draft, torch.bool),
+        Array(first_host, torch.int64),
+    ]
+    if tempered:
+        arrays.append(Array(temperatures, torch.float32))
+    arrays += [Array(rows_of(seqs), torch.int64) for seqs in (greedy, plain, truncated) if seqs]
+    if plain:
+        arrays += [_host_array(u) for u in _verify_draws([(generators[i], lens[i]) for i in plain])]
+    given = iter(_stage(arrays, device, staging))
+    x, is_draft, first = next(given), next(given), next(given)
+    scaled = logits / next(given)[:, None] if tempered else logits
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.zeros(r, dtype=torch.long, device=device)
+    accept = torch.zeros(r, dtype=torch.bool, device=device)
+    greedy_rows = next(given) if greedy else None
+    plain_rows = next(given) if plain else None
+    truncated_rows = next(given) if truncated else None
+    if greedy_rows is not None:
+        index = greedy_rows
         best = logits[index].argmax(dim=-1)
         tokens[index] = best
         accept[index] = (best == x[index]) & is_draft[index]
-    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
-    if plain:
-        index = _rows(rows_of(plain), device)
-        u_accept, u_final = _verify_draws([(generators[i], lens[i]) for i in plain], device)
+    if plain_rows is not None:
+        index = plain_rows
+        u_accept, u_final = next(given), next(given)
         probs = logprobs[index].exp()
         xs, drafted = x[index], is_draft[index]
         p_x = probs.gather(1, xs[:, None])[:, 0]
@@ -341,9 +518,8 @@ def verify_drafts(
         picked = _inverse_cdf(residual, u_final)
         # only a rejection of a draft holding all the mass (rounding) leaves none: keep it
         tokens[index] = torch.where(residual.sum(dim=-1) > 0, picked, xs)
-    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
-    if truncated:
-        index = _rows(rows_of(truncated), device)
+    if truncated_rows is not None:
+        index = truncated_rows
         host_rows = logprobs[index].cpu()  # one copy, as `_sample_truncated_rows` makes
         picks: list[int] = []
         accepts: list[bool] = []
@@ -354,12 +530,14 @@ def verify_drafts(
             t, a = _verify_truncated(rows, drafts[i], params[i], generators[i])
             picks += t
             accepts += a
-        tokens[index] = upload(torch.tensor(picks, dtype=torch.long), device)
-        accept[index] = upload(torch.tensor(accepts), device)
+        picked_rows, accepted_rows = _stage(
+            [Array(picks, torch.int64), Array(accepts, torch.bool)], device, staging
+        )
+        tokens[index] = picked_rows
+        accept[index] = accepted_rows
     # Row j is emitted when no draft row of its sequence before it was rejected.
     rejected = (is_draft & ~accept).long()
     before = rejected.cumsum(0) - rejected
-    first = _rows(first_host, device)
     emitted = before == before[first]
     out = torch.where(accept, x, tokens)
     chosen = logprobs.gather(1, out[:, None])[:, 0]
@@ -370,18 +548,37 @@ def verify_drafts(
     return SampleOutput(out, chosen, top_ids, top_logprobs, emitted)
 
 
-def _verify_draws(
-    seqs: Sequence[tuple[torch.Generator, int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of sequences of `n` rows each: the acceptance uniform of draft row j (the j-th
-    draw; 1.0 on last rows, never used) and the sequence's final uniform (its n-th draw)."""
+def _verify_draws(seqs: Sequence[tuple[torch.Generator, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of sequences of `n` rows each, on the host: the acceptance uniform of draft row
+    j (the j-th draw; 1.0 on last rows, never used) and the sequence's final uniform (its
+    n-th draw)."""
     accept: list[torch.Tensor] = []
     final: list[torch.Tensor] = []
     for g, n in seqs:
         draws = [torch.rand((), generator=g) for _ in range(n)]
         accept += [*draws[:-1], torch.ones(())]
         final += [draws[-1]] * n
-    return upload(torch.stack(accept), device), upload(torch.stack(final), device)
+    return torch.stack(accept), torch.stack(final)
+
+
+def _stage(
+    arrays: Sequence[Array], device: torch.device, staging: StepStaging | None
+) -> list[torch.Tensor]:
+    """`arrays` on `device` in one copy: through `staging` (a step's, whose host buffers are
+    kept), else a staging of their own."""
+    if staging is not None:
+        return staging.stage(arrays).tensors
+    return stage_once(arrays, device)
+
+
+def _host_array(t: torch.Tensor) -> Array:
+    """A 1-D float32 host tensor as an array to stage, copied bit for bit (without `.numpy()`,
+    which the host-sync count flags)."""
+
+    def fill(dst: np.ndarray) -> None:
+        torch.from_numpy(dst).copy_(t)
+
+    return Array(fill, torch.float32, (t.numel(),))
 
 
 def _verify_truncated(
@@ -413,17 +610,16 @@ def _verify_truncated(
     return tokens, accepts
 
 
-def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return upload(torch.tensor(rows, dtype=torch.long), device)
-
-
 def _truncates(p: SamplingParams, vocab_size: int) -> bool:
     return 0 < p.top_k < vocab_size or p.top_p < 1
 
 
-def _draws(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per generator: a request consumes exactly one per token."""
-    return upload(torch.stack([torch.rand((), generator=g) for g in generators]), device)
+def _draws(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform in [0, 1) per generator, [n] float32 on the host: a request consumes
+    exactly one per token."""
+    if not generators:
+        return torch.empty(0)
+    return torch.stack([torch.rand((), generator=g) for g in generators])
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -441,18 +637,19 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_truncated_rows(
-    logprobs: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
-) -> torch.Tensor:
-    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host: one copy of
-    all R rows, where the candidate sets' data-dependent sizes cost syncs per row on a
-    device. Each row is exponentiated on its own, as a row [V] (vectorised kernels round a
-    row's tail by its position, so [R, V] at once could differ in the last bit)."""
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[torch.Tensor]
+) -> tuple[list[int], list[float]]:
+    """The top-k / top-p rows of `logprobs` [R, V], each sampled on the host with its uniform
+    (`draws`, [1] each): their tokens and those tokens' logprobs. One copy of all R rows,
+    where the candidate sets' data-dependent sizes cost syncs per row on a device. Each row
+    is exponentiated on its own, as a row [V] (vectorised kernels round a row's tail by its
+    position, so [R, V] at once could differ in the last bit)."""
     rows = logprobs.cpu()
-    picks = [
-        _sample_truncated(row.exp(), p, _draws([g], rows.device))
-        for row, p, g in zip(rows, params, generators, strict=True)
+    tokens = [
+        int(_sample_truncated(row.exp(), p, draw))
+        for row, p, draw in zip(rows, params, draws, strict=True)
     ]
-    return torch.stack(picks)
+    return tokens, [float(row[t]) for row, t in zip(rows, tokens, strict=True)]
 
 
 def _sample_truncated(probs: torch.Tensor, p: SamplingParams, draw: torch.Tensor) -> torch.Tensor:
