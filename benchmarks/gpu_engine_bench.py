@@ -210,19 +210,21 @@ def build_engines(
 
 
 def max_seqs(batches: list[int], args: Any) -> int:
-    """The engines' max_num_seqs: the largest batch, or every sample of --spec-rollout."""
-    rollout = args.spec_prompts * args.spec_n if args.spec_rollout else 0
+    """The engines' max_num_seqs: the largest batch, or every sample of --spec-rollout. `args`
+    without --verify's fields (gpu/decode_profile.py's) asks for none of it."""
+    rollout = args.spec_prompts * args.spec_n if getattr(args, "spec_rollout", False) else 0
     return max(*batches, rollout)
 
 
 def model_len(args: Any) -> int:
     """The engines' max_model_len: the decode runs' prompts and steps, the verify runs'
-    (`verify_max_tokens`) and --spec-rollout's prompts and longest response."""
+    (`verify_max_tokens`) and --spec-rollout's prompts and longest response (as `max_seqs`,
+    `args` may lack the last two's fields)."""
     need = args.steps + 2
-    if args.verify:
+    if getattr(args, "verify", 0):
         need = max(need, verify_max_tokens(args.steps, args.verify))
     need += args.prompt_len
-    if args.spec_rollout:
+    if getattr(args, "spec_rollout", False):
         need = max(need, SPEC_PROMPT_LEN + max(spec_bench().tail_lengths(args.spec_n)))
     return need + 6
 

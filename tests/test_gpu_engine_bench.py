@@ -68,7 +68,7 @@ def test_the_benchs_engines_fit_one_device_together(
     # 0.9 x total leaves 16 MiB beyond what is held now: a sized-from-memory engine takes it
     device = FakeDevice(int((live_bytes() + (16 << 20)) / 0.9))
     monkeypatch.setattr("patrl.rollout.model_runner.probe_for", lambda _device: device)
-    args = argparse.Namespace(prompt_len=8, steps=4, verify=0, spec_rollout=False)
+    args = argparse.Namespace(prompt_len=8, steps=4)
     batches = [1, 4]
     backends = ["sdpa", "triton"] if importlib.util.find_spec("triton") else ["sdpa"]
     variants = [(b, g) for b in backends for g in (True, False)]
