@@ -31,9 +31,9 @@ With `--verify K`, per batch size and attention backend, what a speculative step
    in bf16 the two paths' kernels round differently and a near-tie may flip).
 6. With `--spec-rollout`, spec_bench.py's GRPO-like workload (--spec-prompts x --spec-n
    samples, long-tailed lengths, epochs 1 and 2) on the verify engine with its own drafter
-   (speculating at most 16 running samples) vs the decode engine: tail tokens/s and
-   acceptance, at temperature 1 and greedy (a random model's drafts are poor; greedy is the
-   upper bound), on the first backend.
+   (speculating at most 16 running samples) vs the decode engine: tail tokens/s (steps that
+   start with at most --spec-n / 2 running samples) and acceptance, at temperature 1 and greedy
+   (a random model's drafts are poor; greedy is the upper bound), on the first backend.
 Each figure is the median of --repeats; the pairs run interleaved. JSON to
 benchmarks/results/gpu_engine_bench.json, rewritten (whole, atomically) after each section so
 a run cut short keeps what it measured. Without CUDA and without --device cpu it says so and
