@@ -285,8 +285,9 @@ def timed_run(
 ) -> tuple[float, int, list[list[int]]]:
     """`batch` run to the end under `params`; the seconds and tokens of `steps` steps after
     every prompt is prefilled and one decode step has run (device synchronised around them),
-    and every request's tokens."""
+    and every request's tokens. The engine's step timeline starts afresh (`stats` copies it)."""
     device = engine.device
+    engine.reset_timeline()
     ids = [engine.add_request(p, params) for p in batch]
     done: dict[str, list[int]] = {}
 
