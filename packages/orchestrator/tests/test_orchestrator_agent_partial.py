@@ -88,14 +88,31 @@ def check_idle(eng: Engine) -> None:
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-def resume_all(model: Path, first: list[Any], n: int, pool: CountingPool) -> list[AgentLoopOutput]:
+def resume_all(
+    model: Path, first: list[Any], n: int, pool: CountingPool, extended: set[str] | None = None
+) -> list[AgentLoopOutput]:
     """The cut samples of `first` (pickled and unpickled, as a checkpoint does) resumed to
-    their end on a fresh engine; the finished ones as they were."""
+    their end on a fresh engine; the finished ones as they were. `extended` collects the
+    resumed open turns whose KV a later turn extended (kept, then continued)."""
     cut = {
         i: pickle.loads(pickle.dumps(o)) for i, o in enumerate(first) if isinstance(o, TurnState)
     }
     rows = [{**s, "resume": cut[i]} for i, s in enumerate(samples(n)) if i in cut]
     eng = engine(model)
+    imported: set[str] = set()
+    import_requests, continue_request = eng.import_requests, eng.continue_request
+
+    def importing(states: Any, *args: Any, **kwargs: Any) -> Any:
+        imported.update(st.request_id for st in states)
+        return import_requests(states, *args, **kwargs)
+
+    def continuing(kept: str, *args: Any, **kwargs: Any) -> Any:
+        if kept in imported and extended is not None:
+            extended.add(kept)
+        return continue_request(kept, *args, **kwargs)
+
+    eng.import_requests = importing  # type: ignore[method-assign]
+    eng.continue_request = continuing  # type: ignore[method-assign]
     resumed = iter(runner_of(eng, pool).run(rows, GREEDY) if rows else [])
     check_idle(eng)
     return [next(resumed) if i in cut else o for i, o in enumerate(first)]
@@ -116,6 +133,7 @@ def test_a_sample_cut_after_any_engine_step_resumes_to_the_uncut_trajectory(mode
     want, want_calls = uncut(model, n)
     assert all(sum(o.response_mask) < len(o.response_ids) for o in want)  # tool turns in it
     kinds = set()
+    extended: set[str] = set()
     steps = 1
     while True:
         eng = engine(model)
@@ -144,10 +162,12 @@ def test_a_sample_cut_after_any_engine_step_resumes_to_the_uncut_trajectory(mode
                 assert st.model_tokens() == sum(st.response_mask) + len(
                     st.open_turn.output_token_ids
                 )
-        assert_same(resume_all(model, first, n, pool), want)
+        assert_same(resume_all(model, first, n, pool, extended), want)
         assert pool.calls == want_calls  # no call ran twice
         steps += 1
     assert steps > 5 and "open" in kinds
+    # a resumed open turn is kept: the turn after it extends its KV (no re-prefill)
+    assert extended
 
 
 def test_a_cut_during_a_tool_call_lets_the_call_finish_and_appends_its_answer(

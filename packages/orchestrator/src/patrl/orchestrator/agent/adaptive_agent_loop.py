@@ -116,6 +116,14 @@ class AdaptiveLLMServer(LLMServer):
             self._kept.pop(request_id, None)
         return out
 
+    async def resume_turn(self, state: SequenceState, keep: bool = False) -> TokenOutput:
+        """`LLMServer.resume_turn`; a turn that finished before a switch is not kept (the
+        switch released its KV), as `generate`'s."""
+        out = await super().resume_turn(state, keep)
+        if self._finished_in.pop(state.request_id, self._epoch) != self._epoch:
+            self._kept.pop(state.request_id, None)
+        return out
+
     def _submit(self, op: tuple[Any, ...]) -> None:
         """Queue engine call `op` for the next round, addressed to its replica: a kept
         turn's continuation or release to the replica that kept it, a new turn or a resumed

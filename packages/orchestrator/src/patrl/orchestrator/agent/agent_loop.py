@@ -236,16 +236,15 @@ class LLMServer:
             list(out.token_ids), list(out.logprobs), out.finish_reason, out.stop_reason
         )
 
-    async def resume_turn(self, state: SequenceState, keep: bool | None = None) -> TokenOutput:
+    async def resume_turn(self, state: SequenceState, keep: bool = False) -> TokenOutput:
         """Go on with a model turn a cut exported (`TurnCut.open_turn`, or a lost rank's
         snapshot): its KV recomputed under the engine's weights, its sampling from its
         generator state, so the turn is the one it would have been uncut under these weights.
         The whole turn comes back, the tokens sampled before the cut first (their logprobs as
         sampled then). `keep`: True keeps the turn's KV for a continuation (as `generate`'s
-        `keep`; the next turn names it in `continues`), False frees it at its end; None (a
-        cut's resume) leaves the state's flag as exported, the turn not tracked here (the
-        next turn is submitted whole, over prefix caching). TurnCut(state) at once when the
-        runner is stopping."""
+        `keep`: the next turn names it in `continues`, or `release` frees it), False frees it
+        at its end, whatever flag the state was exported with. TurnCut(state) at once when
+        the runner is stopping."""
         if self._wake is None:
             raise RuntimeError("LLMServer.resume_turn runs inside AgentLoopRunner.run")
         if self.stopping:
@@ -253,10 +252,8 @@ class LLMServer:
         rid = state.request_id
         if rid in self._pending or rid in self.engine.request_ids():
             raise ValueError(f"request id {rid!r} is already in use")
-        if keep is not None:
-            keep = keep and self.keep_kv
-            state = replace(state, keep=keep)
-        self._submit(("import", state))
+        keep = keep and self.keep_kv
+        self._submit(("import", replace(state, keep=keep)))
         out = (await self._await(rid, True)).outputs[0]
         if keep and out.finish_reason in ("stop", "length"):
             self._kept[rid] = list(state.prompt_token_ids) + list(out.token_ids)

@@ -161,10 +161,10 @@ class ToolAgentLoop(AgentLoop):
                 if st.open_turn is not None:  # the turn a cut stopped, resumed
                     open_turn, st.open_turn = st.open_turn, None
                     try:
-                        turn = await self.server_manager.resume_turn(open_turn)
+                        turn = await self.server_manager.resume_turn(open_turn, keep=True)
                     except TurnCut as cut:
                         raise TurnCut(cut.open_turn or open_turn) from None
-                    previous = None
+                    previous = open_turn.request_id  # kept: the next turn extends its KV
                 else:
                     params = self._turn_params(
                         st.sampling_params, len(st.response_mask), st.assistant_turns
