@@ -30,6 +30,7 @@ last). The plain demo's build and cache key are untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -45,6 +46,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from patrl.orchestrator.agent.calculator import CalculatorTool
+from patrl.orchestrator.agent.tool_parser import extract_tool_calls
+from patrl.orchestrator.agent.tool_pool import ERROR_PREFIX
 from patrl_examples.demo import long_sums
 from patrl_examples.demo.assets import (
     MANIFEST,
@@ -102,6 +106,13 @@ class ToolSFTConfig(BaseModel):
     direct_fraction: float = Field(
         0.5, ge=0, le=1, description="of the others, the share that box a bare total"
     )
+    malformed_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="of the calling demonstrations, the share whose first call is malformed "
+        "(MALFORMED_KINDS, drawn uniformly)",
+    )
     tokens_per_batch: int = Field(2048, gt=0)
     pool_size: int = Field(512, gt=0)
     lr: float = Field(5e-4, gt=0)
@@ -112,8 +123,13 @@ class ToolSFTConfig(BaseModel):
 # The long-sums warm start: calls on 40% of the demonstrations, so that greedy decoding starts
 # out adding by hand and RL has a call share to raise; the others work the sum out line by line
 # (no bare totals), which copies numbers as a call does. Longer and at a higher rate than the
-# addition one, since copying three- and four-digit numbers is learned late.
-LONG_SUMS_SFT = ToolSFTConfig(steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0)
+# addition one, since copying three- and four-digit numbers is learned late. A fifth of its
+# calling demonstrations open with a malformed call (MALFORMED_KINDS), as real models' calls
+# sometimes are, so that the warm start makes them at a measurable rate and RL has a
+# well-formed share of calls to raise.
+LONG_SUMS_SFT = ToolSFTConfig(
+    steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0, malformed_fraction=0.2
+)
 
 
 class ToolDemoRecipe(BaseModel):
@@ -153,6 +169,8 @@ class ToolDemoRecipe(BaseModel):
         fields = self.model_dump()
         if self.task is None:  # left out: an addition recipe hashes as its own fields alone
             del fields["task"]
+        if self.sft.malformed_fraction == 0:  # left out: such a recipe keeps its earlier key
+            del fields["sft"]["malformed_fraction"]
         payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -181,6 +199,69 @@ def tool_messages(problem: AnyProblem) -> list[dict[str, str]]:
     ]
 
 
+# Malformed first calls, each a way real models get hermes calls wrong, with the problem's
+# expression in them: "unclosed_json" drops the JSON's last brace; "unclosed_tag" never writes
+# `</tool_call>` (the turn ends at EOS, so the rollout finds no call and the sample ends
+# unanswered); "wrong_argument" names the argument `expr`, not `expression`; "text_in_tag"
+# writes the tool's name as text before the JSON inside the tag.
+MALFORMED_KINDS = ("unclosed_json", "unclosed_tag", "wrong_argument", "text_in_tag")
+DEMONSTRATION_KINDS = ("tool", "direct", "worked", *MALFORMED_KINDS)
+
+
+def malformed_call_text(problem: AnyProblem, kind: str) -> str:
+    """The model's malformed calculator call for `problem` of a MALFORMED_KINDS `kind`."""
+    expression = "+".join(str(x) for x in problem.addends)
+    body = json.dumps({"name": CALCULATOR, "arguments": {"expression": expression}})
+    if kind == "unclosed_json":
+        return f"<tool_call>{body[:-1]}</tool_call>"
+    if kind == "unclosed_tag":
+        return f"<tool_call>{body}"
+    if kind == "wrong_argument":
+        wrong = json.dumps({"name": CALCULATOR, "arguments": {"expr": expression}})
+        return f"<tool_call>{wrong}</tool_call>"
+    if kind == "text_in_tag":
+        return f"<tool_call>{CALCULATOR} {body}</tool_call>"
+    raise ValueError(f"kind={kind!r}: use one of {MALFORMED_KINDS}")
+
+
+def observation(call: str) -> str | None:
+    """What the rollout appends as the tool's answer to a model turn `call` (one call at
+    most): None when it holds no closed call (the rollout ends the sample); a call that does
+    not parse gets verl's error observation (the tool pool's text); a parsed one, the
+    calculator's answer (for these calls, short of the demo's max_tool_response_length, so
+    never truncated). The tool pool's answers are the reference (the demo's tests)."""
+    _, calls = extract_tool_calls(call, "hermes")
+    if not calls:
+        return None
+    if len(calls) > 1:
+        raise ValueError(f"one call a turn, got {len(calls)} in {call!r}")
+    parsed = calls[0]
+    if parsed.error is not None or parsed.arguments is None:
+        return ERROR_PREFIX + (parsed.error or "malformed call")
+    if parsed.name != CALCULATOR:
+        raise ValueError(f"a demonstration calls only the calculator, got {parsed.name!r}")
+    response, _, _ = asyncio.run(CalculatorTool().execute("demo", parsed.arguments))
+    return str(response.text)
+
+
+def malformed_messages(problem: AnyProblem, kind: str) -> list[dict[str, str]]:
+    """A conversation opening with a malformed call of `kind`: it ends there when the rollout
+    would find no call in it ("unclosed_tag"); else the tool's error observation follows, and
+    the model calls again, well-formed, and boxes the tool's answer (it reads the error and
+    retries, as tool-use models are trained to)."""
+    bad = malformed_call_text(problem, kind)
+    messages = [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": bad}]
+    answer = observation(bad)
+    if answer is None:
+        return messages
+    return [
+        messages[0],
+        messages[1],
+        {"role": "tool", "content": answer},
+        *tool_messages(problem)[1:],
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class Demonstration:
     """Token ids of a whole chat, `mask` 1 where the model is trained (its own tokens) and 0
@@ -194,13 +275,15 @@ class Demonstration:
 def encode_demonstration(
     problem: AnyProblem, tokenizer: PreTrainedTokenizerBase, kind: str
 ) -> Demonstration:
-    """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total) or
-    "worked" (the running sums). Rendered by the tokenizer's chat template with the calculator
+    """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total),
+    "worked" (the running sums) or a MALFORMED_KINDS name (`malformed_messages`). Rendered by the tokenizer's chat template with the calculator
     listed as the rollout renders it; ValueError if the template's rendering of the whole chat
     is not the concatenation of its turns' renderings (the demonstration would not be what a
     rollout appends)."""
     if kind == "tool":
         messages = tool_messages(problem)
+    elif kind in MALFORMED_KINDS:
+        messages = malformed_messages(problem, kind)
     elif kind in ("direct", "worked"):
         answer = problem.direct_solution() if kind == "direct" else problem.solution()
         messages = [
@@ -208,7 +291,7 @@ def encode_demonstration(
             {"role": "assistant", "content": answer},
         ]
     else:
-        raise ValueError(f"kind={kind!r}: use 'tool', 'direct' or 'worked'")
+        raise ValueError(f"kind={kind!r}: use one of {DEMONSTRATION_KINDS}")
     # Each message's text is what rendering the chat up to it adds; an assistant message is
     # the model's own (trained), the rest (prompt, tool turns, and an assistant turn's opening)
     # is not. The template's EOS after an assistant turn is trained only where the turn ends
@@ -268,7 +351,11 @@ def _added(before: str, after: str) -> str:
 
 
 def draw_kind(rng: random.Random, config: ToolSFTConfig) -> str:
+    """A demonstration's kind (DEMONSTRATION_KINDS) by the config's shares. With no malformed
+    share it draws as before that share existed, so such a recipe's demonstrations are too."""
     if rng.random() < config.tool_fraction:
+        if config.malformed_fraction > 0 and rng.random() < config.malformed_fraction:
+            return MALFORMED_KINDS[rng.randrange(len(MALFORMED_KINDS))]
         return "tool"
     return "direct" if rng.random() < config.direct_fraction else "worked"
 
