@@ -32,6 +32,7 @@ from patrl_examples.demo.reward import calls_tool, well_formed_call
 from patrl_examples.demo.sft import IGNORE
 from patrl_examples.demo.tokenizer import ASSISTANT, TOOL, build_tool_tokenizer
 from patrl_examples.demo.tools import (
+    LONG_SUMS_MALFORMED_SFT,
     LONG_SUMS_SFT,
     MALFORMED_KINDS,
     TOOL_TASKS,
@@ -131,10 +132,11 @@ def test_warm_start_demonstrations_call_and_get_right_answers() -> None:
     demonstration trains a call, well-formed or (its malformed share) one the tool loop answers
     with an error or finds no call in; after an error it trains a well-formed call; every
     well-formed call's calculator answer (run here) is the masked tool turn's text and the
-    problem's sum, and the box holds it. About 40% call, a fifth of those malformed first."""
+    problem's sum, and the box holds it. About 40% call, a fifth of those malformed first (the
+    second stage's mix; the first stage's is the same without malformed calls)."""
     tokenizer = build_tool_tokenizer()
     eos = str(tokenizer.eos_token)
-    config = LONG_SUMS_SFT.model_copy(update={"pool_size": 400, "tokens_per_batch": 8192})
+    config = LONG_SUMS_MALFORMED_SFT.model_copy(update={"pool_size": 400, "tokens_per_batch": 8192})
     batches = iter_tool_batches(iter_problems(5, LONG_SUMS), tokenizer, config, random.Random(5))
     rows = calling = malformed = 0
     while rows < config.pool_size:
@@ -170,9 +172,10 @@ def test_warm_start_demonstrations_call_and_get_right_answers() -> None:
             assert boxed == f"\\boxed{{{answer}}}{eos}"
     assert rows == config.pool_size
     # Binomial(400, 0.4): sd 0.025, so +-0.08 is three sd.
-    assert abs(calling / rows - LONG_SUMS_SFT.tool_fraction) < 0.08, calling
+    assert abs(calling / rows - config.tool_fraction) < 0.08, calling
     # Binomial(~160, 0.2): sd 0.032, so +-0.1 is three sd.
-    assert abs(malformed / calling - LONG_SUMS_SFT.malformed_fraction) < 0.1, malformed
+    assert config.malformed_fraction == 0.2
+    assert abs(malformed / calling - config.malformed_fraction) < 0.1, malformed
 
 
 @pytest.fixture(scope="module")
@@ -259,22 +262,32 @@ def test_no_malformed_share_draws_as_before_and_keeps_its_key() -> None:
         reference_kind(b, clean) for _ in range(500)
     ]
     rng = random.Random(4)
-    kinds = Counter(draw_kind(rng, LONG_SUMS_SFT) for _ in range(4000))
+    kinds = Counter(draw_kind(rng, LONG_SUMS_MALFORMED_SFT) for _ in range(4000))
     assert set(kinds) == {"tool", "worked", *MALFORMED_KINDS}, kinds
+    assert LONG_SUMS_SFT.malformed_fraction == 0.0
     recipe = ToolDemoRecipe.default(task="long_sums")
-    old = recipe.model_copy(update={"sft": clean})
+    old = recipe.start
+    assert old is not None and old.sft == LONG_SUMS_SFT and old.start is None
     fields = old.model_dump()
-    del fields["sft"]["malformed_fraction"]
+    del fields["sft"]["malformed_fraction"], fields["start"]
     payload = json.dumps({"version": 2, **fields}, sort_keys=True)
     assert old.key() == hashlib.sha256(payload.encode()).hexdigest()[:12]
     assert recipe.key() != old.key()
+    # The second stage's key names its start: another start, another key.
+    other = recipe.model_copy(
+        update={"start": old.model_copy(update={"sft": old.sft.model_copy(update={"steps": 7})})}
+    )
+    assert other.key() != recipe.key()
 
 
 def test_recipes_by_task_and_unknown_task_refused() -> None:
     assert set(TOOL_TASKS) == {"addition", "long_sums"}
     addition, long_sums = ToolDemoRecipe.default(), ToolDemoRecipe.default(task="long_sums")
     assert addition.task is None and long_sums.task == LONG_SUMS
-    assert long_sums.sft == LONG_SUMS_SFT
+    assert long_sums.sft == LONG_SUMS_MALFORMED_SFT and addition.start is None
+    assert long_sums.start == ToolDemoRecipe(base=long_sums.base, sft=LONG_SUMS_SFT, task=LONG_SUMS)
+    with pytest.raises(ValueError, match="same base and task"):
+        ToolDemoRecipe(base=addition.base, task=LONG_SUMS, start=addition)
     assert next(addition.problems(3)).prompt.startswith("Add: a")
     assert [next(long_sums.problems(3)) for _ in range(1)] == generate_problems(1, 3, LONG_SUMS)
     assert addition.key() != long_sums.key()
@@ -286,6 +299,11 @@ def test_recipes_by_task_and_unknown_task_refused() -> None:
 def test_quick_long_sums_build_writes_the_task_rows(tmp_path: Path) -> None:
     recipe = ToolDemoRecipe.default(quick=True, task="long_sums")
     assets = ensure_tool_demo_assets(tmp_path, recipe=recipe, progress=False)
+    # Two stages: the second tuned the first's model, each cached under its own key.
+    assert recipe.start is not None and recipe.start.start is None
+    first = ensure_tool_demo_assets(tmp_path, recipe=recipe.start, progress=False)
+    assert first.root != assets.root
+    assert assets.manifest["start_model"] == str(first.model_dir)
     splits = {}
     for path, split, count in (
         (assets.train_file, "train", recipe.base.num_train),

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from patrl.orchestrator.agent.calculator import CalculatorTool
@@ -91,6 +91,7 @@ tools:
     config: {type: native}
 """
 _TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
+_SECOND_SFT_STREAM = 5  # a recipe with a `start`: its fine-tune draws fresh problems
 # A task of its own draws its train and validation rows from the plain demo's streams.
 _TRAIN_STREAM, _VAL_STREAM = 1, 2
 # A problem of either task: both have the same answer interface.
@@ -126,18 +127,22 @@ class ToolSFTConfig(BaseModel):
 # The long-sums warm start: calls on 40% of the demonstrations, so that greedy decoding starts
 # out adding by hand and RL has a call share to raise; the others work the sum out line by line
 # (no bare totals), which copies numbers as a call does. Longer and at a higher rate than the
-# addition one, since copying three- and four-digit numbers is learned late. A fifth of its
-# calling demonstrations open with a malformed call (MALFORMED_KINDS), as real models' calls
-# sometimes are, so that the warm start makes them at a measurable rate and RL has a
-# well-formed share of calls to raise.
-LONG_SUMS_SFT = ToolSFTConfig(
-    steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0, malformed_fraction=0.2
+# addition one, since copying three- and four-digit numbers is learned late.
+LONG_SUMS_SFT = ToolSFTConfig(steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0)
+# Its second stage, continuing from it (`ToolDemoRecipe.start`): the same mix with a fifth of
+# the calling demonstrations opening with a malformed call (MALFORMED_KINDS), as real models'
+# calls sometimes are, so that the warm start makes them at a measurable rate and RL has a
+# well-formed share of calls to raise. A second stage, not the first stage's mix: mixed in from
+# the start, the copying of the expression into the call was not learned in 3000 steps.
+LONG_SUMS_MALFORMED_SFT = LONG_SUMS_SFT.model_copy(
+    update={"steps": 600, "lr": 1e-3, "malformed_fraction": 0.2}
 )
 
 
 class ToolDemoRecipe(BaseModel):
     """The plain demo's recipe (the warm start's start, and the data unless `task` is set), the
-    tool task and the tool fine-tune."""
+    tool task and the tool fine-tune; with `start`, the fine-tune continues from that tool
+    recipe's model (built first, cached as its own) instead of the plain demo's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -146,6 +151,19 @@ class ToolDemoRecipe(BaseModel):
     task: LongSumsConfig | None = Field(
         None, description="long sums for the rows and demonstrations; None: the plain demo's task"
     )
+    start: ToolDemoRecipe | None = Field(
+        None, description="a tool recipe of the same base and task whose model this one tunes"
+    )
+
+    @model_validator(mode="after")
+    def _same_task_as_start(self) -> ToolDemoRecipe:
+        if self.start is not None and (
+            self.start.base != self.base or self.start.task != self.task
+        ):
+            raise ValueError(
+                "start: a tool recipe continues only from one of the same base and task"
+            )
+        return self
 
     @classmethod
     def default(cls, seed: int = 0, quick: bool = False, task: str = "addition") -> ToolDemoRecipe:
@@ -154,13 +172,16 @@ class ToolDemoRecipe(BaseModel):
         if task not in TOOL_TASKS:
             raise ValueError(f"task={task!r}: use one of {sorted(TOOL_TASKS)}")
         config = TOOL_TASKS[task]
-        sft = ToolSFTConfig() if config is None else LONG_SUMS_SFT
-        if not quick:
-            return cls(base=DemoRecipe.default(seed), sft=sft, task=config)
-        sft = sft.model_copy(
-            update={"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
-        )
-        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft, task=config)
+        base = DemoRecipe.default(seed, quick=quick)
+        quick_update = {"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
+
+        def stage(sft: ToolSFTConfig) -> ToolSFTConfig:
+            return sft.model_copy(update=quick_update) if quick else sft
+
+        if config is None:
+            return cls(base=base, sft=stage(ToolSFTConfig()), task=None)
+        start = cls(base=base, sft=stage(LONG_SUMS_SFT), task=config)
+        return cls(base=base, sft=stage(LONG_SUMS_MALFORMED_SFT), task=config, start=start)
 
     def problems(self, seed: int) -> Iterator[AnyProblem]:
         """The endless stream of the task's problems drawn from `seed`."""
@@ -174,6 +195,9 @@ class ToolDemoRecipe(BaseModel):
             del fields["task"]
         if self.sft.malformed_fraction == 0:  # left out: such a recipe keeps its earlier key
             del fields["sft"]["malformed_fraction"]
+        del fields["start"]
+        if self.start is not None:  # its own key names it (left out when None, as above)
+            fields["start"] = self.start.key()
         payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -414,7 +438,8 @@ def train_tool_sft(
 ) -> list[float]:
     """Fine-tune in place on the demonstration mix; the loss of every step."""
     config = recipe.sft
-    seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
+    stream = _TOOL_SFT_STREAM if recipe.start is None else _SECOND_SFT_STREAM
+    seed = recipe.base.stream_seed(stream)
     torch.manual_seed(seed)
     batches = iter_tool_batches(recipe.problems(seed), tokenizer, config, random.Random(seed))
     # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
@@ -472,11 +497,18 @@ def ensure_tool_demo_assets(
     if _complete(target, recipe):
         return ToolDemoAssets.load(target)
     base = ensure_demo_assets(root, recipe=recipe.base, progress=progress, threads=threads)
+    model_dir = base.root / "model"
+    if recipe.start is not None:
+        start = ensure_tool_demo_assets(
+            root, recipe=recipe.start, progress=progress, threads=threads
+        )
+        model_dir = start.model_dir
     with file_lock(root / f".{target.name}.lock"):
         if _complete(target, recipe):
             return ToolDemoAssets.load(target)
         with torch_threads(threads):
-            _build(target, base.root, recipe, progress_logger(progress) or (lambda _: None))
+            log = progress_logger(progress) or (lambda _: None)
+            _build(target, base.root, model_dir, recipe, log)
     return ToolDemoAssets.load(target)
 
 
@@ -506,8 +538,15 @@ def write_rows(problems: Sequence[AnyProblem], dest: Path, split: str) -> None:
     dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
-    """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
+def _build(
+    target: Path,
+    base: Path,
+    model_dir: Path,
+    recipe: ToolDemoRecipe,
+    log: Callable[[str], None],
+) -> None:
+    """Build into a temporary sibling and rename it into place (the caller holds the lock):
+    the rows from the plain demo at `base` (or the task's), the model tuned from `model_dir`."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         start = time.perf_counter()
@@ -525,10 +564,10 @@ def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str]
                 )
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
-        model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if model.config.vocab_size != len(tokenizer):
             raise ValueError(
-                f"the plain demo model at {base / 'model'} has {model.config.vocab_size} "
+                f"the model at {model_dir} has {model.config.vocab_size} "
                 f"tokens, the tool tokenizer {len(tokenizer)}"
             )
         log(f"teaching the demo model the calculator ({recipe.sft.steps} SFT steps)")
@@ -541,6 +580,7 @@ def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str]
             "build_id": uuid.uuid4().hex,
             "recipe": recipe.model_dump(),
             "base": str(base),
+            "start_model": str(model_dir),
             "final_sft_loss": sum(tail) / len(tail),
             "build_s": time.perf_counter() - start,
             "torch_threads": torch.get_num_threads(),
