@@ -19,9 +19,10 @@ lines mostly right, so the calculator barely pays), and "long_sums" (`long_sums.
 `Add: 325+267+630`), which a model this small mostly adds wrong by hand and mostly gets right
 by copying the expression into a call, so calling pays. Its warm start calls the calculator on
 a minority of problems and trains longer, at a higher rate, for the copying (`LONG_SUMS_SFT`);
-a share of its calls are malformed (`MALFORMED_KINDS`), each answered as the rollout answers it
-(the tool's error observation, then a well-formed retry; or, with no closed call, nothing), so
-that the warm start makes malformed calls as real models do and RL has them to train away.
+then a second stage (`LONG_SUMS_MALFORMED_SFT`, a recipe whose `start` is the first) makes a
+share of its calls malformed (`MALFORMED_KINDS`), each answered as the rollout answers it (the
+tool's error observation, then a well-formed retry; or, with no closed call, nothing), so that
+the warm start makes malformed calls as real models do and RL has them to train away.
 
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
 fine-tuned model and the tool tokenizer), `data/` (the task's train and validation rows: the
