@@ -7,8 +7,8 @@
 numbers of 10-999) on which the calculator pays. Per seed: validation pass@1 (greedy, multi-turn) per validation, and per training step the
 share of responses that call the calculator (`calls_tool`) and, of those, the share whose
 every call is well-formed (`well_formed_call / calls_tool`: closed, valid JSON, the calculator
-with an expression) and the share of all responses that call with well-formed calls only,
-first and last 5 steps averaged. Also plots them per seed (tool_use.png in
+with an expression), the share of all responses that call with well-formed calls only, and
+training correctness (math_verify), first and last 5 steps averaged. Also plots them per seed (tool_use.png in
 the run's folder, beside the job's own reward / length / timeline plots, and a copy beside the
 JSON: `<json stem>_seed<N>.png`).
 """
@@ -28,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CALLS = "reward/patrl_examples.demo.reward:calls_tool/mean"
 WELL_FORMED = "reward/patrl_examples.demo.reward:well_formed_call/mean"
+CORRECT = "reward/math_verify/mean"
 
 
 def main() -> None:
@@ -56,7 +57,8 @@ def main() -> None:
             f"calls the calculator {r['calls_first']:.3f} -> {r['calls_last']:.3f}; "
             f"well-formed share of calling responses {fmt(r['well_formed_first'])} -> "
             f"{fmt(r['well_formed_last'])}; calls, all well-formed "
-            f"{r['calls_well_formed_first']:.3f} -> {r['calls_well_formed_last']:.3f} "
+            f"{r['calls_well_formed_first']:.3f} -> {r['calls_well_formed_last']:.3f}; "
+            f"correct {r['correct_first']:.3f} -> {r['correct_last']:.3f} "
             f"(first / last {r['k']} steps); "
             f"{r['wall_s']:.0f} s; validation by step: "
             + ", ".join(f"{s}: {v:.3f}" for s, v in r["val_pass_at_1_by_step"])
@@ -83,6 +85,7 @@ def run_seed(seed: int, task: str, nproc: int, overrides: list[str]) -> dict[str
     val = series(rows, "val-core/acc/mean@1")
     calls = series(rows, CALLS)
     well = series(rows, WELL_FORMED)
+    correct = series(rows, CORRECT)
     k = min(5, len(calls) // 2)
     plot(calls, well, val, run_root / "tool_use.png", f"{task}, seed {seed}")
     return {
@@ -103,6 +106,9 @@ def run_seed(seed: int, task: str, nproc: int, overrides: list[str]) -> dict[str
         # Responses that call with only well-formed calls, over all responses.
         "calls_well_formed_first": mean([v for _, v in well[:k]]),
         "calls_well_formed_last": mean([v for _, v in well[-k:]]),
+        # Training rollouts' math_verify: right answers over all responses.
+        "correct_first": mean([v for _, v in correct[:k]]),
+        "correct_last": mean([v for _, v in correct[-k:]]),
         "run_dir": str(run_root),
     }
 

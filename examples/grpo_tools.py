@@ -21,8 +21,9 @@ from examples/configs/demo_tools.yaml; any key can be overridden on the command 
 `--task long_sums` (`python -m nox -s demo_tools_long_sums`) swaps in sums of two to four
 numbers of two or three digits, `Add: 325+267+630` (patrl_examples.demo.long_sums), which the
 small model mostly adds wrong by hand and mostly gets right by a calculator call; its warm
-start calls the calculator on 40% of its demonstrations (tools.LONG_SUMS_SFT), and its
-settings are examples/configs/demo_tools_long_sums.yaml.
+start calls the calculator on 40% of its demonstrations (tools.LONG_SUMS_SFT), then a second
+stage opens a fifth of those with a malformed call answered by the tool's error and retried
+(tools.LONG_SUMS_MALFORMED_SFT); its settings are examples/configs/demo_tools_long_sums.yaml.
 """
 
 import argparse

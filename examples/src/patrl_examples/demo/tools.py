@@ -18,7 +18,11 @@ Two tasks (`TOOL_TASKS`): "addition", the plain demo's own (labelled single digi
 lines mostly right, so the calculator barely pays), and "long_sums" (`long_sums.SumProblem`:
 `Add: 325+267+630`), which a model this small mostly adds wrong by hand and mostly gets right
 by copying the expression into a call, so calling pays. Its warm start calls the calculator on
-a minority of problems and trains longer, at a higher rate, for the copying (`LONG_SUMS_SFT`).
+a minority of problems and trains longer, at a higher rate, for the copying (`LONG_SUMS_SFT`);
+then a second stage (`LONG_SUMS_MALFORMED_SFT`, a recipe whose `start` is the first) makes a
+share of its calls malformed (`MALFORMED_KINDS`), each answered as the rollout answers it (the
+tool's error observation, then a well-formed retry; or, with no closed call, nothing), so that
+the warm start makes malformed calls as real models do and RL has them to train away.
 
 A build directory `demo-tools-<key>` (next to the plain demo's in the cache): `model/` (the
 fine-tuned model and the tool tokenizer), `data/` (the task's train and validation rows: the
@@ -30,6 +34,7 @@ last). The plain demo's build and cache key are untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -42,9 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from patrl.orchestrator.agent.calculator import CalculatorTool
+from patrl.orchestrator.agent.tool_parser import extract_tool_calls
+from patrl.orchestrator.agent.tool_pool import ERROR_PREFIX
 from patrl_examples.demo import long_sums
 from patrl_examples.demo.assets import (
     MANIFEST,
@@ -84,6 +92,7 @@ tools:
     config: {type: native}
 """
 _TOOL_SFT_STREAM = 4  # the plain demo uses streams 1-3 of the seed
+_SECOND_SFT_STREAM = 5  # a recipe with a `start`: its fine-tune draws fresh problems
 # A task of its own draws its train and validation rows from the plain demo's streams.
 _TRAIN_STREAM, _VAL_STREAM = 1, 2
 # A problem of either task: both have the same answer interface.
@@ -102,6 +111,13 @@ class ToolSFTConfig(BaseModel):
     direct_fraction: float = Field(
         0.5, ge=0, le=1, description="of the others, the share that box a bare total"
     )
+    malformed_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="of the calling demonstrations, the share whose first call is malformed "
+        "(MALFORMED_KINDS, drawn uniformly)",
+    )
     tokens_per_batch: int = Field(2048, gt=0)
     pool_size: int = Field(512, gt=0)
     lr: float = Field(5e-4, gt=0)
@@ -114,11 +130,20 @@ class ToolSFTConfig(BaseModel):
 # (no bare totals), which copies numbers as a call does. Longer and at a higher rate than the
 # addition one, since copying three- and four-digit numbers is learned late.
 LONG_SUMS_SFT = ToolSFTConfig(steps=3000, lr=2e-3, tool_fraction=0.4, direct_fraction=0.0)
+# Its second stage, continuing from it (`ToolDemoRecipe.start`): the same mix with a fifth of
+# the calling demonstrations opening with a malformed call (MALFORMED_KINDS), as real models'
+# calls sometimes are, so that the warm start makes them at a measurable rate and RL has a
+# well-formed share of calls to raise. A second stage, not the first stage's mix: mixed in from
+# the start, the copying of the expression into the call was not learned in 3000 steps.
+LONG_SUMS_MALFORMED_SFT = LONG_SUMS_SFT.model_copy(
+    update={"steps": 600, "lr": 1e-3, "malformed_fraction": 0.2}
+)
 
 
 class ToolDemoRecipe(BaseModel):
     """The plain demo's recipe (the warm start's start, and the data unless `task` is set), the
-    tool task and the tool fine-tune."""
+    tool task and the tool fine-tune; with `start`, the fine-tune continues from that tool
+    recipe's model (built first, cached as its own) instead of the plain demo's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -127,6 +152,19 @@ class ToolDemoRecipe(BaseModel):
     task: LongSumsConfig | None = Field(
         None, description="long sums for the rows and demonstrations; None: the plain demo's task"
     )
+    start: ToolDemoRecipe | None = Field(
+        None, description="a tool recipe of the same base and task whose model this one tunes"
+    )
+
+    @model_validator(mode="after")
+    def _same_task_as_start(self) -> ToolDemoRecipe:
+        if self.start is not None and (
+            self.start.base != self.base or self.start.task != self.task
+        ):
+            raise ValueError(
+                "start: a tool recipe continues only from one of the same base and task"
+            )
+        return self
 
     @classmethod
     def default(cls, seed: int = 0, quick: bool = False, task: str = "addition") -> ToolDemoRecipe:
@@ -135,13 +173,16 @@ class ToolDemoRecipe(BaseModel):
         if task not in TOOL_TASKS:
             raise ValueError(f"task={task!r}: use one of {sorted(TOOL_TASKS)}")
         config = TOOL_TASKS[task]
-        sft = ToolSFTConfig() if config is None else LONG_SUMS_SFT
-        if not quick:
-            return cls(base=DemoRecipe.default(seed), sft=sft, task=config)
-        sft = sft.model_copy(
-            update={"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
-        )
-        return cls(base=DemoRecipe.default(seed, quick=True), sft=sft, task=config)
+        base = DemoRecipe.default(seed, quick=quick)
+        quick_update = {"steps": 3, "tokens_per_batch": 512, "pool_size": 32, "warmup_steps": 1}
+
+        def stage(sft: ToolSFTConfig) -> ToolSFTConfig:
+            return sft.model_copy(update=quick_update) if quick else sft
+
+        if config is None:
+            return cls(base=base, sft=stage(ToolSFTConfig()), task=None)
+        start = cls(base=base, sft=stage(LONG_SUMS_SFT), task=config)
+        return cls(base=base, sft=stage(LONG_SUMS_MALFORMED_SFT), task=config, start=start)
 
     def problems(self, seed: int) -> Iterator[AnyProblem]:
         """The endless stream of the task's problems drawn from `seed`."""
@@ -153,6 +194,11 @@ class ToolDemoRecipe(BaseModel):
         fields = self.model_dump()
         if self.task is None:  # left out: an addition recipe hashes as its own fields alone
             del fields["task"]
+        if self.sft.malformed_fraction == 0:  # left out: such a recipe keeps its earlier key
+            del fields["sft"]["malformed_fraction"]
+        del fields["start"]
+        if self.start is not None:  # its own key names it (left out when None, as above)
+            fields["start"] = self.start.key()
         payload = json.dumps({"version": TOOL_BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -181,6 +227,69 @@ def tool_messages(problem: AnyProblem) -> list[dict[str, str]]:
     ]
 
 
+# Malformed first calls, each a way real models get hermes calls wrong, with the problem's
+# expression in them: "unclosed_json" drops the JSON's last brace; "unclosed_tag" never writes
+# `</tool_call>` (the turn ends at EOS, so the rollout finds no call and the sample ends
+# unanswered); "wrong_argument" names the argument `expr`, not `expression`; "text_in_tag"
+# writes the tool's name as text before the JSON inside the tag.
+MALFORMED_KINDS = ("unclosed_json", "unclosed_tag", "wrong_argument", "text_in_tag")
+DEMONSTRATION_KINDS = ("tool", "direct", "worked", *MALFORMED_KINDS)
+
+
+def malformed_call_text(problem: AnyProblem, kind: str) -> str:
+    """The model's malformed calculator call for `problem` of a MALFORMED_KINDS `kind`."""
+    expression = "+".join(str(x) for x in problem.addends)
+    body = json.dumps({"name": CALCULATOR, "arguments": {"expression": expression}})
+    if kind == "unclosed_json":
+        return f"<tool_call>{body[:-1]}</tool_call>"
+    if kind == "unclosed_tag":
+        return f"<tool_call>{body}"
+    if kind == "wrong_argument":
+        wrong = json.dumps({"name": CALCULATOR, "arguments": {"expr": expression}})
+        return f"<tool_call>{wrong}</tool_call>"
+    if kind == "text_in_tag":
+        return f"<tool_call>{CALCULATOR} {body}</tool_call>"
+    raise ValueError(f"kind={kind!r}: use one of {MALFORMED_KINDS}")
+
+
+def observation(call: str) -> str | None:
+    """What the rollout appends as the tool's answer to a model turn `call` (one call at
+    most): None when it holds no closed call (the rollout ends the sample); a call that does
+    not parse gets verl's error observation (the tool pool's text); a parsed one, the
+    calculator's answer (for these calls, short of the demo's max_tool_response_length, so
+    never truncated). The tool pool's answers are the reference (the demo's tests)."""
+    _, calls = extract_tool_calls(call, "hermes")
+    if not calls:
+        return None
+    if len(calls) > 1:
+        raise ValueError(f"one call a turn, got {len(calls)} in {call!r}")
+    parsed = calls[0]
+    if parsed.error is not None or parsed.arguments is None:
+        return ERROR_PREFIX + (parsed.error or "malformed call")
+    if parsed.name != CALCULATOR:
+        raise ValueError(f"a demonstration calls only the calculator, got {parsed.name!r}")
+    response, _, _ = asyncio.run(CalculatorTool().execute("demo", parsed.arguments))
+    return str(response.text)
+
+
+def malformed_messages(problem: AnyProblem, kind: str) -> list[dict[str, str]]:
+    """A conversation opening with a malformed call of `kind`: it ends there when the rollout
+    would find no call in it ("unclosed_tag"); else the tool's error observation follows, and
+    the model calls again, well-formed, and boxes the tool's answer (it reads the error and
+    retries, as tool-use models are trained to)."""
+    bad = malformed_call_text(problem, kind)
+    messages = [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": bad}]
+    answer = observation(bad)
+    if answer is None:
+        return messages
+    return [
+        messages[0],
+        messages[1],
+        {"role": "tool", "content": answer},
+        *tool_messages(problem)[1:],
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class Demonstration:
     """Token ids of a whole chat, `mask` 1 where the model is trained (its own tokens) and 0
@@ -194,13 +303,15 @@ class Demonstration:
 def encode_demonstration(
     problem: AnyProblem, tokenizer: PreTrainedTokenizerBase, kind: str
 ) -> Demonstration:
-    """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total) or
-    "worked" (the running sums). Rendered by the tokenizer's chat template with the calculator
+    """`kind`: "tool" (call, tool turn, boxed answer), "direct" (a bare boxed total),
+    "worked" (the running sums) or a MALFORMED_KINDS name (`malformed_messages`). Rendered by the tokenizer's chat template with the calculator
     listed as the rollout renders it; ValueError if the template's rendering of the whole chat
     is not the concatenation of its turns' renderings (the demonstration would not be what a
     rollout appends)."""
     if kind == "tool":
         messages = tool_messages(problem)
+    elif kind in MALFORMED_KINDS:
+        messages = malformed_messages(problem, kind)
     elif kind in ("direct", "worked"):
         answer = problem.direct_solution() if kind == "direct" else problem.solution()
         messages = [
@@ -208,7 +319,7 @@ def encode_demonstration(
             {"role": "assistant", "content": answer},
         ]
     else:
-        raise ValueError(f"kind={kind!r}: use 'tool', 'direct' or 'worked'")
+        raise ValueError(f"kind={kind!r}: use one of {DEMONSTRATION_KINDS}")
     # Each message's text is what rendering the chat up to it adds; an assistant message is
     # the model's own (trained), the rest (prompt, tool turns, and an assistant turn's opening)
     # is not. The template's EOS after an assistant turn is trained only where the turn ends
@@ -268,7 +379,11 @@ def _added(before: str, after: str) -> str:
 
 
 def draw_kind(rng: random.Random, config: ToolSFTConfig) -> str:
+    """A demonstration's kind (DEMONSTRATION_KINDS) by the config's shares. With no malformed
+    share it draws as before that share existed, so such a recipe's demonstrations are too."""
     if rng.random() < config.tool_fraction:
+        if config.malformed_fraction > 0 and rng.random() < config.malformed_fraction:
+            return MALFORMED_KINDS[rng.randrange(len(MALFORMED_KINDS))]
         return "tool"
     return "direct" if rng.random() < config.direct_fraction else "worked"
 
@@ -324,7 +439,8 @@ def train_tool_sft(
 ) -> list[float]:
     """Fine-tune in place on the demonstration mix; the loss of every step."""
     config = recipe.sft
-    seed = recipe.base.stream_seed(_TOOL_SFT_STREAM)
+    stream = _TOOL_SFT_STREAM if recipe.start is None else _SECOND_SFT_STREAM
+    seed = recipe.base.stream_seed(stream)
     torch.manual_seed(seed)
     batches = iter_tool_batches(recipe.problems(seed), tokenizer, config, random.Random(seed))
     # sft.fit's loop, read with this fine-tune's numbers (AdamW's default weight decay)
@@ -382,11 +498,18 @@ def ensure_tool_demo_assets(
     if _complete(target, recipe):
         return ToolDemoAssets.load(target)
     base = ensure_demo_assets(root, recipe=recipe.base, progress=progress, threads=threads)
+    model_dir = base.root / "model"
+    if recipe.start is not None:
+        start = ensure_tool_demo_assets(
+            root, recipe=recipe.start, progress=progress, threads=threads
+        )
+        model_dir = start.model_dir
     with file_lock(root / f".{target.name}.lock"):
         if _complete(target, recipe):
             return ToolDemoAssets.load(target)
         with torch_threads(threads):
-            _build(target, base.root, recipe, progress_logger(progress) or (lambda _: None))
+            log = progress_logger(progress) or (lambda _: None)
+            _build(target, base.root, model_dir, recipe, log)
     return ToolDemoAssets.load(target)
 
 
@@ -416,8 +539,15 @@ def write_rows(problems: Sequence[AnyProblem], dest: Path, split: str) -> None:
     dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str], None]) -> None:
-    """Build into a temporary sibling and rename it into place (the caller holds the lock)."""
+def _build(
+    target: Path,
+    base: Path,
+    model_dir: Path,
+    recipe: ToolDemoRecipe,
+    log: Callable[[str], None],
+) -> None:
+    """Build into a temporary sibling and rename it into place (the caller holds the lock):
+    the rows from the plain demo at `base` (or the task's), the model tuned from `model_dir`."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         start = time.perf_counter()
@@ -435,10 +565,10 @@ def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str]
                 )
         (tmp / "tools.yaml").write_text(TOOLS_YAML)
         tokenizer = build_tool_tokenizer()
-        model = LlamaForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if model.config.vocab_size != len(tokenizer):
             raise ValueError(
-                f"the plain demo model at {base / 'model'} has {model.config.vocab_size} "
+                f"the model at {model_dir} has {model.config.vocab_size} "
                 f"tokens, the tool tokenizer {len(tokenizer)}"
             )
         log(f"teaching the demo model the calculator ({recipe.sft.steps} SFT steps)")
@@ -451,6 +581,7 @@ def _build(target: Path, base: Path, recipe: ToolDemoRecipe, log: Callable[[str]
             "build_id": uuid.uuid4().hex,
             "recipe": recipe.model_dump(),
             "base": str(base),
+            "start_model": str(model_dir),
             "final_sft_loss": sum(tail) / len(tail),
             "build_s": time.perf_counter() - start,
             "torch_threads": torch.get_num_threads(),
