@@ -80,7 +80,8 @@ class _Event:
 
     log: list[tuple[str, int]]
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
+        assert stream == ("stream of", torch.device("cuda", 1))  # the engine's device's
         self.log.append(("record", id(self)))
 
     def synchronize(self) -> None:
@@ -95,9 +96,10 @@ def test_a_host_buffer_is_rewritten_only_after_the_event_of_its_last_copy(
     device tensors are its own: later stages (and a buffer's growth) leave them intact."""
     log: list[tuple[str, int]] = []
     _Event.log = log
-    runtime = _Runtime()
+    runtime = _Runtime("cuda:1")  # not the current device: events go on its own stream
     st = StepStaging("cpu", capacity=64, runtime=runtime)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream of", device))
     real_move = staging.move
 
     def move(src: torch.Tensor, device: torch.device, *, copy: bool = False) -> torch.Tensor:
@@ -325,10 +327,13 @@ def test_the_transfer_count_sees_the_sampler_uploading_on_its_own(
 @pytest.mark.gpu
 def test_on_cuda_stages_come_from_pinned_buffers_and_keep_their_values() -> None:
     """The CUDA runtime: pinned host buffers, one device buffer a stage, and a third stage
-    rewriting the first buffer (after its event) while the first stage's tensors, on the
-    device, keep their values; a kernel reads every view."""
+    rewriting the first buffer only after its event while the first stage's tensors, on the
+    device, keep their values; a kernel reads every view. The stream is held busy first
+    (a ~0.1 s spin), so the first stage's copy has not run when the third stage writes:
+    without the wait on its event, the first stage would read the third's values."""
     st = StepStaging("cuda", capacity=64)
     kept = []
+    torch.cuda._sleep(200_000_000)  # GPU cycles: the copies below queue behind it
     for step in range(3):
         values = [list(range(step, step + 5)), [[step, 1], [2, 3]]]
         staged = st.stage([Array(values[0], torch.int64), Array(values[1], torch.int32, (2, 2))])

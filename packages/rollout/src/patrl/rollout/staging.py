@@ -11,7 +11,10 @@ buffer is not written again until that copy is done: `StepStaging` alternates be
 buffers and, before writing one, waits on the CUDA event recorded after the copy that last read
 it (two stages ago: in a steady decode loop, long done). The device buffer is fresh each stage
 (the caching allocator keeps its reuse stream-ordered), so a tensor of one stage stays valid
-however many stages follow. On CPU the same code runs with `HostCopies`: a plain host buffer,
+however many stages follow. The wait costs nothing in a steady decode loop (the event is two
+stages old, and the step's copy of its results back to the host has synchronised since); a
+loop that staged steps ahead of their syncs would block there. On CPU the same code runs with
+`HostCopies`: a plain host buffer,
 a real copy, no events; it differs from `CudaCopies` only in those runtime calls.
 
 Every host-to-device copy of a step goes through `move`, so a test can count them.
@@ -102,20 +105,23 @@ def move(src: torch.Tensor, device: torch.device, *, copy: bool = False) -> torc
 
 
 class CudaCopies:
-    """The CUDA calls behind `StepStaging`: pinned host buffers and one event per buffer."""
+    """The CUDA calls behind `StepStaging`: pinned host buffers and one event per buffer,
+    recorded on `device`'s current stream (the stream `move`'s copy to `device` runs on,
+    whichever device is the process's current one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device("cuda" if device is None else device)
         self.events: dict[int, Any] = {}
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copied(self, slot: int) -> None:
-        """Mark the end of the copy just issued from host buffer `slot` on the current stream."""
+        """Mark the end of the copy just issued from host buffer `slot` to `device`."""
         event = self.events.get(slot)
         if event is None:
             event = self.events[slot] = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
 
     def wait(self, slot: int) -> None:
         """Block until the last copy from host buffer `slot` has read it."""
@@ -158,7 +164,7 @@ class StepStaging:
     ) -> None:
         self.device = torch.device(device)
         if runtime is None:
-            runtime = CudaCopies() if self.device.type == "cuda" else HostCopies()
+            runtime = CudaCopies(self.device) if self.device.type == "cuda" else HostCopies()
         self.runtime = runtime
         self.capacity = max(capacity, ALIGN)
         self.hosts: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
