@@ -205,9 +205,6 @@ RULES: dict[str, Rule] = {
     "rollout.multi_turn.use_inference_chat_template": Noted(
         "patrl renders tool turns with the tokenizer's chat template", quiet=(False,)
     ),
-    "rollout.multi_turn.interaction_config_path": Fixed(
-        (None,), "patrl's agent loop has tools, not verl's interactions", "null"
-    ),
     # rollout.agent.agent_loop_config_path is patrl's own key (config.AgentConfig)
     "rollout.agent.num_workers": Noted(
         "a rank runs its agent loops on one event loop beside its engine (no worker actors)"

@@ -1,0 +1,463 @@
+"""verl's interactions in the tool agent loop (`rollout.multi_turn.interaction_config_path`): a
+simulated user answers the model's final turn, its answer is appended as a user message's
+tokens (mask 0, the KV extended), turn scores reach the reward as verl passes them,
+`max_user_turns` caps the attempts, faults end the sample and never hang, preflight names bad
+configs and rows, a verl-style command line dry-runs to the same values, and a job runs 2 steps.
+
+The model is agent_scripted's tiny Llama under RETRY_TEMPLATE: greedy, its first answer is
+WRONG, and its answer after a user message that follows the first one is RIGHT (or WRONG
+again, for the cap); the interaction is the GSM8K port, ground truth 42.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from agent_scripted import RETRY_TEMPLATE, hermes_tokenizer, save_scripted_model
+from test_orchestrator_agent_loop import Recorder
+
+from patrl.orchestrator.agent import AgentLoopRunner, ToolAgentLoop, ToolPool
+from patrl.orchestrator.agent.agent_loop import TurnState
+from patrl.orchestrator.agent.gsm8k_interaction import CORRECT, INCORRECT, Gsm8kInteraction
+from patrl.orchestrator.agent.interaction import (
+    BaseInteraction,
+    InteractionConfigError,
+    load_interactions,
+)
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+from patrl.orchestrator.config import load_config
+from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.preflight import multi_turn_problems
+from patrl.orchestrator.rewards import RewardManager
+from patrl.orchestrator.scoring import score_outputs
+from patrl.orchestrator.support import unsupported
+from patrl.rollout import Engine, EngineConfig, SamplingParams
+
+WRONG, RIGHT = "#### 41", "#### 42"
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+QUESTION = [{"role": "user", "content": "What is 6*7?"}]
+PORT = "patrl.orchestrator.agent.gsm8k_interaction.Gsm8kInteraction"
+# verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml,
+# the class name changed to patrl's port
+GSM8K_INTERACTION_CONFIG = f"""\
+interaction:
+  - name: "gsm8k"
+    class_name: "{PORT}"
+    config: {{}}
+"""
+KWARGS = {"name": "gsm8k", "query": "What is 6*7?", "ground_truth": "42"}
+
+
+def tokenizer() -> Any:
+    tok = hermes_tokenizer([WRONG, RIGHT])
+    tok.chat_template = RETRY_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("interactions")
+    return {
+        "retry": save_scripted_model(root / "retry", tokenizer(), None, RIGHT, first_answer=WRONG),
+        "stuck": save_scripted_model(root / "stuck", tokenizer(), None, WRONG),
+    }
+
+
+def engine(model: Path) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model), dtype="float32", device="cpu", block_size=4, num_kv_blocks=512,
+            max_model_len=1024,
+        )
+    )
+
+
+class Recording(Gsm8kInteraction):
+    """The GSM8K port, recording each call (and each generate_response's messages)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.calls: list[tuple[str, Any]] = []
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        self.calls.append(("start", dict(kwargs)))
+        return await super().start_interaction(instance_id, **kwargs)
+
+    async def generate_response(self, instance_id: str, messages: Any, **kwargs: Any) -> Any:
+        self.calls.append(("respond", [dict(m) for m in messages]))
+        return await super().generate_response(instance_id, messages, **kwargs)
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        self.calls.append(("finalize", instance_id))
+        await super().finalize_interaction(instance_id, **kwargs)
+
+
+def loop_of(eng: Engine, interaction: BaseInteraction, **keys: Any) -> ToolAgentLoop:
+    keys.setdefault("response_length", 400)
+    return ToolAgentLoop(
+        eng.tokenizer,
+        ToolPool([]),
+        sorted(eng.eos_token_ids),
+        interactions={"gsm8k": interaction},
+        **keys,
+    )
+
+
+def run_one(model: Path, interaction: BaseInteraction, **keys: Any) -> Any:
+    eng = engine(model)
+    loop = loop_of(eng, interaction, **keys)
+    runner = AgentLoopRunner(eng, {"tool_agent": loop})
+    rec = Recorder(runner, loop)
+    (out,) = runner.run([{"raw_prompt": QUESTION, "interaction_kwargs": dict(KWARGS)}], GREEDY)
+    assert eng.kept_request_ids() == [] and not eng.has_unfinished()
+    return out, rec, loop, eng.tokenizer
+
+
+def test_a_wrong_then_right_answer_gets_the_users_turn_as_tokens_and_the_kv_extended(
+    models: dict[str, Path],
+) -> None:
+    interaction = Recording({"name": "gsm8k"})
+    out, rec, loop, tok = run_one(models["retry"], interaction)
+    (_, first, _), (_, second, _) = rec.turns
+    assert tok.decode(first, skip_special_tokens=True) == WRONG
+    assert tok.decode(second, skip_special_tokens=True) == RIGHT
+    user = loop.appended_ids([{"role": "user", "content": INCORRECT}], ended_with_eos=True)
+    # tokens in, tokens out: the model's turns and the user turn's ids, position by position
+    assert out.response_ids == first + user + second
+    assert out.response_mask == [1] * len(first) + [0] * len(user) + [1] * len(second)
+    assert out.response_logprobs[len(first) : len(first) + len(user)] == [0.0] * len(user)
+    assert tok.decode(user).startswith("\n<|im_start|>user\n" + INCORRECT + "<|im_end|>")
+    # the KV is extended: the second turn prefills the user turn and the last sampled token
+    (_, cold), (submitted, prefilled) = rec.prefill
+    assert prefilled == len(user) + 1 and submitted > prefilled
+    assert out.extra_fields["turn_scores"] == [0.0, 1.0]
+    assert out.num_turns == 2 + 1 + 1  # two model turns, one user turn, the prompt
+    assert out.metrics["interaction_turns"] == 1 and out.metrics["interaction_errors"] == 0
+    # verl's calls: start with the row's whole interaction_kwargs, the conversation as
+    # messages (the model's turns decoded), finalize once
+    kinds = [k for k, _ in interaction.calls]
+    assert kinds == ["start", "respond", "respond", "finalize"]
+    assert interaction.calls[0][1] == KWARGS
+    assert interaction.calls[2][1] == [
+        *QUESTION,
+        {"role": "assistant", "content": WRONG},
+        {"role": "user", "content": INCORRECT},
+        {"role": "assistant", "content": RIGHT},
+    ]
+    assert interaction._instance_dict == {}  # finalized
+
+
+def test_max_user_turns_caps_the_attempts(models: dict[str, Path]) -> None:
+    interaction = Recording({"name": "gsm8k"})
+    out, rec, _, _ = run_one(models["stuck"], interaction, max_user_turns=2)
+    assert [k for k, _ in interaction.calls].count("respond") == 2  # verl's rule: not after
+    assert len(rec.turns) == 3 and out.metrics["interaction_turns"] == 2
+    assert out.extra_fields["turn_scores"] == [0.0, 0.0]
+    assert out.response_mask[-1] == 1  # never ends on a user turn
+
+
+def test_the_turn_scores_reach_the_reward_as_verls_extra_info(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    path = tmp_path / "interaction.yaml"
+    path.write_text(GSM8K_INTERACTION_CONFIG)
+    config = load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "data.max_response_length=256",  # the user's answer is ~100 character tokens
+            "rollout.n=2",
+            "rollout.adaptive_tp.enable=false",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.interaction_config_path={path}",
+            "actor.ppo_mini_batch_size=1",
+            "data.train_batch_size=1",
+        ],
+    )
+    rollout = MultiTurnRollout(config, engine(models["retry"]))
+    extra = {"extra_info": {"index": 3, "interaction_kwargs": dict(KWARGS)}}
+    item = PromptItem(7, [], "What is 6*7?", "42", extra, QUESTION)
+    (out,) = rollout.generate([item], [SamplingParams(n=2, temperature=0.0, max_tokens=64)])
+    assert rollout.metrics["multi_turn/interaction_turns"] == 2.0, sorted(rollout.metrics.items())
+    assert rollout.metrics["multi_turn/interaction_turn_score/mean"] == 0.5
+    rewards = RewardManager([(f"{__name__}:last_turn_score", 1.0)], num_workers=0)
+    try:
+        samples, _, _ = score_outputs(rewards, [(item, out)])
+    finally:
+        rewards.close()
+    assert [s.reward for s in samples] == [1.0, 1.0]
+    assert item.extra == {"extra_info": {"index": 3, "interaction_kwargs": KWARGS}}  # a copy
+
+
+def last_turn_score(data_source: Any, solution_str: str, ground_truth: str, extra_info: Any) -> float:
+    """A verl reward function: the interaction's last turn score (verl's extra_info)."""
+    assert extra_info["index"] == 3
+    return float(extra_info["turn_scores"][-1])
+
+
+class Faulty(BaseInteraction):
+    """Fails in `where` ("start", "respond", "finalize") by `how` ("raise", "hang": blocks on
+    `gate`, "shape": a 2-tuple); records the calls."""
+
+    gate = threading.Event()
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.where, self.how = config["where"], config["how"]
+        self.calls: list[str] = []
+
+    def fail(self, here: str) -> Any:
+        self.calls.append(here)
+        if here != self.where:
+            return None
+        if self.how == "raise":
+            raise RuntimeError(f"{here} broke")
+        if self.how == "hang":
+            Faulty.gate.wait(60)
+        return "shape"
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        self.fail("start")
+        return str(instance_id)
+
+    async def generate_response(self, instance_id: str, messages: Any, **kwargs: Any) -> Any:
+        if self.fail("respond") == "shape" and self.how == "shape":
+            return (False, "two")
+        return False, INCORRECT, 0.0, {}
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        self.fail("finalize")
+
+
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [("respond", "raise"), ("respond", "hang"), ("respond", "shape"), ("start", "raise"),
+     ("finalize", "hang")],
+)
+def test_an_interaction_that_raises_or_hangs_ends_its_sample_and_never_hangs(
+    models: dict[str, Path], where: str, how: str
+) -> None:
+    Faulty.gate.clear()
+    interaction = Faulty({"name": "gsm8k", "where": where, "how": how})
+    try:
+        out, rec, _, _ = run_one(
+            models["stuck"], interaction, interaction_timeout_s=0.5, max_user_turns=1
+        )
+    finally:
+        Faulty.gate.set()
+    assert out.metrics["interaction_errors"] == 1
+    assert out.metrics["interaction_timeouts"] == int(how == "hang")
+    if where == "finalize":  # the sample had ended: its user turn is kept
+        assert out.metrics["interaction_turns"] == 1 and len(rec.turns) == 2
+        return
+    assert len(rec.turns) == 1 and out.response_mask == [1] * len(out.response_ids)
+    assert out.metrics["interaction_turns"] == 0
+    # a started interaction is finalized; one whose start failed is not
+    assert interaction.calls == (
+        ["start"] if where == "start" else ["start", "respond", "finalize"]
+    )
+
+
+def test_a_cut_sample_finalizes_and_restarts_its_interaction_and_ends_as_uncut(
+    models: dict[str, Path],
+) -> None:
+    want, _, _, _ = run_one(models["retry"], Recording({"name": "gsm8k"}))
+    eng = engine(models["retry"])
+    interaction = Recording({"name": "gsm8k"})
+    loop = loop_of(eng, interaction)
+    runner = AgentLoopRunner(eng, {"tool_agent": loop})
+    row = {"raw_prompt": QUESTION, "interaction_kwargs": dict(KWARGS)}
+    respond = interaction.generate_response
+
+    async def stopping(instance_id: str, messages: Any, **kwargs: Any) -> Any:
+        runner.server.stop()  # the quota is met while the user answers
+        return await respond(instance_id, messages, **kwargs)
+
+    interaction.generate_response = stopping  # type: ignore[method-assign]
+    (st,) = runner.run_partial([row], GREEDY, groups=[0], quota=1)
+    assert isinstance(st, TurnState) and st.open_turn is None
+    assert st.response_mask[-1] == 0 and st.turn_scores == [0.0]
+    assert [k for k, _ in interaction.calls] == ["start", "respond", "finalize"]
+    interaction.generate_response = respond  # type: ignore[method-assign]
+    (out,) = runner.run([{**row, "resume": st}], GREEDY)
+    assert out.response_ids == want.response_ids and out.response_mask == want.response_mask
+    assert out.extra_fields["turn_scores"] == [0.0, 1.0]
+    assert [k for k, _ in interaction.calls][3:] == ["start", "respond", "finalize"]
+    assert interaction.calls[3][1] == KWARGS  # started again with the row's kwargs
+
+
+def test_verls_interaction_config_loads_and_bad_ones_are_named_with_their_key(
+    tmp_path: Path,
+) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(GSM8K_INTERACTION_CONFIG)
+    (found,) = load_interactions(good).values()
+    assert isinstance(found, Gsm8kInteraction) and found.name == "gsm8k"
+    unnamed = tmp_path / "unnamed.yaml"
+    unnamed.write_text(yaml.safe_dump({"interaction": [{"class_name": PORT, "config": {}}]}))
+    assert list(load_interactions(unnamed)) == ["gsm8k"]  # verl's name from the class
+    cases = {
+        "missing.yaml": None,
+        "notyaml.yaml": "interaction: [",
+        "nolist.yaml": "interaction: 3",
+        "noimport.yaml": "interaction: [{name: a, class_name: nowhere.Thing}]",
+        "notsub.yaml": "interaction: [{name: a, class_name: pathlib.Path}]",
+        "twice.yaml": f"interaction: [{{name: a, class_name: {PORT}}}, {{name: a, class_name: {PORT}}}]",
+    }
+    said = {
+        "missing.yaml": "no such file",
+        "notyaml.yaml": "not valid YAML",
+        "nolist.yaml": "`interaction` list",
+        "noimport.yaml": "interaction.0.class_name='nowhere.Thing': cannot import",
+        "notsub.yaml": "interaction.0.class_name='pathlib.Path' is not a subclass",
+        "twice.yaml": "interaction.1.name='a'",
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(InteractionConfigError) as e:
+            load_interactions(path)
+        assert str(path) in str(e.value) and said[name] in str(e.value), str(e.value)
+        config = load_config(
+            None,
+            [
+                "rollout.multi_turn.enable=true",
+                f"rollout.multi_turn.interaction_config_path={path}",
+            ],
+        )
+        (problem,) = multi_turn_problems(config)
+        assert problem.startswith("rollout.multi_turn.interaction_config_path: ")
+        assert said[name] in problem
+
+
+def test_preflight_names_a_row_without_a_name_or_with_an_unknown_one_and_async_is_refused(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    from patrl.orchestrator.main import main
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    rows = [
+        {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
+         "extra_info": {"interaction_kwargs": kwargs}}
+        for kwargs in (KWARGS, {"ground_truth": "42"}, {**KWARGS, "name": "chess"})
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        f"model.path={models['retry']}",
+        f"data.train_files={data}",
+        "data.train_batch_size=1",
+        "actor.ppo_mini_batch_size=1",
+        "rollout.adaptive_tp.enable=false",
+        "rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={config}",
+    ]
+    import io
+    from contextlib import redirect_stderr
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["--dry-run", *args]) != 0
+    text = err.getvalue()
+    assert "data.train_files: row 1: extra_info.interaction_kwargs has no `name`" in text
+    assert "row 2: extra_info.interaction_kwargs.name='chess' is not a configured" in text
+    job = load_config(None, [*args[1:], "trainer.mode=async"])
+    (problem,) = unsupported(job, 2)
+    assert "rollout.multi_turn.interaction_config_path=" in problem
+    assert "trainer.mode=async" in problem
+
+
+def test_a_verl_style_command_line_dry_runs_to_the_same_values(
+    tmp_path: Path, models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from patrl.orchestrator.main import main
+
+    config = tmp_path / "gsm8k_interaction_config.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    data = tmp_path / "train.jsonl"
+    row = {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
+           "extra_info": {"interaction_kwargs": KWARGS}}
+    data.write_text(json.dumps(row) + "\n")
+    assert (
+        main(
+            [
+                "--dry-run",
+                f"actor_rollout_ref.model.path={models['retry']}",
+                f"data.train_files={data}",
+                "data.train_batch_size=1",
+                "data.return_raw_chat=True",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                "actor_rollout_ref.rollout.adaptive_tp.enable=false",
+                "actor_rollout_ref.rollout.multi_turn.enable=True",
+                "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+                f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={config}",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr()
+    mt = yaml.safe_load(out.out)["rollout"]["multi_turn"]
+    assert mt["enable"] is True and mt["max_user_turns"] == 3
+    assert mt["interaction_config_path"] == str(config) and mt["tool_config_path"] is None
+
+
+@pytest.mark.e2e
+def test_a_job_with_an_interaction_runs_two_steps(tmp_path: Path, models: dict[str, Path]) -> None:
+    from patrl.orchestrator.main import main
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
+         "extra_info": {"index": i, "interaction_kwargs": KWARGS}}
+        for i in range(2)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    overrides: dict[str, Any] = {
+        "model.path": models["retry"],
+        "data.train_files": data,
+        "data.train_batch_size": 2,
+        "data.max_response_length": 256,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.temperature": 0.05,
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "false",
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.interaction_config_path": config,
+        "rollout.multi_turn.max_user_turns": 2,
+        "reward.functions": f'[{{name: "{__name__}:last_turn_score_or_zero"}}]',
+        "reward.num_workers": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 0,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": run,
+    }
+    assert main([f"{k}={v}" for k, v in overrides.items()]) == 0
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["multi_turn/interaction_turns"] > 0
+        assert 0.0 <= r["multi_turn/interaction_turn_score/mean"] <= 1.0
+        assert r["response_length/model_tokens/mean"] < r["response_length/mean"]
+
+
+def last_turn_score_or_zero(
+    data_source: Any, solution_str: str, ground_truth: str, extra_info: Any
+) -> float:
+    scores = (extra_info or {}).get("turn_scores") or [0.0]
+    return float(scores[-1])
