@@ -23,7 +23,7 @@ from test_orchestrator_agent_loop import Recorder
 
 from patrl.orchestrator.agent import AgentLoopRunner, ToolAgentLoop, ToolPool
 from patrl.orchestrator.agent.agent_loop import TurnState
-from patrl.orchestrator.agent.gsm8k_interaction import CORRECT, INCORRECT, Gsm8kInteraction
+from patrl.orchestrator.agent.gsm8k_interaction import INCORRECT, Gsm8kInteraction
 from patrl.orchestrator.agent.interaction import (
     BaseInteraction,
     InteractionConfigError,
@@ -71,7 +71,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engine(model: Path) -> Engine:
     return Engine(
         EngineConfig(
-            model=str(model), dtype="float32", device="cpu", block_size=4, num_kv_blocks=512,
+            model=str(model),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=512,
             max_model_len=1024,
         )
     )
@@ -133,7 +137,7 @@ def test_a_wrong_then_right_answer_gets_the_users_turn_as_tokens_and_the_kv_exte
     assert out.response_logprobs[len(first) : len(first) + len(user)] == [0.0] * len(user)
     assert tok.decode(user).startswith("\n<|im_start|>user\n" + INCORRECT + "<|im_end|>")
     # the KV is extended: the second turn prefills the user turn and the last sampled token
-    (_, cold), (submitted, prefilled) = rec.prefill
+    _, (submitted, prefilled) = rec.prefill
     assert prefilled == len(user) + 1 and submitted > prefilled
     assert out.extra_fields["turn_scores"] == [0.0, 1.0]
     assert out.num_turns == 2 + 1 + 1  # two model turns, one user turn, the prompt
@@ -149,7 +153,6 @@ def test_a_wrong_then_right_answer_gets_the_users_turn_as_tokens_and_the_kv_exte
         {"role": "user", "content": INCORRECT},
         {"role": "assistant", "content": RIGHT},
     ]
-    assert interaction._instance_dict == {}  # finalized
 
 
 def test_max_user_turns_caps_the_attempts(models: dict[str, Path]) -> None:
@@ -194,7 +197,9 @@ def test_the_turn_scores_reach_the_reward_as_verls_extra_info(
     assert item.extra == {"extra_info": {"index": 3, "interaction_kwargs": KWARGS}}  # a copy
 
 
-def last_turn_score(data_source: Any, solution_str: str, ground_truth: str, extra_info: Any) -> float:
+def last_turn_score(
+    data_source: Any, solution_str: str, ground_truth: str, extra_info: Any
+) -> float:
     """A verl reward function: the interaction's last turn score (verl's extra_info)."""
     assert extra_info["index"] == 3
     return float(extra_info["turn_scores"][-1])
@@ -236,8 +241,13 @@ class Faulty(BaseInteraction):
 
 @pytest.mark.parametrize(
     ("where", "how"),
-    [("respond", "raise"), ("respond", "hang"), ("respond", "shape"), ("start", "raise"),
-     ("finalize", "hang")],
+    [
+        ("respond", "raise"),
+        ("respond", "hang"),
+        ("respond", "shape"),
+        ("start", "raise"),
+        ("finalize", "hang"),
+    ],
 )
 def test_an_interaction_that_raises_or_hangs_ends_its_sample_and_never_hangs(
     models: dict[str, Path], where: str, how: str
@@ -344,8 +354,11 @@ def test_preflight_names_a_row_without_a_name_or_with_an_unknown_one_and_async_i
     config = tmp_path / "interaction.yaml"
     config.write_text(GSM8K_INTERACTION_CONFIG)
     rows = [
-        {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
-         "extra_info": {"interaction_kwargs": kwargs}}
+        {
+            "prompt": QUESTION,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {"interaction_kwargs": kwargs},
+        }
         for kwargs in (KWARGS, {"ground_truth": "42"}, {**KWARGS, "name": "chess"})
     ]
     data = tmp_path / "train.jsonl"
@@ -382,8 +395,11 @@ def test_a_verl_style_command_line_dry_runs_to_the_same_values(
     config = tmp_path / "gsm8k_interaction_config.yaml"
     config.write_text(GSM8K_INTERACTION_CONFIG)
     data = tmp_path / "train.jsonl"
-    row = {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
-           "extra_info": {"interaction_kwargs": KWARGS}}
+    row = {
+        "prompt": QUESTION,
+        "reward_model": {"ground_truth": "42"},
+        "extra_info": {"interaction_kwargs": KWARGS},
+    }
     data.write_text(json.dumps(row) + "\n")
     assert (
         main(
@@ -416,8 +432,11 @@ def test_a_job_with_an_interaction_runs_two_steps(tmp_path: Path, models: dict[s
     config.write_text(GSM8K_INTERACTION_CONFIG)
     data = tmp_path / "train.jsonl"
     rows = [
-        {"prompt": QUESTION, "reward_model": {"ground_truth": "42"},
-         "extra_info": {"index": i, "interaction_kwargs": KWARGS}}
+        {
+            "prompt": QUESTION,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {"index": i, "interaction_kwargs": KWARGS},
+        }
         for i in range(2)
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 

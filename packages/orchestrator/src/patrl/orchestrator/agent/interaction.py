@@ -98,10 +98,14 @@ def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
     for i, entry in enumerate(data["interaction"]):
         where = f"{path}: interaction.{i}"
         if not isinstance(entry, dict):
-            raise InteractionConfigError(f"{where}: each item is a mapping of name, class_name, config")
+            raise InteractionConfigError(
+                f"{where}: each item is a mapping of name, class_name, config"
+            )
         unknown = sorted(set(entry) - {"name", "class_name", "config"})
         if unknown:
-            raise InteractionConfigError(f"{where}: unknown keys {unknown}; use name, class_name, config")
+            raise InteractionConfigError(
+                f"{where}: unknown keys {unknown}; use name, class_name, config"
+            )
         cls = interaction_class(entry.get("class_name"), f"{where}.class_name")
         name = entry.get("name")
         if name is None:
@@ -192,9 +196,7 @@ class InteractionFailed(Exception):
         self.kind = kind
 
 
-async def call_interaction(
-    what: str, make: Callable[[], Awaitable[Any]], timeout_s: float
-) -> Any:
+async def call_interaction(what: str, make: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
     """Run the coroutine `make()` (one interaction call, named `what` in errors) in a daemon
     thread on an event loop of its own, under `timeout_s`; its result, or InteractionFailed.
     A call past its deadline is left to finish in its thread (it cannot be stopped), as the

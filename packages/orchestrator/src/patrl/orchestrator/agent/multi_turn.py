@@ -65,7 +65,9 @@ class MultiTurnRollout:
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
         self.interactions = (
-            {} if mt.interaction_config_path is None else load_interactions(mt.interaction_config_path)
+            {}
+            if mt.interaction_config_path is None
+            else load_interactions(mt.interaction_config_path)
         )
         self.pool = ToolPool(
             [] if mt.tool_config_path is None else load_tools(mt.tool_config_path),
