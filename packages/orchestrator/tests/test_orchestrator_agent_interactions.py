@@ -480,3 +480,96 @@ def last_turn_score_or_zero(
 ) -> float:
     scores = (extra_info or {}).get("turn_scores") or [0.0]
     return float(scores[-1])
+
+
+# ------------------------------------------------------------------ adaptive TP
+
+
+def interaction_job(path: Path) -> Any:
+    return load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "data.max_response_length=256",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.interaction_config_path={path}",
+        ],
+    )
+
+
+def rank_items(rank: int) -> tuple[list[PromptItem], list[SamplingParams]]:
+    extra = {"extra_info": {"interaction_kwargs": dict(KWARGS)}}
+    item = PromptItem(10 * rank, [], "What is 6*7?", "42", extra, QUESTION)
+    return [item], [SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3 + rank)]
+
+
+def as_lists(outs: list[Any]) -> dict[str, Any]:
+    return {
+        "tokens": [[c.token_ids for c in o.outputs] for o in outs],
+        "masks": [[c.response_mask for c in o.outputs] for o in outs],
+        "scores": [[c.turn_scores for c in o.outputs] for o in outs],
+    }
+
+
+def _adaptive(rank: int, world_size: int, model_dir: str, config: str) -> dict[str, Any]:
+    from test_orchestrator_agent_adaptive import GatedFoldPlanner
+
+    from patrl.lenpredict import LengthPredictor
+    from patrl.orchestrator.agent.adaptive_agent_loop import AdaptiveMultiTurnRollout
+    from patrl.rollout.adaptive import AdaptiveEngine
+    from patrl.tpreshard import GroupCache
+
+    policy = {
+        "kind": "adaptive",
+        "candidates": (1, 2),
+        "check_every": 2,
+        "check_budget": 0.0,
+        "kv_policy": "auto",
+    }
+    planner = GatedFoldPlanner(waiting=0)  # folds at its first check with turns running
+    engine = AdaptiveEngine(
+        EngineConfig(
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=512,
+            max_model_len=1024,
+            tp_policy=policy,
+        ),
+        groups=GroupCache([1, 2], world_size=world_size, rank=rank),
+        planner=planner,
+        lengths=LengthPredictor(),
+    )
+    rollout = AdaptiveMultiTurnRollout(interaction_job(Path(config)), engine)
+    items, params = rank_items(rank)
+    out = as_lists(rollout.generate(items, params))
+    return {
+        **out,
+        "metrics": dict(rollout.metrics),
+        "switches": engine.stats()["tp_switches"],
+    }
+
+
+@pytest.mark.multirank
+def test_interactions_under_adaptive_tp_with_a_fold_change_no_token(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """World rank 0 runs every rank's interactions; a fold mid-rollout changes no token:
+    each rank's trajectories and turn scores equal its static TP 1 run's."""
+    from patrl_testkit.multirank import run_ranks
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    twins = []
+    for rank in range(2):
+        twin = MultiTurnRollout(interaction_job(config), engine(models["retry"]))
+        twins.append(as_lists(twin.generate(*rank_items(rank))))
+    results = run_ranks(
+        _adaptive, world_size=2, args=(str(models["retry"]), str(config)), timeout_s=300
+    )
+    for got, want in zip(results, twins, strict=True):
+        assert got["switches"] >= 1  # the rollout folded to TP 2
+        assert got["tokens"] == want["tokens"] and got["masks"] == want["masks"]
+        assert got["scores"] == want["scores"] == [[[0.0, 1.0], [0.0, 1.0]]]
+        assert got["metrics"]["multi_turn/interaction_turns"] == 2.0
