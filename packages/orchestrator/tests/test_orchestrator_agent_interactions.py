@@ -12,6 +12,7 @@ again, for the cap); the interaction is the GSM8K port, ground truth 42.
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 import yaml
 from agent_scripted import RETRY_TEMPLATE, hermes_tokenizer, save_scripted_model
 from test_orchestrator_agent_loop import Recorder
+from test_orchestrator_verl_gsm8k_tool import verl_project  # noqa: F401 (a fixture)
 
 from patrl.orchestrator.agent import AgentLoopRunner, ToolAgentLoop, ToolPool
 from patrl.orchestrator.agent.agent_loop import TurnState
@@ -387,41 +389,128 @@ def test_preflight_names_a_row_without_a_name_or_with_an_unknown_one_and_async_i
     assert "trainer.mode=async" in problem
 
 
-def test_a_verl_style_command_line_dry_runs_to_the_same_values(
-    tmp_path: Path, models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+# volcengine/verl: examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_w_interaction.sh,
+# its python3 command verbatim but for the model ($MODEL) and the shell arithmetic
+# $((1024 * 3)), written out
+VERL_GSM8K_W_INTERACTION = r"""
+python3 -m verl.trainer.main_ppo \
+    --config-path="$CONFIG_PATH" \
+    --config-name='gsm8k_multiturn_grpo' \
+    algorithm.adv_estimator=grpo \
+    data.train_batch_size=$TRAIN_BATCH_SIZE \
+    data.max_prompt_length=1024 \
+    data.max_response_length=3072 \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    data.return_raw_chat=True \
+    actor_rollout_ref.model.path=$MODEL \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    +actor_rollout_ref.model.enable_activation_offloading=True \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=$TRAIN_BATCH_SIZE \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$MICRO_BATCH_SIZE \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.actor.fsdp_config.param_offload=$OFFLOAD \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=$OFFLOAD \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH_SIZE \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
+    actor_rollout_ref.rollout.name=sglang \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.8 \
+    actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH_SIZE \
+    actor_rollout_ref.ref.fsdp_config.param_offload=$OFFLOAD \
+    algorithm.use_kl_in_reward=False \
+    trainer.critic_warmup=0 \
+    trainer.logger=['console','wandb'] \
+    trainer.project_name='gsm8k_async_rl' \
+    trainer.experiment_name='qwen2.5-3b_function_rm-gsm8k-sgl-multi-w-interaction-n8' \
+    trainer.n_gpus_per_node=8 \
+    trainer.nnodes=1 \
+    trainer.save_freq=-1 \
+    trainer.test_freq=20 \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.val_files=$HOME/data/gsm8k/test.parquet \
+    actor_rollout_ref.rollout.multi_turn.interaction_config_path="$PROJECT_DIR/examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml" \
+    trainer.total_epochs=15 $@
+"""
+
+
+def test_verls_gsm8k_interaction_command_line_dry_runs_to_the_same_values(
+    verl_project: dict[str, str],  # noqa: F811 (the imported fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """verl's script with the environment it reads set as a user sets it (OFFLOAD=False:
+    patrl keeps parameters on the device; a batch the 260 rows hold), over verl's layout
+    (test_orchestrator_verl_gsm8k_tool's) with the interaction config added and rows as
+    verl's gsm8k_w_interaction.py writes them (interaction_kwargs named "gsm8k")."""
+    import datasets
+    from test_orchestrator_verl_gsm8k_tool import PATRL_EXTRA, gsm8k_rows
+
     from patrl.orchestrator.main import main
 
-    config = tmp_path / "gsm8k_interaction_config.yaml"
-    config.write_text(GSM8K_INTERACTION_CONFIG)
-    data = tmp_path / "train.jsonl"
-    row = {
-        "prompt": QUESTION,
-        "reward_model": {"ground_truth": "42"},
-        "extra_info": {"interaction_kwargs": KWARGS},
-    }
-    data.write_text(json.dumps(row) + "\n")
-    assert (
-        main(
-            [
-                "--dry-run",
-                f"actor_rollout_ref.model.path={models['retry']}",
-                f"data.train_files={data}",
-                "data.train_batch_size=1",
-                "data.return_raw_chat=True",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-                "actor_rollout_ref.rollout.adaptive_tp.enable=false",
-                "actor_rollout_ref.rollout.multi_turn.enable=True",
-                "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
-                f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={config}",
-            ]
-        )
-        == 0
+    config = (
+        Path(verl_project["CONFIG_PATH"]) / "interaction_config" / "gsm8k_interaction_config.yaml"
     )
+    config.parent.mkdir()
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    data = Path(verl_project["HOME"]) / "data" / "gsm8k"
+    for split, count in (("train", 260), ("test", 4)):
+        rows = gsm8k_rows(split, count)
+        for r in rows:
+            r["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"
+        datasets.Dataset.from_list(rows).to_parquet(str(data / f"{split}.parquet"))
+    # the line's 1024 + 3072 tokens need a model that long
+    model = save_scripted_model(
+        data.parent / "model4k",
+        tokenizer(),
+        None,
+        RIGHT,
+        first_answer=WRONG,
+        max_position_embeddings=4096,
+    )
+    env = {
+        **verl_project,
+        "MODEL": str(model),
+        "TRAIN_BATCH_SIZE": "256",
+        "MICRO_BATCH_SIZE": "16",
+        "OFFLOAD": "False",
+    }
+    text = VERL_GSM8K_W_INTERACTION.replace("$@", " ".join(PATRL_EXTRA))
+    for name in sorted(env, key=len, reverse=True):
+        text = text.replace(f"${name}", env[name])
+    words = shlex.split(text.replace("\\\n", " "))
+    assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert main(["--dry-run", *words[3:]]) == 0
     out = capsys.readouterr()
-    mt = yaml.safe_load(out.out)["rollout"]["multi_turn"]
-    assert mt["enable"] is True and mt["max_user_turns"] == 3
-    assert mt["interaction_config_path"] == str(config) and mt["tool_config_path"] is None
+    c = yaml.safe_load(out.out)
+    expected = {
+        "data.train_batch_size": 256,
+        "data.max_response_length": 3072,
+        "actor.ppo_mini_batch_size": 256,
+        "actor.ppo_micro_batch_size_per_gpu": 16,
+        "rollout.tensor_model_parallel_size": 2,
+        "rollout.n": 8,
+        "rollout.multi_turn.enable": True,  # the Hydra config's
+        "rollout.multi_turn.max_assistant_turns": 5,
+        "rollout.multi_turn.tool_config_path": None,
+        "rollout.multi_turn.interaction_config_path": str(config),
+        "rollout.multi_turn.max_user_turns": None,
+        "trainer.project_name": "gsm8k_async_rl",
+        "trainer.total_epochs": 15,
+    }
+    for key, value in expected.items():
+        node: Any = c
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, f"{key}: {node!r} != {value!r}"
+    assert "unknown key" not in out.err
 
 
 @pytest.mark.e2e
