@@ -662,3 +662,52 @@ def test_interactions_under_adaptive_tp_with_a_fold_change_no_token(
         assert got["tokens"] == want["tokens"] and got["masks"] == want["masks"]
         assert got["scores"] == want["scores"] == [[[0.0, 1.0], [0.0, 1.0]]]
         assert got["metrics"]["multi_turn/interaction_turns"] == 2.0
+
+
+class CountingGsm8k(Gsm8kInteraction):
+    """The GSM8K port, counting its generate_response calls in this process."""
+
+    responses = 0
+
+    async def generate_response(self, instance_id: str, messages: Any, **kwargs: Any) -> Any:
+        CountingGsm8k.responses += 1
+        return await super().generate_response(instance_id, messages, **kwargs)
+
+
+def _static_tp2(rank: int, world_size: int, model_dir: str, config: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from patrl.tpreshard import ParallelLayout
+
+    group = dist.new_group(list(range(world_size)))
+    layout = ParallelLayout(tp_size=world_size, tp_rank=rank, tp_group=group)
+    eng = Engine(
+        EngineConfig(
+            model=model_dir, dtype="float32", block_size=4, num_kv_blocks=512, max_model_len=1024
+        ),
+        layout,
+    )
+    rollout = MultiTurnRollout(interaction_job(Path(config)), eng)
+    out = as_lists(rollout.generate(*rank_items(0)))
+    return {**out, "metrics": dict(rollout.metrics), "responses": CountingGsm8k.responses}
+
+
+@pytest.mark.multirank
+def test_interactions_at_static_tp2_run_once_on_the_first_rank_as_tp1_runs_them(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    from patrl_testkit.multirank import run_ranks
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG.replace(PORT, f"{__name__}.CountingGsm8k"))
+    want = as_lists(
+        MultiTurnRollout(interaction_job(config), engine(models["retry"])).generate(*rank_items(0))
+    )
+    ranks = run_ranks(
+        _static_tp2, world_size=2, args=(str(models["retry"]), str(config)), timeout_s=300
+    )
+    for got in ranks:  # the peer's outputs are the first rank's, broadcast
+        assert got["tokens"] == want["tokens"] and got["masks"] == want["masks"]
+        assert got["scores"] == want["scores"] == [[[0.0, 1.0], [0.0, 1.0]]]
+    assert ranks[0]["metrics"]["multi_turn/interaction_turns"] == 2.0
+    assert [r["responses"] for r in ranks] == [4, 0]  # 2 samples x 2 answers, on rank 0 only
