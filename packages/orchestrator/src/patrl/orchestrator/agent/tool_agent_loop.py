@@ -174,8 +174,9 @@ class ToolAgentLoop(AgentLoop):
                 response_mask=list(resume.response_mask),
                 response_logprobs=list(resume.response_logprobs),
                 metrics=dict(resume.metrics),
-                messages=None if resume.messages is None else list(resume.messages),
-                turn_scores=list(resume.turn_scores),
+                # getattr: a state saved before TurnState had these fields has none
+                messages=[dict(m) for m in getattr(resume, "messages", None) or ()] or None,
+                turn_scores=list(getattr(resume, "turn_scores", None) or ()),
             )
         started = False
         if interaction is not None:
