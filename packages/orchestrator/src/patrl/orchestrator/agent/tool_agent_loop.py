@@ -22,9 +22,10 @@ one; after a model turn without a tool call, the interaction's `generate_respons
 conversation as messages (the model's turns decoded, the tool messages as appended) and, unless
 it ends the conversation, its answer is appended as a user message's tokens (mask 0, the KV
 extended as for tool turns) and counts a user turn; its turn scores are the output's
-`extra_fields["turn_scores"]`. An interaction call that raises or passes its deadline ends the
-sample there (counted in `interaction_errors`); `finalize_interaction` runs once the sample
-ends, is cut, or fails. A cut sample's interaction is finalized, and started again under the
+`extra_fields["turn_scores"]`. A `generate_response` that raises, passes its deadline or
+answers other than verl's 4-tuple ends the sample there, a `start_interaction` that fails
+leaves the sample without its interaction (both counted in `interaction_errors`);
+`finalize_interaction` runs once the sample ends, is cut, or fails. A cut sample's interaction is finalized, and started again under the
 same instance id at its resume: the conversation so far is in its TurnState's `messages`.
 """
 
@@ -348,11 +349,12 @@ class ToolAgentLoop(AgentLoop):
             return None
         try:
             terminate, content, score, _ = result
+            score = None if score is None else float(score)
         except (TypeError, ValueError):
             st.metrics["interaction_errors"] += 1
-            return None  # not verl's 4-tuple: the sample ends as for a raising call
+            return None  # not verl's 4-tuple of a number: ends as a raising call does
         if score is not None:
-            st.turn_scores.append(float(score))
+            st.turn_scores.append(score)
         if terminate:
             return None
         message = {"role": "user", "content": str(content)}
