@@ -39,6 +39,16 @@ HERMES_TEMPLATE = (
 )
 
 
+# HERMES_TEMPLATE, but the assistant's turn after a user message that follows the first one
+# (an interaction's answer) opens with "\n " as after a tool answer: the scripted model then
+# writes its `answer` where the first turn wrote `first_answer` (a second attempt)
+RETRY_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{% if messages[-1]['role'] == 'tool' %}",
+    "{% if messages[-1]['role'] == 'tool' or messages | length > 1 %}",
+)
+assert RETRY_TEMPLATE != HERMES_TEMPLATE
+
+
 def hermes_tokenizer(extra_scripts: Sequence[str] = ()) -> Any:
     """Characters, the chat specials (EOS <|im_end|>), the hermes tags and the scripted
     texts (and `extra_scripts`) as single tokens (not special: they survive decoding, as
@@ -78,14 +88,16 @@ def save_scripted_model(
     call_after_tool: bool = False,
     max_position_embeddings: int = 1024,
     other_calls: Sequence[str] = (),
+    first_answer: str | None = None,
 ) -> Path:
     """A tiny Llama (hidden = vocabulary size, rounded up to 4 heads) that writes
     `<tool_call>call</tool_call>` after "\\n" (nothing scripted there when `call` is None:
     it answers at once) and `answer<|im_end|>` after "\\n "; with `eos_after_call`, EOS
     after `</tool_call>` (verl's way to end a turn with calls); with `call_after_tool`, the
     call again after "\\n " (every turn calls, until a turn limit); `other_calls` tie with
-    `call` after `<tool_call>` (a sampled call is any of them, each as likely); saved with
-    `tokenizer`."""
+    `call` after `<tool_call>` (a sampled call is any of them, each as likely); with `call`
+    None and `first_answer`, that answer then EOS after "\\n" (and `answer` after "\\n ",
+    e.g. after RETRY_TEMPLATE's user turn); saved with `tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     v = len(tokenizer)
@@ -115,6 +127,8 @@ def save_scripted_model(
         ]
         for other in other_calls:
             chain += [(t("<tool_call>"), t(other)), (t(other), t("</tool_call>"))]
+    elif first_answer is not None and first_answer != answer:
+        chain += [(t("\n"), t(first_answer)), (t(first_answer), eos)]
     else:
         chain += [(t("\n"), t(answer))]
     if eos_after_call:

@@ -185,11 +185,7 @@ def test_an_alias_sets_patrls_key(verl: str, key: str, value: Any) -> None:
             "deprecated global micro-batch size",
             "actor.ppo_micro_batch_size_per_gpu",
         ),
-        (
-            "actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
-            "not verl's interactions",
-            "null",
-        ),
+        ("actor_rollout_ref.rollout.ignore_eos=True", "stop at EOS", "ignore_eos=false"),
         ("trainer.default_hdfs_dir=hdfs://x", "local paths only", "trainer.default_local_dir"),
         ("reward_model.reward_manager=prime", "naive manager", "reward.functions"),
         ("actor_rollout_ref.hybrid_engine=False", "colocates", "trainer.mode=async"),

@@ -257,7 +257,9 @@ class MultiTurnConfig(_Section):
         False, description="multi-turn tool rollouts (sync schedule, static or adaptive TP)"
     )
     max_assistant_turns: int | None = Field(None, gt=0, description="model turns at most")
-    max_user_turns: int | None = Field(None, gt=0, description="tool turns at most")
+    max_user_turns: int | None = Field(
+        None, gt=0, description="tool and interaction (user) turns at most"
+    )
     tool_config_path: str | None = Field(
         None, description="YAML of tools: [{class_name, config, tool_schema}] (verl's)"
     )
@@ -271,7 +273,14 @@ class MultiTurnConfig(_Section):
     format: Literal["hermes"] = Field(
         "hermes", description="tool call syntax: <tool_call>{json}</tool_call>"
     )
-    tool_timeout_s: float = Field(30.0, gt=0, description="deadline of one tool call")
+    tool_timeout_s: float = Field(
+        30.0, gt=0, description="deadline of one tool call (and of one interaction call)"
+    )
+    interaction_config_path: str | None = Field(
+        None,
+        description="YAML of interactions: {interaction: [{name, class_name, config}]} (verl's); "
+        "a row's extra_info.interaction_kwargs.name picks the one answering its final turns",
+    )
 
 
 class AgentConfig(_Section):

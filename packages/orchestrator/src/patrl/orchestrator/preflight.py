@@ -185,6 +185,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int | None = Non
     problems += world_problems(config, world_size, local)
     problems += _reward_problems(config)
     problems += tool_config_problems(config)
+    problems += interaction_config_problems(config)
     problems += support.unsupported(config, world_size)  # what the job's schedule does not run
     adaptive = config.rollout.adaptive_tp
     # what build.engine_config offers: no fold larger than a node; default candidates the
@@ -249,6 +250,7 @@ def multi_turn_problems(config: JobConfig) -> list[str]:
     `enable=true` needs (`support.multi_turn_refusals`)."""
     return [
         *tool_config_problems(config),
+        *interaction_config_problems(config),
         *agent_loop_config_problems(config),
         *support.multi_turn_refusals(config),
     ]
@@ -263,6 +265,19 @@ def tool_config_problems(config: JobConfig) -> list[str]:
     from patrl.orchestrator.agent.tool_config import check_tool_config
 
     return [f"rollout.multi_turn.tool_config_path: {p}" for p in check_tool_config(path)]
+
+
+def interaction_config_problems(config: JobConfig) -> list[str]:
+    """`rollout.multi_turn.interaction_config_path`, where set: the file, each entry's
+    class_name import, names."""
+    path = config.rollout.multi_turn.interaction_config_path
+    if path is None:
+        return []
+    from patrl.orchestrator.agent.interaction import check_interaction_config
+
+    return [
+        f"rollout.multi_turn.interaction_config_path: {p}" for p in check_interaction_config(path)
+    ]
 
 
 def agent_loop_config_problems(config: JobConfig) -> list[str]:
@@ -449,6 +464,7 @@ def _data_problems(
         if train is not None:
             problems += _batch_problems(config, train)
             problems += _agent_name_problems(config, "data.train_files", train)
+            problems += _interaction_row_problems(config, "data.train_files", train)
             size = len(train)
     if val_files:
         val = _attempt(
@@ -456,6 +472,7 @@ def _data_problems(
         )
         if val is not None:
             problems += _agent_name_problems(config, "data.val_files", val)
+            problems += _interaction_row_problems(config, "data.val_files", val)
     return problems, size
 
 
@@ -471,6 +488,40 @@ def _agent_name_problems(config: JobConfig, key: str, data: PromptDataset) -> li
     except ToolConfigError:
         return []  # multi_turn_problems names it
     return [f"{key}: {p}" for p in agent_name_problems(data.items, names)]
+
+
+def _interaction_row_problems(config: JobConfig, key: str, data: PromptDataset) -> list[str]:
+    """A multi-turn job with interactions: each row's `extra_info.interaction_kwargs` (where
+    it has one) names a configured interaction; one line per distinct problem, naming its
+    first row."""
+    mt = config.rollout.multi_turn
+    if not mt.enable or mt.interaction_config_path is None:
+        return []
+    from patrl.orchestrator.agent.interaction import (
+        InteractionConfigError,
+        interaction_kwargs,
+        interaction_row_problem,
+        load_interactions,
+    )
+
+    try:
+        names = list(load_interactions(mt.interaction_config_path))
+    except InteractionConfigError:
+        return []  # interaction_config_problems names it
+    first: dict[str, int] = {}
+    for item in data.items:
+        info = item.extra.get("extra_info")
+        raw = info.get("interaction_kwargs") if isinstance(info, dict) else None
+        if raw is None:
+            raw = item.extra.get("interaction_kwargs")
+        if raw is None:
+            continue
+        problem = interaction_row_problem(
+            interaction_kwargs(item.extra) if isinstance(raw, dict) else raw, names
+        )
+        if problem is not None:
+            first.setdefault(problem, item.index)
+    return [f"{key}: row {row}: {p}" for p, row in first.items()]
 
 
 def _resume_problems(config: JobConfig, model: ModelArch) -> list[str]:

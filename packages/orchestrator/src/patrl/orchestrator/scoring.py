@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,9 @@ def model_token_mask(sample: Sample) -> np.ndarray:
 class Trajectory:
     """One multi-turn sample as `score_outputs` reads it (a CompletionOutput's fields, plus
     `response_mask`): `token_ids` are the model's and the appended tool tokens in order,
-    `text` their decoding (what the reward sees), `logprobs` 0.0 on tool tokens."""
+    `text` their decoding (what the reward sees), `logprobs` 0.0 on tool tokens;
+    `turn_scores`, an interaction's per-turn scores (None: the sample had no interaction),
+    which the reward functions read as verl passes them (`extra_info["turn_scores"]`)."""
 
     index: int
     token_ids: list[int]
@@ -70,6 +73,7 @@ class Trajectory:
     finish_reason: str
     text: str
     response_mask: list[int]
+    turn_scores: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -119,7 +123,7 @@ def score_outputs(
     result = rewards.score(
         [c.text if c.text is not None else "" for _, _, c in flat],
         [item.answer for item, _, _ in flat],
-        [dict(item.extra) for item, _, _ in flat],
+        [reward_meta(item, c) for item, _, c in flat],
     )
     if learned is not None:
         scores, seconds = learned.score([(item, c.token_ids) for item, _, c in flat])
@@ -149,6 +153,19 @@ def score_outputs(
         )
     ]
     return samples, result.metrics(), FailureSummary.of(result)
+
+
+def reward_meta(item: PromptItem, c: Any) -> dict[str, Any]:
+    """The row fields a reward function of completion `c` sees: the row's, plus a
+    multi-turn sample's interaction `turn_scores` in its `extra_info` (verl's) and at the top
+    level."""
+    meta = dict(item.extra)
+    scores = c.turn_scores if isinstance(c, Trajectory) else None
+    if scores is not None:
+        info = meta.get("extra_info")
+        meta["extra_info"] = {**(info if isinstance(info, dict) else {}), "turn_scores": scores}
+        meta["turn_scores"] = list(scores)
+    return meta
 
 
 def check_not_rejected(

@@ -135,6 +135,11 @@ RULES: dict[str, Rule] = {
     "model.use_fused_kernels": _PERF_KNOB,
     "model.use_liger": _PERF_KNOB,
     "model.enable_activation_offload": Fixed((False,), *_NO_OFFLOAD),
+    # verl's GSM8K interaction example adds this key with `+` (its Hydra accepts it; nothing
+    # reads it: verl's own key is enable_activation_offload)
+    "model.enable_activation_offloading": Noted(
+        "verl reads no such key (its own is model.enable_activation_offload)"
+    ),
     # ---- actor (actor_rollout_ref.actor.*)
     **_fsdp_rules("actor"),
     **_optim_rules("actor.optim"),
@@ -204,9 +209,6 @@ RULES: dict[str, Rule] = {
     ),
     "rollout.multi_turn.use_inference_chat_template": Noted(
         "patrl renders tool turns with the tokenizer's chat template", quiet=(False,)
-    ),
-    "rollout.multi_turn.interaction_config_path": Fixed(
-        (None,), "patrl's agent loop has tools, not verl's interactions", "null"
     ),
     # rollout.agent.agent_loop_config_path is patrl's own key (config.AgentConfig)
     "rollout.agent.num_workers": Noted(

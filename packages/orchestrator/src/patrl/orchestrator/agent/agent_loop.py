@@ -99,6 +99,10 @@ class TurnState:
     sampling_params: SamplingParams
     request: str
     open_turn: SequenceState | None = None
+    # with an interaction (verl's): the conversation as messages (the prompt's, each model turn
+    # decoded, each tool and user message as appended) and the interaction's turn scores
+    messages: list[dict[str, Any]] | None = None
+    turn_scores: list[float] = field(default_factory=list)
 
     def model_tokens(self) -> int:
         """The sampled tokens so far, the open turn's included."""
@@ -128,13 +132,15 @@ class SampleCut(Exception):
 class AgentLoopContext:
     """What a training job gives an agent loop class to build itself (`AgentLoop.build`):
     the engine's tokenizer and EOS ids, the job's tool pool (a `ToolPool`), the trajectory's
-    token budget (`data.max_response_length`) and the `rollout.multi_turn` section."""
+    token budget (`data.max_response_length`), the `rollout.multi_turn` section and its
+    interactions by name (`interaction.load_interactions`; empty: none configured)."""
 
     tokenizer: Any
     tool_pool: Any
     eos_token_ids: tuple[int, ...]
     response_length: int
     multi_turn: Any
+    interactions: Mapping[str, Any] = field(default_factory=dict)
 
 
 class AgentLoop:

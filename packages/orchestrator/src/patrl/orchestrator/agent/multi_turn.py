@@ -13,6 +13,11 @@ the appended tool tokens; the reward sees their decoding.
 Partial rollouts (`generate_partial`, `rollout.over_sample_rate > 0`): a group (a prompt's n
 samples) is carried from step to step as one entry per sample, its AgentLoopOutput once it
 ended, else its `TurnState`; the step ends once its quota of groups ended.
+
+Interactions (`rollout.multi_turn.interaction_config_path`, verl's): a row's
+`extra_info.interaction_kwargs` names the interaction that answers its final turns; the
+interaction's turn scores reach the reward functions as verl passes them, `turn_scores` in the
+row's `extra_info` (and as a top-level `turn_scores` for patrl's keyword functions).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from patrl.orchestrator.agent.agent_loop import (
     TurnState,
     registered_agent_loops,
 )
+from patrl.orchestrator.agent.interaction import interaction_kwargs, load_interactions
 from patrl.orchestrator.agent.single_turn_agent_loop import SingleTurnAgentLoop
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
 from patrl.orchestrator.agent.tool_config import ToolConfigError, load_tools
@@ -51,14 +57,20 @@ class MultiTurnRollout:
 
     def __init__(self, config: JobConfig, engine: Engine) -> None:
         mt = config.rollout.multi_turn
-        if mt.tool_config_path is None:
+        if mt.tool_config_path is None and mt.interaction_config_path is None:
             raise ValueError(
-                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path or "
+                "rollout.multi_turn.interaction_config_path"
             )
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
+        self.interactions = (
+            {}
+            if mt.interaction_config_path is None
+            else load_interactions(mt.interaction_config_path)
+        )
         self.pool = ToolPool(
-            load_tools(mt.tool_config_path),
+            [] if mt.tool_config_path is None else load_tools(mt.tool_config_path),
             timeout_s=mt.tool_timeout_s,
             max_response_length=mt.max_tool_response_length,
             truncate_side=mt.tool_response_truncate_side,
@@ -70,6 +82,7 @@ class MultiTurnRollout:
             tuple(sorted(engine.eos_token_ids)),
             self.response_length,
             mt,
+            self.interactions,
         )
         self.context = context
         self.classes = agent_loop_classes(config)  # built on first use (`_loops_for`)
@@ -192,6 +205,7 @@ class MultiTurnRollout:
             "length" if full else "stop",
             str(self.tokenizer.decode(out.response_ids, skip_special_tokens=True)),
             list(out.response_mask),
+            turn_scores(out),
         )
 
 
@@ -276,7 +290,17 @@ def _row(item: PromptItem) -> dict[str, Any]:
     kwargs = tools_kwargs(item)
     if kwargs:
         row["tools_kwargs"] = kwargs
+    ikwargs = interaction_kwargs(item.extra)
+    if ikwargs is not None:
+        row["interaction_kwargs"] = ikwargs
     return row
+
+
+def turn_scores(out: AgentLoopOutput) -> list[float] | None:
+    """A sample's interaction turn scores (verl's `extra_fields["turn_scores"]`), None for a
+    sample without an interaction."""
+    scores = out.extra_fields.get("turn_scores")
+    return None if scores is None else [float(x) for x in scores]
 
 
 def sample_params_of(p: SamplingParams, k: int) -> SamplingParams:
@@ -321,4 +345,21 @@ def rollout_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
         "multi_turn/num_turns/mean": sum(o.num_turns for o in outs) / n,
         "multi_turn/model_tokens/mean": model / n,
         "multi_turn/tool_tokens/mean": (total - model) / n,
+        **interaction_metrics(outs),
     }
+
+
+def interaction_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
+    """The interactions' counters of a rollout (none when no sample had an interaction):
+    user turns answered, failed calls and their timeouts, and the turn scores' mean."""
+    with_one = [o for o in outs if "turn_scores" in o.extra_fields]
+    if not with_one:
+        return {}
+    scores = [float(x) for o in with_one for x in o.extra_fields["turn_scores"]]
+    result = {
+        f"multi_turn/{k}": float(sum(o.metrics.get(k, 0) for o in with_one))
+        for k in ("interaction_turns", "interaction_errors", "interaction_timeouts")
+    }
+    if scores:
+        result["multi_turn/interaction_turn_score/mean"] = sum(scores) / len(scores)
+    return result

@@ -16,6 +16,17 @@ turn in the engine at the cut continues from its exported state (`LLMServer.resu
 sample cut between turns starts its next turn over the conversation so far (re-prefilled; a
 tool call in progress at the cut had finished and its answer was appended, so no call runs
 twice). A resumed trajectory is the same ids as an uncut one under the same weights.
+
+Interactions (verl's, `interaction.BaseInteraction`): a row with `interaction_kwargs` names
+one; after a model turn without a tool call, the interaction's `generate_response` reads the
+conversation as messages (the model's turns decoded, the tool messages as appended) and, unless
+it ends the conversation, its answer is appended as a user message's tokens (mask 0, the KV
+extended as for tool turns) and counts a user turn; its turn scores are the output's
+`extra_fields["turn_scores"]`. A `generate_response` that raises, passes its deadline or
+answers other than verl's 4-tuple ends the sample there, a `start_interaction` that fails
+leaves the sample without its interaction (both counted in `interaction_errors`);
+`finalize_interaction` runs once the sample ends, is cut, or fails. A cut sample's interaction is finalized, and started again under the
+same instance id at its resume: the conversation so far is in its TurnState's `messages`.
 """
 
 from __future__ import annotations
@@ -36,12 +47,21 @@ from patrl.orchestrator.agent.agent_loop import (
     TurnState,
     register,
 )
+from patrl.orchestrator.agent.interaction import (
+    BaseInteraction,
+    InteractionFailed,
+    call_interaction,
+    interaction_row_problem,
+)
 from patrl.orchestrator.agent.tool_parser import TOOL_CALL_END, extract_tool_calls
 from patrl.orchestrator.agent.tool_pool import ToolOutcome, ToolPool
 from patrl.rollout import SamplingParams
 
 _MARK = "\x00patrl-assistant-turn\x00"
 METRICS = ("tool_calls", "tool_errors", "tool_truncated", "tool_exceptions", "tool_timeouts")
+# a sample with an interaction also counts these: user turns it answered, its calls that
+# raised or passed their deadline (either ends the sample), and the timeouts among them
+INTERACTION_METRICS = ("interaction_turns", "interaction_errors", "interaction_timeouts")
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
 
@@ -51,7 +71,9 @@ class ToolAgentLoop(AgentLoop):
     `rollout.multi_turn.*` (0 turns = no limit) and `response_length` (model and tool tokens
     of a trajectory, verl's rollout.response_length). `eos_token_ids`: the ids that end an
     assistant turn (the engine's). `stop_at_tool_call`: end a model turn at `</tool_call>`
-    (one call a turn; off: at EOS only, verl's way, several calls a turn)."""
+    (one call a turn; off: at EOS only, verl's way, several calls a turn). `interactions`:
+    verl's interactions by name (a row's `interaction_kwargs.name` picks one), each call
+    under `interaction_timeout_s`."""
 
     resumable = True
 
@@ -67,6 +89,8 @@ class ToolAgentLoop(AgentLoop):
         format: str = "hermes",
         stop_at_tool_call: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        interactions: Mapping[str, BaseInteraction] | None = None,
+        interaction_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(tokenizer)
         if getattr(tokenizer, "chat_template", None) is None:
@@ -86,6 +110,10 @@ class ToolAgentLoop(AgentLoop):
         self.format = format
         self.stop_at_tool_call = stop_at_tool_call
         self.template_kwargs = dict(chat_template_kwargs or {})
+        self.interactions = dict(interactions or {})
+        if interaction_timeout_s <= 0:
+            raise ValueError(f"interaction_timeout_s must be > 0, got {interaction_timeout_s}")
+        self.interaction_timeout_s = interaction_timeout_s
         self.tool_schemas = [
             t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
             for t in pool.tools.values()
@@ -106,6 +134,8 @@ class ToolAgentLoop(AgentLoop):
             max_user_turns=mt.max_user_turns,
             max_parallel_calls=mt.max_parallel_calls,
             format=mt.format,
+            interactions=context.interactions,
+            interaction_timeout_s=mt.tool_timeout_s,
         )
 
     # ------------------------------------------------------------------ run
@@ -114,9 +144,18 @@ class ToolAgentLoop(AgentLoop):
         """One sample: `raw_prompt` (its chat messages), optional `tools_kwargs` (verl's:
         per tool name, {"create_kwargs": {...}}), `sample_index` (names its requests), and
         `resume`, a `TurnState` of this sample from a partial rollout's cut (its own sampling
-        params are used then). SampleCut (with the sample's TurnState) when a cut stops it."""
+        params are used then), `interaction_kwargs` (verl's: `name` picks the interaction, all
+        of it goes to `start_interaction`). SampleCut (with the sample's TurnState) when a cut
+        stops it; ValueError for interaction_kwargs without a configured interaction's name."""
         tools_kwargs: Mapping[str, Any] = kwargs.get("tools_kwargs") or {}
         resume: TurnState | None = kwargs.get("resume")
+        ikwargs: dict[str, Any] | None = kwargs.get("interaction_kwargs")
+        interaction: BaseInteraction | None = None
+        if ikwargs is not None and self.interactions:
+            problem = interaction_row_problem(ikwargs, list(self.interactions))
+            if problem is not None:
+                raise ValueError(f"sample {kwargs.get('sample_index', 0)}: {problem}")
+            interaction = self.interactions[ikwargs["name"]]
         if resume is None:
             st = TurnState(
                 self.prompt_ids(kwargs["raw_prompt"]),
@@ -136,12 +175,38 @@ class ToolAgentLoop(AgentLoop):
                 response_mask=list(resume.response_mask),
                 response_logprobs=list(resume.response_logprobs),
                 metrics=dict(resume.metrics),
+                # getattr: a state saved before TurnState had these fields has none
+                messages=[dict(m) for m in getattr(resume, "messages", None) or ()] or None,
+                turn_scores=list(getattr(resume, "turn_scores", None) or ()),
+            )
+        started = False
+        if interaction is not None:
+            assert ikwargs is not None
+            for key in INTERACTION_METRICS:
+                st.metrics.setdefault(key, 0)
+            if st.messages is None:
+                st.messages = [dict(m) for m in kwargs["raw_prompt"]]
+            started = await self._interaction_call(
+                st,
+                "start_interaction",
+                lambda: interaction.start_interaction(st.request, **ikwargs),
             )
         try:
-            await self._go_on(st, tools_kwargs)
+            await self._go_on(st, tools_kwargs, interaction if started else None, ikwargs or {})
         except TurnCut as cut:
             st.open_turn = cut.open_turn
             raise SampleCut(st) from None
+        finally:
+            if started:
+                assert interaction is not None
+                await self._interaction_call(
+                    st,
+                    "finalize_interaction",
+                    lambda: interaction.finalize_interaction(st.request),
+                )
+        extra: dict[str, Any] = {}
+        if interaction is not None:
+            extra["turn_scores"] = list(st.turn_scores)  # verl's AgentLoopOutput field
         return AgentLoopOutput(
             prompt_ids=list(st.prompt_ids),
             response_ids=st.response_ids,
@@ -149,11 +214,30 @@ class ToolAgentLoop(AgentLoop):
             response_logprobs=st.response_logprobs,
             num_turns=st.user_turns + st.assistant_turns + 1,
             metrics=dict(st.metrics),
+            extra_fields=extra,
         )
 
-    async def _go_on(self, st: TurnState, tools_kwargs: Mapping[str, Any]) -> None:
+    async def _interaction_call(self, st: TurnState, what: str, make: Any) -> Any:
+        """One interaction call of sample `st` (`interaction.call_interaction`); its result,
+        or False when it raised or passed its deadline (counted in the sample's metrics)."""
+        try:
+            return await call_interaction(what, make, self.interaction_timeout_s) or True
+        except InteractionFailed as e:
+            st.metrics["interaction_errors"] = st.metrics.get("interaction_errors", 0) + 1
+            if e.kind == "timeout":
+                st.metrics["interaction_timeouts"] = st.metrics.get("interaction_timeouts", 0) + 1
+            return False
+
+    async def _go_on(
+        self,
+        st: TurnState,
+        tools_kwargs: Mapping[str, Any],
+        interaction: BaseInteraction | None = None,
+        ikwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         """Run the conversation of `st` to its end, updating `st` as each turn ends (so that
-        on TurnCut it is the state to resume from)."""
+        on TurnCut it is the state to resume from). `interaction` (started): answers the
+        turns without calls."""
         ids = st.prompt_ids + st.response_ids
         previous: str | None = None  # the last turn, kept in the engine with its KV
         try:
@@ -192,8 +276,25 @@ class ToolAgentLoop(AgentLoop):
                     break
                 text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
                 _, parsed = extract_tool_calls(text, self.format)
+                if st.messages is not None and interaction is not None:
+                    content = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+                    st.messages.append({"role": "assistant", "content": str(content)})
                 if not parsed:
-                    break
+                    if interaction is None:
+                        break
+                    appended = await self._user_turn(st, interaction, ikwargs or {}, turn)
+                    if appended is None or (
+                        len(st.response_mask) + len(appended) >= self.response_length
+                        or len(ids) + len(appended) >= self.server_manager.max_model_len
+                    ):
+                        break  # as for tool turns: never ends on a user turn
+                    ids += appended
+                    st.response_ids += appended
+                    st.response_mask += [0] * len(appended)
+                    st.response_logprobs += [0.0] * len(appended)
+                    st.user_turns += 1
+                    st.metrics["interaction_turns"] += 1
+                    continue
                 outcomes = await asyncio.gather(
                     *(
                         self.pool.call(
@@ -219,12 +320,48 @@ class ToolAgentLoop(AgentLoop):
                 st.response_mask += [0] * len(appended)
                 st.response_logprobs += [0.0] * len(appended)
                 st.user_turns += 1
+                if st.messages is not None and interaction is not None:
+                    st.messages += [{"role": "tool", "content": o.text} for o in outcomes]
         except TurnCut:
             if previous is not None:
                 self.server_manager.release(previous)  # its KV is not kept across a cut
             raise
         if previous is not None:
             self.server_manager.release(previous)  # the conversation ends here
+
+    async def _user_turn(
+        self,
+        st: TurnState,
+        interaction: BaseInteraction,
+        ikwargs: Mapping[str, Any],
+        turn: TokenOutput,
+    ) -> list[int] | None:
+        """The interaction's answer to the conversation `st.messages` as the ids to append
+        (the assistant turn's closing, the user message, the next turn's opening), its turn
+        score kept; None when it ends the conversation or its call failed."""
+        messages = [dict(m) for m in st.messages or ()]
+        result = await self._interaction_call(
+            st,
+            "generate_response",
+            lambda: interaction.generate_response(st.request, messages, **ikwargs),
+        )
+        if result is False:
+            return None
+        try:
+            terminate, content, score, _ = result
+            score = None if score is None else float(score)
+        except (TypeError, ValueError):
+            st.metrics["interaction_errors"] += 1
+            return None  # not verl's 4-tuple of a number: ends as a raising call does
+        if score is not None:
+            st.turn_scores.append(score)
+        if terminate:
+            return None
+        message = {"role": "user", "content": str(content)}
+        ids = self.appended_ids([message], self._ended_with_eos(turn))
+        assert st.messages is not None
+        st.messages.append(message)
+        return ids
 
     # -------------------------------------------------------- chat template
 
@@ -239,12 +376,20 @@ class ToolAgentLoop(AgentLoop):
         assistant's turn (its closing, less the EOS the model sampled), one tool message per
         answer, and the next assistant turn's opening; encoded without special tokens added."""
         tool_messages = [{"role": "tool", "content": o.text} for o in outcomes]
-        full = self._render([*_BASE, *tool_messages], add_generation_prompt=True)
+        return self.appended_ids(tool_messages, ended_with_eos)
+
+    def appended_ids(
+        self, messages: Sequence[Mapping[str, Any]], ended_with_eos: bool
+    ) -> list[int]:
+        """What the template puts after a model turn followed by `messages` (tool or user
+        messages): the rest of the assistant's turn (less the EOS the model sampled), the
+        messages, and the next assistant turn's opening; encoded without special tokens."""
+        full = self._render([*_BASE, *messages], add_generation_prompt=True)
         if not full.startswith(self._base):
             raise ValueError(
-                "the chat template renders a conversation followed by tool messages so that it "
-                "no longer starts with the conversation's own rendering; tool turns cannot be "
-                "appended as tokens with it"
+                "the chat template renders a conversation followed by tool or user messages so "
+                "that it no longer starts with the conversation's own rendering; such turns "
+                "cannot be appended as tokens with it"
             )
         closing = self._closing
         if ended_with_eos:
