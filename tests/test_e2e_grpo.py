@@ -105,7 +105,7 @@ def test_two_ranks_two_steps_through_the_real_loop(assets: Path, tmp_path: Path)
 
 
 def _four_ranks_opening_at_tp2(
-    rank: int, world_size: int, assets: Path, run_dir: Path
+    rank: int, world_size: int, assets: Path, run_dir: Path, partial: bool
 ) -> dict[str, Any]:
     world = World(rank, world_size, rank, torch.device("cpu"))
     profile = run_dir / "profile.json"
@@ -120,37 +120,59 @@ def _four_ranks_opening_at_tp2(
         "trainer.test_freq": 0,
         "data.train_batch_size": 8,
         "actor.ppo_mini_batch_size": 8,
+        "rollout.over_sample_rate": 0.5 if partial else 0.0,
     }
     loop = make_loop(assets, run_dir, world, **extra)
-    handed: list[list[int]] = []
-    share = loop._my_share
+    handed: list[list[str]] = []  # the training requests this rank handed to the engine
+    generate, generate_partial = loop.engine.generate, loop.engine.generate_partial
 
-    def recording(items: Any, n: int) -> Any:
-        got = share(items, n)
-        handed.append(sorted(item.index for item in got))
-        return got
+    def recording(prompts: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.append(sorted(kwargs["prompt_keys"]))
+        return generate(prompts, params, *args, **kwargs)
 
-    loop._my_share = recording  # type: ignore[method-assign]
+    def recording_partial(prompts: Any, params: Any, quota: int, **kwargs: Any) -> Any:
+        handed.append(sorted(kwargs["request_ids"]))
+        return generate_partial(prompts, params, quota, **kwargs)
+
+    loop.engine.generate = recording  # type: ignore[method-assign]
+    loop.engine.generate_partial = recording_partial  # type: ignore[method-assign]
     history = loop.run().history
     return {"handed": handed, "history": history, "opened_tp": loop.layout.tp_size}
 
 
 @pytest.mark.e2e
 @pytest.mark.multirank
-def test_adaptive_tp_opening_at_tp2_runs_each_prompt_once(assets: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("partial", [False, True], ids=["generate", "partial"])
+def test_adaptive_tp_opening_at_tp2_runs_each_prompt_once(
+    assets: Path, tmp_path: Path, partial: bool
+) -> None:
     """Candidates [2, 4] on 4 ranks: the engine opens at TP 2 (two replicas of two ranks).
-    Each rank hands in a share of its own (an adaptive rollout gathers every rank's requests
-    into the replica that runs them), so the batch's 8 prompts go once over the world, not
-    once per TP rank; every rank scores its own, and the step trains 8 x n samples."""
+    `generate` gathers every rank's requests into the replica that runs them, so each rank
+    hands in a share of its own: the batch's 8 prompts go once over the world, not once per
+    TP rank. A partial rollout (`generate_partial`) queues what each rank hands in on its
+    own replica, so a replica's two ranks hand in the same requests (one share a replica)
+    and its first rank scores them. Either way the step trains 8 groups of n samples."""
     results = run_ranks(
-        _four_ranks_opening_at_tp2, world_size=4, args=(assets, tmp_path), timeout_s=300
+        _four_ranks_opening_at_tp2,
+        world_size=4,
+        args=(assets, tmp_path, partial),
+        timeout_s=300,
     )
     assert [r["opened_tp"] for r in results] == [2] * 4
-    (step_shares,) = zip(*(r["handed"] for r in results), strict=True)  # one rollout
-    every = [i for share in step_shares for i in share]
-    assert len(every) == len(set(every)) == 8  # disjoint, and the whole batch
+    handed = [r["handed"] for r in results]
+    assert all(len(h) == 1 for h in handed)  # one training rollout
+    shares = [h[0] for h in handed]
+    if partial:
+        assert shares[0] == shares[1] and shares[2] == shares[3]  # a replica's ranks
+        every = shares[0] + shares[2]
+        assert len(every) == len(set(every)) == 12  # 8 x (1 + 0.5) groups, once each
+    else:
+        every = [key for share in shares for key in share]
+        assert len(every) == len(set(every)) == 8  # disjoint, and the whole batch
     (step,) = [h for h in results[0]["history"] if "critic/score/mean" in h]
     assert step["response_length/mean"] > 0 and step["actor/pg_loss"] == step["actor/pg_loss"]
+    if partial:
+        assert step["partial/finished_groups"] >= 8
 
 
 KEYS = (

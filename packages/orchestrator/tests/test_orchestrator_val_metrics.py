@@ -109,6 +109,49 @@ def test_reward_extras_are_variables_and_acc_becomes_the_core_one() -> None:
     assert not any(k.startswith("val-core/unknown/reward") for k in got)
 
 
+def test_an_extra_named_reward_keeps_its_function_name_beside_the_total() -> None:
+    samples = [_sample(0, 0.25, **{"f/reward": 0.9})]
+    got = validation_source_metrics(samples, {})
+    assert got["val-core/unknown/reward/mean@1"] == 0.25  # the total, not f's entry
+    assert got["val-aux/unknown/f/reward/mean@1"] == 0.9
+
+
+def _verls_bootstrap(
+    values: list[float], k: int, seed: int = 42, rounds: int = 1000
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The slow twin: verl's `bootstrap_metric` as its trainer runs it (numpy's global
+    generator seeded, one subset of k indices drawn with replacement a round, max and min
+    of it), written out here; the global state is restored after."""
+    state = np.random.get_state()
+    try:
+        np.random.seed(seed)
+        best, worst = [], []
+        for _ in range(rounds):
+            idx = np.random.choice(len(values), size=k, replace=True)
+            subset = [values[i] for i in idx]
+            best.append(np.max(subset))
+            worst.append(np.min(subset))
+    finally:
+        np.random.set_state(state)
+    return (float(np.mean(best)), float(np.std(best))), (
+        float(np.mean(worst)),
+        float(np.std(worst)),
+    )
+
+
+def test_best_and_worst_of_k_equal_verls_bootstrap_draw_for_draw() -> None:
+    """A local RandomState(seed) draws what verl's seeded global generator draws, so the
+    bootstrapped numbers equal verl's (up to float summation order)."""
+    values = [0.0, 1.0, 0.5, 1.0, 0.0, 0.25, 1.0]
+    got = prompt_metrics(values)
+    for k in subset_sizes(len(values)):
+        (best, best_sd), (worst, worst_sd) = _verls_bootstrap(values, k)
+        assert got[f"best@{k}/mean"] == pytest.approx(best, abs=1e-12)
+        assert got[f"best@{k}/std"] == pytest.approx(best_sd, abs=1e-12)
+        assert got[f"worst@{k}/mean"] == pytest.approx(worst, abs=1e-12)
+        assert got[f"worst@{k}/std"] == pytest.approx(worst_sd, abs=1e-12)
+
+
 def test_two_functions_with_one_key_keep_their_function_names() -> None:
     samples = [_sample(0, 1.0, **{"f/acc": 1.0, "g/acc": 0.0})]
     got = validation_source_metrics(samples, {})

@@ -404,6 +404,8 @@ def test_verls_max_samples_keys_are_read() -> None:
     assert (config.data.train_max_samples, config.data.val_max_samples) == (100, 20)
     with pytest.raises(ConfigError, match=r"data.train_max_samples"):
         _job("data.train_max_samples=-5")
+    none = _job("data.train_max_samples=null", "data.val_max_samples=null")  # verl: all rows
+    assert (none.data.train_max_samples, none.data.val_max_samples) == (-1, -1)
 
 
 def test_val_kwargs_n_above_one_needs_sampling_and_says_so() -> None:

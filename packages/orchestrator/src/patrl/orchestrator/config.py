@@ -104,6 +104,11 @@ class DataConfig(_Section):
     )
     val_max_samples: int = Field(-1, ge=-1, description="the same for data.val_files")
 
+    @field_validator("train_max_samples", "val_max_samples", mode="before")
+    @classmethod
+    def _none_is_all(cls, value: Any) -> Any:
+        return -1 if value is None else value  # verl's configs write null for "all rows"
+
 
 class ModelConfig(_Section):
     path: str | None = Field(

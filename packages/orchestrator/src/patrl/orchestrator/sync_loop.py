@@ -241,21 +241,33 @@ class SyncSchedule:
 
     @property
     def _scores(self) -> bool:
-        """Whether this rank scores the samples it generated: under static TP the first rank
-        of each TP group (its peers hold the same requests); under adaptive TP every rank
-        (each hands in prompts of its own and gets their outputs back, see `_dp`)."""
-        return self.layout is None or self._collective or self.layout.tp_rank == 0
+        """Whether this rank scores the samples it generated (`_shares`): under static TP the
+        first rank of each TP group (its peers hold the same requests); under adaptive TP
+        every rank (each hands in prompts of its own and gets their outputs back)."""
+        return self._first_of_share(gathered=True)
+
+    def _first_of_share(self, gathered: bool) -> bool:
+        """Whether this rank scores its share of an engine call (`_shares(gathered)`)."""
+        if self.layout is None or (gathered and self._collective):
+            return True
+        return self.layout.tp_rank == 0
 
     @property
     def _dp(self) -> tuple[int, int]:
-        """(this rank's share, the number of shares) of each batch's prompts. Static TP: one
+        return self._shares(gathered=True)
+
+    def _shares(self, gathered: bool) -> tuple[int, int]:
+        """(this rank's share, the number of shares) of a batch's prompts. Static TP: one
         share a replica, its TP ranks all hand in the same requests (a TP engine needs them
-        on every rank). Adaptive TP: one share a rank, whatever TP the engine opens at: its
-        rollouts gather every rank's requests into the replica that runs them (opened at
-        TP 2, a group's two ranks hand in two shares, not one twice)."""
+        on every rank). Adaptive TP, for an engine call that gathers every rank's requests
+        into the replica that runs them (`gathered`: `generate`, the multi-turn world run):
+        one share a rank, whatever TP the engine opens at (opened at TP 2, a group's two
+        ranks hand in two shares, not one twice). Adaptive `generate_partial` queues what
+        each rank hands in on its own replica (not `gathered`): one share a replica, as
+        static TP."""
         if self.layout is None:
             return (0, 1)
-        if self._collective:
+        if gathered and self._collective:
             return (self.world.rank, self.world.size)
         return (self.layout.dp_rank, self.layout.dp_size)
 
@@ -489,8 +501,12 @@ class SyncSchedule:
         fresh = self.loader.next_batch(max(0, want - len(self.partials)))
         entries = [(rid, p.item, p.states) for rid, p in self.partials.items()]
         entries += [(f"s{self.step}-p{item.index}", item, []) for item in fresh]
-        replica = self._assign_entries(entries)
-        dp_rank, dp_size = self._dp
+        # the multi-turn world run gathers every rank's samples; adaptive generate_partial
+        # runs each replica's own (`_shares`)
+        gathered = self.multi_turn is not None
+        dp_rank, dp_size = self._shares(gathered)
+        scores = self._first_of_share(gathered)
+        replica = self._assign_entries(entries, dp_size)
         counts = [replica.count(j) for j in range(dp_size)]
         quota = _split_quota(batch, counts)[dp_rank]
         mine = [e for e, j in zip(entries, replica, strict=True) if j == dp_rank]
@@ -541,11 +557,12 @@ class SyncSchedule:
             merge_reward_metrics(metrics, [m for m in shares if m])
         with timed(timings, "reward"):
             samples, reward_shares = self._score(
-                [(item_of[o.request_id], o) for o in done], failures=self._failures
+                [(item_of[o.request_id], o) for o in done] if scores else [],
+                failures=self._failures,
             )
         left = [
             pair
-            for share in all_gather_objects(self.world, rest if self._scores else [])
+            for share in all_gather_objects(self.world, rest if scores else [])
             for pair in share
         ]
         # a group's stale tokens once (its samples share its request id)
@@ -592,9 +609,11 @@ class SyncSchedule:
             ),
         }
 
-    def _assign_entries(self, entries: list[tuple[str, PromptItem, list[Any]]]) -> list[int]:
-        """Replica of each group: resumed ones by their predicted remaining work."""
-        _, dp_size = self._dp
+    def _assign_entries(
+        self, entries: list[tuple[str, PromptItem, list[Any]]], dp_size: int
+    ) -> list[int]:
+        """Share (of `dp_size`) of each group: resumed ones by their predicted remaining
+        work."""
         predicted = []
         for _, item, states in entries:
             expected = self.predictor.expected_length(f"train/{item.index}")
@@ -605,14 +624,14 @@ class SyncSchedule:
         }
         if dp_size == 1:
             return [0] * len(entries)
-        return self._replicas(predicted, self.config.rollout.n)
+        return self._replicas(predicted, self.config.rollout.n, dp_size)
 
-    def _replicas(self, predicted: list[float], n: int) -> list[int]:
-        """The replica of each prompt of `n` samples each: round robin, or longest predicted
-        work first onto the least loaded replica."""
+    def _replicas(self, predicted: list[float], n: int, shares: int) -> list[int]:
+        """The share (of `shares`) of each prompt of `n` samples each: round robin, or
+        longest predicted work first onto the least loaded share."""
         lpt = self.config.rollout.prompt_assignment == "length_aware"
         return assign_prompts(
-            predicted, [n] * len(predicted), self._dp[1], "lpt" if lpt else "round_robin"
+            predicted, [n] * len(predicted), shares, "lpt" if lpt else "round_robin"
         )
 
     def _generate(
@@ -659,7 +678,7 @@ class SyncSchedule:
             return list(items)
         predicted = [self.predictor.expected_length(f"train/{item.index}") for item in items]
         self._predicted = {item.index: p for item, p in zip(items, predicted, strict=True)}
-        replica = self._replicas(predicted, n)
+        replica = self._replicas(predicted, n, dp_size)
         return [item for item, r in zip(items, replica, strict=True) if r == dp_rank]
 
     def _learn_lengths(self, samples: list[Sample], round_: int) -> dict[str, float]:

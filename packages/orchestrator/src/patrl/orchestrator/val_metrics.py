@@ -74,7 +74,7 @@ def prompt_metrics(values: Sequence[float], seed: int = 42) -> dict[str, float]:
 
 def variables(samples: Sequence[Sample]) -> list[dict[str, float]]:
     """Each sample's variables: `reward` and its reward extras, named by key unless two
-    functions share a key (then `function/key`)."""
+    functions share a key or the key is `reward` (then `function/key`)."""
     owners: dict[str, set[str]] = defaultdict(set)
     for s in samples:
         for name in s.extras:
@@ -85,7 +85,8 @@ def variables(samples: Sequence[Sample]) -> list[dict[str, float]]:
         row = {"reward": s.reward}
         for name, value in s.extras.items():
             key = name.rpartition("/")[2]
-            row[key if len(owners[key]) == 1 else name] = value
+            clash = len(owners[key]) > 1 or key == "reward"  # the total keeps its name
+            row[name if clash else key] = value
         out.append(row)
     return out
 
