@@ -126,6 +126,7 @@ def test_the_capture_code_gives_the_eager_tokens_with_cuda_calls_stood_in(
         "graph": _run_body,
         "graph_pool_handle": object,
         "CUDAGraph": _Graph,
+        "device": _run_body,  # the engine's device made current around warm-up and capture
     }.items():
         monkeypatch.setattr(torch.cuda, name, stand_in)
     eng = engine(model_dir)

@@ -81,27 +81,32 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class CudaRuntime:
     """The CUDA calls behind a decode graph: a warm-up run on a side stream, a capture into a
-    graph that shares one memory pool with the other buckets, and a replay."""
+    graph that shares one memory pool with the other buckets, and a replay; all on `device`
+    (made the current device meanwhile: streams and captures belong to the current device,
+    and the engine's need not be the process's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device("cuda" if device is None else device)
         self.pool: Any = None  # a CUDA graph memory pool handle shared by the buckets
 
     def warm_up(self, step: Callable[[], None]) -> None:
         """Run `step` once, off the graph: it also initialises lazy state (cuBLAS handles,
         NCCL communicators) that a capture must not record."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
 
     def capture(self, step: Callable[[], None]) -> Any:
         """A graph of `step`'s kernels; `step` itself does not run."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
+        with torch.cuda.device(self.device):
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()
         return graph
 
     def replay(self, graph: Any) -> None:
@@ -157,7 +162,9 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.out: torch.Tensor | None = None  # [max bucket, hidden], made by the first step
         self.graphs: dict[int, Any] = {}  # bucket -> what runtime.capture returned
-        self.runtime: CudaRuntime | EagerRuntime = CudaRuntime() if capture else EagerRuntime()
+        self.runtime: CudaRuntime | EagerRuntime = (
+            CudaRuntime(device) if capture else EagerRuntime()
+        )
         # the parameters, listed once: walking the modules each step costs more host time
         # than the rest of a step's bookkeeping (a model's parameters are made at load; their
         # storage moves by `.data`, which the signature sees)
