@@ -1,0 +1,247 @@
+"""verl's interactions under the async schedule (`trainer.mode=async`, async_rl/agent_tickets.py):
+a rollout rank's samples record each interaction answer beside the tools' answers, and a peer
+replaying a lost rank's record answers the interaction's calls from it (the interaction is not
+called again) and ends with the uninterrupted run's tokens; and interactions that fail on every
+call stop the run (`tool_guard.ToolFailureGuard`) in both schedules.
+
+The model is agent_scripted's retry model (test_orchestrator_agent_interactions): greedy, its
+first answer is WRONG, its answer after the user's "incorrect" RIGHT; the interaction is the
+GSM8K port, counting its generate_response calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_scripted import save_scripted_model
+from test_orchestrator_agent_interactions import (
+    GSM8K_INTERACTION_CONFIG,
+    KWARGS,
+    PORT,
+    QUESTION,
+    RIGHT,
+    WRONG,
+    CountingGsm8k,
+    engine,
+    tokenizer,
+)
+
+from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
+from patrl.orchestrator.agent.tool_guard import InteractionsFailed, ToolFailureGuard
+from patrl.orchestrator.async_rl.agent_tickets import (
+    AgentGroups,
+    FinishedGroup,
+    InteractionAnswer,
+    SampleRecord,
+    picklable_answer,
+)
+from patrl.orchestrator.async_rl.flight_reports import FlightReport, TicketReport
+from patrl.orchestrator.config import JobConfig, load_config
+from patrl.orchestrator.data import PromptItem
+from patrl.orchestrator.support import unsupported
+from patrl.rollout import SamplingParams
+
+ITEM = PromptItem(
+    5, [], "What is 6*7?", "42", {"extra_info": {"interaction_kwargs": dict(KWARGS)}}, QUESTION
+)
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=64, seed=3)
+COUNTING = f"{CountingGsm8k.__module__}.CountingGsm8k"
+
+
+@pytest.fixture(scope="module")
+def retry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The retry model: WRONG first, RIGHT after the user's "incorrect"."""
+    root = tmp_path_factory.mktemp("async_interactions")
+    return save_scripted_model(root / "retry", tokenizer(), None, RIGHT, first_answer=WRONG)
+
+
+def job(config: Path, *overrides: str) -> JobConfig:
+    return load_config(
+        None,
+        [
+            "data.train_files=/d.jsonl",
+            "data.max_response_length=256",
+            "rollout.n=2",
+            "rollout.adaptive_tp.enable=false",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.interaction_config_path={config}",
+            "rollout.multi_turn.max_user_turns=2",
+            "actor.ppo_mini_batch_size=1",
+            "data.train_batch_size=1",
+            *overrides,
+        ],
+    )
+
+
+def counting_config(tmp_path: Path) -> Path:
+    path = tmp_path / "interaction.yaml"
+    path.write_text(GSM8K_INTERACTION_CONFIG.replace(PORT, COUNTING))
+    return path
+
+
+def drive(agents: AgentGroups, take: Any = None, replay: Any = None) -> FinishedGroup:
+    """ITEM's group (replaying `replay`) to its end as a rollout rank's control loop runs
+    it; `take()` between engine steps (where a rank reports)."""
+
+    async def loop() -> FinishedGroup:
+        agents.start("ticket-0", ITEM, GREEDY, replay)
+        done: list[FinishedGroup] = []
+        while agents.live():
+            await asyncio.sleep(0)
+            if take is not None:
+                take()
+            done += agents.finished()
+        agents.close()
+        (group,) = done
+        return group
+
+    return asyncio.run(loop())
+
+
+def through_bytes(records: list[SampleRecord]) -> list[SampleRecord]:
+    """`records` as a peer reads them: through a flight report's bytes."""
+    report = FlightReport(1, 1, {0: TicketReport([], [], None, records)})
+    got = FlightReport.from_bytes(report.to_bytes()).tickets[0].records
+    assert got is not None
+    return got
+
+
+def test_async_interactions_are_no_longer_refused(tmp_path: Path) -> None:
+    config = job(counting_config(tmp_path), "trainer.mode=async")
+    assert unsupported(config, 2) == []
+
+
+def test_async_groups_with_an_interaction_sample_what_the_sync_schedule_samples(
+    tmp_path: Path, retry: Path
+) -> None:
+    """The slow twin: `MultiTurnRollout` (sync) on a fresh engine; same seeds and weights:
+    the same tokens, masks and turn scores (logprobs to 1e-5: the batches around a turn may
+    differ), every token version 0, the interaction counters alike."""
+    config = job(counting_config(tmp_path))
+    group = drive(AgentGroups(config, engine(retry)))
+    twin_rollout = MultiTurnRollout(config, engine(retry))
+    (twin,) = twin_rollout.generate([ITEM], [GREEDY])
+    for got, want, versions in zip(group.output.outputs, twin.outputs, group.versions, strict=True):
+        assert got.token_ids == want.token_ids and got.response_mask == want.response_mask
+        assert got.turn_scores == want.turn_scores == [0.0, 1.0]
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert versions == [0] * len(got.token_ids)
+    assert group.metrics == pytest.approx(twin_rollout.metrics)
+    assert group.metrics["multi_turn/interaction/gsm8k/calls"] == 4.0
+    assert group.metrics["multi_turn/interaction/gsm8k/failures"] == 0.0
+
+
+def test_a_lost_ranks_interaction_answers_replay_on_a_peer_without_calling_it_again(
+    tmp_path: Path, retry: Path
+) -> None:
+    """Records taken at every engine step (through a flight report's bytes) each replay on a
+    fresh engine to exactly the uninterrupted run (tokens, masks, turn scores, versions):
+    recorded answers are answered from the record, so the interaction is called once per
+    answer over both runs together. Among them: a record holding an answer with the turn
+    after it open mid-generation (continued from its snapshot), and one whose samples had
+    all their answers. A record whose turns do not match drops its answers too: the
+    interaction is called for each."""
+    config = job(counting_config(tmp_path))
+    first = AgentGroups(config, engine(retry))
+    every: list[list[SampleRecord]] = []
+    CountingGsm8k.responses = 0
+    done = drive(first, lambda: every.append(first.records("ticket-0")) if first.live() else None)
+    assert CountingGsm8k.responses == 4  # 2 samples x (WRONG, RIGHT)
+    assert [o.turn_scores for o in done.output.outputs] == [[0.0, 1.0], [0.0, 1.0]]
+
+    def answers(records: list[SampleRecord]) -> int:
+        return sum(len(r.answers) for r in records)
+
+    mid = [
+        rs
+        for rs in every
+        if any(r.answers and r.open is not None and r.open.tokens() > 0 for r in rs)
+    ]
+    full = [rs for rs in every if answers(rs) == 4]
+    assert mid and full, "no record with an answer and an open turn after it"
+    picks = [mid[0], full[0]]
+    assert all(isinstance(a, InteractionAnswer) for rs in picks for r in rs for a in r.answers)
+    for records in picks:
+        got = through_bytes(records)
+        CountingGsm8k.responses = 0
+        replayed = drive(AgentGroups(config, engine(retry)), replay=got)
+        assert CountingGsm8k.responses == 4 - answers(records)
+        assert replayed.output == done.output
+        assert replayed.versions == done.versions
+        assert replayed.replayed == sum(r.tokens() for r in records) > 0
+    wrong = [
+        dataclasses.replace(r, turns=[dataclasses.replace(t, key=t.key + 1) for t in r.turns])
+        for r in through_bytes(full[0])
+    ]
+    CountingGsm8k.responses = 0
+    diverged = drive(AgentGroups(config, engine(retry)), replay=wrong)
+    assert CountingGsm8k.responses == 4 and diverged.replayed == 0
+    assert diverged.output == done.output
+
+
+def test_a_recorded_failure_replays_as_the_failure(tmp_path: Path) -> None:
+    """A failed call's record raises the failure again (the loop counts it as it did), and
+    an answer that does not pickle keeps what the loop reads."""
+    from patrl.orchestrator.agent.interaction import InteractionFailed
+
+    with pytest.raises(InteractionFailed, match="timed out") as e:
+        InteractionAnswer(failure="timeout", message="generate_response timed out").replayed()
+    assert e.value.kind == "timeout"
+    assert InteractionAnswer((True, "ok", 1.0, {})).replayed() == (True, "ok", 1.0, {})
+    lock = __import__("threading").Lock()
+    assert picklable_answer((1, "right", 1, {"lock": lock})) == (True, "right", 1.0, {})
+    assert picklable_answer(lock) is None
+
+
+# ---------------------------------------------------------------- failures stop the run
+
+
+def faulty_config(tmp_path: Path, how: str = "raise", where: str = "respond") -> Path:
+    path = tmp_path / "faulty.yaml"
+    path.write_text(
+        "interaction:\n"
+        "  - name: gsm8k\n"
+        f"    class_name: {CountingGsm8k.__module__}.Faulty\n"
+        f"    config: {{where: {where}, how: {how}}}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("where", ["respond", "start"])
+def test_an_interaction_failing_every_call_stops_the_run_in_both_schedules(
+    tmp_path: Path, retry: Path, where: str
+) -> None:
+    """A raising interaction's step counters (sync: `MultiTurnRollout`; async: a finished
+    group's) make the guard report the first failed step and stop the run at the
+    reward.max_failed_steps-th, naming the interaction and the count; a step where one
+    answer came resets the streak."""
+    config = job(faulty_config(tmp_path, where=where))
+    (sync_out,) = (rollout := MultiTurnRollout(config, engine(retry))).generate([ITEM], [GREEDY])
+    group = drive(AgentGroups(config, engine(retry)))
+    assert all(o.response_mask == [1] * len(o.token_ids) for o in sync_out.outputs)
+    for metrics in (rollout.metrics, group.metrics):
+        assert metrics["multi_turn/interaction/gsm8k/calls"] == 2.0  # one ask per sample
+        assert metrics["multi_turn/interaction/gsm8k/failures"] == 2.0
+        guard = ToolFailureGuard(max_failed_steps=2)
+        line = guard.observe(1, metrics)
+        assert line is not None and "interaction 'gsm8k'" in line and "1 of" in line
+        with pytest.raises(InteractionsFailed, match=r"'gsm8k'.*2 steps in a row"):
+            guard.observe(2, metrics)
+        guard = ToolFailureGuard(max_failed_steps=2)
+        guard.observe(1, metrics)
+        ok = {**metrics, "multi_turn/interaction/gsm8k/failures": 1.0}
+        assert guard.observe(2, ok) is None and guard.observe(3, metrics) is not None
+        with pytest.raises(InteractionsFailed, match="every step of this run"):
+            ToolFailureGuard(max_failed_steps=5).observe(1, metrics, last=True)
+
+
+def test_a_working_interaction_never_trips_the_guard(tmp_path: Path, retry: Path) -> None:
+    config = job(counting_config(tmp_path))
+    rollout = MultiTurnRollout(config, engine(retry))
+    rollout.generate([ITEM], [GREEDY])
+    guard = ToolFailureGuard(max_failed_steps=1)
+    assert guard.observe(1, rollout.metrics, last=True) is None
