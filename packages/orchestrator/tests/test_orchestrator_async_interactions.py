@@ -245,3 +245,107 @@ def test_a_working_interaction_never_trips_the_guard(tmp_path: Path, retry: Path
     rollout.generate([ITEM], [GREEDY])
     guard = ToolFailureGuard(max_failed_steps=1)
     assert guard.observe(1, rollout.metrics, last=True) is None
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _overrides(model: Path, root: Path, mode: str) -> list[str]:
+    overrides: dict[str, Any] = {
+        "model.path": model,
+        "data.train_files": root / "train.jsonl",
+        "data.train_batch_size": 2,
+        "data.max_response_length": 256,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 2,
+        "rollout.temperature": 0.05,
+        "rollout.block_size": 4,
+        "rollout.num_kv_blocks": 512,
+        "rollout.adaptive_tp.enable": "false",
+        "rollout.multi_turn.enable": "true",
+        "rollout.multi_turn.interaction_config_path": root / "interaction.yaml",
+        "rollout.multi_turn.max_user_turns": 2,
+        "reward.functions": (f'[{{name: "{CountingGsm8k.__module__}:last_turn_score_or_zero"}}]'),
+        "reward.num_workers": 0,
+        "trainer.mode": mode,
+        "async_rl.rollout_ranks": 1,
+        "async_rl.max_staleness": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 0,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]",
+        "trainer.plots": "false",
+        "trainer.default_local_dir": root / mode,
+    }
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def _run(rank: int, world_size: int, model: Path, root: Path, mode: str) -> dict[str, Any]:
+    import torch
+
+    from patrl.orchestrator.async_loop import AsyncGRPO
+    from patrl.orchestrator.async_rl.trainer_worker import TrainerWorker
+    from patrl.orchestrator.distributed import World
+    from patrl.orchestrator.sync_loop import SyncGRPO
+
+    config = load_config(None, _overrides(model, root, mode))
+    world = World(rank, world_size, rank, torch.device("cpu"))
+    if mode == "sync":
+        return {
+            "history": SyncGRPO(config, world, str(model), config.data.train_files, None)
+            .run()
+            .history
+        }
+    loop = AsyncGRPO(config, world, str(model), config.data.train_files, None, peer_timeout_s=120)
+    result = loop.run()
+    if not isinstance(loop.role, TrainerWorker):
+        return {"role": "rollout"}
+    return {"role": "trainer", "history": result.history}
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_an_async_job_with_an_interaction_trains_as_the_sync_schedule(
+    tmp_path: Path, retry: Path
+) -> None:
+    """1 rollout + 1 trainer rank at max_staleness=0 against the sync schedule on one rank,
+    2 steps, same seeds: the same interaction trajectories (user turns, turn scores, the
+    reward read from them, lengths) in both schedules."""
+    import json
+
+    from patrl_testkit.multirank import run_ranks
+
+    counting_config(tmp_path)
+    rows = [
+        {
+            "prompt": QUESTION,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {"index": i, "interaction_kwargs": KWARGS},
+        }
+        for i in range(2)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = run_ranks(_run, world_size=2, args=(retry, tmp_path, "async"), timeout_s=300)
+    assert [r["role"] for r in results] == ["rollout", "trainer"]
+    (sync,) = run_ranks(_run, world_size=1, args=(retry, tmp_path, "sync"), timeout_s=300)
+
+    def steps(history: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [h for h in history if "actor/pg_loss" in h]
+
+    async_steps, sync_steps = steps(results[1]["history"]), steps(sync["history"])
+    assert len(async_steps) == len(sync_steps) == 2
+    same = (
+        "critic/score/mean",
+        "response_length/mean",
+        "response_length/model_tokens/mean",
+        "multi_turn/interaction_turns",
+        "multi_turn/interaction_turn_score/mean",
+        "multi_turn/interaction/gsm8k/calls",
+        "multi_turn/interaction/gsm8k/failures",
+    )
+    for a, s in zip(async_steps, sync_steps, strict=True):
+        assert a["multi_turn/interaction_turns"] > 0
+        assert a["response_length/model_tokens/mean"] < a["response_length/mean"]
+        for key in same:
+            assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
