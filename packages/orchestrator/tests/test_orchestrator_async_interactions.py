@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,9 @@ def _overrides(model: Path, root: Path, mode: str) -> list[str]:
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
-def _run(rank: int, world_size: int, model: Path, root: Path, mode: str) -> dict[str, Any]:
+def _run(
+    rank: int, world_size: int, model: Path, root: Path, mode: str, more: tuple[str, ...] = ()
+) -> dict[str, Any]:
     import torch
 
     from patrl.orchestrator.async_loop import AsyncGRPO
@@ -289,7 +292,7 @@ def _run(rank: int, world_size: int, model: Path, root: Path, mode: str) -> dict
     from patrl.orchestrator.distributed import World
     from patrl.orchestrator.sync_loop import SyncGRPO
 
-    config = load_config(None, _overrides(model, root, mode))
+    config = load_config(None, [*_overrides(model, root, mode), *more])
     world = World(rank, world_size, rank, torch.device("cpu"))
     if mode == "sync":
         return {
@@ -312,7 +315,6 @@ def test_an_async_job_with_an_interaction_trains_as_the_sync_schedule(
     """1 rollout + 1 trainer rank at max_staleness=0 against the sync schedule on one rank,
     2 steps, same seeds: the same interaction trajectories (user turns, turn scores, the
     reward read from them, lengths) in both schedules."""
-    import json
 
     from patrl_testkit.multirank import run_ranks
 
@@ -349,3 +351,36 @@ def test_an_async_job_with_an_interaction_trains_as_the_sync_schedule(
         assert a["response_length/model_tokens/mean"] < a["response_length/mean"]
         for key in same:
             assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_a_job_whose_interaction_always_raises_stops_naming_it_in_both_schedules(
+    tmp_path: Path, retry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interaction whose generate_response always raises: the sync job (main, one rank)
+    exits 1 after reward.max_failed_steps=2 all-failed steps, saying so at each; the async
+    job (1 rollout + 1 trainer rank) fails its trainer rank with the same message, and its
+    rollout rank ends (no hang)."""
+
+    from patrl.orchestrator.main import main
+    from patrl_testkit.multirank import RankFailed, run_ranks
+
+    faulty_config(tmp_path)
+    (tmp_path / "interaction.yaml").write_text((tmp_path / "faulty.yaml").read_text())
+    rows = [
+        {
+            "prompt": QUESTION,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {"index": i, "interaction_kwargs": KWARGS},
+        }
+        for i in range(2)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stop = ["reward.max_failed_steps=2", "trainer.total_training_steps=5"]
+    assert main([*_overrides(retry, tmp_path, "sync"), *stop]) == 1
+    err = capsys.readouterr().err
+    assert "patrl: error: step 1: every one of the 4 answers asked of interaction 'gsm8k'" in err
+    assert "That is 2 steps in a row (reward.max_failed_steps=2): the run stops." in err
+    with pytest.raises(RankFailed, match=r"InteractionsFailed.*'gsm8k'.*2 steps in a row"):
+        run_ranks(_run, world_size=2, args=(retry, tmp_path, "async", tuple(stop)), timeout_s=240)
