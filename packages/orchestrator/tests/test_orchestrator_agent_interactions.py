@@ -660,6 +660,9 @@ def test_interactions_under_adaptive_tp_with_a_fold_change_no_token(
         assert got["tokens"] == want["tokens"] and got["masks"] == want["masks"]
         assert got["scores"] == want["scores"] == [[[0.0, 1.0], [0.0, 1.0]]]
         assert got["metrics"]["multi_turn/interaction_turns"] == 2.0
+        # the failure guard's counters: 2 samples x 2 answers asked, none failed
+        assert got["metrics"]["multi_turn/interaction/gsm8k/calls"] == 4.0
+        assert got["metrics"]["multi_turn/interaction/gsm8k/failures"] == 0.0
 
 
 class CountingGsm8k(Gsm8kInteraction):
