@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from test_orchestrator_agent_interactions import (
     tokenizer,
 )
 
+from patrl.orchestrator.agent.gsm8k_interaction import Gsm8kInteraction
 from patrl.orchestrator.agent.multi_turn import MultiTurnRollout
 from patrl.orchestrator.agent.tool_guard import InteractionsFailed, ToolFailureGuard
 from patrl.orchestrator.async_rl.agent_tickets import (
@@ -384,3 +387,155 @@ def test_a_job_whose_interaction_always_raises_stops_naming_it_in_both_schedules
     assert "That is 2 steps in a row (reward.max_failed_steps=2): the run stops." in err
     with pytest.raises(RankFailed, match=r"InteractionsFailed.*'gsm8k'.*2 steps in a row"):
         run_ranks(_run, world_size=2, args=(retry, tmp_path, "async", tuple(stop)), timeout_s=240)
+
+
+# ----------------------------------------------------------------- a lost rank
+
+
+class InstanceCounting(Gsm8kInteraction):
+    """The GSM8K port, counting its generate_response calls per instance (each rank's
+    AgentGroups loads its own); an answer to the RIGHT turn waits for `gate` first."""
+
+    gate = threading.Event()
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.responses = 0
+
+    async def generate_response(self, instance_id: str, messages: Any, **kwargs: Any) -> Any:
+        self.responses += 1
+        if messages and messages[-1].get("content") == RIGHT:
+            InstanceCounting.gate.wait(60)  # in the call's own thread: the engine goes on
+        return await super().generate_response(instance_id, messages, **kwargs)
+
+
+def rollout_worker(rank: int, config: JobConfig, model: Path, store: Any) -> Any:
+    """Rollout rank `rank` of a 3-rank job whose ranks share `store` (in this process)."""
+    import torch
+
+    from patrl.orchestrator.async_rl.job import AsyncJob
+    from patrl.orchestrator.async_rl.rollout_worker import RolloutWorker
+    from patrl.orchestrator.build import load_data
+    from patrl.orchestrator.control import ControlPlane
+    from patrl.orchestrator.distributed import World
+    from patrl.orchestrator.weight_store import WeightStore
+
+    world = World(rank, 3, rank, torch.device("cpu"))
+    data = load_data(config, str(model), config.data.train_files, None)
+    control = ControlPlane(store, rank, timeout_s=120)
+    job = AsyncJob(
+        data.config,
+        world,
+        str(model),
+        config.run_dir,
+        data.loader,
+        None,
+        control,
+        WeightStore(config.run_dir / "weights"),
+    )
+    return RolloutWorker(job)
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 120.0) -> None:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_a_rank_lost_after_an_answer_has_its_tickets_continued_by_a_peer(
+    tmp_path: Path, retry: Path
+) -> None:
+    """Rollout rank 1 takes both tickets of the step; its samples' second answers wait (a
+    gate), and it is preempted once a report of it holds an interaction answer. Rank 0
+    claims the tickets and continues them: each group is handed over complete, migrated from
+    rank 1, equal token for token to a fresh run of the ticket; the peer asks the
+    interaction only the answers the lost rank's last report did not hold (the fresh runs'
+    count less the reported ones: the waiting answers are asked again)."""
+    import pickle
+
+    import torch.distributed as dist
+    from test_orchestrator_async_multi_turn import drive_one, loader_item
+
+    from patrl.orchestrator.async_rl.tickets import GroupRecord, sample_key, ticket_params
+    from patrl.orchestrator.build import load_data
+    from patrl.orchestrator.control import ControlPlane
+
+    config_path = tmp_path / "interaction.yaml"
+    config_path.write_text(GSM8K_INTERACTION_CONFIG.replace(PORT, f"{__name__}.InstanceCounting"))
+    rows = [
+        {
+            "prompt": QUESTION,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {"index": i, "interaction_kwargs": KWARGS},
+        }
+        for i in range(2)
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = job(
+        config_path,
+        f"data.train_files={data}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=512",
+        "rollout.block_size=4",
+        "rollout.num_kv_blocks=512",
+        "rollout.temperature=0.05",  # sampled (seeded), the scripted answers nearly surely
+        f'reward.functions=[{{name: "{CountingGsm8k.__module__}:last_turn_score_or_zero"}}]',
+        "reward.num_workers=0",
+        "trainer.mode=async",
+        "async_rl.rollout_ranks=2",
+        "async_rl.max_staleness=0",
+        "async_rl.report_every=1",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    store = dist.HashStore()
+    first = rollout_worker(0, config, retry, store)
+    lost = rollout_worker(1, config, retry, store)
+    control = ControlPlane(store, 2, timeout_s=120)
+    loader = load_data(config, str(retry), config.data.train_files, None).loader
+    control.put("start", pickle.dumps({"step": 0, "loader": loader.state_dict()}))
+
+    def answers_reported() -> int:
+        tickets = lost.last_report.tickets.values()
+        return sum(len(r.answers) for t in tickets for r in t.records or [])
+
+    InstanceCounting.gate.clear()  # the lost rank cannot finish: its RIGHT answers wait
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (lost, first)]
+    try:
+        threads[0].start()
+        wait_for(lambda: answers_reported() > 0, "rank 1 to report an interaction answer")
+        control.preempt(1, 600)  # away until the run ends
+        wait_for(lambda: bool(lost.preempted), "rank 1 to be preempted")
+        InstanceCounting.gate.set()
+        threads[1].start()
+        wait_for(lambda: control.has([sample_key(0), sample_key(1)]), "both groups handed over")
+    finally:
+        InstanceCounting.gate.set()
+        control.finish()
+        for t in threads:
+            if t.is_alive():
+                t.join(60)
+    reported = lost.last_report
+    records = [r for ticket in reported.tickets.values() for r in ticket.records or []]
+    recorded = sum(len(r.answers) for r in records)
+    assert first.agents is not None
+    peer = first.agents.interactions["gsm8k"]
+    assert isinstance(peer, InstanceCounting)
+    asked = 0  # the answers the uninterrupted runs ask for
+    for ticket in (0, 1):
+        record: GroupRecord = pickle.loads(control.get(sample_key(ticket)))
+        assert (record.rank, record.migrated_from) == (0, 1)
+        item = loader_item(config, retry, ticket)
+        twins = AgentGroups(config, engine(retry))
+        twin = drive_one(twins, item, ticket_params(config, ticket, item))
+        for s, want in zip(record.samples, twin.output.outputs, strict=True):
+            assert s.token_ids == want.token_ids and s.response_mask == want.response_mask
+        assert record.versions == twin.versions
+        counted = twins.interactions["gsm8k"]
+        assert isinstance(counted, InstanceCounting)
+        asked += counted.responses
+    assert 4 <= asked <= 8  # 2 tickets x 2 samples, each right at its first or second answer
+    assert recorded >= 1 and peer.responses == asked - recorded
