@@ -40,10 +40,8 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
     TP the driver's world quota cuts every replica's samples; async), but needs its tools: an
     unset `rollout.multi_turn.tool_config_path` is refused, naming the key (unless verl's
     interactions are configured, `rollout.multi_turn.interaction_config_path`: a job may have
-    only those). Interactions run in the sync schedule (static or adaptive TP, partial
-    rollouts included); the async schedule's multi-turn tickets replay a migrated sample's
-    turns and tool answers, not an interaction's, so trainer.mode=async with an interaction
-    config is refused."""
+    only those). Interactions run in every schedule too (the async schedule's tickets record
+    and replay their answers as they do the tools')."""
     mt = config.rollout.multi_turn
     if not mt.enable:
         return []
@@ -53,13 +51,6 @@ def multi_turn_refusals(config: JobConfig) -> list[str]:
             "rollout.multi_turn.enable=true with rollout.multi_turn.tool_config_path is unset: "
             "the tool agent loop needs its tools (docs/agent_loop.md); name a tool config YAML "
             "(or an interaction config, rollout.multi_turn.interaction_config_path)"
-        )
-    if mt.interaction_config_path is not None and config.trainer.mode == "async":
-        problems.append(
-            f"rollout.multi_turn.interaction_config_path={mt.interaction_config_path} with "
-            "trainer.mode=async: the async schedule's multi-turn tickets do not run "
-            "interactions; use trainer.mode=sync (static or adaptive TP, partial rollouts "
-            "included), or drop the interaction config"
         )
     return problems
 

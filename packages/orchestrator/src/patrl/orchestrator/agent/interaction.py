@@ -221,5 +221,17 @@ async def call_interaction(what: str, make: Callable[[], Awaitable[Any]], timeou
         raise InteractionFailed("exception", f"{what} raised {e!r}") from e
 
 
+class InteractionCalls:
+    """How an agent loop makes its interaction calls (`ToolAgentLoop.interaction_calls`):
+    `call` runs one (`call_interaction`). The async schedule's samples swap in one that
+    records each answer and answers a replayed sample from its record
+    (`async_rl.agent_tickets.RecordingInteractions`)."""
+
+    async def call(self, what: str, make: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        """The result of the interaction call `what` ("start_interaction",
+        "generate_response", "finalize_interaction"), or InteractionFailed."""
+        return await call_interaction(what, make, timeout_s)
+
+
 async def _awaited(make: Callable[[], Awaitable[Any]]) -> Any:
     return await make()

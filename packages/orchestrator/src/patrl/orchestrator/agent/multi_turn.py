@@ -351,7 +351,9 @@ def rollout_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
 
 def interaction_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
     """The interactions' counters of a rollout (none when no sample had an interaction):
-    user turns answered, failed calls and their timeouts, and the turn scores' mean."""
+    user turns answered, failed calls and their timeouts, the turn scores' mean, and per
+    interaction name the answers asked for and the failed ones among them
+    (`multi_turn/interaction/<name>/calls`, `.../failures`: `tool_guard.ToolFailureGuard`'s)."""
     with_one = [o for o in outs if "turn_scores" in o.extra_fields]
     if not with_one:
         return {}
@@ -360,6 +362,13 @@ def interaction_metrics(outs: Sequence[AgentLoopOutput]) -> dict[str, float]:
         f"multi_turn/{k}": float(sum(o.metrics.get(k, 0) for o in with_one))
         for k in ("interaction_turns", "interaction_errors", "interaction_timeouts")
     }
+    for o in with_one:
+        name = o.extra_fields.get("interaction")
+        if name is None:
+            continue
+        for k in ("calls", "failures"):
+            key = f"multi_turn/interaction/{name}/{k}"
+            result[key] = result.get(key, 0.0) + float(o.metrics.get(f"interaction_{k}", 0))
     if scores:
         result["multi_turn/interaction_turn_score/mean"] = sum(scores) / len(scores)
     return result

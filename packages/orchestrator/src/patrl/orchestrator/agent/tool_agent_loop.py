@@ -49,8 +49,8 @@ from patrl.orchestrator.agent.agent_loop import (
 )
 from patrl.orchestrator.agent.interaction import (
     BaseInteraction,
+    InteractionCalls,
     InteractionFailed,
-    call_interaction,
     interaction_row_problem,
 )
 from patrl.orchestrator.agent.tool_parser import TOOL_CALL_END, extract_tool_calls
@@ -60,8 +60,17 @@ from patrl.rollout import SamplingParams
 _MARK = "\x00patrl-assistant-turn\x00"
 METRICS = ("tool_calls", "tool_errors", "tool_truncated", "tool_exceptions", "tool_timeouts")
 # a sample with an interaction also counts these: user turns it answered, its calls that
-# raised or passed their deadline (either ends the sample), and the timeouts among them
-INTERACTION_METRICS = ("interaction_turns", "interaction_errors", "interaction_timeouts")
+# raised or passed their deadline (either ends the sample), and the timeouts among them; and,
+# for `tool_guard.ToolFailureGuard`, the answers it asked for (each generate_response call,
+# and a start_interaction that failed: the sample asks nothing more) and how many of those
+# failed (raised, timed out, or not verl's 4-tuple)
+INTERACTION_METRICS = (
+    "interaction_turns",
+    "interaction_errors",
+    "interaction_timeouts",
+    "interaction_calls",
+    "interaction_failures",
+)
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
 
@@ -114,6 +123,7 @@ class ToolAgentLoop(AgentLoop):
         if interaction_timeout_s <= 0:
             raise ValueError(f"interaction_timeout_s must be > 0, got {interaction_timeout_s}")
         self.interaction_timeout_s = interaction_timeout_s
+        self.interaction_calls = InteractionCalls()  # the async schedule's records its answers
         self.tool_schemas = [
             t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
             for t in pool.tools.values()
@@ -191,6 +201,9 @@ class ToolAgentLoop(AgentLoop):
                 "start_interaction",
                 lambda: interaction.start_interaction(st.request, **ikwargs),
             )
+            if not started:  # no answer will come: a failed ask for the failure guard
+                st.metrics["interaction_calls"] += 1
+                st.metrics["interaction_failures"] += 1
         try:
             await self._go_on(st, tools_kwargs, interaction if started else None, ikwargs or {})
         except TurnCut as cut:
@@ -207,6 +220,7 @@ class ToolAgentLoop(AgentLoop):
         extra: dict[str, Any] = {}
         if interaction is not None:
             extra["turn_scores"] = list(st.turn_scores)  # verl's AgentLoopOutput field
+            extra["interaction"] = ikwargs["name"] if ikwargs else None  # the guard's name
         return AgentLoopOutput(
             prompt_ids=list(st.prompt_ids),
             response_ids=st.response_ids,
@@ -221,7 +235,8 @@ class ToolAgentLoop(AgentLoop):
         """One interaction call of sample `st` (`interaction.call_interaction`); its result,
         or False when it raised or passed its deadline (counted in the sample's metrics)."""
         try:
-            return await call_interaction(what, make, self.interaction_timeout_s) or True
+            result = await self.interaction_calls.call(what, make, self.interaction_timeout_s)
+            return result or True
         except InteractionFailed as e:
             st.metrics["interaction_errors"] = st.metrics.get("interaction_errors", 0) + 1
             if e.kind == "timeout":
@@ -345,13 +360,16 @@ class ToolAgentLoop(AgentLoop):
             "generate_response",
             lambda: interaction.generate_response(st.request, messages, **ikwargs),
         )
+        st.metrics["interaction_calls"] += 1
         if result is False:
+            st.metrics["interaction_failures"] += 1
             return None
         try:
             terminate, content, score, _ = result
             score = None if score is None else float(score)
         except (TypeError, ValueError):
             st.metrics["interaction_errors"] += 1
+            st.metrics["interaction_failures"] += 1
             return None  # not verl's 4-tuple of a number: ends as a raising call does
         if score is not None:
             st.turn_scores.append(score)

@@ -29,6 +29,17 @@ exact conversation and sampling params, is continued from its snapshot
 generator state), so its reported tokens are kept with their versions and only the rest is
 sampled. Tool calls that had not answered are made again. Loops must be deterministic given
 the same turns and answers, as `ToolAgentLoop` is. See docs/async.md ("Multi-turn tickets").
+
+Interactions (verl's, `rollout.multi_turn.interaction_config_path`) migrate alike: each
+`generate_response` answer (its 4-tuple, or its failure: raised or timed out) is recorded as it
+comes, beside the tools' answers (`SampleRecord.answers`), and a peer answers the replayed
+calls from the record (`RecordingInteractions`: the interaction is not called again for a
+recorded answer). `start_interaction` (with the row's kwargs) and `finalize_interaction` run on
+the peer as on any rank, so the calls after the record's are live; an interaction whose state
+is the conversation (verl's GSM8K) goes on as uninterrupted, one with other per-instance state
+has it as `start_interaction` made it (the recorded answers are not fed to it), as the sync
+schedule's partial rollouts restart it. The user's tokens, masked out, carry no policy version
+of their own (as tool tokens: the model token's before them).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +60,12 @@ from patrl.orchestrator.agent.agent_loop import (
     LLMServer,
     TokenOutput,
 )
+from patrl.orchestrator.agent.interaction import (
+    InteractionCalls,
+    InteractionFailed,
+    interaction_kwargs,
+    load_interactions,
+)
 from patrl.orchestrator.agent.multi_turn import (
     DEFAULT_AGENT,
     agent_loop_classes,
@@ -55,6 +73,7 @@ from patrl.orchestrator.agent.multi_turn import (
     rollout_metrics,
     sample_params_of,
     tools_kwargs,
+    turn_scores,
 )
 from patrl.orchestrator.agent.tool_config import load_tools
 from patrl.orchestrator.agent.tool_parser import FunctionCall
@@ -91,13 +110,33 @@ class OpenTurn:
 
 
 @dataclass(slots=True)
+class InteractionAnswer:
+    """One `generate_response` call's answer as the sample's loop got it: `result`, what
+    the call returned (verl's 4-tuple: should_terminate, response text, turn score,
+    additional data), or its `failure` ("exception" or "timeout", `InteractionFailed`'s
+    kind) with the failure's `message`."""
+
+    result: Any = None
+    failure: str | None = None
+    message: str = ""
+
+    def replayed(self) -> Any:
+        """What the call gives on replay: its result, or its failure raised again."""
+        if self.failure is not None:
+            raise InteractionFailed(self.failure, self.message)
+        return self.result
+
+
+@dataclass(slots=True)
 class SampleRecord:
-    """What a peer needs to replay one sample: its finished turns and its tools' answers, in
-    order, then the turn open at the report (None: none, or its sample awaits a tool)."""
+    """What a peer needs to replay one sample: its finished turns, its tools' answers and its
+    interaction's answers, each in order, then the turn open at the report (None: none, or
+    its sample awaits a tool or its interaction)."""
 
     turns: list[TurnRecord] = field(default_factory=list)
     outcomes: list[ToolOutcome] = field(default_factory=list)
     open: OpenTurn | None = None
+    answers: list[InteractionAnswer] = field(default_factory=list)
 
     def tokens(self) -> int:
         """The model tokens recorded, the open turn's included."""
@@ -107,12 +146,13 @@ class SampleRecord:
 
 @dataclass(slots=True)
 class SampleTrack:
-    """One agent-loop sample as it runs: its finished turns and tools' answers (None: a call
-    not answered yet), what is left to replay of a lost rank's record, and every turn it
-    submitted (released when it ends)."""
+    """One agent-loop sample as it runs: its finished turns, tools' and interaction's
+    answers (None: a call not answered yet), what is left to replay of a lost rank's record,
+    and every turn it submitted (released when it ends)."""
 
     turns: list[TurnRecord] = field(default_factory=list)
     outcomes: list[ToolOutcome | None] = field(default_factory=list)
+    answers: list[InteractionAnswer | None] = field(default_factory=list)
     replay: SampleRecord = field(default_factory=SampleRecord)
     request_ids: list[str] = field(default_factory=list)
     replayed: int = 0  # model tokens answered from the replayed record
@@ -124,19 +164,22 @@ class SampleTrack:
 
     def record(self, ended: Sequence[TurnRecord], open_turn: OpenTurn | None) -> SampleRecord:
         """Its turns, then `ended` (turns the engine finished that the sample has not taken
-        yet), and its tools' answers up to the first call not answered yet; then `open_turn`
-        unless a call is unanswered (what follows such a call is not replayed). What is
-        left to replay of a lost rank's record (all of it, until the sample first runs)
-        comes after its own: it is still this sample's."""
+        yet), and its tools' and interaction's answers up to the first call not answered yet;
+        then `open_turn` unless a call is unanswered (what follows such a call is not
+        replayed). What is left to replay of a lost rank's record (all of it, until the
+        sample first runs) comes after its own: it is still this sample's."""
         answered = self.outcomes.index(None) if None in self.outcomes else len(self.outcomes)
         outcomes = [o for o in self.outcomes[:answered] if o]
-        if answered < len(self.outcomes):
+        told = self.answers.index(None) if None in self.answers else len(self.answers)
+        answers = [a for a in self.answers[:told] if a]
+        if answered < len(self.outcomes) or told < len(self.answers):
             open_turn = None
         left = self.replay
         return SampleRecord(
             [*self.turns, *ended, *left.turns],
             outcomes + left.outcomes,
             open_turn if open_turn is not None else left.open,
+            answers + left.answers,
         )
 
     def stop_replay(self) -> None:
@@ -302,6 +345,63 @@ class RecordingPool(ToolPool):
         return outcome
 
 
+class RecordingInteractions(InteractionCalls):
+    """The agent loops' interaction calls (`ToolAgentLoop.interaction_calls`) on an async
+    rollout rank: each `generate_response` answer of a sample is recorded in call order
+    (`SampleTrack.answers`), and a replayed sample's calls are answered from its record (the
+    interaction is not called again). `start_interaction` and `finalize_interaction` always
+    run (a peer's later live calls need the instance)."""
+
+    def __init__(self) -> None:
+        self.events = 0  # answers recorded
+
+    async def call(self, what: str, make: Any, timeout_s: float) -> Any:
+        track = _CURRENT.get()
+        if track is None or what != "generate_response":
+            return await super().call(what, make, timeout_s)
+        if track.replay.answers:
+            answer = track.replay.answers.pop(0)
+            track.answers.append(answer)
+            return answer.replayed()
+        track.stop_replay()  # a call made anew: nothing recorded after it applies
+        slot = len(track.answers)
+        track.answers.append(None)  # not answered yet: a report holds nothing after it
+        try:
+            result = await super().call(what, make, timeout_s)
+        except InteractionFailed as e:
+            track.answers[slot] = InteractionAnswer(failure=e.kind, message=str(e))
+            self.events += 1
+            raise
+        track.answers[slot] = InteractionAnswer(picklable_answer(result))
+        self.events += 1
+        return result
+
+
+def picklable_answer(result: Any) -> Any:
+    """`result` as a flight report can hold it: itself where it pickles; else a 4-tuple with
+    its additional data dropped (the loop reads the other three only: should_terminate's
+    truth, the text's str, the score's float), else None (not a 4-tuple: the loop ends the
+    sample on either, as on a malformed answer)."""
+    try:
+        pickle.dumps(result)
+        return result
+    except Exception:
+        pass
+    if isinstance(result, tuple) and len(result) == 4:
+        terminate, content, score, _ = result
+        try:
+            kept: tuple[Any, ...] = (
+                bool(terminate),
+                str(content),
+                None if score is None else float(score),
+                {},
+            )
+        except (TypeError, ValueError):
+            return None
+        return kept
+    return None
+
+
 @dataclass(slots=True)
 class FinishedGroup:
     """A group whose samples all ended: the trajectories (`score_outputs` reads them), each
@@ -332,9 +432,10 @@ class AgentGroups:
 
     def __init__(self, config: JobConfig, engine: Engine) -> None:
         mt = config.rollout.multi_turn
-        if mt.tool_config_path is None:
+        if mt.tool_config_path is None and mt.interaction_config_path is None:
             raise ValueError(
-                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path or "
+                "rollout.multi_turn.interaction_config_path"
             )
         if engine.layout.tp_size != 1:
             raise ValueError(
@@ -344,8 +445,14 @@ class AgentGroups:
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
         self.response_length = config.data.max_response_length
+        self.interactions = (
+            {}
+            if mt.interaction_config_path is None
+            else load_interactions(mt.interaction_config_path)
+        )
+        self.calls = RecordingInteractions()
         self.pool = RecordingPool(
-            load_tools(mt.tool_config_path),
+            [] if mt.tool_config_path is None else load_tools(mt.tool_config_path),
             timeout_s=mt.tool_timeout_s,
             max_response_length=mt.max_tool_response_length,
             truncate_side=mt.tool_response_truncate_side,
@@ -356,6 +463,7 @@ class AgentGroups:
             tuple(sorted(engine.eos_token_ids)),
             self.response_length,
             mt,
+            self.interactions,
         )
         self.classes = agent_loop_classes(config)
         self.server = VersionedServer(engine)
@@ -389,7 +497,9 @@ class AgentGroups:
             track = SampleTrack()
             if replay is not None:
                 r = replay[k]
-                track.replay = SampleRecord(list(r.turns), list(r.outcomes), r.open)
+                track.replay = SampleRecord(
+                    list(r.turns), list(r.outcomes), r.open, list(r.answers)
+                )
             # The task copies the context it is made in: the one where `track` is current.
             context = contextvars.copy_context()
             context.run(_CURRENT.set, track)
@@ -420,9 +530,9 @@ class AgentGroups:
 
     @property
     def events(self) -> int:
-        """Counts every turn ended and tool answer recorded: a report made at a different
-        count would hold more."""
-        return self.server.events + self.pool.events
+        """Counts every turn ended and tool or interaction answer recorded: a report made at
+        a different count would hold more."""
+        return self.server.events + self.pool.events + self.calls.events
 
     def live(self) -> bool:
         """Whether a sample is running (generating, or awaiting its tool)."""
@@ -493,6 +603,9 @@ class AgentGroups:
         kwargs = tools_kwargs(item)
         if kwargs:
             fields["tools_kwargs"] = kwargs
+        ikwargs = interaction_kwargs(item.extra)
+        if ikwargs is not None:
+            fields["interaction_kwargs"] = ikwargs
         name = item.extra.get("agent_name")
         return (DEFAULT_AGENT if name is None else name), fields
 
@@ -503,6 +616,8 @@ class AgentGroups:
                 raise ValueError("; ".join(problems))
             loop = self.classes[name].build(self.context)
             loop.server_manager = self.server
+            if isinstance(getattr(loop, "interaction_calls", None), InteractionCalls):
+                loop.interaction_calls = self.calls  # type: ignore[attr-defined]
             self.loops[name] = loop
         return self.loops[name]
 
@@ -515,6 +630,7 @@ class AgentGroups:
                 "length" if len(o.response_ids) >= self.response_length else "stop",
                 str(self.tokenizer.decode(o.response_ids, skip_special_tokens=True)),
                 list(o.response_mask),
+                turn_scores(o),
             )
             for k, o in enumerate(outs)
         ]
