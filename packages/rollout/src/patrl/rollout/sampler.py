@@ -452,7 +452,7 @@ class VerifyPlan:
     plain: list[int]
     truncated: list[int]
     plain_draws: tuple[torch.Tensor, torch.Tensor] | None  # per plain row: accept, final
-    truncated_draws: list[torch.Tensor]  # [1 + len(draft)] float32 per truncated sequence
+    truncated_draws: list[list[torch.Tensor]]  # 1 + len(draft) 0-d float32 per sequence
     num_top_logprobs: int
 
     @property
@@ -518,8 +518,7 @@ def plan_verify(
     # the plain sequences draw first, the top-k / top-p ones after, each in order
     plain_draws = _verify_draws([(generators[i], lens[i]) for i in plain]) if plain else None
     truncated_draws = [
-        torch.stack([torch.rand((), generator=generators[i]) for _ in range(lens[i])])
-        for i in truncated
+        [torch.rand((), generator=generators[i]) for _ in range(lens[i])] for i in truncated
     ]
     return VerifyPlan(
         drafts=[[int(t) for t in d] for d in drafts],
@@ -689,7 +688,7 @@ def _host_array(t: torch.Tensor) -> Array:
 
 
 def _verify_truncated(
-    rows: torch.Tensor, draft: Sequence[int], p: SamplingParams, draws: torch.Tensor
+    rows: torch.Tensor, draft: Sequence[int], p: SamplingParams, draws: Sequence[torch.Tensor]
 ) -> tuple[list[int], list[bool]]:
     """`verify_planned` for one top-k / top-p sequence's rows [1 + d, V] (host logprobs) with
     its 1 + d uniforms (`draws`, from its plan): each row's token and whether its draft token
