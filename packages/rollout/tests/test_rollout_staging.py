@@ -522,3 +522,27 @@ def test_a_staged_verify_plan_verifies_as_the_one_call_form() -> None:
         if not p.greedy:
             torch.rand(1 + len(d), generator=fresh)
         assert torch.equal(gens[i].get_state(), fresh.get_state()), i
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_verify_plan_is_read_from_a_staged_buffer() -> None:
+    """The verify step's path on CUDA: a mixed verify plan staged from a pinned buffer behind
+    another array and handed to `verify_planned` equals `verify_drafts` on the same device
+    and fresh generators of the same seeds, bit for bit (the same ops on the same values)."""
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.9, top_k=5, seed=3),
+        SamplingParams(top_p=0.8, seed=4, logprobs=1),
+    ]
+    drafts = [[4, 9], [1, 2, 3], [7], []]
+    v = 300
+    rows = sum(1 + len(d) for d in drafts)
+    logits = torch.randn(rows, v, generator=torch.Generator().manual_seed(0)).cuda() * 3
+    plan = plan_verify(drafts, params, [make_generator(i) for i in range(4)], v)
+    staged = StepStaging("cuda").stage([Array([1, 2, 3], torch.int64), *plan.arrays()])
+    assert all(t.is_cuda for t in staged.tensors)
+    stepped = verify_planned(logits, plan, staged.tensors[1:])
+    assert stepped.tokens.is_cuda
+    whole = verify_drafts(logits, drafts, params, [make_generator(i) for i in range(4)])
+    assert stepped.to_host() == whole.to_host()
