@@ -388,10 +388,14 @@ VERIFY_PARAMS = {
 sequences, whose outcome is decided on the host."""
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-twin"])
+@pytest.mark.parametrize("graphs", [False, True, "chunked"], ids=["eager", "graph-twin", "chunked"])
 @pytest.mark.parametrize(("params", "want"), [("greedy", 1), ("tempered", 1), ("mixed", 2)])
 def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool, params: str, want: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    graphs: bool | str,
+    params: str,
+    want: int,
 ) -> None:
     """A speculative verify step's host-known inputs (token ids, the attention indices, the
     padded query layout sdpa reads, and the verify plan: the draft layout, temperatures, each
@@ -400,8 +404,10 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
     That outcome, decided on the host after the forward, goes up in one more: 1 transfer a
     verify step without such sequences, 2 with them. With the CUDA-graph twin installed the
     verify steps still run eagerly (graphs take one query token a sequence) and the decode
-    steps between them through the twin. `verify_planned` is handed every array its plan
-    asks for, staged."""
+    steps between them through the twin. "chunked": the CPU path verifying chunks of whole
+    sequences (`sample_chunk_bytes`, 6 rows a chunk): every chunk's plan rides in the same
+    copy, and each chunk with top-k / top-p sequences sends their outcome up in one of its
+    own. `verify_planned` is handed every array its plan asks for, staged."""
     model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
@@ -416,17 +422,22 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
         return real_move(*args, **kwargs)
 
     staged_inputs: list[tuple[int, int]] = []
+    truncating: list[bool] = []  # per verify_planned call: whether it has top-k / top-p rows
 
     def planned(f: Callable[..., Any]) -> Callable[..., Any]:
         def run(logits: torch.Tensor, plan: Any, inputs: Any = None, *rest: Any) -> Any:
             staged_inputs.append((len(plan.arrays()), -1 if inputs is None else len(inputs)))
+            truncating.append(bool(plan.truncated))
             return f(logits, plan, inputs, *rest)
 
         return run
 
     engine = Engine(config)
-    if graphs:
+    if graphs is True:
         engine.runner.graphs = engine.runner._decode_graphs(capture=False)
+    chunks = graphs == "chunked"
+    if chunks:
+        engine.runner.sample_chunk_bytes = 4 * 7 * engine.model.config.vocab_size
     batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(batch_params))]
     keys = [f"p{i}" for i in range(len(batch_params))]
     monkeypatch.setattr(staging, "move", move)
@@ -437,7 +448,7 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
         monkeypatch.setattr(
             engine.runner.graphs, "forward", lambda *a: forwards.append(1) or forward(*a)
         )
-    per_verify, decodes = [], 0
+    per_verify, calls, expected, decodes = [], [], [], 0
     for _ in range(2):  # the second round also drafts from the first's responses
         for prompt, p, key in zip(batch, batch_params, keys, strict=True):
             engine.add_request(prompt, p, prompt_key=key)
@@ -447,13 +458,18 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
             engine.step()
             if len(staged_inputs) > verified:
                 per_verify.append(len(moves) - start)
+                calls.append(len(staged_inputs) - verified)
+                expected.append(1 + sum(truncating[verified:]))
                 assert len(forwards) == graphed  # a verify step runs eagerly
             elif engine.counters.decode_steps > decoded:
                 decodes += 1
     monkeypatch.undo()
     assert engine.stats()["spec_drafted_tokens"] > 0
-    assert len(per_verify) >= 3 and set(per_verify) == {want}, per_verify
-    assert decodes > 0 and len(forwards) == (decodes if graphs else 0)
+    assert len(per_verify) >= 3 and per_verify == expected, (per_verify, expected)
+    if not chunks:
+        assert set(per_verify) == {want}, per_verify
+    assert decodes > 0 and len(forwards) == (decodes if graphs is True else 0)
+    assert (max(calls) > 1) is chunks  # chunked: some step verified in several calls
     assert all(n == got for n, got in staged_inputs), staged_inputs
 
 
