@@ -457,6 +457,7 @@ class VerifyPlan:
 
     @property
     def rows(self) -> int:
+        """The logit rows verified: 1 + len(draft) a sequence."""
         return len(self.draft_tokens)
 
     def rows_of(self, seqs: Sequence[int]) -> list[int]:
@@ -510,8 +511,8 @@ def plan_verify(
             draft_tokens[start + j] = int(token)
             has_draft[start + j] = True
         first_rows += [start] * n
-    temperatures = [p.effective_temperature for p, n in zip(params, lens, strict=True)
-                    for _ in range(n)]  # fmt: skip
+    row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
+    temperatures = [p.effective_temperature for p in row_params]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, vocab_size)]
     truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, vocab_size)]
