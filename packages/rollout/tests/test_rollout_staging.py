@@ -21,6 +21,7 @@ import patrl.rollout.staging as staging
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
+from patrl.rollout.layers.attention.sdpa import SdpaBackend
 from patrl.rollout.sampler import (
     SamplingParams,
     make_generator,
@@ -388,7 +389,11 @@ VERIFY_PARAMS = {
 sequences, whose outcome is decided on the host."""
 
 
-@pytest.mark.parametrize("graphs", [False, True, "chunked"], ids=["eager", "graph-twin", "chunked"])
+@pytest.mark.parametrize(
+    "graphs",
+    [False, True, "chunked", "lazy-layout"],
+    ids=["eager", "graph-twin", "chunked", "lazy"],
+)
 @pytest.mark.parametrize(("params", "want"), [("greedy", 1), ("tempered", 1), ("mixed", 2)])
 def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
     tmp_path: Path,
@@ -407,7 +412,9 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
     steps between them through the twin. "chunked": the CPU path verifying chunks of whole
     sequences (`sample_chunk_bytes`, 6 rows a chunk): every chunk's plan rides in the same
     copy, and each chunk with top-k / top-p sequences sends their outcome up in one of its
-    own. `verify_planned` is handed every array its plan asks for, staged."""
+    own. "lazy": a backend that does not ask for the padded layout staged (sdpa answering
+    no) has the layer stage it when it first reads it: one transfer more, which the count
+    sees. `verify_planned` is handed every array its plan asks for, staged."""
     model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
@@ -435,7 +442,9 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
     engine = Engine(config)
     if graphs is True:
         engine.runner.graphs = engine.runner._decode_graphs(capture=False)
-    chunks = graphs == "chunked"
+    chunks, lazy = graphs == "chunked", graphs == "lazy-layout"
+    if lazy:
+        monkeypatch.setattr(engine.runner.model.backend, "wants_padded_queries", lambda h: False)
     if chunks:
         engine.runner.sample_chunk_bytes = 4 * 7 * engine.model.config.vocab_size
     batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(batch_params))]
@@ -459,7 +468,7 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
             if len(staged_inputs) > verified:
                 per_verify.append(len(moves) - start)
                 calls.append(len(staged_inputs) - verified)
-                expected.append(1 + sum(truncating[verified:]))
+                expected.append(1 + lazy + sum(truncating[verified:]))
                 assert len(forwards) == graphed  # a verify step runs eagerly
             elif engine.counters.decode_steps > decoded:
                 decodes += 1
@@ -467,7 +476,7 @@ def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
     assert engine.stats()["spec_drafted_tokens"] > 0
     assert len(per_verify) >= 3 and per_verify == expected, (per_verify, expected)
     if not chunks:
-        assert set(per_verify) == {want}, per_verify
+        assert set(per_verify) == {want + lazy}, per_verify
     assert decodes > 0 and len(forwards) == (decodes if graphs is True else 0)
     assert (max(calls) > 1) is chunks  # chunked: some step verified in several calls
     assert all(n == got for n, got in staged_inputs), staged_inputs
@@ -562,3 +571,25 @@ def test_on_cuda_a_verify_plan_is_read_from_a_staged_buffer() -> None:
     assert stepped.tokens.is_cuda
     whole = verify_drafts(logits, drafts, params, [make_generator(i) for i in range(4)])
     assert stepped.to_host() == whole.to_host()
+
+
+def test_sdpa_wants_the_padded_layout_staged_for_short_multi_token_queries() -> None:
+    """sdpa reads every sequence's padded layout when each query has 2 ..
+    `max_batched_query` tokens over a cache (a verify step, short prompts): then, and only
+    then, the runner stages it with the context (`AttentionContext.staged(padded=True)`)."""
+
+    def host(q_lens: list[int], cache: bool = True) -> HostBatch:
+        if not cache:
+            return HostBatch.check(q_lens)
+        ctx = [q + 3 for q in q_lens]
+        slots = list(range(sum(q_lens)))
+        return HostBatch.check(
+            q_lens, ctx, slot_mapping=slots, block_tables=[[0, 1]] * len(q_lens), kv_cache=_Cache()
+        )
+
+    sdpa = SdpaBackend()
+    assert sdpa.wants_padded_queries(host([5, 1, 3]))
+    assert not sdpa.wants_padded_queries(host([1, 1]))  # a decode step: its own path
+    assert not sdpa.wants_padded_queries(host([2, 66]))  # one too long: per sequence
+    assert not sdpa.wants_padded_queries(host([3, 2], cache=False))
+    assert not SdpaBackend(max_batched_query=1).wants_padded_queries(host([5, 1, 3]))

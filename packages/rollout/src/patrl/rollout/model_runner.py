@@ -316,8 +316,9 @@ class ModelRunner:
         step's), and the sampler's temperatures, per-path rows and uniforms are planned on
         the host (`plan_samples`) before the forward, unless the sampler takes the rows in
         chunks (`sample_chunk_bytes`). A verify step's plan (`plan_verify`, per chunk of
-        sequences) and its padded query layout (what sdpa's batched path reads) ride in the
-        same copy: such a step makes one more only for its top-k / top-p rows' outcome."""
+        sequences) rides in the same copy, and so does the padded query layout where the
+        attention backend reads one (sdpa's batched path): such a step makes one more only
+        for its top-k / top-p rows' outcome."""
         self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
@@ -365,7 +366,10 @@ class ModelRunner:
             extras = staged.tensors[len(staged.tensors) - len(extra) :]
         else:
             ctx, (ids, *extras) = AttentionContext.staged(
-                host, self.staging, [Array(input_ids, torch.int64), *extra], padded=bool(verify)
+                host,
+                self.staging,
+                [Array(input_ids, torch.int64), *extra],
+                padded=self.model.backend.wants_padded_queries(host),
             )
             hidden = self.model(ids, ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
