@@ -22,7 +22,13 @@ from patrl.rollout.engine import Engine
 from patrl.rollout.model_runner import verify_chunks
 from patrl.rollout.outputs import RequestOutput
 from patrl.rollout.plot import plot_timeline
-from patrl.rollout.sampler import SamplingParams, make_generator, sample, verify_drafts
+from patrl.rollout.sampler import (
+    SamplingParams,
+    make_generator,
+    sample,
+    verify_drafts,
+    verify_planned,
+)
 from patrl_testkit.models import FAMILIES, save_hf_model, tiny_hf_model
 from patrl_testkit.multirank import run_ranks
 
@@ -145,7 +151,7 @@ def test_a_compute_bound_cost_turns_speculation_off_and_changes_nothing(tmp_path
 def test_verify_rows_sampled_in_chunks_give_what_one_pass_gives(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On CPU a verify step's logits go through `verify_drafts` in chunks of whole sequences'
+    """On CPU a verify step's logits go through `verify_planned` in chunks of whole sequences'
     rows under `sample_chunk_bytes`, as the one-token path's do: chunks of at most 5 rows
     (a sequence of 1 + 4 fits; longer drafts are a chunk of their own) give the tokens of one
     pass, bit for bit for the greedy and seeded requests (each sequence draws from its own
@@ -166,13 +172,13 @@ def test_verify_rows_sampled_in_chunks_give_what_one_pass_gives(
                                              "num_speculative_tokens": 6})  # fmt: skip
         vocab = e.model.config.vocab_size
         e.runner.sample_chunk_bytes = 4 * 6 * vocab if chunked else None  # 5 rows a chunk
-        seen: list[tuple[int, int]] = []  # (logit rows, sequences) of each verify_drafts call
+        seen: list[tuple[int, int]] = []  # (logit rows, sequences) of each verify_planned call
 
-        def spy(logits: torch.Tensor, drafts: Any, *rest: Any, seen: list = seen) -> Any:
-            seen.append((len(logits), len(drafts)))
-            return verify_drafts(logits, drafts, *rest)
+        def spy(logits: torch.Tensor, plan: Any, *rest: Any, seen: list = seen) -> Any:
+            seen.append((len(logits), len(plan.drafts)))
+            return verify_planned(logits, plan, *rest)
 
-        monkeypatch.setattr(model_runner, "verify_drafts", spy)
+        monkeypatch.setattr(model_runner, "verify_planned", spy)
         runs.append(two_rollouts(e, batch, params, params))
         assert e.stats()["spec_accepted_tokens"] > 0
         calls.append(seen)

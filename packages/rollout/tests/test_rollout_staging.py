@@ -2,7 +2,8 @@
 double-buffered host side with its events (torch.cuda.Event stood in on CPU), a context's
 staged indices against the torch formulas they replace, and an engine's decode step making
 exactly one transfer whatever the sampling params (the sampler's inputs ride in the same
-copy), eager and through the CUDA-graph twin."""
+copy), eager and through the CUDA-graph twin; a speculative verify step one too (its verify
+plan and padded query layout ride in it), plus one for its top-k / top-p sequences' outcome."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ import patrl.rollout.staging as staging
 from patrl.rollout.config import EngineConfig
 from patrl.rollout.engine import Engine
 from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, table_array
+from patrl.rollout.layers.attention.sdpa import SdpaBackend
 from patrl.rollout.sampler import (
     SamplingParams,
     make_generator,
     plan_samples,
+    plan_verify,
     sample,
     sample_planned,
+    verify_drafts,
+    verify_planned,
 )
 from patrl.rollout.staging import ALIGN, Array, CudaCopies, StepStaging, layout
 from patrl_testkit.models import save_hf_model, tiny_hf_model
@@ -364,25 +369,58 @@ def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
     assert (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
 
 
-def test_a_verify_step_moves_the_samplers_inputs_in_one_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+VERIFY_KW: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
+VERIFY_PARAMS = {
+    "greedy": [SamplingParams(temperature=0, n=2, logprobs=2, **VERIFY_KW)] * 2,
+    "tempered": [
+        SamplingParams(temperature=0, n=2, logprobs=2, **VERIFY_KW),
+        SamplingParams(temperature=1.0, seed=1, n=2, **VERIFY_KW),
+        SamplingParams(temperature=0.7, seed=5, **VERIFY_KW),
+    ],
+    "mixed": [
+        SamplingParams(temperature=0, n=2, logprobs=2, **VERIFY_KW),
+        SamplingParams(temperature=1.0, seed=1, n=2, **VERIFY_KW),
+        SamplingParams(temperature=0.7, seed=5, **VERIFY_KW),
+        SamplingParams(temperature=0.9, top_k=5, seed=3, **VERIFY_KW),
+        SamplingParams(top_p=0.8, seed=4, logprobs=1, **VERIFY_KW),
+    ],
+}
+"""Verify steps' batches: all greedy; greedy, plain and tempered; and with top-k and top-p
+sequences, whose outcome is decided on the host."""
+
+
+@pytest.mark.parametrize(
+    "graphs",
+    [False, True, "chunked", "lazy-layout"],
+    ids=["eager", "graph-twin", "chunked", "lazy"],
+)
+@pytest.mark.parametrize(("params", "want"), [("greedy", 1), ("tempered", 1), ("mixed", 2)])
+def test_a_verify_step_makes_one_transfer_plus_one_for_top_k_rows(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    graphs: bool | str,
+    params: str,
+    want: int,
 ) -> None:
-    """A speculative verify step's sampler (`verify_drafts`) moves what the host knows (the
-    draft layout, temperatures, each path's rows, the uniforms) in ONE copy, and the top-k /
-    top-p sequences' outcome, decided on the host, in one more: 2 with such sequences in the
-    batch, 1 without."""
+    """A speculative verify step's host-known inputs (token ids, the attention indices, the
+    padded query layout sdpa reads, and the verify plan: the draft layout, temperatures, each
+    path's rows, the uniforms) go up in the forward's ONE copy: everything but the top-k /
+    top-p sequences' outcome is known before the forward (the scheduler chose the drafts).
+    That outcome, decided on the host after the forward, goes up in one more: 1 transfer a
+    verify step without such sequences, 2 with them. With the CUDA-graph twin installed the
+    verify steps still run eagerly (graphs take one query token a sequence) and the decode
+    steps between them through the twin. "chunked": the CPU path verifying chunks of whole
+    sequences (`sample_chunk_bytes`, 6 rows a chunk): every chunk's plan rides in the same
+    copy, and each chunk with top-k / top-p sequences sends their outcome up in one of its
+    own. "lazy": a backend that does not ask for the padded layout staged (sdpa answering
+    no) has the layer stage it when it first reads it: one transfer more, which the count
+    sees. `verify_planned` is handed every array its plan asks for, staged."""
     model_dir = save_hf_model(tiny_hf_model("llama"), tmp_path)
     config = EngineConfig(
         model=str(model_dir), block_size=4, num_kv_blocks=256, max_model_len=256,
         speculative={"enable": True, "max_num_seqs": 0}, tune_host_malloc=False,
     )  # fmt: skip
-    kw: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
-    plain = [
-        SamplingParams(temperature=0, n=2, logprobs=2, **kw),
-        SamplingParams(temperature=1.0, seed=1, n=2, **kw),
-        SamplingParams(temperature=0.7, seed=5, **kw),
-    ]
-    top_k = SamplingParams(temperature=0.9, top_k=5, seed=3, **kw)
+    batch_params = VERIFY_PARAMS[params]
     moves: list[int] = []
     real_move = staging.move
 
@@ -390,24 +428,168 @@ def test_a_verify_step_moves_the_samplers_inputs_in_one_copy(
         moves.append(1)
         return real_move(*args, **kwargs)
 
-    def counted(f: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
-            start = len(moves)
-            out = f(*args)
-            per_verify.append(len(moves) - start)
-            return out
+    staged_inputs: list[tuple[int, int]] = []
+    truncating: list[bool] = []  # per verify_planned call: whether it has top-k / top-p rows
+
+    def planned(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(logits: torch.Tensor, plan: Any, inputs: Any = None, *rest: Any) -> Any:
+            staged_inputs.append((len(plan.arrays()), -1 if inputs is None else len(inputs)))
+            truncating.append(bool(plan.truncated))
+            return f(logits, plan, inputs, *rest)
 
         return run
 
-    for params, want in ((plain, 1), ([*plain, top_k], 2)):
-        engine = Engine(config)
-        batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(params))]
-        keys = [f"p{i}" for i in range(len(params))]
-        engine.generate(batch, params, prompt_keys=keys)  # history for the drafts
-        per_verify: list[int] = []
-        monkeypatch.setattr(staging, "move", move)
-        monkeypatch.setattr(model_runner, "verify_drafts", counted(model_runner.verify_drafts))
-        engine.generate(batch, params, prompt_keys=keys)
-        monkeypatch.undo()
-        assert engine.stats()["spec_drafted_tokens"] > 0
-        assert len(per_verify) >= 3 and set(per_verify) == {want}, per_verify
+    engine = Engine(config)
+    if graphs is True:
+        engine.runner.graphs = engine.runner._decode_graphs(capture=False)
+    chunks, lazy = graphs == "chunked", graphs == "lazy-layout"
+    if lazy:
+        monkeypatch.setattr(engine.runner.model.backend, "wants_padded_queries", lambda h: False)
+    if chunks:
+        engine.runner.sample_chunk_bytes = 4 * 7 * engine.model.config.vocab_size
+    batch = [[3 + i, 17, 42, 5 + i, 9, 11 + i] for i in range(len(batch_params))]
+    keys = [f"p{i}" for i in range(len(batch_params))]
+    monkeypatch.setattr(staging, "move", move)
+    monkeypatch.setattr(model_runner, "verify_planned", planned(model_runner.verify_planned))
+    forwards: list[int] = []
+    if engine.runner.graphs is not None:
+        forward = engine.runner.graphs.forward
+        monkeypatch.setattr(
+            engine.runner.graphs, "forward", lambda *a: forwards.append(1) or forward(*a)
+        )
+    per_verify, calls, expected, decodes = [], [], [], 0
+    for _ in range(2):  # the second round also drafts from the first's responses
+        for prompt, p, key in zip(batch, batch_params, keys, strict=True):
+            engine.add_request(prompt, p, prompt_key=key)
+        while engine.has_unfinished():
+            verified, start, graphed = len(staged_inputs), len(moves), len(forwards)
+            decoded = engine.counters.decode_steps
+            engine.step()
+            if len(staged_inputs) > verified:
+                per_verify.append(len(moves) - start)
+                calls.append(len(staged_inputs) - verified)
+                expected.append(1 + lazy + sum(truncating[verified:]))
+                assert len(forwards) == graphed  # a verify step runs eagerly
+            elif engine.counters.decode_steps > decoded:
+                decodes += 1
+    monkeypatch.undo()
+    assert engine.stats()["spec_drafted_tokens"] > 0
+    assert len(per_verify) >= 3 and per_verify == expected, (per_verify, expected)
+    if not chunks:
+        assert set(per_verify) == {want + lazy}, per_verify
+    assert decodes > 0 and len(forwards) == (decodes if graphs is True else 0)
+    assert (max(calls) > 1) is chunks  # chunked: some step verified in several calls
+    assert all(n == got for n, got in staged_inputs), staged_inputs
+
+
+def test_a_padded_query_layout_staged_with_the_context_equals_the_lazy_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`AttentionContext.staged(padded=True)` (a verify step's) puts `padded_queries()`'s
+    layout in the context's one copy: the same index, limit and block tables as a context
+    that builds it when a layer first asks (in one more copy), with the extra arrays after
+    it."""
+    q_lens, ctx_lens = [3, 1, 5, 2], [9, 4, 13, 2]
+    tables = [[7, 8, 9], [1], [2, 3, 4, 5], [6]]
+    slots = list(range(sum(q_lens)))
+    host = HostBatch.check(
+        q_lens, ctx_lens, slot_mapping=slots, block_tables=tables, kv_cache=_Cache()
+    )
+    extra = [Array([5, 6, 7], torch.int64)]
+    eager, (ids,) = AttentionContext.staged(host, StepStaging("cpu"), extra, padded=True)
+    lazy, _ = AttentionContext.staged(host, StepStaging("cpu"), extra)
+    assert ids.tolist() == [5, 6, 7]
+    moves: list[int] = []
+    real_move = staging.move
+
+    def move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "move", move)
+    have = eager.padded_queries()
+    assert moves == []  # already on the device
+    want = lazy.padded_queries()
+    assert moves == [1]
+    monkeypatch.undo()
+    for got, expected in zip(have, want, strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    with pytest.raises(ValueError, match="padded query layout needs block tables"):
+        AttentionContext.staged(HostBatch.check([2, 1]), padded=True)
+
+
+def test_a_staged_verify_plan_verifies_as_the_one_call_form() -> None:
+    """The step's path: a mixed verify plan (greedy, plain, tempered, top-k, top-p; empty and
+    long drafts) staged behind another array and handed to `verify_planned` gives what
+    `verify_drafts` gives on fresh generators of the same seeds, bit for bit (the same
+    uniforms in the same order, the same ops on the same values), and draws exactly
+    len(draft) + 1 uniforms per sampling sequence, none for a greedy one."""
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, seed=2, logprobs=1),
+        SamplingParams(temperature=0.9, top_k=5, seed=3),
+        SamplingParams(top_p=0.8, seed=4),
+        SamplingParams(temperature=0.8, seed=5),
+    ]
+    drafts = [[4, 9], [], [1, 2, 3], [7], [3, 3, 3, 3], [0]]
+    v = 40
+    rows = sum(1 + len(d) for d in drafts)
+    logits = torch.randn(rows, v, generator=torch.Generator().manual_seed(0)) * 3
+    gens = [make_generator(i) for i in range(len(params))]
+    plan = plan_verify(drafts, params, gens, v)
+    staged = StepStaging("cpu").stage([Array([1, 2, 3], torch.int64), *plan.arrays()])
+    stepped = verify_planned(logits, plan, staged.tensors[1:]).to_host()
+    whole = verify_drafts(logits, drafts, params, [make_generator(i) for i in range(6)]).to_host()
+    assert stepped == whole
+    for i, (p, d) in enumerate(zip(params, drafts, strict=True)):
+        fresh = make_generator(i)
+        if not p.greedy:
+            torch.rand(1 + len(d), generator=fresh)
+        assert torch.equal(gens[i].get_state(), fresh.get_state()), i
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_verify_plan_is_read_from_a_staged_buffer() -> None:
+    """The verify step's path on CUDA: a mixed verify plan staged from a pinned buffer behind
+    another array and handed to `verify_planned` equals `verify_drafts` on the same device
+    and fresh generators of the same seeds, bit for bit (the same ops on the same values)."""
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.9, top_k=5, seed=3),
+        SamplingParams(top_p=0.8, seed=4, logprobs=1),
+    ]
+    drafts = [[4, 9], [1, 2, 3], [7], []]
+    v = 300
+    rows = sum(1 + len(d) for d in drafts)
+    logits = torch.randn(rows, v, generator=torch.Generator().manual_seed(0)).cuda() * 3
+    plan = plan_verify(drafts, params, [make_generator(i) for i in range(4)], v)
+    staged = StepStaging("cuda").stage([Array([1, 2, 3], torch.int64), *plan.arrays()])
+    assert all(t.is_cuda for t in staged.tensors)
+    stepped = verify_planned(logits, plan, staged.tensors[1:])
+    assert stepped.tokens.is_cuda
+    whole = verify_drafts(logits, drafts, params, [make_generator(i) for i in range(4)])
+    assert stepped.to_host() == whole.to_host()
+
+
+def test_sdpa_wants_the_padded_layout_staged_for_short_multi_token_queries() -> None:
+    """sdpa reads every sequence's padded layout when each query has 2 ..
+    `max_batched_query` tokens over a cache (a verify step, short prompts): then, and only
+    then, the runner stages it with the context (`AttentionContext.staged(padded=True)`)."""
+
+    def host(q_lens: list[int], cache: bool = True) -> HostBatch:
+        if not cache:
+            return HostBatch.check(q_lens)
+        ctx = [q + 3 for q in q_lens]
+        slots = list(range(sum(q_lens)))
+        return HostBatch.check(
+            q_lens, ctx, slot_mapping=slots, block_tables=[[0, 1]] * len(q_lens), kv_cache=_Cache()
+        )
+
+    sdpa = SdpaBackend()
+    assert sdpa.wants_padded_queries(host([5, 1, 3]))
+    assert not sdpa.wants_padded_queries(host([1, 1]))  # a decode step: its own path
+    assert not sdpa.wants_padded_queries(host([2, 66]))  # one too long: per sequence
+    assert not sdpa.wants_padded_queries(host([3, 2], cache=False))
+    assert not SdpaBackend(max_batched_query=1).wants_padded_queries(host([5, 1, 3]))

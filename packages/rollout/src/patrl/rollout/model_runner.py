@@ -27,12 +27,14 @@ from patrl.rollout.sampler import (
     SampleOutput,
     SamplePlan,
     SamplingParams,
+    VerifyPlan,
     concat_samples,
     make_generator,
     plan_samples,
+    plan_verify,
     sample,
     sample_planned,
-    verify_drafts,
+    verify_planned,
 )
 from patrl.rollout.scheduler import ScheduledBatch
 from patrl.rollout.sequence import Seq
@@ -313,7 +315,10 @@ class ModelRunner:
         sample are staged only when they are not simply every row in order (a decode
         step's), and the sampler's temperatures, per-path rows and uniforms are planned on
         the host (`plan_samples`) before the forward, unless the sampler takes the rows in
-        chunks (`sample_chunk_bytes`)."""
+        chunks (`sample_chunk_bytes`). A verify step's plan (`plan_verify`, per chunk of
+        sequences) rides in the same copy, and so does the padded query layout where the
+        attention backend reads one (sdpa's batched path): such a step makes one more only
+        for its top-k / top-p rows' outcome."""
         self.check_awake("generating")
         blocks = self.cache.blocks
         self.cache.copy_blocks(batch.block_copies)
@@ -323,8 +328,16 @@ class ModelRunner:
         samplers: list[Seq] = []
         extra: list[Array] = []
         plan: SamplePlan | None = None
+        verify: list[VerifyPlan] = []
+        verify_arrays: list[int] = []  # how many arrays each verify plan stages
         gather_last = gather_rows = False
-        if not batch.is_verify:
+        if batch.is_verify:
+            verify = self._plan_verify(batch)
+            for chunk_plan in verify:
+                arrays = chunk_plan.arrays()
+                verify_arrays.append(len(arrays))
+                extra += arrays
+        else:
             pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
             ready = [i for i, (s, n) in enumerate(pairs) if blocks.num_uncomputed(s.seq_id) == n]
             for row, i in enumerate(ready):
@@ -353,13 +366,18 @@ class ModelRunner:
             extras = staged.tensors[len(staged.tensors) - len(extra) :]
         else:
             ctx, (ids, *extras) = AttentionContext.staged(
-                host, self.staging, [Array(input_ids, torch.int64), *extra]
+                host,
+                self.staging,
+                [Array(input_ids, torch.int64), *extra],
+                padded=self.model.backend.wants_padded_queries(host),
             )
             hidden = self.model(ids, ctx)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             blocks.mark_computed(seq.seq_id, n)
         if batch.is_verify:
-            return self._verify(batch, hidden)
+            given = iter(extras)
+            staged_plans = [[next(given) for _ in range(n)] for n in verify_arrays]
+            return self._verify(batch, hidden, verify, staged_plans)
         if not ready:
             return None
         staged_rows = iter(extras)
@@ -369,32 +387,52 @@ class ModelRunner:
         out = self._logits_and_samples(hidden, rows, samplers, index, plan, list(staged_rows))
         return Sampled(ready, samplers, self._agree_across_tp(out))
 
-    @torch.inference_mode()
-    def _verify(self, batch: ScheduledBatch, hidden: torch.Tensor) -> Sampled:
-        """A verify step's outcome: every row of `hidden` (each sequence's last sampled token
-        and its draft) is a logits row, accepted or rejected by `verify_drafts`. The engine
-        rolls back the slots of rejected tokens. It runs eagerly (CUDA graphs take one query
-        token per sequence). With `sample_chunk_bytes` (CPU), as in `_logits_and_samples`: one
-        head matmul into the kept buffer, then the TP gather and `verify_drafts` on chunks of
-        whole sequences' rows (a sequence's rows are verified together; every sequence is
-        verified on its own, so chunks change no token)."""
+    def _plan_verify(self, batch: ScheduledBatch) -> list[VerifyPlan]:
+        """A verify step's plans, one per chunk [lo, hi) of whole sequences (`verify_chunks`
+        under `_chunk_rows`: one chunk without `sample_chunk_bytes`), planned before the
+        forward in chunk order (each draws its sequences' uniforms, as verifying them would)."""
         seqs = batch.seqs
         drafts = [d.tokens for d in batch.drafts]
-        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         lens = [1 + len(d) for d in drafts]
-        chunks = verify_chunks(lens, self._chunk_rows(len(hidden)))
-        if len(chunks) == 1:
+        vocab = self.model.lm_head.vocab_size
+        return [
+            plan_verify(
+                drafts[lo:hi],
+                [s.params for s in seqs[lo:hi]],
+                [s.generator for s in seqs[lo:hi]],
+                vocab,
+            )
+            for lo, hi in verify_chunks(lens, self._chunk_rows(sum(lens)))
+        ]
+
+    @torch.inference_mode()
+    def _verify(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        plans: list[VerifyPlan],
+        inputs: list[list[torch.Tensor]],
+    ) -> Sampled:
+        """A verify step's outcome: every row of `hidden` (each sequence's last sampled token
+        and its draft) is a logits row, accepted or rejected by `verify_planned` as the
+        chunks' `plans` say, with their staged `inputs` (each plan's arrays). The
+        engine rolls back the slots of rejected tokens. It runs eagerly (CUDA graphs take
+        one query token per sequence). With more than one chunk (`sample_chunk_bytes`, CPU),
+        as in `_logits_and_samples`: one head matmul into the kept buffer, then the TP gather
+        and `verify_planned` on each chunk's rows (a sequence's rows are verified together;
+        every sequence is verified on its own, so chunks change no token)."""
+        seqs = batch.seqs
+        if len(plans) == 1:
             logits = self.model.compute_logits(hidden)
-            out = verify_drafts(logits, drafts, params, generators, self.staging)
+            out = verify_planned(logits, plans[0], inputs[0], self.staging)
         else:
             head = self.model.lm_head
             local = head.local(hidden, self._buffer(len(hidden), head.weight.shape[0], hidden))
             parts, row = [], 0
-            for lo, hi in chunks:
-                end = row + sum(lens[lo:hi])
+            for plan, chunk_inputs in zip(plans, inputs, strict=True):
+                end = row + plan.rows
                 logits = head.gather(local[row:end])
-                chunk = (drafts[lo:hi], params[lo:hi], generators[lo:hi])
-                parts.append(verify_drafts(logits, *chunk, self.staging))
+                parts.append(verify_planned(logits, plan, chunk_inputs, self.staging))
                 row = end
             out = concat_samples(parts)
         return Sampled(list(range(len(seqs))), list(seqs), self._agree_across_tp(out))

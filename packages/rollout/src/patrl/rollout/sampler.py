@@ -11,11 +11,14 @@ Everything a batch's sampling needs besides the logits is known on the host befo
 with its other inputs in one copy (patrl.rollout.staging) and `sample_planned` uploads
 nothing. Top-k / top-p rows are sampled on the host after one copy of their logprob rows;
 their tokens and logprobs stay there (`SampleOutput.host_rows`) until the host reads the
-batch. `sample` is the one-call form, every row's values left on the device.
+batch. `sample` is the one-call form, every row's values left on the device. A speculative
+verify step likewise: `plan_verify` before the forward (the drafts are the scheduler's),
+`verify_planned` after it; `verify_drafts` is its one-call form.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,14 +33,17 @@ __all__ = [
     "SampleOutput",
     "SamplePlan",
     "SamplingParams",
+    "VerifyPlan",
     "concat_samples",
     "export_generator",
     "import_generator",
     "make_generator",
     "plan_samples",
+    "plan_verify",
     "sample",
     "sample_planned",
     "verify_drafts",
+    "verify_planned",
 ]
 
 
@@ -422,6 +428,119 @@ def sample(
     return sample_planned(logits, plan).on_device()
 
 
+@dataclass(slots=True)
+class VerifyPlan:
+    """What `verify_planned` needs of a verify step's `rows` logit rows besides the logits,
+    all known on the host before them (the scheduler chose the drafts): the layout (each
+    row's draft token, 0 on last rows; whether it has one; its sequence's first row), the
+    temperatures, each path's sequences, and every uniform the step draws, taken from the
+    requests' generators here in the order verifying consumes them (the plain sequences', in
+    order, then the top-k / top-p ones'). `arrays` is what the device needs of it, to go up
+    with the step's other inputs in one copy; the top-k / top-p sequences' uniforms stay on
+    the host, where they are verified."""
+
+    drafts: list[list[int]]
+    params: list[SamplingParams]
+    lens: list[int]  # 1 + len(draft), per sequence
+    starts: list[int]  # each sequence's first row
+    vocab_size: int
+    draft_tokens: list[int]  # [rows]: row j's draft token, 0 on last rows
+    has_draft: list[bool]  # [rows]
+    first_rows: list[int]  # [rows]: the first row of the row's sequence
+    temperatures: list[float] | None  # [rows]; None: every row at T = 1
+    greedy: list[int]  # sequences, by path
+    plain: list[int]
+    truncated: list[int]
+    plain_draws: tuple[torch.Tensor, torch.Tensor] | None  # per plain row: accept, final
+    truncated_draws: list[list[torch.Tensor]]  # 1 + len(draft) 0-d float32 per sequence
+    num_top_logprobs: int
+
+    @property
+    def rows(self) -> int:
+        """The logit rows verified: 1 + len(draft) a sequence."""
+        return len(self.draft_tokens)
+
+    def rows_of(self, seqs: Sequence[int]) -> list[int]:
+        """The logit rows of sequences `seqs`, in order."""
+        return [self.starts[i] + j for i in seqs for j in range(self.lens[i])]
+
+    def arrays(self) -> list[Array]:
+        """What goes up, in this order: the draft tokens [R] int64, whether each row has one
+        [R] bool, the first rows [R] int64, the temperatures [R] float32 (when tempered),
+        each non-empty path's rows [n] int64 (greedy, plain, truncated), then the plain rows'
+        acceptance and final uniforms [n] float32 each."""
+        out = [
+            Array(self.draft_tokens, torch.int64),
+            Array(self.has_draft, torch.bool),
+            Array(self.first_rows, torch.int64),
+        ]
+        if self.temperatures is not None:
+            out.append(Array(self.temperatures, torch.float32))
+        out += [Array(self.rows_of(s), torch.int64) for s in self.paths() if s]
+        if self.plain_draws is not None:
+            out += [_host_array(u) for u in self.plain_draws]
+        return out
+
+    def paths(self) -> tuple[list[int], list[int], list[int]]:
+        """The sequences of each path: greedy, plain, truncated."""
+        return self.greedy, self.plain, self.truncated
+
+
+def plan_verify(
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    vocab_size: int,
+) -> VerifyPlan:
+    """The plan of a verify step whose sequence i offers `drafts[i]` and samples with
+    `params[i]` and `generators[i]` over logits of `vocab_size` columns; it draws every
+    uniform the step consumes (a sampling sequence exactly len(draft) + 1), so verify with it
+    once."""
+    if not len(params) == len(generators) == len(drafts):
+        raise ValueError(
+            f"{len(drafts)} drafts, {len(params)} sampling params, {len(generators)} generators"
+        )
+    lens = [1 + len(d) for d in drafts]
+    starts = [0, *itertools.accumulate(lens)][:-1]
+    r = sum(lens)
+    draft_tokens = [0] * r
+    has_draft = [False] * r
+    first_rows: list[int] = []
+    for start, d, n in zip(starts, drafts, lens, strict=True):
+        for j, token in enumerate(d):
+            draft_tokens[start + j] = int(token)
+            has_draft[start + j] = True
+        first_rows += [start] * n
+    row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
+    temperatures = [p.effective_temperature for p in row_params]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, vocab_size)]
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, vocab_size)]
+    # the plain sequences draw first, the top-k / top-p ones after, each in order
+    plain_draws = _verify_draws([(generators[i], lens[i]) for i in plain]) if plain else None
+    truncated_draws = [
+        [torch.rand((), generator=generators[i]) for _ in range(lens[i])] for i in truncated
+    ]
+    return VerifyPlan(
+        drafts=[[int(t) for t in d] for d in drafts],
+        params=list(params),
+        lens=lens,
+        starts=starts,
+        vocab_size=vocab_size,
+        draft_tokens=draft_tokens,
+        has_draft=has_draft,
+        first_rows=first_rows,
+        # x / 1.0 is x exactly: no pass over [R, V] when no row is tempered
+        temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
+        greedy=greedy,
+        plain=plain,
+        truncated=truncated,
+        plain_draws=plain_draws,
+        truncated_draws=truncated_draws,
+        num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
+    )
+
+
 @torch.inference_mode()
 def verify_drafts(
     logits: torch.Tensor,
@@ -446,62 +565,50 @@ def verify_drafts(
     Returns one row per logits row: the token row j emits if reached, its logprob and top
     logprobs under the shared convention (those the one-token path reports for that token in
     that context), and `emitted`, true for rows 0 .. accepted (the accepted draft tokens and
-    the final token). The inputs the host knows (the layout, temperatures, uniforms) go up in
-    one copy, the top-k / top-p rows' outcome in one more; through `staging` (a step's) if
-    given.
+    the final token). The one-call form of `plan_verify` then `verify_planned`: the inputs
+    the host knows go up in one copy, the top-k / top-p rows' outcome in one more; through
+    `staging` (a step's) if given. An engine step plans before its forward instead and
+    stages the plan with the forward's inputs.
     """
-    lens = [1 + len(d) for d in drafts]
-    r = sum(lens)
+    r = sum(1 + len(d) for d in drafts)
     if not (len(params) == len(generators) == len(drafts) and logits.shape[0] == r):
         raise ValueError(
             f"{logits.shape[0]} logit rows for {len(drafts)} drafts needing {r}, "
             f"{len(params)} sampling params, {len(generators)} generators"
         )
+    plan = plan_verify(drafts, params, generators, logits.shape[-1])
+    return verify_planned(logits, plan, staging=staging)
+
+
+@torch.inference_mode()
+def verify_planned(
+    logits: torch.Tensor,
+    plan: VerifyPlan,
+    inputs: Sequence[torch.Tensor] | None = None,
+    staging: StepStaging | None = None,
+) -> SampleOutput:
+    """`verify_drafts` over `logits` [R, V] as `plan` says. `inputs`: `plan.arrays()` on the
+    logits' device (a step stages them with its forward's inputs); None: moved here, in one
+    copy (through `staging` if given). The top-k / top-p sequences are verified on the host
+    (one copy of their logprob rows down) and their outcome goes up in one copy (through
+    `staging` if given): the verdict decides which rows are emitted, on the device."""
+    if logits.shape != (plan.rows, plan.vocab_size):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} for a verify plan of {plan.rows} rows "
+            f"over {plan.vocab_size} tokens"
+        )
     device = logits.device
-    logits = logits.float()
-    row_params = [p for p, n in zip(params, lens, strict=True) for _ in range(n)]
-    temperatures = [p.effective_temperature for p in row_params]
-    tempered = any(t != 1.0 for t in temperatures)
-    v = logits.shape[-1]
-    # The layout, built on the host: each row's draft token (0 on last rows), whether it has
-    # one, and the first row of its sequence.
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    x_host = [0] * r
-    has_draft = [False] * r
-    first_host: list[int] = []
-    for start, d, n in zip(starts, drafts, lens, strict=True):
-        for j, token in enumerate(d):
-            x_host[start + j] = int(token)
-            has_draft[start + j] = True
-        first_host += [start] * n
-
-    def rows_of(seqs: list[int]) -> list[int]:
-        return [starts[i] + j for i in seqs for j in range(lens[i])]
-
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    plain = [i for i, p in enumerate(params) if not p.greedy and not _truncates(p, v)]
-    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p, v)]
-    # Everything the device needs that the host knows goes up in one copy; the plain
-    # sequences draw first, the top-k / top-p ones after (`_verify_truncated`), as before.
-    arrays = [
-        Array(x_host, torch.int64),
-        Array(has_draft, torch.bool),
-        Array(first_host, torch.int64),
-    ]
-    if tempered:
-        arrays.append(Array(temperatures, torch.float32))
-    arrays += [Array(rows_of(seqs), torch.int64) for seqs in (greedy, plain, truncated) if seqs]
-    if plain:
-        arrays += [_host_array(u) for u in _verify_draws([(generators[i], lens[i]) for i in plain])]
-    given = iter(_stage(arrays, device, staging))
+    r = plan.rows
+    if inputs is None:
+        inputs = _stage(plan.arrays(), device, staging)
+    given = iter(inputs)
     x, is_draft, first = next(given), next(given), next(given)
-    scaled = logits / next(given)[:, None] if tempered else logits
+    logits = logits.float()
+    scaled = logits / next(given)[:, None] if plan.temperatures is not None else logits
     logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = torch.zeros(r, dtype=torch.long, device=device)
     accept = torch.zeros(r, dtype=torch.bool, device=device)
-    greedy_rows = next(given) if greedy else None
-    plain_rows = next(given) if plain else None
-    truncated_rows = next(given) if truncated else None
+    greedy_rows, plain_rows, truncated_rows = (next(given) if s else None for s in plan.paths())
     if greedy_rows is not None:
         index = greedy_rows
         best = logits[index].argmax(dim=-1)
@@ -524,10 +631,10 @@ def verify_drafts(
         picks: list[int] = []
         accepts: list[bool] = []
         at = 0
-        for i in truncated:
-            rows = host_rows[at : at + lens[i]]
-            at += lens[i]
-            t, a = _verify_truncated(rows, drafts[i], params[i], generators[i])
+        for i, draws in zip(plan.truncated, plan.truncated_draws, strict=True):
+            rows = host_rows[at : at + plan.lens[i]]
+            at += plan.lens[i]
+            t, a = _verify_truncated(rows, plan.drafts[i], plan.params[i], draws)
             picks += t
             accepts += a
         picked_rows, accepted_rows = _stage(
@@ -541,7 +648,7 @@ def verify_drafts(
     emitted = before == before[first]
     out = torch.where(accept, x, tokens)
     chosen = logprobs.gather(1, out[:, None])[:, 0]
-    k = max(p.num_top_logprobs for p in params)
+    k = plan.num_top_logprobs
     if k == 0:
         return SampleOutput(out, chosen, emitted=emitted)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
@@ -582,12 +689,12 @@ def _host_array(t: torch.Tensor) -> Array:
 
 
 def _verify_truncated(
-    rows: torch.Tensor, draft: Sequence[int], p: SamplingParams, g: torch.Generator
+    rows: torch.Tensor, draft: Sequence[int], p: SamplingParams, draws: Sequence[torch.Tensor]
 ) -> tuple[list[int], list[bool]]:
-    """`verify_drafts` for one top-k / top-p sequence's rows [1 + d, V] (host logprobs): each
-    row's token and whether its draft token was accepted (rows after a rejection: 0, False)."""
+    """`verify_planned` for one top-k / top-p sequence's rows [1 + d, V] (host logprobs) with
+    its 1 + d uniforms (`draws`, from its plan): each row's token and whether its draft token
+    was accepted (rows after a rejection: 0, False)."""
     d = len(draft)
-    draws = [torch.rand((), generator=g) for _ in range(d + 1)]
     final = draws[d][None]
     tokens = [0] * (d + 1)
     accepts = [False] * (d + 1)

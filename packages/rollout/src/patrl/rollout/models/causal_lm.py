@@ -167,6 +167,7 @@ class CausalLM(nn.Module):
         config.check_tp(layout.tp_size)
         self.config = config
         self.layout = layout
+        self.backend = backend  # every layer's, asked what a step should stage
         self.model = DecoderModel(config, layout, backend, dtype, device)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, layout, dtype=dtype, device=device

@@ -7,13 +7,20 @@ from typing import ClassVar
 
 import torch
 
-from patrl.rollout.layers.attention.context import AttentionContext
+from patrl.rollout.layers.attention.context import AttentionContext, HostBatch
 
 
 class AttentionBackend(ABC):
     """Causal self-attention of a varlen batch against each sequence's cached context."""
 
     name: ClassVar[str]
+
+    def wants_padded_queries(self, host: HostBatch) -> bool:
+        """Whether a forward over `host` reads `AttentionContext.padded_queries()` (every
+        sequence's padded layout): then the step stages that layout with its context's one
+        copy (`AttentionContext.staged(padded=True)`) instead of a layer staging it in a copy
+        of its own. False unless a backend says so."""
+        return False
 
     @abstractmethod
     def forward(

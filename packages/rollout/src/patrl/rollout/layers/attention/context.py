@@ -235,24 +235,36 @@ class AttentionContext:
         extra: Sequence[Array] = (),
         *,
         device: torch.device | str | None = None,
+        padded: bool = False,
     ) -> tuple[AttentionContext, list[torch.Tensor]]:
         """The context of `host` on the device, and the caller's `extra` arrays (a step's
         token ids, its rows to sample), all moved by ONE copy through `staging` (None: a
         staging of its own on `device`, None = the host): every tensor is a view of one
-        device buffer."""
-        arrays = [*host.arrays(), *extra]
+        device buffer. With `padded` (a verify step: short queries, which sdpa attends in one
+        padded call), `padded_queries()`'s layout of every sequence goes in the same copy
+        rather than in one more when a layer first asks for it; it needs block tables."""
+        own = host.arrays()
+        if padded:
+            if host.block_tables is None:
+                raise ValueError("a padded query layout needs block tables (a kv_cache)")
+            own += _padded_arrays(host.query_lens, host.context_lens, range(host.num_seqs))
+        arrays = [*own, *extra]
         if staging is None:
             staging = StepStaging("cpu" if device is None else device, capacity=0)
         tensors = staging.stage(arrays).tensors
-        mine, theirs = tensors[: len(arrays) - len(extra)], tensors[len(arrays) - len(extra) :]
+        mine, theirs = tensors[: len(own)], tensors[len(own) :]
         positions, cu_q, cu_k, lens, *rest = mine
         slots = rows = table = None
         if host.slots is not None:
             slots, *rest = rest
             if host.write_rows is not None:
                 rows, *rest = rest
+        found: dict[tuple[int, ...] | None, PaddedQueries] = {}
         if host.block_tables is not None:
-            (table,) = rest
+            table, *rest = rest
+            if padded:
+                index, limit = rest
+                found[None] = (index, limit, table)
         ctx = cls(
             query_lens=host.query_lens,
             context_lens=host.context_lens,
@@ -266,6 +278,7 @@ class AttentionContext:
             _block_table_tensor=table,
             _context_lens_tensor=lens,
             _staging=staging,
+            _padded=found,
         )
         return ctx, theirs
 
@@ -342,18 +355,7 @@ class AttentionContext:
         if found is not None:
             return found
         chosen = range(self.num_seqs) if seqs is None else seqs
-        q_lens = [self.query_lens[i] for i in chosen]
-        width = max(q_lens)
-        index: list[int] = []
-        limit: list[list[int]] = []
-        for b, i in enumerate(chosen):
-            n, c = self.query_lens[i], self.context_lens[i]
-            index += range(b * width, b * width + n)
-            limit.append([c - n + min(j, n - 1) for j in range(width)])
-        arrays = [
-            Array(index, torch.int64),
-            Array(limit, torch.int64, (len(q_lens), width)),
-        ]
+        arrays = _padded_arrays(self.query_lens, self.context_lens, chosen)
         if seqs is not None:  # their rows of the block tables, in the same copy
             assert self.block_tables is not None
             rows = [self.block_tables[i] for i in seqs]
@@ -363,6 +365,21 @@ class AttentionContext:
         found = (staged[0], staged[1], tables)
         self._padded[key] = found
         return found
+
+
+def _padded_arrays(
+    query_lens: Sequence[int], context_lens: Sequence[int], chosen: Sequence[int]
+) -> list[Array]:
+    """`AttentionContext.padded_queries`' index [T] and limit [B, Qmax] of sequences
+    `chosen`, as arrays to stage."""
+    width = max(query_lens[i] for i in chosen)
+    index: list[int] = []
+    limit: list[list[int]] = []
+    for b, i in enumerate(chosen):
+        n, c = query_lens[i], context_lens[i]
+        index += range(b * width, b * width + n)
+        limit.append([c - n + min(j, n - 1) for j in range(width)])
+    return [Array(index, torch.int64), Array(limit, torch.int64, (len(chosen), width))]
 
 
 def upload(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from patrl.rollout.layers.attention.backend import AttentionBackend
-from patrl.rollout.layers.attention.context import AttentionContext, upload
+from patrl.rollout.layers.attention.context import AttentionContext, HostBatch, upload
 
 # The longest query a sequence may have to join the padded batched path: a verify step's
 # 1 + num_speculative_tokens (at most 64) always fits, and a sequence's padding is bounded.
@@ -36,6 +36,11 @@ class SdpaBackend(AttentionBackend):
         if max_batched_query < 1:
             raise ValueError(f"max_batched_query must be >= 1, got {max_batched_query}")
         self.max_batched_query = max_batched_query
+
+    def wants_padded_queries(self, host: HostBatch) -> bool:
+        """The padded batched path over every sequence (`small_queries` with `seqs` None):
+        a cache, and queries of 2 .. `max_batched_query` tokens (a verify step's)."""
+        return host.kv_cache is not None and 1 < host.max_query_len <= self.max_batched_query
 
     def forward(
         self,
