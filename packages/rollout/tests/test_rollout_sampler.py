@@ -22,6 +22,7 @@ from patrl.rollout.sampler import (
     truncated_candidates,
 )
 from patrl.rollout.staging import Array, StepStaging
+from patrl_testkit.sampling import reference_inverse_cdf, reference_sample
 
 V = 50
 
@@ -269,34 +270,6 @@ def test_truncated_fast_path_equals_the_full_sort_twin(dtype: torch.dtype) -> No
         assert out.tokens[i].item() == slow_truncated_token(probs, p, draw), (i, p)
 
 
-def _reference_sample(logits, params, generators):
-    """Slow twin of `sample` without its shortcuts: every row tempered, argmax and the
-    last entry with mass computed for every row, sampled rows copied out."""
-    logits = logits.float()
-    temps = torch.tensor([p.effective_temperature for p in params])
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    v = logits.shape[-1]
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        draw = torch.rand((), generator=generators[i])
-        probs = logprobs[i].exp()
-        if 0 < p.top_k < v or p.top_p < 1:
-            ids, kept = truncated_candidates(probs, p)
-            tokens[i] = ids[_reference_inverse_cdf(kept[None], draw[None])[0]]
-        else:
-            tokens[i] = _reference_inverse_cdf(probs[None], draw[None])[0]
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
-
-
-def _reference_inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(dim=-1)
-    pos = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0]
-    last = (probs.shape[-1] - 1) - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(pos, last)
-
-
 @pytest.mark.parametrize("v", [V, 4096])
 def test_fast_paths_equal_the_slow_twin(v: int) -> None:
     """Untempered batches skip the division, only greedy rows take an argmax, an all-sampled
@@ -316,7 +289,7 @@ def test_fast_paths_equal_the_slow_twin(v: int) -> None:
         fast_gens = [make_generator(100 * step + i) for i in range(len(params))]
         slow_gens = [make_generator(100 * step + i) for i in range(len(params))]
         fast = sample(logits, params, fast_gens)
-        tokens, chosen = _reference_sample(logits, params, slow_gens)
+        tokens, chosen = reference_sample(logits, params, slow_gens)
         assert torch.equal(fast.tokens, tokens)
         assert torch.equal(fast.logprobs, chosen)
 
@@ -327,7 +300,7 @@ def test_a_draw_that_rounds_past_the_total_takes_the_last_entry_with_mass() -> N
     for draw in (0.0, 0.3, 0.99, 1.0):
         draws = torch.full((2,), draw)
         got = _inverse_cdf(probs, draws)
-        assert torch.equal(got, _reference_inverse_cdf(probs, draws))
+        assert torch.equal(got, reference_inverse_cdf(probs, draws))
     assert _inverse_cdf(probs, torch.ones(2)).tolist() == [2, 4]
 
 
@@ -374,7 +347,7 @@ def test_the_step_path_equals_sample_and_the_slow_twin(v: int) -> None:
         assert (stepped.host_rows is None) == (plan.truncated == [])
         whole = sample(logits, params, gens[1])
         assert whole.host_rows is None
-        tokens, chosen = _reference_sample(logits, params, gens[2])
+        tokens, chosen = reference_sample(logits, params, gens[2])
         assert _host_values(stepped) == _host_values(whole)
         assert torch.equal(whole.tokens, tokens)
         assert torch.equal(whole.logprobs, chosen)

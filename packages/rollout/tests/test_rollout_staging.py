@@ -34,6 +34,7 @@ from patrl.rollout.sampler import (
 )
 from patrl.rollout.staging import ALIGN, Array, CudaCopies, StepStaging, layout
 from patrl_testkit.models import save_hf_model, tiny_hf_model
+from patrl_testkit.sampling import reference_sample
 
 
 def test_arrays_come_back_equal_as_aligned_views_of_one_buffer() -> None:
@@ -367,6 +368,14 @@ def test_on_cuda_the_sampler_reads_its_inputs_from_a_staged_buffer() -> None:
     assert whole.host_rows is None and whole.tokens.is_cuda
     a, b = stepped.to_host(), whole.to_host()
     assert (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
+    # and the independent slow twin, on the host copy of the logits, with the same draws: the
+    # same tokens (a draw within float rounding of a CDF step could differ; none of these
+    # rows is), logprobs to fp32 rounding across devices
+    tokens, logprobs = reference_sample(
+        logits.cpu(), params, [make_generator(i) for i in range(len(params))]
+    )
+    assert a.tokens == tokens.tolist()
+    assert a.logprobs == pytest.approx(logprobs.tolist(), abs=1e-5)
 
 
 VERIFY_KW: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
