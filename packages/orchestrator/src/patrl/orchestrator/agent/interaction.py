@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ from uuid import uuid4
 
 import yaml
 
+from patrl.orchestrator.agent.tool_config import dotted_class
 from patrl.orchestrator.errors import JobError
 
 
@@ -129,26 +129,14 @@ def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
 def interaction_class(name: Any, where: str) -> type[BaseInteraction]:
     """The class a dotted `class_name` names; InteractionConfigError naming `where` when it
     does not import or is not a BaseInteraction."""
-    if not isinstance(name, str) or "." not in name:
-        raise InteractionConfigError(
-            f"{where}={name!r}: give a dotted path, package.module.ClassName"
-        )
-    module_name, _, attr = name.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise InteractionConfigError(
-            f"{where}={name!r}: cannot import {module_name!r}: {e!r}"
-        ) from e
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise InteractionConfigError(f"{where}={name!r}: module {module_name!r} has no {attr!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-        raise InteractionConfigError(
-            f"{where}={name!r} is not a subclass of patrl.orchestrator.agent.interaction."
-            "BaseInteraction (a verl interaction ports by importing BaseInteraction from there)"
-        )
-    return cls
+    return dotted_class(
+        name,
+        where,
+        BaseInteraction,
+        InteractionConfigError,
+        "patrl.orchestrator.agent.interaction.BaseInteraction (a verl interaction ports by "
+        "importing BaseInteraction from there)",
+    )
 
 
 def check_interaction_config(path: str | Path) -> list[str]:

@@ -23,7 +23,6 @@ row's `extra_info` (and as a top-level `turn_scores` for patrl's keyword functio
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from patrl.orchestrator.agent.agent_loop import (
 from patrl.orchestrator.agent.interaction import interaction_kwargs, load_interactions
 from patrl.orchestrator.agent.single_turn_agent_loop import SingleTurnAgentLoop
 from patrl.orchestrator.agent.tool_agent_loop import ToolAgentLoop
-from patrl.orchestrator.agent.tool_config import ToolConfigError, load_tools
+from patrl.orchestrator.agent.tool_config import ToolConfigError, dotted_class, load_tools
 from patrl.orchestrator.agent.tool_pool import ToolPool
 from patrl.orchestrator.config import JobConfig
 from patrl.orchestrator.data import PromptItem
@@ -239,24 +238,13 @@ def agent_loop_classes(config: JobConfig) -> dict[str, type[AgentLoop]]:
         where = f"{path}: {i}"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise ToolConfigError(f"{where}.name is missing: each entry is {{name, _target_}}")
-        target = entry.get("_target_")
-        if not isinstance(target, str) or "." not in target:
-            raise ToolConfigError(
-                f"{where}._target_={target!r}: give a dotted path, package.module.ClassName"
-            )
-        module_name, _, attr = target.rpartition(".")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:
-            raise ToolConfigError(
-                f"{where}._target_={target!r}: cannot import {module_name!r}: {e!r}"
-            ) from e
-        cls = getattr(module, attr, None)
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise ToolConfigError(
-                f"{where}._target_={target!r} is not a subclass of "
-                "patrl.orchestrator.agent.AgentLoop"
-            )
+        cls = dotted_class(
+            entry.get("_target_"),
+            f"{where}._target_",
+            AgentLoop,
+            ToolConfigError,
+            "patrl.orchestrator.agent.AgentLoop",
+        )
         if entry["name"] in BUILT_IN:
             raise ToolConfigError(
                 f"{where}.name={entry['name']!r} is a built-in agent loop; give yours another name"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
@@ -105,21 +105,37 @@ def _build(path: str | Path, i: int, entry: Any) -> BaseTool:
 def tool_class(name: Any, where: str) -> type[BaseTool]:
     """The class a dotted `class_name` names (`package.module.Class`); ToolConfigError
     naming `where` when it does not import or is not a BaseTool."""
+    return dotted_class(
+        name,
+        where,
+        BaseTool,
+        ToolConfigError,
+        "patrl.orchestrator.agent.BaseTool (a verl tool ports by importing BaseTool from there)",
+    )
+
+
+C = TypeVar("C")
+
+
+def dotted_class(
+    name: Any, where: str, base: type[C], error: type[Exception], what: str
+) -> type[C]:
+    """The subclass of `base` a dotted path names (`package.module.Class`): a tool's, an
+    interaction's or an agent loop's class in their config files. `error` naming `where`
+    when `name` is not a dotted path, its module does not import, has no such attribute, or
+    it is not a subclass of `base` (`what`: the base's public name and how to port to it)."""
     if not isinstance(name, str) or "." not in name:
-        raise ToolConfigError(f"{where}={name!r}: give a dotted path, package.module.ClassName")
+        raise error(f"{where}={name!r}: give a dotted path, package.module.ClassName")
     module_name, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ToolConfigError(f"{where}={name!r}: cannot import {module_name!r}: {e!r}") from e
+        raise error(f"{where}={name!r}: cannot import {module_name!r}: {e!r}") from e
     cls = getattr(module, attr, None)
     if cls is None:
-        raise ToolConfigError(f"{where}={name!r}: module {module_name!r} has no {attr!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(
-            f"{where}={name!r} is not a subclass of patrl.orchestrator.agent.BaseTool "
-            "(a verl tool ports by importing BaseTool from there)"
-        )
+        raise error(f"{where}={name!r}: module {module_name!r} has no {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise error(f"{where}={name!r} is not a subclass of {what}")
     return cls
 
 
