@@ -252,10 +252,6 @@ class SyncSchedule:
             return True
         return self.layout.tp_rank == 0
 
-    @property
-    def _dp(self) -> tuple[int, int]:
-        return self._shares(gathered=True)
-
     def _shares(self, gathered: bool) -> tuple[int, int]:
         """(this rank's share, the number of shares) of a batch's prompts. Static TP: one
         share a replica, its TP ranks all hand in the same requests (a TP engine needs them
@@ -673,7 +669,7 @@ class SyncSchedule:
     def _my_share(self, items: Sequence[PromptItem], n: int) -> list[PromptItem]:
         """This replica's prompts (see `_replicas`). A prompt's n samples stay together (their
         prefill is shared)."""
-        dp_rank, dp_size = self._dp
+        dp_rank, dp_size = self._shares(gathered=True)
         if dp_size == 1:
             return list(items)
         predicted = [self.predictor.expected_length(f"train/{item.index}") for item in items]
